@@ -1,0 +1,41 @@
+// Shapes and options of the token schedule: which routed row goes where on which rank.
+#pragma once
+
+#include <cstdint>
+
+namespace mok {
+
+// Largest expert-parallel group one NVLink domain holds (GB200 NVL72); kernels take peer tables of this size.
+inline constexpr int kMaxEpSize = 72;
+
+enum class IndexType : int32_t { kInt32 = 0, kInt64 = 1 };
+
+// The routing problem every rank agrees on.
+struct RoutingShape {
+  int ep_size = 1;      // ranks in the expert-parallel group
+  int num_tokens = 0;   // T: tokens per rank (the same on every rank)
+  int top_k = 0;        // k: routes per token; id -1 masks a route
+  int num_experts = 0;  // E: global experts; expert e lives on rank e / local_experts()
+
+  int local_experts() const { return num_experts / ep_size; }
+  int64_t routes_per_rank() const { return int64_t(num_tokens) * top_k; }
+  int64_t total_routes() const { return routes_per_rank() * ep_size; }
+  // Throws std::invalid_argument naming the offending field.
+  void validate() const;
+};
+
+struct ScheduleOptions {
+  int tile_m = 128;           // each expert's rows are padded up to a multiple of this (the GEMM tile height)
+  int64_t capacity_rows = 0;  // expert-major rows a rank can hold; 0 selects worst_case_capacity_rows()
+  double wait_timeout_s = 10; // spin-waits give up after this long and report through the status word
+  // Throws std::invalid_argument naming the offending field.
+  void validate(const RoutingShape& shape) const;
+};
+
+// Rows needed when every route of every rank lands on one rank, plus the worst padding: never overflows.
+int64_t worst_case_capacity_rows(const RoutingShape& shape, int tile_m);
+
+// Capacity actually used by a schedule for these options.
+int64_t resolved_capacity_rows(const RoutingShape& shape, const ScheduleOptions& options);
+
+}  // namespace mok

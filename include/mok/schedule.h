@@ -1,0 +1,81 @@
+// The token schedule: built on the GPU from the all-gathered top-k ids, with no host synchronization.
+//
+//   ScheduleWorkspace ws(group, shape, options);        // setup: allocates, synchronous
+//   ws.gather_topk(rank, topk, IndexType::kInt32, s);   // push this rank's ids to every peer (async)
+//   ws.build(rank, s);                                  // count, prefix-sum, place (async)
+//   ScheduleView v = ws.view(rank);                     // device pointers for later stages
+//   StatusReport r = ws.read_status(rank, s);           // synchronizes s; bad ids / overflow / timeouts
+//
+// With virtual ranks, call gather_topk for every rank before build for any rank (build waits for all
+// ranks' ids). With device peers, each rank uses its own stream; the order of host calls does not matter.
+// The layout of the buffers is documented in src/device/schedule/placement.h.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "mok/peer_group.h"
+#include "mok/routing.h"
+#include "mok/status.h"
+
+namespace mok {
+
+// Device pointers into one rank's schedule, read by dispatch, GEMM and combine stages.
+struct ScheduleView {
+  const int32_t* expert_counts = nullptr;       // [E_local] routed rows per local expert
+  const int32_t* expert_src_counts = nullptr;   // [E_local][ep_size] routed rows per (expert, source rank)
+  const int32_t* expert_row_offsets = nullptr;  // [E_local + 1] padded segment starts; last = rows needed
+  const int32_t* row_route = nullptr;           // [capacity] global route id (src*T*k + t*k + j) or -1
+  const int32_t* scheduled_rows = nullptr;      // [1] rows in use, 0 after a capacity overflow
+  int64_t capacity_rows = 0;
+};
+
+// The same schedule on the host (from the CPU twin or downloaded from the GPU), compared exactly in tests.
+struct HostSchedule {
+  std::vector<int32_t> expert_counts;
+  std::vector<int32_t> expert_src_counts;
+  std::vector<int32_t> expert_row_offsets;
+  std::vector<int32_t> row_route;
+  int32_t scheduled_rows = 0;
+  StatusReport status;
+};
+
+// CPU twin of the GPU schedule for `rank`, from the gathered ids [ep_size][num_tokens][top_k].
+HostSchedule build_schedule_host(const RoutingShape& shape, const ScheduleOptions& options, int rank,
+                                 const std::vector<int32_t>& gathered_topk);
+
+class ScheduleWorkspace {
+ public:
+  ScheduleWorkspace(const PeerGroup& group, const RoutingShape& shape, const ScheduleOptions& options);
+  ~ScheduleWorkspace();
+  ScheduleWorkspace(const ScheduleWorkspace&) = delete;
+  ScheduleWorkspace& operator=(const ScheduleWorkspace&) = delete;
+
+  // Pushes `rank`'s ids [num_tokens][top_k] (device memory on the rank's GPU) into every peer's gather
+  // buffer and raises its arrival counters. Asynchronous on `stream`.
+  void gather_topk(int rank, const void* topk, IndexType index_type, cudaStream_t stream);
+  // Waits (on the GPU) for every rank's ids, then counts, prefix-sums and places. Asynchronous.
+  void build(int rank, cudaStream_t stream);
+
+  ScheduleView view(int rank) const;
+  const RoutingShape& shape() const { return shape_; }
+  int64_t capacity_rows() const { return capacity_rows_; }
+
+  // Status word of `rank` since the last build. Synchronizes `stream`.
+  StatusReport read_status(int rank, cudaStream_t stream) const;
+  // Copies `rank`'s schedule to the host. Synchronizes `stream`.
+  HostSchedule download(int rank, cudaStream_t stream) const;
+
+ private:
+  struct RankState;
+  const PeerGroup& group_;
+  RoutingShape shape_;
+  ScheduleOptions options_;
+  int64_t capacity_rows_ = 0;
+  SymmetricAllocation gather_;         // arrival counters + two parities of gathered ids, per rank
+  std::vector<RankState> ranks_;
+};
+
+}  // namespace mok

@@ -1,0 +1,50 @@
+// Validation and sizing of the routing problem (include/mok/routing.h).
+#include "mok/routing.h"
+
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "src/device/schedule/placement.h"
+
+namespace mok {
+namespace {
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+}  // namespace
+
+void RoutingShape::validate() const {
+  require(ep_size >= 1 && ep_size <= kMaxEpSize,
+          "RoutingShape.ep_size must be in [1, " + std::to_string(kMaxEpSize) + "], got " + std::to_string(ep_size));
+  require(num_tokens >= 1, "RoutingShape.num_tokens must be >= 1, got " + std::to_string(num_tokens));
+  require(top_k >= 1, "RoutingShape.top_k must be >= 1, got " + std::to_string(top_k));
+  require(num_experts >= 1, "RoutingShape.num_experts must be >= 1, got " + std::to_string(num_experts));
+  require(num_experts % ep_size == 0, "RoutingShape.num_experts (" + std::to_string(num_experts) +
+                                          ") must be a multiple of ep_size (" + std::to_string(ep_size) + ")");
+  // Route ids and row indices are int32 on the device.
+  require(total_routes() < std::numeric_limits<int32_t>::max() / 2,
+          "RoutingShape: ep_size * num_tokens * top_k = " + std::to_string(total_routes()) + " exceeds 2^30");
+  require(int64_t(local_experts()) * schedule::kChunkRoutes < std::numeric_limits<int32_t>::max(),
+          "RoutingShape: too many local experts (" + std::to_string(local_experts()) + ")");
+}
+
+void ScheduleOptions::validate(const RoutingShape& shape) const {
+  require(tile_m >= 1 && tile_m <= 1024, "ScheduleOptions.tile_m must be in [1, 1024], got " + std::to_string(tile_m));
+  require(capacity_rows >= 0, "ScheduleOptions.capacity_rows must be >= 0, got " + std::to_string(capacity_rows));
+  require(resolved_capacity_rows(shape, *this) < std::numeric_limits<int32_t>::max() / 2,
+          "ScheduleOptions.capacity_rows too large for int32 row indices");
+  require(wait_timeout_s > 0, "ScheduleOptions.wait_timeout_s must be > 0");
+}
+
+int64_t worst_case_capacity_rows(const RoutingShape& shape, int tile_m) {
+  return schedule::round_up(shape.total_routes() + int64_t(shape.local_experts()) * (tile_m - 1), tile_m);
+}
+
+int64_t resolved_capacity_rows(const RoutingShape& shape, const ScheduleOptions& options) {
+  return options.capacity_rows > 0 ? options.capacity_rows : worst_case_capacity_rows(shape, options.tile_m);
+}
+
+}  // namespace mok

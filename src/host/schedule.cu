@@ -1,0 +1,203 @@
+// ScheduleWorkspace: buffers and launches of the GPU schedule (kernels in
+// src/device/schedule/schedule_kernels.cuh). The only place these kernels are launched.
+#include "mok/schedule.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "src/device/schedule/schedule_kernels.cuh"
+#include "src/host/check.h"
+#include "src/host/device_guard.h"
+
+namespace mok {
+using detail::DeviceGuard;
+namespace {
+
+__global__ void reset_status_kernel(DeviceStatus* status, DeviceStatus initial) { *status = initial; }
+
+}  // namespace
+
+// One rank's private allocation: [DeviceStatus][epoch][pad][ScheduleLayout int32 buffers].
+struct ScheduleWorkspace::RankState {
+  int device = 0;
+  int num_sms = 0;
+  void* allocation = nullptr;
+  DeviceStatus* status = nullptr;
+  uint64_t* epoch = nullptr;
+  int32_t* schedule = nullptr;
+};
+
+namespace {
+constexpr size_t kHeaderBytes = 256;
+static_assert(sizeof(DeviceStatus) + sizeof(uint64_t) <= kHeaderBytes, "status and epoch fit the header");
+}  // namespace
+
+ScheduleWorkspace::ScheduleWorkspace(const PeerGroup& group, const RoutingShape& shape, const ScheduleOptions& options)
+    : group_(group), shape_(shape), options_(options) {
+  shape_.validate();
+  options_.validate(shape_);
+  if (group.size() != shape.ep_size)
+    throw std::invalid_argument("ScheduleWorkspace: peer group has " + std::to_string(group.size()) +
+                                " ranks, RoutingShape.ep_size is " + std::to_string(shape.ep_size));
+  capacity_rows_ = resolved_capacity_rows(shape_, options_);
+  gather_ = group.allocate(schedule::GatherLayout::bytes(shape_.ep_size, shape_.routes_per_rank()));
+
+  const auto layout = schedule::ScheduleLayout::make(shape_.ep_size, shape_.local_experts(),
+                                                     shape_.routes_per_rank(), capacity_rows_);
+  ranks_.resize(shape_.ep_size);
+  for (int r = 0; r < shape_.ep_size; ++r) {
+    RankState& state = ranks_[r];
+    state.device = group.device(r);
+    DeviceGuard guard(state.device);
+    MOK_CHECK_CUDA(cudaDeviceGetAttribute(&state.num_sms, cudaDevAttrMultiProcessorCount, state.device));
+    const size_t bytes = kHeaderBytes + size_t(layout.total_elements) * sizeof(int32_t);
+    MOK_CHECK_CUDA(cudaMalloc(&state.allocation, bytes));
+    MOK_CHECK_CUDA(cudaMemset(state.allocation, 0, bytes));
+    state.status = static_cast<DeviceStatus*>(state.allocation);
+    state.epoch = reinterpret_cast<uint64_t*>(static_cast<char*>(state.allocation) + sizeof(DeviceStatus));
+    state.schedule = reinterpret_cast<int32_t*>(static_cast<char*>(state.allocation) + kHeaderBytes);
+    const DeviceStatus initial = initial_device_status();
+    MOK_CHECK_CUDA(cudaMemcpy(state.status, &initial, sizeof(initial), cudaMemcpyHostToDevice));
+    // The count kernel's histogram holds one int32 per local expert.
+    const int histogram_bytes = shape_.local_experts() * int(sizeof(int32_t));
+    if (histogram_bytes > 48 * 1024) {
+      int max_bytes = 0;
+      MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, state.device));
+      if (histogram_bytes > max_bytes)
+        throw std::invalid_argument("ScheduleWorkspace: " + std::to_string(shape_.local_experts()) +
+                                    " local experts exceed the shared-memory histogram limit");
+      MOK_CHECK_CUDA(cudaFuncSetAttribute(schedule::count_chunks_kernel,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, histogram_bytes));
+    }
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  }
+}
+
+ScheduleWorkspace::~ScheduleWorkspace() {
+  for (RankState& state : ranks_) {
+    if (state.allocation == nullptr) continue;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(state.device);
+    cudaFree(state.allocation);
+    cudaSetDevice(previous);
+  }
+}
+
+namespace {
+
+schedule::ScheduleParams make_params(const RoutingShape& shape, const ScheduleOptions& options, int64_t capacity,
+                                     int rank, int32_t* schedule_base, void* gather_base, uint64_t* epoch,
+                                     DeviceStatus* status) {
+  schedule::ScheduleParams p{};
+  p.rank = rank;
+  p.ep_size = shape.ep_size;
+  p.num_tokens = shape.num_tokens;
+  p.top_k = shape.top_k;
+  p.num_experts = shape.num_experts;
+  p.local_experts = shape.local_experts();
+  p.tile_m = options.tile_m;
+  p.routes_per_rank = shape.routes_per_rank();
+  p.timeout_ns = static_cast<uint64_t>(options.wait_timeout_s * 1e9);
+  p.layout = schedule::ScheduleLayout::make(shape.ep_size, shape.local_experts(), shape.routes_per_rank(), capacity);
+  p.schedule = schedule_base;
+  p.gather_base = gather_base;
+  p.epoch = epoch;
+  p.status = status;
+  return p;
+}
+
+}  // namespace
+
+void ScheduleWorkspace::gather_topk(int rank, const void* topk, IndexType index_type, cudaStream_t stream) {
+  if (rank < 0 || rank >= shape_.ep_size) throw std::invalid_argument("gather_topk: bad rank " + std::to_string(rank));
+  if (topk == nullptr) throw std::invalid_argument("gather_topk: topk is null");
+  const RankState& state = ranks_[rank];
+  DeviceGuard guard(state.device);
+  const auto p = make_params(shape_, options_, capacity_rows_, rank, state.schedule, gather_.on(rank), state.epoch,
+                             state.status);
+  const int ctas = schedule::gather_ctas(shape_.routes_per_rank());
+  constexpr int kThreads = schedule::GatherTraits::kThreads;
+  switch (index_type) {
+    case IndexType::kInt32:
+      schedule::gather_topk_kernel<<<ctas, kThreads, 0, stream>>>(static_cast<const int32_t*>(topk), gather_.peers(), p);
+      break;
+    case IndexType::kInt64:
+      schedule::gather_topk_kernel<<<ctas, kThreads, 0, stream>>>(static_cast<const int64_t*>(topk), gather_.peers(), p);
+      break;
+    default:
+      throw std::invalid_argument("gather_topk: index_type must be kInt32 or kInt64");
+  }
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+void ScheduleWorkspace::build(int rank, cudaStream_t stream) {
+  if (rank < 0 || rank >= shape_.ep_size) throw std::invalid_argument("build: bad rank " + std::to_string(rank));
+  const RankState& state = ranks_[rank];
+  DeviceGuard guard(state.device);
+  const auto p = make_params(shape_, options_, capacity_rows_, rank, state.schedule, gather_.on(rank), state.epoch,
+                             state.status);
+  reset_status_kernel<<<1, 1, 0, stream>>>(state.status, initial_device_status());
+  MOK_CHECK_CUDA(cudaGetLastError());
+
+  const dim3 count_grid(static_cast<unsigned>(p.layout.num_chunks), static_cast<unsigned>(shape_.ep_size));
+  const size_t histogram_bytes = size_t(shape_.local_experts()) * sizeof(int32_t);
+  schedule::count_chunks_kernel<<<count_grid, 32, histogram_bytes, stream>>>(p);
+  MOK_CHECK_CUDA(cudaGetLastError());
+
+  schedule::scan_experts_kernel<<<1, schedule::ScanTraits::kThreads, 0, stream>>>(p);
+  MOK_CHECK_CUDA(cudaGetLastError());
+
+  constexpr int kThreads = schedule::PlaceTraits::kThreads;
+  const int64_t work = std::max(shape_.total_routes(), capacity_rows_);
+  const int64_t ctas = std::min<int64_t>((work + kThreads - 1) / kThreads, int64_t(state.num_sms) * 8);
+  schedule::place_routes_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+ScheduleView ScheduleWorkspace::view(int rank) const {
+  const RankState& state = ranks_.at(rank);
+  const auto l = schedule::ScheduleLayout::make(shape_.ep_size, shape_.local_experts(), shape_.routes_per_rank(),
+                                                capacity_rows_);
+  ScheduleView v;
+  v.expert_counts = state.schedule + l.expert_counts;
+  v.expert_src_counts = state.schedule + l.expert_src_counts;
+  v.expert_row_offsets = state.schedule + l.expert_row_offsets;
+  v.row_route = state.schedule + l.row_route;
+  v.scheduled_rows = state.schedule + l.scheduled_rows;
+  v.capacity_rows = capacity_rows_;
+  return v;
+}
+
+StatusReport ScheduleWorkspace::read_status(int rank, cudaStream_t stream) const {
+  const RankState& state = ranks_.at(rank);
+  DeviceGuard guard(state.device);
+  StatusReport report;
+  MOK_CHECK_CUDA(cudaMemcpyAsync(&report.raw, state.status, sizeof(DeviceStatus), cudaMemcpyDeviceToHost, stream));
+  MOK_CHECK_CUDA(cudaStreamSynchronize(stream));
+  return report;
+}
+
+HostSchedule ScheduleWorkspace::download(int rank, cudaStream_t stream) const {
+  const ScheduleView v = view(rank);
+  DeviceGuard guard(ranks_.at(rank).device);
+  const int local_experts = shape_.local_experts();
+  HostSchedule out;
+  out.expert_counts.resize(local_experts);
+  out.expert_src_counts.resize(size_t(local_experts) * shape_.ep_size);
+  out.expert_row_offsets.resize(local_experts + 1);
+  out.row_route.resize(capacity_rows_);
+  auto copy = [stream](auto& dst, const int32_t* src) {
+    MOK_CHECK_CUDA(cudaMemcpyAsync(dst.data(), src, dst.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+  };
+  copy(out.expert_counts, v.expert_counts);
+  copy(out.expert_src_counts, v.expert_src_counts);
+  copy(out.expert_row_offsets, v.expert_row_offsets);
+  copy(out.row_route, v.row_route);
+  MOK_CHECK_CUDA(cudaMemcpyAsync(&out.scheduled_rows, v.scheduled_rows, sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+  out.status = read_status(rank, stream);  // synchronizes the stream
+  return out;
+}
+
+}  // namespace mok

@@ -1,0 +1,48 @@
+// Host side of the device status word (include/mok/status.h).
+#include "mok/status.h"
+
+#include <cstring>
+#include <limits>
+#include <sstream>
+
+namespace mok {
+
+DeviceStatus initial_device_status() {
+  DeviceStatus status;
+  std::memset(&status, 0, sizeof(status));
+  status.bad_route_key = std::numeric_limits<uint64_t>::max();
+  return status;
+}
+
+int64_t StatusReport::bad_route() const {
+  if (!(raw.error_bits & kStatusBadExpertId)) return -1;
+  return static_cast<int64_t>(raw.bad_route_key >> 32);
+}
+
+int32_t StatusReport::bad_expert_id() const {
+  return static_cast<int32_t>(static_cast<uint32_t>(raw.bad_route_key & 0xffffffffu));
+}
+
+std::string StatusReport::describe(int num_tokens, int top_k, int num_experts) const {
+  if (ok()) return "ok";
+  std::ostringstream out;
+  if (raw.error_bits & kStatusBadExpertId) {
+    const int64_t route = bad_route();
+    const int64_t token_global = route / top_k;
+    out << "expert id " << bad_expert_id() << " out of range [-1, " << num_experts << ") at route " << route
+        << " (src rank " << token_global / num_tokens << ", token " << token_global % num_tokens << ", slot "
+        << route % top_k << ")\n";
+  }
+  if (raw.error_bits & kStatusCapacityOverflow)
+    out << "capacity overflow: the schedule needs " << raw.rows_needed << " rows, capacity is " << raw.rows_capacity
+        << " (raise ScheduleOptions.capacity_rows)\n";
+  if (raw.error_bits & kStatusWaitTimeout)
+    out << "spin-wait timed out on rank " << raw.timeout_rank << ", SM " << raw.timeout_sm << ", role "
+        << raw.timeout_role << ", counter " << raw.timeout_counter << "[" << raw.timeout_index << "]: awaited >= "
+        << raw.timeout_awaited << ", saw " << raw.timeout_seen << "\n";
+  std::string text = out.str();
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  return text;
+}
+
+}  // namespace mok

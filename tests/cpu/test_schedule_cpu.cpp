@@ -1,0 +1,226 @@
+// CPU tests of the schedule: the CPU twin of the GPU kernels (build_schedule_host) against an independent
+// oracle written from the specification, for random, skewed and adversarial routings.
+#include <algorithm>
+#include <random>
+#include <sstream>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "mok/routing.h"
+#include "mok/schedule.h"
+#include "reference/routing_gen.h"
+#include "src/device/schedule/placement.h"
+#include "tests/common/schedule_harness.h"
+
+namespace mok {
+namespace {
+
+// The specification, written the slow and obvious way: for each local expert, the routes of each source
+// in (token, slot) order; rows taken round-robin over sources; segments padded to tile_m.
+HostSchedule oracle_schedule(const RoutingShape& shape, int tile_m, int64_t capacity, int rank,
+                             const std::vector<int32_t>& gathered) {
+  const int ep = shape.ep_size, local_experts = shape.local_experts();
+  const int64_t routes = shape.routes_per_rank();
+  HostSchedule s;
+  s.expert_counts.assign(local_experts, 0);
+  s.expert_src_counts.assign(size_t(local_experts) * ep, 0);
+  s.expert_row_offsets.assign(local_experts + 1, 0);
+  std::vector<std::vector<std::vector<int32_t>>> lists(local_experts, std::vector<std::vector<int32_t>>(ep));
+  for (int src = 0; src < ep; ++src)
+    for (int64_t q = 0; q < routes; ++q) {
+      const int32_t id = gathered[src * routes + q];
+      if (id >= rank * local_experts && id < (rank + 1) * local_experts)
+        lists[id - rank * local_experts][src].push_back(static_cast<int32_t>(src * routes + q));
+    }
+  std::vector<int32_t> rows;
+  for (int e = 0; e < local_experts; ++e) {
+    s.expert_row_offsets[e] = static_cast<int32_t>(rows.size());
+    for (size_t i = 0;; ++i) {
+      bool any = false;
+      for (int src = 0; src < ep; ++src)
+        if (i < lists[e][src].size()) { rows.push_back(lists[e][src][i]); any = true; }
+      if (!any) break;
+    }
+    for (int src = 0; src < ep; ++src) {
+      s.expert_src_counts[size_t(e) * ep + src] = static_cast<int32_t>(lists[e][src].size());
+      s.expert_counts[e] += static_cast<int32_t>(lists[e][src].size());
+    }
+    while (rows.size() % tile_m != 0) rows.push_back(-1);
+  }
+  s.expert_row_offsets[local_experts] = static_cast<int32_t>(rows.size());
+  const bool fits = int64_t(rows.size()) <= capacity;
+  s.scheduled_rows = fits ? static_cast<int32_t>(rows.size()) : 0;
+  s.row_route.assign(capacity, -1);
+  if (fits) std::copy(rows.begin(), rows.end(), s.row_route.begin());
+  s.status.raw = initial_device_status();
+  if (!fits) {
+    s.status.raw.error_bits |= kStatusCapacityOverflow;
+    s.status.raw.rows_needed = int64_t(rows.size());
+    s.status.raw.rows_capacity = capacity;
+  }
+  return s;
+}
+
+std::vector<int32_t> balanced_ids(const RoutingShape& shape, double skew, uint64_t seed) {
+  std::vector<int32_t> ids;
+  for (int r = 0; r < shape.ep_size; ++r) {
+    auto routing = reference::random_routing(shape.num_tokens, shape.top_k, shape.num_experts, skew, seed + r);
+    ids.insert(ids.end(), routing.topk_idx.begin(), routing.topk_idx.end());
+  }
+  return ids;
+}
+
+std::string describe(const RoutingShape& s, int tile_m, uint64_t seed, int rank) {
+  std::ostringstream out;
+  out << "ep=" << s.ep_size << " T=" << s.num_tokens << " k=" << s.top_k << " E=" << s.num_experts
+      << " tile_m=" << tile_m << " seed=" << seed << " rank=" << rank;
+  return out.str();
+}
+
+void expect_twin_matches_oracle(const RoutingShape& shape, int tile_m, const std::vector<int32_t>& gathered,
+                                uint64_t seed, int64_t capacity = 0) {
+  ScheduleOptions options;
+  options.tile_m = tile_m;
+  options.capacity_rows = capacity;
+  for (int rank = 0; rank < shape.ep_size; ++rank) {
+    const HostSchedule twin = build_schedule_host(shape, options, rank, gathered);
+    const HostSchedule oracle =
+        oracle_schedule(shape, tile_m, resolved_capacity_rows(shape, options), rank, gathered);
+    const std::string diff = testing::compare_schedules(oracle, twin);
+    ASSERT_TRUE(diff.empty()) << describe(shape, tile_m, seed, rank) << ": " << diff;
+  }
+}
+
+TEST(PlacementTest, InterleavedOffsetsFollowTheRotation) {
+  // Counts {3, 1, 2}: rows are s0#0 s1#0 s2#0 s0#1 s2#1 s0#2.
+  const int32_t counts[3] = {3, 1, 2};
+  EXPECT_EQ(schedule::interleaved_offset(counts, 3, 0, 0), 0);
+  EXPECT_EQ(schedule::interleaved_offset(counts, 3, 1, 0), 1);
+  EXPECT_EQ(schedule::interleaved_offset(counts, 3, 2, 0), 2);
+  EXPECT_EQ(schedule::interleaved_offset(counts, 3, 0, 1), 3);
+  EXPECT_EQ(schedule::interleaved_offset(counts, 3, 2, 1), 4);
+  EXPECT_EQ(schedule::interleaved_offset(counts, 3, 0, 2), 5);
+}
+
+TEST(PlacementTest, ExpertOfRowSkipsEmptyExperts) {
+  const int32_t offsets[5] = {0, 0, 128, 128, 384};  // experts 0 and 2 empty
+  EXPECT_EQ(schedule::expert_of_row(offsets, 4, 0), 1);
+  EXPECT_EQ(schedule::expert_of_row(offsets, 4, 127), 1);
+  EXPECT_EQ(schedule::expert_of_row(offsets, 4, 128), 3);
+  EXPECT_EQ(schedule::expert_of_row(offsets, 4, 383), 3);
+}
+
+TEST(PlacementTest, RouteIdsRoundTrip) {
+  for (int src = 0; src < 3; ++src)
+    for (int t = 0; t < 5; ++t)
+      for (int j = 0; j < 4; ++j) {
+        const auto c = schedule::route_coords(schedule::route_id(src, t, j, 5, 4), 5, 4);
+        EXPECT_EQ(c.src, src);
+        EXPECT_EQ(c.token, t);
+        EXPECT_EQ(c.slot, j);
+      }
+}
+
+TEST(ScheduleCpuTest, RandomRoutingsMatchOracle) {
+  for (uint64_t seed : {1u, 2u, 3u}) {
+    for (int ep : {1, 2, 3, 8}) {
+      for (int tile_m : {1, 64, 128}) {
+        RoutingShape shape{ep, 777 + int(seed) * 100, 3 + int(seed), 24};
+        expect_twin_matches_oracle(shape, tile_m, balanced_ids(shape, 0.0, seed), seed);
+        expect_twin_matches_oracle(shape, tile_m, balanced_ids(shape, 1.5, seed), seed);
+      }
+    }
+  }
+}
+
+TEST(ScheduleCpuTest, EmptyExpertsMaskedRoutesAndDuplicates) {
+  RoutingShape shape{4, 300, 4, 64};
+  std::mt19937 rng(7);
+  std::vector<int32_t> ids(shape.total_routes());
+  // Only even experts below 16 get routes; a quarter of the routes are masked; duplicates allowed.
+  std::uniform_int_distribution<int> pick(0, 7), coin(0, 3);
+  for (auto& id : ids) id = coin(rng) == 0 ? -1 : 2 * pick(rng);
+  expect_twin_matches_oracle(shape, 128, ids, 7);
+  const HostSchedule twin = build_schedule_host(shape, {}, 3, ids);  // rank 3 owns experts 48..63: nothing
+  EXPECT_EQ(twin.scheduled_rows, 0);
+  EXPECT_TRUE(twin.status.ok());
+  EXPECT_TRUE(std::all_of(twin.row_route.begin(), twin.row_route.end(), [](int32_t r) { return r == -1; }));
+}
+
+TEST(ScheduleCpuTest, AllTokensToOneExpert) {
+  RoutingShape shape{2, 5000, 2, 8};
+  std::vector<int32_t> ids(shape.total_routes());
+  for (int64_t g = 0; g < shape.total_routes(); ++g) ids[g] = g % 2 == 0 ? 5 : -1;
+  expect_twin_matches_oracle(shape, 128, ids, 0);
+  const HostSchedule twin = build_schedule_host(shape, {}, 1, ids);
+  EXPECT_EQ(twin.expert_counts[1], 2 * 5000);
+  EXPECT_EQ(twin.expert_src_counts[1 * 2 + 0], 5000);
+  EXPECT_EQ(twin.expert_src_counts[1 * 2 + 1], 5000);
+  // Sources alternate inside the segment.
+  EXPECT_EQ(twin.row_route[0], 0);
+  EXPECT_EQ(twin.row_route[1], 5000 * 2);
+  EXPECT_EQ(twin.row_route[2], 2);
+  EXPECT_EQ(twin.scheduled_rows, 10112);  // 10000 rows padded to 79 tiles of 128
+}
+
+TEST(ScheduleCpuTest, CapacityOverflowPlacesNothingAndReports) {
+  RoutingShape shape{2, 1000, 4, 16};
+  const auto ids = balanced_ids(shape, 0.0, 11);
+  ScheduleOptions options;
+  const HostSchedule fit = build_schedule_host(shape, options, 0, ids);
+  const int64_t needed = fit.expert_row_offsets.back();
+  ASSERT_GT(needed, 0);
+  options.capacity_rows = needed;
+  EXPECT_TRUE(build_schedule_host(shape, options, 0, ids).status.ok());
+  options.capacity_rows = needed - 1;
+  const HostSchedule over = build_schedule_host(shape, options, 0, ids);
+  EXPECT_EQ(over.status.raw.error_bits, kStatusCapacityOverflow);
+  EXPECT_EQ(over.status.raw.rows_needed, needed);
+  EXPECT_EQ(over.status.raw.rows_capacity, needed - 1);
+  EXPECT_EQ(over.scheduled_rows, 0);
+  EXPECT_EQ(int64_t(over.row_route.size()), needed - 1);
+  EXPECT_TRUE(std::all_of(over.row_route.begin(), over.row_route.end(), [](int32_t r) { return r == -1; }));
+  EXPECT_NE(over.status.describe(1000, 4, 16).find("needs " + std::to_string(needed) + " rows"), std::string::npos);
+  expect_twin_matches_oracle(shape, 128, ids, 11, needed - 1);
+}
+
+TEST(ScheduleCpuTest, BadExpertIdsReportTheFirstRoute) {
+  RoutingShape shape{2, 100, 2, 8};
+  auto ids = balanced_ids(shape, 0.0, 5);
+  ids[150] = 8;    // one past the last expert
+  ids[260] = -7;   // below the mask value
+  const HostSchedule s = build_schedule_host(shape, {}, 0, ids);
+  EXPECT_EQ(s.status.raw.error_bits, kStatusBadExpertId);
+  EXPECT_EQ(s.status.bad_route(), 150);
+  EXPECT_EQ(s.status.bad_expert_id(), 8);
+  EXPECT_EQ(s.status.describe(100, 2, 8), "expert id 8 out of range [-1, 8) at route 150 (src rank 0, token 75, slot 0)");
+  // Bad ids are skipped, never placed.
+  for (int32_t route : s.row_route) EXPECT_TRUE(route != 150 && route != 260);
+}
+
+TEST(ScheduleCpuTest, ValidationNamesTheField) {
+  auto message = [](auto&& f) {
+    try { f(); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
+    return std::string("no throw");
+  };
+  EXPECT_NE(message([] { RoutingShape{3, 10, 2, 8}.validate(); }).find("num_experts"), std::string::npos);
+  EXPECT_NE(message([] { RoutingShape{0, 10, 2, 8}.validate(); }).find("ep_size"), std::string::npos);
+  EXPECT_NE(message([] { RoutingShape{1, 10, 0, 8}.validate(); }).find("top_k"), std::string::npos);
+  EXPECT_NE(message([] { ScheduleOptions o; o.tile_m = 0; o.validate(RoutingShape{1, 10, 2, 8}); }).find("tile_m"),
+            std::string::npos);
+  EXPECT_NE(message([] { build_schedule_host(RoutingShape{1, 10, 2, 8}, {}, 0, std::vector<int32_t>(3)); })
+                .find("gathered_topk"),
+            std::string::npos);
+}
+
+TEST(ScheduleCpuTest, WorstCaseCapacityNeverOverflows) {
+  RoutingShape shape{2, 333, 3, 6};
+  std::vector<int32_t> ids(shape.total_routes(), 0);  // every route of both ranks to expert 0, duplicates too
+  const HostSchedule s = build_schedule_host(shape, {}, 0, ids);
+  EXPECT_TRUE(s.status.ok()) << s.status.describe(333, 3, 6);
+  EXPECT_EQ(s.expert_counts[0], 2 * 333 * 3);
+}
+
+}  // namespace
+}  // namespace mok

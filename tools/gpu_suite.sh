@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Run ON THE GPU MACHINE, from the repository root, in one call (after tools/gpu_carry.sh here):
+#   tools/gpu_suite.sh [ctest label regex, default "gpu|multigpu"]
+# Configures and builds with the carried .deps/, runs the GPU tests (and CPU ones if asked), the
+# memory checker on the error-path tests, and the main program, then prints a summary table. Logs go to
+# $OUT (the device tool's return folder) when set.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+labels=${1:-"gpu|multigpu"}
+out=${OUT:-/tmp/mok_gpu_suite}
+mkdir -p "$out"
+# NVLink multicast must stay off on the shared machines (never use NVLS/multimem).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+status=0
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$out/gpus.txt"
+
+if ! { cmake -S . -B build-gpu -G Ninja -DMOK_DEPS_DIR="$PWD/.deps" >"$out/configure.log" 2>&1 &&
+       cmake --build build-gpu -j "$(nproc)" >"$out/build.log" 2>&1; }; then
+  tail -n 40 "$out/configure.log" "$out/build.log"
+  echo "BUILD FAILED"
+  exit 1
+fi
+grep -h "spill" "$out/build.log" | sort | uniq -c | grep -v " 0 bytes spill" || true
+
+ctest --test-dir build-gpu -V -L "$labels" >"$out/ctest.log" 2>&1 || status=1
+
+# Error paths under the memory checker: no out-of-bounds access on overflow or bad ids.
+sanitizer=skipped
+if command -v compute-sanitizer >/dev/null; then
+  if compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/test_schedule_gpu \
+       --gtest_filter='*Overflow*:*BadExpert*:*Huge*:*EmptyExperts*' >"$out/memcheck.log" 2>&1; then
+    sanitizer=clean
+  else
+    sanitizer=ERRORS; status=1
+  fi
+fi
+
+build-gpu/bench/mok_bench >"$out/bench.log" 2>&1 || status=1
+
+echo
+echo "== test output (tables) =="
+grep -hE "^[0-9]+: (shape|Kimi|GLM|Qwen|DeepSeek|overflow report|timeout report)" "$out/ctest.log" | sed 's/^[0-9]*: //'
+echo
+echo "== summary, commit $commit =="
+printf "%-26s %8s %8s %8s\n" "test binary" "passed" "failed" "skipped"
+for n in $(grep -oE "^ *Start +[0-9]+" "$out/ctest.log" | awk '{print $2}'); do
+  name=$(grep -oE "Start +$n: \S+" "$out/ctest.log" | awk '{print $3}')
+  count() { grep -cE "^$n: \[ *$1 *\] .*\([0-9]+ ms\)" "$out/ctest.log"; }
+  printf "%-26s %8s %8s %8s\n" "$name" "$(count OK)" "$(count FAILED)" "$(count SKIPPED)"
+done
+printf "%-26s %s\n" "memcheck (error paths)" "$sanitizer"
+grep -E "tests passed|tests failed" "$out/ctest.log"
+echo
+cat "$out/bench.log"
+exit $status
