@@ -1,0 +1,118 @@
+// CPU reference of the whole mixture-of-experts layer (forward and backward), global view over all EP
+// ranks. Used by the tests of every GPU stage and by the benchmark's correctness check.
+//
+// The layer (DESIGN.md section 1), for every global token n = rank * tokens_per_rank + t:
+//
+//   out[n]  = shared(x[n]) + sum_{j=0..k-1} rw[n,j] * expert_{e(n,j)}(x[n])     e(n,j) = -1: masked route
+//   mlp(x)  = W_down · h,   h = silu(g_c) ⊙ u_c,   g = W_gate · x,   u = W_up · x
+//   g_c     = min(g, L),  u_c = clamp(u, -L, L)    when swiglu_limit L > 0 (clamped SwiGLU)
+//   g_c     = g,          u_c = u                  when L == 0 (plain SwiGLU)
+//   silu(g) = g * sigmoid(g),  silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+//
+// Backward, given d_out [N,H] (per route j; the shared expert is the same with rw = 1 and no d_rw):
+//
+//   dy       = rw * d_out                    d_W_down += dy ⊗ h              dh = W_down^T · dy
+//   dg       = dh ⊙ u_c ⊙ silu'(g_c) ⊙ [g < L]                               (mask is 1 when L == 0)
+//   du       = dh ⊙ silu(g_c) ⊙ [-L < u < L]
+//   d_W_gate += dg ⊗ x      d_W_up += du ⊗ x      d_x += W_gate^T · dg + W_up^T · du
+//   d_rw[n,j] = <d_out[n], y_j[n]>,  y_j = expert_{e(n,j)}(x[n])             (exact also for rw == 0)
+//
+// Numerics ("T storage, fp64 accumulation"): every dot product and every sum accumulates in double and
+// is rounded to T once, where a GPU stage would store its result: g, u, h, y (route_out / shared_out),
+// dy, dh, dg, du, each route's d_x partial (W_gate^T dg + W_up^T du), d_rw, and each weight gradient
+// (summed over all routes of its expert before the single rounding). Dot products run their index in
+// ascending order. The combine sums in fixed order: out = shared_out + rw_0*y_0 + rw_1*y_1 + ..., using
+// the stored (T-rounded) y, so out is reproducible from the trace; d_x likewise sums the shared partial
+// first, then the routes in j order. Weight gradients sum an expert's routes in ascending (token, j)
+// order. For T = double none of the roundings change anything.
+//
+// Determinism: results are bitwise identical run to run and independent of num_threads (work is split
+// into units that write disjoint outputs; every reduction has one fixed order inside a unit).
+//
+// Layouts are row-major; tokens are rank-major (rank r owns global tokens [r*T, (r+1)*T)); expert e
+// lives on rank e / local_experts(). With shared_expert == false the shared weight vectors may be empty
+// (or full size, ignored); the shared gradients are then zeros of the parameter shape.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mok::reference {
+
+struct LayerShape {
+  int num_ranks = 1;          // EP size
+  int tokens_per_rank = 0;    // T (0 is allowed: an empty batch)
+  int hidden = 0;             // H
+  int intermediate = 0;      // I, routed experts and the shared expert alike
+  int num_experts = 0;        // E, global
+  int top_k = 0;              // k, 1 <= k <= E
+  bool shared_expert = true;  // one shared expert of width I
+  double swiglu_limit = 0;    // 0: plain SwiGLU; > 0: clamped
+
+  int64_t num_tokens() const { return int64_t{num_ranks} * tokens_per_rank; }  // N
+  int local_experts() const { return num_experts / num_ranks; }
+  // Throws std::invalid_argument naming the bad field.
+  void validate() const;
+};
+
+// "N=6 (2 ranks x 3) H=5 I=4 E=4 k=2 shared L=0": for failure messages.
+std::string describe(const LayerShape& shape);
+
+template <typename T>
+struct LayerParams {                      // row-major
+  std::vector<T> shared_gate, shared_up;  // [I, H]
+  std::vector<T> shared_down;             // [H, I]
+  std::vector<T> expert_gate, expert_up;  // [E, I, H]
+  std::vector<T> expert_down;             // [E, H, I]
+};
+
+template <typename T>
+struct LayerInputs {
+  std::vector<T> x;               // [N, H]
+  std::vector<int32_t> topk_idx;  // [N, k] global expert ids, -1 = masked
+  std::vector<T> router_weights;  // [N, k]
+};
+
+template <typename T>
+struct ForwardTrace {          // intermediate results the GPU stages are checked against
+  std::vector<T> shared_out;   // [N, H] shared(x), zeros without a shared expert
+  std::vector<T> route_out;    // [N, k, H] expert_{e(n,j)}(x[n]) not scaled by rw, zeros for masked routes
+  std::vector<T> out;          // [N, H]
+};
+
+template <typename T>
+struct LayerGrads {
+  std::vector<T> d_x;                                        // [N, H]
+  std::vector<T> d_router_weights;                           // [N, k], 0 for masked routes
+  std::vector<T> d_shared_gate, d_shared_up, d_shared_down;  // parameter shapes (zeros without shared)
+  std::vector<T> d_expert_gate, d_expert_up, d_expert_down;  // parameter shapes
+};
+
+// Checks every vector size and expert id: std::invalid_argument for shapes/sizes, std::out_of_range
+// (naming the token index, slot and id) for an id < -1 or >= E. forward/backward call it first.
+template <typename T>
+void validate_arguments(const LayerShape& shape, const LayerParams<T>& params, const LayerInputs<T>& inputs);
+
+// num_threads: 0 = std::thread::hardware_concurrency(); results do not depend on it.
+template <typename T>
+ForwardTrace<T> forward(const LayerShape& shape, const LayerParams<T>& params, const LayerInputs<T>& inputs,
+                        int num_threads = 0);
+
+template <typename T>
+LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, const LayerInputs<T>& inputs,
+                       const std::vector<T>& d_out /* [N, H] */, int num_threads = 0);
+
+// Deterministic random data (own generator: same values on every platform).
+// Weights ~ normal(0, scale); shared weights are empty when shape.shared_expert is false.
+template <typename T>
+LayerParams<T> random_params(const LayerShape& shape, uint64_t seed, double scale);
+// x ~ normal(0, 1); each token routes to k distinct experts drawn uniformly; router weights are the
+// softmax over the k routes of normal(0, 1) logits (positive, sum to 1). No masked routes.
+template <typename T>
+LayerInputs<T> random_inputs(const LayerShape& shape, uint64_t seed);
+// count values ~ normal(0, scale), e.g. a random d_out.
+template <typename T>
+std::vector<T> random_normal(int64_t count, uint64_t seed, double scale = 1.0);
+
+}  // namespace mok::reference
