@@ -85,3 +85,32 @@ if(MOK_BUILD_TESTS)
                         "${MOK_DEPS_DIR}/googletest")
   endif()
 endif()
+
+# ---- cuobjdump + nvdisasm (for tools/check_sass.py) -----------------------------------------------
+# Not every CUDA install ships them (this project's CI image does not): fall back to NVIDIA's PyPI wheels.
+# Optional: without them the SASS check reports Skipped.
+find_program(MOK_CUOBJDUMP cuobjdump HINTS ${CUDAToolkit_BIN_DIR} /usr/local/cuda/bin)
+if(NOT MOK_CUOBJDUMP)
+  set(_tools "${CMAKE_BINARY_DIR}/_deps/cuda-tools")
+  if(NOT EXISTS "${_tools}/bin/cuobjdump")
+    find_package(Python3 REQUIRED COMPONENTS Interpreter)
+    execute_process(
+      COMMAND ${Python3_EXECUTABLE} -m pip download --no-deps --quiet --disable-pip-version-check
+              nvidia-cuda-cuobjdump==13.2.* nvidia-cuda-nvdisasm==13.2.* -d "${_tools}/wheel"
+      RESULT_VARIABLE _rc OUTPUT_QUIET ERROR_QUIET)
+    if(_rc EQUAL 0)
+      file(GLOB _wheels "${_tools}/wheel/*.whl")
+      foreach(_wheel ${_wheels})
+        file(ARCHIVE_EXTRACT INPUT "${_wheel}" DESTINATION "${_tools}/unpacked")
+      endforeach()
+      file(GLOB_RECURSE _bins "${_tools}/unpacked/cuobjdump" "${_tools}/unpacked/nvdisasm")
+      file(COPY ${_bins} DESTINATION "${_tools}/bin"
+           FILE_PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE GROUP_READ GROUP_EXECUTE WORLD_READ WORLD_EXECUTE)
+      file(REMOVE_RECURSE "${_tools}/wheel" "${_tools}/unpacked")
+    endif()
+  endif()
+  if(EXISTS "${_tools}/bin/cuobjdump")
+    set(MOK_CUOBJDUMP "${_tools}/bin/cuobjdump" CACHE FILEPATH "cuobjdump" FORCE)
+  endif()
+endif()
+message(STATUS "cuobjdump: ${MOK_CUOBJDUMP}")

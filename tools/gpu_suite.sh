@@ -37,10 +37,13 @@ if command -v compute-sanitizer >/dev/null; then
 fi
 
 build-gpu/bench/mok_bench >"$out/bench.log" 2>&1 || status=1
+if [ "${MOK_SUITE_GEMM_BENCH:-1}" = 1 ]; then
+  PYTHONUNBUFFERED=1 python3 bench/gemm_bench.py --lib build-gpu/bench/libmok_bench_capi.so >"$out/gemm_bench.log" 2>&1 || status=1
+fi
 
 echo
 echo "== test output (tables) =="
-grep -hE "^[0-9]+: (shape|Kimi|GLM|Qwen|DeepSeek|overflow report|timeout report)" "$out/ctest.log" | sed 's/^[0-9]*: //'
+grep -hE "^[0-9]+: (shape|Kimi|GLM|Qwen|DeepSeek|overflow report|timeout report|[a-z_]+_kernel )" "$out/ctest.log" | sed 's/^[0-9]*: //'
 echo
 echo "== summary, commit $commit =="
 printf "%-26s %8s %8s %8s\n" "test binary" "passed" "failed" "skipped"
@@ -53,4 +56,5 @@ printf "%-26s %s\n" "memcheck (error paths)" "$sanitizer"
 grep -E "tests passed|tests failed" "$out/ctest.log"
 echo
 cat "$out/bench.log"
+[ -f "$out/gemm_bench.log" ] && { echo; cat "$out/gemm_bench.log"; }
 exit $status

@@ -48,7 +48,8 @@ struct WaitSite {
 };
 
 // Spins until *counter >= target (acquire, system scope). Gives up after timeout_ns, records the first
-// timeout in `status` (rank, SM, role, counter, awaited and seen values), prints one line and returns false.
+// timeout in `status` (rank, SM, role, counter, awaited and seen values) and returns false. (No printf:
+// it would give every waiting kernel a stack frame; the host prints the status word.)
 // Callers skip their work after a false return: results are then garbage but nothing is written out of
 // bounds, and the host learns why from the status word.
 __device__ inline bool wait_at_least(const uint64_t* counter, uint64_t target, WaitSite site,
@@ -72,9 +73,6 @@ __device__ inline bool wait_at_least(const uint64_t* counter, uint64_t target, W
     status->timeout_awaited = target;
     status->timeout_seen = seen;
   }
-  printf("mok: wait timed out: rank %d sm %d role %d counter %d[%d] awaited >= %llu, seen %llu\n", site.rank,
-         sm_index(), static_cast<int>(site.role), static_cast<int>(site.counter), site.index,
-         static_cast<unsigned long long>(target), static_cast<unsigned long long>(seen));
   return false;
 }
 

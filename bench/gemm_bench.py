@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Expert grouped-GEMM benchmark: ours vs torch._grouped_mm vs the dense bf16 GEMM ceiling, one run.
+
+For each model shape (DESIGN.md section 4) at 8192 tokens/rank and EP=2, rank 0's expert row counts come
+from a softmax top-k routing of random logits over 2 x 8192 tokens. Two GEMMs per shape:
+  gate/up  [rows, H] x [E_local, 2I, H]^T -> ours with the fused SwiGLU epilogue (writes [rows, I]);
+           torch._grouped_mm writes [rows, 2I] (no activation)
+  down     [rows, I] x [E_local, H, I]^T -> [rows, H]
+The dense ceiling is one torch.mm with the same M = routed rows, N and K. TFLOP/s count real rows only
+(2 * rows * N * K); our padding to 128-row tiles is work we pay for and do not count. Time: median of
+CUDA-event timings after warm-up. Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N]
+"""
+import argparse
+import ctypes
+import os
+import subprocess
+
+import torch
+
+SHAPES = [  # name, experts, hidden, intermediate, top_k
+    ("Kimi-K2.7", 384, 7168, 2048, 8),
+    ("GLM-5.2", 256, 6144, 2048, 8),
+    ("Qwen3.5-397B", 512, 4096, 1024, 10),
+    ("DeepSeek-V4-Pro", 384, 7168, 3072, 6),
+]
+TILE_M = 128
+TORCH_GROUP_ALIGN = 16  # torchtitan pads each expert's rows for torch._grouped_mm
+
+
+def load(lib_path):
+    lib = ctypes.CDLL(lib_path)
+    fn = lib.mok_bench_expert_gemm
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, p, f32, p, p, ctypes.c_char_p, i32]
+    fn.restype = i32
+    return fn
+
+
+def time_ms(fn, iters):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def rank0_counts(num_experts, top_k, tokens, gen):
+    logits = torch.randn(2 * tokens, num_experts, device="cuda", generator=gen)
+    ids = logits.topk(top_k, dim=1).indices.flatten()
+    counts = torch.bincount(ids, minlength=num_experts)[: num_experts // 2]
+    return counts.to(torch.int32)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lib", default="build/bench/libmok_bench_capi.so")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=8192)
+    args = parser.parse_args()
+    gemm = load(os.path.abspath(args.lib))
+    error = ctypes.create_string_buffer(512)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
+          f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), median of {args.iters}")
+    header = (f"{'shape':16s} {'gemm':8s} {'rows':>7s} {'pad%':>5s} {'ours':>7s} {'torch':>7s} {'dense':>7s} "
+              f"{'ours/torch':>10s} {'ours/dense':>10s}")
+    print(header + "   (TFLOP/s)")
+    stream = torch.cuda.current_stream().cuda_stream
+    for name, num_experts, hidden, inter, top_k in SHAPES:
+        local = num_experts // 2
+        counts = rank0_counts(num_experts, top_k, args.tokens, gen)
+        padded = (counts + TILE_M - 1) // TILE_M * TILE_M
+        offsets = torch.zeros(local + 1, dtype=torch.int32, device="cuda")
+        offsets[1:] = torch.cumsum(padded, 0)
+        rows_padded = int(offsets[-1])
+        rows = int(counts.sum())
+        scheduled = offsets[-1:].clone()
+        group_rows = (counts + TORCH_GROUP_ALIGN - 1) // TORCH_GROUP_ALIGN * TORCH_GROUP_ALIGN
+        torch_offs = torch.cumsum(group_rows, 0).to(torch.int32)
+        torch_rows = int(torch_offs[-1])
+
+        w13 = torch.randn(local, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+        w2 = torch.randn(local, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
+        for label, k, n_out, weights in (("gate/up", hidden, inter, w13), ("down", inter, hidden, w2)):
+            n_total = weights.shape[1]  # accumulator columns: 2I for gate/up, H for down
+            a = torch.randn(rows_padded, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(rows_padded, n_out, device="cuda", dtype=torch.bfloat16)
+            epilogue = 1 if label == "gate/up" else 0
+
+            def ours():
+                rc = gemm(epilogue, a.data_ptr(), rows_padded, k, weights.data_ptr(), None, n_out, local,
+                          counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), None, 0.0, out.data_ptr(),
+                          stream, error, len(error))
+                if rc != 0:
+                    raise RuntimeError(error.value.decode())
+
+            a_torch = torch.randn(torch_rows, k, device="cuda", dtype=torch.bfloat16)
+            w_t = weights.transpose(-2, -1)  # [E, K, N], as torchtitan passes it
+            grouped = lambda: torch._grouped_mm(a_torch, w_t, offs=torch_offs)
+            a_dense = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            b_dense = torch.randn(k, n_total, device="cuda", dtype=torch.bfloat16)
+            dense = lambda: torch.mm(a_dense, b_dense)
+
+            flops = 2.0 * rows * n_total * k
+            t_ours, t_torch, t_dense = (time_ms(f, args.iters) for f in (ours, grouped, dense))
+            tf = [flops / t / 1e9 for t in (t_ours, t_torch, t_dense)]
+            print(f"{name:16s} {label:8s} {rows:7d} {100.0 * (rows_padded - rows) / rows:5.1f} {tf[0]:7.0f} "
+                  f"{tf[1]:7.0f} {tf[2]:7.0f} {tf[0] / tf[1]:10.2f} {tf[0] / tf[2]:10.2f}", flush=True)
+            del a, out, a_torch, a_dense, b_dense
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

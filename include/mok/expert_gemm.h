@@ -1,0 +1,46 @@
+// Grouped GEMM over the expert-major rows of a schedule (BF16 in, fp32 accumulation, BF16 out).
+//
+//   kStore:  out[r, :] = row_scale[r] * (a[r, :] · W_e^T)                       W = b [E_local, n, k]
+//   kSwiGLU: out[r, :] = row_scale[r] * silu(min(g, L)) * clamp(u, -L, L)
+//            g = a[r] · Wg_e^T, u = a[r] · Wu_e^T with either fused weights b [E_local, 2n, k] (n gate rows
+//            then n up rows per expert) or separate b = Wg [E_local, n, k], b_up = Wu [E_local, n, k].
+// Row r belongs to expert e when it lies in e's padded segment of the schedule; padding rows get zeros.
+// Asynchronous on `stream`, no host synchronization (row counts are read on the GPU).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace mok {
+
+enum class GemmEpilogue : int32_t { kStore = 0, kSwiGLU = 1 };
+
+struct ExpertGemmArgs {
+  GemmEpilogue epilogue = GemmEpilogue::kStore;
+  const void* a = nullptr;      // bf16 [a_rows, k], 16-byte aligned rows
+  int64_t a_rows = 0;           // rows allocated (the schedule's capacity)
+  int k = 0;                    // multiple of 64
+  const void* b = nullptr;      // bf16 weights, see above
+  const void* b_up = nullptr;   // kSwiGLU with separate gate/up weights; nullptr: b is fused [E, 2n, k]
+  int n = 0;                    // output columns: kStore multiple of 256, kSwiGLU multiple of 128
+  int local_experts = 0;
+  const int32_t* expert_counts = nullptr;       // from ScheduleView
+  const int32_t* expert_row_offsets = nullptr;  // from ScheduleView; segments padded to tile_m
+  const int32_t* scheduled_rows = nullptr;      // from ScheduleView
+  int tile_m = 128;             // the schedule's padding (64 or 128): the GEMM's tile height
+  const float* row_scale = nullptr;  // optional [a_rows]
+  float swiglu_limit = 0;       // 0: plain SwiGLU
+  void* out = nullptr;          // bf16 [a_rows, n]
+};
+
+// Throws std::invalid_argument naming the offending field.
+void validate(const ExpertGemmArgs& args);
+
+void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream);
+
+// Schedule padding (= GEMM tile height) for an expected number of rows per local expert: 64-row tiles when
+// experts are short enough that 128-row padding would waste more than ~1/8 of the rows (docs/design.md).
+int choose_tile_m(double expected_rows_per_expert);
+
+}  // namespace mok

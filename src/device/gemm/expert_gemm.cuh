@@ -1,0 +1,301 @@
+// Grouped GEMM over expert-major rows, one output tile at a time (Hopper: TMA + wgmma, warp-specialized).
+//
+//   For each local expert e and each row r of its segment (from the GPU schedule):
+//     kStore:  Y[r, :]  = scale[r] * (A[r, :] · W_e^T)                  W [E_local, N, K]
+//     kSwiGLU: H[r, :]  = scale[r] * silu(min(g, L)) * clamp(u, -L, L)   g = A[r] · Wg_e^T, u = A[r] · Wu_e^T
+//   A [rows, K] bf16 row-major (expert e's rows are the padded segment [row_offsets[e], row_offsets[e+1])),
+//   Y / H [rows, N_out] bf16; fp32 accumulation. Padding rows (past expert_counts[e]) are written as zeros,
+//   so later weight-gradient GEMMs can sum over whole segments. L = 0 disables the clamp; scale is optional.
+//
+// Roles (one CTA = 1 producer warpgroup + kBlockM/64 consumer warpgroups):
+//   producer   one elected thread issues TMA loads of A (kBlockM x 64) and B (two halves of
+//              kBlockN/2 x 64: gate and up rows for SwiGLU, two row ranges of W otherwise) per stage.
+//   consumers  wgmma 64 x kBlockN x 16 per warpgroup (SS operands, fp32 accumulators in registers),
+//              one batch in flight; then the epilogue straight from registers to global memory.
+//   For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
+//   activation is register-local.
+//
+// The unit of work is a TileTask (expert, m-tile, n-block): load_tile() on the producer side and
+// compute_tile() on the consumer side, each advancing a pipeline state that persists across tasks, so a
+// persistent loop (expert_gemm_kernel below, later the megakernel) can interleave GEMM tiles with other work.
+//
+// Shared memory: A stages (kBlockM x 64 bf16, 128B swizzle) | B stages (kBlockN x 64) | pipeline barriers.
+// Sync: PipelineTmaAsync full/empty mbarriers per stage (producer: acquire empty, arm transaction bytes;
+// consumers: wait full, release after the wgmma that read the stage retired).
+// Determinism: each output element is one fixed-order K reduction by one thread; no atomics.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "src/device/schedule/placement.h"
+
+namespace mok::gemm {
+
+enum class Epilogue : int { kStore = 0, kSwiGLU = 1 };
+
+template <int kBlockM_, int kBlockN_, int kStages_, Epilogue kEpilogue_>
+struct GemmTraits {
+  using Element = cutlass::bfloat16_t;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;   // accumulator columns per tile
+  static constexpr int kBlockK = 64;         // one 128-byte swizzle row of bf16
+  static constexpr int kStages = kStages_;
+  static constexpr Epilogue kEpilogue = kEpilogue_;
+  static_assert(kBlockM == 64 || kBlockM == 128, "one consumer warpgroup per 64 rows");
+  static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N, and B loads in two halves of 8-row atoms");
+  static constexpr int kHalfN = kBlockN / 2;
+  static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kHalfN : kBlockN;
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 232 : 240;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= 65536,
+                "register file of one SM");
+
+  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
+  using SmemLayoutA = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
+  using SmemLayoutB = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::make_shape(cute::Int<kBlockN>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
+  // One TMA box: half of a B stage. Both halves of a stage are contiguous, so the stage is one wgmma operand.
+  using SmemLayoutBHalf =
+      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kHalfN>{}, cute::Int<kBlockK>{})));
+  using SmemLayoutAStage =
+      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{})));
+
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>>(),
+      cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+  static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
+    typename Pipeline::SharedStorage pipeline;
+  };
+  static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
+};
+
+// Kernel parameters; TmaA / TmaB are CuTe TMA copies built on the host (src/host/expert_gemm.cu).
+template <class TmaA, class TmaB>
+struct GemmParams {
+  TmaA tma_a;   // A [a_rows, k]
+  TmaB tma_b0;  // B half 0 source [b_rows, k]
+  TmaB tma_b1;  // B half 1 source [b_rows, k]
+  int64_t a_rows = {};
+  int64_t b_rows = {};
+  int k = {};
+  int local_experts = {};
+  int num_n_blocks = {};
+  // Row of B half h for expert e, n-block nb: e * b_expert_rows + b_half_offset[h] + nb * b_block_step.
+  int64_t b_expert_rows = {};
+  int64_t b_half_offset0 = {};
+  int64_t b_half_offset1 = {};
+  int64_t b_block_step = {};
+  const int32_t* expert_counts = {};
+  const int32_t* expert_row_offsets = {};
+  const int32_t* scheduled_rows = {};
+  const float* row_scale = {};  // nullable
+  float swiglu_limit = {};      // 0: plain SwiGLU
+  __nv_bfloat16* out = {};
+  int64_t out_ld = {};
+};
+
+struct TileTask {
+  int32_t m_tile;   // tile of kBlockM rows in the expert-major buffer
+  int32_t n_block;
+  int32_t expert;
+};
+
+template <class Traits, class Params>
+__device__ __forceinline__ int64_t num_tile_tasks(const Params& p) {
+  return int64_t(*p.scheduled_rows / Traits::kBlockM) * p.num_n_blocks;
+}
+
+// Task order: n-blocks fastest, so CTAs running side by side share A rows and one expert's weights in L2.
+template <class Traits, class Params>
+__device__ __forceinline__ TileTask tile_task(const Params& p, int64_t index) {
+  TileTask t;
+  t.m_tile = static_cast<int32_t>(index / p.num_n_blocks);
+  t.n_block = static_cast<int32_t>(index % p.num_n_blocks);
+  t.expert = schedule::expert_of_row(p.expert_row_offsets, p.local_experts, int64_t(t.m_tile) * Traits::kBlockM);
+  return t;
+}
+
+// Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
+template <class Traits, class Params>
+__device__ __forceinline__ void load_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
+                                          typename Traits::Pipeline& pipeline,
+                                          typename Traits::PipelineState& state) {
+  using namespace cute;
+  using T = Traits;
+  Tensor m_a = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k));
+  Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(p.b_rows, p.k));
+  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
+  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+  Tensor s_b_halves = flat_divide(s_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{});  // (HN, BK, 2, 1, S)
+
+  Tensor g_a = local_tile(m_a, Shape<Int<T::kBlockM>, Int<T::kBlockK>>{}, make_coord(task.m_tile, _));
+  const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
+  Tensor g_b0 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
+                           make_coord((b_base + p.b_half_offset0) / T::kHalfN, _));
+  Tensor g_b1 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
+                           make_coord((b_base + p.b_half_offset1) / T::kHalfN, _));
+  auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_a), group_modes<0, 2>(g_a));
+  auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(s_b_halves(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
+  auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(s_b_halves(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
+  const int num_k_blocks = p.k / T::kBlockK;
+  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    pipeline.producer_acquire(state);
+    auto* full = pipeline.producer_get_barrier(state);
+    const int stage = state.index();
+    copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
+    copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
+    copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
+    ++state;
+  }
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+// Consumer side of one tile: mainloop over K, then the epilogue. All consumer threads call this;
+// consumer_idx is the thread's index among the consumer warpgroups.
+template <class Traits, class Params>
+__device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
+                                             typename Traits::Pipeline& pipeline,
+                                             typename Traits::PipelineState& read_state, int consumer_idx) {
+  using namespace cute;
+  using T = Traits;
+  typename T::TiledMma mma;
+  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
+  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+  auto thread_mma = mma.get_thread_slice(consumer_idx);
+  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
+  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
+  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
+  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
+  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+
+  // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
+  // and the batch that read it retired.
+  typename T::PipelineState release_state = read_state;
+  const int num_k_blocks = p.k / T::kBlockK;
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    pipeline.consumer_wait(read_state);
+    const int stage = read_state.index();
+    warpgroup_fence_operand(accum);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(t_r_a); ++k) {
+      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(accum);
+    if (k_block > 0) {
+      pipeline.consumer_release(release_state);
+      ++release_state;
+    }
+    ++read_state;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accum);
+  if (num_k_blocks > 0) {
+    pipeline.consumer_release(release_state);
+    ++release_state;
+  }
+
+  // Epilogue: registers -> bf16 global, padding rows as zeros.
+  Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+  const int64_t row_base = int64_t(task.m_tile) * T::kBlockM;
+  const int64_t valid_end = int64_t(p.expert_row_offsets[task.expert]) + p.expert_counts[task.expert];
+  const int64_t col_base = int64_t(task.n_block) * T::kOutCols;
+  constexpr int kValues = decltype(size(accum))::value;
+  if constexpr (T::kEpilogue == Epilogue::kStore) {
+    CUTE_UNROLL
+    for (int i = 0; i < kValues; i += 2) {
+      const int64_t row = row_base + get<0>(coords(i));
+      const int col = get<1>(coords(i));
+      const bool valid = row < valid_end;
+      const float scale = valid ? (p.row_scale != nullptr ? p.row_scale[row] : 1.0f) : 0.0f;
+      const __nv_bfloat162 v = __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale);
+      *reinterpret_cast<__nv_bfloat162*>(p.out + row * p.out_ld + col_base + col) = v;
+    }
+  } else {
+    // Fragment values [0, kValues/2) hold columns [0, kHalfN) (gate), the rest the same columns + kHalfN (up).
+    constexpr int kHalf = kValues / 2;
+    const float limit = p.swiglu_limit;
+    CUTE_UNROLL
+    for (int i = 0; i < kHalf; i += 2) {
+      const int64_t row = row_base + get<0>(coords(i));
+      const int col = get<1>(coords(i));
+      const bool valid = row < valid_end;
+      const float scale = valid ? (p.row_scale != nullptr ? p.row_scale[row] : 1.0f) : 0.0f;
+      float h[2];
+      CUTE_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        float g = accum(i + j), u = accum(i + kHalf + j);
+        if (limit > 0.0f) {
+          g = fminf(g, limit);
+          u = fminf(fmaxf(u, -limit), limit);
+        }
+        h[j] = silu(g) * u * scale;
+      }
+      *reinterpret_cast<__nv_bfloat162*>(p.out + row * p.out_ld + col_base + col) = __floats2bfloat162_rn(h[0], h[1]);
+    }
+  }
+}
+
+enum class GemmRole : int { kProducer = 0, kConsumer = 1 };
+
+// Standalone persistent launcher: one CTA per SM, tasks strided over CTAs. Used by tests and the bench.
+template <class Traits, class Params>
+__global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
+  using T = Traits;
+  extern __shared__ __align__(1024) char shared_raw[];
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(shared_raw);
+  const int warpgroup = threadIdx.x / 128;
+  const GemmRole role = warpgroup == 0 ? GemmRole::kProducer : GemmRole::kConsumer;
+
+  typename T::Pipeline::Params pipeline_params;
+  pipeline_params.transaction_bytes = T::kStageTransactionBytes;
+  pipeline_params.role = role == GemmRole::kProducer ? T::Pipeline::ThreadCategory::Producer
+                                                     : T::Pipeline::ThreadCategory::Consumer;
+  pipeline_params.is_leader = threadIdx.x == 0;
+  pipeline_params.num_consumers = 128 * T::kConsumerWarpgroups;
+  typename T::Pipeline pipeline(smem.pipeline, pipeline_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  __syncthreads();  // barrier initialization visible to every role
+
+  const int64_t num_tasks = num_tile_tasks<T>(p);
+  if (role == GemmRole::kProducer) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
+      for (int64_t task = blockIdx.x; task < num_tasks; task += gridDim.x)
+        load_tile<T>(p, tile_task<T>(p, task), smem, pipeline, state);
+      pipeline.producer_tail(state);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+    typename T::PipelineState state;
+    for (int64_t task = blockIdx.x; task < num_tasks; task += gridDim.x)
+      compute_tile<T>(p, tile_task<T>(p, task), smem, pipeline, state, static_cast<int>(threadIdx.x) - 128);
+  }
+}
+
+}  // namespace mok::gemm

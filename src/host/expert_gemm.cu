@@ -1,0 +1,111 @@
+// Host side of the expert grouped GEMM: argument validation, TMA descriptors, tile-config dispatch and the
+// launch of the persistent kernel in src/device/gemm/expert_gemm.cuh.
+#include "mok/expert_gemm.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "src/device/gemm/expert_gemm.cuh"
+#include "src/host/check.h"
+
+namespace mok {
+namespace {
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument("expert_gemm: " + message);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <class Traits>
+void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
+  using namespace cute;
+  using T = Traits;
+  using Element = typename T::Element;
+  const bool swiglu = args.epilogue == GemmEpilogue::kSwiGLU;
+  const bool fused = swiglu && args.b_up == nullptr;
+  const int64_t b_expert_rows = fused ? 2 * int64_t(args.n) : args.n;
+  const int64_t b_rows = int64_t(args.local_experts) * b_expert_rows;
+
+  auto g_a = make_tensor(make_gmem_ptr(static_cast<const Element*>(args.a)), make_shape(args.a_rows, int64_t(args.k)),
+                         make_stride(int64_t(args.k), _1{}));
+  auto tma_a = make_tma_copy(SM90_TMA_LOAD{}, g_a, typename T::SmemLayoutAStage{});
+  auto make_b = [&](const void* ptr) {
+    auto g_b = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(b_rows, int64_t(args.k)),
+                           make_stride(int64_t(args.k), _1{}));
+    return make_tma_copy(SM90_TMA_LOAD{}, g_b, typename T::SmemLayoutBHalf{});
+  };
+  auto tma_b0 = make_b(args.b);
+  auto tma_b1 = make_b(swiglu && !fused ? args.b_up : args.b);
+
+  gemm::GemmParams<decltype(tma_a), decltype(tma_b0)> p{tma_a, tma_b0, tma_b1};
+  p.a_rows = args.a_rows;
+  p.b_rows = b_rows;
+  p.k = args.k;
+  p.local_experts = args.local_experts;
+  p.num_n_blocks = args.n / T::kOutCols;
+  p.b_expert_rows = b_expert_rows;
+  if (swiglu) {  // half 0: gate rows, half 1: up rows of the same output columns
+    p.b_half_offset0 = 0;
+    p.b_half_offset1 = fused ? args.n : 0;
+    p.b_block_step = T::kHalfN;
+  } else {  // two halves of kBlockN consecutive rows
+    p.b_half_offset0 = 0;
+    p.b_half_offset1 = T::kHalfN;
+    p.b_block_step = T::kBlockN;
+  }
+  p.expert_counts = args.expert_counts;
+  p.expert_row_offsets = args.expert_row_offsets;
+  p.scheduled_rows = args.scheduled_rows;
+  p.row_scale = args.row_scale;
+  p.swiglu_limit = args.swiglu_limit;
+  p.out = static_cast<__nv_bfloat16*>(args.out);
+  p.out_ld = args.n;
+
+  int device = 0, num_sms = 0, max_smem = 0;
+  MOK_CHECK_CUDA(cudaGetDevice(&device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (T::kSharedBytes > max_smem)
+    throw std::runtime_error("expert_gemm: tile config needs " + std::to_string(T::kSharedBytes) +
+                             " bytes of shared memory, device allows " + std::to_string(max_smem));
+  auto kernel = gemm::expert_gemm_kernel<T, decltype(p)>;
+  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSharedBytes));
+  kernel<<<num_sms, T::kThreads, T::kSharedBytes, stream>>>(p);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace
+
+void validate(const ExpertGemmArgs& args) {
+  const bool swiglu = args.epilogue == GemmEpilogue::kSwiGLU;
+  require(args.epilogue == GemmEpilogue::kStore || swiglu, "epilogue must be kStore or kSwiGLU");
+  require(args.a != nullptr && aligned16(args.a), "a must be a non-null, 16-byte aligned bf16 buffer");
+  require(args.b != nullptr && aligned16(args.b), "b must be a non-null, 16-byte aligned bf16 buffer");
+  require(args.b_up == nullptr || (swiglu && aligned16(args.b_up)), "b_up is only for kSwiGLU and must be 16-byte aligned");
+  require(args.out != nullptr && aligned16(args.out), "out must be a non-null, 16-byte aligned bf16 buffer");
+  require(args.k > 0 && args.k % 64 == 0, "k must be a positive multiple of 64, got " + std::to_string(args.k));
+  const int n_multiple = swiglu ? 128 : 256;
+  require(args.n > 0 && args.n % n_multiple == 0,
+          "n must be a positive multiple of " + std::to_string(n_multiple) + ", got " + std::to_string(args.n));
+  require(args.local_experts > 0, "local_experts must be positive");
+  require(args.a_rows > 0 && args.a_rows % args.tile_m == 0, "a_rows must be a positive multiple of tile_m");
+  require(args.tile_m == 128, "tile_m must be 128 (64-row tiles are not built yet), got " + std::to_string(args.tile_m));
+  require(args.expert_counts != nullptr && args.expert_row_offsets != nullptr && args.scheduled_rows != nullptr,
+          "schedule pointers (expert_counts, expert_row_offsets, scheduled_rows) must be set");
+}
+
+void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
+  validate(args);
+  if (args.epilogue == GemmEpilogue::kSwiGLU)
+    launch<gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kSwiGLU>>(args, stream);
+  else
+    launch<gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kStore>>(args, stream);
+}
+
+int choose_tile_m(double expected_rows_per_expert) {
+  // Mean padding is about tile_m / 2 rows per expert.
+  return 64.0 / expected_rows_per_expert > 1.0 / 8 ? 64 : 128;
+}
+
+}  // namespace mok

@@ -1,0 +1,347 @@
+// Expert grouped GEMM (src/device/gemm/expert_gemm.cuh) against the CPU: bitwise on integer-valued inputs
+// (every fp32 partial sum is exact, both sides round once to bf16 with round-to-nearest-even), within a
+// stated budget for random normal inputs and for SwiGLU (the GPU uses __expf). Outputs are poisoned with
+// NaN first: padding rows must come back as zeros, rows past the schedule must stay untouched.
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include "mok/expert_gemm.h"
+#include "mok/schedule.h"
+#include "reference/routing_gen.h"
+#include "src/host/check.h"
+#include "tests/common/device_fill.h"
+#include "tests/common/gpu_env.h"
+#include "tests/common/schedule_harness.h"
+
+namespace mok {
+namespace {
+
+using testing::hashed_int;
+
+constexpr uint16_t kPoison = 0x7fc1;  // a bf16 NaN
+
+uint16_t to_bf16_bits(float v) { return static_cast<__nv_bfloat16_raw>(__float2bfloat16_rn(v)).x; }
+float from_bf16_bits(uint16_t bits) {
+  __nv_bfloat16_raw raw;
+  raw.x = bits;
+  return __bfloat162float(__nv_bfloat16(raw));
+}
+
+template <class T>
+struct DeviceArray {
+  T* ptr = nullptr;
+  size_t count = 0;
+  explicit DeviceArray(size_t n) : count(n) { MOK_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T))); }
+  DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) { upload(host); }
+  ~DeviceArray() { cudaFree(ptr); }
+  DeviceArray(const DeviceArray&) = delete;
+  void upload(const std::vector<T>& host) {
+    MOK_CHECK_CUDA(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(count);
+    MOK_CHECK_CUDA(cudaMemcpy(host.data(), ptr, count * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+};
+
+// Expert segments padded to 128 rows, as the schedule lays them out.
+struct Segments {
+  std::vector<int32_t> counts, offsets;
+  int32_t rows = 0;
+  explicit Segments(const std::vector<int32_t>& c) : counts(c), offsets(c.size() + 1, 0) {
+    for (size_t e = 0; e < c.size(); ++e) offsets[e + 1] = offsets[e] + (c[e] + 127) / 128 * 128;
+    rows = offsets.back();
+  }
+  int expert_of(int64_t row) const {
+    return static_cast<int>(std::upper_bound(offsets.begin(), offsets.end(), row) - offsets.begin()) - 1;
+  }
+  bool is_real(int64_t row) const {
+    const int e = expert_of(row);
+    return row - offsets[e] < counts[e];
+  }
+};
+
+// Everything one GEMM call needs on the device, with the schedule's three arrays.
+struct GemmFixture {
+  Segments seg;
+  int64_t a_rows;
+  DeviceArray<int32_t> counts, offsets, scheduled;
+  GemmFixture(const std::vector<int32_t>& expert_counts, int64_t spare_rows)
+      : seg(expert_counts), a_rows(seg.rows + spare_rows), counts(seg.counts), offsets(seg.offsets),
+        scheduled(std::vector<int32_t>{seg.rows}) {}
+  ExpertGemmArgs args(GemmEpilogue epilogue, const void* a, int k, const void* b, int n, void* out) const {
+    ExpertGemmArgs g;
+    g.epilogue = epilogue;
+    g.a = a;
+    g.a_rows = a_rows;
+    g.k = k;
+    g.b = b;
+    g.n = n;
+    g.local_experts = static_cast<int>(seg.counts.size());
+    g.expert_counts = counts.ptr;
+    g.expert_row_offsets = offsets.ptr;
+    g.scheduled_rows = scheduled.ptr;
+    g.out = out;
+    return g;
+  }
+};
+
+std::vector<uint16_t> hashed_bf16(size_t count, uint64_t seed, int lo, int hi) {
+  std::vector<uint16_t> v(count);
+  for (size_t i = 0; i < count; ++i) v[i] = to_bf16_bits(static_cast<float>(hashed_int(seed, int64_t(i), lo, hi)));
+  return v;
+}
+
+std::string where(const std::string& what, int64_t row, int64_t col, float got, double want) {
+  return what + ": first mismatch at row " + std::to_string(row) + " col " + std::to_string(col) + ": got " +
+         std::to_string(got) + ", expected " + std::to_string(want);
+}
+
+// Checks rows past the schedule are untouched and padding rows are zero; returns "" or the first failure.
+std::string check_layout(const std::vector<uint16_t>& out, const Segments& seg, int64_t a_rows, int n) {
+  for (int64_t row = 0; row < a_rows; ++row) {
+    const bool scheduled = row < seg.rows;
+    const bool padding = scheduled && !seg.is_real(row);
+    for (int c = 0; c < n; ++c) {
+      const uint16_t bits = out[row * n + c];
+      if (!scheduled && bits != kPoison) return where("row past the schedule was written", row, c, from_bf16_bits(bits), NAN);
+      if (padding && bits != 0) return where("padding row not zero", row, c, from_bf16_bits(bits), 0);
+    }
+  }
+  return {};
+}
+
+TEST(ExpertGemmTest, StoreIsBitwiseExactForEdgeRowCounts) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> expert_counts = {0, 1, 63, 129, 3000, 0, 128, 7};
+  const int k = 512, n = 512;
+  for (bool scaled : {false, true}) {
+    const uint64_t seed = scaled ? 11 : 10;
+    GemmFixture fx(expert_counts, 256);
+    const auto a = hashed_bf16(size_t(fx.a_rows) * k, seed, -2, 2);
+    const auto w = hashed_bf16(expert_counts.size() * n * k, seed + 100, -2, 2);
+    std::vector<float> scale(fx.a_rows);
+    for (int64_t r = 0; r < fx.a_rows; ++r) scale[r] = std::ldexp(1.0f, hashed_int(seed, r, -3, 3));
+    DeviceArray<uint16_t> d_a(a), d_w(w), d_out(size_t(fx.a_rows) * n);
+    DeviceArray<float> d_scale(scale);
+    MOK_CHECK_CUDA(cudaMemcpy(d_out.ptr, std::vector<uint16_t>(d_out.count, kPoison).data(), d_out.count * 2, cudaMemcpyHostToDevice));
+    ExpertGemmArgs args = fx.args(GemmEpilogue::kStore, d_a.ptr, k, d_w.ptr, n, d_out.ptr);
+    if (scaled) args.row_scale = d_scale.ptr;
+    expert_gemm(args, nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    const auto out = d_out.download();
+    ASSERT_EQ(check_layout(out, fx.seg, fx.a_rows, n), "") << "seed " << seed;
+    for (int64_t row = 0; row < fx.seg.rows; ++row) {
+      if (!fx.seg.is_real(row)) continue;
+      const int e = fx.seg.expert_of(row);
+      for (int c = 0; c < n; ++c) {
+        double sum = 0;
+        for (int kk = 0; kk < k; ++kk)
+          sum += double(from_bf16_bits(a[row * k + kk])) * from_bf16_bits(w[(size_t(e) * n + c) * k + kk]);
+        const float want = static_cast<float>(sum) * (scaled ? scale[row] : 1.0f);
+        ASSERT_EQ(out[row * n + c], to_bf16_bits(want))
+            << where("store", row, c, from_bf16_bits(out[row * n + c]), want) << " (expert " << e << ", seed " << seed
+            << ", scaled " << scaled << ")";
+      }
+    }
+  }
+}
+
+TEST(ExpertGemmTest, SwiGLUFusedAndSeparateWeightsWithinBudget) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> expert_counts = {129, 0, 1, 255, 64};
+  const int k = 256, n = 256;  // n = intermediate size
+  const uint64_t seed = 21;
+  for (float limit : {0.0f, 3.0f}) {
+    GemmFixture fx(expert_counts, 128);
+    const int num_experts = static_cast<int>(expert_counts.size());
+    const auto a = hashed_bf16(size_t(fx.a_rows) * k, seed, -1, 1);
+    const auto w_gate = hashed_bf16(size_t(num_experts) * n * k, seed + 1, -1, 1);
+    const auto w_up = hashed_bf16(size_t(num_experts) * n * k, seed + 2, -1, 1);
+    std::vector<uint16_t> w_fused;  // [E, 2n, k]: gate rows then up rows per expert
+    for (int e = 0; e < num_experts; ++e) {
+      w_fused.insert(w_fused.end(), w_gate.begin() + size_t(e) * n * k, w_gate.begin() + size_t(e + 1) * n * k);
+      w_fused.insert(w_fused.end(), w_up.begin() + size_t(e) * n * k, w_up.begin() + size_t(e + 1) * n * k);
+    }
+    DeviceArray<uint16_t> d_a(a), d_gate(w_gate), d_up(w_up), d_fused(w_fused);
+    DeviceArray<uint16_t> out_fused(size_t(fx.a_rows) * n), out_separate(size_t(fx.a_rows) * n);
+    const std::vector<uint16_t> poison(out_fused.count, kPoison);
+    out_fused.upload(poison);
+    out_separate.upload(poison);
+    ExpertGemmArgs fused = fx.args(GemmEpilogue::kSwiGLU, d_a.ptr, k, d_fused.ptr, n, out_fused.ptr);
+    fused.swiglu_limit = limit;
+    ExpertGemmArgs separate = fx.args(GemmEpilogue::kSwiGLU, d_a.ptr, k, d_gate.ptr, n, out_separate.ptr);
+    separate.b_up = d_up.ptr;
+    separate.swiglu_limit = limit;
+    expert_gemm(fused, nullptr);
+    expert_gemm(separate, nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    const auto got = out_fused.download();
+    ASSERT_EQ(got, out_separate.download()) << "fused and separate weights must give the same bits";
+    ASSERT_EQ(check_layout(got, fx.seg, fx.a_rows, n), "");
+    // Budget: bf16 output rounding (2^-9 relative) plus __expf (a few ulp): 1/128 relative + 1e-3 absolute.
+    for (int64_t row = 0; row < fx.seg.rows; ++row) {
+      if (!fx.seg.is_real(row)) continue;
+      const int e = fx.seg.expert_of(row);
+      for (int c = 0; c < n; ++c) {
+        double g = 0, u = 0;
+        for (int kk = 0; kk < k; ++kk) {
+          const double x = from_bf16_bits(a[row * k + kk]);
+          g += x * from_bf16_bits(w_gate[(size_t(e) * n + c) * k + kk]);
+          u += x * from_bf16_bits(w_up[(size_t(e) * n + c) * k + kk]);
+        }
+        if (limit > 0) { g = std::min<double>(g, limit); u = std::clamp<double>(u, -limit, limit); }
+        const double want = g / (1 + std::exp(-g)) * u;
+        const float value = from_bf16_bits(got[row * n + c]);
+        ASSERT_FALSE(std::isnan(value)) << where("swiglu NaN", row, c, value, want);
+        ASSERT_LE(std::abs(value - want), std::abs(want) / 128 + 1e-3)
+            << where("swiglu", row, c, value, want) << " limit " << limit << " seed " << seed;
+      }
+    }
+  }
+}
+
+TEST(ExpertGemmTest, RandomNormalInputsWithinBudget) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> expert_counts = {300, 17, 0, 520};
+  const int k = 1024, n = 768;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  GemmFixture fx(expert_counts, 0);
+  std::vector<uint16_t> a(size_t(fx.a_rows) * k), w(expert_counts.size() * n * k);
+  for (auto& v : a) v = to_bf16_bits(normal(rng));
+  for (auto& v : w) v = to_bf16_bits(normal(rng) / 32.f);
+  DeviceArray<uint16_t> d_a(a), d_w(w), d_out(size_t(fx.a_rows) * n);
+  d_out.upload(std::vector<uint16_t>(d_out.count, kPoison));
+  expert_gemm(fx.args(GemmEpilogue::kStore, d_a.ptr, k, d_w.ptr, n, d_out.ptr), nullptr);
+  MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  const auto out = d_out.download();
+  ASSERT_EQ(check_layout(out, fx.seg, fx.a_rows, n), "");
+  double err2 = 0, ref2 = 0, worst = 0;
+  for (int64_t row = 0; row < fx.seg.rows; ++row) {
+    if (!fx.seg.is_real(row)) continue;
+    const int e = fx.seg.expert_of(row);
+    for (int c = 0; c < n; ++c) {
+      double want = 0;
+      for (int kk = 0; kk < k; ++kk)
+        want += double(from_bf16_bits(a[row * k + kk])) * from_bf16_bits(w[(size_t(e) * n + c) * k + kk]);
+      const double got = from_bf16_bits(out[row * n + c]);
+      ASSERT_FALSE(std::isnan(got)) << where("NaN", row, c, float(got), want);
+      err2 += (got - want) * (got - want);
+      ref2 += want * want;
+      worst = std::max(worst, std::abs(got - want) / (std::abs(want) + 1e-2));
+    }
+  }
+  // Budget: bf16 rounding of the output, 2^-9 relative per element; fp32 accumulation adds ~1e-6.
+  EXPECT_LT(std::sqrt(err2 / ref2), 4e-3) << "relative L2 error, seed 5";
+  EXPECT_LT(worst, 1.0 / 128) << "worst element error relative to |ref| + 0.01, seed 5";
+}
+
+// The four model shapes at EP = 2 (rank 0's rows of an 8192-token-per-rank routing): gate/up with the
+// SwiGLU epilogue (K = H, n = I, fused weights) and down (K = I, n = H), sampled rows checked on the CPU.
+TEST(ExpertGemmTest, ModelShapesAtEp2RowCounts) {
+  MOK_REQUIRE_GPUS(1);
+  for (const auto& model : reference::model_shapes()) {
+    const RoutingShape shape{2, 8192, model.top_k, model.num_experts};
+    std::vector<std::vector<int32_t>> ids;
+    for (int r = 0; r < 2; ++r)
+      ids.push_back(reference::random_routing(8192, model.top_k, model.num_experts, 0.0, 70 + r).topk_idx);
+    const HostSchedule schedule = build_schedule_host(shape, {}, 0, testing::gather_on_host(ids));
+    GemmFixture fx(schedule.expert_counts, 0);
+    const int num_experts = shape.local_experts(), h = model.hidden, inter = model.intermediate;
+    const uint64_t seed = 300 + model.num_experts;
+    DeviceArray<uint16_t> d_x(size_t(fx.a_rows) * h), d_w13(size_t(num_experts) * 2 * inter * h),
+        d_w2(size_t(num_experts) * h * inter), d_hidden(size_t(fx.a_rows) * inter), d_y(size_t(fx.a_rows) * h);
+    testing::fill_hashed_bf16(d_x.ptr, d_x.count, seed, -1, 1, nullptr);
+    testing::fill_hashed_bf16(d_w13.ptr, d_w13.count, seed + 1, -1, 1, nullptr);
+    testing::fill_hashed_bf16(d_w2.ptr, d_w2.count, seed + 2, -2, 2, nullptr);
+    testing::fill_hashed_bf16(d_hidden.ptr, d_hidden.count, seed + 3, -2, 2, nullptr);  // down's input
+    MOK_CHECK_CUDA(cudaMemset(d_y.ptr, 0xff, d_y.count * 2));
+    expert_gemm(fx.args(GemmEpilogue::kSwiGLU, d_x.ptr, h, d_w13.ptr, inter, d_hidden.ptr), nullptr);
+    // The down GEMM reads a separate integer buffer so its check stays bitwise.
+    DeviceArray<uint16_t> d_down_in(size_t(fx.a_rows) * inter);
+    testing::fill_hashed_bf16(d_down_in.ptr, d_down_in.count, seed + 3, -2, 2, nullptr);
+    expert_gemm(fx.args(GemmEpilogue::kStore, d_down_in.ptr, inter, d_w2.ptr, h, d_y.ptr), nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    const auto hidden = d_hidden.download();
+    const auto y = d_y.download();
+    // Sample rows: first and last real row of a few experts spread over the range.
+    std::vector<int64_t> rows;
+    for (int e = 0; e < num_experts; e += std::max(1, num_experts / 6))
+      if (fx.seg.counts[e] > 0) {
+        rows.push_back(fx.seg.offsets[e]);
+        rows.push_back(fx.seg.offsets[e] + fx.seg.counts[e] - 1);
+      }
+    for (int64_t row : rows) {
+      const int e = fx.seg.expert_of(row);
+      for (int c = 0; c < inter; ++c) {
+        double g = 0, u = 0;
+        for (int kk = 0; kk < h; ++kk) {
+          const double x = hashed_int(seed, row * h + kk, -1, 1);
+          g += x * hashed_int(seed + 1, (int64_t(e) * 2 * inter + c) * h + kk, -1, 1);
+          u += x * hashed_int(seed + 1, (int64_t(e) * 2 * inter + inter + c) * h + kk, -1, 1);
+        }
+        const double want = g / (1 + std::exp(-g)) * u;
+        const float got = from_bf16_bits(hidden[row * inter + c]);
+        ASSERT_LE(std::abs(got - want), std::abs(want) / 128 + 1e-3)
+            << model.name << " gate/up " << where("swiglu", row, c, got, want) << " seed " << seed;
+      }
+      for (int c = 0; c < h; ++c) {
+        double sum = 0;
+        for (int kk = 0; kk < inter; ++kk)
+          sum += double(hashed_int(seed + 3, row * inter + kk, -2, 2)) *
+                 hashed_int(seed + 2, (int64_t(e) * h + c) * inter + kk, -2, 2);
+        ASSERT_EQ(y[row * h + c], to_bf16_bits(static_cast<float>(sum)))
+            << model.name << " down " << where("store", row, c, from_bf16_bits(y[row * h + c]), sum) << " seed " << seed;
+      }
+    }
+    // Every scheduled row of both outputs: no NaN; padding rows zero.
+    for (int64_t row = 0; row < fx.seg.rows; ++row) {
+      const bool real = fx.seg.is_real(row);
+      for (int c = 0; c < h; ++c) {
+        const uint16_t bits = y[row * h + c];
+        ASSERT_TRUE(real ? !std::isnan(from_bf16_bits(bits)) : bits == 0)
+            << model.name << " down row " << row << " col " << c << (real ? " is NaN" : " padding not zero");
+      }
+      for (int c = 0; c < inter; ++c) {
+        const uint16_t bits = hidden[row * inter + c];
+        ASSERT_TRUE(real ? !std::isnan(from_bf16_bits(bits)) : bits == 0)
+            << model.name << " gate/up row " << row << " col " << c << (real ? " is NaN" : " padding not zero");
+      }
+    }
+    std::printf("%-16s rows %6d (%zu sampled) experts %d: gate/up and down checked\n", model.name.c_str(),
+                fx.seg.rows, rows.size(), num_experts);
+  }
+}
+
+TEST(ExpertGemmTest, ValidationNamesTheArgument) {
+  ExpertGemmArgs args;
+  auto message = [&] {
+    try { validate(args); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
+    return std::string("no throw");
+  };
+  EXPECT_NE(message().find("a must be"), std::string::npos);
+  alignas(16) static uint16_t buffer[64];
+  args.a = args.b = args.out = buffer;
+  args.k = 100;
+  EXPECT_NE(message().find("k must be"), std::string::npos);
+  args.k = 128;
+  args.n = 200;
+  EXPECT_NE(message().find("n must be"), std::string::npos);
+  args.n = 256;
+  args.local_experts = 2;
+  args.a_rows = 128;
+  EXPECT_NE(message().find("schedule pointers"), std::string::npos);
+  args.b = buffer + 1;
+  EXPECT_NE(message().find("b must be"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace mok
