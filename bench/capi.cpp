@@ -11,7 +11,7 @@ extern "C" {
 // Returns 0, or 1 with a message in `error` (NUL-terminated, at most error_len bytes).
 int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, const void* b, const void* b_up, int n,
                           int local_experts, const int32_t* expert_counts, const int32_t* expert_row_offsets,
-                          const int32_t* scheduled_rows, const float* row_scale, float swiglu_limit, void* out,
+                          const int32_t* scheduled_rows, int tile_m, const float* row_scale, float swiglu_limit, void* out,
                           void* stream, char* error, int error_len) {
   try {
     mok::ExpertGemmArgs args;
@@ -26,6 +26,7 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
     args.expert_counts = expert_counts;
     args.expert_row_offsets = expert_row_offsets;
     args.scheduled_rows = scheduled_rows;
+    args.tile_m = tile_m;
     args.row_scale = row_scale;
     args.swiglu_limit = swiglu_limit;
     args.out = out;

@@ -7,7 +7,7 @@ from a softmax top-k routing of random logits over 2 x 8192 tokens. Two GEMMs pe
            torch._grouped_mm writes [rows, 2I] (no activation)
   down     [rows, I] x [E_local, H, I]^T -> [rows, H]
 The dense ceiling is one torch.mm with the same M = routed rows, N and K. TFLOP/s count real rows only
-(2 * rows * N * K); our padding to 128-row tiles is work we pay for and do not count. Time: median of
+(2 * rows * N * K); our padding to 64-row units is work we pay for and do not count. Time: median of
 CUDA-event timings after warm-up. Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N]
 """
 import argparse
@@ -23,7 +23,7 @@ SHAPES = [  # name, experts, hidden, intermediate, top_k
     ("Qwen3.5-397B", 512, 4096, 1024, 10),
     ("DeepSeek-V4-Pro", 384, 7168, 3072, 6),
 ]
-TILE_M = 128
+TILE_M = 64  # schedule padding chosen by mok::choose_tile_m for these row counts (~250-430 per expert)
 TORCH_GROUP_ALIGN = 16  # torchtitan pads each expert's rows for torch._grouped_mm
 
 
@@ -31,7 +31,7 @@ def load(lib_path):
     lib = ctypes.CDLL(lib_path)
     fn = lib.mok_bench_expert_gemm
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, p, f32, p, p, ctypes.c_char_p, i32]
+    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, i32, p, f32, p, p, ctypes.c_char_p, i32]
     fn.restype = i32
     return fn
 
@@ -98,7 +98,7 @@ def main():
 
             def ours():
                 rc = gemm(epilogue, a.data_ptr(), rows_padded, k, weights.data_ptr(), None, n_out, local,
-                          counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), None, 0.0, out.data_ptr(),
+                          counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), TILE_M, None, 0.0, out.data_ptr(),
                           stream, error, len(error))
                 if rc != 0:
                     raise RuntimeError(error.value.decode())

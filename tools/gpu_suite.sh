@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run ON THE GPU MACHINE, from the repository root, in one call (after tools/gpu_carry.sh here):
 #   tools/gpu_suite.sh [ctest label regex, default "gpu|multigpu"]
+# Environment: MOK_SUITE_TESTS=regex (only these tests), MOK_SUITE_MAIN=0 (skip mok_bench),
+#              MOK_SUITE_GEMM_BENCH=0 (skip bench/gemm_bench.py).
 # Configures and builds with the carried .deps/, runs the GPU tests (and CPU ones if asked), the
 # memory checker on the error-path tests, and the main program, then prints a summary table. Logs go to
 # $OUT (the device tool's return folder) when set.
@@ -23,7 +25,7 @@ if ! { cmake -S . -B build-gpu -G Ninja -DMOK_DEPS_DIR="$PWD/.deps" >"$out/confi
 fi
 grep -h "spill" "$out/build.log" | sort | uniq -c | grep -v " 0 bytes spill" || true
 
-ctest --test-dir build-gpu -V -L "$labels" >"$out/ctest.log" 2>&1 || status=1
+ctest --test-dir build-gpu -V -L "$labels" ${MOK_SUITE_TESTS:+-R "$MOK_SUITE_TESTS"} >"$out/ctest.log" 2>&1 || status=1
 
 # Error paths under the memory checker: no out-of-bounds access on overflow or bad ids.
 sanitizer=skipped
@@ -36,7 +38,7 @@ if command -v compute-sanitizer >/dev/null; then
   fi
 fi
 
-build-gpu/bench/mok_bench >"$out/bench.log" 2>&1 || status=1
+[ "${MOK_SUITE_MAIN:-1}" = 1 ] && { build-gpu/bench/mok_bench >"$out/bench.log" 2>&1 || status=1; }
 if [ "${MOK_SUITE_GEMM_BENCH:-1}" = 1 ]; then
   PYTHONUNBUFFERED=1 python3 bench/gemm_bench.py --lib build-gpu/bench/libmok_bench_capi.so >"$out/gemm_bench.log" 2>&1 || status=1
 fi
@@ -55,6 +57,6 @@ done
 printf "%-26s %s\n" "memcheck (error paths)" "$sanitizer"
 grep -E "tests passed|tests failed" "$out/ctest.log"
 echo
-cat "$out/bench.log"
+[ -f "$out/bench.log" ] && cat "$out/bench.log"
 [ -f "$out/gemm_bench.log" ] && { echo; cat "$out/gemm_bench.log"; }
 exit $status

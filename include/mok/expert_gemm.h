@@ -28,7 +28,7 @@ struct ExpertGemmArgs {
   const int32_t* expert_counts = nullptr;       // from ScheduleView
   const int32_t* expert_row_offsets = nullptr;  // from ScheduleView; segments padded to tile_m
   const int32_t* scheduled_rows = nullptr;      // from ScheduleView
-  int tile_m = 128;             // the schedule's padding (64 or 128): the GEMM's tile height
+  int tile_m = 128;             // the schedule's padding (64 or 128); 64-row segment ends run as half tiles
   const float* row_scale = nullptr;  // optional [a_rows]
   float swiglu_limit = 0;       // 0: plain SwiGLU
   void* out = nullptr;          // bf16 [a_rows, n]

@@ -89,8 +89,8 @@ void validate(const ExpertGemmArgs& args) {
   require(args.n > 0 && args.n % n_multiple == 0,
           "n must be a positive multiple of " + std::to_string(n_multiple) + ", got " + std::to_string(args.n));
   require(args.local_experts > 0, "local_experts must be positive");
+  require(args.tile_m == 64 || args.tile_m == 128, "tile_m must be 64 or 128, got " + std::to_string(args.tile_m));
   require(args.a_rows > 0 && args.a_rows % args.tile_m == 0, "a_rows must be a positive multiple of tile_m");
-  require(args.tile_m == 128, "tile_m must be 128 (64-row tiles are not built yet), got " + std::to_string(args.tile_m));
   require(args.expert_counts != nullptr && args.expert_row_offsets != nullptr && args.scheduled_rows != nullptr,
           "schedule pointers (expert_counts, expert_row_offsets, scheduled_rows) must be set");
 }
@@ -98,9 +98,9 @@ void validate(const ExpertGemmArgs& args) {
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);
   if (args.epilogue == GemmEpilogue::kSwiGLU)
-    launch<gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kSwiGLU>>(args, stream);
+    launch<gemm::GemmTraits<128, 256, 3, gemm::Epilogue::kSwiGLU>>(args, stream);
   else
-    launch<gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kStore>>(args, stream);
+    launch<gemm::GemmTraits<128, 256, 3, gemm::Epilogue::kStore>>(args, stream);
 }
 
 int choose_tile_m(double expected_rows_per_expert) {

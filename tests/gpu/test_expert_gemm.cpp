@@ -51,12 +51,13 @@ struct DeviceArray {
   }
 };
 
-// Expert segments padded to 128 rows, as the schedule lays them out.
+// Expert segments padded to tile_m rows, as the schedule lays them out.
 struct Segments {
   std::vector<int32_t> counts, offsets;
   int32_t rows = 0;
-  explicit Segments(const std::vector<int32_t>& c) : counts(c), offsets(c.size() + 1, 0) {
-    for (size_t e = 0; e < c.size(); ++e) offsets[e + 1] = offsets[e] + (c[e] + 127) / 128 * 128;
+  int tile_m;
+  Segments(const std::vector<int32_t>& c, int tile) : counts(c), offsets(c.size() + 1, 0), tile_m(tile) {
+    for (size_t e = 0; e < c.size(); ++e) offsets[e + 1] = offsets[e] + (c[e] + tile - 1) / tile * tile;
     rows = offsets.back();
   }
   int expert_of(int64_t row) const {
@@ -73,8 +74,8 @@ struct GemmFixture {
   Segments seg;
   int64_t a_rows;
   DeviceArray<int32_t> counts, offsets, scheduled;
-  GemmFixture(const std::vector<int32_t>& expert_counts, int64_t spare_rows)
-      : seg(expert_counts), a_rows(seg.rows + spare_rows), counts(seg.counts), offsets(seg.offsets),
+  GemmFixture(const std::vector<int32_t>& expert_counts, int64_t spare_rows, int tile_m = 128)
+      : seg(expert_counts, tile_m), a_rows(seg.rows + spare_rows), counts(seg.counts), offsets(seg.offsets),
         scheduled(std::vector<int32_t>{seg.rows}) {}
   ExpertGemmArgs args(GemmEpilogue epilogue, const void* a, int k, const void* b, int n, void* out) const {
     ExpertGemmArgs g;
@@ -88,6 +89,7 @@ struct GemmFixture {
     g.expert_counts = counts.ptr;
     g.expert_row_offsets = offsets.ptr;
     g.scheduled_rows = scheduled.ptr;
+    g.tile_m = seg.tile_m;
     g.out = out;
     return g;
   }
@@ -122,9 +124,9 @@ TEST(ExpertGemmTest, StoreIsBitwiseExactForEdgeRowCounts) {
   MOK_REQUIRE_GPUS(1);
   const std::vector<int32_t> expert_counts = {0, 1, 63, 129, 3000, 0, 128, 7};
   const int k = 512, n = 512;
-  for (bool scaled : {false, true}) {
-    const uint64_t seed = scaled ? 11 : 10;
-    GemmFixture fx(expert_counts, 256);
+  for (int tile_m : {128, 64}) for (bool scaled : {false, true}) {
+    const uint64_t seed = (scaled ? 11 : 10) + tile_m;
+    GemmFixture fx(expert_counts, 256, tile_m);
     const auto a = hashed_bf16(size_t(fx.a_rows) * k, seed, -2, 2);
     const auto w = hashed_bf16(expert_counts.size() * n * k, seed + 100, -2, 2);
     std::vector<float> scale(fx.a_rows);
@@ -148,7 +150,7 @@ TEST(ExpertGemmTest, StoreIsBitwiseExactForEdgeRowCounts) {
         const float want = static_cast<float>(sum) * (scaled ? scale[row] : 1.0f);
         ASSERT_EQ(out[row * n + c], to_bf16_bits(want))
             << where("store", row, c, from_bf16_bits(out[row * n + c]), want) << " (expert " << e << ", seed " << seed
-            << ", scaled " << scaled << ")";
+            << ", scaled " << scaled << ", tile_m " << tile_m << ")";
       }
     }
   }
@@ -160,7 +162,7 @@ TEST(ExpertGemmTest, SwiGLUFusedAndSeparateWeightsWithinBudget) {
   const int k = 256, n = 256;  // n = intermediate size
   const uint64_t seed = 21;
   for (float limit : {0.0f, 3.0f}) {
-    GemmFixture fx(expert_counts, 128);
+    GemmFixture fx(expert_counts, 128, limit > 0 ? 64 : 128);
     const int num_experts = static_cast<int>(expert_counts.size());
     const auto a = hashed_bf16(size_t(fx.a_rows) * k, seed, -1, 1);
     const auto w_gate = hashed_bf16(size_t(num_experts) * n * k, seed + 1, -1, 1);
@@ -253,8 +255,10 @@ TEST(ExpertGemmTest, ModelShapesAtEp2RowCounts) {
     std::vector<std::vector<int32_t>> ids;
     for (int r = 0; r < 2; ++r)
       ids.push_back(reference::random_routing(8192, model.top_k, model.num_experts, 0.0, 70 + r).topk_idx);
-    const HostSchedule schedule = build_schedule_host(shape, {}, 0, testing::gather_on_host(ids));
-    GemmFixture fx(schedule.expert_counts, 0);
+    ScheduleOptions options;
+    options.tile_m = choose_tile_m(2.0 * 8192 * model.top_k / model.num_experts);
+    const HostSchedule schedule = build_schedule_host(shape, options, 0, testing::gather_on_host(ids));
+    GemmFixture fx(schedule.expert_counts, 0, options.tile_m);
     const int num_experts = shape.local_experts(), h = model.hidden, inter = model.intermediate;
     const uint64_t seed = 300 + model.num_experts;
     DeviceArray<uint16_t> d_x(size_t(fx.a_rows) * h), d_w13(size_t(num_experts) * 2 * inter * h),
@@ -316,9 +320,15 @@ TEST(ExpertGemmTest, ModelShapesAtEp2RowCounts) {
             << model.name << " gate/up row " << row << " col " << c << (real ? " is NaN" : " padding not zero");
       }
     }
-    std::printf("%-16s rows %6d (%zu sampled) experts %d: gate/up and down checked\n", model.name.c_str(),
-                fx.seg.rows, rows.size(), num_experts);
+    std::printf("%-16s rows %6d (tile_m %d, %zu sampled) experts %d: gate/up and down checked\n",
+                model.name.c_str(), fx.seg.rows, options.tile_m, rows.size(), num_experts);
   }
+}
+
+TEST(ExpertGemmTest, TileHeightHeuristic) {
+  EXPECT_EQ(choose_tile_m(256), 64);    // 128-row padding would waste ~25%
+  EXPECT_EQ(choose_tile_m(511), 64);
+  EXPECT_EQ(choose_tile_m(1024), 128);  // ~6% waste at 128 rows: the full tile pays
 }
 
 TEST(ExpertGemmTest, ValidationNamesTheArgument) {

@@ -11,7 +11,7 @@
 //   producer   one elected thread issues TMA loads of A (kBlockM x 64) and B (two halves of
 //              kBlockN/2 x 64: gate and up rows for SwiGLU, two row ranges of W otherwise) per stage.
 //   consumers  wgmma 64 x kBlockN x 16 per warpgroup (SS operands, fp32 accumulators in registers),
-//              one batch in flight; then the epilogue straight from registers to global memory.
+//              one batch in flight; then the epilogue through shared memory to coalesced global stores.
 //   For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
 //   activation is register-local.
 //
@@ -19,7 +19,8 @@
 // compute_tile() on the consumer side, each advancing a pipeline state that persists across tasks, so a
 // persistent loop (expert_gemm_kernel below, later the megakernel) can interleave GEMM tiles with other work.
 //
-// Shared memory: A stages (kBlockM x 64 bf16, 128B swizzle) | B stages (kBlockN x 64) | pipeline barriers.
+// Shared memory: A stages (kBlockM x 64 bf16, 128B swizzle) | B stages (kBlockN x 64) | epilogue staging
+// (kBlockM x output columns, bf16) | pipeline barriers.
 // Sync: PipelineTmaAsync full/empty mbarriers per stage (producer: acquire empty, arm transaction bytes;
 // consumers: wait full, release after the wgmma that read the stage retired).
 // Determinism: each output element is one fixed-order K reduction by one thread; no atomics.
@@ -79,9 +80,15 @@ struct GemmTraits {
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
 
+  // Epilogue staging: each consumer warpgroup's 64 output rows, padded by 16 bytes per row so the
+  // fragment-order writes (8 rows x 4 lanes per warp) hit 32 distinct banks.
+  static constexpr int kStagingLd = kOutCols + 8;
+  static constexpr int kChunksPerRow = kOutCols * 2 / 16;  // 16-byte chunks per output row
+
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
+    alignas(128) __nv_bfloat16 staging[kBlockM][kStagingLd];
     typename Pipeline::SharedStorage pipeline;
   };
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
@@ -112,24 +119,33 @@ struct GemmParams {
   int64_t out_ld = {};
 };
 
+// Tasks are indexed over units of 64 rows (segments are padded to 64 or 128 rows). A task covers the
+// 128 rows starting at an even unit of its expert's segment, or only 64 when the segment ends after the
+// first half: then the second consumer warpgroup sits the tile out. Odd units start no task.
+inline constexpr int kUnitRows = 64;
+
 struct TileTask {
-  int32_t m_tile;   // tile of kBlockM rows in the expert-major buffer
+  int32_t row;      // first row in the expert-major buffer
+  int32_t rows;     // 64 or 128 (kBlockM == 128), 64 (kBlockM == 64); 0: no task at this index
   int32_t n_block;
   int32_t expert;
 };
 
 template <class Traits, class Params>
-__device__ __forceinline__ int64_t num_tile_tasks(const Params& p) {
-  return int64_t(*p.scheduled_rows / Traits::kBlockM) * p.num_n_blocks;
+__device__ __forceinline__ int64_t num_task_slots(const Params& p) {
+  return int64_t(*p.scheduled_rows / kUnitRows) * p.num_n_blocks;
 }
 
 // Task order: n-blocks fastest, so CTAs running side by side share A rows and one expert's weights in L2.
 template <class Traits, class Params>
-__device__ __forceinline__ TileTask tile_task(const Params& p, int64_t index) {
+__device__ __forceinline__ TileTask tile_task(const Params& p, int64_t slot) {
   TileTask t;
-  t.m_tile = static_cast<int32_t>(index / p.num_n_blocks);
-  t.n_block = static_cast<int32_t>(index % p.num_n_blocks);
-  t.expert = schedule::expert_of_row(p.expert_row_offsets, p.local_experts, int64_t(t.m_tile) * Traits::kBlockM);
+  t.row = static_cast<int32_t>(slot / p.num_n_blocks) * kUnitRows;
+  t.n_block = static_cast<int32_t>(slot % p.num_n_blocks);
+  t.expert = schedule::expert_of_row(p.expert_row_offsets, p.local_experts, t.row);
+  const int32_t offset = t.row - p.expert_row_offsets[t.expert];
+  const int32_t left = p.expert_row_offsets[t.expert + 1] - t.row;
+  t.rows = offset % Traits::kBlockM != 0 ? 0 : (left < Traits::kBlockM ? left : Traits::kBlockM);
   return t;
 }
 
@@ -146,7 +162,9 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
   Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
   Tensor s_b_halves = flat_divide(s_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{});  // (HN, BK, 2, 1, S)
 
-  Tensor g_a = local_tile(m_a, Shape<Int<T::kBlockM>, Int<T::kBlockK>>{}, make_coord(task.m_tile, _));
+  // A box of kBlockM rows from task.row (a multiple of 64): tile the row axis by 64-row units.
+  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row), _0{}), m_a),
+                          Shape<Int<T::kBlockM>, Int<T::kBlockK>>{}, make_coord(0, _));
   const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
   Tensor g_b0 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
                            make_coord((b_base + p.b_half_offset0) / T::kHalfN, _));
@@ -172,7 +190,8 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 // Consumer side of one tile: mainloop over K, then the epilogue. All consumer threads call this;
-// consumer_idx is the thread's index among the consumer warpgroups.
+// consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not part
+// of the task (a 64-row task) still waits for and releases every stage, but issues no wgmma.
 template <class Traits, class Params>
 __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
                                              typename Traits::Pipeline& pipeline,
@@ -188,6 +207,8 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
   Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
   Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+  const int warpgroup = consumer_idx / 128;
+  const bool active = warpgroup * kUnitRows < task.rows;
 
   // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
   // and the batch that read it retired.
@@ -197,44 +218,59 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     pipeline.consumer_wait(read_state);
     const int stage = read_state.index();
-    warpgroup_fence_operand(accum);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(t_r_a); ++k) {
-      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
-      mma.accumulate_ = GMMA::ScaleOut::One;
+    if (active) {
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(t_r_a); ++k) {
+        cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(accum);
     }
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(accum);
     if (k_block > 0) {
       pipeline.consumer_release(release_state);
       ++release_state;
     }
     ++read_state;
   }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(accum);
+  if (active) {
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accum);
+  }
   if (num_k_blocks > 0) {
     pipeline.consumer_release(release_state);
     ++release_state;
   }
+  if (!active) return;
 
-  // Epilogue: registers -> bf16 global, padding rows as zeros.
+  // Epilogue, 1) registers -> bf16 staging rows in shared memory (padding rows as zeros),
+  // 2) staging -> global in coalesced 16-byte chunks. Each warpgroup handles its own 64 rows.
   Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
-  const int64_t row_base = int64_t(task.m_tile) * T::kBlockM;
-  const int64_t valid_end = int64_t(p.expert_row_offsets[task.expert]) + p.expert_counts[task.expert];
-  const int64_t col_base = int64_t(task.n_block) * T::kOutCols;
+  const int32_t valid_end = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert];
   constexpr int kValues = decltype(size(accum))::value;
+  // Why: the previous tile's copy-out (step 2) of this warpgroup read the staging rows we overwrite now.
+  cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
+  // A thread's fragment covers two rows (r0 and r0 + 8 of its warp's 16): value i lies in row half
+  // (i / 2) % 2; load the two row scales once.
+  const int valid_rows = valid_end - task.row;
+  float row_scale[2] = {1.0f, 1.0f};
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int r = get<0>(coords(2 * half));
+    if (p.row_scale != nullptr && r < valid_rows) row_scale[half] = p.row_scale[task.row + r];
+  }
   if constexpr (T::kEpilogue == Epilogue::kStore) {
     CUTE_UNROLL
     for (int i = 0; i < kValues; i += 2) {
-      const int64_t row = row_base + get<0>(coords(i));
+      const int r = get<0>(coords(i));
       const int col = get<1>(coords(i));
-      const bool valid = row < valid_end;
-      const float scale = valid ? (p.row_scale != nullptr ? p.row_scale[row] : 1.0f) : 0.0f;
-      const __nv_bfloat162 v = __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale);
-      *reinterpret_cast<__nv_bfloat162*>(p.out + row * p.out_ld + col_base + col) = v;
+      const float scale = row_scale[(i / 2) % 2];
+      const __nv_bfloat162 v = r < valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
+                                              : __floats2bfloat162_rn(0.0f, 0.0f);
+      *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r][col]) = v;
     }
   } else {
     // Fragment values [0, kValues/2) hold columns [0, kHalfN) (gate), the rest the same columns + kHalfN (up).
@@ -242,10 +278,9 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
     const float limit = p.swiglu_limit;
     CUTE_UNROLL
     for (int i = 0; i < kHalf; i += 2) {
-      const int64_t row = row_base + get<0>(coords(i));
+      const int r = get<0>(coords(i));
       const int col = get<1>(coords(i));
-      const bool valid = row < valid_end;
-      const float scale = valid ? (p.row_scale != nullptr ? p.row_scale[row] : 1.0f) : 0.0f;
+      const float scale = row_scale[(i / 2) % 2];
       float h[2];
       CUTE_UNROLL
       for (int j = 0; j < 2; ++j) {
@@ -256,8 +291,20 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
         }
         h[j] = silu(g) * u * scale;
       }
-      *reinterpret_cast<__nv_bfloat162*>(p.out + row * p.out_ld + col_base + col) = __floats2bfloat162_rn(h[0], h[1]);
+      *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r][col]) =
+          r < valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f);
     }
+  }
+  // Why: the copy-out reads rows other threads of this warpgroup wrote.
+  cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
+  const int thread = consumer_idx % 128;
+  const int64_t col_base = int64_t(task.n_block) * T::kOutCols;
+  CUTE_UNROLL
+  for (int chunk = thread; chunk < kUnitRows * T::kChunksPerRow; chunk += 128) {
+    const int r = warpgroup * kUnitRows + chunk / T::kChunksPerRow;
+    const int c = (chunk % T::kChunksPerRow) * 8;
+    const int4 v = *reinterpret_cast<const int4*>(&smem.staging[r][c]);
+    *reinterpret_cast<int4*>(p.out + int64_t(task.row + r) * p.out_ld + col_base + c) = v;
   }
 }
 
@@ -281,20 +328,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
   typename T::Pipeline pipeline(smem.pipeline, pipeline_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
   __syncthreads();  // barrier initialization visible to every role
 
-  const int64_t num_tasks = num_tile_tasks<T>(p);
+  const int64_t num_slots = num_task_slots<T>(p);
   if (role == GemmRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
     if (threadIdx.x == 0) {
       auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
-      for (int64_t task = blockIdx.x; task < num_tasks; task += gridDim.x)
-        load_tile<T>(p, tile_task<T>(p, task), smem, pipeline, state);
+      for (int64_t slot = blockIdx.x; slot < num_slots; slot += gridDim.x) {
+        const TileTask task = tile_task<T>(p, slot);
+        if (task.rows > 0) load_tile<T>(p, task, smem, pipeline, state);
+      }
       pipeline.producer_tail(state);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     typename T::PipelineState state;
-    for (int64_t task = blockIdx.x; task < num_tasks; task += gridDim.x)
-      compute_tile<T>(p, tile_task<T>(p, task), smem, pipeline, state, static_cast<int>(threadIdx.x) - 128);
+    for (int64_t slot = blockIdx.x; slot < num_slots; slot += gridDim.x) {
+      const TileTask task = tile_task<T>(p, slot);
+      if (task.rows > 0) compute_tile<T>(p, task, smem, pipeline, state, static_cast<int>(threadIdx.x) - 128);
+    }
   }
 }
 
