@@ -98,9 +98,9 @@ void validate(const ExpertGemmArgs& args) {
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);
   if (args.epilogue == GemmEpilogue::kSwiGLU)
-    launch<gemm::GemmTraits<128, 256, 3, gemm::Epilogue::kSwiGLU>>(args, stream);
+    launch<gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kSwiGLU>>(args, stream);
   else
-    launch<gemm::GemmTraits<128, 256, 3, gemm::Epilogue::kStore>>(args, stream);
+    launch<gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kStore>>(args, stream);
 }
 
 int choose_tile_m(double expected_rows_per_expert) {

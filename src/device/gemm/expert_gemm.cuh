@@ -82,13 +82,17 @@ struct GemmTraits {
 
   // Epilogue staging: each consumer warpgroup's 64 output rows, padded by 16 bytes per row so the
   // fragment-order writes (8 rows x 4 lanes per warp) hit 32 distinct banks.
-  static constexpr int kStagingLd = kOutCols + 8;
-  static constexpr int kChunksPerRow = kOutCols * 2 / 16;  // 16-byte chunks per output row
+  // Staged in passes of kStagingCols columns, which keeps 4 pipeline stages within shared memory.
+  static constexpr int kStagingCols = kOutCols < 128 ? kOutCols : 128;
+  static constexpr int kStagingPasses = kOutCols / kStagingCols;
+  static_assert(kOutCols % kStagingCols == 0, "whole staging passes");
+  static constexpr int kStagingLd = kStagingCols + 8;
+  static constexpr int kChunksPerRow = kStagingCols * 2 / 16;  // 16-byte chunks per staged row
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
-    alignas(128) __nv_bfloat16 staging[kBlockM][kStagingLd];
+    alignas(128) __nv_bfloat16 staging[kBlockM][kStagingLd];  // one pass of output columns
     typename Pipeline::SharedStorage pipeline;
   };
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
@@ -136,18 +140,33 @@ __device__ __forceinline__ int64_t num_task_slots(const Params& p) {
   return int64_t(*p.scheduled_rows / kUnitRows) * p.num_n_blocks;
 }
 
-// Task order: n-blocks fastest, so CTAs running side by side share A rows and one expert's weights in L2.
-template <class Traits, class Params>
-__device__ __forceinline__ TileTask tile_task(const Params& p, int64_t slot) {
-  TileTask t;
-  t.row = static_cast<int32_t>(slot / p.num_n_blocks) * kUnitRows;
-  t.n_block = static_cast<int32_t>(slot % p.num_n_blocks);
-  t.expert = schedule::expert_of_row(p.expert_row_offsets, p.local_experts, t.row);
-  const int32_t offset = t.row - p.expert_row_offsets[t.expert];
-  const int32_t left = p.expert_row_offsets[t.expert + 1] - t.row;
-  t.rows = offset % Traits::kBlockM != 0 ? 0 : (left < Traits::kBlockM ? left : Traits::kBlockM);
-  return t;
-}
+// Walks the task slots one CTA visits (increasing slot order, n-blocks fastest so CTAs running side by
+// side share A rows and one expert's weights in L2). The expert of a slot only moves forward, so a cursor
+// replaces a binary search per slot: between two tiles every role is on the critical path.
+template <class Traits>
+struct TaskWalker {
+  int32_t expert = 0;
+  int32_t segment_begin = 0;  // row_offsets[expert]
+  int32_t segment_end = 0;    // row_offsets[expert + 1]
+
+  template <class Params>
+  __device__ __forceinline__ TileTask task_at(const Params& p, int64_t slot) {
+    TileTask t;
+    t.row = static_cast<int32_t>(slot / p.num_n_blocks) * kUnitRows;
+    t.n_block = static_cast<int32_t>(slot % p.num_n_blocks);
+    if (segment_end == 0 && segment_begin == 0) segment_end = p.expert_row_offsets[1];
+    while (t.row >= segment_end) {  // empty experts have segment_begin == segment_end and are skipped
+      ++expert;
+      segment_begin = segment_end;
+      segment_end = p.expert_row_offsets[expert + 1];
+    }
+    t.expert = expert;
+    const int32_t offset = t.row - segment_begin;
+    const int32_t left = segment_end - t.row;
+    t.rows = offset % Traits::kBlockM != 0 ? 0 : (left < Traits::kBlockM ? left : Traits::kBlockM);
+    return t;
+  }
+};
 
 // Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
 template <class Traits, class Params>
@@ -251,8 +270,6 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
   const int32_t valid_end = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert];
   constexpr int kValues = decltype(size(accum))::value;
-  // Why: the previous tile's copy-out (step 2) of this warpgroup read the staging rows we overwrite now.
-  cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
   // A thread's fragment covers two rows (r0 and r0 + 8 of its warp's 16): value i lies in row half
   // (i / 2) % 2; load the two row scales once.
   const int valid_rows = valid_end - task.row;
@@ -262,49 +279,58 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
     const int r = get<0>(coords(2 * half));
     if (p.row_scale != nullptr && r < valid_rows) row_scale[half] = p.row_scale[task.row + r];
   }
-  if constexpr (T::kEpilogue == Epilogue::kStore) {
-    CUTE_UNROLL
-    for (int i = 0; i < kValues; i += 2) {
-      const int r = get<0>(coords(i));
-      const int col = get<1>(coords(i));
-      const float scale = row_scale[(i / 2) % 2];
-      const __nv_bfloat162 v = r < valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
-                                              : __floats2bfloat162_rn(0.0f, 0.0f);
-      *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r][col]) = v;
-    }
-  } else {
-    // Fragment values [0, kValues/2) hold columns [0, kHalfN) (gate), the rest the same columns + kHalfN (up).
-    constexpr int kHalf = kValues / 2;
-    const float limit = p.swiglu_limit;
-    CUTE_UNROLL
-    for (int i = 0; i < kHalf; i += 2) {
-      const int r = get<0>(coords(i));
-      const int col = get<1>(coords(i));
-      const float scale = row_scale[(i / 2) % 2];
-      float h[2];
-      CUTE_UNROLL
-      for (int j = 0; j < 2; ++j) {
-        float g = accum(i + j), u = accum(i + kHalf + j);
-        if (limit > 0.0f) {
-          g = fminf(g, limit);
-          u = fminf(fmaxf(u, -limit), limit);
-        }
-        h[j] = silu(g) * u * scale;
-      }
-      *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r][col]) =
-          r < valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f);
-    }
-  }
-  // Why: the copy-out reads rows other threads of this warpgroup wrote.
-  cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
   const int thread = consumer_idx % 128;
   const int64_t col_base = int64_t(task.n_block) * T::kOutCols;
   CUTE_UNROLL
-  for (int chunk = thread; chunk < kUnitRows * T::kChunksPerRow; chunk += 128) {
-    const int r = warpgroup * kUnitRows + chunk / T::kChunksPerRow;
-    const int c = (chunk % T::kChunksPerRow) * 8;
-    const int4 v = *reinterpret_cast<const int4*>(&smem.staging[r][c]);
-    *reinterpret_cast<int4*>(p.out + int64_t(task.row + r) * p.out_ld + col_base + c) = v;
+  for (int pass = 0; pass < T::kStagingPasses; ++pass) {
+    const int pass_begin = pass * T::kStagingCols;
+    // Why: the previous pass's (or tile's) copy-out of this warpgroup read the rows we overwrite now.
+    cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
+    if constexpr (T::kEpilogue == Epilogue::kStore) {
+      // Column groups of 8 are the fragment's outermost mode: a pass owns a contiguous range of values.
+      constexpr int kPassValues = kValues / T::kStagingPasses;
+      CUTE_UNROLL
+      for (int i = pass * kPassValues; i < (pass + 1) * kPassValues; i += 2) {
+        const int r = get<0>(coords(i));
+        const int col = get<1>(coords(i)) - pass_begin;
+        const float scale = row_scale[(i / 2) % 2];
+        const __nv_bfloat162 v = r < valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
+                                                : __floats2bfloat162_rn(0.0f, 0.0f);
+        *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r][col]) = v;
+      }
+    } else {
+      // Fragment values [0, kValues/2) hold columns [0, kHalfN) (gate), the rest the same columns + kHalfN (up).
+      constexpr int kHalf = kValues / 2;
+      const float limit = p.swiglu_limit;
+      CUTE_UNROLL
+      static_assert(T::kStagingPasses == 1, "the SwiGLU output tile is staged in one pass");
+      for (int i = 0; i < kHalf; i += 2) {
+        const int r = get<0>(coords(i));
+        const int col = get<1>(coords(i));
+        const float scale = row_scale[(i / 2) % 2];
+        float h[2];
+        CUTE_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          float g = accum(i + j), u = accum(i + kHalf + j);
+          if (limit > 0.0f) {
+            g = fminf(g, limit);
+            u = fminf(fmaxf(u, -limit), limit);
+          }
+          h[j] = silu(g) * u * scale;
+        }
+        *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r][col]) =
+            r < valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f);
+      }
+    }
+    // Why: the copy-out reads rows other threads of this warpgroup wrote.
+    cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
+    CUTE_UNROLL
+    for (int chunk = thread; chunk < kUnitRows * T::kChunksPerRow; chunk += 128) {
+      const int r = warpgroup * kUnitRows + chunk / T::kChunksPerRow;
+      const int c = (chunk % T::kChunksPerRow) * 8;
+      const int4 v = *reinterpret_cast<const int4*>(&smem.staging[r][c]);
+      *reinterpret_cast<int4*>(p.out + int64_t(task.row + r) * p.out_ld + col_base + pass_begin + c) = v;
+    }
   }
 }
 
@@ -333,8 +359,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
     if (threadIdx.x == 0) {
       auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
+      TaskWalker<T> walker;
       for (int64_t slot = blockIdx.x; slot < num_slots; slot += gridDim.x) {
-        const TileTask task = tile_task<T>(p, slot);
+        const TileTask task = walker.task_at(p, slot);
         if (task.rows > 0) load_tile<T>(p, task, smem, pipeline, state);
       }
       pipeline.producer_tail(state);
@@ -342,8 +369,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     typename T::PipelineState state;
+    TaskWalker<T> walker;
     for (int64_t slot = blockIdx.x; slot < num_slots; slot += gridDim.x) {
-      const TileTask task = tile_task<T>(p, slot);
+      const TileTask task = walker.task_at(p, slot);
       if (task.rows > 0) compute_tile<T>(p, task, smem, pipeline, state, static_cast<int>(threadIdx.x) - 128);
     }
   }
