@@ -7,8 +7,9 @@ from a softmax top-k routing of random logits over 2 x 8192 tokens. Two GEMMs pe
            torch._grouped_mm writes [rows, 2I] (no activation)
   down     [rows, I] x [E_local, H, I]^T -> [rows, H]
 The dense ceiling is one torch.mm with the same M = routed rows, N and K. TFLOP/s count real rows only
-(2 * rows * N * K); our padding to 64-row units is work we pay for and do not count. Time: median of
-CUDA-event timings after warm-up. Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N]
+(2 * rows * N * K); our padding to tile_m-row segments is work we pay for and do not count. Time: median of
+CUDA-event timings after warm-up.
+Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--shapes A,B]
 """
 import argparse
 import ctypes
@@ -23,7 +24,7 @@ SHAPES = [  # name, experts, hidden, intermediate, top_k
     ("Qwen3.5-397B", 512, 4096, 1024, 10),
     ("DeepSeek-V4-Pro", 384, 7168, 3072, 6),
 ]
-TILE_M = 64  # schedule padding chosen by mok::choose_tile_m for these row counts (~250-430 per expert)
+DEFAULT_TILE_M = 128  # schedule padding mok::choose_tile_m picks for these row counts (~250-430 per expert)
 TORCH_GROUP_ALIGN = 16  # torchtitan pads each expert's rows for torch._grouped_mm
 
 
@@ -64,21 +65,26 @@ def main():
     parser.add_argument("--lib", default="build/bench/libmok_bench_capi.so")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--tile-m", type=int, default=DEFAULT_TILE_M)
+    parser.add_argument("--shapes", default="")
     args = parser.parse_args()
     gemm = load(os.path.abspath(args.lib))
     error = ctypes.create_string_buffer(512)
     gen = torch.Generator(device="cuda").manual_seed(0)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
-          f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), median of {args.iters}")
+          f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
     header = (f"{'shape':16s} {'gemm':8s} {'rows':>7s} {'pad%':>5s} {'ours':>7s} {'torch':>7s} {'dense':>7s} "
               f"{'ours/torch':>10s} {'ours/dense':>10s}")
     print(header + "   (TFLOP/s)")
     stream = torch.cuda.current_stream().cuda_stream
     for name, num_experts, hidden, inter, top_k in SHAPES:
+        if args.shapes and name not in args.shapes.split(','):
+            continue
+        tile_m = args.tile_m
         local = num_experts // 2
         counts = rank0_counts(num_experts, top_k, args.tokens, gen)
-        padded = (counts + TILE_M - 1) // TILE_M * TILE_M
+        padded = (counts + tile_m - 1) // tile_m * tile_m
         offsets = torch.zeros(local + 1, dtype=torch.int32, device="cuda")
         offsets[1:] = torch.cumsum(padded, 0)
         rows_padded = int(offsets[-1])
@@ -98,7 +104,7 @@ def main():
 
             def ours():
                 rc = gemm(epilogue, a.data_ptr(), rows_padded, k, weights.data_ptr(), None, n_out, local,
-                          counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), TILE_M, None, 0.0, out.data_ptr(),
+                          counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None, 0.0, out.data_ptr(),
                           stream, error, len(error))
                 if rc != 0:
                     raise RuntimeError(error.value.decode())

@@ -39,8 +39,8 @@ void validate(const ExpertGemmArgs& args);
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream);
 
-// Schedule padding (= GEMM tile height) for an expected number of rows per local expert: 64-row tiles when
-// experts are short enough that 128-row padding would waste more than ~1/8 of the rows (docs/design.md).
+// Schedule padding for an expected number of rows per local expert: 128 unless experts average fewer
+// than 128 rows (docs/design.md has the measurement behind it).
 int choose_tile_m(double expected_rows_per_expert);
 
 }  // namespace mok

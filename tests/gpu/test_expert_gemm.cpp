@@ -256,7 +256,8 @@ TEST(ExpertGemmTest, ModelShapesAtEp2RowCounts) {
     for (int r = 0; r < 2; ++r)
       ids.push_back(reference::random_routing(8192, model.top_k, model.num_experts, 0.0, 70 + r).topk_idx);
     ScheduleOptions options;
-    options.tile_m = choose_tile_m(2.0 * 8192 * model.top_k / model.num_experts);
+    // 64-row padding for one shape keeps half tiles covered at full size; the rest use the heuristic.
+    options.tile_m = model.name == "Qwen3.5-397B" ? 64 : choose_tile_m(2.0 * 8192 * model.top_k / model.num_experts);
     const HostSchedule schedule = build_schedule_host(shape, options, 0, testing::gather_on_host(ids));
     GemmFixture fx(schedule.expert_counts, 0, options.tile_m);
     const int num_experts = shape.local_experts(), h = model.hidden, inter = model.intermediate;
@@ -326,9 +327,10 @@ TEST(ExpertGemmTest, ModelShapesAtEp2RowCounts) {
 }
 
 TEST(ExpertGemmTest, TileHeightHeuristic) {
-  EXPECT_EQ(choose_tile_m(256), 64);    // 128-row padding would waste ~25%
-  EXPECT_EQ(choose_tile_m(511), 64);
-  EXPECT_EQ(choose_tile_m(1024), 128);  // ~6% waste at 128 rows: the full tile pays
+  EXPECT_EQ(choose_tile_m(40), 64);     // 128-row padding would triple the work
+  EXPECT_EQ(choose_tile_m(127), 64);
+  EXPECT_EQ(choose_tile_m(256), 128);   // measured: half tiles lose more than the padding they save
+  EXPECT_EQ(choose_tile_m(1024), 128);
 }
 
 TEST(ExpertGemmTest, ValidationNamesTheArgument) {
