@@ -71,7 +71,8 @@ def main():
     gemm = load(os.path.abspath(args.lib))
     error = ctypes.create_string_buffer(512)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("MOK_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
           f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
     header = (f"{'shape':16s} {'gemm':8s} {'rows':>7s} {'pad%':>5s} {'ours':>7s} {'torch':>7s} {'dense':>7s} "

@@ -13,7 +13,7 @@ out=${OUT:-/tmp/mok_gpu_suite}
 mkdir -p "$out"
 # NVLink multicast must stay off on the shared machines (never use NVLS/multimem).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+commit=${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 status=0
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$out/gpus.txt"
 
