@@ -33,9 +33,7 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   auto make_b = [&](const void* ptr) {
     auto g_b = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(b_rows, int64_t(args.k)),
                            make_stride(int64_t(args.k), _1{}));
-    // Each CTA of a cluster loads one whole half and multicasts it (no split of the box across CTAs).
-    return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, g_b, typename T::SmemLayoutBHalf{},
-                         Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, Int<1>{});
+    return make_tma_copy(SM90_TMA_LOAD{}, g_b, typename T::SmemLayoutBHalf{});
   };
   auto tma_b0 = make_b(args.b);
   auto tma_b1 = make_b(swiglu && !fused ? args.b_up : args.b);
@@ -73,24 +71,8 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
                              " bytes of shared memory, device allows " + std::to_string(max_smem));
   auto kernel = gemm::expert_gemm_kernel<T, decltype(p)>;
   MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSharedBytes));
-  cudaLaunchAttribute cluster_attr;
-  cluster_attr.id = cudaLaunchAttributeClusterDimension;
-  cluster_attr.val.clusterDim.x = T::kClusterM;
-  cluster_attr.val.clusterDim.y = 1;
-  cluster_attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.blockDim = dim3(T::kThreads);
-  config.dynamicSmemBytes = T::kSharedBytes;
-  config.stream = stream;
-  config.attrs = &cluster_attr;
-  config.numAttrs = 1;
-  // Persistent: as many clusters as can be resident at once (SM pairs within a GPC), one CTA per SM.
-  config.gridDim = dim3(num_sms - num_sms % T::kClusterM);
-  int max_clusters = 0;
-  MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
-  if (max_clusters < 1) throw std::runtime_error("expert_gemm: no cluster of the GEMM kernel fits on the device");
-  config.gridDim = dim3(max_clusters * T::kClusterM);
-  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p));
+  kernel<<<num_sms, T::kThreads, T::kSharedBytes, stream>>>(p);
+  MOK_CHECK_CUDA(cudaGetLastError());
 }
 
 }  // namespace

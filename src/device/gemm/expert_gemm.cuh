@@ -7,14 +7,9 @@
 //   Y / H [rows, N_out] bf16; fp32 accumulation. Padding rows (past expert_counts[e]) are written as zeros,
 //   so later weight-gradient GEMMs can sum over whole segments. L = 0 disables the clamp; scale is optional.
 //
-// Clusters of 2 CTAs share the weight tile: a task covers 2 x kBlockM rows of one expert and one n-block;
-// CTA c of the cluster computes rows [c * kBlockM, (c + 1) * kBlockM) of it. B is loaded in two halves
-// (kBlockN/2 x 64: gate and up rows for SwiGLU, two row ranges of W otherwise); CTA c loads half c and
-// multicasts it to both CTAs, halving the L2 traffic of B (the kernel was L2-bandwidth bound without it).
-//
 // Roles (one CTA = 1 producer warpgroup + kBlockM/64 consumer warpgroups):
-//   producer   one elected thread issues, per stage, the TMA load of its A rows (kBlockM x 64) and of
-//              its B half (multicast).
+//   producer   one elected thread issues TMA loads of A (kBlockM x 64) and B (two halves of
+//              kBlockN/2 x 64: gate and up rows for SwiGLU, two row ranges of W otherwise) per stage.
 //   consumers  wgmma 64 x kBlockN x 16 per warpgroup (SS operands, fp32 accumulators in registers),
 //              one batch in flight; then the epilogue through shared memory to coalesced global stores.
 //   For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
@@ -58,9 +53,6 @@ struct GemmTraits {
   static constexpr int kHalfN = kBlockN / 2;
   static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kHalfN : kBlockN;
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
-  static constexpr int kClusterM = 2;                  // CTAs sharing one B tile
-  static constexpr int kTaskRows = kBlockM * kClusterM;
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
   static constexpr int kProducerRegisters = 40;
@@ -132,14 +124,13 @@ struct GemmParams {
 };
 
 // Tasks are indexed over units of 64 rows (segments are padded to 64 or 128 rows). A task covers the
-// kTaskRows (256) rows starting at a multiple of kTaskRows inside its expert's segment, or what is left of
-// the segment: a CTA or a consumer warpgroup whose rows fall past the segment's end sits the tile out
-// (it still loads and releases stages: its partner needs its B half). Other units start no task.
+// 128 rows starting at an even unit of its expert's segment, or only 64 when the segment ends after the
+// first half: then the second consumer warpgroup sits the tile out. Odd units start no task.
 inline constexpr int kUnitRows = 64;
 
 struct TileTask {
   int32_t row;      // first row in the expert-major buffer
-  int32_t rows;     // a multiple of 64 up to kTaskRows; 0: no task at this index
+  int32_t rows;     // 64 or 128 (kBlockM == 128), 64 (kBlockM == 64); 0: no task at this index
   int32_t n_block;
   int32_t expert;
 };
@@ -172,27 +163,15 @@ struct TaskWalker {
     t.expert = expert;
     const int32_t offset = t.row - segment_begin;
     const int32_t left = segment_end - t.row;
-    t.rows = offset % Traits::kTaskRows != 0 ? 0 : (left < Traits::kTaskRows ? left : Traits::kTaskRows);
+    t.rows = offset % Traits::kBlockM != 0 ? 0 : (left < Traits::kBlockM ? left : Traits::kBlockM);
     return t;
   }
 };
 
-// The rows of a task this CTA (rank cta_rank in its cluster) computes: first row and count (0..kBlockM).
-template <class Traits>
-__device__ __forceinline__ int32_t cta_first_row(const TileTask& t, int cta_rank) {
-  return t.row + cta_rank * Traits::kBlockM;
-}
-template <class Traits>
-__device__ __forceinline__ int32_t cta_rows(const TileTask& t, int cta_rank) {
-  const int32_t rows = t.rows - cta_rank * Traits::kBlockM;
-  return rows < 0 ? 0 : (rows > Traits::kBlockM ? Traits::kBlockM : rows);
-}
-
-// Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread per CTA calls
-// this; both CTAs of the cluster call it for the same task.
+// Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
 template <class Traits, class Params>
-__device__ __forceinline__ void load_tile(const Params& p, const TileTask& task, int cta_rank,
-                                          typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
+__device__ __forceinline__ void load_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
+                                          typename Traits::Pipeline& pipeline,
                                           typename Traits::PipelineState& state) {
   using namespace cute;
   using T = Traits;
@@ -202,27 +181,27 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
   Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
   Tensor s_b_halves = flat_divide(s_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{});  // (HN, BK, 2, 1, S)
 
-  // A box of kBlockM rows from this CTA's first row (a multiple of 64): offset the row axis, then tile.
-  // A CTA with no rows in the task still loads (past the segment, or zero-filled past the buffer): the
-  // stage's transaction count includes it.
-  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(cta_first_row<T>(task, cta_rank)), _0{}), m_a),
+  // A box of kBlockM rows from task.row (a multiple of 64): tile the row axis by 64-row units.
+  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row), _0{}), m_a),
                           Shape<Int<T::kBlockM>, Int<T::kBlockK>>{}, make_coord(0, _));
-  const int64_t b_row = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step +
-                        (cta_rank == 0 ? p.b_half_offset0 : p.b_half_offset1);
-  const auto& tma_b = cta_rank == 0 ? p.tma_b0 : p.tma_b1;
-  Tensor g_b = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(b_row / T::kHalfN, _));
+  const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
+  Tensor g_b0 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
+                           make_coord((b_base + p.b_half_offset0) / T::kHalfN, _));
+  Tensor g_b1 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
+                           make_coord((b_base + p.b_half_offset1) / T::kHalfN, _));
   auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_a), group_modes<0, 2>(g_a));
-  auto [t_b_g, t_b_s] = tma_partition(tma_b, Int<0>{}, Layout<_1>{},
-                                      group_modes<0, 2>(s_b_halves(_, _, cta_rank, 0, _)), group_modes<0, 2>(g_b));
-  constexpr uint16_t kBothCtas = (1u << T::kClusterM) - 1;
+  auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(s_b_halves(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
+  auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(s_b_halves(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
   const int num_k_blocks = p.k / T::kBlockK;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    // Waits until the consumers of *both* CTAs released the stage: our B half lands in both.
     pipeline.producer_acquire(state);
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
     copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
-    copy(tma_b.with(*full, kBothCtas), t_b_g(_, k_block), t_b_s(_, stage));
+    copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
+    copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
     ++state;
   }
 }
@@ -233,8 +212,8 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 // consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not part
 // of the task (a 64-row task) still waits for and releases every stage, but issues no wgmma.
 template <class Traits, class Params>
-__device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, int cta_rank,
-                                             typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
+__device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
+                                             typename Traits::Pipeline& pipeline,
                                              typename Traits::PipelineState& read_state, int consumer_idx) {
   using namespace cute;
   using T = Traits;
@@ -248,8 +227,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
   Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
   const int warpgroup = consumer_idx / 128;
-  const int32_t tile_row = cta_first_row<T>(task, cta_rank);
-  const bool active = warpgroup * kUnitRows < cta_rows<T>(task, cta_rank);
+  const bool active = warpgroup * kUnitRows < task.rows;
 
   // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
   // and the batch that read it retired.
@@ -294,12 +272,12 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   constexpr int kValues = decltype(size(accum))::value;
   // A thread's fragment covers two rows (r0 and r0 + 8 of its warp's 16): value i lies in row half
   // (i / 2) % 2; load the two row scales once.
-  const int valid_rows = valid_end - tile_row;
+  const int valid_rows = valid_end - task.row;
   float row_scale[2] = {1.0f, 1.0f};
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
     const int r = get<0>(coords(2 * half));
-    if (p.row_scale != nullptr && r < valid_rows) row_scale[half] = p.row_scale[tile_row + r];
+    if (p.row_scale != nullptr && r < valid_rows) row_scale[half] = p.row_scale[task.row + r];
   }
   const int thread = consumer_idx % 128;
   const int64_t col_base = int64_t(task.n_block) * T::kOutCols;
@@ -351,15 +329,14 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
       const int r = warpgroup * kUnitRows + chunk / T::kChunksPerRow;
       const int c = (chunk % T::kChunksPerRow) * 8;
       const int4 v = *reinterpret_cast<const int4*>(&smem.staging[r][c]);
-      *reinterpret_cast<int4*>(p.out + int64_t(tile_row + r) * p.out_ld + col_base + pass_begin + c) = v;
+      *reinterpret_cast<int4*>(p.out + int64_t(task.row + r) * p.out_ld + col_base + pass_begin + c) = v;
     }
   }
 }
 
 enum class GemmRole : int { kProducer = 0, kConsumer = 1 };
 
-// Standalone persistent launcher: one CTA per SM in clusters of kClusterM, tasks strided over clusters.
-// Used by tests and the bench.
+// Standalone persistent launcher: one CTA per SM, tasks strided over CTAs. Used by tests and the bench.
 template <class Traits, class Params>
 __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
   using T = Traits;
@@ -374,23 +351,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
                                                      : T::Pipeline::ThreadCategory::Consumer;
   pipeline_params.is_leader = threadIdx.x == 0;
   pipeline_params.num_consumers = 128 * T::kConsumerWarpgroups;
-  typename T::Pipeline pipeline(smem.pipeline, pipeline_params, typename T::ClusterShape{});
-  // Why: the partner CTA arrives on our barriers and multicasts into our shared memory; both CTAs'
-  // barrier initialization must be visible cluster-wide first.
-  cute::cluster_sync();
+  typename T::Pipeline pipeline(smem.pipeline, pipeline_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  __syncthreads();  // barrier initialization visible to every role
 
-  const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
-  const int64_t cluster = blockIdx.x / T::kClusterM;
-  const int64_t num_clusters = gridDim.x / T::kClusterM;
   const int64_t num_slots = num_task_slots<T>(p);
   if (role == GemmRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
     if (threadIdx.x == 0) {
       auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
       TaskWalker<T> walker;
-      for (int64_t slot = cluster; slot < num_slots; slot += num_clusters) {
+      for (int64_t slot = blockIdx.x; slot < num_slots; slot += gridDim.x) {
         const TileTask task = walker.task_at(p, slot);
-        if (task.rows > 0) load_tile<T>(p, task, cta_rank, smem, pipeline, state);
+        if (task.rows > 0) load_tile<T>(p, task, smem, pipeline, state);
       }
       pipeline.producer_tail(state);
     }
@@ -398,14 +370,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     typename T::PipelineState state;
     TaskWalker<T> walker;
-    for (int64_t slot = cluster; slot < num_slots; slot += num_clusters) {
+    for (int64_t slot = blockIdx.x; slot < num_slots; slot += gridDim.x) {
       const TileTask task = walker.task_at(p, slot);
-      if (task.rows > 0)
-        compute_tile<T>(p, task, cta_rank, smem, pipeline, state, static_cast<int>(threadIdx.x) - 128);
+      if (task.rows > 0) compute_tile<T>(p, task, smem, pipeline, state, static_cast<int>(threadIdx.x) - 128);
     }
   }
-  // Why: neither CTA may exit while its partner can still multicast into it or arrive on its barriers.
-  cute::cluster_sync();
 }
 
 }  // namespace mok::gemm
