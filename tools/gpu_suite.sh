@@ -52,7 +52,11 @@ printf "%-26s %8s %8s %8s\n" "test binary" "passed" "failed" "skipped"
 for n in $(grep -oE "^ *Start +[0-9]+" "$out/ctest.log" | awk '{print $2}'); do
   name=$(grep -oE "Start +$n: \S+" "$out/ctest.log" | awk '{print $3}')
   count() { grep -cE "^$n: \[ *$1 *\] .*\([0-9]+ ms\)" "$out/ctest.log"; }
-  printf "%-26s %8s %8s %8s\n" "$name" "$(count OK)" "$(count FAILED)" "$(count SKIPPED)"
+  if grep -qE "^$n: \[==========\]" "$out/ctest.log"; then
+    printf "%-26s %8s %8s %8s\n" "$name" "$(count OK)" "$(count FAILED)" "$(count SKIPPED)"
+  else  # not a GoogleTest binary: CTest's own verdict
+    printf "%-26s %s\n" "$name" "$(grep -oE "Test +#$n: $name \.+ *\**[A-Za-z]+" "$out/ctest.log" | grep -oE "[A-Za-z]+$")"
+  fi
 done
 printf "%-26s %s\n" "memcheck (error paths)" "$sanitizer"
 grep -E "tests passed|tests failed" "$out/ctest.log"

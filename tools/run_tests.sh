@@ -4,9 +4,5 @@
 # GPU tests report "Skipped" (with the reason) on a machine without a Hopper GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PATH="$PATH:/usr/local/cuda/bin"
-tools/setup.sh
-build=${MOK_BUILD_DIR:-build}
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
-cmake --build "$build" -j "$(nproc)"
-ctest --test-dir "$build" --output-on-failure "$@"
+tools/build.sh
+ctest --test-dir "${MOK_BUILD_DIR:-build}" --output-on-failure "$@"
