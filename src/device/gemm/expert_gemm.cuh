@@ -15,7 +15,7 @@
 //   For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
 //   activation is register-local.
 //
-// The unit of work is a TileTask (expert, m-tile, n-block): load_tile() on the producer side and
+// The unit of work is a TileTask (first row, rows, n-block, expert): load_tile() on the producer side and
 // compute_tile() on the consumer side, each advancing a pipeline state that persists across tasks, so a
 // persistent loop (expert_gemm_kernel below, later the megakernel) can interleave GEMM tiles with other work.
 //
@@ -145,6 +145,7 @@ __device__ __forceinline__ int64_t num_task_slots(const Params& p) {
 // replaces a binary search per slot: between two tiles every role is on the critical path.
 template <class Traits>
 struct TaskWalker {
+  bool started = false;
   int32_t expert = 0;
   int32_t segment_begin = 0;  // row_offsets[expert]
   int32_t segment_end = 0;    // row_offsets[expert + 1]
@@ -154,7 +155,10 @@ struct TaskWalker {
     TileTask t;
     t.row = static_cast<int32_t>(slot / p.num_n_blocks) * kUnitRows;
     t.n_block = static_cast<int32_t>(slot % p.num_n_blocks);
-    if (segment_end == 0 && segment_begin == 0) segment_end = p.expert_row_offsets[1];
+    if (!started) {
+      segment_end = p.expert_row_offsets[1];
+      started = true;
+    }
     while (t.row >= segment_end) {  // empty experts have segment_begin == segment_end and are skipped
       ++expert;
       segment_begin = segment_end;
