@@ -29,9 +29,7 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
 
   auto g_a = make_tensor(make_gmem_ptr(static_cast<const Element*>(args.a)), make_shape(args.a_rows, int64_t(args.k)),
                          make_stride(int64_t(args.k), _1{}));
-  // Each CTA of a cluster loads one half of the A tile and multicasts it (no split of the box across CTAs).
-  auto tma_a = make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, g_a, typename T::SmemLayoutAHalf{},
-                             Shape<Int<T::kHalfM>, Int<T::kBlockK>>{}, Int<1>{});
+  auto tma_a = make_tma_copy(SM90_TMA_LOAD{}, g_a, typename T::SmemLayoutAStage{});
   auto make_b = [&](const void* ptr) {
     auto g_b = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(b_rows, int64_t(args.k)),
                            make_stride(int64_t(args.k), _1{}));
@@ -73,24 +71,8 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
                              " bytes of shared memory, device allows " + std::to_string(max_smem));
   auto kernel = gemm::expert_gemm_kernel<T, decltype(p)>;
   MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSharedBytes));
-  cudaLaunchAttribute cluster_attr;
-  cluster_attr.id = cudaLaunchAttributeClusterDimension;
-  cluster_attr.val.clusterDim.x = T::kClusterN;
-  cluster_attr.val.clusterDim.y = 1;
-  cluster_attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.blockDim = dim3(T::kThreads);
-  config.dynamicSmemBytes = T::kSharedBytes;
-  config.stream = stream;
-  config.attrs = &cluster_attr;
-  config.numAttrs = 1;
-  // Persistent: as many clusters as can be resident at once (SM pairs within a GPC), one CTA per SM.
-  config.gridDim = dim3(num_sms - num_sms % T::kClusterN);
-  int max_clusters = 0;
-  MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
-  if (max_clusters < 1) throw std::runtime_error("expert_gemm: no cluster of the GEMM kernel fits on the device");
-  config.gridDim = dim3(max_clusters * T::kClusterN);
-  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p));
+  kernel<<<num_sms, T::kThreads, T::kSharedBytes, stream>>>(p);
+  MOK_CHECK_CUDA(cudaGetLastError());
 }
 
 }  // namespace
@@ -103,7 +85,7 @@ void validate(const ExpertGemmArgs& args) {
   require(args.b_up == nullptr || (swiglu && aligned16(args.b_up)), "b_up is only for kSwiGLU and must be 16-byte aligned");
   require(args.out != nullptr && aligned16(args.out), "out must be a non-null, 16-byte aligned bf16 buffer");
   require(args.k > 0 && args.k % 64 == 0, "k must be a positive multiple of 64, got " + std::to_string(args.k));
-  const int n_multiple = swiglu ? 256 : 512;  // an even number of output tiles: clusters pair n-blocks
+  const int n_multiple = swiglu ? 128 : 256;
   require(args.n > 0 && args.n % n_multiple == 0,
           "n must be a positive multiple of " + std::to_string(n_multiple) + ", got " + std::to_string(args.n));
   require(args.local_experts > 0, "local_experts must be positive");

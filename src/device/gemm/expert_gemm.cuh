@@ -7,13 +7,9 @@
 //   Y / H [rows, N_out] bf16; fp32 accumulation. Padding rows (past expert_counts[e]) are written as zeros,
 //   so later weight-gradient GEMMs can sum over whole segments. L = 0 disables the clamp; scale is optional.
 //
-// Clusters of 2 CTAs share the A tile: a task is one m-tile and a pair of n-blocks; CTA c of the cluster
-// computes n-block 2 * pair + c. Each CTA loads half of the A tile's rows and multicasts it to both,
-// cutting L2 traffic per k-block from 48 to 40 KB per CTA (the kernel is L2-bandwidth bound).
-//
 // Roles (one CTA = 1 producer warpgroup + kBlockM/64 consumer warpgroups):
-//   producer   one elected thread issues, per stage, the TMA loads of its half of A (multicast) and of B
-//              (two halves of kBlockN/2 x 64: gate and up rows for SwiGLU, two row ranges of W otherwise).
+//   producer   one elected thread issues TMA loads of A (kBlockM x 64) and B (two halves of
+//              kBlockN/2 x 64: gate and up rows for SwiGLU, two row ranges of W otherwise) per stage.
 //   consumers  wgmma 64 x kBlockN x 16 per warpgroup (SS operands, fp32 accumulators in registers),
 //              one batch in flight; then the epilogue through shared memory to coalesced global stores.
 //   For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
@@ -57,9 +53,6 @@ struct GemmTraits {
   static constexpr int kHalfN = kBlockN / 2;
   static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kHalfN : kBlockN;
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
-  static constexpr int kClusterN = 2;                  // CTAs sharing one A tile (adjacent n-blocks)
-  using ClusterShape = cute::Shape<cute::_1, cute::Int<kClusterN>, cute::_1>;
-  static constexpr int kHalfM = kBlockM / kClusterN;   // A rows each CTA loads and multicasts
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
   static constexpr int kProducerRegisters = 40;
@@ -75,8 +68,8 @@ struct GemmTraits {
   // One TMA box: half of a B stage. Both halves of a stage are contiguous, so the stage is one wgmma operand.
   using SmemLayoutBHalf =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kHalfN>{}, cute::Int<kBlockK>{})));
-  using SmemLayoutAHalf =
-      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kHalfM>{}, cute::Int<kBlockK>{})));
+  using SmemLayoutAStage =
+      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{})));
 
   using TiledMma = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
@@ -138,19 +131,13 @@ inline constexpr int kUnitRows = 64;
 struct TileTask {
   int32_t row;      // first row in the expert-major buffer
   int32_t rows;     // 64 or 128 (kBlockM == 128), 64 (kBlockM == 64); 0: no task at this index
-  int32_t n_block;  // from TaskWalker: the n-block pair; after for_cta(): this CTA's n-block
+  int32_t n_block;
   int32_t expert;
-
-  __device__ __forceinline__ TileTask for_cta(int cta_rank) const {
-    TileTask t = *this;
-    t.n_block = n_block * 2 + cta_rank;
-    return t;
-  }
 };
 
 template <class Traits, class Params>
 __device__ __forceinline__ int64_t num_task_slots(const Params& p) {
-  return int64_t(*p.scheduled_rows / kUnitRows) * (p.num_n_blocks / 2);
+  return int64_t(*p.scheduled_rows / kUnitRows) * p.num_n_blocks;
 }
 
 // Walks the task slots one CTA visits (increasing slot order, n-blocks fastest so CTAs running side by
@@ -166,9 +153,8 @@ struct TaskWalker {
   template <class Params>
   __device__ __forceinline__ TileTask task_at(const Params& p, int64_t slot) {
     TileTask t;
-    const int num_pairs = p.num_n_blocks / 2;
-    t.row = static_cast<int32_t>(slot / num_pairs) * kUnitRows;
-    t.n_block = static_cast<int32_t>(slot % num_pairs);
+    t.row = static_cast<int32_t>(slot / p.num_n_blocks) * kUnitRows;
+    t.n_block = static_cast<int32_t>(slot % p.num_n_blocks);
     if (!started) {
       segment_end = p.expert_row_offsets[1];
       started = true;
@@ -188,8 +174,8 @@ struct TaskWalker {
 
 // Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
 template <class Traits, class Params>
-__device__ __forceinline__ void load_tile(const Params& p, const TileTask& task, int cta_rank,
-                                          typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
+__device__ __forceinline__ void load_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
+                                          typename Traits::Pipeline& pipeline,
                                           typename Traits::PipelineState& state) {
   using namespace cute;
   using T = Traits;
@@ -199,29 +185,25 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
   Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
   Tensor s_b_halves = flat_divide(s_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{});  // (HN, BK, 2, 1, S)
 
-  // This CTA's half of the A tile: kHalfM rows from task.row + cta_rank * kHalfM (offset, then tile).
-  Tensor s_a_halves = flat_divide(s_a, Shape<Int<T::kHalfM>, Int<T::kBlockK>>{});  // (HM, BK, 2, 1, S)
-  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row) + cta_rank * T::kHalfM, _0{}), m_a),
-                          Shape<Int<T::kHalfM>, Int<T::kBlockK>>{}, make_coord(0, _));
+  // A box of kBlockM rows from task.row (a multiple of 64): tile the row axis by 64-row units.
+  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row), _0{}), m_a),
+                          Shape<Int<T::kBlockM>, Int<T::kBlockK>>{}, make_coord(0, _));
   const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
   Tensor g_b0 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
                            make_coord((b_base + p.b_half_offset0) / T::kHalfN, _));
   Tensor g_b1 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
                            make_coord((b_base + p.b_half_offset1) / T::kHalfN, _));
-  auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{},
-                                      group_modes<0, 2>(s_a_halves(_, _, cta_rank, 0, _)), group_modes<0, 2>(g_a));
-  constexpr uint16_t kBothCtas = (1u << T::kClusterN) - 1;
+  auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_a), group_modes<0, 2>(g_a));
   auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
                                         group_modes<0, 2>(s_b_halves(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
   auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
                                         group_modes<0, 2>(s_b_halves(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
   const int num_k_blocks = p.k / T::kBlockK;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    // Waits until the consumers of *both* CTAs released the stage: our A half lands in both.
     pipeline.producer_acquire(state);
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
-    copy(p.tma_a.with(*full, kBothCtas), t_a_g(_, k_block), t_a_s(_, stage));
+    copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
     copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
     copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
     ++state;
@@ -358,8 +340,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
 
 enum class GemmRole : int { kProducer = 0, kConsumer = 1 };
 
-// Standalone persistent launcher: one CTA per SM in clusters of kClusterN, tasks strided over clusters.
-// Used by tests and the bench.
+// Standalone persistent launcher: one CTA per SM, tasks strided over CTAs. Used by tests and the bench.
 template <class Traits, class Params>
 __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
   using T = Traits;
@@ -374,23 +355,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
                                                      : T::Pipeline::ThreadCategory::Consumer;
   pipeline_params.is_leader = threadIdx.x == 0;
   pipeline_params.num_consumers = 128 * T::kConsumerWarpgroups;
-  typename T::Pipeline pipeline(smem.pipeline, pipeline_params, typename T::ClusterShape{});
-  // Why: the partner CTA arrives on our barriers and multicasts into our shared memory; both CTAs'
-  // barrier initialization must be visible cluster-wide first.
-  cute::cluster_sync();
+  typename T::Pipeline pipeline(smem.pipeline, pipeline_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  __syncthreads();  // barrier initialization visible to every role
 
-  const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
-  const int64_t cluster = blockIdx.x / T::kClusterN;
-  const int64_t num_clusters = gridDim.x / T::kClusterN;
   const int64_t num_slots = num_task_slots<T>(p);
   if (role == GemmRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
     if (threadIdx.x == 0) {
       auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
       TaskWalker<T> walker;
-      for (int64_t slot = cluster; slot < num_slots; slot += num_clusters) {
+      for (int64_t slot = blockIdx.x; slot < num_slots; slot += gridDim.x) {
         const TileTask task = walker.task_at(p, slot);
-        if (task.rows > 0) load_tile<T>(p, task.for_cta(cta_rank), cta_rank, smem, pipeline, state);
+        if (task.rows > 0) load_tile<T>(p, task, smem, pipeline, state);
       }
       pipeline.producer_tail(state);
     }
@@ -398,14 +374,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     typename T::PipelineState state;
     TaskWalker<T> walker;
-    for (int64_t slot = cluster; slot < num_slots; slot += num_clusters) {
+    for (int64_t slot = blockIdx.x; slot < num_slots; slot += gridDim.x) {
       const TileTask task = walker.task_at(p, slot);
-      if (task.rows > 0)
-        compute_tile<T>(p, task.for_cta(cta_rank), smem, pipeline, state, static_cast<int>(threadIdx.x) - 128);
+      if (task.rows > 0) compute_tile<T>(p, task, smem, pipeline, state, static_cast<int>(threadIdx.x) - 128);
     }
   }
-  // Why: neither CTA may exit while its partner can still multicast into it or arrive on its barriers.
-  cute::cluster_sync();
 }
 
 }  // namespace mok::gemm
