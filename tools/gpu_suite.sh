@@ -2,7 +2,7 @@
 # Run ON THE GPU MACHINE, from the repository root, in one call (after tools/gpu_carry.sh here):
 #   tools/gpu_suite.sh [ctest label regex, default "gpu|multigpu"]
 # Environment: MOK_SUITE_TESTS=regex (only these tests), MOK_SUITE_MAIN=0 (skip mok_bench),
-#              MOK_SUITE_GEMM_BENCH=0 (skip bench/gemm_bench.py).
+#              MOK_SUITE_GEMM_BENCH=0 (skip bench/gemm_bench.py), MOK_SUITE_TIMEOUT=s (per test, 300).
 # Configures and builds with the carried .deps/, runs the GPU tests (and CPU ones if asked), the
 # memory checker on the error-path tests, and the main program, then prints a summary table. Logs go to
 # $OUT (the device tool's return folder) when set.
@@ -25,7 +25,7 @@ if ! { cmake -S . -B build-gpu -G Ninja -DMOK_DEPS_DIR="$PWD/.deps" >"$out/confi
 fi
 grep -h "spill" "$out/build.log" | sort | uniq -c | grep -v " 0 bytes spill" || true
 
-ctest --test-dir build-gpu -V -L "$labels" ${MOK_SUITE_TESTS:+-R "$MOK_SUITE_TESTS"} >"$out/ctest.log" 2>&1 || status=1
+ctest --test-dir build-gpu -V --timeout "${MOK_SUITE_TIMEOUT:-300}" -L "$labels" ${MOK_SUITE_TESTS:+-R "$MOK_SUITE_TESTS"} >"$out/ctest.log" 2>&1 || status=1
 
 # Error paths under the memory checker: no out-of-bounds access on overflow or bad ids.
 sanitizer=skipped
