@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace mok::reference {
@@ -87,6 +88,18 @@ struct LayerGrads {
   std::vector<T> d_router_weights;                           // [N, k], 0 for masked routes
   std::vector<T> d_shared_gate, d_shared_up, d_shared_down;  // parameter shapes (zeros without shared)
   std::vector<T> d_expert_gate, d_expert_up, d_expert_down;  // parameter shapes
+
+  // Every tensor with its name, in declaration order: tests compare gradients field by field with it.
+  std::vector<std::pair<const char*, const std::vector<T>*>> named() const {
+    return {{"d_x", &d_x},
+            {"d_router_weights", &d_router_weights},
+            {"d_shared_gate", &d_shared_gate},
+            {"d_shared_up", &d_shared_up},
+            {"d_shared_down", &d_shared_down},
+            {"d_expert_gate", &d_expert_gate},
+            {"d_expert_up", &d_expert_up},
+            {"d_expert_down", &d_expert_down}};
+  }
 };
 
 // Checks every vector size and expert id: std::invalid_argument for shapes/sizes, std::out_of_range

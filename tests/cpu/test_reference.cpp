@@ -588,14 +588,9 @@ TEST(ReferencePrecision, FloatAgreesWithDouble) {
   expect_close("route_out", trace_f.route_out, trace_d.route_out);
   const auto grads_f = ref::backward(shape, params_f, inputs_f, d_out_f);
   const auto grads_d = ref::backward(shape, params_d, inputs_d, d_out_d);
-  expect_close("d_x", grads_f.d_x, grads_d.d_x);
-  expect_close("d_router_weights", grads_f.d_router_weights, grads_d.d_router_weights);
-  expect_close("d_shared_gate", grads_f.d_shared_gate, grads_d.d_shared_gate);
-  expect_close("d_shared_up", grads_f.d_shared_up, grads_d.d_shared_up);
-  expect_close("d_shared_down", grads_f.d_shared_down, grads_d.d_shared_down);
-  expect_close("d_expert_gate", grads_f.d_expert_gate, grads_d.d_expert_gate);
-  expect_close("d_expert_up", grads_f.d_expert_up, grads_d.d_expert_up);
-  expect_close("d_expert_down", grads_f.d_expert_down, grads_d.d_expert_down);
+  const auto named_f = grads_f.named();
+  const auto named_d = grads_d.named();
+  for (size_t i = 0; i < named_f.size(); ++i) expect_close(named_f[i].first, *named_f[i].second, *named_d[i].second);
 }
 
 template <typename T>
@@ -616,14 +611,10 @@ void expect_bitwise_deterministic(uint64_t seed) {
     EXPECT_TRUE(bitwise_equal("shared_out", trace_again.shared_out, trace.shared_out)) << run;
     EXPECT_TRUE(bitwise_equal("route_out", trace_again.route_out, trace.route_out)) << run;
     EXPECT_TRUE(bitwise_equal("out", trace_again.out, trace.out)) << run;
-    EXPECT_TRUE(bitwise_equal("d_x", grads_again.d_x, grads.d_x)) << run;
-    EXPECT_TRUE(bitwise_equal("d_router_weights", grads_again.d_router_weights, grads.d_router_weights)) << run;
-    EXPECT_TRUE(bitwise_equal("d_shared_gate", grads_again.d_shared_gate, grads.d_shared_gate)) << run;
-    EXPECT_TRUE(bitwise_equal("d_shared_up", grads_again.d_shared_up, grads.d_shared_up)) << run;
-    EXPECT_TRUE(bitwise_equal("d_shared_down", grads_again.d_shared_down, grads.d_shared_down)) << run;
-    EXPECT_TRUE(bitwise_equal("d_expert_gate", grads_again.d_expert_gate, grads.d_expert_gate)) << run;
-    EXPECT_TRUE(bitwise_equal("d_expert_up", grads_again.d_expert_up, grads.d_expert_up)) << run;
-    EXPECT_TRUE(bitwise_equal("d_expert_down", grads_again.d_expert_down, grads.d_expert_down)) << run;
+    const auto again = grads_again.named();
+    const auto first = grads.named();
+    for (size_t i = 0; i < first.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(first[i].first, *again[i].second, *first[i].second)) << run;
   }
 }
 
