@@ -32,12 +32,18 @@ struct ExpertGemmArgs {
   const float* row_scale = nullptr;  // optional [a_rows]
   float swiglu_limit = 0;       // 0: plain SwiGLU
   void* out = nullptr;          // bf16 [a_rows, n]
+  int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);
+                                // 0: choose_cluster_n
 };
 
 // Throws std::invalid_argument naming the offending field.
 void validate(const ExpertGemmArgs& args);
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream);
+
+// CTAs per cluster for a GEMM with `n` output columns: 2 (the A tile multicast to a pair of n-blocks) when
+// the output tiles pair up, else 1.
+int choose_cluster_n(GemmEpilogue epilogue, int n);
 
 // Schedule padding for an expected number of rows per local expert: 128 unless experts average fewer
 // than 128 rows (docs/design.md has the measurement behind it).

@@ -29,7 +29,11 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
 
   auto g_a = make_tensor(make_gmem_ptr(static_cast<const Element*>(args.a)), make_shape(args.a_rows, int64_t(args.k)),
                          make_stride(int64_t(args.k), _1{}));
-  auto tma_a = make_tma_copy(SM90_TMA_LOAD{}, g_a, typename T::SmemLayoutAStage{});
+  // With clusters, each CTA loads its share of the A tile's rows and multicasts it (the box is the share,
+  // not split further across CTAs).
+  using TmaLoadA = std::conditional_t<(T::kClusterN > 1), SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
+  auto tma_a = make_tma_copy(TmaLoadA{}, g_a, typename T::SmemLayoutACta{},
+                             Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, Int<1>{});
   auto make_b = [&](const void* ptr) {
     auto g_b = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(b_rows, int64_t(args.k)),
                            make_stride(int64_t(args.k), _1{}));
@@ -71,8 +75,24 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
                              " bytes of shared memory, device allows " + std::to_string(max_smem));
   auto kernel = gemm::expert_gemm_kernel<T, decltype(p)>;
   MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSharedBytes));
-  kernel<<<num_sms, T::kThreads, T::kSharedBytes, stream>>>(p);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  cudaLaunchAttribute cluster_attr;
+  cluster_attr.id = cudaLaunchAttributeClusterDimension;
+  cluster_attr.val.clusterDim.x = T::kClusterN;
+  cluster_attr.val.clusterDim.y = 1;
+  cluster_attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.blockDim = dim3(T::kThreads);
+  config.dynamicSmemBytes = T::kSharedBytes;
+  config.stream = stream;
+  config.attrs = &cluster_attr;
+  config.numAttrs = 1;
+  // Persistent: as many clusters as can be resident at once (SM pairs within a GPC), one CTA per SM.
+  config.gridDim = dim3(num_sms - num_sms % T::kClusterN);
+  int max_clusters = 0;
+  MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
+  if (max_clusters < 1) throw std::runtime_error("expert_gemm: no cluster of the GEMM kernel fits on the device");
+  config.gridDim = dim3(max_clusters * T::kClusterN);
+  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p));
 }
 
 }  // namespace
@@ -85,9 +105,14 @@ void validate(const ExpertGemmArgs& args) {
   require(args.b_up == nullptr || (swiglu && aligned16(args.b_up)), "b_up is only for kSwiGLU and must be 16-byte aligned");
   require(args.out != nullptr && aligned16(args.out), "out must be a non-null, 16-byte aligned bf16 buffer");
   require(args.k > 0 && args.k % 64 == 0, "k must be a positive multiple of 64, got " + std::to_string(args.k));
-  const int n_multiple = swiglu ? 128 : 256;
+  const int n_multiple = swiglu ? 128 : 256;  // whole output tiles
   require(args.n > 0 && args.n % n_multiple == 0,
           "n must be a positive multiple of " + std::to_string(n_multiple) + ", got " + std::to_string(args.n));
+  require(args.cluster_n == 0 || args.cluster_n == 1 || args.cluster_n == 2,
+          "cluster_n must be 0 (choose), 1 or 2, got " + std::to_string(args.cluster_n));
+  require(args.cluster_n != 2 || args.n % (2 * n_multiple) == 0,
+          "cluster_n = 2 pairs output tiles: n must be a multiple of " + std::to_string(2 * n_multiple) + ", got " +
+              std::to_string(args.n));
   require(args.local_experts > 0, "local_experts must be positive");
   require(args.tile_m == 64 || args.tile_m == 128, "tile_m must be 64 or 128, got " + std::to_string(args.tile_m));
   require(args.a_rows > 0 && args.a_rows % args.tile_m == 0, "a_rows must be a positive multiple of tile_m");
@@ -97,10 +122,26 @@ void validate(const ExpertGemmArgs& args) {
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);
-  if (args.epilogue == GemmEpilogue::kSwiGLU)
-    launch<gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kSwiGLU>>(args, stream);
-  else
-    launch<gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kStore>>(args, stream);
+  const int cluster_n = args.cluster_n != 0 ? args.cluster_n : choose_cluster_n(args.epilogue, args.n);
+  constexpr auto kSwiGLU = gemm::Epilogue::kSwiGLU;
+  constexpr auto kStore = gemm::Epilogue::kStore;
+  if (args.epilogue == GemmEpilogue::kSwiGLU) {
+    if (cluster_n == 2)
+      launch<gemm::GemmTraits<128, 256, 4, kSwiGLU, 2>>(args, stream);
+    else
+      launch<gemm::GemmTraits<128, 256, 4, kSwiGLU, 1>>(args, stream);
+  } else {
+    if (cluster_n == 2)
+      launch<gemm::GemmTraits<128, 256, 4, kStore, 2>>(args, stream);
+    else
+      launch<gemm::GemmTraits<128, 256, 4, kStore, 1>>(args, stream);
+  }
+}
+
+int choose_cluster_n(GemmEpilogue epilogue, int n) {
+  // Pairs of CTAs sharing A need an even number of output tiles (256 accumulator columns each).
+  const int tile_columns = epilogue == GemmEpilogue::kSwiGLU ? 128 : 256;
+  return n % (2 * tile_columns) == 0 ? 2 : 1;
 }
 
 int choose_tile_m(double expected_rows_per_expert) {

@@ -136,10 +136,17 @@ TEST(ExpertGemmTest, StoreIsBitwiseExactForEdgeRowCounts) {
     MOK_CHECK_CUDA(cudaMemcpy(d_out.ptr, std::vector<uint16_t>(d_out.count, kPoison).data(), d_out.count * 2, cudaMemcpyHostToDevice));
     ExpertGemmArgs args = fx.args(GemmEpilogue::kStore, d_a.ptr, k, d_w.ptr, n, d_out.ptr);
     if (scaled) args.row_scale = d_scale.ptr;
+    args.cluster_n = 1;
     expert_gemm(args, nullptr);
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
     const auto out = d_out.download();
     ASSERT_EQ(check_layout(out, fx.seg, fx.a_rows, n), "") << "seed " << seed;
+    // Pairs of CTAs sharing the A tile must give the same bits (checked against the CPU through `out`).
+    d_out.upload(std::vector<uint16_t>(d_out.count, kPoison));
+    args.cluster_n = 2;
+    expert_gemm(args, nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    ASSERT_EQ(d_out.download(), out) << "cluster_n 2 differs from cluster_n 1, seed " << seed;
     for (int64_t row = 0; row < fx.seg.rows; ++row) {
       if (!fx.seg.is_real(row)) continue;
       const int e = fx.seg.expert_of(row);
@@ -182,11 +189,14 @@ TEST(ExpertGemmTest, SwiGLUFusedAndSeparateWeightsWithinBudget) {
     ExpertGemmArgs separate = fx.args(GemmEpilogue::kSwiGLU, d_a.ptr, k, d_gate.ptr, n, out_separate.ptr);
     separate.b_up = d_up.ptr;
     separate.swiglu_limit = limit;
+    separate.cluster_n = 1;  // fused: chosen (2 here), separate: single CTAs
+    ASSERT_EQ(choose_cluster_n(GemmEpilogue::kSwiGLU, n), 2);
     expert_gemm(fused, nullptr);
     expert_gemm(separate, nullptr);
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
     const auto got = out_fused.download();
-    ASSERT_EQ(got, out_separate.download()) << "fused and separate weights must give the same bits";
+    ASSERT_EQ(got, out_separate.download()) << "fused weights in clusters of 2 and separate weights in single "
+                                               "CTAs must give the same bits";
     ASSERT_EQ(check_layout(got, fx.seg, fx.a_rows, n), "");
     // Budget: bf16 output rounding (2^-9 relative) plus __expf (a few ulp): 1/128 relative + 1e-3 absolute.
     for (int64_t row = 0; row < fx.seg.rows; ++row) {
@@ -213,7 +223,7 @@ TEST(ExpertGemmTest, SwiGLUFusedAndSeparateWeightsWithinBudget) {
 TEST(ExpertGemmTest, RandomNormalInputsWithinBudget) {
   MOK_REQUIRE_GPUS(1);
   const std::vector<int32_t> expert_counts = {300, 17, 0, 520};
-  const int k = 1024, n = 768;
+  const int k = 1024, n = 768;  // three output tiles: single CTAs (clusters need pairs)
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.f, 1.f);
   GemmFixture fx(expert_counts, 0);
@@ -326,6 +336,13 @@ TEST(ExpertGemmTest, ModelShapesAtEp2RowCounts) {
   }
 }
 
+TEST(ExpertGemmTest, ClusterHeuristic) {
+  EXPECT_EQ(choose_cluster_n(GemmEpilogue::kStore, 512), 2);
+  EXPECT_EQ(choose_cluster_n(GemmEpilogue::kStore, 768), 1);  // three tiles of 256 do not pair
+  EXPECT_EQ(choose_cluster_n(GemmEpilogue::kSwiGLU, 256), 2);
+  EXPECT_EQ(choose_cluster_n(GemmEpilogue::kSwiGLU, 384), 1);
+}
+
 TEST(ExpertGemmTest, TileHeightHeuristic) {
   EXPECT_EQ(choose_tile_m(40), 64);     // 128-row padding would triple the work
   EXPECT_EQ(choose_tile_m(127), 64);
@@ -348,6 +365,11 @@ TEST(ExpertGemmTest, ValidationNamesTheArgument) {
   args.n = 200;
   EXPECT_NE(message().find("n must be"), std::string::npos);
   args.n = 256;
+  args.cluster_n = 3;
+  EXPECT_NE(message().find("cluster_n must be"), std::string::npos);
+  args.cluster_n = 2;
+  EXPECT_NE(message().find("cluster_n = 2 pairs"), std::string::npos);
+  args.cluster_n = 0;
   args.local_experts = 2;
   args.a_rows = 128;
   EXPECT_NE(message().find("schedule pointers"), std::string::npos);

@@ -7,9 +7,13 @@
 //   Y / H [rows, N_out] bf16; fp32 accumulation. Padding rows (past expert_counts[e]) are written as zeros,
 //   so later weight-gradient GEMMs can sum over whole segments. L = 0 disables the clamp; scale is optional.
 //
+// Clusters of kClusterN (1 or 2) CTAs share the A tile: a task is one m-tile and kClusterN adjacent
+// n-blocks; CTA c of the cluster computes n-block kClusterN * task.n_block + c. With 2, each CTA loads half
+// of the A tile's rows and multicasts it to both, cutting L2 traffic per k-block from 48 to 40 KB per CTA.
+//
 // Roles (one CTA = 1 producer warpgroup + kBlockM/64 consumer warpgroups):
-//   producer   one elected thread issues TMA loads of A (kBlockM x 64) and B (two halves of
-//              kBlockN/2 x 64: gate and up rows for SwiGLU, two row ranges of W otherwise) per stage.
+//   producer   one elected thread issues, per stage, the TMA loads of its half of A (multicast) and of B
+//              (two halves of kBlockN/2 x 64: gate and up rows for SwiGLU, two row ranges of W otherwise).
 //   consumers  wgmma 64 x kBlockN x 16 per warpgroup (SS operands, fp32 accumulators in registers),
 //              one batch in flight; then the epilogue through shared memory to coalesced global stores.
 //   For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
@@ -40,7 +44,7 @@ namespace mok::gemm {
 
 enum class Epilogue : int { kStore = 0, kSwiGLU = 1 };
 
-template <int kBlockM_, int kBlockN_, int kStages_, Epilogue kEpilogue_>
+template <int kBlockM_, int kBlockN_, int kStages_, Epilogue kEpilogue_, int kClusterN_>
 struct GemmTraits {
   using Element = cutlass::bfloat16_t;
   static constexpr int kBlockM = kBlockM_;
@@ -53,6 +57,12 @@ struct GemmTraits {
   static constexpr int kHalfN = kBlockN / 2;
   static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kHalfN : kBlockN;
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kClusterN = kClusterN_;  // CTAs sharing one A tile (adjacent n-blocks)
+  static_assert(kClusterN == 1 || kClusterN == 2, "A is shared by at most two CTAs");
+  // The launch's cluster dimension is (kClusterN, 1, 1); the pipeline maps consumer arrivals onto it, so
+  // both must agree (a (1, 2, 1) shape here left one CTA's empty barriers short of arrivals: a hang).
+  using ClusterShape = cute::Shape<cute::Int<kClusterN>, cute::_1, cute::_1>;
+  static constexpr int kCtaRowsA = kBlockM / kClusterN;  // A rows each CTA loads (and multicasts)
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
   static constexpr int kProducerRegisters = 40;
@@ -68,8 +78,8 @@ struct GemmTraits {
   // One TMA box: half of a B stage. Both halves of a stage are contiguous, so the stage is one wgmma operand.
   using SmemLayoutBHalf =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kHalfN>{}, cute::Int<kBlockK>{})));
-  using SmemLayoutAStage =
-      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{})));
+  using SmemLayoutACta =
+      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kCtaRowsA>{}, cute::Int<kBlockK>{})));
 
   using TiledMma = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
@@ -131,13 +141,20 @@ inline constexpr int kUnitRows = 64;
 struct TileTask {
   int32_t row;      // first row in the expert-major buffer
   int32_t rows;     // 64 or 128 (kBlockM == 128), 64 (kBlockM == 64); 0: no task at this index
-  int32_t n_block;
+  int32_t n_block;  // from TaskWalker: the cluster's group of n-blocks; after for_cta(): this CTA's n-block
   int32_t expert;
+
+  template <int kClusterN>
+  __device__ __forceinline__ TileTask for_cta(int cta_rank) const {
+    TileTask t = *this;
+    t.n_block = n_block * kClusterN + cta_rank;
+    return t;
+  }
 };
 
 template <class Traits, class Params>
 __device__ __forceinline__ int64_t num_task_slots(const Params& p) {
-  return int64_t(*p.scheduled_rows / kUnitRows) * p.num_n_blocks;
+  return int64_t(*p.scheduled_rows / kUnitRows) * (p.num_n_blocks / Traits::kClusterN);
 }
 
 // Walks the task slots one CTA visits (increasing slot order, n-blocks fastest so CTAs running side by
@@ -153,8 +170,9 @@ struct TaskWalker {
   template <class Params>
   __device__ __forceinline__ TileTask task_at(const Params& p, int64_t slot) {
     TileTask t;
-    t.row = static_cast<int32_t>(slot / p.num_n_blocks) * kUnitRows;
-    t.n_block = static_cast<int32_t>(slot % p.num_n_blocks);
+    const int num_groups = p.num_n_blocks / Traits::kClusterN;
+    t.row = static_cast<int32_t>(slot / num_groups) * kUnitRows;
+    t.n_block = static_cast<int32_t>(slot % num_groups);
     if (!started) {
       segment_end = p.expert_row_offsets[1];
       started = true;
@@ -174,8 +192,8 @@ struct TaskWalker {
 
 // Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
 template <class Traits, class Params>
-__device__ __forceinline__ void load_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
-                                          typename Traits::Pipeline& pipeline,
+__device__ __forceinline__ void load_tile(const Params& p, const TileTask& task, int cta_rank,
+                                          typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
                                           typename Traits::PipelineState& state) {
   using namespace cute;
   using T = Traits;
@@ -185,25 +203,32 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
   Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
   Tensor s_b_halves = flat_divide(s_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{});  // (HN, BK, 2, 1, S)
 
-  // A box of kBlockM rows from task.row (a multiple of 64): tile the row axis by 64-row units.
-  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row), _0{}), m_a),
-                          Shape<Int<T::kBlockM>, Int<T::kBlockK>>{}, make_coord(0, _));
+  // This CTA's share of the A tile: kCtaRowsA rows from task.row + cta_rank * kCtaRowsA (offset, then tile).
+  Tensor s_a_shares = flat_divide(s_a, Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{});  // (RA, BK, C, 1, S)
+  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row) + cta_rank * T::kCtaRowsA, _0{}), m_a),
+                          Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, make_coord(0, _));
   const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
   Tensor g_b0 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
                            make_coord((b_base + p.b_half_offset0) / T::kHalfN, _));
   Tensor g_b1 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
                            make_coord((b_base + p.b_half_offset1) / T::kHalfN, _));
-  auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_a), group_modes<0, 2>(g_a));
+  auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{},
+                                      group_modes<0, 2>(s_a_shares(_, _, cta_rank, 0, _)), group_modes<0, 2>(g_a));
+  constexpr uint16_t kAllCtas = (1u << T::kClusterN) - 1;
   auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
                                         group_modes<0, 2>(s_b_halves(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
   auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
                                         group_modes<0, 2>(s_b_halves(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
   const int num_k_blocks = p.k / T::kBlockK;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    // Waits until the consumers of every CTA of the cluster released the stage: our A rows land in all.
     pipeline.producer_acquire(state);
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
-    copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
+    if constexpr (T::kClusterN > 1)
+      copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
+    else
+      copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
     copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
     copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
     ++state;
@@ -214,7 +239,8 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 
 // Consumer side of one tile: mainloop over K, then the epilogue. All consumer threads call this;
 // consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not part
-// of the task (a 64-row task) still waits for and releases every stage, but issues no wgmma.
+// of the task (a 64-row task) runs the mainloop all the same (on rows it will not store: gating the wgmma
+// on a runtime value makes ptxas serialize all of them) and skips the epilogue.
 template <class Traits, class Params>
 __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
                                              typename Traits::Pipeline& pipeline,
@@ -230,8 +256,10 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
   Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
   Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
-  const int warpgroup = consumer_idx / 128;
-  const bool active = warpgroup * kUnitRows < task.rows;
+  // Why the shuffle: ptxas serializes every wgmma of the kernel (warning C7518) unless it can prove the
+  // branches around them warp-uniform; a value broadcast from lane 0 is.
+  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
+  const bool active = warpgroup * kUnitRows < __shfl_sync(0xffffffff, task.rows, 0);
 
   // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
   // and the batch that read it retired.
@@ -241,28 +269,24 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     pipeline.consumer_wait(read_state);
     const int stage = read_state.index();
-    if (active) {
-      warpgroup_fence_operand(accum);
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(t_r_a); ++k) {
-        cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(accum);
+    warpgroup_fence_operand(accum);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(t_r_a); ++k) {
+      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
+      mma.accumulate_ = GMMA::ScaleOut::One;
     }
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(accum);
     if (k_block > 0) {
       pipeline.consumer_release(release_state);
       ++release_state;
     }
     ++read_state;
   }
-  if (active) {
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accum);
-  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accum);
   if (num_k_blocks > 0) {
     pipeline.consumer_release(release_state);
     ++release_state;
@@ -340,13 +364,14 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
 
 enum class GemmRole : int { kProducer = 0, kConsumer = 1 };
 
-// Standalone persistent launcher: one CTA per SM, tasks strided over CTAs. Used by tests and the bench.
+// Standalone persistent launcher: one CTA per SM in clusters of kClusterN, tasks strided over clusters.
+// Used by tests and the bench.
 template <class Traits, class Params>
 __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
   using T = Traits;
   extern __shared__ __align__(1024) char shared_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(shared_raw);
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);  // uniform: see compute_tile
   const GemmRole role = warpgroup == 0 ? GemmRole::kProducer : GemmRole::kConsumer;
 
   typename T::Pipeline::Params pipeline_params;
@@ -355,18 +380,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
                                                      : T::Pipeline::ThreadCategory::Consumer;
   pipeline_params.is_leader = threadIdx.x == 0;
   pipeline_params.num_consumers = 128 * T::kConsumerWarpgroups;
-  typename T::Pipeline pipeline(smem.pipeline, pipeline_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
-  __syncthreads();  // barrier initialization visible to every role
+  typename T::Pipeline pipeline(smem.pipeline, pipeline_params, typename T::ClusterShape{});
+  // Why: the partner CTA arrives on our barriers and multicasts into our shared memory; both CTAs'
+  // barrier initialization must be visible cluster-wide first.
+  if constexpr (T::kClusterN > 1)
+    cute::cluster_sync();
+  else
+    __syncthreads();
 
+  const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
+  const int64_t cluster = blockIdx.x / T::kClusterN;
+  const int64_t num_clusters = gridDim.x / T::kClusterN;
   const int64_t num_slots = num_task_slots<T>(p);
   if (role == GemmRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
     if (threadIdx.x == 0) {
       auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
       TaskWalker<T> walker;
-      for (int64_t slot = blockIdx.x; slot < num_slots; slot += gridDim.x) {
+      for (int64_t slot = cluster; slot < num_slots; slot += num_clusters) {
         const TileTask task = walker.task_at(p, slot);
-        if (task.rows > 0) load_tile<T>(p, task, smem, pipeline, state);
+        if (task.rows > 0) load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
       }
       pipeline.producer_tail(state);
     }
@@ -374,11 +407,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     typename T::PipelineState state;
     TaskWalker<T> walker;
-    for (int64_t slot = blockIdx.x; slot < num_slots; slot += gridDim.x) {
+    for (int64_t slot = cluster; slot < num_slots; slot += num_clusters) {
       const TileTask task = walker.task_at(p, slot);
-      if (task.rows > 0) compute_tile<T>(p, task, smem, pipeline, state, static_cast<int>(threadIdx.x) - 128);
+      if (task.rows > 0)
+        compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state, static_cast<int>(threadIdx.x) - 128);
     }
   }
+  // Why: neither CTA may exit while its partner can still multicast into it or arrive on its barriers.
+  if constexpr (T::kClusterN > 1) cute::cluster_sync();
 }
 
 }  // namespace mok::gemm
