@@ -336,6 +336,27 @@ TEST(ExpertGemmTest, ModelShapesAtEp2RowCounts) {
   }
 }
 
+// After a capacity overflow the schedule reports 0 scheduled rows (its row offsets are then past the
+// buffer): the GEMM must not touch the output.
+TEST(ExpertGemmTest, OverflowedScheduleWritesNothing) {
+  MOK_REQUIRE_GPUS(1);
+  const int k = 128, n = 512;
+  GemmFixture fx({300, 0, 700}, 0);
+  fx.scheduled.upload({0});
+  DeviceArray<uint16_t> d_a(size_t(fx.a_rows) * k), d_w(size_t(3) * n * k), d_out(size_t(fx.a_rows) * n);
+  testing::fill_hashed_bf16(d_a.ptr, d_a.count, 1, -1, 1, nullptr);
+  testing::fill_hashed_bf16(d_w.ptr, d_w.count, 2, -1, 1, nullptr);
+  const std::vector<uint16_t> poison(d_out.count, kPoison);
+  for (int cluster_n : {1, 2}) {
+    d_out.upload(poison);
+    ExpertGemmArgs args = fx.args(GemmEpilogue::kStore, d_a.ptr, k, d_w.ptr, n, d_out.ptr);
+    args.cluster_n = cluster_n;
+    expert_gemm(args, nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    ASSERT_EQ(d_out.download(), poison) << "cluster_n " << cluster_n;
+  }
+}
+
 TEST(ExpertGemmTest, ClusterHeuristic) {
   EXPECT_EQ(choose_cluster_n(GemmEpilogue::kStore, 512), 2);
   EXPECT_EQ(choose_cluster_n(GemmEpilogue::kStore, 768), 1);  // three tiles of 256 do not pair

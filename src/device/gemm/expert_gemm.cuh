@@ -65,7 +65,7 @@ struct GemmTraits {
   static constexpr int kCtaRowsA = kBlockM / kClusterN;  // A rows each CTA loads (and multicasts)
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
-  static constexpr int kProducerRegisters = 40;
+  static constexpr int kProducerRegisters = 48;
   static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 232 : 240;
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= 65536,
                 "register file of one SM");
@@ -133,14 +133,13 @@ struct GemmParams {
   int64_t out_ld = {};
 };
 
-// Tasks are indexed over units of 64 rows (segments are padded to 64 or 128 rows). A task covers the
-// 128 rows starting at an even unit of its expert's segment, or only 64 when the segment ends after the
-// first half: then the second consumer warpgroup sits the tile out. Odd units start no task.
+// Segments are padded to 64 or 128 rows; a task covers kBlockM rows of one expert's segment, or the
+// 64 rows left at its end (then the second consumer warpgroup computes rows it does not store).
 inline constexpr int kUnitRows = 64;
 
 struct TileTask {
   int32_t row;      // first row in the expert-major buffer
-  int32_t rows;     // 64 or 128 (kBlockM == 128), 64 (kBlockM == 64); 0: no task at this index
+  int32_t rows;     // 64 or 128 (kBlockM == 128), 64 (kBlockM == 64)
   int32_t n_block;  // from TaskWalker: the cluster's group of n-blocks; after for_cta(): this CTA's n-block
   int32_t expert;
 
@@ -152,41 +151,44 @@ struct TileTask {
   }
 };
 
-template <class Traits, class Params>
-__device__ __forceinline__ int64_t num_task_slots(const Params& p) {
-  return int64_t(*p.scheduled_rows / kUnitRows) * (p.num_n_blocks / Traits::kClusterN);
-}
-
-// Walks the task slots one CTA visits (increasing slot order, n-blocks fastest so CTAs running side by
-// side share A rows and one expert's weights in L2). The expert of a slot only moves forward, so a cursor
-// replaces a binary search per slot: between two tiles every role is on the critical path.
+// Task order: expert by expert; within an expert, n-block group by group, and the expert's m-tiles
+// fastest. Clusters running side by side thus start the m-tiles that share one weight block together and
+// stream it through L2 in lockstep (an expert's gate/up weights, 59-88 MB, do not fit in L2; its A rows,
+// a few MB, do and are reused across groups). Slots are dense: every slot is a task.
+// A CTA visits increasing slots, so a cursor over the experts replaces a search per slot (between two
+// tiles every role is on the critical path).
 template <class Traits>
 struct TaskWalker {
-  bool started = false;
-  int32_t expert = 0;
+  int32_t expert = -1;
   int32_t segment_begin = 0;  // row_offsets[expert]
   int32_t segment_end = 0;    // row_offsets[expert + 1]
+  int32_t m_tiles = 0;        // m-tiles of the expert
+  int32_t slot_begin = 0;     // the expert's first slot
+  int32_t slot_end = 0;       // one past its last
+  int32_t scheduled_rows = 0; // the schedule's row count; 0 after a capacity overflow: no tasks at all
 
+  // The task of `slot`, or false when the slot lies past the last task.
   template <class Params>
-  __device__ __forceinline__ TileTask task_at(const Params& p, int64_t slot) {
-    TileTask t;
+  __device__ __forceinline__ bool task_at(const Params& p, int32_t slot, TileTask& t) {
     const int num_groups = p.num_n_blocks / Traits::kClusterN;
-    t.row = static_cast<int32_t>(slot / num_groups) * kUnitRows;
-    t.n_block = static_cast<int32_t>(slot % num_groups);
-    if (!started) {
-      segment_end = p.expert_row_offsets[1];
-      started = true;
-    }
-    while (t.row >= segment_end) {  // empty experts have segment_begin == segment_end and are skipped
-      ++expert;
+    while (slot >= slot_end) {  // empty experts have no slots and are skipped
+      if (++expert >= p.local_experts) return false;
+      if (expert == 0) {
+        scheduled_rows = *p.scheduled_rows;
+        segment_end = min(p.expert_row_offsets[0], scheduled_rows);
+      }
       segment_begin = segment_end;
-      segment_end = p.expert_row_offsets[expert + 1];
+      segment_end = min(p.expert_row_offsets[expert + 1], scheduled_rows);
+      m_tiles = (segment_end - segment_begin + Traits::kBlockM - 1) / Traits::kBlockM;
+      slot_begin = slot_end;
+      slot_end += m_tiles * num_groups;
     }
+    const int32_t local = slot - slot_begin;
     t.expert = expert;
-    const int32_t offset = t.row - segment_begin;
-    const int32_t left = segment_end - t.row;
-    t.rows = offset % Traits::kBlockM != 0 ? 0 : (left < Traits::kBlockM ? left : Traits::kBlockM);
-    return t;
+    t.n_block = local / m_tiles;
+    t.row = segment_begin + (local % m_tiles) * Traits::kBlockM;
+    t.rows = min(segment_end - t.row, Traits::kBlockM);
+    return true;
   }
 };
 
@@ -389,29 +391,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     __syncthreads();
 
   const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
-  const int64_t cluster = blockIdx.x / T::kClusterN;
-  const int64_t num_clusters = gridDim.x / T::kClusterN;
-  const int64_t num_slots = num_task_slots<T>(p);
+  const int32_t cluster = blockIdx.x / T::kClusterN;
+  const int32_t num_clusters = gridDim.x / T::kClusterN;
   if (role == GemmRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
     if (threadIdx.x == 0) {
       auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
       TaskWalker<T> walker;
-      for (int64_t slot = cluster; slot < num_slots; slot += num_clusters) {
-        const TileTask task = walker.task_at(p, slot);
-        if (task.rows > 0) load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
-      }
+      TileTask task;
+      for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters)
+        load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
       pipeline.producer_tail(state);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     typename T::PipelineState state;
     TaskWalker<T> walker;
-    for (int64_t slot = cluster; slot < num_slots; slot += num_clusters) {
-      const TileTask task = walker.task_at(p, slot);
-      if (task.rows > 0)
-        compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state, static_cast<int>(threadIdx.x) - 128);
-    }
+    TileTask task;
+    for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters)
+      compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
+                      static_cast<int>(threadIdx.x) - 128);
   }
   // Why: neither CTA may exit while its partner can still multicast into it or arrive on its barriers.
   if constexpr (T::kClusterN > 1) cute::cluster_sync();
