@@ -65,10 +65,13 @@ struct GemmTraits {
   static constexpr int kCtaRowsA = kBlockM / kClusterN;  // A rows each CTA loads (and multicasts)
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
+  // setmaxnreg only moves registers within what the CTA got at launch (65536 / kThreads, rounded down to
+  // 8, per thread): asking for more makes setmaxnreg.inc wait forever (a hang, seen with 48 / 232).
   static constexpr int kProducerRegisters = 48;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 232 : 240;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= 65536,
-                "register file of one SM");
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 224 : 240;
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
+                "setmaxnreg redistributes the CTA's launch registers, no more");
 
   using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
   using SmemLayoutA = decltype(cute::tile_to_shape(
