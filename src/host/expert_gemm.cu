@@ -37,7 +37,7 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   auto make_b = [&](const void* ptr) {
     auto g_b = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(b_rows, int64_t(args.k)),
                            make_stride(int64_t(args.k), _1{}));
-    return make_tma_copy(SM90_TMA_LOAD{}, g_b, typename T::SmemLayoutBPart{});
+    return make_tma_copy(SM90_TMA_LOAD{}, g_b, typename T::SmemLayoutBHalf{});
   };
   auto tma_b0 = make_b(args.b);
   auto tma_b1 = make_b(swiglu && !fused ? args.b_up : args.b);
@@ -49,13 +49,13 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   p.local_experts = args.local_experts;
   p.num_n_blocks = args.n / T::kOutCols;
   p.b_expert_rows = b_expert_rows;
-  if (swiglu) {  // even parts: gate chunks, odd parts: the up chunks of the same output columns
-    p.b_part_offset0 = 0;
-    p.b_part_offset1 = fused ? args.n : 0;
+  if (swiglu) {  // half 0: gate rows, half 1: up rows of the same output columns
+    p.b_half_offset0 = 0;
+    p.b_half_offset1 = fused ? args.n : 0;
     p.b_block_step = T::kHalfN;
-  } else {  // kBParts consecutive ranges of kBPartRows rows
-    p.b_part_offset0 = 0;
-    p.b_part_offset1 = T::kBPartRows;
+  } else {  // two halves of kBlockN consecutive rows
+    p.b_half_offset0 = 0;
+    p.b_half_offset1 = T::kHalfN;
     p.b_block_step = T::kBlockN;
   }
   p.expert_counts = args.expert_counts;

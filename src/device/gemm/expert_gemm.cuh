@@ -11,23 +11,20 @@
 // n-blocks; CTA c of the cluster computes n-block kClusterN * task.n_block + c. With 2, each CTA loads half
 // of the A tile's rows and multicasts it to both, cutting L2 traffic per k-block from 48 to 40 KB per CTA.
 //
-// Roles (one CTA = 1 producer warpgroup + 2 consumer warpgroups):
-//   producer   one elected thread issues, per stage, the TMA loads of its share of A (multicast) and of B
-//              (kBParts boxes: for SwiGLU gate and up rows interleaved in chunks of 64, g0 u0 g1 u1; two
-//              ranges of 128 rows of W otherwise).
-//   consumers  a 128-row task: wgmma 64 x 256 x 16 per warpgroup, one warpgroup per 64 rows. A 64-row
-//              task (a segment's end under 64-row padding) splits the columns instead: each warpgroup
-//              computes the 64 rows x its 128 columns, so it costs half a full task. SS operands, fp32
-//              accumulators in registers, one wgmma batch in flight; then the epilogue through shared
-//              memory to coalesced global stores. For SwiGLU a gate column and its up column (64
-//              accumulator columns further) sit in the same thread, so the activation is register-local.
+// Roles (one CTA = 1 producer warpgroup + kBlockM/64 consumer warpgroups):
+//   producer   one elected thread issues, per stage, the TMA loads of its half of A (multicast) and of B
+//              (two halves of kBlockN/2 x 64: gate and up rows for SwiGLU, two row ranges of W otherwise).
+//   consumers  wgmma 64 x kBlockN x 16 per warpgroup (SS operands, fp32 accumulators in registers),
+//              one batch in flight; then the epilogue through shared memory to coalesced global stores.
+//   For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
+//   activation is register-local.
 //
 // The unit of work is a TileTask (first row, rows, n-block, expert): load_tile() on the producer side and
 // compute_tile() on the consumer side, each advancing a pipeline state that persists across tasks, so a
 // persistent loop (expert_gemm_kernel below, later the megakernel) can interleave GEMM tiles with other work.
 //
 // Shared memory: A stages (kBlockM x 64 bf16, 128B swizzle) | B stages (kBlockN x 64) | epilogue staging
-// (kBlockM x up to 128 output columns, bf16) | pipeline barriers.
+// (kBlockM x output columns, bf16) | pipeline barriers.
 // Sync: PipelineTmaAsync full/empty mbarriers per stage (producer: acquire empty, arm transaction bytes;
 // consumers: wait full, release after the wgmma that read the stage retired).
 // Determinism: each output element is one fixed-order K reduction by one thread; no atomics.
@@ -55,16 +52,11 @@ struct GemmTraits {
   static constexpr int kBlockK = 64;         // one 128-byte swizzle row of bf16
   static constexpr int kStages = kStages_;
   static constexpr Epilogue kEpilogue = kEpilogue_;
-  static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows (64-row tasks split the columns)");
-  static_assert(kBlockN == 256, "B parts of 64 / 128 rows, SwiGLU chunks of 64 columns");
+  static_assert(kBlockM == 64 || kBlockM == 128, "one consumer warpgroup per 64 rows");
+  static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N, and B loads in two halves of 8-row atoms");
   static constexpr int kHalfN = kBlockN / 2;
   static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kHalfN : kBlockN;
-  static constexpr int kConsumerWarpgroups = 2;
-  // B stage = kBParts TMA boxes of kBPartRows rows. SwiGLU: gate and up alternate in chunks of 64 rows, so
-  // each half of the columns (what one warpgroup computes in a 64-row task) has matching gate and up.
-  static constexpr int kBPartRows = kEpilogue == Epilogue::kSwiGLU ? 64 : kHalfN;
-  static constexpr int kBParts = kBlockN / kBPartRows;
-  static constexpr int kSwiGLUChunk = 64;  // accumulator columns: gate chunk, then its up chunk
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kClusterN = kClusterN_;  // CTAs sharing one A tile (adjacent n-blocks)
   static_assert(kClusterN == 1 || kClusterN == 2, "A is shared by at most two CTAs");
   // The launch's cluster dimension is (kClusterN, 1, 1); the pipeline maps consumer arrivals onto it, so
@@ -76,7 +68,7 @@ struct GemmTraits {
   // setmaxnreg only moves registers within what the CTA got at launch (65536 / kThreads, rounded down to
   // 8, per thread): asking for more makes setmaxnreg.inc wait forever (a hang, seen with 48 / 232).
   static constexpr int kProducerRegisters = 48;
-  static constexpr int kConsumerRegisters = 224;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 224 : 240;
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
                 "setmaxnreg redistributes the CTA's launch registers, no more");
@@ -86,35 +78,34 @@ struct GemmTraits {
       SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
   using SmemLayoutB = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::make_shape(cute::Int<kBlockN>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
-  // One TMA box: a part of a B stage. The parts of a stage are contiguous: the stage is one wgmma operand.
-  using SmemLayoutBPart =
-      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kBPartRows>{}, cute::Int<kBlockK>{})));
+  // One TMA box: half of a B stage. Both halves of a stage are contiguous, so the stage is one wgmma operand.
+  using SmemLayoutBHalf =
+      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kHalfN>{}, cute::Int<kBlockK>{})));
   using SmemLayoutACta =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kCtaRowsA>{}, cute::Int<kBlockK>{})));
 
-  // 128-row tasks: the warpgroups stack along M. 64-row tasks: they sit side by side along N.
   using TiledMma = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>>(),
-      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
-  using TiledMmaSplit = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<64>, cute::Int<kHalfN>, cute::Int<kBlockK>>>(),
-      cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>{}));
+      cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
 
-  // Epilogue staging: 64 rows per consumer warpgroup, padded by 16 bytes per row so the fragment-order
-  // writes (8 rows x 4 lanes per warp) hit 32 distinct banks. Staged in passes of at most 128 columns,
-  // which keeps 4 pipeline stages within shared memory.
-  static constexpr int kStagingLd = 128 + 8;
+  // Epilogue staging: each consumer warpgroup's 64 output rows, padded by 16 bytes per row so the
+  // fragment-order writes (8 rows x 4 lanes per warp) hit 32 distinct banks.
+  // Staged in passes of kStagingCols columns, which keeps 4 pipeline stages within shared memory.
+  static constexpr int kStagingCols = kOutCols < 128 ? kOutCols : 128;
+  static constexpr int kStagingPasses = kOutCols / kStagingCols;
+  static_assert(kOutCols % kStagingCols == 0, "whole staging passes");
+  static constexpr int kStagingLd = kStagingCols + 8;
+  static constexpr int kChunksPerRow = kStagingCols * 2 / 16;  // 16-byte chunks per staged row
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
-    alignas(128) __nv_bfloat16 staging[kBlockM][kStagingLd];  // one pass of output columns per warpgroup
+    alignas(128) __nv_bfloat16 staging[kBlockM][kStagingLd];  // one pass of output columns
     typename Pipeline::SharedStorage pipeline;
   };
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
@@ -124,18 +115,17 @@ struct GemmTraits {
 template <class TmaA, class TmaB>
 struct GemmParams {
   TmaA tma_a;   // A [a_rows, k]
-  TmaB tma_b0;  // source of the even B parts [b_rows, k] (SwiGLU: gate)
-  TmaB tma_b1;  // source of the odd B parts [b_rows, k] (SwiGLU: up)
+  TmaB tma_b0;  // B half 0 source [b_rows, k]
+  TmaB tma_b1;  // B half 1 source [b_rows, k]
   int64_t a_rows = {};
   int64_t b_rows = {};
   int k = {};
   int local_experts = {};
   int num_n_blocks = {};
-  // First row of B part j for expert e, n-block nb:
-  //   e * b_expert_rows + nb * b_block_step + b_part_offset[j % 2] + (j / 2) * kBPartRows.
+  // Row of B half h for expert e, n-block nb: e * b_expert_rows + b_half_offset[h] + nb * b_block_step.
   int64_t b_expert_rows = {};
-  int64_t b_part_offset0 = {};
-  int64_t b_part_offset1 = {};
+  int64_t b_half_offset0 = {};
+  int64_t b_half_offset1 = {};
   int64_t b_block_step = {};
   const int32_t* expert_counts = {};
   const int32_t* expert_row_offsets = {};
@@ -152,7 +142,7 @@ inline constexpr int kUnitRows = 64;
 
 struct TileTask {
   int32_t row;      // first row in the expert-major buffer
-  int32_t rows;     // 128, or 64 at a segment's end under 64-row padding
+  int32_t rows;     // 64 or 128 (kBlockM == 128), 64 (kBlockM == 64)
   int32_t n_block;  // from TaskWalker: the cluster's group of n-blocks; after for_cta(): this CTA's n-block
   int32_t expert;
 
@@ -216,16 +206,24 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
   Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(p.b_rows, p.k));
   Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
   Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-  Tensor s_b_parts = flat_divide(s_b, Shape<Int<T::kBPartRows>, Int<T::kBlockK>>{});  // (PR, BK, P, 1, S)
+  Tensor s_b_halves = flat_divide(s_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{});  // (HN, BK, 2, 1, S)
 
   // This CTA's share of the A tile: kCtaRowsA rows from task.row + cta_rank * kCtaRowsA (offset, then tile).
   Tensor s_a_shares = flat_divide(s_a, Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{});  // (RA, BK, C, 1, S)
   Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row) + cta_rank * T::kCtaRowsA, _0{}), m_a),
                           Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, make_coord(0, _));
   const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
+  Tensor g_b0 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
+                           make_coord((b_base + p.b_half_offset0) / T::kHalfN, _));
+  Tensor g_b1 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
+                           make_coord((b_base + p.b_half_offset1) / T::kHalfN, _));
   auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{},
                                       group_modes<0, 2>(s_a_shares(_, _, cta_rank, 0, _)), group_modes<0, 2>(g_a));
   constexpr uint16_t kAllCtas = (1u << T::kClusterN) - 1;
+  auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(s_b_halves(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
+  auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(s_b_halves(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
   const int num_k_blocks = p.k / T::kBlockK;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     // Waits until the consumers of every CTA of the cluster released the stage: our A rows land in all.
@@ -236,30 +234,42 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
       copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
     else
       copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
-    CUTE_UNROLL
-    for (int part = 0; part < T::kBParts; ++part) {
-      const auto& tma_b = part % 2 == 0 ? p.tma_b0 : p.tma_b1;
-      const int64_t row = b_base + (part % 2 == 0 ? p.b_part_offset0 : p.b_part_offset1) + (part / 2) * T::kBPartRows;
-      Tensor g_b = local_tile(m_b, Shape<Int<T::kBPartRows>, Int<T::kBlockK>>{}, make_coord(row / T::kBPartRows, _));
-      auto [t_b_g, t_b_s] = tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_b_parts(_, _, part, 0, _)),
-                                          group_modes<0, 2>(g_b));
-      copy(tma_b.with(*full), t_b_g(_, k_block), t_b_s(_, stage));
-    }
+    copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
+    copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
     ++state;
   }
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// Mainloop of one warpgroup over K: one wgmma batch (one stage) in flight; a stage is released once the
-// batch after it issued and the batch that read it retired.
-template <class Traits, class Params, class Mma, class FragA, class FragB, class Accum>
-__device__ __forceinline__ void mainloop(const Params& p, typename Traits::Pipeline& pipeline,
-                                         typename Traits::PipelineState& read_state, Mma& mma, const FragA& t_r_a,
-                                         const FragB& t_r_b, Accum& accum) {
+// Consumer side of one tile: mainloop over K, then the epilogue. All consumer threads call this;
+// consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not part
+// of the task (a 64-row task) runs the mainloop all the same (on rows it will not store: gating the wgmma
+// on a runtime value makes ptxas serialize all of them) and skips the epilogue.
+template <class Traits, class Params>
+__device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
+                                             typename Traits::Pipeline& pipeline,
+                                             typename Traits::PipelineState& read_state, int consumer_idx) {
   using namespace cute;
-  typename Traits::PipelineState release_state = read_state;
-  const int num_k_blocks = p.k / Traits::kBlockK;
+  using T = Traits;
+  typename T::TiledMma mma;
+  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
+  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+  auto thread_mma = mma.get_thread_slice(consumer_idx);
+  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
+  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
+  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
+  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
+  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+  // Why the shuffle: ptxas serializes every wgmma of the kernel (warning C7518) unless it can prove the
+  // branches around them warp-uniform; a value broadcast from lane 0 is.
+  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
+  const bool active = warpgroup * kUnitRows < __shfl_sync(0xffffffff, task.rows, 0);
+
+  // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
+  // and the batch that read it retired.
+  typename T::PipelineState release_state = read_state;
+  const int num_k_blocks = p.k / T::kBlockK;
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     pipeline.consumer_wait(read_state);
@@ -282,128 +292,78 @@ __device__ __forceinline__ void mainloop(const Params& p, typename Traits::Pipel
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(accum);
-  if (num_k_blocks > 0) pipeline.consumer_release(release_state);
-}
+  if (num_k_blocks > 0) {
+    pipeline.consumer_release(release_state);
+    ++release_state;
+  }
+  if (!active) return;
 
-// Epilogue of one warpgroup: 1) registers -> bf16 staging rows in shared memory (padding rows as zeros),
-// 2) staging -> global in coalesced 16-byte chunks, in passes of at most 128 output columns.
-// coords(i) = (row in the task, accumulator column in the 256-wide tile) of accumulator value i; the
-// warpgroup owns kWgOutCols output columns from out_begin, and stages task row r in staging row
-// r + staging_shift (its own 64 staging rows: warpgroup * 64 onwards).
-template <class Traits, int kWgOutCols, class Params, class Accum, class Coords>
-__device__ __forceinline__ void epilogue(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
-                                         const Accum& accum, const Coords& coords, int warpgroup, int out_begin,
-                                         int staging_shift, int thread) {
-  using namespace cute;
-  using T = Traits;
+  // Epilogue, 1) registers -> bf16 staging rows in shared memory (padding rows as zeros),
+  // 2) staging -> global in coalesced 16-byte chunks. Each warpgroup handles its own 64 rows.
+  Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+  const int32_t valid_end = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert];
   constexpr int kValues = decltype(size(accum))::value;
-  constexpr int kPassCols = kWgOutCols < 128 ? kWgOutCols : 128;
-  constexpr int kPasses = kWgOutCols / kPassCols;
-  constexpr int kChunksPerRow = kPassCols * 2 / 16;  // 16-byte chunks per staged row
-  static_assert(kWgOutCols % kPassCols == 0, "whole staging passes");
-  const int32_t valid_rows = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert] - task.row;
   // A thread's fragment covers two rows (r0 and r0 + 8 of its warp's 16): value i lies in row half
   // (i / 2) % 2; load the two row scales once.
+  const int valid_rows = valid_end - task.row;
   float row_scale[2] = {1.0f, 1.0f};
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
     const int r = get<0>(coords(2 * half));
     if (p.row_scale != nullptr && r < valid_rows) row_scale[half] = p.row_scale[task.row + r];
   }
-  const int64_t col_base = int64_t(task.n_block) * T::kOutCols + out_begin;
+  const int thread = consumer_idx % 128;
+  const int64_t col_base = int64_t(task.n_block) * T::kOutCols;
   CUTE_UNROLL
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int pass_begin = pass * kPassCols;  // relative to out_begin
+  for (int pass = 0; pass < T::kStagingPasses; ++pass) {
+    const int pass_begin = pass * T::kStagingCols;
     // Why: the previous pass's (or tile's) copy-out of this warpgroup read the rows we overwrite now.
     cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
     if constexpr (T::kEpilogue == Epilogue::kStore) {
       // Column groups of 8 are the fragment's outermost mode: a pass owns a contiguous range of values.
-      constexpr int kPassValues = kValues / kPasses;
+      constexpr int kPassValues = kValues / T::kStagingPasses;
       CUTE_UNROLL
       for (int i = pass * kPassValues; i < (pass + 1) * kPassValues; i += 2) {
         const int r = get<0>(coords(i));
-        const int col = get<1>(coords(i)) - out_begin - pass_begin;
+        const int col = get<1>(coords(i)) - pass_begin;
         const float scale = row_scale[(i / 2) % 2];
         const __nv_bfloat162 v = r < valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
                                                 : __floats2bfloat162_rn(0.0f, 0.0f);
-        *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r + staging_shift][col]) = v;
+        *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r][col]) = v;
       }
     } else {
-      // Accumulator columns alternate gate and up chunks of 64; value i + 32 is 64 columns right of value
-      // i (8 columns per 4 values), so gate values i (with (i / 32) even) pair with up values i + 32.
-      static_assert(kPasses == 1, "the SwiGLU output of a warpgroup is staged in one pass");
-      static_assert(T::kSwiGLUChunk == 64, "value i + 32 is 64 columns right of value i");
+      // Fragment values [0, kValues/2) hold columns [0, kHalfN) (gate), the rest the same columns + kHalfN (up).
+      constexpr int kHalf = kValues / 2;
       const float limit = p.swiglu_limit;
       CUTE_UNROLL
-      for (int i = 0; i < kValues; i += 2) {
-        if ((i / 32) % 2 != 0) continue;  // up values: consumed with their gate
+      static_assert(T::kStagingPasses == 1, "the SwiGLU output tile is staged in one pass");
+      for (int i = 0; i < kHalf; i += 2) {
         const int r = get<0>(coords(i));
-        const int acc_col = get<1>(coords(i));
-        const int col = acc_col / (2 * T::kSwiGLUChunk) * T::kSwiGLUChunk + acc_col % T::kSwiGLUChunk - out_begin;
+        const int col = get<1>(coords(i));
         const float scale = row_scale[(i / 2) % 2];
         float h[2];
         CUTE_UNROLL
         for (int j = 0; j < 2; ++j) {
-          float g = accum(i + j), u = accum(i + 32 + j);
+          float g = accum(i + j), u = accum(i + kHalf + j);
           if (limit > 0.0f) {
             g = fminf(g, limit);
             u = fminf(fmaxf(u, -limit), limit);
           }
           h[j] = silu(g) * u * scale;
         }
-        *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r + staging_shift][col]) =
+        *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r][col]) =
             r < valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f);
       }
     }
     // Why: the copy-out reads rows other threads of this warpgroup wrote.
     cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
     CUTE_UNROLL
-    for (int chunk = thread; chunk < kUnitRows * kChunksPerRow; chunk += 128) {
-      const int staged = warpgroup * kUnitRows + chunk / kChunksPerRow;
-      const int c = (chunk % kChunksPerRow) * 8;
-      const int4 v = *reinterpret_cast<const int4*>(&smem.staging[staged][c]);
-      *reinterpret_cast<int4*>(p.out + int64_t(task.row + staged - staging_shift) * p.out_ld + col_base + pass_begin + c) =
-          v;
+    for (int chunk = thread; chunk < kUnitRows * T::kChunksPerRow; chunk += 128) {
+      const int r = warpgroup * kUnitRows + chunk / T::kChunksPerRow;
+      const int c = (chunk % T::kChunksPerRow) * 8;
+      const int4 v = *reinterpret_cast<const int4*>(&smem.staging[r][c]);
+      *reinterpret_cast<int4*>(p.out + int64_t(task.row + r) * p.out_ld + col_base + pass_begin + c) = v;
     }
-  }
-}
-
-// Consumer side of one tile: mainloop over K, then the epilogue. All consumer threads call this;
-// consumer_idx is the thread's index among the consumer warpgroups. 128-row tasks: warpgroup w owns rows
-// [64w, 64w + 64) and all columns; 64-row tasks: both own the 64 rows, warpgroup w the columns
-// [128w, 128w + 128) (the wgmma shapes differ; the choice is one warp-uniform branch per task, as ptxas
-// serializes every wgmma of the kernel if any sits behind a branch it cannot prove warp-uniform).
-template <class Traits, class Params>
-__device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
-                                             typename Traits::Pipeline& pipeline,
-                                             typename Traits::PipelineState& read_state, int consumer_idx) {
-  using namespace cute;
-  using T = Traits;
-  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
-  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  const bool split = __shfl_sync(0xffffffff, task.rows, 0) <= kUnitRows;
-  const int thread = consumer_idx % 128;
-  if (!split) {
-    typename T::TiledMma mma;
-    auto thread_mma = mma.get_thread_slice(consumer_idx);
-    Tensor t_r_a = thread_mma.make_fragment_A(thread_mma.partition_A(s_a));  // (MMA, MMA_M, MMA_K, S)
-    Tensor t_r_b = thread_mma.make_fragment_B(thread_mma.partition_B(s_b));  // (MMA, MMA_N, MMA_K, S)
-    Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
-    mainloop<T>(p, pipeline, read_state, mma, t_r_a, t_r_b, accum);
-    Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
-    epilogue<T, T::kOutCols>(p, task, smem, accum, coords, warpgroup, 0, 0, thread);
-  } else {
-    typename T::TiledMmaSplit mma;
-    auto thread_mma = mma.get_thread_slice(consumer_idx);
-    Tensor s_a_top = flat_divide(s_a, Shape<Int<kUnitRows>, Int<T::kBlockK>>{})(_, _, 0, 0, _);  // (64, BK, S)
-    Tensor t_r_a = thread_mma.make_fragment_A(thread_mma.partition_A(s_a_top));
-    Tensor t_r_b = thread_mma.make_fragment_B(thread_mma.partition_B(s_b));
-    Tensor accum = partition_fragment_C(mma, Shape<Int<kUnitRows>, Int<T::kBlockN>>{});
-    mainloop<T>(p, pipeline, read_state, mma, t_r_a, t_r_b, accum);
-    Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<kUnitRows>, Int<T::kBlockN>>{}));
-    epilogue<T, T::kOutCols / 2>(p, task, smem, accum, coords, warpgroup, warpgroup * (T::kOutCols / 2),
-                                 warpgroup * kUnitRows, thread);
   }
 }
 
