@@ -9,7 +9,7 @@ from a softmax top-k routing of random logits over 2 x 8192 tokens. Two GEMMs pe
 The dense ceiling is one torch.mm with the same M = routed rows, N and K. TFLOP/s count real rows only
 (2 * rows * N * K); our padding to tile_m-row segments is work we pay for and do not count. Time: median of
 CUDA-event timings after warm-up.
-Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--cluster 0|1|2] [--cluster-m 0|1|2]
+Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--cluster 0|1|2]
                      [--shapes A,B]
 """
 import argparse
@@ -33,7 +33,7 @@ def load(lib_path):
     lib = ctypes.CDLL(lib_path)
     fn = lib.mok_bench_expert_gemm
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, i32, p, f32, p, i32, i32, p, ctypes.c_char_p, i32]
+    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, i32, p, f32, p, i32, p, ctypes.c_char_p, i32]
     fn.restype = i32
     return fn
 
@@ -69,7 +69,6 @@ def main():
     parser.add_argument("--tile-m", type=int, default=DEFAULT_TILE_M)
     parser.add_argument("--shapes", default="")
     parser.add_argument("--cluster", type=int, default=0, help="CTAs sharing an A tile: 1, 2, 0 = library's choice")
-    parser.add_argument("--cluster-m", type=int, default=0, help="CTAs sharing B: 1, 2, 0 = library's choice")
     args = parser.parse_args()
     gemm = load(os.path.abspath(args.lib))
     error = ctypes.create_string_buffer(512)
@@ -77,7 +76,7 @@ def main():
     commit = os.environ.get("MOK_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
-          f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), tile_m {args.tile_m}, cluster {args.cluster or 'auto'} x {args.cluster_m or 'auto'}, median of {args.iters}")
+          f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), tile_m {args.tile_m}, cluster {args.cluster or 'auto'}, median of {args.iters}")
     header = (f"{'shape':16s} {'gemm':8s} {'rows':>7s} {'pad%':>5s} {'ours':>7s} {'torch':>7s} {'dense':>7s} "
               f"{'ours/torch':>10s} {'ours/dense':>10s}")
     print(header + "   (TFLOP/s)")
@@ -109,7 +108,7 @@ def main():
             def ours():
                 rc = gemm(epilogue, a.data_ptr(), rows_padded, k, weights.data_ptr(), None, n_out, local,
                           counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None, 0.0, out.data_ptr(),
-                          args.cluster, args.cluster_m, stream, error, len(error))
+                          args.cluster, stream, error, len(error))
                 if rc != 0:
                     raise RuntimeError(error.value.decode())
 

@@ -34,7 +34,6 @@ struct ExpertGemmArgs {
   void* out = nullptr;          // bf16 [a_rows, n]
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);
                                 // 0: choose_cluster_n
-  int cluster_m = 0;            // CTAs along M sharing B when their tasks use the same weights (1 or 2); 0: 2
 };
 
 // Throws std::invalid_argument naming the offending field.

@@ -37,9 +37,7 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   auto make_b = [&](const void* ptr) {
     auto g_b = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(b_rows, int64_t(args.k)),
                            make_stride(int64_t(args.k), _1{}));
-    using TmaLoadB = std::conditional_t<(T::kClusterM > 1), SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
-    return make_tma_copy(TmaLoadB{}, g_b, typename T::SmemLayoutBHalf{}, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
-                         Int<1>{});
+    return make_tma_copy(SM90_TMA_LOAD{}, g_b, typename T::SmemLayoutBHalf{});
   };
   auto tma_b0 = make_b(args.b);
   auto tma_b1 = make_b(swiglu && !fused ? args.b_up : args.b);
@@ -80,7 +78,7 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   cudaLaunchAttribute cluster_attr;
   cluster_attr.id = cudaLaunchAttributeClusterDimension;
   cluster_attr.val.clusterDim.x = T::kClusterN;
-  cluster_attr.val.clusterDim.y = T::kClusterM;
+  cluster_attr.val.clusterDim.y = 1;
   cluster_attr.val.clusterDim.z = 1;
   cudaLaunchConfig_t config{};
   config.blockDim = dim3(T::kThreads);
@@ -88,14 +86,12 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   config.stream = stream;
   config.attrs = &cluster_attr;
   config.numAttrs = 1;
-  // Persistent: as many clusters as can be resident at once (a cluster's SMs share a GPC), one CTA per
-  // SM. Clusters tile the grid along x; the grid's y is the cluster's second dimension.
-  constexpr int kClusterSize = T::kClusterN * T::kClusterM;
-  config.gridDim = dim3(num_sms / kClusterSize * T::kClusterN, T::kClusterM);
+  // Persistent: as many clusters as can be resident at once (SM pairs within a GPC), one CTA per SM.
+  config.gridDim = dim3(num_sms - num_sms % T::kClusterN);
   int max_clusters = 0;
   MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
   if (max_clusters < 1) throw std::runtime_error("expert_gemm: no cluster of the GEMM kernel fits on the device");
-  config.gridDim = dim3(max_clusters * T::kClusterN, T::kClusterM);
+  config.gridDim = dim3(max_clusters * T::kClusterN);
   MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p));
 }
 
@@ -114,8 +110,6 @@ void validate(const ExpertGemmArgs& args) {
           "n must be a positive multiple of " + std::to_string(n_multiple) + ", got " + std::to_string(args.n));
   require(args.cluster_n == 0 || args.cluster_n == 1 || args.cluster_n == 2,
           "cluster_n must be 0 (choose), 1 or 2, got " + std::to_string(args.cluster_n));
-  require(args.cluster_m == 0 || args.cluster_m == 1 || args.cluster_m == 2,
-          "cluster_m must be 0 (choose), 1 or 2, got " + std::to_string(args.cluster_m));
   require(args.cluster_n != 2 || args.n % (2 * n_multiple) == 0,
           "cluster_n = 2 pairs output tiles: n must be a multiple of " + std::to_string(2 * n_multiple) + ", got " +
               std::to_string(args.n));
@@ -126,26 +120,22 @@ void validate(const ExpertGemmArgs& args) {
           "schedule pointers (expert_counts, expert_row_offsets, scheduled_rows) must be set");
 }
 
-template <gemm::Epilogue kEpilogue>
-void launch_cluster(const ExpertGemmArgs& args, int cluster_n, int cluster_m, cudaStream_t stream) {
-  if (cluster_n == 2 && cluster_m == 2)
-    launch<gemm::GemmTraits<128, 256, 4, kEpilogue, 2, 2>>(args, stream);
-  else if (cluster_n == 2)
-    launch<gemm::GemmTraits<128, 256, 4, kEpilogue, 2, 1>>(args, stream);
-  else if (cluster_m == 2)
-    launch<gemm::GemmTraits<128, 256, 4, kEpilogue, 1, 2>>(args, stream);
-  else
-    launch<gemm::GemmTraits<128, 256, 4, kEpilogue, 1, 1>>(args, stream);
-}
-
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);
   const int cluster_n = args.cluster_n != 0 ? args.cluster_n : choose_cluster_n(args.epilogue, args.n);
-  const int cluster_m = args.cluster_m != 0 ? args.cluster_m : 2;
-  if (args.epilogue == GemmEpilogue::kSwiGLU)
-    launch_cluster<gemm::Epilogue::kSwiGLU>(args, cluster_n, cluster_m, stream);
-  else
-    launch_cluster<gemm::Epilogue::kStore>(args, cluster_n, cluster_m, stream);
+  constexpr auto kSwiGLU = gemm::Epilogue::kSwiGLU;
+  constexpr auto kStore = gemm::Epilogue::kStore;
+  if (args.epilogue == GemmEpilogue::kSwiGLU) {
+    if (cluster_n == 2)
+      launch<gemm::GemmTraits<128, 256, 4, kSwiGLU, 2>>(args, stream);
+    else
+      launch<gemm::GemmTraits<128, 256, 4, kSwiGLU, 1>>(args, stream);
+  } else {
+    if (cluster_n == 2)
+      launch<gemm::GemmTraits<128, 256, 4, kStore, 2>>(args, stream);
+    else
+      launch<gemm::GemmTraits<128, 256, 4, kStore, 1>>(args, stream);
+  }
 }
 
 int choose_cluster_n(GemmEpilogue epilogue, int n) {

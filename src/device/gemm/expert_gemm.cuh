@@ -7,15 +7,9 @@
 //   Y / H [rows, N_out] bf16; fp32 accumulation. Padding rows (past expert_counts[e]) are written as zeros,
 //   so later weight-gradient GEMMs can sum over whole segments. L = 0 disables the clamp; scale is optional.
 //
-// Clusters of kClusterN x kClusterM CTAs (each 1 or 2) cut the L2 traffic (the kernel is L2-bandwidth
-// bound at 48 KB per CTA per k-block):
-//   along N: the kClusterN CTAs of a cluster row compute adjacent n-blocks of one m-tile; each loads its
-//            share of the A tile's rows and multicasts it to the row (48 -> 40 KB).
-//   along M: the two cluster rows take consecutive task slots; when both tasks use the same weight block
-//            (same expert and n-blocks, which the task order makes the common case), each row loads half
-//            of B and multicasts it to its column (-> 24 KB); otherwise each loads its own B. When the
-//            slots run out the second row computes a copy of the first row's task without storing it, so
-//            every CTA of a cluster walks the pipeline in step (its consumers release the others' stages).
+// Clusters of kClusterN (1 or 2) CTAs share the A tile: a task is one m-tile and kClusterN adjacent
+// n-blocks; CTA c of the cluster computes n-block kClusterN * task.n_block + c. With 2, each CTA loads half
+// of the A tile's rows and multicasts it to both, cutting L2 traffic per k-block from 48 to 40 KB per CTA.
 //
 // Roles (one CTA = 1 producer warpgroup + kBlockM/64 consumer warpgroups):
 //   producer   one elected thread issues, per stage, the TMA loads of its half of A (multicast) and of B
@@ -50,7 +44,7 @@ namespace mok::gemm {
 
 enum class Epilogue : int { kStore = 0, kSwiGLU = 1 };
 
-template <int kBlockM_, int kBlockN_, int kStages_, Epilogue kEpilogue_, int kClusterN_, int kClusterM_>
+template <int kBlockM_, int kBlockN_, int kStages_, Epilogue kEpilogue_, int kClusterN_>
 struct GemmTraits {
   using Element = cutlass::bfloat16_t;
   static constexpr int kBlockM = kBlockM_;
@@ -64,13 +58,10 @@ struct GemmTraits {
   static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kHalfN : kBlockN;
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kClusterN = kClusterN_;  // CTAs sharing one A tile (adjacent n-blocks)
-  static constexpr int kClusterM = kClusterM_;  // CTAs sharing B when their tasks use the same weights
   static_assert(kClusterN == 1 || kClusterN == 2, "A is shared by at most two CTAs");
-  static_assert(kClusterM == 1 || kClusterM == 2, "B is shared by at most two CTAs (one half each)");
-  // The launch's cluster dimension is (kClusterN, kClusterM, 1); the pipeline maps consumer arrivals onto
-  // it, so both must agree (a (1, 2, 1) shape here with a (2, 1, 1) launch left one CTA's empty barriers
-  // short of arrivals: a hang).
-  using ClusterShape = cute::Shape<cute::Int<kClusterN>, cute::Int<kClusterM>, cute::_1>;
+  // The launch's cluster dimension is (kClusterN, 1, 1); the pipeline maps consumer arrivals onto it, so
+  // both must agree (a (1, 2, 1) shape here left one CTA's empty barriers short of arrivals: a hang).
+  using ClusterShape = cute::Shape<cute::Int<kClusterN>, cute::_1, cute::_1>;
   static constexpr int kCtaRowsA = kBlockM / kClusterN;  // A rows each CTA loads (and multicasts)
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
@@ -204,39 +195,9 @@ struct TaskWalker {
   }
 };
 
-// What one CTA does for one cluster task (pair index q of its cluster): its tile, whether to store it, and
-// whether the cluster rows share B. Every CTA of the cluster computes the same answer.
-struct CtaTask {
-  TileTask tile;
-  bool store;    // false: a copy of the other row's task that keeps the pipelines in step
-  bool share_b;  // both cluster rows use the same weight block: each loads half of B for both
-};
-
-template <class Traits, class Params>
-__device__ __forceinline__ bool cta_task_at(TaskWalker<Traits>& walker, const Params& p, int32_t q, int cta_n,
-                                            int cta_m, CtaTask& out) {
-  TileTask first;
-  if (!walker.task_at(p, q * Traits::kClusterM, first)) return false;
-  out.tile = first.template for_cta<Traits::kClusterN>(cta_n);
-  out.store = true;
-  out.share_b = false;
-  if constexpr (Traits::kClusterM > 1) {
-    TileTask second;
-    const bool has_second = walker.task_at(p, q * Traits::kClusterM + 1, second);
-    out.share_b = has_second && second.expert == first.expert && second.n_block == first.n_block;
-    if (cta_m == 1) {
-      if (has_second)
-        out.tile = second.template for_cta<Traits::kClusterN>(cta_n);
-      else
-        out.store = false;
-    }
-  }
-  return true;
-}
-
 // Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
 template <class Traits, class Params>
-__device__ __forceinline__ void load_tile(const Params& p, const TileTask& task, bool share_b, int cta_n, int cta_m,
+__device__ __forceinline__ void load_tile(const Params& p, const TileTask& task, int cta_rank,
                                           typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
                                           typename Traits::PipelineState& state) {
   using namespace cute;
@@ -249,7 +210,7 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
 
   // This CTA's share of the A tile: kCtaRowsA rows from task.row + cta_rank * kCtaRowsA (offset, then tile).
   Tensor s_a_shares = flat_divide(s_a, Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{});  // (RA, BK, C, 1, S)
-  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row) + cta_n * T::kCtaRowsA, _0{}), m_a),
+  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row) + cta_rank * T::kCtaRowsA, _0{}), m_a),
                           Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, make_coord(0, _));
   const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
   Tensor g_b0 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
@@ -257,14 +218,8 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
   Tensor g_b1 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
                            make_coord((b_base + p.b_half_offset1) / T::kHalfN, _));
   auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{},
-                                      group_modes<0, 2>(s_a_shares(_, _, cta_n, 0, _)), group_modes<0, 2>(g_a));
-  // Multicast masks over block ranks x + kClusterN * y: our cluster row (A), our cluster column (B).
-  const uint16_t row_mask = uint16_t(((1u << T::kClusterN) - 1) << (T::kClusterN * cta_m));
-  const uint16_t own_mask = uint16_t(1u << (cta_n + T::kClusterN * cta_m));
-  const uint16_t column_mask = T::kClusterM > 1 && share_b ? uint16_t((1u << cta_n) | (1u << (cta_n + T::kClusterN)))
-                                                           : own_mask;
-  const bool load_b0 = !share_b || cta_m == 0;  // sharing: row 0 loads half 0, row 1 half 1
-  const bool load_b1 = !share_b || cta_m == 1;
+                                      group_modes<0, 2>(s_a_shares(_, _, cta_rank, 0, _)), group_modes<0, 2>(g_a));
+  constexpr uint16_t kAllCtas = (1u << T::kClusterN) - 1;
   auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
                                         group_modes<0, 2>(s_b_halves(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
   auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
@@ -276,16 +231,11 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
     if constexpr (T::kClusterN > 1)
-      copy(p.tma_a.with(*full, row_mask), t_a_g(_, k_block), t_a_s(_, stage));
+      copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
     else
       copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
-    if constexpr (T::kClusterM > 1) {
-      if (load_b0) copy(p.tma_b0.with(*full, column_mask), t_b0_g(_, k_block), t_b0_s(_, stage));
-      if (load_b1) copy(p.tma_b1.with(*full, column_mask), t_b1_g(_, k_block), t_b1_s(_, stage));
-    } else {
-      copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
-      copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
-    }
+    copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
+    copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
     ++state;
   }
 }
@@ -299,8 +249,7 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 template <class Traits, class Params>
 __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
                                              typename Traits::Pipeline& pipeline,
-                                             typename Traits::PipelineState& read_state, int consumer_idx,
-                                             bool store = true) {
+                                             typename Traits::PipelineState& read_state, int consumer_idx) {
   using namespace cute;
   using T = Traits;
   typename T::TiledMma mma;
@@ -347,7 +296,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
     pipeline.consumer_release(release_state);
     ++release_state;
   }
-  if (!active || !store) return;
+  if (!active) return;
 
   // Epilogue, 1) registers -> bf16 staging rows in shared memory (padding rows as zeros),
   // 2) staging -> global in coalesced 16-byte chunks. Each warpgroup handles its own 64 rows.
@@ -439,35 +388,35 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
   typename T::Pipeline pipeline(smem.pipeline, pipeline_params, typename T::ClusterShape{});
   // Why: the partner CTA arrives on our barriers and multicasts into our shared memory; both CTAs'
   // barrier initialization must be visible cluster-wide first.
-  if constexpr (T::kClusterN * T::kClusterM > 1)
+  if constexpr (T::kClusterN > 1)
     cute::cluster_sync();
   else
     __syncthreads();
 
-  const int cta_n = static_cast<int>(cute::block_id_in_cluster().x);
-  const int cta_m = static_cast<int>(cute::block_id_in_cluster().y);
-  const int32_t cluster = blockIdx.x / T::kClusterN;  // clusters tile the grid along x; y is kClusterM
+  const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
+  const int32_t cluster = blockIdx.x / T::kClusterN;
   const int32_t num_clusters = gridDim.x / T::kClusterN;
   if (role == GemmRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
     if (threadIdx.x == 0) {
       auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
       TaskWalker<T> walker;
-      CtaTask task;
-      for (int32_t q = cluster; cta_task_at(walker, p, q, cta_n, cta_m, task); q += num_clusters)
-        load_tile<T>(p, task.tile, task.share_b, cta_n, cta_m, smem, pipeline, state);
+      TileTask task;
+      for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters)
+        load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
       pipeline.producer_tail(state);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
     typename T::PipelineState state;
     TaskWalker<T> walker;
-    CtaTask task;
-    for (int32_t q = cluster; cta_task_at(walker, p, q, cta_n, cta_m, task); q += num_clusters)
-      compute_tile<T>(p, task.tile, smem, pipeline, state, static_cast<int>(threadIdx.x) - 128, task.store);
+    TileTask task;
+    for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters)
+      compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
+                      static_cast<int>(threadIdx.x) - 128);
   }
   // Why: neither CTA may exit while its partner can still multicast into it or arrive on its barriers.
-  if constexpr (T::kClusterN * T::kClusterM > 1) cute::cluster_sync();
+  if constexpr (T::kClusterN > 1) cute::cluster_sync();
 }
 
 }  // namespace mok::gemm
