@@ -230,12 +230,10 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
     pipeline.producer_acquire(state);
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
-    // A rows are read again by every n-block group of the expert; the weights stream through once.
-    constexpr auto kKeepA = TMA::CacheHintSm90::EVICT_LAST;
     if constexpr (T::kClusterN > 1)
-      copy(p.tma_a.with(*full, kAllCtas, kKeepA), t_a_g(_, k_block), t_a_s(_, stage));
+      copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
     else
-      copy(p.tma_a.with(*full, 0, kKeepA), t_a_g(_, k_block), t_a_s(_, stage));
+      copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
     copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
     copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
     ++state;
