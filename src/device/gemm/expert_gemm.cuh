@@ -234,10 +234,8 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
       copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
     else
       copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
-    // A weight block is read by the expert's m-tiles running side by side; keep it until they all did.
-    constexpr auto kKeepB = TMA::CacheHintSm90::EVICT_LAST;
-    copy(p.tma_b0.with(*full, 0, kKeepB), t_b0_g(_, k_block), t_b0_s(_, stage));
-    copy(p.tma_b1.with(*full, 0, kKeepB), t_b1_g(_, k_block), t_b1_s(_, stage));
+    copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
+    copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
     ++state;
   }
 }
