@@ -23,7 +23,6 @@ if ! { cmake -S . -B build-gpu -G Ninja -DMOK_DEPS_DIR="$PWD/.deps" >"$out/confi
   echo "BUILD FAILED"
   exit 1
 fi
-grep -h "spill" "$out/build.log" | sort | uniq -c | grep -v " 0 bytes spill" || true
 
 ctest --test-dir build-gpu -V --timeout "${MOK_SUITE_TIMEOUT:-300}" -L "$labels" ${MOK_SUITE_TESTS:+-R "$MOK_SUITE_TESTS"} >"$out/ctest.log" 2>&1 || status=1
 
