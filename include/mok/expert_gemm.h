@@ -46,7 +46,7 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream);
 int choose_cluster_n(GemmEpilogue epilogue, int n);
 
 // Schedule padding for an expected number of rows per local expert: 128 unless experts average fewer
-// than 128 rows (docs/design.md has the measurement behind it).
+// than 128 rows (docs/perf_notes.md has the measurements behind it).
 int choose_tile_m(double expected_rows_per_expert);
 
 }  // namespace mok

@@ -17,6 +17,9 @@ void require(bool condition, const std::string& message) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Output columns of one tile (256 accumulator columns; SwiGLU turns gate + up into half as many).
+int output_tile_columns(GemmEpilogue epilogue) { return epilogue == GemmEpilogue::kSwiGLU ? 128 : 256; }
+
 template <class Traits>
 void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   using namespace cute;
@@ -105,7 +108,7 @@ void validate(const ExpertGemmArgs& args) {
   require(args.b_up == nullptr || (swiglu && aligned16(args.b_up)), "b_up is only for kSwiGLU and must be 16-byte aligned");
   require(args.out != nullptr && aligned16(args.out), "out must be a non-null, 16-byte aligned bf16 buffer");
   require(args.k > 0 && args.k % 64 == 0, "k must be a positive multiple of 64, got " + std::to_string(args.k));
-  const int n_multiple = swiglu ? 128 : 256;  // whole output tiles
+  const int n_multiple = output_tile_columns(args.epilogue);  // whole output tiles
   require(args.n > 0 && args.n % n_multiple == 0,
           "n must be a positive multiple of " + std::to_string(n_multiple) + ", got " + std::to_string(args.n));
   require(args.cluster_n == 0 || args.cluster_n == 1 || args.cluster_n == 2,
@@ -139,9 +142,8 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
 }
 
 int choose_cluster_n(GemmEpilogue epilogue, int n) {
-  // Pairs of CTAs sharing A need an even number of output tiles (256 accumulator columns each).
-  const int tile_columns = epilogue == GemmEpilogue::kSwiGLU ? 128 : 256;
-  return n % (2 * tile_columns) == 0 ? 2 : 1;
+  // Pairs of CTAs sharing A need an even number of output tiles.
+  return n % (2 * output_tile_columns(epilogue)) == 0 ? 2 : 1;
 }
 
 int choose_tile_m(double expected_rows_per_expert) {
