@@ -33,7 +33,7 @@ def load(lib_path):
     lib = ctypes.CDLL(lib_path)
     fn = lib.mok_bench_expert_gemm
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, i32, p, f32, p, i32, p, ctypes.c_char_p, i32]
+    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, i32, p, f32, p, i32, p, ctypes.c_char_p, i32, p]
     fn.restype = i32
     return fn
 
@@ -69,6 +69,8 @@ def main():
     parser.add_argument("--tile-m", type=int, default=DEFAULT_TILE_M)
     parser.add_argument("--shapes", default="")
     parser.add_argument("--cluster", type=int, default=0, help="CTAs sharing an A tile: 1, 2, 0 = library's choice")
+    parser.add_argument("--only", default="", help="time only this one: ours, torch or dense (for profilers)")
+    parser.add_argument("--trace", default="", help="experiment: folder for per-task consumer timings of ours")
     args = parser.parse_args()
     gemm = load(os.path.abspath(args.lib))
     error = ctypes.create_string_buffer(512)
@@ -105,10 +107,10 @@ def main():
             out = torch.empty(rows_padded, n_out, device="cuda", dtype=torch.bfloat16)
             epilogue = 1 if label == "gate/up" else 0
 
-            def ours():
+            def ours(trace=None):
                 rc = gemm(epilogue, a.data_ptr(), rows_padded, k, weights.data_ptr(), None, n_out, local,
                           counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None, 0.0, out.data_ptr(),
-                          args.cluster, stream, error, len(error))
+                          args.cluster, stream, error, len(error), trace)
                 if rc != 0:
                     raise RuntimeError(error.value.decode())
 
@@ -120,6 +122,16 @@ def main():
             dense = lambda: torch.mm(a_dense, b_dense)
 
             flops = 2.0 * rows * n_total * k
+            if args.only:
+                fn = dict(ours=ours, torch=grouped, dense=dense)[args.only]
+                print(f"{name:16s} {label:8s} {args.only} {flops / time_ms(fn, args.iters) / 1e9:7.0f}", flush=True)
+                continue
+            if args.trace:
+                trace = torch.zeros(rows_padded // 64 * (n_total // 256) * 2 * 4, dtype=torch.int64, device="cuda")
+                ours(trace.data_ptr())
+                torch.cuda.synchronize()
+                os.makedirs(args.trace, exist_ok=True)
+                torch.save(trace.cpu(), os.path.join(args.trace, f"{name}_{label.replace('/', '')}.pt"))
             t_ours, t_torch, t_dense = (time_ms(f, args.iters) for f in (ours, grouped, dense))
             tf = [flops / t / 1e9 for t in (t_ours, t_torch, t_dense)]
             print(f"{name:16s} {label:8s} {rows:7d} {100.0 * (rows_padded - rows) / rows:5.1f} {tf[0]:7.0f} "

@@ -34,6 +34,7 @@ struct ExpertGemmArgs {
   void* out = nullptr;          // bf16 [a_rows, n]
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);
                                 // 0: choose_cluster_n
+  void* trace = nullptr;        // experiment: uint64 [slots, cluster_n, 4] consumer start/end ns, SM, task
 };
 
 // Throws std::invalid_argument naming the offending field.

@@ -68,6 +68,7 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   p.swiglu_limit = args.swiglu_limit;
   p.out = static_cast<__nv_bfloat16*>(args.out);
   p.out_ld = args.n;
+  p.trace = static_cast<uint64_t*>(args.trace);
 
   int device = 0, num_sms = 0, max_smem = 0;
   MOK_CHECK_CUDA(cudaGetDevice(&device));

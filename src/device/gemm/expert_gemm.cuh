@@ -134,6 +134,7 @@ struct GemmParams {
   float swiglu_limit = {};      // 0: plain SwiGLU
   __nv_bfloat16* out = {};
   int64_t out_ld = {};
+  uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id, expert<<48|group<<32|row
 };
 
 // Segments are padded to 64 or 128 rows; a task covers kBlockM rows of one expert's segment, or the
@@ -411,9 +412,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     typename T::PipelineState state;
     TaskWalker<T> walker;
     TileTask task;
-    for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters)
+    for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters) {
+      uint64_t start = 0;
+      if (p.trace != nullptr && threadIdx.x == 128) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
       compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
                       static_cast<int>(threadIdx.x) - 128);
+      if (p.trace != nullptr && threadIdx.x == 128) {
+        uint64_t end;
+        uint32_t sm;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(end));
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 4;
+        r[0] = start;
+        r[1] = end;
+        r[2] = sm;
+        r[3] = (uint64_t(task.expert) << 48) | (uint64_t(task.n_block) << 32) | uint32_t(task.row);
+      }
+    }
   }
   // Why: neither CTA may exit while its partner can still multicast into it or arrive on its barriers.
   if constexpr (T::kClusterN > 1) cute::cluster_sync();

@@ -1,0 +1,29 @@
+"""Experiment: start-time spread of the m-tiles that share a weight block (from gemm_bench --trace)."""
+import sys, glob, os
+import torch
+
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.pt"))):
+    t = torch.load(f).view(-1, 2, 4)
+    t = t[t[:, 0, 1] > 0]
+    start, end, sm, key = (t[:, 0, i] for i in range(4))
+    t0 = start.min()
+    start, end = start - t0, end - t0
+    dur = (end - start).double()
+    expert, group = key >> 48, (key >> 32) & 0xFFFF
+    block = expert * 1024 + group
+    total = float(end.max())
+    ctas = t.shape[0]
+    med = float(dur.median())
+    spreads = []
+    for b in torch.unique(block):
+        s = start[block == b]
+        if s.numel() > 1:
+            spreads.append(float(s.max() - s.min()))
+    sp = torch.tensor(spreads)
+    busy = float(dur.sum()) * 1.0 / (len(torch.unique(sm)) * total)
+    pair = (t[:, 1, 0] - t[:, 0, 0]).abs().double()
+    print(f"{os.path.basename(f)}: tasks {ctas}, kernel {total/1e3:.0f} us, task median {med/1e3:.1f} us "
+          f"(p10 {float(dur.quantile(0.1))/1e3:.1f}, p90 {float(dur.quantile(0.9))/1e3:.1f}), consumer busy {busy:.3f}; "
+          f"start spread of blocks sharing weights: median {float(sp.median())/med:.3f} p90 {float(sp.quantile(0.9))/med:.3f} "
+          f"max {float(sp.max())/med:.3f} tasks; >0.1 task: {float((sp > 0.1 * med).double().mean()):.2f}; "
+          f"cluster pair start delta median {float(pair.median())/1e3:.2f} us")
