@@ -12,8 +12,7 @@ extern "C" {
 int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, const void* b, const void* b_up, int n,
                           int local_experts, const int32_t* expert_counts, const int32_t* expert_row_offsets,
                           const int32_t* scheduled_rows, int tile_m, const float* row_scale, float swiglu_limit, void* out,
-                          int cluster_n, void* stream, char* error, int error_len, void* trace,
-                          const void* sm_side, void* side_workspace) {
+                          int cluster_n, void* stream, char* error, int error_len, void* trace) {
   try {
     mok::ExpertGemmArgs args;
     args.epilogue = static_cast<mok::GemmEpilogue>(epilogue);
@@ -33,8 +32,6 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
     args.out = out;
     args.cluster_n = cluster_n;
     args.trace = trace;
-    args.sm_side = sm_side;
-    args.side_workspace = side_workspace;
     mok::expert_gemm(args, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {
@@ -42,15 +39,6 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
       std::strncpy(error, e.what(), error_len - 1);
       error[error_len - 1] = '\0';
     }
-    return 1;
-  }
-}
-
-int mok_bench_l2_probe(int lines, int64_t* out, int32_t* sm, int* num_sms) {
-  try {
-    mok::probe_l2(lines, out, sm, num_sms);
-    return 0;
-  } catch (const std::exception&) {
     return 1;
   }
 }

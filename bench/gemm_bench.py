@@ -33,51 +33,9 @@ def load(lib_path):
     lib = ctypes.CDLL(lib_path)
     fn = lib.mok_bench_expert_gemm
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, i32, p, f32, p, i32, p, ctypes.c_char_p, i32, p, p, p]
+    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, i32, p, f32, p, i32, p, ctypes.c_char_p, i32, p]
     fn.restype = i32
-    return fn, lib
-
-
-def probe_sides(lib, lines=64, save=""):
-    """Experiment: L2 side of each SM from the latency probe (mok::probe_l2)."""
-    n = torch.cuda.get_device_properties(0).multi_processor_count
-    out = torch.zeros(n * 2 * lines, dtype=torch.int64)
-    sm = torch.zeros(n, dtype=torch.int32)
-    num = ctypes.c_int(0)
-    rc = lib.mok_bench_l2_probe(lines, ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(sm.data_ptr()), ctypes.byref(num))
-    assert rc == 0
-    lat = out.view(n, 2, lines).double()
-    if save:
-        torch.save((lat, sm), save)
-    own = lat[1:, 1].flatten()
-    lo, hi = own.quantile(0.05), own.quantile(0.95)
-    thr = (lo + hi) / 2
-    for _ in range(20):
-        a, b = own[own <= thr], own[own > thr]
-        if len(a) == 0 or len(b) == 0:
-            break
-        thr = (a.mean() + b.mean()) / 2
-    slow_own = lat[:, 1] > thr
-    slow_primer = lat[:, 0] > thr
-    f = slow_own.double().mean(1)
-    agree = (slow_own == slow_primer).double().mean(1)
-    primer_frac = float(slow_primer[1:].double().mean())
-    side = torch.zeros(n, dtype=torch.int8)
-    for b in range(1, n):
-        if 0.3 < primer_frac < 0.7:
-            side[b] = 0 if agree[b] > 0.5 else 1
-        else:
-            side[b] = 0 if f[b] < 0.25 else 1
-    table = torch.zeros(n, dtype=torch.int8)
-    table[sm.long()] = side
-    print(f"L2 probe: threshold {float(thr):.0f} cycles (5%/95% of first reads {float(lo):.0f}/{float(hi):.0f}), "
-          f"primer slow fraction {primer_frac:.2f}, primer SM {int(sm[0])}")
-    print("  slow fraction per block, sorted: " + " ".join(f"{x:.2f}" for x in sorted(f[1:].tolist())[::8]))
-    print("  agreement with primer, sorted: " + " ".join(f"{x:.2f}" for x in sorted(agree[1:].tolist())[::8]))
-    print(f"  side 1 SMs ({int(table.sum())} of {n}): " + " ".join(str(i) for i in range(n) if table[i]))
-    pairs = sum(int(table[2 * i] != table[2 * i + 1]) for i in range(n // 2))
-    print(f"  (2i, 2i+1) SM pairs split across sides: {pairs}")
-    return table
+    return fn
 
 
 def time_ms(fn, iters):
@@ -113,23 +71,8 @@ def main():
     parser.add_argument("--cluster", type=int, default=0, help="CTAs sharing an A tile: 1, 2, 0 = library's choice")
     parser.add_argument("--only", default="", help="time only this one: ours, torch or dense (for profilers)")
     parser.add_argument("--trace", default="", help="experiment: folder for per-task consumer timings of ours")
-    parser.add_argument("--sides", default="", help="experiment: extra variants of ours: probe,parity,half")
-    parser.add_argument("--probe-save", default="")
     args = parser.parse_args()
-    gemm, lib = load(os.path.abspath(args.lib))
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    tables = {}
-    for v in filter(None, args.sides.split(",")):
-        if v == "probe":
-            tables[v] = probe_sides(lib, save=args.probe_save)
-        elif v == "parity":
-            tables[v] = (torch.arange(n_sm) % 2).to(torch.int8)
-        elif v == "half":
-            tables[v] = (torch.arange(n_sm) >= n_sm // 2).to(torch.int8)
-        elif v == "quad":
-            tables[v] = ((torch.arange(n_sm) // 2) % 2).to(torch.int8)
-    tables = {k: t.cuda() for k, t in tables.items()}
-    side_ws = torch.zeros(4, dtype=torch.int32, device="cuda")
+    gemm = load(os.path.abspath(args.lib))
     error = ctypes.create_string_buffer(512)
     gen = torch.Generator(device="cuda").manual_seed(0)
     commit = os.environ.get("MOK_COMMIT") or subprocess.run(
@@ -164,11 +107,10 @@ def main():
             out = torch.empty(rows_padded, n_out, device="cuda", dtype=torch.bfloat16)
             epilogue = 1 if label == "gate/up" else 0
 
-            def ours(trace=None, sides=None):
+            def ours(trace=None):
                 rc = gemm(epilogue, a.data_ptr(), rows_padded, k, weights.data_ptr(), None, n_out, local,
                           counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None, 0.0, out.data_ptr(),
-                          args.cluster, stream, error, len(error), trace,
-                          None if sides is None else sides.data_ptr(), side_ws.data_ptr())
+                          args.cluster, stream, error, len(error), trace)
                 if rc != 0:
                     raise RuntimeError(error.value.decode())
 
@@ -181,8 +123,7 @@ def main():
 
             flops = 2.0 * rows * n_total * k
             if args.only:
-                first = next(iter(tables.values()), None)
-                fn = dict(ours=lambda: ours(sides=first), torch=grouped, dense=dense)[args.only]
+                fn = dict(ours=ours, torch=grouped, dense=dense)[args.only]
                 print(f"{name:16s} {label:8s} {args.only} {flops / time_ms(fn, args.iters) / 1e9:7.0f}", flush=True)
                 continue
             if args.trace:
@@ -192,20 +133,9 @@ def main():
                 os.makedirs(args.trace, exist_ok=True)
                 torch.save(trace.cpu(), os.path.join(args.trace, f"{name}_{label.replace('/', '')}.pt"))
             t_ours, t_torch, t_dense = (time_ms(f, args.iters) for f in (ours, grouped, dense))
-            if tables:
-                ours()
-                ref = out.clone()
-                extra = []
-                for v, table in tables.items():
-                    out.fill_(float("nan"))
-                    ours(sides=table)
-                    same = torch.equal(out, ref)
-                    t = time_ms(lambda: ours(sides=table), args.iters)
-                    extra.append(f"{v} {flops / t / 1e9:.0f}{'' if same else ' MISMATCH'}")
             tf = [flops / t / 1e9 for t in (t_ours, t_torch, t_dense)]
             print(f"{name:16s} {label:8s} {rows:7d} {100.0 * (rows_padded - rows) / rows:5.1f} {tf[0]:7.0f} "
-                  f"{tf[1]:7.0f} {tf[2]:7.0f} {tf[0] / tf[1]:10.2f} {tf[0] / tf[2]:10.2f}"
-                  + ("   " + ", ".join(extra) if tables else ""), flush=True)
+                  f"{tf[1]:7.0f} {tf[2]:7.0f} {tf[0] / tf[1]:10.2f} {tf[0] / tf[2]:10.2f}", flush=True)
             del a, out, a_torch, a_dense, b_dense
         del w13, w2
         torch.cuda.empty_cache()

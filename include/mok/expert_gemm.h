@@ -35,8 +35,6 @@ struct ExpertGemmArgs {
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);
                                 // 0: choose_cluster_n
   void* trace = nullptr;        // experiment: uint64 [slots, cluster_n, 4] consumer start/end ns, SM, task
-  const void* sm_side = nullptr;  // experiment: int8 [SMs] L2 side per %smid; slots split between sides
-  void* side_workspace = nullptr; // experiment: int32 [3] device scratch (zeroed by the launch)
 };
 
 // Throws std::invalid_argument naming the offending field.
@@ -51,10 +49,5 @@ int choose_cluster_n(GemmEpilogue epilogue, int n);
 // Schedule padding for an expected number of rows per local expert: 128 unless experts average fewer
 // than 128 rows (docs/perf_notes.md has the measurements behind it).
 int choose_tile_m(double expected_rows_per_expert);
-
-// Experiment: L2 latency probe. Block 0 primes `lines` lines of every block's set and times a second read
-// of each; then block b (one per SM) times its first read of its own set, one block at a time.
-// out: int64 [num_sms, 2, lines] (primer's second read, own first read) in cycles; sm: int32 [num_sms].
-void probe_l2(int lines, int64_t* out_host, int32_t* sm_host, int* num_sms);
 
 }  // namespace mok

@@ -69,9 +69,6 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   p.out = static_cast<__nv_bfloat16*>(args.out);
   p.out_ld = args.n;
   p.trace = static_cast<uint64_t*>(args.trace);
-  p.sm_side = static_cast<const int8_t*>(args.sm_side);
-  p.side_workspace = static_cast<int32_t*>(args.side_workspace);
-  if (args.sm_side != nullptr) MOK_CHECK_CUDA(cudaMemsetAsync(args.side_workspace, 0, 3 * sizeof(int32_t), stream));
 
   int device = 0, num_sms = 0, max_smem = 0;
   MOK_CHECK_CUDA(cudaGetDevice(&device));

@@ -107,7 +107,6 @@ struct GemmTraits {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
     alignas(128) __nv_bfloat16 staging[kBlockM][kStagingLd];  // one pass of output columns
     typename Pipeline::SharedStorage pipeline;
-    int32_t slots[3];  // experiment: this cluster's first slot, slot stride, end of its slot range
   };
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
 };
@@ -135,9 +134,7 @@ struct GemmParams {
   float swiglu_limit = {};      // 0: plain SwiGLU
   __nv_bfloat16* out = {};
   int64_t out_ld = {};
-  uint64_t* trace = {};
-  const int8_t* sm_side = {};   // experiment, nullable: L2 side of each SM (by %smid)
-  int32_t* side_workspace = {}; // experiment: 3 zeroed counters (clusters per side, clusters registered)  // nullable: per (slot, CTA) consumer start / end ns, SM id, expert<<48|group<<32|row
+  uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id, expert<<48|group<<32|row
 };
 
 // Segments are padded to 64 or 128 rows; a task covers kBlockM rows of one expert's segment, or the
@@ -173,20 +170,6 @@ struct TaskWalker {
   int32_t slot_begin = 0;     // the expert's first slot
   int32_t slot_end = 0;       // one past its last
   int32_t scheduled_rows = 0; // the schedule's row count; 0 after a capacity overflow: no tasks at all
-
-  // Number of slots (tasks) of the whole schedule.
-  template <class Params>
-  __device__ __forceinline__ static int32_t total_slots(const Params& p) {
-    const int num_groups = p.num_n_blocks / Traits::kClusterN;
-    const int32_t scheduled = *p.scheduled_rows;
-    int32_t total = 0, begin = min(p.expert_row_offsets[0], scheduled);
-    for (int e = 0; e < p.local_experts; ++e) {
-      const int32_t end = min(p.expert_row_offsets[e + 1], scheduled);
-      total += (end - begin + Traits::kBlockM - 1) / Traits::kBlockM * num_groups;
-      begin = end;
-    }
-    return total;
-  }
 
   // The task of `slot`, or false when the slot lies past the last task.
   template <class Params>
@@ -412,49 +395,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     __syncthreads();
 
   const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
-  int32_t first_slot = blockIdx.x / T::kClusterN;
-  int32_t slot_stride = gridDim.x / T::kClusterN;
-  int32_t slot_end = INT32_MAX;
-  if (p.sm_side != nullptr) {
-    // Experiment: the clusters on each L2 side take a contiguous share of the slots, so all tiles that
-    // read one weight block run on one side of the L2 fabric.
-    if (cta_rank == 0 && threadIdx.x == 0) {
-      uint32_t sm;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      const int side = p.sm_side[sm] & 1;
-      const int index = atomicAdd(&p.side_workspace[side], 1);
-      __threadfence();
-      atomicAdd(&p.side_workspace[2], 1);
-      const int num_clusters = gridDim.x / T::kClusterN;
-      while (atomicAdd(&p.side_workspace[2], 0) < num_clusters) {}
-      const int c0 = atomicAdd(&p.side_workspace[0], 0), c1 = atomicAdd(&p.side_workspace[1], 0);
-      const int32_t total = TaskWalker<T>::total_slots(p);
-      const int32_t split = static_cast<int32_t>(int64_t(total) * c0 / (c0 + c1));
-      int32_t values[3] = {(side == 0 ? 0 : split) + index, side == 0 ? c0 : c1, side == 0 ? split : total};
-      for (int r = 0; r < T::kClusterN; ++r) {
-        for (int i = 0; i < 3; ++i) {
-          uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(&smem.slots[i]));
-          uint32_t remote;
-          asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
-          asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(values[i]) : "memory");
-        }
-      }
-    }
-    if constexpr (T::kClusterN > 1)
-      cute::cluster_sync();
-    else
-      __syncthreads();
-    first_slot = smem.slots[0];
-    slot_stride = smem.slots[1];
-    slot_end = smem.slots[2];
-  }
+  const int32_t cluster = blockIdx.x / T::kClusterN;
+  const int32_t num_clusters = gridDim.x / T::kClusterN;
   if (role == GemmRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
     if (threadIdx.x == 0) {
       auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
       TaskWalker<T> walker;
       TileTask task;
-      for (int32_t slot = first_slot; slot < slot_end && walker.task_at(p, slot, task); slot += slot_stride)
+      for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters)
         load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
       pipeline.producer_tail(state);
     }
@@ -463,7 +412,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     typename T::PipelineState state;
     TaskWalker<T> walker;
     TileTask task;
-    for (int32_t slot = first_slot; slot < slot_end && walker.task_at(p, slot, task); slot += slot_stride) {
+    for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters) {
       uint64_t start = 0;
       if (p.trace != nullptr && threadIdx.x == 128) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
       compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
