@@ -35,6 +35,7 @@ struct ExpertGemmArgs {
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);
                                 // 0: choose_cluster_n
   void* trace = nullptr;        // experiment: uint64 [slots, cluster_n, 4] consumer start/end ns, SM, task
+  void* task_counter = nullptr; // experiment: int32 device scratch; set: dynamic task order (atomic ticket)
 };
 
 // Throws std::invalid_argument naming the offending field.

@@ -69,6 +69,8 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   p.out = static_cast<__nv_bfloat16*>(args.out);
   p.out_ld = args.n;
   p.trace = static_cast<uint64_t*>(args.trace);
+  p.task_counter = static_cast<int32_t*>(args.task_counter);
+  if (p.task_counter != nullptr) MOK_CHECK_CUDA(cudaMemsetAsync(p.task_counter, 0, sizeof(int32_t), stream));
 
   int device = 0, num_sms = 0, max_smem = 0;
   MOK_CHECK_CUDA(cudaGetDevice(&device));

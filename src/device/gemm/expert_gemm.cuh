@@ -44,6 +44,53 @@ namespace mok::gemm {
 
 enum class Epilogue : int { kStore = 0, kSwiGLU = 1 };
 
+// Slots handed from a CTA's producer to its consumers, and from the cluster's rank-0 producer (which takes
+// them from the global ticket) to the rank-1 producer. Entry q of each ring is reused every kDepth slots.
+template <int kDepth>
+struct TaskRingStorage {
+  uint64_t full[kDepth];        // producer -> own consumers (1 arrival)
+  uint64_t empty[kDepth];       // own consumer warps -> producer (one arrival per warp)
+  uint64_t mail_full[kDepth];   // on rank 1: rank 0's producer -> rank 1's producer (1 remote arrival)
+  uint64_t mail_empty[kDepth];  // on rank 0: rank 1's producer -> rank 0's producer (1 remote arrival)
+  int32_t slot[kDepth];
+  int32_t mail[kDepth];
+};
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(count) : "memory");
+}
+// Waits for the phase of parity `parity` to complete; acquire at cluster scope (the data may come from
+// the partner CTA).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smem_address(bar)), "r"(parity)
+        : "memory");
+  }
+}
+__device__ __forceinline__ void mbarrier_arrive_local(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_address(const void* p, int cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_address(p)), "r"(cta));
+  return remote;
+}
+// Release at cluster scope: the partner sees this thread's earlier (remote) stores once the phase completes.
+__device__ __forceinline__ void mbarrier_arrive_remote(uint64_t* bar, int cta) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_address(bar, cta))
+               : "memory");
+}
+__device__ __forceinline__ void store_remote(int32_t* p, int cta, int32_t v) {
+  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(cluster_address(p, cta)), "r"(v) : "memory");
+}
+
 template <int kBlockM_, int kBlockN_, int kStages_, Epilogue kEpilogue_, int kClusterN_>
 struct GemmTraits {
   using Element = cutlass::bfloat16_t;
@@ -89,6 +136,7 @@ struct GemmTraits {
                                  cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>>(),
       cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
 
+  static constexpr int kTaskDepth = 4;  // slots a producer may publish ahead of its consumers
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
@@ -107,6 +155,7 @@ struct GemmTraits {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
     alignas(128) __nv_bfloat16 staging[kBlockM][kStagingLd];  // one pass of output columns
     typename Pipeline::SharedStorage pipeline;
+    TaskRingStorage<kTaskDepth> tasks;
   };
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
 };
@@ -134,7 +183,8 @@ struct GemmParams {
   float swiglu_limit = {};      // 0: plain SwiGLU
   __nv_bfloat16* out = {};
   int64_t out_ld = {};
-  uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id, expert<<48|group<<32|row
+  uint64_t* trace = {};
+  int32_t* task_counter = {};  // experiment, nullable: zeroed ticket; clusters take slots in the order they free up  // nullable: per (slot, CTA) consumer start / end ns, SM id, expert<<48|group<<32|row
 };
 
 // Segments are padded to 64 or 128 rows; a task covers kBlockM rows of one expert's segment, or the
@@ -387,6 +437,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
   pipeline_params.is_leader = threadIdx.x == 0;
   pipeline_params.num_consumers = 128 * T::kConsumerWarpgroups;
   typename T::Pipeline pipeline(smem.pipeline, pipeline_params, typename T::ClusterShape{});
+  if (p.task_counter != nullptr && threadIdx.x == 0) {
+    for (int q = 0; q < T::kTaskDepth; ++q) {
+      mbarrier_init(&smem.tasks.full[q], 1);
+      mbarrier_init(&smem.tasks.empty[q], 4 * T::kConsumerWarpgroups);
+      mbarrier_init(&smem.tasks.mail_full[q], 1);
+      mbarrier_init(&smem.tasks.mail_empty[q], 1);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
   // Why: the partner CTA arrives on our barriers and multicasts into our shared memory; both CTAs'
   // barrier initialization must be visible cluster-wide first.
   if constexpr (T::kClusterN > 1)
@@ -403,8 +462,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
       auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
       TaskWalker<T> walker;
       TileTask task;
-      for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters)
-        load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
+      if (p.task_counter == nullptr) {
+        for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters)
+          load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
+      } else {
+        auto& ring = smem.tasks;
+        for (int k = 0;; ++k) {
+          const int q = k % T::kTaskDepth;
+          const uint32_t phase = (k / T::kTaskDepth) & 1;
+          int32_t slot;
+          if (cta_rank == 0) {
+            slot = atomicAdd(p.task_counter, 1);
+            if constexpr (T::kClusterN > 1) {
+              mbarrier_wait(&ring.mail_empty[q], phase ^ 1);
+              store_remote(&ring.mail[q], 1, slot);
+              mbarrier_arrive_remote(&ring.mail_full[q], 1);
+            }
+          } else {
+            mbarrier_wait(&ring.mail_full[q], phase);
+            slot = ring.mail[q];
+            mbarrier_arrive_remote(&ring.mail_empty[q], 0);
+          }
+          mbarrier_wait(&ring.empty[q], phase ^ 1);
+          ring.slot[q] = slot;
+          mbarrier_arrive_local(&ring.full[q]);
+          if (!walker.task_at(p, slot, task)) break;
+          load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
+        }
+      }
       pipeline.producer_tail(state);
     }
   } else {
@@ -412,7 +497,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     typename T::PipelineState state;
     TaskWalker<T> walker;
     TileTask task;
-    for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters) {
+    const bool dynamic = p.task_counter != nullptr;
+    int32_t slot = cluster;
+    for (int k = 0;; ++k, slot += num_clusters) {
+      if (dynamic) {
+        const int q = k % T::kTaskDepth;
+        mbarrier_wait(&smem.tasks.full[q], (k / T::kTaskDepth) & 1);
+        slot = __shfl_sync(0xffffffff, smem.tasks.slot[q], 0);
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) mbarrier_arrive_local(&smem.tasks.empty[q]);
+      }
+      if (!walker.task_at(p, slot, task)) break;
       uint64_t start = 0;
       if (p.trace != nullptr && threadIdx.x == 128) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
       compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
