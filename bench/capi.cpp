@@ -12,8 +12,7 @@ extern "C" {
 int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, const void* b, const void* b_up, int n,
                           int local_experts, const int32_t* expert_counts, const int32_t* expert_row_offsets,
                           const int32_t* scheduled_rows, int tile_m, const float* row_scale, float swiglu_limit, void* out,
-                          int cluster_n, void* stream, char* error, int error_len, void* trace,
-                          void* task_counter) {
+                          int cluster_n, int32_t* ticket, void* trace, void* stream, char* error, int error_len) {
   try {
     mok::ExpertGemmArgs args;
     args.epilogue = static_cast<mok::GemmEpilogue>(epilogue);
@@ -33,7 +32,7 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
     args.out = out;
     args.cluster_n = cluster_n;
     args.trace = trace;
-    args.task_counter = task_counter;
+    args.ticket = ticket;
     mok::expert_gemm(args, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {

@@ -10,7 +10,7 @@ The dense ceiling is one torch.mm with the same M = routed rows, N and K. TFLOP/
 (2 * rows * N * K); our padding to tile_m-row segments is work we pay for and do not count. Time: median of
 CUDA-event timings after warm-up.
 Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--cluster 0|1|2]
-                     [--shapes A,B]
+                     [--shapes A,B] [--only ours|torch|dense] [--trace DIR]
 """
 import argparse
 import ctypes
@@ -33,7 +33,7 @@ def load(lib_path):
     lib = ctypes.CDLL(lib_path)
     fn = lib.mok_bench_expert_gemm
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, i32, p, f32, p, i32, p, ctypes.c_char_p, i32, p, p]
+    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, i32, p, f32, p, i32, p, p, p, ctypes.c_char_p, i32]
     fn.restype = i32
     return fn
 
@@ -70,10 +70,9 @@ def main():
     parser.add_argument("--shapes", default="")
     parser.add_argument("--cluster", type=int, default=0, help="CTAs sharing an A tile: 1, 2, 0 = library's choice")
     parser.add_argument("--only", default="", help="time only this one: ours, torch or dense (for profilers)")
-    parser.add_argument("--trace", default="", help="experiment: folder for per-task consumer timings of ours")
-    parser.add_argument("--dynamic", action="store_true", help="experiment: also time the atomic-ticket task order")
+    parser.add_argument("--trace", default="", help="folder for per-tile timings of ours (summary: bench/gemm_trace_stats.py)")
     args = parser.parse_args()
-    counter = torch.zeros(4, dtype=torch.int32, device="cuda")
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
     gemm = load(os.path.abspath(args.lib))
     error = ctypes.create_string_buffer(512)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -109,10 +108,10 @@ def main():
             out = torch.empty(rows_padded, n_out, device="cuda", dtype=torch.bfloat16)
             epilogue = 1 if label == "gate/up" else 0
 
-            def ours(trace=None, dynamic=False):
+            def ours(trace=None):
                 rc = gemm(epilogue, a.data_ptr(), rows_padded, k, weights.data_ptr(), None, n_out, local,
                           counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None, 0.0, out.data_ptr(),
-                          args.cluster, stream, error, len(error), trace, counter.data_ptr() if dynamic else None)
+                          args.cluster, ticket.data_ptr(), trace, stream, error, len(error))
                 if rc != 0:
                     raise RuntimeError(error.value.decode())
 
@@ -125,30 +124,19 @@ def main():
 
             flops = 2.0 * rows * n_total * k
             if args.only:
-                fn = dict(ours=lambda: ours(dynamic=args.dynamic), torch=grouped, dense=dense)[args.only]
+                fn = dict(ours=ours, torch=grouped, dense=dense)[args.only]
                 print(f"{name:16s} {label:8s} {args.only} {flops / time_ms(fn, args.iters) / 1e9:7.0f}", flush=True)
                 continue
             if args.trace:
                 trace = torch.zeros(rows_padded // 64 * (n_total // 256) * 2 * 4, dtype=torch.int64, device="cuda")
+                ours(trace.data_ptr())
+                torch.cuda.synchronize()
                 os.makedirs(args.trace, exist_ok=True)
-                for dyn in ((False, True) if args.dynamic else (False,)):
-                    trace.zero_()
-                    ours(trace.data_ptr(), dynamic=dyn)
-                    torch.cuda.synchronize()
-                    torch.save(trace.cpu(), os.path.join(args.trace, f"{name}_{label.replace('/', '')}{'_dyn' if dyn else ''}.pt"))
+                torch.save(trace.cpu(), os.path.join(args.trace, f"{name}_{label.replace('/', '')}.pt"))
             t_ours, t_torch, t_dense = (time_ms(f, args.iters) for f in (ours, grouped, dense))
-            extra = ""
-            if args.dynamic:
-                ours()
-                ref = out.clone()
-                out.fill_(float("nan"))
-                ours(dynamic=True)
-                same = torch.equal(out, ref)
-                t = time_ms(lambda: ours(dynamic=True), args.iters)
-                extra = f"   dynamic {flops / t / 1e9:.0f} ({t_ours / t:.3f}x){'' if same else ' MISMATCH'}"
             tf = [flops / t / 1e9 for t in (t_ours, t_torch, t_dense)]
             print(f"{name:16s} {label:8s} {rows:7d} {100.0 * (rows_padded - rows) / rows:5.1f} {tf[0]:7.0f} "
-                  f"{tf[1]:7.0f} {tf[2]:7.0f} {tf[0] / tf[1]:10.2f} {tf[0] / tf[2]:10.2f}{extra}", flush=True)
+                  f"{tf[1]:7.0f} {tf[2]:7.0f} {tf[0] / tf[1]:10.2f} {tf[0] / tf[2]:10.2f}", flush=True)
             del a, out, a_torch, a_dense, b_dense
         del w13, w2
         torch.cuda.empty_cache()

@@ -34,8 +34,10 @@ struct ExpertGemmArgs {
   void* out = nullptr;          // bf16 [a_rows, n]
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);
                                 // 0: choose_cluster_n
-  void* trace = nullptr;        // experiment: uint64 [slots, cluster_n, 4] consumer start/end ns, SM, task
-  void* task_counter = nullptr; // experiment: int32 device scratch; set: dynamic task order (atomic ticket)
+  int32_t* ticket = nullptr;    // one int32 of device memory, zeroed by the call on its stream: the task
+                                // ticket (one per GEMM in flight at a time)
+  void* trace = nullptr;        // optional uint64 [tasks, CTAs per cluster, 4]: per output tile, consumer
+                                // start and end (globaltimer ns), SM id, expert << 48 | n-group << 32 | row
 };
 
 // Throws std::invalid_argument naming the offending field.

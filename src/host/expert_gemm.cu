@@ -68,9 +68,9 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   p.swiglu_limit = args.swiglu_limit;
   p.out = static_cast<__nv_bfloat16*>(args.out);
   p.out_ld = args.n;
+  p.ticket = args.ticket;
   p.trace = static_cast<uint64_t*>(args.trace);
-  p.task_counter = static_cast<int32_t*>(args.task_counter);
-  if (p.task_counter != nullptr) MOK_CHECK_CUDA(cudaMemsetAsync(p.task_counter, 0, sizeof(int32_t), stream));
+  MOK_CHECK_CUDA(cudaMemsetAsync(args.ticket, 0, sizeof(int32_t), stream));
 
   int device = 0, num_sms = 0, max_smem = 0;
   MOK_CHECK_CUDA(cudaGetDevice(&device));
@@ -124,6 +124,7 @@ void validate(const ExpertGemmArgs& args) {
   require(args.a_rows > 0 && args.a_rows % args.tile_m == 0, "a_rows must be a positive multiple of tile_m");
   require(args.expert_counts != nullptr && args.expert_row_offsets != nullptr && args.scheduled_rows != nullptr,
           "schedule pointers (expert_counts, expert_row_offsets, scheduled_rows) must be set");
+  require(args.ticket != nullptr, "ticket must point to an int32 of device memory");
 }
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {

@@ -73,7 +73,7 @@ struct Segments {
 struct GemmFixture {
   Segments seg;
   int64_t a_rows;
-  DeviceArray<int32_t> counts, offsets, scheduled;
+  DeviceArray<int32_t> counts, offsets, scheduled, ticket{1};
   GemmFixture(const std::vector<int32_t>& expert_counts, int64_t spare_rows, int tile_m = 128)
       : seg(expert_counts, tile_m), a_rows(seg.rows + spare_rows), counts(seg.counts), offsets(seg.offsets),
         scheduled(std::vector<int32_t>{seg.rows}) {}
@@ -91,6 +91,7 @@ struct GemmFixture {
     g.scheduled_rows = scheduled.ptr;
     g.tile_m = seg.tile_m;
     g.out = out;
+    g.ticket = ticket.ptr;
     return g;
   }
 };
@@ -394,6 +395,8 @@ TEST(ExpertGemmTest, ValidationNamesTheArgument) {
   args.local_experts = 2;
   args.a_rows = 128;
   EXPECT_NE(message().find("schedule pointers"), std::string::npos);
+  args.expert_counts = args.expert_row_offsets = args.scheduled_rows = reinterpret_cast<const int32_t*>(buffer);
+  EXPECT_NE(message().find("ticket must"), std::string::npos);
   args.b = buffer + 1;
   EXPECT_NE(message().find("b must be"), std::string::npos);
 }

@@ -22,9 +22,11 @@
 // The unit of work is a TileTask (first row, rows, n-block, expert): load_tile() on the producer side and
 // compute_tile() on the consumer side, each advancing a pipeline state that persists across tasks, so a
 // persistent loop (expert_gemm_kernel below, later the megakernel) can interleave GEMM tiles with other work.
+// Clusters take task slots from an atomic ticket as they free up (TaskRing hands each slot to both CTAs'
+// producers and consumers), so consecutive slots, which share weights, start together (TaskWalker).
 //
 // Shared memory: A stages (kBlockM x 64 bf16, 128B swizzle) | B stages (kBlockN x 64) | epilogue staging
-// (kBlockM x output columns, bf16) | pipeline barriers.
+// (kBlockM x output columns, bf16) | pipeline barriers | task ring.
 // Sync: PipelineTmaAsync full/empty mbarriers per stage (producer: acquire empty, arm transaction bytes;
 // consumers: wait full, release after the wgmma that read the stage retired).
 // Determinism: each output element is one fixed-order K reduction by one thread; no atomics.
@@ -38,58 +40,69 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "src/device/common/mbarrier.cuh"
+#include "src/device/common/sync.cuh"
 #include "src/device/schedule/placement.h"
 
 namespace mok::gemm {
 
 enum class Epilogue : int { kStore = 0, kSwiGLU = 1 };
 
-// Slots handed from a CTA's producer to its consumers, and from the cluster's rank-0 producer (which takes
-// them from the global ticket) to the rank-1 producer. Entry q of each ring is reused every kDepth slots.
-template <int kDepth>
-struct TaskRingStorage {
+// Hand-off of task slots. The cluster's rank-0 producer takes each slot from the global ticket and mails
+// it to the rank-1 producer; each producer publishes it to its own consumer warps. Entry q of each ring is
+// reused every kDepth slots (phase parity (k / kDepth) & 1 for the k-th slot).
+template <int kDepth, int kConsumerWarps, int kClusterN>
+struct TaskRing {
   uint64_t full[kDepth];        // producer -> own consumers (1 arrival)
   uint64_t empty[kDepth];       // own consumer warps -> producer (one arrival per warp)
   uint64_t mail_full[kDepth];   // on rank 1: rank 0's producer -> rank 1's producer (1 remote arrival)
   uint64_t mail_empty[kDepth];  // on rank 0: rank 1's producer -> rank 0's producer (1 remote arrival)
   int32_t slot[kDepth];
   int32_t mail[kDepth];
-};
 
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(count) : "memory");
-}
-// Waits for the phase of parity `parity` to complete; acquire at cluster scope (the data may come from
-// the partner CTA).
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(smem_address(bar)), "r"(parity)
-        : "memory");
+  __device__ void init() {  // one thread, before the cluster-wide barrier that follows barrier init
+    for (int q = 0; q < kDepth; ++q) {
+      device::mbarrier_init(&full[q], 1);
+      device::mbarrier_init(&empty[q], kConsumerWarps);
+      device::mbarrier_init(&mail_full[q], 1);
+      device::mbarrier_init(&mail_empty[q], 1);
+    }
   }
-}
-__device__ __forceinline__ void mbarrier_arrive_local(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_address(const void* p, int cta) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_address(p)), "r"(cta));
-  return remote;
-}
-// Release at cluster scope: the partner sees this thread's earlier (remote) stores once the phase completes.
-__device__ __forceinline__ void mbarrier_arrive_remote(uint64_t* bar, int cta) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_address(bar, cta))
-               : "memory");
-}
-__device__ __forceinline__ void store_remote(int32_t* p, int cta, int32_t v) {
-  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(cluster_address(p, cta)), "r"(v) : "memory");
-}
+
+  // Producer thread: the cluster's k-th slot (rank 0 takes it from `ticket`), published to the consumers.
+  __device__ int32_t produce(int k, int cta_rank, int32_t* ticket) {
+    const int q = k % kDepth;
+    const uint32_t phase = (k / kDepth) & 1;
+    int32_t s;
+    if (cta_rank == 0) {
+      s = atomicAdd(ticket, 1);
+      if constexpr (kClusterN > 1) {
+        device::mbarrier_wait_cluster(&mail_empty[q], phase ^ 1);
+        device::store_cluster(&mail[q], 1, s);
+        device::mbarrier_arrive_cluster(&mail_full[q], 1);
+      }
+    } else {
+      device::mbarrier_wait_cluster(&mail_full[q], phase);
+      s = mail[q];
+      device::mbarrier_arrive_cluster(&mail_empty[q], 0);
+    }
+    device::mbarrier_wait_cluster(&empty[q], phase ^ 1);
+    slot[q] = s;
+    device::mbarrier_arrive(&full[q]);
+    return s;
+  }
+
+  // Consumer threads (all of them): the k-th slot, warp-uniform.
+  __device__ int32_t consume(int k) {
+    const int q = k % kDepth;
+    device::mbarrier_wait_cluster(&full[q], (k / kDepth) & 1);
+    // Why the shuffle: see compute_tile (ptxas must see branches around wgmma as warp-uniform).
+    const int32_t s = __shfl_sync(0xffffffff, slot[q], 0);
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) device::mbarrier_arrive(&empty[q]);
+    return s;
+  }
+};
 
 template <int kBlockM_, int kBlockN_, int kStages_, Epilogue kEpilogue_, int kClusterN_>
 struct GemmTraits {
@@ -155,7 +168,7 @@ struct GemmTraits {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
     alignas(128) __nv_bfloat16 staging[kBlockM][kStagingLd];  // one pass of output columns
     typename Pipeline::SharedStorage pipeline;
-    TaskRingStorage<kTaskDepth> tasks;
+    TaskRing<kTaskDepth, 4 * kConsumerWarpgroups, kClusterN> tasks;
   };
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
 };
@@ -183,8 +196,8 @@ struct GemmParams {
   float swiglu_limit = {};      // 0: plain SwiGLU
   __nv_bfloat16* out = {};
   int64_t out_ld = {};
-  uint64_t* trace = {};
-  int32_t* task_counter = {};  // experiment, nullable: zeroed ticket; clusters take slots in the order they free up  // nullable: per (slot, CTA) consumer start / end ns, SM id, expert<<48|group<<32|row
+  int32_t* ticket = {};  // zeroed before the launch; each cluster takes its next slot from it
+  uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id, expert<<48|group<<32|row
 };
 
 // Segments are padded to 64 or 128 rows; a task covers kBlockM rows of one expert's segment, or the
@@ -206,9 +219,11 @@ struct TileTask {
 };
 
 // Task order: expert by expert; within an expert, n-block group by group, and the expert's m-tiles
-// fastest. Clusters running side by side thus start the m-tiles that share one weight block together and
-// stream it through L2 in lockstep (an expert's gate/up weights, 59-88 MB, do not fit in L2; its A rows,
-// a few MB, do and are reused across groups). Slots are dense: every slot is a task.
+// fastest. Slots are dense (every slot is a task) and taken from an atomic ticket, so the m-tiles that
+// share one weight block start within a few microseconds of each other and stream it through L2 together
+// (an expert's gate/up weights, 59-88 MB, do not fit in L2; its A rows, a few MB, do and are reused
+// across groups). A strided static assignment let clusters drift apart by a random walk of task-time
+// noise, and the weights were read from DRAM 1.5-2 times (docs/perf_notes.md, round 3).
 // A CTA visits increasing slots, so a cursor over the experts replaces a search per slot (between two
 // tiles every role is on the critical path).
 template <class Traits>
@@ -420,7 +435,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
 
 enum class GemmRole : int { kProducer = 0, kConsumer = 1 };
 
-// Standalone persistent launcher: one CTA per SM in clusters of kClusterN, tasks strided over clusters.
+// Standalone persistent launcher: one CTA per SM in clusters of kClusterN, tasks from the ticket.
 // Used by tests and the bench.
 template <class Traits, class Params>
 __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
@@ -437,13 +452,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
   pipeline_params.is_leader = threadIdx.x == 0;
   pipeline_params.num_consumers = 128 * T::kConsumerWarpgroups;
   typename T::Pipeline pipeline(smem.pipeline, pipeline_params, typename T::ClusterShape{});
-  if (p.task_counter != nullptr && threadIdx.x == 0) {
-    for (int q = 0; q < T::kTaskDepth; ++q) {
-      mbarrier_init(&smem.tasks.full[q], 1);
-      mbarrier_init(&smem.tasks.empty[q], 4 * T::kConsumerWarpgroups);
-      mbarrier_init(&smem.tasks.mail_full[q], 1);
-      mbarrier_init(&smem.tasks.mail_empty[q], 1);
-    }
+  if (threadIdx.x == 0) {
+    smem.tasks.init();
     cutlass::arch::fence_barrier_init();
   }
   // Why: the partner CTA arrives on our barriers and multicasts into our shared memory; both CTAs'
@@ -454,42 +464,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     __syncthreads();
 
   const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
-  const int32_t cluster = blockIdx.x / T::kClusterN;
-  const int32_t num_clusters = gridDim.x / T::kClusterN;
   if (role == GemmRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
     if (threadIdx.x == 0) {
       auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
       TaskWalker<T> walker;
       TileTask task;
-      if (p.task_counter == nullptr) {
-        for (int32_t slot = cluster; walker.task_at(p, slot, task); slot += num_clusters)
-          load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
-      } else {
-        auto& ring = smem.tasks;
-        for (int k = 0;; ++k) {
-          const int q = k % T::kTaskDepth;
-          const uint32_t phase = (k / T::kTaskDepth) & 1;
-          int32_t slot;
-          if (cta_rank == 0) {
-            slot = atomicAdd(p.task_counter, 1);
-            if constexpr (T::kClusterN > 1) {
-              mbarrier_wait(&ring.mail_empty[q], phase ^ 1);
-              store_remote(&ring.mail[q], 1, slot);
-              mbarrier_arrive_remote(&ring.mail_full[q], 1);
-            }
-          } else {
-            mbarrier_wait(&ring.mail_full[q], phase);
-            slot = ring.mail[q];
-            mbarrier_arrive_remote(&ring.mail_empty[q], 0);
-          }
-          mbarrier_wait(&ring.empty[q], phase ^ 1);
-          ring.slot[q] = slot;
-          mbarrier_arrive_local(&ring.full[q]);
-          if (!walker.task_at(p, slot, task)) break;
-          load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
-        }
-      }
+      for (int k = 0; walker.task_at(p, smem.tasks.produce(k, cta_rank, p.ticket), task); ++k)
+        load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
       pipeline.producer_tail(state);
     }
   } else {
@@ -497,30 +479,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     typename T::PipelineState state;
     TaskWalker<T> walker;
     TileTask task;
-    const bool dynamic = p.task_counter != nullptr;
-    int32_t slot = cluster;
-    for (int k = 0;; ++k, slot += num_clusters) {
-      if (dynamic) {
-        const int q = k % T::kTaskDepth;
-        mbarrier_wait(&smem.tasks.full[q], (k / T::kTaskDepth) & 1);
-        slot = __shfl_sync(0xffffffff, smem.tasks.slot[q], 0);
-        __syncwarp();
-        if (threadIdx.x % 32 == 0) mbarrier_arrive_local(&smem.tasks.empty[q]);
-      }
+    for (int k = 0;; ++k) {
+      const int32_t slot = smem.tasks.consume(k);
       if (!walker.task_at(p, slot, task)) break;
-      uint64_t start = 0;
-      if (p.trace != nullptr && threadIdx.x == 128) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+      const bool record = p.trace != nullptr && threadIdx.x == 128;
+      const uint64_t start = record ? device::global_timer_ns() : 0;
       compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
                       static_cast<int>(threadIdx.x) - 128);
-      if (p.trace != nullptr && threadIdx.x == 128) {
-        uint64_t end;
-        uint32_t sm;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(end));
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      if (record) {
         uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 4;
         r[0] = start;
-        r[1] = end;
-        r[2] = sm;
+        r[1] = device::global_timer_ns();
+        r[2] = static_cast<uint64_t>(device::sm_index());
         r[3] = (uint64_t(task.expert) << 48) | (uint64_t(task.n_block) << 32) | uint32_t(task.row);
       }
     }

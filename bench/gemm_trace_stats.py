@@ -1,5 +1,11 @@
-"""Experiment: start-time spread of the m-tiles that share a weight block (from gemm_bench --trace)."""
-import sys, glob, os
+"""Summary of gemm_bench.py --trace DIR: task times, consumer busy fraction, and how far apart in time the
+m-tiles that share one weight block start (in task lengths; beyond ~0.15 the block has left L2 when the
+last of them reads it).
+Usage: gemm_trace_stats.py DIR"""
+import glob
+import os
+import sys
+
 import torch
 
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.pt"))):
