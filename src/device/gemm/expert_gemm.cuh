@@ -334,8 +334,17 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
 
   // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
   // and the batch that read it retired.
-  typename T::PipelineState release_state = read_state;
   const int num_k_blocks = p.k / T::kBlockK;
+  if (!active) {
+    // A 64-row task: the other warpgroup computes it alone; this one only passes the stages back.
+    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+      pipeline.consumer_wait(read_state);
+      pipeline.consumer_release(read_state);
+      ++read_state;
+    }
+    return;
+  }
+  typename T::PipelineState release_state = read_state;
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     pipeline.consumer_wait(read_state);
@@ -362,7 +371,6 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
     pipeline.consumer_release(release_state);
     ++release_state;
   }
-  if (!active) return;
 
   // Epilogue, 1) registers -> bf16 staging rows in shared memory (padding rows as zeros),
   // 2) staging -> global in coalesced 16-byte chunks. Each warpgroup handles its own 64 rows.
