@@ -16,6 +16,7 @@ import argparse
 import ctypes
 import os
 import subprocess
+import time
 
 import torch
 
@@ -125,15 +126,23 @@ def main():
             flops = 2.0 * rows * n_total * k
             if args.only:
                 fn = dict(ours=ours, torch=grouped, dense=dense)[args.only]
-                print(f"{name:16s} {label:8s} {args.only} {flops / time_ms(fn, args.iters) / 1e9:7.0f}", flush=True)
+                begin = time.time()
+                tflops = flops / time_ms(fn, args.iters) / 1e9
+                print(f"{name:16s} {label:8s} {args.only} {tflops:7.0f}  wall {begin:.2f} {time.time():.2f}", flush=True)
                 continue
-            if args.trace:
+            def save_trace(suffix):
                 trace = torch.zeros(rows_padded // 64 * (n_total // 256) * 2 * 4, dtype=torch.int64, device="cuda")
                 ours(trace.data_ptr())
                 torch.cuda.synchronize()
                 os.makedirs(args.trace, exist_ok=True)
-                torch.save(trace.cpu(), os.path.join(args.trace, f"{name}_{label.replace('/', '')}.pt"))
-            t_ours, t_torch, t_dense = (time_ms(f, args.iters) for f in (ours, grouped, dense))
+                torch.save(trace.cpu(), os.path.join(args.trace, f"{name}_{label.replace('/', '')}{suffix}.pt"))
+
+            if args.trace:
+                save_trace("")
+            t_ours = time_ms(ours, args.iters)
+            if args.trace:
+                save_trace("_hot")
+            t_torch, t_dense = (time_ms(f, args.iters) for f in (grouped, dense))
             tf = [flops / t / 1e9 for t in (t_ours, t_torch, t_dense)]
             print(f"{name:16s} {label:8s} {rows:7d} {100.0 * (rows_padded - rows) / rows:5.1f} {tf[0]:7.0f} "
                   f"{tf[1]:7.0f} {tf[2]:7.0f} {tf[0] / tf[1]:10.2f} {tf[0] / tf[2]:10.2f}", flush=True)

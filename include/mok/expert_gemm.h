@@ -37,7 +37,7 @@ struct ExpertGemmArgs {
   int32_t* ticket = nullptr;    // one int32 of device memory, zeroed by the call on its stream: the task
                                 // ticket (one per GEMM in flight at a time)
   void* trace = nullptr;        // optional uint64 [tasks, CTAs per cluster, 4]: per output tile, consumer
-                                // start and end (globaltimer ns), SM id, expert << 48 | n-group << 32 | row
+                                // start and end (globaltimer ns), SM id | SM cycles << 16, expert << 48 | n-group << 32 | row
 };
 
 // Throws std::invalid_argument naming the offending field.

@@ -197,7 +197,7 @@ struct GemmParams {
   __nv_bfloat16* out = {};
   int64_t out_ld = {};
   int32_t* ticket = {};  // zeroed before the launch; each cluster takes its next slot from it
-  uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id, expert<<48|group<<32|row
+  uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id | cycles<<16, expert<<48|group<<32|row
 };
 
 // Segments are padded to 64 or 128 rows; a task covers kBlockM rows of one expert's segment, or the
@@ -492,13 +492,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
       if (!walker.task_at(p, slot, task)) break;
       const bool record = p.trace != nullptr && threadIdx.x == 128;
       const uint64_t start = record ? device::global_timer_ns() : 0;
+      const int64_t start_cycles = record ? clock64() : 0;
       compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
                       static_cast<int>(threadIdx.x) - 128);
       if (record) {
         uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 4;
         r[0] = start;
         r[1] = device::global_timer_ns();
-        r[2] = static_cast<uint64_t>(device::sm_index());
+        r[2] = static_cast<uint64_t>(device::sm_index()) | (uint64_t(clock64() - start_cycles) << 16);
         r[3] = (uint64_t(task.expert) << 48) | (uint64_t(task.n_block) << 32) | uint32_t(task.row);
       }
     }
