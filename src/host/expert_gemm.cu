@@ -32,16 +32,15 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
 
   auto g_a = make_tensor(make_gmem_ptr(static_cast<const Element*>(args.a)), make_shape(args.a_rows, int64_t(args.k)),
                          make_stride(int64_t(args.k), _1{}));
-  // With clusters, each CTA loads a share of the A tile or a half of the B tile and multicasts it (the box
-  // is the share or half, not split further across CTAs; the mask is chosen per task on the device).
-  using TmaLoad = std::conditional_t<(T::kClusterN > 1), SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
-  auto tma_a = make_tma_copy(TmaLoad{}, g_a, typename T::SmemLayoutACta{},
+  // With clusters, each CTA loads its share of the A tile's rows and multicasts it (the box is the share,
+  // not split further across CTAs).
+  using TmaLoadA = std::conditional_t<(T::kClusterN > 1), SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
+  auto tma_a = make_tma_copy(TmaLoadA{}, g_a, typename T::SmemLayoutACta{},
                              Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, Int<1>{});
   auto make_b = [&](const void* ptr) {
     auto g_b = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(b_rows, int64_t(args.k)),
                            make_stride(int64_t(args.k), _1{}));
-    return make_tma_copy(TmaLoad{}, g_b, typename T::SmemLayoutBHalf{},
-                         Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, Int<1>{});
+    return make_tma_copy(SM90_TMA_LOAD{}, g_b, typename T::SmemLayoutBHalf{});
   };
   auto tma_b0 = make_b(args.b);
   auto tma_b1 = make_b(swiglu && !fused ? args.b_up : args.b);

@@ -207,21 +207,23 @@ inline constexpr int kUnitRows = 64;
 struct TileTask {
   int32_t row;      // first row in the expert-major buffer
   int32_t rows;     // 64 or 128 (kBlockM == 128), 64 (kBlockM == 64)
-  int32_t n_block;  // this CTA's n-block
+  int32_t n_block;  // from TaskWalker: the cluster's group of n-blocks; after for_cta(): this CTA's n-block
   int32_t expert;
-  bool share_b;     // cluster of 2: both CTAs have this n-block and split its B loads (else they split A)
+
+  template <int kClusterN>
+  __device__ __forceinline__ TileTask for_cta(int cta_rank) const {
+    TileTask t = *this;
+    t.n_block = n_block * kClusterN + cta_rank;
+    return t;
+  }
 };
 
-// Task order: expert by expert; within an expert, group by group of kClusterN n-blocks, the expert's
-// m-tiles fastest. Slots are dense (every slot is a task) and taken from an atomic ticket, so the m-tiles
-// that share one weight block start within a few microseconds of each other and stream it through L2
-// together (an expert's gate/up weights, 59-88 MB, do not fit in L2; its A rows, a few MB, do and are
-// reused across groups). A strided static assignment let clusters drift apart by a random walk of
-// task-time noise, and the weights were read from DRAM 1.5-2 times (docs/perf_notes.md, round 3).
-// Clusters of 2 take m-tiles in pairs on one n-block, each CTA loading half of the B tile for both
-// (share_b); an odd last m-tile runs on the group's two n-blocks, each CTA loading half of the A tile for
-// both. Per group of an expert with M m-tiles (P = M / 2 pairs): P pairs on n-block 2g, P pairs on
-// n-block 2g + 1, then the odd m-tile on both: M slots, as many as CTA pairs of tiles.
+// Task order: expert by expert; within an expert, n-block group by group, and the expert's m-tiles
+// fastest. Slots are dense (every slot is a task) and taken from an atomic ticket, so the m-tiles that
+// share one weight block start within a few microseconds of each other and stream it through L2 together
+// (an expert's gate/up weights, 59-88 MB, do not fit in L2; its A rows, a few MB, do and are reused
+// across groups). A strided static assignment let clusters drift apart by a random walk of task-time
+// noise, and the weights were read from DRAM 1.5-2 times (docs/perf_notes.md, round 3).
 // A CTA visits increasing slots, so a cursor over the experts replaces a search per slot (between two
 // tiles every role is on the critical path).
 template <class Traits>
@@ -234,9 +236,9 @@ struct TaskWalker {
   int32_t slot_end = 0;       // one past its last
   int32_t scheduled_rows = 0; // the schedule's row count; 0 after a capacity overflow: no tasks at all
 
-  // This CTA's tile of `slot`, or false when the slot lies past the last task.
+  // The task of `slot`, or false when the slot lies past the last task.
   template <class Params>
-  __device__ __forceinline__ bool task_at(const Params& p, int32_t slot, int cta_rank, TileTask& t) {
+  __device__ __forceinline__ bool task_at(const Params& p, int32_t slot, TileTask& t) {
     const int num_groups = p.num_n_blocks / Traits::kClusterN;
     while (slot >= slot_end) {  // empty experts have no slots and are skipped
       if (++expert >= p.local_experts) return false;
@@ -251,26 +253,9 @@ struct TaskWalker {
       slot_end += m_tiles * num_groups;
     }
     const int32_t local = slot - slot_begin;
-    const int32_t group = local / m_tiles;
-    const int32_t in_group = local % m_tiles;
-    int32_t m_tile;
     t.expert = expert;
-    if constexpr (Traits::kClusterN == 1) {
-      m_tile = in_group;
-      t.n_block = group;
-      t.share_b = false;
-    } else {
-      const int32_t pairs = m_tiles / 2;
-      t.share_b = in_group < 2 * pairs;
-      if (t.share_b) {
-        m_tile = 2 * (in_group % pairs) + cta_rank;
-        t.n_block = 2 * group + in_group / pairs;
-      } else {
-        m_tile = m_tiles - 1;
-        t.n_block = 2 * group + cta_rank;
-      }
-    }
-    t.row = segment_begin + m_tile * Traits::kBlockM;
+    t.n_block = local / m_tiles;
+    t.row = segment_begin + (local % m_tiles) * Traits::kBlockM;
     t.rows = min(segment_end - t.row, Traits::kBlockM);
     return true;
   }
@@ -289,54 +274,34 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
   Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
   Tensor s_b_halves = flat_divide(s_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{});  // (HN, BK, 2, 1, S)
 
-  // The A tile in kClusterN shares of kCtaRowsA rows; the B tile in two halves of kHalfN rows.
+  // This CTA's share of the A tile: kCtaRowsA rows from task.row + cta_rank * kCtaRowsA (offset, then tile).
   Tensor s_a_shares = flat_divide(s_a, Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{});  // (RA, BK, C, 1, S)
-  auto a_share = [&](int share) {  // rows task.row + share * kCtaRowsA (offset, then tile)
-    Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row) + share * T::kCtaRowsA, _0{}), m_a),
-                            Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, make_coord(0, _));
-    return tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_a_shares(_, _, share, 0, _)),
-                         group_modes<0, 2>(g_a));
-  };
-  auto [t_a0_g, t_a0_s] = a_share(0);
-  auto [t_a1_g, t_a1_s] = a_share(T::kClusterN - 1);
+  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row) + cta_rank * T::kCtaRowsA, _0{}), m_a),
+                          Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, make_coord(0, _));
   const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
   Tensor g_b0 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
                            make_coord((b_base + p.b_half_offset0) / T::kHalfN, _));
   Tensor g_b1 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
                            make_coord((b_base + p.b_half_offset1) / T::kHalfN, _));
+  auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{},
+                                      group_modes<0, 2>(s_a_shares(_, _, cta_rank, 0, _)), group_modes<0, 2>(g_a));
+  constexpr uint16_t kAllCtas = (1u << T::kClusterN) - 1;
   auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
                                         group_modes<0, 2>(s_b_halves(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
   auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
                                         group_modes<0, 2>(s_b_halves(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
-  // Multicast masks (cluster of 2): share_b: this CTA loads both A shares for itself and B half
-  // `cta_rank` for both; otherwise A share `cta_rank` for both and both B halves for itself.
-  constexpr uint16_t kBoth = 0b11;
-  const uint16_t self = uint16_t(1u << cta_rank);
   const int num_k_blocks = p.k / T::kBlockK;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    // Waits until the consumers of every CTA of the cluster released the stage: our loads land in all.
+    // Waits until the consumers of every CTA of the cluster released the stage: our A rows land in all.
     pipeline.producer_acquire(state);
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
-    if constexpr (T::kClusterN == 1) {
-      copy(p.tma_a.with(*full), t_a0_g(_, k_block), t_a0_s(_, stage));
-      copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
-      copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
-    } else if (task.share_b) {
-      copy(p.tma_a.with(*full, self), t_a0_g(_, k_block), t_a0_s(_, stage));
-      copy(p.tma_a.with(*full, self), t_a1_g(_, k_block), t_a1_s(_, stage));
-      if (cta_rank == 0)
-        copy(p.tma_b0.with(*full, kBoth), t_b0_g(_, k_block), t_b0_s(_, stage));
-      else
-        copy(p.tma_b1.with(*full, kBoth), t_b1_g(_, k_block), t_b1_s(_, stage));
-    } else {
-      if (cta_rank == 0)
-        copy(p.tma_a.with(*full, kBoth), t_a0_g(_, k_block), t_a0_s(_, stage));
-      else
-        copy(p.tma_a.with(*full, kBoth), t_a1_g(_, k_block), t_a1_s(_, stage));
-      copy(p.tma_b0.with(*full, self), t_b0_g(_, k_block), t_b0_s(_, stage));
-      copy(p.tma_b1.with(*full, self), t_b1_g(_, k_block), t_b1_s(_, stage));
-    }
+    if constexpr (T::kClusterN > 1)
+      copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
+    else
+      copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
+    copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
+    copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
     ++state;
   }
 }
@@ -513,8 +478,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
       auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
       TaskWalker<T> walker;
       TileTask task;
-      for (int k = 0; walker.task_at(p, smem.tasks.produce(k, cta_rank, p.ticket), cta_rank, task); ++k)
-        load_tile<T>(p, task, cta_rank, smem, pipeline, state);
+      for (int k = 0; walker.task_at(p, smem.tasks.produce(k, cta_rank, p.ticket), task); ++k)
+        load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
       pipeline.producer_tail(state);
     }
   } else {
@@ -524,11 +489,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     TileTask task;
     for (int k = 0;; ++k) {
       const int32_t slot = smem.tasks.consume(k);
-      if (!walker.task_at(p, slot, cta_rank, task)) break;
+      if (!walker.task_at(p, slot, task)) break;
       const bool record = p.trace != nullptr && threadIdx.x == 128;
       const uint64_t start = record ? device::global_timer_ns() : 0;
       const int64_t start_cycles = record ? clock64() : 0;
-      compute_tile<T>(p, task, smem, pipeline, state,
+      compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
                       static_cast<int>(threadIdx.x) - 128);
       if (record) {
         uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 4;
