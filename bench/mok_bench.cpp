@@ -63,9 +63,8 @@ Result run(mok::PeerGroup group, const mok::reference::ModelShape& model, const 
   const RoutingShape shape{group.size(), args.tokens, model.top_k, model.num_experts};
   ScheduleOptions options;
   testing::ScheduleHarness harness(std::move(group), shape, options);
-  std::vector<std::vector<int32_t>> ids;
-  for (int r = 0; r < shape.ep_size; ++r)
-    ids.push_back(reference::random_routing(shape.num_tokens, shape.top_k, shape.num_experts, args.skew, 42 + r).topk_idx);
+  const auto ids =
+      reference::random_topk_per_rank(shape.ep_size, shape.num_tokens, shape.top_k, shape.num_experts, args.skew, 42);
   harness.upload(ids, IndexType::kInt32);
   const int num_streams = harness.group().is_virtual() ? 1 : shape.ep_size;
   std::vector<cudaEvent_t> start(num_streams), stop(num_streams);

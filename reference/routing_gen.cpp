@@ -40,6 +40,14 @@ Routing random_routing(int num_tokens, int top_k, int num_experts, double skew, 
   return routing;
 }
 
+std::vector<std::vector<int32_t>> random_topk_per_rank(int ep_size, int num_tokens, int top_k, int num_experts,
+                                                       double skew, uint64_t first_seed) {
+  std::vector<std::vector<int32_t>> ids;
+  for (int r = 0; r < ep_size; ++r)
+    ids.push_back(random_routing(num_tokens, top_k, num_experts, skew, first_seed + r).topk_idx);
+  return ids;
+}
+
 const std::vector<ModelShape>& model_shapes() {
   static const std::vector<ModelShape> shapes = {
       {"Kimi-K2.7", 384, 7168, 2048, 8},

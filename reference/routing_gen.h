@@ -17,6 +17,10 @@ struct Routing {
 // seed-dependent permutation of e, so popular experts are spread over ranks.
 Routing random_routing(int num_tokens, int top_k, int num_experts, double skew, uint64_t seed);
 
+// The top-k ids of `ep_size` ranks, rank r's from random_routing(..., first_seed + r).
+std::vector<std::vector<int32_t>> random_topk_per_rank(int ep_size, int num_tokens, int top_k, int num_experts,
+                                                       double skew, uint64_t first_seed);
+
 struct ModelShape {
   std::string name;
   int num_experts;

@@ -263,9 +263,7 @@ TEST(ExpertGemmTest, ModelShapesAtEp2RowCounts) {
   MOK_REQUIRE_GPUS(1);
   for (const auto& model : reference::model_shapes()) {
     const RoutingShape shape{2, 8192, model.top_k, model.num_experts};
-    std::vector<std::vector<int32_t>> ids;
-    for (int r = 0; r < 2; ++r)
-      ids.push_back(reference::random_routing(8192, model.top_k, model.num_experts, 0.0, 70 + r).topk_idx);
+    const auto ids = reference::random_topk_per_rank(2, 8192, model.top_k, model.num_experts, 0.0, 70);
     ScheduleOptions options;
     // 64-row padding for one shape keeps half tiles covered at full size; the rest use the heuristic.
     options.tile_m = model.name == "Qwen3.5-397B" ? 64 : choose_tile_m(2.0 * 8192 * model.top_k / model.num_experts);

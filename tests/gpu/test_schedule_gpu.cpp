@@ -22,10 +22,7 @@ using testing::ScheduleHarness;
 constexpr int kTokens = 8192;
 
 std::vector<std::vector<int32_t>> make_ids(const RoutingShape& shape, double skew, uint64_t seed) {
-  std::vector<std::vector<int32_t>> ids;
-  for (int r = 0; r < shape.ep_size; ++r)
-    ids.push_back(reference::random_routing(shape.num_tokens, shape.top_k, shape.num_experts, skew, seed + r).topk_idx);
-  return ids;
+  return reference::random_topk_per_rank(shape.ep_size, shape.num_tokens, shape.top_k, shape.num_experts, skew, seed);
 }
 
 std::string context(const RoutingShape& s, const char* name, double skew, uint64_t seed, int rank) {

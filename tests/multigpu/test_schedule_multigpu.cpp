@@ -17,10 +17,7 @@ namespace {
 using testing::ScheduleHarness;
 
 std::vector<std::vector<int32_t>> make_ids(const RoutingShape& shape, double skew, uint64_t seed) {
-  std::vector<std::vector<int32_t>> ids;
-  for (int r = 0; r < shape.ep_size; ++r)
-    ids.push_back(reference::random_routing(shape.num_tokens, shape.top_k, shape.num_experts, skew, seed + r).topk_idx);
-  return ids;
+  return reference::random_topk_per_rank(shape.ep_size, shape.num_tokens, shape.top_k, shape.num_experts, skew, seed);
 }
 
 TEST(ScheduleMultiGpuTest, TwoGpusMatchCpuAndVirtualRanks) {
