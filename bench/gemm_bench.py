@@ -8,7 +8,7 @@ from a softmax top-k routing of random logits over 2 x 8192 tokens. Two GEMMs pe
   down     [rows, I] x [E_local, H, I]^T -> [rows, H]
 The dense ceiling is one torch.mm with the same M = routed rows, N and K. TFLOP/s count real rows only
 (2 * rows * N * K); our padding to tile_m-row segments is work we pay for and do not count. Time: median of
-CUDA-event timings after warm-up.
+CUDA-event timings after warm-up, the three taking turns call by call (same power and clock state).
 Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--cluster 0|1|2]
                      [--shapes A,B] [--only ours|torch|dense] [--trace DIR]
 """
@@ -26,7 +26,7 @@ SHAPES = [  # name, experts, hidden, intermediate, top_k
     ("Qwen3.5-397B", 512, 4096, 1024, 10),
     ("DeepSeek-V4-Pro", 384, 7168, 3072, 6),
 ]
-DEFAULT_TILE_M = 128  # schedule padding mok::choose_tile_m picks for these row counts (~250-430 per expert)
+DEFAULT_TILE_M = 64  # mok::ScheduleOptions' default padding
 TORCH_GROUP_ALIGN = 16  # torchtitan pads each expert's rows for torch._grouped_mm
 
 
@@ -39,20 +39,24 @@ def load(lib_path):
     return fn
 
 
-def time_ms(fn, iters):
+def time_ms(fns, iters):
+    """Median milliseconds of each function. The functions take turns, one call each per round, so all of
+    them run in the same power and clock state (under sustained load the H200 drops its clock when it
+    reaches the power limit, and a function timed alone first or last would see a different state)."""
     for _ in range(3):
-        fn()
+        for fn in fns:
+            fn()
     torch.cuda.synchronize()
-    times = []
+    times = [[] for _ in fns]
     for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    times.sort()
-    return times[len(times) // 2]
+        for fn, t in zip(fns, times):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            t.append(start.elapsed_time(stop))
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def rank0_counts(num_experts, top_k, tokens, gen):
@@ -127,7 +131,7 @@ def main():
             if args.only:
                 fn = dict(ours=ours, torch=grouped, dense=dense)[args.only]
                 begin = time.time()
-                tflops = flops / time_ms(fn, args.iters) / 1e9
+                tflops = flops / time_ms([fn], args.iters)[0] / 1e9
                 print(f"{name:16s} {label:8s} {args.only} {tflops:7.0f}  wall {begin:.2f} {time.time():.2f}", flush=True)
                 continue
             def save_trace(suffix):
@@ -139,10 +143,9 @@ def main():
 
             if args.trace:
                 save_trace("")
-            t_ours = time_ms(ours, args.iters)
+            t_ours, t_torch, t_dense = time_ms([ours, grouped, dense], args.iters)
             if args.trace:
                 save_trace("_hot")
-            t_torch, t_dense = (time_ms(f, args.iters) for f in (grouped, dense))
             tf = [flops / t / 1e9 for t in (t_ours, t_torch, t_dense)]
             print(f"{name:16s} {label:8s} {rows:7d} {100.0 * (rows_padded - rows) / rows:5.1f} {tf[0]:7.0f} "
                   f"{tf[1]:7.0f} {tf[2]:7.0f} {tf[0] / tf[1]:10.2f} {tf[0] / tf[2]:10.2f}", flush=True)

@@ -28,7 +28,8 @@ struct ExpertGemmArgs {
   const int32_t* expert_counts = nullptr;       // from ScheduleView
   const int32_t* expert_row_offsets = nullptr;  // from ScheduleView; segments padded to tile_m
   const int32_t* scheduled_rows = nullptr;      // from ScheduleView
-  int tile_m = 128;             // the schedule's padding (64 or 128); 64-row segment ends run as half tiles
+  int tile_m = 64;              // the schedule's padding (64 or 128); a 64-row segment end runs as a half
+                                // task on one consumer warpgroup
   const float* row_scale = nullptr;  // optional [a_rows]
   float swiglu_limit = 0;       // 0: plain SwiGLU
   void* out = nullptr;          // bf16 [a_rows, n]
@@ -48,9 +49,5 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream);
 // CTAs per cluster for a GEMM with `n` output columns: 2 (the A tile multicast to a pair of n-blocks) when
 // the output tiles pair up, else 1.
 int choose_cluster_n(GemmEpilogue epilogue, int n);
-
-// Schedule padding for an expected number of rows per local expert: 128 unless experts average fewer
-// than 128 rows (docs/perf_notes.md has the measurements behind it).
-int choose_tile_m(double expected_rows_per_expert);
 
 }  // namespace mok

@@ -25,7 +25,8 @@ struct RoutingShape {
 };
 
 struct ScheduleOptions {
-  int tile_m = 128;           // each expert's rows are padded up to a multiple of this (the GEMM tile height)
+  int tile_m = 64;            // each expert's rows are padded up to a multiple of this. The GEMM takes 64 or
+                              // 128; 64 never costs it more work (docs/perf_notes.md, round 3)
   int64_t capacity_rows = 0;  // expert-major rows a rank can hold; 0 selects worst_case_capacity_rows()
   double wait_timeout_s = 10; // spin-waits give up after this long and report through the status word
   // Throws std::invalid_argument naming the offending field.

@@ -150,12 +150,4 @@ int choose_cluster_n(GemmEpilogue epilogue, int n) {
   return n % (2 * output_tile_columns(epilogue)) == 0 ? 2 : 1;
 }
 
-int choose_tile_m(double expected_rows_per_expert) {
-  // Measured (docs/perf_notes.md): at 250-430 rows per expert, 64-row padding did not pay. Its 64-row tasks
-  // load as much as full ones and the kernel is bound by L2 / DRAM traffic, so they cost about a full
-  // tile: within 2% of 128-row padding on three shapes, 10% slower on DeepSeek-V4-Pro. Below 128 rows
-  // per expert, 128-row padding at least doubles the work: use 64 there.
-  return expected_rows_per_expert < 128.0 ? 64 : 128;
-}
-
 }  // namespace mok

@@ -161,7 +161,7 @@ TEST(ScheduleCpuTest, AllTokensToOneExpert) {
   EXPECT_EQ(twin.row_route[0], 0);
   EXPECT_EQ(twin.row_route[1], 5000 * 2);
   EXPECT_EQ(twin.row_route[2], 2);
-  EXPECT_EQ(twin.scheduled_rows, 10112);  // 10000 rows padded to 79 tiles of 128
+  EXPECT_EQ(twin.scheduled_rows, 10048);  // 10000 rows padded to 157 tiles of 64 (the default tile_m)
 }
 
 TEST(ScheduleCpuTest, CapacityOverflowPlacesNothingAndReports) {
