@@ -137,7 +137,7 @@ def main():
                 print(f"{name:16s} {label:8s} {args.only} {tflops:7.0f}  wall {begin:.2f} {time.time():.2f}", flush=True)
                 continue
             def save_trace(suffix):
-                trace = torch.zeros(rows_padded // 64 * (n_total // 256) * 2 * 6, dtype=torch.int64, device="cuda")
+                trace = torch.zeros(rows_padded // 64 * (n_total // 256) * 2 * 4, dtype=torch.int64, device="cuda")
                 ours(trace.data_ptr())
                 torch.cuda.synchronize()
                 os.makedirs(args.trace, exist_ok=True)

@@ -9,9 +9,9 @@ import sys
 import torch
 
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.pt"))):
-    t = torch.load(f).view(-1, 2, 6)
+    t = torch.load(f).view(-1, 2, 4)
     t = t[t[:, 0, 1] > 0]
-    start, end, sm, key, mainloop_end, wait = (t[:, 0, i] for i in range(6))
+    start, end, sm, key = (t[:, 0, i] for i in range(4))
     cycles = (sm >> 16).double()
     sm = sm & 0xFFFF
     t0 = start.min()
@@ -34,6 +34,4 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.pt"))):
           f"(p10 {float(dur.quantile(0.1))/1e3:.1f}, p90 {float(dur.quantile(0.9))/1e3:.1f}), consumer busy {busy:.3f}; "
           f"start spread of blocks sharing weights: median {float(sp.median())/med:.3f} p90 {float(sp.quantile(0.9))/med:.3f} "
           f"max {float(sp.max())/med:.3f} tasks; >0.1 task: {float((sp > 0.1 * med).double().mean()):.2f}; "
-          f"epilogue share {float(((end - mainloop_end).double() / (end - start).double()).median()):.3f}, "
-          f"wait share {float((wait.double() / cycles).median()):.3f}, "
           f"cluster pair start delta median {float(pair.median())/1e3:.2f} us, SM clock median {float((cycles / dur).median()) * 1e3:.0f} MHz")

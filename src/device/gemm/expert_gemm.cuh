@@ -315,8 +315,7 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 template <class Traits, class Params>
 __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
                                              typename Traits::Pipeline& pipeline,
-                                             typename Traits::PipelineState& read_state, int consumer_idx,
-                                             uint64_t* probe = nullptr) {
+                                             typename Traits::PipelineState& read_state, int consumer_idx) {
   using namespace cute;
   using T = Traits;
   typename T::TiledMma mma;
@@ -347,11 +346,8 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   }
   typename T::PipelineState release_state = read_state;
   mma.accumulate_ = GMMA::ScaleOut::Zero;
-  int64_t wait_cycles = 0;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    const int64_t w0 = clock64();
     pipeline.consumer_wait(read_state);
-    wait_cycles += clock64() - w0;
     const int stage = read_state.index();
     warpgroup_fence_operand(accum);
     warpgroup_arrive();
@@ -374,10 +370,6 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   if (num_k_blocks > 0) {
     pipeline.consumer_release(release_state);
     ++release_state;
-  }
-  if (probe != nullptr && consumer_idx == 0) {
-    probe[0] = device::global_timer_ns();
-    probe[1] = uint64_t(wait_cycles);
   }
 
   // Epilogue, 1) registers -> bf16 staging rows in shared memory (padding rows as zeros),
@@ -501,11 +493,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
       const bool record = p.trace != nullptr && threadIdx.x == 128;
       const uint64_t start = record ? device::global_timer_ns() : 0;
       const int64_t start_cycles = record ? clock64() : 0;
-      uint64_t* probe = p.trace != nullptr ? p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 6 + 4 : nullptr;
       compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
-                      static_cast<int>(threadIdx.x) - 128, probe);
+                      static_cast<int>(threadIdx.x) - 128);
       if (record) {
-        uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 6;
+        uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 4;
         r[0] = start;
         r[1] = device::global_timer_ns();
         r[2] = static_cast<uint64_t>(device::sm_index()) | (uint64_t(clock64() - start_cycles) << 16);
