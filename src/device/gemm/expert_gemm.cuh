@@ -149,8 +149,7 @@ struct GemmTraits {
                                  cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>>(),
       cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
 
-  static constexpr int kTaskDepth = 4;
-  static constexpr int kPrefetchAhead = 2 * kStages;  // k-blocks between an L2 prefetch and its load  // slots a producer may publish ahead of its consumers
+  static constexpr int kTaskDepth = 4;  // slots a producer may publish ahead of its consumers
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
@@ -303,13 +302,6 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
       copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
     copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
     copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
-    // Warm L2 kPrefetchAhead k-blocks beyond the loads in flight: the first reader of a weight block
-    // fetches it from DRAM, whose latency under load outlasts the kStages stages of shared memory.
-    if (k_block + T::kPrefetchAhead < num_k_blocks) {
-      prefetch(p.tma_a, t_a_g(_, k_block + T::kPrefetchAhead));
-      prefetch(p.tma_b0, t_b0_g(_, k_block + T::kPrefetchAhead));
-      prefetch(p.tma_b1, t_b1_g(_, k_block + T::kPrefetchAhead));
-    }
     ++state;
   }
 }
