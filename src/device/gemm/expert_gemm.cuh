@@ -310,8 +310,8 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 
 // Consumer side of one tile: mainloop over K, then the epilogue. All consumer threads call this;
 // consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not part
-// of the task (a 64-row task) runs the mainloop all the same (on rows it will not store: gating the wgmma
-// on a runtime value makes ptxas serialize all of them) and skips the epilogue.
+// of the task (a 64-row task) only passes the pipeline stages back, so the task costs about half a full
+// one; the branch is on values broadcast with __shfl_sync (see below).
 template <class Traits, class Params>
 __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
                                              typename Traits::Pipeline& pipeline,
