@@ -164,6 +164,61 @@ TEST(ExpertGemmTest, StoreIsBitwiseExactForEdgeRowCounts) {
   }
 }
 
+// The task ticket and its rings: every slot is recorded in the per-tile trace by both CTAs of a cluster,
+// with the tile the walker assigns to it (a lost slot leaves its tile unwritten, which this output check
+// alone would not see: reruns are compared with the first run, not with the CPU). More slots than
+// clusters, so clusters come back to the ticket. Reruns, in whatever order the clusters take the slots,
+// give the same bits; the tiles' values are checked against the CPU in the tests above.
+TEST(ExpertGemmTest, TicketHandsEveryTileToOneClusterOnce) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> expert_counts = {0, 1, 63, 129, 3000, 0, 128, 7, 700, 450};
+  const int k = 256, n = 2048, cluster_n = 2, groups = n / 256 / cluster_n;
+  GemmFixture fx(expert_counts, 0, 64);
+  int64_t slots = 0;
+  for (int32_t c : expert_counts) slots += (c + 127) / 128 * groups;
+  const auto a = hashed_bf16(size_t(fx.a_rows) * k, 31, -2, 2);
+  const auto w = hashed_bf16(expert_counts.size() * n * k, 32, -2, 2);
+  DeviceArray<uint16_t> d_a(a), d_w(w), d_out(size_t(fx.a_rows) * n);
+  DeviceArray<uint64_t> d_trace(size_t(slots) * cluster_n * 4);
+  d_trace.upload(std::vector<uint64_t>(d_trace.count, 0));
+  d_out.upload(std::vector<uint16_t>(d_out.count, kPoison));
+  ExpertGemmArgs args = fx.args(GemmEpilogue::kStore, d_a.ptr, k, d_w.ptr, n, d_out.ptr);
+  args.cluster_n = cluster_n;
+  args.trace = d_trace.ptr;
+  expert_gemm(args, nullptr);
+  MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  const auto first = d_out.download();
+  ASSERT_EQ(check_layout(first, fx.seg, fx.a_rows, n), "");
+
+  // Expected: slot by slot in the walker's order (expert, group, m-tile), each CTA rank once.
+  const auto trace = d_trace.download();
+  int64_t slot = 0;
+  for (size_t e = 0; e < expert_counts.size(); ++e) {
+    const int m_tiles = (expert_counts[e] + 127) / 128;
+    for (int g = 0; g < groups; ++g) {
+      for (int m = 0; m < m_tiles; ++m, ++slot) {
+        for (int rank = 0; rank < cluster_n; ++rank) {
+          const uint64_t* r = &trace[(size_t(slot) * cluster_n + rank) * 4];
+          const std::string at = "slot " + std::to_string(slot) + " CTA " + std::to_string(rank);
+          ASSERT_GT(r[1], 0u) << at << ": no tile recorded";
+          EXPECT_LE(r[0], r[1]) << at;
+          const uint64_t key = (uint64_t(e) << 48) | (uint64_t(g) << 32) | uint64_t(fx.seg.offsets[e] + 128 * m);
+          EXPECT_EQ(r[3], key) << at << ": expected expert " << e << ", group " << g << ", m-tile " << m;
+        }
+      }
+    }
+  }
+  ASSERT_EQ(slot, slots);
+
+  d_out.upload(std::vector<uint16_t>(d_out.count, kPoison));
+  args.trace = nullptr;
+  for (int rerun = 0; rerun < 3; ++rerun) {
+    expert_gemm(args, nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    ASSERT_EQ(d_out.download(), first) << "rerun " << rerun << " differs";
+  }
+}
+
 TEST(ExpertGemmTest, SwiGLUFusedAndSeparateWeightsWithinBudget) {
   MOK_REQUIRE_GPUS(1);
   const std::vector<int32_t> expert_counts = {129, 0, 1, 255, 64};
