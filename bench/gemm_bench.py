@@ -136,6 +136,7 @@ def main():
                 tflops = flops / time_ms([fn], args.iters)[0] / 1e9
                 print(f"{name:16s} {label:8s} {args.only} {tflops:7.0f}  wall {begin:.2f} {time.time():.2f}", flush=True)
                 continue
+
             def save_trace(suffix):
                 trace = torch.zeros(rows_padded // 64 * (n_total // 256) * 2 * 4, dtype=torch.int64, device="cuda")
                 ours(trace.data_ptr())

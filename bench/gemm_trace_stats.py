@@ -1,6 +1,6 @@
-"""Summary of gemm_bench.py --trace DIR: task times, consumer busy fraction, and how far apart in time the
-m-tiles that share one weight block start (in task lengths; beyond ~0.15 the block has left L2 when the
-last of them reads it).
+"""Summary of gemm_bench.py --trace DIR (clusters of 2): tile times, consumer busy fraction, SM clock, and
+how far apart in time the m-tiles that share one weight block start (in task lengths; beyond ~0.15 the
+block has left L2 when the last of them reads it).
 Usage: gemm_trace_stats.py DIR"""
 import glob
 import os
@@ -30,7 +30,7 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.pt"))):
     sp = torch.tensor(spreads)
     busy = float(dur.sum()) * 1.0 / (len(torch.unique(sm)) * total)
     pair = (t[:, 1, 0] - t[:, 0, 0]).abs().double()
-    print(f"{os.path.basename(f)}: tasks {ctas}, kernel {total/1e3:.0f} us, task median {med/1e3:.1f} us "
+    print(f"{os.path.basename(f)}: tiles {ctas} (cluster pairs), kernel {total/1e3:.0f} us, task median {med/1e3:.1f} us "
           f"(p10 {float(dur.quantile(0.1))/1e3:.1f}, p90 {float(dur.quantile(0.9))/1e3:.1f}), consumer busy {busy:.3f}; "
           f"start spread of blocks sharing weights: median {float(sp.median())/med:.3f} p90 {float(sp.quantile(0.9))/med:.3f} "
           f"max {float(sp.max())/med:.3f} tasks; >0.1 task: {float((sp > 0.1 * med).double().mean()):.2f}; "

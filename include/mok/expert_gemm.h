@@ -37,8 +37,9 @@ struct ExpertGemmArgs {
                                 // 0: choose_cluster_n
   int32_t* ticket = nullptr;    // one int32 of device memory, zeroed by the call on its stream: the task
                                 // ticket (one per GEMM in flight at a time)
-  void* trace = nullptr;        // optional uint64 [tasks, CTAs per cluster, 4]: per output tile, consumer
-                                // start and end (globaltimer ns), SM id | SM cycles << 16, expert << 48 | n-group << 32 | row
+  void* trace = nullptr;        // optional uint64 [tasks, CTAs per cluster, 4], zeroed by the caller: per
+                                // output tile, consumer start and end (globaltimer ns), SM id | SM cycles
+                                // << 16, expert << 48 | n-block group << 32 | first row
 };
 
 // Throws std::invalid_argument naming the offending field.
