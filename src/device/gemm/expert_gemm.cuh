@@ -40,69 +40,13 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "src/device/common/mbarrier.cuh"
 #include "src/device/common/sync.cuh"
+#include "src/device/gemm/task_ring.cuh"
 #include "src/device/schedule/placement.h"
 
 namespace mok::gemm {
 
 enum class Epilogue : int { kStore = 0, kSwiGLU = 1 };
-
-// Hand-off of task slots. The cluster's rank-0 producer takes each slot from the global ticket and mails
-// it to the rank-1 producer; each producer publishes it to its own consumer warps. Entry q of each ring is
-// reused every kDepth slots (phase parity (k / kDepth) & 1 for the k-th slot).
-template <int kDepth, int kConsumerWarps, int kClusterN>
-struct TaskRing {
-  uint64_t full[kDepth];        // producer -> own consumers (1 arrival)
-  uint64_t empty[kDepth];       // own consumer warps -> producer (one arrival per warp)
-  uint64_t mail_full[kDepth];   // on rank 1: rank 0's producer -> rank 1's producer (1 remote arrival)
-  uint64_t mail_empty[kDepth];  // on rank 0: rank 1's producer -> rank 0's producer (1 remote arrival)
-  int32_t slot[kDepth];
-  int32_t mail[kDepth];
-
-  __device__ void init() {  // one thread, before the cluster-wide barrier that follows barrier init
-    for (int q = 0; q < kDepth; ++q) {
-      device::mbarrier_init(&full[q], 1);
-      device::mbarrier_init(&empty[q], kConsumerWarps);
-      device::mbarrier_init(&mail_full[q], 1);
-      device::mbarrier_init(&mail_empty[q], 1);
-    }
-  }
-
-  // Producer thread: the cluster's k-th slot (rank 0 takes it from `ticket`), published to the consumers.
-  __device__ int32_t produce(int k, int cta_rank, int32_t* ticket) {
-    const int q = k % kDepth;
-    const uint32_t phase = (k / kDepth) & 1;
-    int32_t s;
-    if (cta_rank == 0) {
-      s = atomicAdd(ticket, 1);
-      if constexpr (kClusterN > 1) {
-        device::mbarrier_wait_cluster(&mail_empty[q], phase ^ 1);
-        device::store_cluster(&mail[q], 1, s);
-        device::mbarrier_arrive_cluster(&mail_full[q], 1);
-      }
-    } else {
-      device::mbarrier_wait_cluster(&mail_full[q], phase);
-      s = mail[q];
-      device::mbarrier_arrive_cluster(&mail_empty[q], 0);
-    }
-    device::mbarrier_wait_cluster(&empty[q], phase ^ 1);
-    slot[q] = s;
-    device::mbarrier_arrive(&full[q]);
-    return s;
-  }
-
-  // Consumer threads (all of them): the k-th slot, warp-uniform.
-  __device__ int32_t consume(int k) {
-    const int q = k % kDepth;
-    device::mbarrier_wait_cluster(&full[q], (k / kDepth) & 1);
-    // Why the shuffle: see compute_tile (ptxas must see branches around wgmma as warp-uniform).
-    const int32_t s = __shfl_sync(0xffffffff, slot[q], 0);
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) device::mbarrier_arrive(&empty[q]);
-    return s;
-  }
-};
 
 template <int kBlockM_, int kBlockN_, int kStages_, Epilogue kEpilogue_, int kClusterN_>
 struct GemmTraits {
