@@ -102,6 +102,13 @@ std::vector<uint16_t> hashed_bf16(size_t count, uint64_t seed, int lo, int hi) {
   return v;
 }
 
+// CPU reference of one output element: row `row` of A [., k] times row `w_row` of W [., k], in double.
+double cpu_dot(const std::vector<uint16_t>& a, int64_t row, const std::vector<uint16_t>& w, int64_t w_row, int k) {
+  double sum = 0;
+  for (int kk = 0; kk < k; ++kk) sum += double(from_bf16_bits(a[row * k + kk])) * from_bf16_bits(w[w_row * k + kk]);
+  return sum;
+}
+
 std::string where(const std::string& what, int64_t row, int64_t col, float got, double want) {
   return what + ": first mismatch at row " + std::to_string(row) + " col " + std::to_string(col) + ": got " +
          std::to_string(got) + ", expected " + std::to_string(want);
@@ -152,9 +159,7 @@ TEST(ExpertGemmTest, StoreIsBitwiseExactForEdgeRowCounts) {
       if (!fx.seg.is_real(row)) continue;
       const int e = fx.seg.expert_of(row);
       for (int c = 0; c < n; ++c) {
-        double sum = 0;
-        for (int kk = 0; kk < k; ++kk)
-          sum += double(from_bf16_bits(a[row * k + kk])) * from_bf16_bits(w[(size_t(e) * n + c) * k + kk]);
+        const double sum = cpu_dot(a, row, w, int64_t(e) * n + c, k);
         const float want = static_cast<float>(sum) * (scaled ? scale[row] : 1.0f);
         ASSERT_EQ(out[row * n + c], to_bf16_bits(want))
             << where("store", row, c, from_bf16_bits(out[row * n + c]), want) << " (expert " << e << ", seed " << seed
@@ -259,12 +264,8 @@ TEST(ExpertGemmTest, SwiGLUFusedAndSeparateWeightsWithinBudget) {
       if (!fx.seg.is_real(row)) continue;
       const int e = fx.seg.expert_of(row);
       for (int c = 0; c < n; ++c) {
-        double g = 0, u = 0;
-        for (int kk = 0; kk < k; ++kk) {
-          const double x = from_bf16_bits(a[row * k + kk]);
-          g += x * from_bf16_bits(w_gate[(size_t(e) * n + c) * k + kk]);
-          u += x * from_bf16_bits(w_up[(size_t(e) * n + c) * k + kk]);
-        }
+        double g = cpu_dot(a, row, w_gate, int64_t(e) * n + c, k);
+        double u = cpu_dot(a, row, w_up, int64_t(e) * n + c, k);
         if (limit > 0) { g = std::min<double>(g, limit); u = std::clamp<double>(u, -limit, limit); }
         const double want = g / (1 + std::exp(-g)) * u;
         const float value = from_bf16_bits(got[row * n + c]);
@@ -297,9 +298,7 @@ TEST(ExpertGemmTest, RandomNormalInputsWithinBudget) {
     if (!fx.seg.is_real(row)) continue;
     const int e = fx.seg.expert_of(row);
     for (int c = 0; c < n; ++c) {
-      double want = 0;
-      for (int kk = 0; kk < k; ++kk)
-        want += double(from_bf16_bits(a[row * k + kk])) * from_bf16_bits(w[(size_t(e) * n + c) * k + kk]);
+      const double want = cpu_dot(a, row, w, int64_t(e) * n + c, k);
       const double got = from_bf16_bits(out[row * n + c]);
       ASSERT_FALSE(std::isnan(got)) << where("NaN", row, c, float(got), want);
       err2 += (got - want) * (got - want);
