@@ -45,7 +45,12 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   auto tma_b0 = make_b(args.b);
   auto tma_b1 = make_b(swiglu && !fused ? args.b_up : args.b);
 
-  gemm::GemmParams<decltype(tma_a), decltype(tma_b0)> p{tma_a, tma_b0, tma_b1};
+  const int64_t out_cols = args.n;  // SwiGLU: n hidden columns from 2n accumulator columns
+  auto g_out = make_tensor(make_gmem_ptr(static_cast<Element*>(args.out)), make_shape(args.a_rows, out_cols),
+                           make_stride(out_cols, _1{}));
+  auto tma_out = make_tma_copy(SM90_TMA_STORE{}, g_out, typename T::SmemLayoutOutBox{});
+
+  gemm::GemmParams<decltype(tma_a), decltype(tma_b0), decltype(tma_out)> p{tma_a, tma_b0, tma_b1, tma_out};
   p.a_rows = args.a_rows;
   p.b_rows = b_rows;
   p.k = args.k;
@@ -66,8 +71,7 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   p.scheduled_rows = args.scheduled_rows;
   p.row_scale = args.row_scale;
   p.swiglu_limit = args.swiglu_limit;
-  p.out = static_cast<__nv_bfloat16*>(args.out);
-  p.out_ld = args.n;
+  p.out_cols = out_cols;
   p.ticket = args.ticket;
   p.trace = static_cast<uint64_t*>(args.trace);
   MOK_CHECK_CUDA(cudaMemsetAsync(args.ticket, 0, sizeof(int32_t), stream));

@@ -15,7 +15,8 @@
 //   producer   one elected thread issues, per stage, the TMA loads of its half of A (multicast) and of B
 //              (two halves of kBlockN/2 x 64: gate and up rows for SwiGLU, two row ranges of W otherwise).
 //   consumers  wgmma 64 x kBlockN x 16 per warpgroup (SS operands, fp32 accumulators in registers),
-//              one batch in flight; then the epilogue through shared memory to coalesced global stores.
+//              one batch in flight; then the epilogue into shared memory and out by TMA stores, which
+//              drain while the next tile's mainloop runs.
 //   For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
 //   activation is register-local.
 //
@@ -26,7 +27,7 @@
 // producers and consumers), so consecutive slots, which share weights, start together (TaskWalker).
 //
 // Shared memory: A stages (kBlockM x 64 bf16, 128B swizzle) | B stages (kBlockN x 64) | epilogue staging
-// (kBlockM x output columns, bf16) | pipeline barriers | task ring.
+// (kBlockM x 128 output columns, bf16 boxes of 64 x 64, 128B swizzle) | pipeline barriers | task ring.
 // Sync: PipelineTmaAsync full/empty mbarriers per stage (producer: acquire empty, arm transaction bytes;
 // consumers: wait full, release after the wgmma that read the stage retired).
 // Determinism: each output element is one fixed-order K reduction by one thread; no atomics.
@@ -98,19 +99,22 @@ struct GemmTraits {
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
 
-  // Epilogue staging: each consumer warpgroup's 64 output rows, padded by 16 bytes per row so the
-  // fragment-order writes (8 rows x 4 lanes per warp) hit 32 distinct banks.
-  // Staged in passes of kStagingCols columns, which keeps 4 pipeline stages within shared memory.
+  // Epilogue staging: per consumer warpgroup, its 64 output rows as boxes of 64 x 64 bf16 (128 bytes a
+  // row, 128-byte swizzle: the fragment-order writes, 8 rows x 4 lanes per warp, hit 32 distinct banks),
+  // which TMA stores copy out. Staged in passes of kStagingCols columns, which keeps 4 pipeline stages
+  // within shared memory.
+  static constexpr int kBoxCols = 64;
   static constexpr int kStagingCols = kOutCols < 128 ? kOutCols : 128;
   static constexpr int kStagingPasses = kOutCols / kStagingCols;
-  static_assert(kOutCols % kStagingCols == 0, "whole staging passes");
-  static constexpr int kStagingLd = kStagingCols + 8;
-  static constexpr int kChunksPerRow = kStagingCols * 2 / 16;  // 16-byte chunks per staged row
+  static constexpr int kBoxesPerPass = kStagingCols / kBoxCols;
+  static_assert(kOutCols % kStagingCols == 0 && kStagingCols % kBoxCols == 0, "whole staging passes and boxes");
+  using SmemLayoutOutBox =
+      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<64>{}, cute::Int<kBoxCols>{})));
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
-    alignas(128) __nv_bfloat16 staging[kBlockM][kStagingLd];  // one pass of output columns
+    alignas(1024) Element staging[kConsumerWarpgroups][kBoxesPerPass][64 * kBoxCols];  // one pass of columns
     typename Pipeline::SharedStorage pipeline;
     TaskRing<kTaskDepth, 4 * kConsumerWarpgroups, kClusterN> tasks;
   };
@@ -118,11 +122,12 @@ struct GemmTraits {
 };
 
 // Kernel parameters; TmaA / TmaB are CuTe TMA copies built on the host (src/host/expert_gemm.cu).
-template <class TmaA, class TmaB>
+template <class TmaA, class TmaB, class TmaOut>
 struct GemmParams {
   TmaA tma_a;   // A [a_rows, k]
   TmaB tma_b0;  // B half 0 source [b_rows, k]
   TmaB tma_b1;  // B half 1 source [b_rows, k]
+  TmaOut tma_out;  // Y / H [a_rows, out_cols], stores of one 64 x 64 box
   int64_t a_rows = {};
   int64_t b_rows = {};
   int k = {};
@@ -138,8 +143,7 @@ struct GemmParams {
   const int32_t* scheduled_rows = {};
   const float* row_scale = {};  // nullable
   float swiglu_limit = {};      // 0: plain SwiGLU
-  __nv_bfloat16* out = {};
-  int64_t out_ld = {};
+  int64_t out_cols = {};
   int32_t* ticket = {};  // zeroed before the launch; each cluster takes its next slot from it
   uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id | cycles<<16, expert<<48|group<<32|row
 };
@@ -316,8 +320,10 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
     ++release_state;
   }
 
-  // Epilogue, 1) registers -> bf16 staging rows in shared memory (padding rows as zeros),
-  // 2) staging -> global in coalesced 16-byte chunks. Each warpgroup handles its own 64 rows.
+  // Epilogue: registers -> bf16 boxes in shared memory (padding rows as zeros) -> TMA stores, which drain
+  // while the warpgroup goes on to its next tile. Each warpgroup stages and stores its own 64 rows; its
+  // first thread issues the stores. (A reader of the output inside the same kernel, e.g. the megakernel's
+  // down GEMM, needs the stores complete, cp.async.bulk.wait_group 0, before the release that signals it.)
   Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
   const int32_t valid_end = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert];
   constexpr int kValues = decltype(size(accum))::value;
@@ -330,12 +336,18 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
     const int r = get<0>(coords(2 * half));
     if (p.row_scale != nullptr && r < valid_rows) row_scale[half] = p.row_scale[task.row + r];
   }
-  const int thread = consumer_idx % 128;
-  const int64_t col_base = int64_t(task.n_block) * T::kOutCols;
+  const bool store_leader = consumer_idx % 128 == 0;
+  auto stage = [&](int r, int col, __nv_bfloat162 v) {  // r: row of the tile, col: column of the pass
+    char* box = reinterpret_cast<char*>(smem.staging[warpgroup][col / T::kBoxCols]);
+    const int byte = (r % kUnitRows) * 128 + (col % T::kBoxCols) * 2;
+    *reinterpret_cast<__nv_bfloat162*>(box + (byte ^ ((r % 8) << 4))) = v;  // the TMA's 128-byte swizzle
+  };
+  Tensor m_out = p.tma_out.get_tma_tensor(make_shape(p.a_rows, p.out_cols));
   CUTE_UNROLL
   for (int pass = 0; pass < T::kStagingPasses; ++pass) {
     const int pass_begin = pass * T::kStagingCols;
-    // Why: the previous pass's (or tile's) copy-out of this warpgroup read the rows we overwrite now.
+    // Why: the previous pass's (or tile's) TMA stores of this warpgroup read the boxes we overwrite now.
+    if (store_leader) tma_store_wait<0>();
     cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
     if constexpr (T::kEpilogue == Epilogue::kStore) {
       // Column groups of 8 are the fragment's outermost mode: a pass owns a contiguous range of values.
@@ -343,21 +355,19 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
       CUTE_UNROLL
       for (int i = pass * kPassValues; i < (pass + 1) * kPassValues; i += 2) {
         const int r = get<0>(coords(i));
-        const int col = get<1>(coords(i)) - pass_begin;
         const float scale = row_scale[(i / 2) % 2];
-        const __nv_bfloat162 v = r < valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
-                                                : __floats2bfloat162_rn(0.0f, 0.0f);
-        *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r][col]) = v;
+        stage(r, get<1>(coords(i)) - pass_begin,
+              r < valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
+                             : __floats2bfloat162_rn(0.0f, 0.0f));
       }
     } else {
       // Fragment values [0, kValues/2) hold columns [0, kHalfN) (gate), the rest the same columns + kHalfN (up).
       constexpr int kHalf = kValues / 2;
       const float limit = p.swiglu_limit;
-      CUTE_UNROLL
       static_assert(T::kStagingPasses == 1, "the SwiGLU output tile is staged in one pass");
+      CUTE_UNROLL
       for (int i = 0; i < kHalf; i += 2) {
         const int r = get<0>(coords(i));
-        const int col = get<1>(coords(i));
         const float scale = row_scale[(i / 2) % 2];
         float h[2];
         CUTE_UNROLL
@@ -369,18 +379,23 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
           }
           h[j] = silu(g) * u * scale;
         }
-        *reinterpret_cast<__nv_bfloat162*>(&smem.staging[r][col]) =
-            r < valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f);
+        stage(r, get<1>(coords(i)), r < valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f));
       }
     }
-    // Why: the copy-out reads rows other threads of this warpgroup wrote.
+    // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
+    tma_store_fence();
     cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
-    CUTE_UNROLL
-    for (int chunk = thread; chunk < kUnitRows * T::kChunksPerRow; chunk += 128) {
-      const int r = warpgroup * kUnitRows + chunk / T::kChunksPerRow;
-      const int c = (chunk % T::kChunksPerRow) * 8;
-      const int4 v = *reinterpret_cast<const int4*>(&smem.staging[r][c]);
-      *reinterpret_cast<int4*>(p.out + int64_t(task.row + r) * p.out_ld + col_base + pass_begin + c) = v;
+    if (store_leader) {
+      const int box_row = (task.row + warpgroup * kUnitRows) / kUnitRows;
+      const int box_col = (task.n_block * T::kOutCols + pass_begin) / T::kBoxCols;
+      CUTE_UNROLL
+      for (int box = 0; box < T::kBoxesPerPass; ++box) {
+        Tensor s_box = make_tensor(make_smem_ptr(smem.staging[warpgroup][box]), typename T::SmemLayoutOutBox{});
+        Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, box_col + box));
+        auto [t_g, t_s] = tma_partition(p.tma_out, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
+        copy(p.tma_out, t_s, t_g);
+      }
+      tma_store_arrive();
     }
   }
 }
@@ -447,6 +462,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
         r[3] = (uint64_t(task.expert) << 48) | (uint64_t(task.n_block) << 32) | uint32_t(task.row);
       }
     }
+    // Why: the shared memory must outlive the last TMA stores' reads of it.
+    if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
   }
   // Why: neither CTA may exit while its partner can still multicast into it or arrive on its barriers.
   if constexpr (T::kClusterN > 1) cute::cluster_sync();
