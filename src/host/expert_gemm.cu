@@ -8,14 +8,6 @@
 #include "src/device/gemm/expert_gemm.cuh"
 #include "src/host/check.h"
 
-#ifndef MOK_EXP_GU_STAGES
-#define MOK_EXP_GU_STAGES 4
-#define MOK_EXP_GU_BK 64
-#define MOK_EXP_GU_STAGED true
-#define MOK_EXP_DN_STAGES 4
-#define MOK_EXP_DN_BK 64
-#endif
-
 namespace mok {
 namespace {
 
@@ -80,7 +72,6 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   p.row_scale = args.row_scale;
   p.swiglu_limit = args.swiglu_limit;
   p.out_cols = out_cols;
-  p.out = static_cast<__nv_bfloat16*>(args.out);
   p.ticket = args.ticket;
   p.trace = static_cast<uint64_t*>(args.trace);
   MOK_CHECK_CUDA(cudaMemsetAsync(args.ticket, 0, sizeof(int32_t), stream));
@@ -147,12 +138,12 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   constexpr auto kStore = gemm::Epilogue::kStore;
   if (args.epilogue == GemmEpilogue::kSwiGLU) {
     if (cluster_n == 2)
-      launch<gemm::GemmTraits<128, 256, MOK_EXP_GU_STAGES, kSwiGLU, 2, MOK_EXP_GU_BK, MOK_EXP_GU_STAGED>>(args, stream);
+      launch<gemm::GemmTraits<128, 256, 4, kSwiGLU, 2>>(args, stream);
     else
       launch<gemm::GemmTraits<128, 256, 4, kSwiGLU, 1>>(args, stream);
   } else {
     if (cluster_n == 2)
-      launch<gemm::GemmTraits<128, 256, MOK_EXP_DN_STAGES, kStore, 2, MOK_EXP_DN_BK>>(args, stream);
+      launch<gemm::GemmTraits<128, 256, 4, kStore, 2>>(args, stream);
     else
       launch<gemm::GemmTraits<128, 256, 4, kStore, 1>>(args, stream);
   }

@@ -49,14 +49,12 @@ namespace mok::gemm {
 
 enum class Epilogue : int { kStore = 0, kSwiGLU = 1 };
 
-template <int kBlockM_, int kBlockN_, int kStages_, Epilogue kEpilogue_, int kClusterN_, int kBlockK_ = 64,
-          bool kStaged_ = true>
+template <int kBlockM_, int kBlockN_, int kStages_, Epilogue kEpilogue_, int kClusterN_>
 struct GemmTraits {
   using Element = cutlass::bfloat16_t;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;   // accumulator columns per tile
-  static constexpr int kBlockK = kBlockK_;   // 64: one 128-byte swizzle row of bf16
-  static constexpr bool kStaged = kStaged_;
+  static constexpr int kBlockK = 64;         // one 128-byte swizzle row of bf16
   static constexpr int kStages = kStages_;
   static constexpr Epilogue kEpilogue = kEpilogue_;
   static_assert(kBlockM == 64 || kBlockM == 128, "one consumer warpgroup per 64 rows");
@@ -80,8 +78,7 @@ struct GemmTraits {
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
                 "setmaxnreg redistributes the CTA's launch registers, no more");
 
-  using OutAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
-  using SmemAtom = std::conditional_t<kBlockK == 64, OutAtom, decltype(cute::GMMA::Layout_K_SW64_Atom<Element>{})>;
+  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
   using SmemLayoutA = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
   using SmemLayoutB = decltype(cute::tile_to_shape(
@@ -112,12 +109,12 @@ struct GemmTraits {
   static constexpr int kBoxesPerPass = kStagingCols / kBoxCols;
   static_assert(kOutCols % kStagingCols == 0 && kStagingCols % kBoxCols == 0, "whole staging passes and boxes");
   using SmemLayoutOutBox =
-      decltype(cute::tile_to_shape(OutAtom{}, cute::make_shape(cute::Int<64>{}, cute::Int<kBoxCols>{})));
+      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<64>{}, cute::Int<kBoxCols>{})));
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
-    alignas(1024) Element staging[kStaged ? kConsumerWarpgroups : 1][kStaged ? kBoxesPerPass : 1][kStaged ? 64 * kBoxCols : 8];
+    alignas(1024) Element staging[kConsumerWarpgroups][kBoxesPerPass][64 * kBoxCols];  // one pass of columns
     typename Pipeline::SharedStorage pipeline;
     TaskRing<kTaskDepth, 4 * kConsumerWarpgroups, kClusterN> tasks;
   };
@@ -147,7 +144,6 @@ struct GemmParams {
   const float* row_scale = {};  // nullable
   float swiglu_limit = {};      // 0: plain SwiGLU
   int64_t out_cols = {};
-  __nv_bfloat16* out = {};
   int32_t* ticket = {};  // zeroed before the launch; each cluster takes its next slot from it
   uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id | cycles<<16, expert<<48|group<<32|row
 };
@@ -360,10 +356,8 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   for (int pass = 0; pass < T::kStagingPasses; ++pass) {
     const int pass_begin = pass * T::kStagingCols;
     // Why: the previous pass's (or tile's) TMA stores of this warpgroup read the boxes we overwrite now.
-    if constexpr (T::kStaged) {
-      if (store_leader) tma_store_wait<0>();
-      cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
-    }
+    if (store_leader) tma_store_wait<0>();
+    cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
     if constexpr (T::kEpilogue == Epilogue::kStore) {
       // Column groups of 8 are the fragment's outermost mode: a pass owns a contiguous range of values.
       constexpr int kPassValues = kValues / T::kStagingPasses;
@@ -394,14 +388,9 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
           }
           h[j] = silu(g) * u * scale;
         }
-        const __nv_bfloat162 v = r < valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f);
-        if constexpr (T::kStaged)
-          stage(r, get<1>(coords(i)), v);
-        else
-          *reinterpret_cast<__nv_bfloat162*>(p.out + int64_t(task.row + r) * p.out_cols + task.n_block * T::kOutCols + get<1>(coords(i))) = v;
+        stage(r, get<1>(coords(i)), r < valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f));
       }
     }
-    if constexpr (!T::kStaged) continue;
     // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
     tma_store_fence();
     cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
