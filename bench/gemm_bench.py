@@ -151,7 +151,7 @@ def main():
                 continue
 
             def save_trace(suffix):
-                trace = torch.zeros(rows_padded // 64 * (n_total // 256) * 2 * 8, dtype=torch.int64, device="cuda")
+                trace = torch.zeros(rows_padded // 64 * (n_total // 256) * 2 * 4, dtype=torch.int64, device="cuda")
                 ours(trace.data_ptr())
                 torch.cuda.synchronize()
                 os.makedirs(args.trace, exist_ok=True)

@@ -9,9 +9,9 @@ import sys
 import torch
 
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.pt"))):
-    t = torch.load(f).view(-1, 2, 8)
+    t = torch.load(f).view(-1, 2, 4)
     t = t[t[:, 0, 1] > 0]
-    start, end, sm, key, ml_end, w_first, w_rest, t_wait = (t[:, 0, i] for i in range(8))
+    start, end, sm, key = (t[:, 0, i] for i in range(4))
     cycles = (sm >> 16).double()
     sm = sm & 0xFFFF
     t0 = start.min()
@@ -34,7 +34,4 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.pt"))):
           f"(p10 {float(dur.quantile(0.1))/1e3:.1f}, p90 {float(dur.quantile(0.9))/1e3:.1f}), consumer busy {busy:.3f}; "
           f"start spread of blocks sharing weights: median {float(sp.median())/med:.3f} p90 {float(sp.quantile(0.9))/med:.3f} "
           f"max {float(sp.max())/med:.3f} tasks; >0.1 task: {float((sp > 0.1 * med).double().mean()):.2f}; "
-          f"epilogue share {float(((end - ml_end).double() / (end - start).double()).median()):.3f}, "
-          f"wait share first {float((w_first.double() / cycles).mean()):.3f} rest {float((w_rest.double() / cycles).mean()):.3f} "
-          f"task wait {float((t_wait.double() / cycles).mean()):.4f}; "
           f"cluster pair start delta median {float(pair.median())/1e3:.2f} us, SM clock median {float((cycles / dur).median()) * 1e3:.0f} MHz")

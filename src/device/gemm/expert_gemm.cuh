@@ -263,8 +263,7 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 template <class Traits, class Params>
 __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
                                              typename Traits::Pipeline& pipeline,
-                                             typename Traits::PipelineState& read_state, int consumer_idx,
-                                             uint64_t* probe = nullptr) {
+                                             typename Traits::PipelineState& read_state, int consumer_idx) {
   using namespace cute;
   using T = Traits;
   typename T::TiledMma mma;
@@ -295,11 +294,8 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   }
   typename T::PipelineState release_state = read_state;
   mma.accumulate_ = GMMA::ScaleOut::Zero;
-  int64_t wait_first = 0, wait_rest = 0;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    const int64_t w0 = clock64();
     pipeline.consumer_wait(read_state);
-    (k_block < T::kStages ? wait_first : wait_rest) += clock64() - w0;
     const int stage = read_state.index();
     warpgroup_fence_operand(accum);
     warpgroup_arrive();
@@ -322,11 +318,6 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   if (num_k_blocks > 0) {
     pipeline.consumer_release(release_state);
     ++release_state;
-  }
-  if (probe != nullptr && consumer_idx == 0) {
-    probe[0] = device::global_timer_ns();
-    probe[1] = uint64_t(wait_first);
-    probe[2] = uint64_t(wait_rest);
   }
 
   // Epilogue: registers -> bf16 boxes in shared memory (padding rows as zeros) -> TMA stores, which drain
@@ -456,19 +447,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
     TaskWalker<T> walker;
     TileTask task;
     for (int k = 0;; ++k) {
-      const int64_t c0 = clock64();
       const int32_t slot = smem.tasks.consume(k);
-      const int64_t task_wait = clock64() - c0;
       if (!walker.task_at(p, slot, task)) break;
       const bool record = p.trace != nullptr && threadIdx.x == 128;
       const uint64_t start = record ? device::global_timer_ns() : 0;
       const int64_t start_cycles = record ? clock64() : 0;
-      uint64_t* probe = p.trace != nullptr ? p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 8 + 4 : nullptr;
       compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
-                      static_cast<int>(threadIdx.x) - 128, probe);
+                      static_cast<int>(threadIdx.x) - 128);
       if (record) {
-        uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 8;
-        r[7] = uint64_t(task_wait);
+        uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 4;
         r[0] = start;
         r[1] = device::global_timer_ns();
         r[2] = static_cast<uint64_t>(device::sm_index()) | (uint64_t(clock64() - start_cycles) << 16);
