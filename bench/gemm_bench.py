@@ -11,7 +11,7 @@ The dense ceiling is one torch.mm with the same M = routed rows, N and K. TFLOP/
 CUDA-event timings in the steady power state: ours and torch._grouped_mm take turns call by call; the dense
 ceiling is timed alone (see time_ms).
 Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--cluster 0|1|2]
-                     [--shapes A,B] [--only ours|torch|dense] [--zero-padding] [--trace DIR]
+                     [--shapes A,B] [--only ours|torch|dense] [--trace DIR]
 """
 import argparse
 import ctypes
@@ -68,13 +68,6 @@ def rank0_counts(num_experts, top_k, tokens, gen):
     return counts.to(torch.int32)
 
 
-def zero_padding_rows(x, counts, padded):
-    """Zeros the rows of x past each expert's count in its segment of `padded` rows."""
-    segment = torch.repeat_interleave(torch.arange(len(counts), device=x.device), padded.long())
-    start = torch.cumsum(padded, 0) - padded
-    x[torch.arange(x.shape[0], device=x.device) - start[segment] >= counts[segment]] = 0
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lib", default="build/bench/libmok_bench_capi.so")
@@ -84,8 +77,6 @@ def main():
     parser.add_argument("--shapes", default="")
     parser.add_argument("--cluster", type=int, default=0, help="CTAs sharing an A tile: 1, 2, 0 = library's choice")
     parser.add_argument("--only", default="", help="time only this one: ours, torch or dense (for profilers)")
-    parser.add_argument("--zero-padding", action="store_true",
-                        help="padding rows of A are zeros (ours and torch), as a dispatch that zero-fills them would leave them")
     parser.add_argument("--trace", default="", help="folder for per-tile timings of ours (summary: bench/gemm_trace_stats.py)")
     args = parser.parse_args()
     ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -95,8 +86,7 @@ def main():
     commit = os.environ.get("MOK_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
-          f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), tile_m {args.tile_m}, cluster {args.cluster or 'auto'}, "
-          f"median of {args.iters}{', zero padding rows' if args.zero_padding else ''}")
+          f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), tile_m {args.tile_m}, cluster {args.cluster or 'auto'}, median of {args.iters}")
     header = (f"{'shape':16s} {'gemm':8s} {'rows':>7s} {'pad%':>5s} {'ours':>7s} {'torch':>7s} {'dense':>7s} "
               f"{'ours/torch':>10s} {'ours/dense':>10s}")
     print(header + "   (TFLOP/s)")
@@ -133,9 +123,6 @@ def main():
                     raise RuntimeError(error.value.decode())
 
             a_torch = torch.randn(torch_rows, k, device="cuda", dtype=torch.bfloat16)
-            if args.zero_padding:
-                zero_padding_rows(a, counts, padded)
-                zero_padding_rows(a_torch, counts, group_rows)
             w_t = weights.transpose(-2, -1)  # [E, K, N], as torchtitan passes it
             grouped = lambda: torch._grouped_mm(a_torch, w_t, offs=torch_offs)
             a_dense = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
