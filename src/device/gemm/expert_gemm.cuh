@@ -98,13 +98,6 @@ struct GemmTraits {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
-  // A 64-row task reads only the A tile's first 64 rows. With clusters of 2 those are CTA 0's share, so
-  // CTA 1 skips its A load and both CTAs' stages expect one share fewer: each SM takes in 40 instead of
-  // 48 KB per k-block (64-row tasks are bound by that inflow, docs/perf_notes.md round 4). The pipeline
-  // arms each stage for the smaller amount; a full task adds the share (producer_expect_transaction).
-  static constexpr uint32_t kShareBytes = kCtaRowsA * kBlockK * sizeof(Element);
-  static constexpr bool kHalfTasksSkipShare = kClusterN == 2;
-  static constexpr uint32_t kStageBytesArmed = kStageTransactionBytes - (kHalfTasksSkipShare ? kShareBytes : 0);
 
   // Epilogue staging: per consumer warpgroup, its 64 output rows as boxes of 64 x 64 bf16 (128 bytes a
   // row, 128-byte swizzle: the fragment-order writes, 8 rows x 4 lanes per warp, hit 32 distinct banks),
@@ -246,19 +239,15 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
   auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
                                         group_modes<0, 2>(s_b_halves(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
   const int num_k_blocks = p.k / T::kBlockK;
-  const bool half_task = T::kHalfTasksSkipShare && task.rows <= kUnitRows;  // the same in both CTAs
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     // Waits until the consumers of every CTA of the cluster released the stage: our A rows land in all.
-    pipeline.producer_acquire(state);  // arms kStageBytesArmed
-    // Before our own loads are issued, so the stage cannot complete on the smaller count.
-    if (T::kHalfTasksSkipShare && !half_task) pipeline.producer_expect_transaction(state, T::kShareBytes);
+    pipeline.producer_acquire(state);
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
-    if constexpr (T::kClusterN > 1) {
-      if (!half_task || cta_rank == 0) copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
-    } else {
+    if constexpr (T::kClusterN > 1)
+      copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
+    else
       copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
-    }
     copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
     copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
     ++state;
@@ -424,7 +413,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
   const GemmRole role = warpgroup == 0 ? GemmRole::kProducer : GemmRole::kConsumer;
 
   typename T::Pipeline::Params pipeline_params;
-  pipeline_params.transaction_bytes = T::kStageBytesArmed;
+  pipeline_params.transaction_bytes = T::kStageTransactionBytes;
   pipeline_params.role = role == GemmRole::kProducer ? T::Pipeline::ThreadCategory::Producer
                                                      : T::Pipeline::ThreadCategory::Consumer;
   pipeline_params.is_leader = threadIdx.x == 0;
