@@ -94,11 +94,6 @@ struct GemmTraits {
                                  cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>>(),
       cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
 
-  // Experiment: a 64-row kStore task split along N over both consumer warpgroups (64 x kHalfN each).
-  using TiledMmaSplit = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<64>, cute::Int<kHalfN>, cute::Int<kBlockK>>>()));
-
   static constexpr int kTaskDepth = 4;  // slots a producer may publish ahead of its consumers
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
@@ -261,92 +256,6 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// Experiment: a 64-row task of the kStore epilogue, split along N: warpgroup w computes the 64 rows x
-// columns [w * kHalfN, (w + 1) * kHalfN) of the n-block.
-template <class Traits, class Params>
-__device__ __forceinline__ void compute_split_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
-                                                   typename Traits::Pipeline& pipeline,
-                                                   typename Traits::PipelineState& read_state, int consumer_idx,
-                                                   int warpgroup) {
-  using namespace cute;
-  using T = Traits;
-  typename T::TiledMmaSplit mma;
-  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
-  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-  Tensor s_a_top = flat_divide(s_a, Shape<Int<kUnitRows>, Int<T::kBlockK>>{})(_, _, 0, 0, _);          // (64, BK, S)
-  Tensor s_b_part = flat_divide(s_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{})(_, _, warpgroup, 0, _);  // (HN, BK, S)
-  auto thread_mma = mma.get_thread_slice(consumer_idx % 128);
-  Tensor t_r_a = thread_mma.make_fragment_A(thread_mma.partition_A(s_a_top));
-  Tensor t_r_b = thread_mma.make_fragment_B(thread_mma.partition_B(s_b_part));
-  Tensor accum = partition_fragment_C(mma, Shape<Int<kUnitRows>, Int<T::kHalfN>>{});
-  const int num_k_blocks = p.k / T::kBlockK;
-  typename T::PipelineState release_state = read_state;
-  mma.accumulate_ = GMMA::ScaleOut::Zero;
-  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    pipeline.consumer_wait(read_state);
-    const int stage = read_state.index();
-    warpgroup_fence_operand(accum);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(t_r_a); ++k) {
-      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(accum);
-    if (k_block > 0) {
-      pipeline.consumer_release(release_state);
-      ++release_state;
-    }
-    ++read_state;
-  }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(accum);
-  if (num_k_blocks > 0) {
-    pipeline.consumer_release(release_state);
-    ++release_state;
-  }
-  Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<kUnitRows>, Int<T::kHalfN>>{}));
-  const int valid_rows = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert] - task.row;
-  constexpr int kValues = decltype(size(accum))::value;
-  float row_scale[2] = {1.0f, 1.0f};
-  CUTE_UNROLL
-  for (int half = 0; half < 2; ++half) {
-    const int r = get<0>(coords(2 * half));
-    if (p.row_scale != nullptr && r < valid_rows) row_scale[half] = p.row_scale[task.row + r];
-  }
-  const bool store_leader = consumer_idx % 128 == 0;
-  Tensor m_out = p.tma_out.get_tma_tensor(make_shape(p.a_rows, p.out_cols));
-  if (store_leader) tma_store_wait<0>();
-  cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
-  CUTE_UNROLL
-  for (int i = 0; i < kValues; i += 2) {
-    const int r = get<0>(coords(i));
-    const int col = get<1>(coords(i));
-    const float scale = row_scale[(i / 2) % 2];
-    const __nv_bfloat162 v = r < valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
-                                            : __floats2bfloat162_rn(0.0f, 0.0f);
-    char* box = reinterpret_cast<char*>(smem.staging[warpgroup][col / T::kBoxCols]);
-    const int byte = r * 128 + (col % T::kBoxCols) * 2;
-    *reinterpret_cast<__nv_bfloat162*>(box + (byte ^ ((r % 8) << 4))) = v;
-  }
-  tma_store_fence();
-  cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
-  if (store_leader) {
-    const int box_row = task.row / kUnitRows;
-    const int box_col = (task.n_block * T::kOutCols + warpgroup * T::kHalfN) / T::kBoxCols;
-    CUTE_UNROLL
-    for (int box = 0; box < T::kHalfN / T::kBoxCols; ++box) {
-      Tensor s_box = make_tensor(make_smem_ptr(smem.staging[warpgroup][box]), typename T::SmemLayoutOutBox{});
-      Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, box_col + box));
-      auto [t_g, t_s] = tma_partition(p.tma_out, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
-      copy(p.tma_out, t_s, t_g);
-    }
-    tma_store_arrive();
-  }
-}
-
 // Consumer side of one tile: mainloop over K, then the epilogue. All consumer threads call this;
 // consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not part
 // of the task (a 64-row task) only passes the pipeline stages back, so the task costs about half a full
@@ -369,8 +278,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   // Why the shuffle: ptxas serializes every wgmma of the kernel (warning C7518) unless it can prove the
   // branches around them warp-uniform; a value broadcast from lane 0 is.
   const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  const int task_rows = __shfl_sync(0xffffffff, task.rows, 0);
-  const bool active = warpgroup * kUnitRows < task_rows;
+  const bool active = warpgroup * kUnitRows < __shfl_sync(0xffffffff, task.rows, 0);
 
   // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
   // and the batch that read it retired.
@@ -544,17 +452,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
       const bool record = p.trace != nullptr && threadIdx.x == 128;
       const uint64_t start = record ? device::global_timer_ns() : 0;
       const int64_t start_cycles = record ? clock64() : 0;
-      if constexpr (T::kEpilogue == Epilogue::kStore && T::kBlockM == 128) {
-        if (__shfl_sync(0xffffffff, task.rows, 0) <= kUnitRows)
-          compute_split_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
-                                static_cast<int>(threadIdx.x) - 128, warpgroup - 1);
-        else
-          compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
-                          static_cast<int>(threadIdx.x) - 128);
-      } else {
-        compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
-                        static_cast<int>(threadIdx.x) - 128);
-      }
+      compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
+                      static_cast<int>(threadIdx.x) - 128);
       if (record) {
         uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 4;
         r[0] = start;
