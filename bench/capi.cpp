@@ -3,10 +3,145 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
 
 #include "mok/expert_gemm.h"
+#include "mok/moe.h"
+
+namespace {
+
+int report(const std::exception& e, char* error, int error_len) {
+  if (error != nullptr && error_len > 0) {
+    std::strncpy(error, e.what(), error_len - 1);
+    error[error_len - 1] = '\0';
+  }
+  return 1;
+}
+
+void check_nccl(ncclResult_t result, const char* call) {
+  if (result != ncclSuccess) throw std::runtime_error(std::string(call) + ": " + ncclGetErrorString(result));
+}
+
+// One rank's layer: its NCCL communicator (EP > 1), the workspace and one forward context.
+struct BenchLayer {
+  ncclComm_t comm = nullptr;
+  std::unique_ptr<mok::PeerGroup> group;
+  std::unique_ptr<mok::MoeWorkspace> workspace;
+  mok::ForwardContext context;
+  int rank = 0;
+  int device = 0;
+  ~BenchLayer() {
+    context = mok::ForwardContext();
+    workspace.reset();  // frees the symmetric windows (collective) before the communicator goes
+    if (comm != nullptr) ncclCommDestroy(comm);
+  }
+};
+
+}  // namespace
 
 extern "C" {
+
+int mok_bench_nccl_unique_id(void* out, char* error, int error_len) {
+  try {
+    static_assert(sizeof(ncclUniqueId) == NCCL_UNIQUE_ID_BYTES, "the Python side passes 128 bytes");
+    ncclUniqueId id;
+    check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    std::memcpy(out, &id, sizeof(id));
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+// Collective over the ranks for ep_size > 1 (NCCL communicator from the unique id, symmetric windows).
+void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, int device, int num_tokens, int top_k,
+                             int num_experts, int hidden, int intermediate, int shared_expert, char* error,
+                             int error_len) {
+  try {
+    auto layer = std::make_unique<BenchLayer>();
+    layer->rank = rank;
+    layer->device = device;
+    if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
+    if (ep_size > 1) {
+      ncclUniqueId id;
+      std::memcpy(&id, nccl_unique_id, sizeof(id));
+      check_nccl(ncclCommInitRank(&layer->comm, ep_size, id, rank), "ncclCommInitRank");
+      layer->group = std::make_unique<mok::PeerGroup>(mok::PeerGroup::nccl({layer->comm}));
+    } else {
+      layer->group = std::make_unique<mok::PeerGroup>(mok::PeerGroup::virtual_ranks(1, device));
+    }
+    mok::MoeShape shape;
+    shape.ep_size = ep_size;
+    shape.num_tokens = num_tokens;
+    shape.top_k = top_k;
+    shape.num_experts = num_experts;
+    shape.hidden = hidden;
+    shape.intermediate = intermediate;
+    shape.shared_expert = shared_expert != 0;
+    layer->workspace = std::make_unique<mok::MoeWorkspace>(*layer->group, shape);
+    layer->context = layer->workspace->make_context(rank);
+    return layer.release();
+  } catch (const std::exception& e) {
+    report(e, error, error_len);
+    return nullptr;
+  }
+}
+
+// Asynchronous on `stream`; topk_idx int32.
+int mok_bench_layer_forward(void* handle, const void* x, const void* topk_idx, const float* router_weights,
+                            const void* expert_gate, const void* expert_up, const void* expert_down,
+                            const void* shared_gate, const void* shared_up, const void* shared_down, void* out,
+                            void* stream, char* error, int error_len) {
+  try {
+    auto* layer = static_cast<BenchLayer*>(handle);
+    const mok::MoeShape& s = layer->workspace->shape();
+    const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden, i = s.intermediate, e = s.local_experts();
+    using mok::DType;
+    using mok::TensorRef;
+    mok::MoeWeights w;
+    w.expert_gate = TensorRef(expert_gate, DType::kBFloat16, {e, i, h});
+    w.expert_up = TensorRef(expert_up, DType::kBFloat16, {e, i, h});
+    w.expert_down = TensorRef(expert_down, DType::kBFloat16, {e, h, i});
+    if (s.shared_expert) {
+      w.shared_gate = TensorRef(shared_gate, DType::kBFloat16, {i, h});
+      w.shared_up = TensorRef(shared_up, DType::kBFloat16, {i, h});
+      w.shared_down = TensorRef(shared_down, DType::kBFloat16, {h, i});
+    }
+    mok::RankForward f;
+    f.rank = layer->rank;
+    f.x = TensorRef(x, DType::kBFloat16, {t, h});
+    f.topk_idx = TensorRef(topk_idx, DType::kInt32, {t, k});
+    f.router_weights = TensorRef(router_weights, DType::kFloat32, {t, k});
+    f.weights = &w;
+    f.out = TensorRef(out, DType::kBFloat16, {t, h});
+    f.context = &layer->context;
+    f.stream = static_cast<cudaStream_t>(stream);
+    layer->workspace->forward({&f, 1});
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+// Synchronizes `stream`; 1 with the status report when the GPU recorded an error.
+int mok_bench_layer_check_status(void* handle, void* stream, char* error, int error_len) {
+  try {
+    auto* layer = static_cast<BenchLayer*>(handle);
+    const mok::MoeShape& s = layer->workspace->shape();
+    const mok::StatusReport r = layer->workspace->read_status(layer->rank, static_cast<cudaStream_t>(stream));
+    if (!r.ok()) throw std::runtime_error(r.describe(s.num_tokens, s.top_k, s.num_experts));
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+void mok_bench_layer_destroy(void* handle) { delete static_cast<BenchLayer*>(handle); }
 
 // Returns 0, or 1 with a message in `error` (NUL-terminated, at most error_len bytes).
 int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, const void* b, const void* b_up, int n,
@@ -36,11 +171,7 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
     mok::expert_gemm(args, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {
-    if (error != nullptr && error_len > 0) {
-      std::strncpy(error, e.what(), error_len - 1);
-      error[error_len - 1] = '\0';
-    }
-    return 1;
+    return report(e, error, error_len);
   }
 }
 

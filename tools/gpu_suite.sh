@@ -30,7 +30,9 @@ ctest --test-dir build-gpu -V --timeout "${MOK_SUITE_TIMEOUT:-300}" -L "$labels"
 sanitizer=skipped
 if command -v compute-sanitizer >/dev/null; then
   if compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/test_schedule_gpu \
-       --gtest_filter='*Overflow*:*BadExpert*:*Huge*:*EmptyExperts*' >"$out/memcheck.log" 2>&1; then
+       --gtest_filter='*Overflow*:*BadExpert*:*Huge*:*EmptyExperts*' >"$out/memcheck.log" 2>&1 &&
+     compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/test_moe_forward \
+       --gtest_filter='*BadExpert*:*Provenance*' >>"$out/memcheck.log" 2>&1; then
     sanitizer=clean
   else
     sanitizer=ERRORS; status=1
@@ -44,7 +46,7 @@ fi
 
 echo
 echo "== test output (tables) =="
-grep -hE "^[0-9]+: (shape|Kimi|GLM|Qwen|DeepSeek|overflow report|timeout report|[a-z_]+_kernel )" "$out/ctest.log" | sed 's/^[0-9]*: //'
+grep -hE "^[0-9]+: (shape|Kimi|GLM|Qwen|DeepSeek|overflow report|timeout report|full size|device peers|nccl|[a-z_]+_kernel )" "$out/ctest.log" | sed 's/^[0-9]*: //'
 echo
 echo "== summary, commit $commit =="
 printf "%-26s %8s %8s %8s\n" "test binary" "passed" "failed" "skipped"

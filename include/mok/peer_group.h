@@ -1,15 +1,23 @@
-// The ranks of an expert-parallel group as seen from one process, and memory every rank can address.
+// The communicator: the ranks of an expert-parallel group as one process sees them, and memory every rank
+// can address (symmetric buffers).
 //
-// Two kinds exist today, both for single-process use:
-//   virtual ranks  all ranks live on one GPU; their kernels run one after another (DESIGN.md section 2).
-//                  Used to test EP = 4, 8, ... on one GPU.
-//   device peers   one rank per GPU of this process, CUDA peer access enabled between them.
-// The NCCL communicator (symmetric windows, LSA pointers) plugs in behind the same PeerPointers table.
+// Three kinds:
+//   nccl           one rank per GPU, in this or other processes, from existing NCCL 2.28 communicators. A
+//                  symmetric buffer is ncclMemAlloc'd memory registered as a window with
+//                  NCCL_WIN_COLL_SYMMETRIC; kernels reach the peers' copies through the device API's LSA
+//                  (load/store accessible) pointers. All ranks must be in one NVLink domain (one LSA team).
+//                  No multicast (NVLS) is used.
+//   device peers   one rank per GPU of this process, CUDA peer access enabled between them (tests).
+//   virtual ranks  all ranks on one GPU; their kernels run one after another (DESIGN.md section 2). Used to
+//                  test EP = 4, 8, ... on one GPU.
+// A process drives its *local* ranks: all of them for device peers and virtual ranks, the ranks of its
+// communicators for nccl (usually one).
 #pragma once
 
 #include <cstddef>
-#include <memory>
 #include <vector>
+
+#include <nccl.h>
 
 #include "mok/routing.h"
 
@@ -33,15 +41,20 @@ class SymmetricAllocation {
   SymmetricAllocation& operator=(const SymmetricAllocation&) = delete;
   ~SymmetricAllocation();
 
-  void* on(int rank) const { return ptrs_.at(rank); }
+  // The local rank's own copy (device memory of its GPU); throws for a rank this process does not drive.
+  void* on(int rank) const;
   size_t bytes() const { return bytes_; }
-  PeerPointers peers() const;
+  // Every rank's copy as addressed from local rank `rank`'s device.
+  PeerPointers peers(int rank) const;
 
  private:
   friend class PeerGroup;
   void release();
-  std::vector<void*> ptrs_;
+  std::vector<void*> ptrs_;          // [ep_size] own copy of each local rank, nullptr elsewhere
+  std::vector<PeerPointers> tables_; // [ep_size] peer table of each local rank
   std::vector<int> devices_;
+  std::vector<ncclComm_t> comms_;    // nccl kind: [ep_size] communicator of each local rank
+  std::vector<ncclWindow_t> windows_;
   size_t bytes_ = 0;
 };
 
@@ -51,16 +64,26 @@ class PeerGroup {
   static PeerGroup virtual_ranks(int ep_size, int device = 0);
   // Rank r on devices[r]; enables peer access between every pair (throws if a pair cannot).
   static PeerGroup device_peers(const std::vector<int>& devices);
+  // The ranks of `comms` (communicators of one NCCL clique, one per local GPU, each created on its device);
+  // the group is the communicator's whole world. Throws if the world is not one NVLink (LSA) domain or
+  // exceeds kMaxEpSize. The communicators stay the caller's; they must outlive the group's allocations.
+  static PeerGroup nccl(const std::vector<ncclComm_t>& comms);
 
   int size() const { return static_cast<int>(devices_.size()); }
-  int device(int rank) const { return devices_.at(rank); }
   bool is_virtual() const { return is_virtual_; }
+  bool is_nccl() const { return !comms_.empty(); }
+  bool is_local(int rank) const;
+  std::vector<int> local_ranks() const;
+  // The GPU of a local rank.
+  int device(int rank) const;
 
-  // `bytes` on every rank, zero-filled (synchronously: call at setup, not on the hot path).
+  // `bytes` on every rank, zero-filled, synchronously: call at setup, not on the hot path. For the nccl kind
+  // this is collective: every process of the communicator calls it, in the same order.
   SymmetricAllocation allocate(size_t bytes) const;
 
  private:
-  std::vector<int> devices_;
+  std::vector<int> devices_;        // [ep_size] GPU of each local rank, -1 for other processes' ranks
+  std::vector<ncclComm_t> comms_;   // nccl kind: [ep_size] communicator of each local rank, else empty
   bool is_virtual_ = false;
 };
 

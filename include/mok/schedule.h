@@ -7,7 +7,8 @@
 //   StatusReport r = ws.read_status(rank, s);           // synchronizes s; bad ids / overflow / timeouts
 //
 // With virtual ranks, call gather_topk for every rank before build for any rank (build waits for all
-// ranks' ids). With device peers, each rank uses its own stream; the order of host calls does not matter.
+// ranks' ids). With device peers or NCCL, each rank uses its own stream; the order of host calls does not
+// matter. Every rank argument must be a local rank of the group (PeerGroup::is_local).
 // The layout of the buffers is documented in src/device/schedule/placement.h.
 #pragma once
 
@@ -56,21 +57,28 @@ class ScheduleWorkspace {
   // Pushes `rank`'s ids [num_tokens][top_k] (device memory on the rank's GPU) into every peer's gather
   // buffer and raises its arrival counters. Asynchronous on `stream`.
   void gather_topk(int rank, const void* topk, IndexType index_type, cudaStream_t stream);
-  // Waits (on the GPU) for every rank's ids, then counts, prefix-sums and places. Asynchronous.
-  void build(int rank, cudaStream_t stream);
+  // Waits (on the GPU) for every rank's ids, then counts, prefix-sums and places, into `schedule`
+  // (schedule_elements() int32 on the rank's GPU, e.g. a forward context's) or, when null, the workspace's
+  // own buffers. Resets the rank's status word first. Asynchronous.
+  void build(int rank, cudaStream_t stream, int32_t* schedule = nullptr);
 
-  ScheduleView view(int rank) const;
+  // Device pointers into a built schedule: `schedule` as passed to build, or null for the workspace's own.
+  ScheduleView view(int rank, const int32_t* schedule = nullptr) const;
+  int64_t schedule_elements() const;
+  // The rank's status word in device memory, for later stages of the same step to report into.
+  DeviceStatus* device_status(int rank) const;
   const RoutingShape& shape() const { return shape_; }
   int64_t capacity_rows() const { return capacity_rows_; }
 
   // Status word of `rank` since the last build. Synchronizes `stream`.
   StatusReport read_status(int rank, cudaStream_t stream) const;
-  // Copies `rank`'s schedule to the host. Synchronizes `stream`.
-  HostSchedule download(int rank, cudaStream_t stream) const;
+  // Copies `rank`'s schedule (see view) to the host. Synchronizes `stream`.
+  HostSchedule download(int rank, cudaStream_t stream, const int32_t* schedule = nullptr) const;
 
  private:
   struct RankState;
-  const PeerGroup& group_;
+  const RankState& local_state(int rank, const char* caller) const;
+  PeerGroup group_;  // a copy: callers may pass a temporary
   RoutingShape shape_;
   ScheduleOptions options_;
   int64_t capacity_rows_ = 0;

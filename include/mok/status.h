@@ -19,10 +19,10 @@ enum StatusBit : uint32_t {
 };
 
 // Which stage a spin-wait belongs to (reported with a timeout).
-enum class Role : int32_t { kNone = 0, kScheduleGather = 1, kScheduleCount = 2 };
+enum class Role : int32_t { kNone = 0, kScheduleGather = 1, kScheduleCount = 2, kBarrier = 3 };
 
 // Which counter a spin-wait watched (reported with a timeout). Names match docs/sync_protocol.md.
-enum class CounterId : int32_t { kNone = 0, kTopkArrived = 1 };
+enum class CounterId : int32_t { kNone = 0, kTopkArrived = 1, kBarrierArrived = 2 };
 
 // Plain-old-data; lives in device memory, one per rank. Reset by the owner before each use.
 struct DeviceStatus {

@@ -1,4 +1,4 @@
-// In-process peer groups: virtual ranks on one GPU, or one rank per GPU with CUDA peer access.
+// Peer groups: virtual ranks on one GPU, one rank per GPU with CUDA peer access, or NCCL symmetric windows.
 #include "mok/peer_group.h"
 
 #include <stdexcept>
@@ -9,6 +9,7 @@
 
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
+#include "src/host/nccl_windows.h"
 
 namespace mok {
 using detail::DeviceGuard;
@@ -20,6 +21,11 @@ void check_ep_size(int ep_size) {
                                 std::to_string(ep_size));
 }
 
+void check_nccl(ncclResult_t result, const char* call) {
+  if (result != ncclSuccess)
+    throw std::runtime_error(std::string("NCCL error in ") + call + ": " + ncclGetErrorString(result));
+}
+
 }  // namespace
 
 SymmetricAllocation::SymmetricAllocation(SymmetricAllocation&& other) noexcept { *this = std::move(other); }
@@ -28,10 +34,12 @@ SymmetricAllocation& SymmetricAllocation::operator=(SymmetricAllocation&& other)
   if (this != &other) {
     release();
     ptrs_ = std::move(other.ptrs_);
+    tables_ = std::move(other.tables_);
     devices_ = std::move(other.devices_);
+    comms_ = std::move(other.comms_);
+    windows_ = std::move(other.windows_);
     bytes_ = other.bytes_;
     other.ptrs_.clear();
-    other.devices_.clear();
   }
   return *this;
 }
@@ -39,21 +47,32 @@ SymmetricAllocation& SymmetricAllocation::operator=(SymmetricAllocation&& other)
 SymmetricAllocation::~SymmetricAllocation() { release(); }
 
 void SymmetricAllocation::release() {
+  int previous = 0;
+  cudaGetDevice(&previous);
   for (size_t r = 0; r < ptrs_.size(); ++r) {
     if (ptrs_[r] == nullptr) continue;
-    int previous = 0;
-    cudaGetDevice(&previous);
     cudaSetDevice(devices_[r]);
-    cudaFree(ptrs_[r]);
-    cudaSetDevice(previous);
+    if (comms_.empty()) {
+      cudaFree(ptrs_[r]);
+    } else {
+      // Deregistration is collective like registration; every process frees its windows in the same order.
+      ncclCommWindowDeregister(comms_[r], windows_[r]);
+      ncclMemFree(ptrs_[r]);
+    }
   }
+  cudaSetDevice(previous);
   ptrs_.clear();
 }
 
-PeerPointers SymmetricAllocation::peers() const {
-  PeerPointers table{};
-  for (size_t r = 0; r < ptrs_.size(); ++r) table.base[r] = ptrs_[r];
-  return table;
+void* SymmetricAllocation::on(int rank) const {
+  void* ptr = ptrs_.at(rank);
+  if (ptr == nullptr) throw std::invalid_argument("SymmetricAllocation: rank " + std::to_string(rank) + " is not local");
+  return ptr;
+}
+
+PeerPointers SymmetricAllocation::peers(int rank) const {
+  on(rank);  // checks that the rank is local
+  return tables_[rank];
 }
 
 PeerGroup PeerGroup::virtual_ranks(int ep_size, int device) {
@@ -95,20 +114,94 @@ PeerGroup PeerGroup::device_peers(const std::vector<int>& devices) {
   return group;
 }
 
+PeerGroup PeerGroup::nccl(const std::vector<ncclComm_t>& comms) {
+  if (comms.empty()) throw std::invalid_argument("PeerGroup::nccl: comms is empty");
+  int ep_size = 0;
+  check_nccl(ncclCommCount(comms[0], &ep_size), "ncclCommCount");
+  check_ep_size(ep_size);
+  PeerGroup group;
+  group.devices_.assign(ep_size, -1);
+  group.comms_.assign(ep_size, nullptr);
+  for (ncclComm_t comm : comms) {
+    int count = 0, rank = 0, device = 0;
+    check_nccl(ncclCommCount(comm, &count), "ncclCommCount");
+    check_nccl(ncclCommUserRank(comm, &rank), "ncclCommUserRank");
+    check_nccl(ncclCommCuDevice(comm, &device), "ncclCommCuDevice");
+    if (count != ep_size)
+      throw std::invalid_argument("PeerGroup::nccl: comms have different sizes (" + std::to_string(count) + " and " +
+                                  std::to_string(ep_size) + ")");
+    if (group.comms_[rank] != nullptr)
+      throw std::invalid_argument("PeerGroup::nccl: two comms are rank " + std::to_string(rank));
+    const int lsa_size = detail::lsa_team_size(comm);
+    if (lsa_size != ep_size)
+      throw std::invalid_argument("PeerGroup::nccl: the communicator's " + std::to_string(ep_size) +
+                                  " ranks are not one NVLink domain (LSA team of " + std::to_string(lsa_size) +
+                                  "): the EP group must be load/store accessible");
+    group.devices_[rank] = device;
+    group.comms_[rank] = comm;
+  }
+  return group;
+}
+
+bool PeerGroup::is_local(int rank) const {
+  return rank >= 0 && rank < size() && devices_[rank] >= 0;
+}
+
+std::vector<int> PeerGroup::local_ranks() const {
+  std::vector<int> ranks;
+  for (int r = 0; r < size(); ++r)
+    if (is_local(r)) ranks.push_back(r);
+  return ranks;
+}
+
+int PeerGroup::device(int rank) const {
+  if (!is_local(rank)) throw std::invalid_argument("PeerGroup: rank " + std::to_string(rank) + " is not local");
+  return devices_[rank];
+}
+
 SymmetricAllocation PeerGroup::allocate(size_t bytes) const {
   SymmetricAllocation allocation;
   allocation.bytes_ = bytes;
   allocation.devices_ = devices_;
-  allocation.ptrs_.assign(devices_.size(), nullptr);
-  for (size_t r = 0; r < devices_.size(); ++r) {
+  allocation.ptrs_.assign(size(), nullptr);
+  allocation.tables_.assign(size(), PeerPointers{});
+  const std::vector<int> local = local_ranks();
+  if (is_nccl()) {
+    allocation.comms_ = comms_;
+    allocation.windows_.assign(size(), nullptr);
+    for (int r : local) {
+      DeviceGuard guard(devices_[r]);
+      check_nccl(ncclMemAlloc(&allocation.ptrs_[r], bytes), "ncclMemAlloc");
+      MOK_CHECK_CUDA(cudaMemset(allocation.ptrs_[r], 0, bytes));
+      MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    }
+    // Registration is collective over the communicator; a group call lets one process drive several ranks.
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    for (int r : local) {
+      DeviceGuard guard(devices_[r]);
+      check_nccl(ncclCommWindowRegister(comms_[r], allocation.ptrs_[r], bytes, &allocation.windows_[r],
+                                        NCCL_WIN_COLL_SYMMETRIC),
+                 "ncclCommWindowRegister");
+    }
+    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    for (int r : local) {
+      DeviceGuard guard(devices_[r]);
+      allocation.tables_[r] = detail::window_peer_pointers(allocation.windows_[r], size());
+    }
+    return allocation;
+  }
+  for (int r : local) {
     DeviceGuard guard(devices_[r]);
     MOK_CHECK_CUDA(cudaMalloc(&allocation.ptrs_[r], bytes));
     MOK_CHECK_CUDA(cudaMemset(allocation.ptrs_[r], 0, bytes));
   }
-  for (size_t r = 0; r < devices_.size(); ++r) {
+  for (int r : local) {
     DeviceGuard guard(devices_[r]);
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
   }
+  // Peer access (and one GPU) use one address space: every rank sees the same table.
+  for (int r : local)
+    for (int peer = 0; peer < size(); ++peer) allocation.tables_[r].base[peer] = allocation.ptrs_[peer];
   return allocation;
 }
 

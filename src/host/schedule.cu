@@ -46,7 +46,7 @@ ScheduleWorkspace::ScheduleWorkspace(const PeerGroup& group, const RoutingShape&
   const auto layout = schedule::ScheduleLayout::make(shape_.ep_size, shape_.local_experts(),
                                                      shape_.routes_per_rank(), capacity_rows_);
   ranks_.resize(shape_.ep_size);
-  for (int r = 0; r < shape_.ep_size; ++r) {
+  for (int r : group.local_ranks()) {
     RankState& state = ranks_[r];
     state.device = group.device(r);
     DeviceGuard guard(state.device);
@@ -110,10 +110,15 @@ schedule::ScheduleParams make_params(const RoutingShape& shape, const ScheduleOp
 
 }  // namespace
 
+const ScheduleWorkspace::RankState& ScheduleWorkspace::local_state(int rank, const char* caller) const {
+  if (!group_.is_local(rank))
+    throw std::invalid_argument(std::string(caller) + ": rank " + std::to_string(rank) + " is not a local rank of the group");
+  return ranks_[rank];
+}
+
 void ScheduleWorkspace::gather_topk(int rank, const void* topk, IndexType index_type, cudaStream_t stream) {
-  if (rank < 0 || rank >= shape_.ep_size) throw std::invalid_argument("gather_topk: bad rank " + std::to_string(rank));
+  const RankState& state = local_state(rank, "gather_topk");
   if (topk == nullptr) throw std::invalid_argument("gather_topk: topk is null");
-  const RankState& state = ranks_[rank];
   DeviceGuard guard(state.device);
   const auto p = make_params(shape_, options_, capacity_rows_, rank, state.schedule, gather_.on(rank), state.epoch,
                              state.status);
@@ -121,10 +126,10 @@ void ScheduleWorkspace::gather_topk(int rank, const void* topk, IndexType index_
   constexpr int kThreads = schedule::GatherTraits::kThreads;
   switch (index_type) {
     case IndexType::kInt32:
-      schedule::gather_topk_kernel<<<ctas, kThreads, 0, stream>>>(static_cast<const int32_t*>(topk), gather_.peers(), p);
+      schedule::gather_topk_kernel<<<ctas, kThreads, 0, stream>>>(static_cast<const int32_t*>(topk), gather_.peers(rank), p);
       break;
     case IndexType::kInt64:
-      schedule::gather_topk_kernel<<<ctas, kThreads, 0, stream>>>(static_cast<const int64_t*>(topk), gather_.peers(), p);
+      schedule::gather_topk_kernel<<<ctas, kThreads, 0, stream>>>(static_cast<const int64_t*>(topk), gather_.peers(rank), p);
       break;
     default:
       throw std::invalid_argument("gather_topk: index_type must be kInt32 or kInt64");
@@ -132,12 +137,11 @@ void ScheduleWorkspace::gather_topk(int rank, const void* topk, IndexType index_
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 
-void ScheduleWorkspace::build(int rank, cudaStream_t stream) {
-  if (rank < 0 || rank >= shape_.ep_size) throw std::invalid_argument("build: bad rank " + std::to_string(rank));
-  const RankState& state = ranks_[rank];
+void ScheduleWorkspace::build(int rank, cudaStream_t stream, int32_t* schedule) {
+  const RankState& state = local_state(rank, "build");
   DeviceGuard guard(state.device);
-  const auto p = make_params(shape_, options_, capacity_rows_, rank, state.schedule, gather_.on(rank), state.epoch,
-                             state.status);
+  const auto p = make_params(shape_, options_, capacity_rows_, rank, schedule != nullptr ? schedule : state.schedule,
+                             gather_.on(rank), state.epoch, state.status);
   reset_status_kernel<<<1, 1, 0, stream>>>(state.status, initial_device_status());
   MOK_CHECK_CUDA(cudaGetLastError());
 
@@ -156,22 +160,30 @@ void ScheduleWorkspace::build(int rank, cudaStream_t stream) {
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 
-ScheduleView ScheduleWorkspace::view(int rank) const {
-  const RankState& state = ranks_.at(rank);
+int64_t ScheduleWorkspace::schedule_elements() const {
+  return schedule::ScheduleLayout::make(shape_.ep_size, shape_.local_experts(), shape_.routes_per_rank(),
+                                        capacity_rows_)
+      .total_elements;
+}
+
+DeviceStatus* ScheduleWorkspace::device_status(int rank) const { return local_state(rank, "device_status").status; }
+
+ScheduleView ScheduleWorkspace::view(int rank, const int32_t* schedule) const {
+  const int32_t* base = schedule != nullptr ? schedule : local_state(rank, "view").schedule;
   const auto l = schedule::ScheduleLayout::make(shape_.ep_size, shape_.local_experts(), shape_.routes_per_rank(),
                                                 capacity_rows_);
   ScheduleView v;
-  v.expert_counts = state.schedule + l.expert_counts;
-  v.expert_src_counts = state.schedule + l.expert_src_counts;
-  v.expert_row_offsets = state.schedule + l.expert_row_offsets;
-  v.row_route = state.schedule + l.row_route;
-  v.scheduled_rows = state.schedule + l.scheduled_rows;
+  v.expert_counts = base + l.expert_counts;
+  v.expert_src_counts = base + l.expert_src_counts;
+  v.expert_row_offsets = base + l.expert_row_offsets;
+  v.row_route = base + l.row_route;
+  v.scheduled_rows = base + l.scheduled_rows;
   v.capacity_rows = capacity_rows_;
   return v;
 }
 
 StatusReport ScheduleWorkspace::read_status(int rank, cudaStream_t stream) const {
-  const RankState& state = ranks_.at(rank);
+  const RankState& state = local_state(rank, "read_status");
   DeviceGuard guard(state.device);
   StatusReport report;
   MOK_CHECK_CUDA(cudaMemcpyAsync(&report.raw, state.status, sizeof(DeviceStatus), cudaMemcpyDeviceToHost, stream));
@@ -179,9 +191,9 @@ StatusReport ScheduleWorkspace::read_status(int rank, cudaStream_t stream) const
   return report;
 }
 
-HostSchedule ScheduleWorkspace::download(int rank, cudaStream_t stream) const {
-  const ScheduleView v = view(rank);
-  DeviceGuard guard(ranks_.at(rank).device);
+HostSchedule ScheduleWorkspace::download(int rank, cudaStream_t stream, const int32_t* schedule) const {
+  const ScheduleView v = view(rank, schedule);
+  DeviceGuard guard(local_state(rank, "download").device);
   const int local_experts = shape_.local_experts();
   HostSchedule out;
   out.expert_counts.resize(local_experts);

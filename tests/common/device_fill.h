@@ -19,7 +19,8 @@ inline constexpr int hashed_int(uint64_t seed, int64_t index, int lo, int hi) {
   return lo + static_cast<int>(mix64(seed * 0x100000001b3ull ^ static_cast<uint64_t>(index)) % uint64_t(hi - lo + 1));
 }
 
-// dst[i] = bf16(hashed_int(seed, i, lo, hi)) for i < count. Asynchronous.
-void fill_hashed_bf16(void* dst, int64_t count, uint64_t seed, int lo, int hi, cudaStream_t stream);
+// dst[i] = bf16(scale * hashed_int(seed, i, lo, hi)) for i < count (exact for a power-of-two scale).
+// Asynchronous.
+void fill_hashed_bf16(void* dst, int64_t count, uint64_t seed, int lo, int hi, cudaStream_t stream, float scale = 1);
 
 }  // namespace mok::testing

@@ -17,6 +17,7 @@
 #include "src/host/check.h"
 #include "tests/common/device_fill.h"
 #include "tests/common/gpu_env.h"
+#include "tests/common/bf16.h"
 #include "tests/common/schedule_harness.h"
 
 namespace mok {
@@ -24,14 +25,9 @@ namespace {
 
 using testing::hashed_int;
 
-constexpr uint16_t kPoison = 0x7fc1;  // a bf16 NaN
-
-uint16_t to_bf16_bits(float v) { return static_cast<__nv_bfloat16_raw>(__float2bfloat16_rn(v)).x; }
-float from_bf16_bits(uint16_t bits) {
-  __nv_bfloat16_raw raw;
-  raw.x = bits;
-  return __bfloat162float(__nv_bfloat16(raw));
-}
+using testing::from_bf16_bits;
+using testing::to_bf16_bits;
+constexpr uint16_t kPoison = testing::kBf16Poison;
 
 template <class T>
 struct DeviceArray {

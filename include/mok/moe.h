@@ -1,0 +1,182 @@
+// The MoE layer's forward pass, unfused: stage kernels launched one after another on each rank's stream.
+// It is the tested twin of the fused kernel and the public C++ API. No host synchronization anywhere (the
+// whole sequence can be captured in a CUDA graph); data-dependent errors go to the status word.
+//
+//   out[t] = shared(x[t]) + sum_j rw[t, j] * expert_{topk[t, j]}(x[t])       (DESIGN.md section 1)
+//
+//   PeerGroup group = PeerGroup::nccl({comm});                 // or device_peers / virtual_ranks
+//   MoeWorkspace ws(group, shape);                              // symmetric buffers; reusable across layers
+//   ForwardContext ctx = ws.make_context(rank);                 // one per layer: what backward needs
+//   RankForward f{rank, x, topk_idx, router_weights, &weights, out, &ctx, stream};
+//   ws.forward({&f, 1});                                        // asynchronous on f.stream
+//   StatusReport r = ws.read_status(rank, stream);              // where the caller synchronizes anyway
+//
+// Steps on every rank (stage kernels in src/device/{dispatch,combine}, sync in docs/sync_protocol.md):
+//   schedule   all-gather the top-k ids; count, prefix-sum and place routes into the context's schedule
+//   publish    copy x into the rank's symmetric x buffer; barrier arrive ("x is readable")
+//   shared     shared expert on the rank's own tokens (two grouped-GEMM launches with one "expert")
+//   dispatch   barrier wait; *pull* every scheduled row from its source rank's symmetric x
+//   experts    gate/up GEMM with the SwiGLU epilogue -> hidden rows; down GEMM -> expert output rows
+//   combine    *push* each output row into its unique (token, slot) row of the source rank's combine
+//              buffer; barrier arrive ("your rows are written")
+//   epilogue   barrier wait; out = shared + sum_j rw[t, j] * y[t, j] in fp32, j in ascending order, masked
+//              routes skipped; rounded to bf16 once
+// Bitwise deterministic: every row has one writer, every sum a fixed order.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <span>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "mok/peer_group.h"
+#include "mok/routing.h"
+#include "mok/schedule.h"
+#include "mok/status.h"
+
+namespace mok {
+
+enum class DType : int32_t { kBFloat16 = 0, kFloat32 = 1, kInt32 = 2, kInt64 = 3 };
+
+// A dense, row-major tensor in device memory, owned by the caller. Validation reads dtype and shape.
+struct TensorRef {
+  static constexpr int kMaxDims = 3;
+  const void* data = nullptr;
+  DType dtype = DType::kBFloat16;
+  int ndim = 0;
+  int64_t shape[kMaxDims] = {};
+
+  TensorRef() = default;
+  TensorRef(const void* data, DType dtype, std::initializer_list<int64_t> shape);
+  bool empty() const { return data == nullptr; }
+  void* mutable_data() const { return const_cast<void*>(data); }
+  std::string describe() const;  // "bf16 [8192, 7168]"
+};
+
+struct MoeShape {
+  int ep_size = 1;
+  int num_tokens = 0;    // T per rank (the same on every rank)
+  int top_k = 0;
+  int num_experts = 0;   // E, global; expert e lives on rank e / local_experts()
+  int hidden = 0;        // H: a multiple of 256 (the down GEMM's output tile)
+  int intermediate = 0;  // I: a multiple of 128 (the SwiGLU GEMM's output tile)
+  bool shared_expert = true;
+  float swiglu_limit = 0;  // > 0: clamped SwiGLU
+
+  RoutingShape routing() const { return {ep_size, num_tokens, top_k, num_experts}; }
+  int local_experts() const { return num_experts / ep_size; }
+  // Throws std::invalid_argument naming the field.
+  void validate() const;
+};
+
+struct MoeOptions {
+  ScheduleOptions schedule;  // row padding, capacity, spin-wait timeout
+};
+
+// One rank's weights, bf16.
+struct MoeWeights {
+  TensorRef expert_gate;  // [E_local, I, H]; or gate and up fused [E_local, 2I, H] when expert_up is empty
+  TensorRef expert_up;    // [E_local, I, H]
+  TensorRef expert_down;  // [E_local, H, I]
+  TensorRef shared_gate;  // [I, H]   (the three shared tensors are empty without a shared expert)
+  TensorRef shared_up;    // [I, H]
+  TensorRef shared_down;  // [H, I]
+};
+
+// What one layer's forward leaves for its backward, on one rank: the schedule and the expert-side
+// activations. Owns device memory on the rank's GPU; one per layer, reused step after step.
+class ForwardContext {
+ public:
+  ForwardContext() = default;
+  ForwardContext(ForwardContext&&) noexcept;
+  ForwardContext& operator=(ForwardContext&&) noexcept;
+  ~ForwardContext();
+
+  int rank() const { return rank_; }
+  const ScheduleView& schedule() const { return schedule_; }
+  const void* expert_rows() const { return expert_rows_; }  // bf16 [capacity, H]: x rows in expert-major order
+  const void* hidden() const { return hidden_; }            // bf16 [capacity, I]: silu(gate) * up of each row
+  const void* shared_hidden() const { return shared_hidden_; }  // bf16 [padded T, I]
+
+ private:
+  friend class MoeWorkspace;
+  void release();
+  int rank_ = -1;
+  int device_ = 0;
+  void* allocation_ = nullptr;
+  int32_t* schedule_buffer_ = nullptr;
+  ScheduleView schedule_;
+  void* expert_rows_ = nullptr;
+  void* hidden_ = nullptr;
+  void* shared_hidden_ = nullptr;
+};
+
+// One rank's arguments of a forward call.
+struct RankForward {
+  int rank = 0;                // a local rank of the workspace's group
+  TensorRef x;                 // bf16 [T, H]
+  TensorRef topk_idx;          // int32 or int64 [T, k], global expert ids; -1 masks a route
+  TensorRef router_weights;    // fp32 [T, k]
+  const MoeWeights* weights = nullptr;
+  TensorRef out;               // bf16 [T, H], written
+  ForwardContext* context = nullptr;  // from make_context(rank)
+  cudaStream_t stream = nullptr;
+};
+
+class MoeWorkspace {
+ public:
+  // Allocates the symmetric buffers (collective for NCCL groups) and per-rank scratch. Synchronous.
+  MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options = {});
+  ~MoeWorkspace();
+  MoeWorkspace(const MoeWorkspace&) = delete;
+  MoeWorkspace& operator=(const MoeWorkspace&) = delete;
+
+  ForwardContext make_context(int rank) const;
+
+  // The calls below take the local ranks this process drives (one per process with NCCL, all of them
+  // with device peers or virtual ranks) and issue their kernels phase by phase: every rank's kernels of
+  // one phase before any rank's next phase. That order is what virtual ranks need (their kernels share
+  // one GPU and stream); other groups get each rank's work on its own stream, unsynchronized with the
+  // host. Every call validates all arguments first (std::invalid_argument naming the argument).
+
+  // All-gathers the top-k ids and builds each rank's schedule into its context. Uses rank, topk_idx,
+  // context and stream.
+  void build_schedule(std::span<const RankForward> ranks);
+  // The layer on the schedules already in the contexts.
+  void forward_with_schedule(std::span<const RankForward> ranks);
+  // build_schedule, then forward_with_schedule.
+  void forward(std::span<const RankForward> ranks);
+
+  // The rank's status word since its last build_schedule: bad expert ids, capacity overflow, spin-wait
+  // timeouts. After an error, `out` is unspecified (no memory outside the buffers is touched).
+  // Synchronizes `stream`.
+  StatusReport read_status(int rank, cudaStream_t stream) const;
+
+  const MoeShape& shape() const { return shape_; }
+  const PeerGroup& group() const { return group_; }
+  int64_t capacity_rows() const { return schedule_.capacity_rows(); }
+  int64_t padded_tokens() const { return padded_tokens_; }
+
+ private:
+  struct RankState;
+  void validate(const RankForward& f, bool needs_layer_inputs) const;
+  void publish(const RankForward& f);
+  void compute(const RankForward& f);
+  void combine(const RankForward& f);
+  const RankState& state(int rank) const;
+
+  PeerGroup group_;
+  MoeShape shape_;
+  MoeOptions options_;
+  int64_t padded_tokens_ = 0;   // T rounded up to the GEMM row tile
+  ScheduleWorkspace schedule_;
+  SymmetricAllocation x_;       // bf16 [padded T, H] per rank: the rows peers pull
+  SymmetricAllocation combined_;  // bf16 [T * k, H] per rank: expert outputs pushed by the experts' ranks
+  SymmetricAllocation flags_;   // barrier counters, see src/device/common/peer_barrier.cuh
+  std::unique_ptr<RankState[]> ranks_;
+};
+
+}  // namespace mok

@@ -1,0 +1,355 @@
+// MoeWorkspace: buffers and launches of the unfused forward (include/mok/moe.h). The stage kernels live in
+// src/device/{dispatch,combine,common}; the GEMMs go through mok::expert_gemm.
+#include "mok/moe.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "mok/expert_gemm.h"
+#include "src/device/combine/push_rows.cuh"
+#include "src/device/common/peer_barrier.cuh"
+#include "src/device/dispatch/pull_rows.cuh"
+#include "src/device/schedule/placement.h"
+#include "src/host/check.h"
+#include "src/host/device_guard.h"
+
+namespace mok {
+using detail::DeviceGuard;
+
+namespace detail {  // moe_args.cpp
+void check_routing_inputs(const RankForward& f, const MoeShape& s, int device);
+void check_layer_inputs(const RankForward& f, const MoeShape& s, int device);
+}  // namespace detail
+
+namespace {
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+constexpr int64_t kBf16Bytes = 2;
+
+// Tickets of the four GEMM launches of a forward (each launch zeroes its own on the stream).
+enum Ticket : int { kSharedGateUp = 0, kSharedDown, kExpertGateUp, kExpertDown, kNumTickets };
+
+// The shared expert as a one-expert schedule over the rank's own tokens: counts {T}, row offsets
+// {0, padded T}, scheduled rows {padded T}.
+struct SharedSchedule {
+  int32_t counts[1];
+  int32_t row_offsets[2];
+  int32_t scheduled_rows[1];
+};
+
+template <typename T>
+T* carve(char*& cursor, int64_t count) {
+  T* p = reinterpret_cast<T*>(cursor);
+  cursor += schedule::round_up(count * int64_t(sizeof(T)), 256);
+  return p;
+}
+
+}  // namespace
+
+// Per local rank scratch that does not outlive a forward: expert outputs, shared-expert output, tickets.
+struct MoeWorkspace::RankState {
+  int device = -1;
+  int num_sms = 0;
+  void* allocation = nullptr;
+  void* y = nullptr;             // bf16 [capacity, H]
+  void* shared_out = nullptr;    // bf16 [padded T, H]
+  int32_t* tickets = nullptr;    // [kNumTickets]
+  SharedSchedule* shared_schedule = nullptr;
+};
+
+ForwardContext::ForwardContext(ForwardContext&& other) noexcept { *this = std::move(other); }
+
+ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
+  if (this != &other) {
+    release();
+    rank_ = other.rank_;
+    device_ = other.device_;
+    allocation_ = other.allocation_;
+    schedule_buffer_ = other.schedule_buffer_;
+    schedule_ = other.schedule_;
+    expert_rows_ = other.expert_rows_;
+    hidden_ = other.hidden_;
+    shared_hidden_ = other.shared_hidden_;
+    other.allocation_ = nullptr;
+    other.rank_ = -1;
+  }
+  return *this;
+}
+
+ForwardContext::~ForwardContext() { release(); }
+
+void ForwardContext::release() {
+  if (allocation_ == nullptr) return;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_);
+  cudaFree(allocation_);
+  cudaSetDevice(previous);
+  allocation_ = nullptr;
+}
+
+MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options)
+    : group_(group),
+      shape_((shape.validate(), shape)),
+      options_(options),
+      schedule_(group_, shape.routing(), options.schedule) {
+  const int tile_m = options_.schedule.tile_m;
+  require(tile_m == 64 || tile_m == 128, "MoeOptions.schedule.tile_m must be 64 or 128 (the GEMM's row tiles), got " +
+                                             std::to_string(tile_m));
+  require(schedule_.capacity_rows() % tile_m == 0, "MoeOptions.schedule.capacity_rows must be a multiple of tile_m");
+  padded_tokens_ = schedule::round_up(shape_.num_tokens, tile_m);
+  const int64_t h = shape_.hidden;
+  x_ = group_.allocate(padded_tokens_ * h * kBf16Bytes);
+  combined_ = group_.allocate(int64_t(shape_.num_tokens) * shape_.top_k * h * kBf16Bytes);
+  flags_ = group_.allocate(device::BarrierLayout::bytes());
+
+  ranks_ = std::make_unique<RankState[]>(shape_.ep_size);
+  for (int r : group_.local_ranks()) {
+    RankState& s = ranks_[r];
+    s.device = group_.device(r);
+    DeviceGuard guard(s.device);
+    MOK_CHECK_CUDA(cudaDeviceGetAttribute(&s.num_sms, cudaDevAttrMultiProcessorCount, s.device));
+    const int64_t bytes = schedule::round_up(capacity_rows() * h * kBf16Bytes, 256) +
+                          schedule::round_up(padded_tokens_ * h * kBf16Bytes, 256) + 2 * 256;
+    MOK_CHECK_CUDA(cudaMalloc(&s.allocation, bytes));
+    char* cursor = static_cast<char*>(s.allocation);
+    s.y = carve<char>(cursor, capacity_rows() * h * kBf16Bytes);
+    s.shared_out = carve<char>(cursor, padded_tokens_ * h * kBf16Bytes);
+    s.tickets = carve<int32_t>(cursor, kNumTickets);
+    s.shared_schedule = carve<SharedSchedule>(cursor, 1);
+    const SharedSchedule shared{{shape_.num_tokens},
+                                {0, static_cast<int32_t>(padded_tokens_)},
+                                {static_cast<int32_t>(padded_tokens_)}};
+    MOK_CHECK_CUDA(cudaMemcpy(s.shared_schedule, &shared, sizeof(shared), cudaMemcpyHostToDevice));
+  }
+}
+
+MoeWorkspace::~MoeWorkspace() {
+  for (int r : group_.local_ranks()) {
+    if (ranks_[r].allocation == nullptr) continue;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(ranks_[r].device);
+    cudaFree(ranks_[r].allocation);
+    cudaSetDevice(previous);
+  }
+}
+
+const MoeWorkspace::RankState& MoeWorkspace::state(int rank) const {
+  require(group_.is_local(rank), "rank " + std::to_string(rank) + " is not a local rank of the workspace's group");
+  return ranks_[rank];
+}
+
+ForwardContext MoeWorkspace::make_context(int rank) const {
+  const RankState& s = state(rank);
+  DeviceGuard guard(s.device);
+  const int64_t h = shape_.hidden, i = shape_.intermediate;
+  const int64_t bytes = schedule::round_up(schedule_.schedule_elements() * 4, 256) +
+                        schedule::round_up(capacity_rows() * h * kBf16Bytes, 256) +
+                        schedule::round_up(capacity_rows() * i * kBf16Bytes, 256) +
+                        schedule::round_up(padded_tokens_ * i * kBf16Bytes, 256);
+  ForwardContext ctx;
+  ctx.rank_ = rank;
+  ctx.device_ = s.device;
+  MOK_CHECK_CUDA(cudaMalloc(&ctx.allocation_, bytes));
+  // Zero once: padding rows of the shared expert's hidden tile and rows no schedule has written yet.
+  MOK_CHECK_CUDA(cudaMemset(ctx.allocation_, 0, bytes));
+  char* cursor = static_cast<char*>(ctx.allocation_);
+  ctx.schedule_buffer_ = carve<int32_t>(cursor, schedule_.schedule_elements());
+  ctx.expert_rows_ = carve<char>(cursor, capacity_rows() * h * kBf16Bytes);
+  ctx.hidden_ = carve<char>(cursor, capacity_rows() * i * kBf16Bytes);
+  ctx.shared_hidden_ = carve<char>(cursor, padded_tokens_ * i * kBf16Bytes);
+  ctx.schedule_ = schedule_.view(rank, ctx.schedule_buffer_);
+  MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  return ctx;
+}
+
+void MoeWorkspace::validate(const RankForward& f, bool needs_layer_inputs) const {
+  const std::string where = "rank " + std::to_string(f.rank) + ": ";
+  try {
+    const RankState& s = state(f.rank);
+    require(f.context != nullptr && f.context->rank() == f.rank,
+            "context: must be a ForwardContext made by make_context(" + std::to_string(f.rank) + ")");
+    detail::check_routing_inputs(f, shape_, s.device);
+    if (needs_layer_inputs) detail::check_layer_inputs(f, shape_, s.device);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("MoeWorkspace: " + where + e.what());
+  }
+}
+
+void MoeWorkspace::build_schedule(std::span<const RankForward> ranks) {
+  for (const RankForward& f : ranks) validate(f, false);
+  for (const RankForward& f : ranks) {
+    const IndexType index = f.topk_idx.dtype == DType::kInt64 ? IndexType::kInt64 : IndexType::kInt32;
+    schedule_.gather_topk(f.rank, f.topk_idx.data, index, f.stream);
+  }
+  for (const RankForward& f : ranks) schedule_.build(f.rank, f.stream, f.context->schedule_buffer_);
+}
+
+void MoeWorkspace::forward_with_schedule(std::span<const RankForward> ranks) {
+  for (const RankForward& f : ranks) validate(f, true);
+  for (const RankForward& f : ranks) publish(f);
+  for (const RankForward& f : ranks) compute(f);
+  for (const RankForward& f : ranks) combine(f);
+}
+
+void MoeWorkspace::forward(std::span<const RankForward> ranks) {
+  build_schedule(ranks);
+  forward_with_schedule(ranks);
+}
+
+StatusReport MoeWorkspace::read_status(int rank, cudaStream_t stream) const {
+  return schedule_.read_status(rank, stream);
+}
+
+namespace {
+
+device::BarrierParams barrier_params(const SymmetricAllocation& flags, int rank, int ep_size, DeviceStatus* status,
+                                     double timeout_s) {
+  return {flags.peers(rank), rank, ep_size, status, static_cast<uint64_t>(timeout_s * 1e9)};
+}
+
+// One grid-stride launch of row kernels: enough warps to keep NVLink busy, at most a few CTAs per SM.
+int row_kernel_ctas(int64_t rows, int warps_per_cta, int num_sms) {
+  return static_cast<int>(std::clamp<int64_t>((rows + warps_per_cta - 1) / warps_per_cta, 1, int64_t(num_sms) * 4));
+}
+
+}  // namespace
+
+// Phase 1: x into the symmetric buffer, "x is readable" to every peer, then the shared expert (local work
+// that overlaps the peers catching up).
+void MoeWorkspace::publish(const RankForward& f) {
+  const RankState& s = state(f.rank);
+  DeviceGuard guard(s.device);
+  const int64_t h = shape_.hidden;
+  MOK_CHECK_CUDA(cudaMemcpyAsync(x_.on(f.rank), f.x.data, int64_t(shape_.num_tokens) * h * kBf16Bytes,
+                                 cudaMemcpyDeviceToDevice, f.stream));
+  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
+                                      options_.schedule.wait_timeout_s);
+  device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
+  MOK_CHECK_CUDA(cudaGetLastError());
+  if (!shape_.shared_expert) return;
+
+  ExpertGemmArgs gate_up;
+  gate_up.epilogue = GemmEpilogue::kSwiGLU;
+  gate_up.a = x_.on(f.rank);
+  gate_up.a_rows = padded_tokens_;
+  gate_up.k = shape_.hidden;
+  gate_up.b = f.weights->shared_gate.data;
+  gate_up.b_up = f.weights->shared_up.data;
+  gate_up.n = shape_.intermediate;
+  gate_up.local_experts = 1;
+  gate_up.expert_counts = s.shared_schedule->counts;
+  gate_up.expert_row_offsets = s.shared_schedule->row_offsets;
+  gate_up.scheduled_rows = s.shared_schedule->scheduled_rows;
+  gate_up.tile_m = options_.schedule.tile_m;
+  gate_up.swiglu_limit = shape_.swiglu_limit;
+  gate_up.out = f.context->shared_hidden_;
+  gate_up.ticket = s.tickets + kSharedGateUp;
+  expert_gemm(gate_up, f.stream);
+
+  ExpertGemmArgs down = gate_up;
+  down.epilogue = GemmEpilogue::kStore;
+  down.a = f.context->shared_hidden_;
+  down.k = shape_.intermediate;
+  down.b = f.weights->shared_down.data;
+  down.b_up = nullptr;
+  down.n = shape_.hidden;
+  down.swiglu_limit = 0;
+  down.out = s.shared_out;
+  down.ticket = s.tickets + kSharedDown;
+  expert_gemm(down, f.stream);
+}
+
+// Phase 2: wait for every rank's x, pull the scheduled rows, the routed experts, push the outputs home,
+// "your rows are written" to every peer.
+void MoeWorkspace::compute(const RankForward& f) {
+  const RankState& s = state(f.rank);
+  DeviceGuard guard(s.device);
+  ForwardContext& ctx = *f.context;
+  const ScheduleView& v = ctx.schedule_;
+  const int row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16);
+  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
+                                      options_.schedule.wait_timeout_s);
+  device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
+  MOK_CHECK_CUDA(cudaGetLastError());
+
+  const dispatch::PullParams pull{x_.peers(f.rank), static_cast<uint4*>(ctx.expert_rows_), v.row_route,
+                                  v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};
+  dispatch::pull_rows_kernel<<<row_kernel_ctas(capacity_rows(), dispatch::PullTraits::kWarps, s.num_sms),
+                               dispatch::PullTraits::kThreads, 0, f.stream>>>(pull);
+  MOK_CHECK_CUDA(cudaGetLastError());
+
+  const MoeWeights& w = *f.weights;
+  ExpertGemmArgs gate_up;
+  gate_up.epilogue = GemmEpilogue::kSwiGLU;
+  gate_up.a = ctx.expert_rows_;
+  gate_up.a_rows = capacity_rows();
+  gate_up.k = shape_.hidden;
+  gate_up.b = w.expert_gate.data;
+  gate_up.b_up = w.expert_up.data;  // null: fused [E, 2I, H]
+  gate_up.n = shape_.intermediate;
+  gate_up.local_experts = shape_.local_experts();
+  gate_up.expert_counts = v.expert_counts;
+  gate_up.expert_row_offsets = v.expert_row_offsets;
+  gate_up.scheduled_rows = v.scheduled_rows;
+  gate_up.tile_m = options_.schedule.tile_m;
+  gate_up.swiglu_limit = shape_.swiglu_limit;
+  gate_up.out = ctx.hidden_;
+  gate_up.ticket = s.tickets + kExpertGateUp;
+  expert_gemm(gate_up, f.stream);
+
+  ExpertGemmArgs down = gate_up;
+  down.epilogue = GemmEpilogue::kStore;
+  down.a = ctx.hidden_;
+  down.k = shape_.intermediate;
+  down.b = w.expert_down.data;
+  down.b_up = nullptr;
+  down.n = shape_.hidden;
+  down.swiglu_limit = 0;
+  down.out = s.y;
+  down.ticket = s.tickets + kExpertDown;
+  expert_gemm(down, f.stream);
+
+  const combine::PushParams push{combined_.peers(f.rank), static_cast<const uint4*>(s.y), v.row_route,
+                                 v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};
+  combine::push_rows_kernel<<<row_kernel_ctas(capacity_rows(), combine::PushTraits::kWarps, s.num_sms),
+                              combine::PushTraits::kThreads, 0, f.stream>>>(push);
+  MOK_CHECK_CUDA(cudaGetLastError());
+  device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+// Phase 3: wait for every expert rank's rows, then out = shared + sum_j rw * y_j.
+void MoeWorkspace::combine(const RankForward& f) {
+  const RankState& s = state(f.rank);
+  DeviceGuard guard(s.device);
+  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
+                                      options_.schedule.wait_timeout_s);
+  device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
+  MOK_CHECK_CUDA(cudaGetLastError());
+
+  const combine::EpilogueParams p{static_cast<const uint4*>(combined_.on(f.rank)),
+                                  shape_.shared_expert ? static_cast<const uint4*>(s.shared_out) : nullptr,
+                                  static_cast<const float*>(f.router_weights.data),
+                                  f.topk_idx.data,
+                                  static_cast<uint4*>(f.out.mutable_data()),
+                                  shape_.num_tokens,
+                                  shape_.top_k,
+                                  shape_.num_experts,
+                                  static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns)};
+  const int64_t threads = int64_t(shape_.num_tokens) * p.row_vectors;
+  constexpr int kThreads = combine::EpilogueTraits::kThreads;
+  const int ctas = static_cast<int>(std::min<int64_t>((threads + kThreads - 1) / kThreads, int64_t(s.num_sms) * 8));
+  if (f.topk_idx.dtype == DType::kInt64)
+    combine::combine_epilogue_kernel<int64_t><<<ctas, kThreads, 0, f.stream>>>(p);
+  else
+    combine::combine_epilogue_kernel<int32_t><<<ctas, kThreads, 0, f.stream>>>(p);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace mok

@@ -1,0 +1,113 @@
+// Host-side argument types and validation of the MoE layer (include/mok/moe.h): every error names the
+// argument and says what was expected and what was given.
+#include <stdexcept>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "mok/moe.h"
+
+namespace mok {
+namespace {
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat32: return "fp32";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+  }
+  return "unknown dtype";
+}
+
+std::string shape_text(std::initializer_list<int64_t> shape) {
+  std::string text = "[";
+  for (int64_t d : shape) text += (text.size() > 1 ? ", " : "") + std::to_string(d);
+  return text + "]";
+}
+
+}  // namespace
+
+TensorRef::TensorRef(const void* data_, DType dtype_, std::initializer_list<int64_t> shape_)
+    : data(data_), dtype(dtype_), ndim(static_cast<int>(shape_.size())) {
+  require(shape_.size() <= kMaxDims, "TensorRef: at most " + std::to_string(kMaxDims) + " dimensions");
+  int d = 0;
+  for (int64_t extent : shape_) shape[d++] = extent;
+}
+
+std::string TensorRef::describe() const {
+  if (data == nullptr) return "empty";
+  std::string text = std::string(dtype_name(dtype)) + " [";
+  for (int d = 0; d < ndim; ++d) text += (d ? ", " : "") + std::to_string(shape[d]);
+  return text + "]";
+}
+
+void MoeShape::validate() const {
+  routing().validate();
+  require(hidden > 0 && hidden % 256 == 0,
+          "MoeShape.hidden must be a positive multiple of 256 (the down GEMM's output tile), got " + std::to_string(hidden));
+  require(intermediate > 0 && intermediate % 128 == 0,
+          "MoeShape.intermediate must be a positive multiple of 128 (the SwiGLU GEMM's output tile), got " +
+              std::to_string(intermediate));
+  require(swiglu_limit >= 0, "MoeShape.swiglu_limit must be >= 0 (0: plain SwiGLU)");
+}
+
+namespace detail {
+
+// `name` must be a tensor of `dtype` and `shape` on device `device`, its data aligned to `alignment` bytes.
+void check_tensor(const TensorRef& t, const char* name, DType dtype, std::initializer_list<int64_t> shape, int device,
+                  size_t alignment) {
+  const std::string expected = std::string(dtype_name(dtype)) + " " + shape_text(shape);
+  require(t.data != nullptr, std::string(name) + ": expected " + expected + ", got an empty tensor");
+  bool same = t.dtype == dtype && t.ndim == static_cast<int>(shape.size());
+  int d = 0;
+  for (int64_t extent : shape) same = same && t.shape[d++] == extent;
+  require(same, std::string(name) + ": expected " + expected + ", got " + t.describe());
+  require(reinterpret_cast<uintptr_t>(t.data) % alignment == 0,
+          std::string(name) + ": data must be " + std::to_string(alignment) + "-byte aligned");
+  cudaPointerAttributes attributes{};
+  const cudaError_t error = cudaPointerGetAttributes(&attributes, t.data);
+  if (error != cudaSuccess) cudaGetLastError();
+  require(error == cudaSuccess &&
+              (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged) &&
+              attributes.device == device,
+          std::string(name) + ": must be device memory of the rank's GPU " + std::to_string(device));
+}
+
+void check_weights(const MoeWeights& w, const MoeShape& s, int device) {
+  const int64_t e = s.local_experts(), h = s.hidden, i = s.intermediate;
+  if (w.expert_up.empty()) {
+    check_tensor(w.expert_gate, "weights.expert_gate (fused gate and up)", DType::kBFloat16, {e, 2 * i, h}, device, 16);
+  } else {
+    check_tensor(w.expert_gate, "weights.expert_gate", DType::kBFloat16, {e, i, h}, device, 16);
+    check_tensor(w.expert_up, "weights.expert_up", DType::kBFloat16, {e, i, h}, device, 16);
+  }
+  check_tensor(w.expert_down, "weights.expert_down", DType::kBFloat16, {e, h, i}, device, 16);
+  if (s.shared_expert) {
+    check_tensor(w.shared_gate, "weights.shared_gate", DType::kBFloat16, {i, h}, device, 16);
+    check_tensor(w.shared_up, "weights.shared_up", DType::kBFloat16, {i, h}, device, 16);
+    check_tensor(w.shared_down, "weights.shared_down", DType::kBFloat16, {h, i}, device, 16);
+  }
+}
+
+void check_routing_inputs(const RankForward& f, const MoeShape& s, int device) {
+  const int64_t t = s.num_tokens, k = s.top_k;
+  const DType index_dtype = f.topk_idx.dtype == DType::kInt64 ? DType::kInt64 : DType::kInt32;
+  check_tensor(f.topk_idx, "topk_idx", index_dtype, {t, k}, device, index_dtype == DType::kInt64 ? 8 : 4);
+}
+
+void check_layer_inputs(const RankForward& f, const MoeShape& s, int device) {
+  const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden;
+  check_tensor(f.x, "x", DType::kBFloat16, {t, h}, device, 16);
+  check_tensor(f.router_weights, "router_weights", DType::kFloat32, {t, k}, device, 4);
+  check_tensor(f.out, "out", DType::kBFloat16, {t, h}, device, 16);
+  require(f.weights != nullptr, "weights: must not be null");
+  check_weights(*f.weights, s, device);
+}
+
+}  // namespace detail
+}  // namespace mok

@@ -1,0 +1,380 @@
+#include "tests/common/moe_harness.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+
+#include "reference/routing_gen.h"
+#include "src/host/check.h"
+#include "src/host/device_guard.h"
+#include "tests/common/bf16.h"
+#include "tests/common/device_fill.h"
+
+namespace mok::testing {
+using detail::DeviceGuard;
+
+reference::LayerShape reference_shape(const MoeShape& s) {
+  reference::LayerShape r;
+  r.num_ranks = s.ep_size;
+  r.tokens_per_rank = s.num_tokens;
+  r.hidden = s.hidden;
+  r.intermediate = s.intermediate;
+  r.num_experts = s.num_experts;
+  r.top_k = s.top_k;
+  r.shared_expert = s.shared_expert;
+  r.swiglu_limit = s.swiglu_limit;
+  return r;
+}
+
+namespace {
+
+void round_all(std::vector<float>& v) {
+  for (float& x : v) x = round_to_bf16(x);
+}
+
+void scale_all(std::vector<float>& v, double scale) {
+  for (float& x : v) x = static_cast<float>(x * scale);
+}
+
+}  // namespace
+
+LayerData random_layer(const MoeShape& shape, uint64_t seed, double skew, double masked_fraction) {
+  LayerData d;
+  d.shape = reference_shape(shape);
+  d.params = reference::random_params<float>(d.shape, seed, 1.0);
+  scale_all(d.params.expert_gate, 1.0 / std::sqrt(shape.hidden));
+  scale_all(d.params.expert_up, 1.0 / std::sqrt(shape.hidden));
+  scale_all(d.params.expert_down, 1.0 / std::sqrt(shape.intermediate));
+  scale_all(d.params.shared_gate, 1.0 / std::sqrt(shape.hidden));
+  scale_all(d.params.shared_up, 1.0 / std::sqrt(shape.hidden));
+  scale_all(d.params.shared_down, 1.0 / std::sqrt(shape.intermediate));
+  for (auto* v : {&d.params.expert_gate, &d.params.expert_up, &d.params.expert_down, &d.params.shared_gate,
+                  &d.params.shared_up, &d.params.shared_down})
+    round_all(*v);
+  d.inputs = reference::random_inputs<float>(d.shape, seed + 1);
+  round_all(d.inputs.x);
+  const int64_t routes = int64_t(shape.num_tokens) * shape.top_k;
+  for (int r = 0; r < shape.ep_size; ++r) {
+    const reference::Routing routing =
+        reference::random_routing(shape.num_tokens, shape.top_k, shape.num_experts, skew, seed + 1000 + r);
+    std::copy(routing.topk_idx.begin(), routing.topk_idx.end(), d.inputs.topk_idx.begin() + r * routes);
+    std::copy(routing.router_weights.begin(), routing.router_weights.end(),
+              d.inputs.router_weights.begin() + r * routes);
+  }
+  std::mt19937_64 gen(seed + 7);
+  std::uniform_real_distribution<double> uniform(0, 1);
+  for (int32_t& id : d.inputs.topk_idx)
+    if (uniform(gen) < masked_fraction) id = -1;
+  return d;
+}
+
+LayerData provenance_layer(const MoeShape& shape, uint64_t seed, double masked_fraction, int hot_slot) {
+  if (shape.num_tokens > 4096 || shape.hidden < shape.intermediate + 3)
+    throw std::invalid_argument("provenance_layer: needs num_tokens <= 4096 and hidden >= intermediate + 3");
+  LayerData d = random_layer(shape, seed, 0, masked_fraction);
+  const int64_t h = shape.hidden, i = shape.intermediate, n = int64_t(shape.ep_size) * shape.num_tokens;
+  for (int64_t token = 0; token < n; ++token) {
+    float* x = d.inputs.x.data() + token * h;
+    const int64_t src = token / shape.num_tokens, t = token % shape.num_tokens;
+    for (int64_t c = 0; c < h; ++c) x[c] = static_cast<float>(hashed_int(seed, token * h + c, -4, 4));
+    x[0] = 1;
+    x[1] = static_cast<float>(src + 1);
+    x[2] = static_cast<float>(t % 64);
+    x[3] = static_cast<float>(t / 64);
+  }
+  for (int64_t r = 0; r < int64_t(d.inputs.router_weights.size()); ++r)
+    d.inputs.router_weights[r] = r % shape.top_k == hot_slot ? 1.f : 0.f;
+  // One expert's weights: gate picks x[0] * 32, up is the identity on the first I columns, down the identity
+  // back plus markers read off h[0] = 32.
+  auto set_expert = [&](float* gate, float* up, float* down, const float* markers, const int64_t* marker_rows) {
+    std::fill(gate, gate + i * h, 0.f);
+    std::fill(up, up + i * h, 0.f);
+    std::fill(down, down + h * i, 0.f);
+    for (int64_t r = 0; r < i; ++r) {
+      gate[r * h + 0] = 32;
+      up[r * h + r] = 1;
+      down[r * i + r] = 1.f / 32;
+    }
+    for (int m = 0; m < 2; ++m)
+      if (marker_rows[m] >= 0) down[marker_rows[m] * i + 0] = markers[m] / 32;
+  };
+  for (int64_t e = 0; e < shape.num_experts; ++e) {
+    const float markers[2] = {static_cast<float>((e + 1) % 16), static_cast<float>((e + 1) / 16)};
+    const int64_t rows[2] = {i, i + 1};
+    set_expert(d.params.expert_gate.data() + e * i * h, d.params.expert_up.data() + e * i * h,
+               d.params.expert_down.data() + e * h * i, markers, rows);
+  }
+  if (shape.shared_expert) {
+    const float markers[2] = {100, 0};
+    const int64_t rows[2] = {i + 2, -1};
+    set_expert(d.params.shared_gate.data(), d.params.shared_up.data(), d.params.shared_down.data(), markers, rows);
+  }
+  return d;
+}
+
+std::string check_provenance(const LayerData& data, int rank, const std::vector<uint16_t>& out) {
+  const reference::LayerShape& s = data.shape;
+  const int64_t h = s.hidden, i = s.intermediate, k = s.top_k;
+  for (int64_t t = 0; t < s.tokens_per_rank; ++t) {
+    const int64_t token = int64_t(rank) * s.tokens_per_rank + t;
+    const float* x = data.inputs.x.data() + token * h;
+    int32_t hot = -1;
+    for (int64_t j = 0; j < k; ++j)
+      if (data.inputs.router_weights[token * k + j] != 0) hot = data.inputs.topk_idx[token * k + j];
+    const float copies = (s.shared_expert ? 1.f : 0.f) + (hot >= 0 ? 1.f : 0.f);
+    for (int64_t c = 0; c < h; ++c) {
+      float want = 0;
+      if (c < i) want = copies * x[c];
+      if (c == i && hot >= 0) want = static_cast<float>((hot + 1) % 16);
+      if (c == i + 1 && hot >= 0) want = static_cast<float>((hot + 1) / 16);
+      if (c == i + 2 && s.shared_expert) want = 100;
+      const uint16_t got = out[t * h + c];
+      if (got != to_bf16_bits(want)) {
+        std::ostringstream m;
+        m << "rank " << rank << " token " << t << " column " << c << ": got " << from_bf16_bits(got) << ", want "
+          << want << " (hot expert " << hot << ", source rank encoded as x[1] = " << x[1] << ")";
+        return m.str();
+      }
+    }
+  }
+  return "";
+}
+
+// Device buffers of one local rank: inputs, weights, output, and its forward context.
+struct MoeHarness::RankBuffers {
+  int device = 0;
+  std::vector<void*> allocations;
+  void *x = nullptr, *topk = nullptr, *rw = nullptr, *out = nullptr;
+  void *expert_gate = nullptr, *expert_up = nullptr, *expert_down = nullptr;
+  void *shared_gate = nullptr, *shared_up = nullptr, *shared_down = nullptr;
+  MoeWeights weights;
+  ForwardContext context;
+
+  void* alloc(int64_t bytes) {
+    void* p = nullptr;
+    MOK_CHECK_CUDA(cudaMalloc(&p, std::max<int64_t>(bytes, 16)));
+    allocations.push_back(p);
+    return p;
+  }
+  ~RankBuffers() {
+    DeviceGuard guard(device);
+    context = ForwardContext();
+    for (void* p : allocations) cudaFree(p);
+  }
+};
+
+MoeHarness::MoeHarness(PeerGroup group, const MoeShape& shape, const MoeOptions& options)
+    : group_(std::move(group)), shape_(shape) {
+  workspace_ = std::make_unique<MoeWorkspace>(group_, shape_, options);
+  const std::vector<int> local = group_.local_ranks();
+  streams_.assign(shape_.ep_size, nullptr);
+  buffers_.resize(shape_.ep_size);
+  const int64_t t = shape_.num_tokens, k = shape_.top_k, h = shape_.hidden, i = shape_.intermediate;
+  const int64_t e = shape_.local_experts();
+  for (int r : local) {
+    DeviceGuard guard(group_.device(r));
+    if (!group_.is_virtual() || r == local.front())
+      MOK_CHECK_CUDA(cudaStreamCreateWithFlags(&streams_[r], cudaStreamNonBlocking));
+    else
+      streams_[r] = streams_[local.front()];
+    auto b = std::make_unique<RankBuffers>();
+    b->device = group_.device(r);
+    b->x = b->alloc(t * h * 2);
+    b->topk = b->alloc(t * k * 8);
+    b->rw = b->alloc(t * k * 4);
+    b->out = b->alloc(t * h * 2);
+    b->expert_gate = b->alloc(e * i * h * 2);
+    b->expert_up = b->alloc(e * i * h * 2);
+    b->expert_down = b->alloc(e * h * i * 2);
+    if (shape_.shared_expert) {
+      b->shared_gate = b->alloc(i * h * 2);
+      b->shared_up = b->alloc(i * h * 2);
+      b->shared_down = b->alloc(h * i * 2);
+    }
+    b->weights.expert_gate = TensorRef(b->expert_gate, DType::kBFloat16, {e, i, h});
+    b->weights.expert_up = TensorRef(b->expert_up, DType::kBFloat16, {e, i, h});
+    b->weights.expert_down = TensorRef(b->expert_down, DType::kBFloat16, {e, h, i});
+    if (shape_.shared_expert) {
+      b->weights.shared_gate = TensorRef(b->shared_gate, DType::kBFloat16, {i, h});
+      b->weights.shared_up = TensorRef(b->shared_up, DType::kBFloat16, {i, h});
+      b->weights.shared_down = TensorRef(b->shared_down, DType::kBFloat16, {h, i});
+    }
+    b->context = workspace_->make_context(r);
+    RankForward f;
+    f.rank = r;
+    f.x = TensorRef(b->x, DType::kBFloat16, {t, h});
+    f.topk_idx = TensorRef(b->topk, DType::kInt32, {t, k});
+    f.router_weights = TensorRef(b->rw, DType::kFloat32, {t, k});
+    f.weights = &b->weights;
+    f.out = TensorRef(b->out, DType::kBFloat16, {t, h});
+    f.context = &b->context;
+    f.stream = streams_[r];
+    args_.push_back(f);
+    buffers_[r] = std::move(b);
+  }
+}
+
+MoeHarness::~MoeHarness() {
+  for (int r : group_.local_ranks()) {
+    DeviceGuard guard(group_.device(r));
+    cudaStreamSynchronize(streams_[r]);
+  }
+  buffers_.clear();
+  for (int r : group_.local_ranks()) {
+    if (group_.is_virtual() && r != group_.local_ranks().front()) continue;
+    DeviceGuard guard(group_.device(r));
+    cudaStreamDestroy(streams_[r]);
+  }
+  workspace_.reset();
+}
+
+RankForward& MoeHarness::args(int rank) {
+  for (RankForward& f : args_)
+    if (f.rank == rank) return f;
+  throw std::invalid_argument("MoeHarness: rank " + std::to_string(rank) + " is not local");
+}
+
+cudaStream_t MoeHarness::stream(int rank) const { return streams_.at(rank); }
+
+namespace {
+
+void copy_bf16(void* dst, const float* src, int64_t count) {
+  std::vector<uint16_t> bits(count);
+  for (int64_t n = 0; n < count; ++n) bits[n] = to_bf16_bits(src[n]);
+  MOK_CHECK_CUDA(cudaMemcpy(dst, bits.data(), count * 2, cudaMemcpyHostToDevice));
+}
+
+}  // namespace
+
+void MoeHarness::upload(const LayerData& data, DType index_dtype) {
+  const int64_t t = shape_.num_tokens, k = shape_.top_k, h = shape_.hidden, i = shape_.intermediate;
+  const int64_t e = shape_.local_experts();
+  for (RankForward& f : args_) {
+    const int r = f.rank;
+    RankBuffers& b = *buffers_[r];
+    DeviceGuard guard(b.device);
+    copy_bf16(b.x, data.inputs.x.data() + r * t * h, t * h);
+    copy_bf16(b.expert_gate, data.params.expert_gate.data() + r * e * i * h, e * i * h);
+    copy_bf16(b.expert_up, data.params.expert_up.data() + r * e * i * h, e * i * h);
+    copy_bf16(b.expert_down, data.params.expert_down.data() + r * e * h * i, e * h * i);
+    if (shape_.shared_expert) {
+      copy_bf16(b.shared_gate, data.params.shared_gate.data(), i * h);
+      copy_bf16(b.shared_up, data.params.shared_up.data(), i * h);
+      copy_bf16(b.shared_down, data.params.shared_down.data(), h * i);
+    }
+    const int32_t* ids = data.inputs.topk_idx.data() + r * t * k;
+    if (index_dtype == DType::kInt64) {
+      std::vector<int64_t> wide(ids, ids + t * k);
+      MOK_CHECK_CUDA(cudaMemcpy(b.topk, wide.data(), t * k * 8, cudaMemcpyHostToDevice));
+    } else {
+      MOK_CHECK_CUDA(cudaMemcpy(b.topk, ids, t * k * 4, cudaMemcpyHostToDevice));
+    }
+    f.topk_idx.dtype = index_dtype;
+    MOK_CHECK_CUDA(cudaMemcpy(b.rw, data.inputs.router_weights.data() + r * t * k, t * k * 4, cudaMemcpyHostToDevice));
+  }
+}
+
+void MoeHarness::fill_hashed(uint64_t seed, int range, float weight_scale, float x_scale) {
+  const int64_t t = shape_.num_tokens, h = shape_.hidden, i = shape_.intermediate;
+  const int64_t e = shape_.local_experts();
+  for (RankForward& f : args_) {
+    RankBuffers& b = *buffers_[f.rank];
+    DeviceGuard guard(b.device);
+    const uint64_t s = seed + 100 * uint64_t(f.rank);
+    fill_hashed_bf16(b.x, t * h, s, -range, range, nullptr, x_scale);
+    fill_hashed_bf16(b.expert_gate, e * i * h, s + 1, -range, range, nullptr, weight_scale);
+    fill_hashed_bf16(b.expert_up, e * i * h, s + 2, -range, range, nullptr, weight_scale);
+    fill_hashed_bf16(b.expert_down, e * h * i, s + 3, -range, range, nullptr, weight_scale);
+    if (shape_.shared_expert) {  // the same shared expert on every rank
+      fill_hashed_bf16(b.shared_gate, i * h, seed + 4, -range, range, nullptr, weight_scale);
+      fill_hashed_bf16(b.shared_up, i * h, seed + 5, -range, range, nullptr, weight_scale);
+      fill_hashed_bf16(b.shared_down, h * i, seed + 6, -range, range, nullptr, weight_scale);
+    }
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  }
+}
+
+void MoeHarness::upload_routing(const std::vector<std::vector<int32_t>>& topk,
+                                const std::vector<std::vector<float>>& weights) {
+  const int64_t routes = int64_t(shape_.num_tokens) * shape_.top_k;
+  for (RankForward& f : args_) {
+    RankBuffers& b = *buffers_[f.rank];
+    if (int64_t(topk.at(f.rank).size()) != routes || int64_t(weights.at(f.rank).size()) != routes)
+      throw std::invalid_argument("upload_routing: wrong size");
+    DeviceGuard guard(b.device);
+    MOK_CHECK_CUDA(cudaMemcpy(b.topk, topk[f.rank].data(), routes * 4, cudaMemcpyHostToDevice));
+    MOK_CHECK_CUDA(cudaMemcpy(b.rw, weights[f.rank].data(), routes * 4, cudaMemcpyHostToDevice));
+    f.topk_idx.dtype = DType::kInt32;
+  }
+}
+
+void MoeHarness::forward() {
+  const int64_t count = int64_t(shape_.num_tokens) * shape_.hidden;
+  const std::vector<uint16_t> poison(count, kBf16Poison);
+  for (RankForward& f : args_) {
+    DeviceGuard guard(buffers_[f.rank]->device);
+    MOK_CHECK_CUDA(cudaMemcpy(buffers_[f.rank]->out, poison.data(), count * 2, cudaMemcpyHostToDevice));
+  }
+  workspace_->forward(args_);
+}
+
+void MoeHarness::synchronize() {
+  for (const RankForward& f : args_) {
+    DeviceGuard guard(buffers_[f.rank]->device);
+    MOK_CHECK_CUDA(cudaStreamSynchronize(f.stream));
+  }
+}
+
+std::vector<uint16_t> MoeHarness::out_bits(int rank) {
+  synchronize();
+  std::vector<uint16_t> bits(int64_t(shape_.num_tokens) * shape_.hidden);
+  DeviceGuard guard(buffers_.at(rank)->device);
+  MOK_CHECK_CUDA(cudaMemcpy(bits.data(), buffers_[rank]->out, bits.size() * 2, cudaMemcpyDeviceToHost));
+  return bits;
+}
+
+CheckRank MoeHarness::check_rank(int rank) const {
+  const RankBuffers& b = *buffers_.at(rank);
+  return {b.x, static_cast<const int32_t*>(b.topk), static_cast<const float*>(b.rw), b.expert_gate, b.expert_up,
+          b.expert_down};
+}
+
+CheckShared MoeHarness::check_shared(int rank) const {
+  const RankBuffers& b = *buffers_.at(rank);
+  return {b.shared_gate, b.shared_up, b.shared_down};
+}
+
+StatusReport MoeHarness::status(int rank) { return workspace_->read_status(rank, stream(rank)); }
+
+std::string BudgetResult::describe(int hidden) const {
+  std::ostringstream s;
+  s << "worst |gpu - ref| / budget = " << worst_ratio;
+  if (worst_index >= 0)
+    s << " at token " << worst_index / hidden << ", column " << worst_index % hidden << " (gpu " << got << ", ref "
+      << want << ")";
+  return s.str();
+}
+
+BudgetResult compare_within_budget(const std::vector<uint16_t>& gpu, const float* ref, int64_t count) {
+  double sum_squares = 0;
+  for (int64_t n = 0; n < count; ++n) sum_squares += double(ref[n]) * ref[n];
+  const double rms = std::sqrt(sum_squares / std::max<int64_t>(count, 1));
+  BudgetResult result;
+  for (int64_t n = 0; n < count; ++n) {
+    const float got = from_bf16_bits(gpu[n]);
+    const double budget = std::ldexp(std::fabs(ref[n]) + rms, -6);
+    const double ratio = std::isfinite(got) ? std::fabs(got - ref[n]) / budget : std::numeric_limits<double>::infinity();
+    if (!(ratio <= result.worst_ratio)) {
+      result.worst_ratio = ratio;
+      result.worst_index = n;
+      result.got = got;
+      result.want = ref[n];
+    }
+  }
+  return result;
+}
+
+}  // namespace mok::testing

@@ -1,0 +1,95 @@
+// Drives the unfused MoE forward for every local rank of a peer group from host data (tests and the main
+// program): uploads each rank's slice of a global problem, runs MoeWorkspace::forward and reads back.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "mok/moe.h"
+#include "reference/moe_reference.h"
+#include "tests/common/moe_check.h"
+
+namespace mok::testing {
+
+// One problem for all ranks, in the CPU reference's global layout; every value is exactly a bf16.
+struct LayerData {
+  reference::LayerShape shape;
+  reference::LayerParams<float> params;
+  reference::LayerInputs<float> inputs;
+};
+
+reference::LayerShape reference_shape(const MoeShape& shape);
+
+// x ~ N(0, 1); weights ~ N(0, 1 / fan_in); routing: softmax top-k of N(0, 1) logits, with a Zipf-like
+// expert bias when skew > 0 (reference/routing_gen.h); a fraction of the routes masked with -1. Rounded
+// to bf16.
+LayerData random_layer(const MoeShape& shape, uint64_t seed, double skew = 0, double masked_fraction = 0);
+
+// Provenance problem: every output value is an exact small integer that encodes where it came from.
+//   x[src, t] = (1, src + 1, t % 64, t / 64, hashed in [-4, 4] ...)       (needs T <= 4096, H >= I + 3)
+//   every expert e: g = 32 (silu(32) == 32 in fp32), u = x[:I], so h = 32 * x[:I]; y[:I] = x[:I],
+//   y[I] = (e + 1) % 16, y[I + 1] = (e + 1) / 16; the shared expert: y[:I] = x[:I], y[I + 2] = 100.
+//   router weight 1 on slot `hot_slot`, 0 elsewhere; a fraction of the routes masked.
+// So out[t] = (2 x[:I] or x[:I] if the hot route is masked, the hot expert's id, 100, zeros).
+LayerData provenance_layer(const MoeShape& shape, uint64_t seed, double masked_fraction, int hot_slot);
+// Empty when rank `rank`'s output is exactly what provenance_layer encodes; else the first mismatch.
+std::string check_provenance(const LayerData& data, int rank, const std::vector<uint16_t>& out);
+
+class MoeHarness {
+ public:
+  // Virtual ranks share one stream; other groups get a stream per local rank.
+  MoeHarness(PeerGroup group, const MoeShape& shape, const MoeOptions& options = {});
+  ~MoeHarness();
+  MoeHarness(const MoeHarness&) = delete;
+  MoeHarness& operator=(const MoeHarness&) = delete;
+
+  // Copies each local rank's slice of `data` to its GPU; ids as int32 or int64.
+  void upload(const LayerData& data, DType index_dtype = DType::kInt32);
+  // Large problems without host copies: weights and x from device_fill's hash (integers in [-range, range]
+  // times `scale`, exact in bf16), routing from the host.
+  void fill_hashed(uint64_t seed, int range, float weight_scale, float x_scale);
+  void upload_routing(const std::vector<std::vector<int32_t>>& topk, const std::vector<std::vector<float>>& weights);
+
+  // Fills every `out` with a bf16 NaN, then issues the forward of all local ranks. Asynchronous.
+  void forward();
+  void synchronize();
+  std::vector<uint16_t> out_bits(int rank);  // synchronizes
+  StatusReport status(int rank);            // synchronizes
+
+  // The rank's device tensors, for check_rows_fp32.
+  CheckRank check_rank(int rank) const;
+  CheckShared check_shared(int rank) const;
+
+  MoeWorkspace& workspace() { return *workspace_; }
+  const PeerGroup& group() const { return group_; }
+  RankForward& args(int rank);
+  cudaStream_t stream(int rank) const;
+  // All local ranks' arguments, in rank order (what MoeWorkspace's calls take).
+  const std::vector<RankForward>& all_args() const { return args_; }
+
+ private:
+  struct RankBuffers;
+  PeerGroup group_;
+  MoeShape shape_;
+  std::unique_ptr<MoeWorkspace> workspace_;
+  std::vector<cudaStream_t> streams_;
+  std::vector<std::unique_ptr<RankBuffers>> buffers_;  // [ep_size], null for non-local ranks
+  std::vector<RankForward> args_;                      // local ranks
+};
+
+// Largest |gpu - ref| / (2^-6 * (|ref| + rms(ref))) over a rank's output, and where it is; NaN counts as
+// infinitely far. The budget covers the bf16 roundings of hidden, expert and shared outputs and of out.
+struct BudgetResult {
+  double worst_ratio = 0;
+  int64_t worst_index = -1;
+  float got = 0;
+  double want = 0;
+  std::string describe(int hidden) const;
+};
+BudgetResult compare_within_budget(const std::vector<uint16_t>& gpu, const float* ref, int64_t count);
+
+}  // namespace mok::testing

@@ -1,0 +1,325 @@
+// The unfused MoE forward (include/mok/moe.h) on one GPU: virtual ranks for EP = 1, 2, 4, 8.
+//   - scaled-down model shapes against the CPU reference (fp64 accumulation on the same bf16 values),
+//     within the budget of compare_within_budget; full-size shapes against an fp32 GPU check
+//   - provenance: outputs that encode source rank, token and expert exactly (misrouting is caught bitwise)
+//   - reruns, tile heights and capacities bitwise equal; a captured CUDA graph replays to the same bits
+//   - skewed routing, experts with no tokens, masked routes, int64 ids
+//   - host validation names the argument; bad ids and capacity overflow reach the status word
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "mok/moe.h"
+#include "reference/moe_reference.h"
+#include "reference/routing_gen.h"
+#include "src/host/check.h"
+#include "tests/common/bf16.h"
+#include "tests/common/gpu_env.h"
+#include "tests/common/moe_harness.h"
+
+namespace mok {
+namespace {
+
+using testing::LayerData;
+using testing::MoeHarness;
+
+MoeShape make_shape(int ep, int tokens, int top_k, int experts, int hidden, int intermediate, bool shared = true) {
+  MoeShape s;
+  s.ep_size = ep;
+  s.num_tokens = tokens;
+  s.top_k = top_k;
+  s.num_experts = experts;
+  s.hidden = hidden;
+  s.intermediate = intermediate;
+  s.shared_expert = shared;
+  return s;
+}
+
+// The four model shapes with experts / 8, hidden 512 and intermediate scaled like the model's I / H.
+MoeShape scaled_model_shape(const reference::ModelShape& m, int ep, int tokens) {
+  const int intermediate = m.intermediate * 512 / m.hidden >= 256 ? 256 : 128;
+  return make_shape(ep, tokens, m.top_k, m.num_experts / 8, 512, intermediate);
+}
+
+// GPU output of every rank against the CPU reference; returns the worst budget ratio.
+double check_against_reference(MoeHarness& harness, const LayerData& data, const std::string& label) {
+  const reference::ForwardTrace<float> ref = reference::forward(data.shape, data.params, data.inputs);
+  const int64_t per_rank = int64_t(data.shape.tokens_per_rank) * data.shape.hidden;
+  double worst = 0;
+  for (int r = 0; r < data.shape.num_ranks; ++r) {
+    const auto out = harness.out_bits(r);
+    const auto result = testing::compare_within_budget(out, ref.out.data() + r * per_rank, per_rank);
+    EXPECT_LE(result.worst_ratio, 1.0) << label << " rank " << r << ": " << result.describe(data.shape.hidden);
+    worst = std::max(worst, result.worst_ratio);
+  }
+  return worst;
+}
+
+TEST(MoeForwardTest, ScaledModelShapesMatchCpuReference) {
+  MOK_REQUIRE_GPUS(1);
+  std::printf("shape            EP  tokens  worst error / budget\n");
+  uint64_t seed = 1;
+  for (const auto& m : reference::model_shapes()) {
+    for (int ep : {1, 2, 4, 8}) {
+      const MoeShape shape = scaled_model_shape(m, ep, 160);
+      MoeHarness harness(PeerGroup::virtual_ranks(ep), shape);
+      const LayerData data = testing::random_layer(shape, ++seed, 0, ep == 4 ? 0.05 : 0);
+      harness.upload(data, ep == 2 ? DType::kInt64 : DType::kInt32);
+      harness.forward();
+      for (int r = 0; r < ep; ++r) ASSERT_TRUE(harness.status(r).ok()) << harness.status(r).describe(160, m.top_k, shape.num_experts);
+      const std::string label = m.name + " EP=" + std::to_string(ep) + " seed " + std::to_string(seed);
+      const double worst = check_against_reference(harness, data, label);
+      std::printf("%-16s %2d %7d  %.3f\n", m.name.c_str(), ep, shape.num_tokens, worst);
+    }
+  }
+}
+
+TEST(MoeForwardTest, SkewedRoutingEmptyExpertsAndClampedSwiGLU) {
+  MOK_REQUIRE_GPUS(1);
+  MoeShape shape = make_shape(4, 200, 6, 32, 256, 128);
+  {  // Zipf-skewed routing: several experts get no rows
+    MoeHarness harness(PeerGroup::virtual_ranks(4), shape);
+    const LayerData data = testing::random_layer(shape, 11, 3.0, 0.1);
+    harness.upload(data);
+    harness.forward();
+    check_against_reference(harness, data, "skewed");
+  }
+  {  // every route to rank 0's experts: ranks 1..3 have no rows at all
+    MoeHarness harness(PeerGroup::virtual_ranks(4), shape);
+    LayerData data = testing::random_layer(shape, 12);
+    for (size_t q = 0; q < data.inputs.topk_idx.size(); ++q)
+      data.inputs.topk_idx[q] = static_cast<int32_t>(q % shape.top_k);  // experts 0..5 live on rank 0
+    harness.upload(data);
+    harness.forward();
+    check_against_reference(harness, data, "all to rank 0");
+  }
+  {  // clamped SwiGLU without a shared expert
+    shape.shared_expert = false;
+    shape.swiglu_limit = 0.5f;
+    MoeHarness harness(PeerGroup::virtual_ranks(2), [&] { auto s = shape; s.ep_size = 2; return s; }());
+    auto s2 = shape;
+    s2.ep_size = 2;
+    const LayerData data = testing::random_layer(s2, 13);
+    harness.upload(data);
+    harness.forward();
+    check_against_reference(harness, data, "clamped, no shared expert");
+  }
+}
+
+TEST(MoeForwardTest, ProvenanceEncodesRankTokenAndExpert) {
+  MOK_REQUIRE_GPUS(1);
+  for (int ep : {2, 8}) {
+    const MoeShape shape = make_shape(ep, 96, 4, 32, 256, 128);
+    MoeHarness harness(PeerGroup::virtual_ranks(ep), shape);
+    for (int hot = 0; hot < shape.top_k; ++hot) {
+      const LayerData data = testing::provenance_layer(shape, 20 + hot, 0.1, hot);
+      harness.upload(data);
+      harness.forward();
+      for (int r = 0; r < ep; ++r) {
+        const std::string mismatch = testing::check_provenance(data, r, harness.out_bits(r));
+        ASSERT_TRUE(mismatch.empty()) << "EP=" << ep << " hot slot " << hot << ": " << mismatch;
+      }
+    }
+  }
+}
+
+std::vector<std::vector<uint16_t>> run_outputs(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options,
+                                               const LayerData& data, int runs = 1) {
+  MoeHarness harness(group, shape, options);
+  harness.upload(data);
+  std::vector<std::vector<uint16_t>> outs;
+  for (int run = 0; run < runs; ++run) {
+    harness.forward();
+    for (int r = 0; r < shape.ep_size; ++r) {
+      const StatusReport report = harness.status(r);
+      EXPECT_TRUE(report.ok()) << "rank " << r << ": " << report.describe(shape.num_tokens, shape.top_k, shape.num_experts);
+      outs.push_back(harness.out_bits(r));
+    }
+  }
+  return outs;
+}
+
+TEST(MoeForwardTest, BitwiseEqualAcrossRerunsTileHeightsAndCapacities) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = make_shape(4, 300, 8, 64, 512, 256);
+  const LayerData data = testing::random_layer(shape, 31, 1.0, 0.02);
+  const auto group = PeerGroup::virtual_ranks(4);
+  const auto base = run_outputs(group, shape, {}, data, 3);
+  for (int run = 1; run < 3; ++run)
+    for (int r = 0; r < 4; ++r) ASSERT_EQ(base[run * 4 + r], base[r]) << "rerun " << run << " rank " << r;
+  MoeOptions tall;
+  tall.schedule.tile_m = 128;
+  MoeOptions tight;
+  tight.schedule.capacity_rows = 5120;  // half the worst case (10624 rows), enough for this routing
+  for (const MoeOptions& options : {tall, tight}) {
+    const auto other = run_outputs(group, shape, options, data);
+    for (int r = 0; r < 4; ++r)
+      ASSERT_EQ(other[r], base[r]) << "tile_m " << options.schedule.tile_m << ", capacity "
+                                   << options.schedule.capacity_rows << ", rank " << r;
+  }
+}
+
+TEST(MoeForwardTest, CudaGraphReplayMatchesEager) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = make_shape(2, 256, 4, 16, 256, 128);
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+  const LayerData data = testing::random_layer(shape, 41);
+  harness.upload(data);
+  harness.forward();
+  const auto eager0 = harness.out_bits(0), eager1 = harness.out_bits(1);
+
+  const LayerData other = testing::random_layer(shape, 42);
+  cudaStream_t stream = harness.stream(0);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  MOK_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  harness.workspace().forward(harness.all_args());
+  MOK_CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  MOK_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    // Alternate inputs between replays: the graph must read the buffers, not replay old results.
+    harness.upload(replay % 2 == 0 ? data : other);
+    MOK_CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    const auto out0 = harness.out_bits(0), out1 = harness.out_bits(1);
+    if (replay % 2 == 0) {
+      ASSERT_EQ(out0, eager0) << "replay " << replay;
+      ASSERT_EQ(out1, eager1) << "replay " << replay;
+    } else {
+      ASSERT_NE(out0, eager0) << "replay " << replay << " ignored its new inputs";
+    }
+    ASSERT_TRUE(harness.status(0).ok());
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST(MoeForwardTest, ValidationNamesTheArgument) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = make_shape(2, 64, 2, 8, 256, 128);
+  auto expect_error = [](const std::function<void()>& call, const std::string& needle) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one naming " << needle;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_error([&] { auto s = shape; s.hidden = 200; s.validate(); }, "MoeShape.hidden");
+  expect_error([&] { auto s = shape; s.intermediate = 100; s.validate(); }, "MoeShape.intermediate");
+  expect_error([&] { auto s = shape; s.num_experts = 7; s.validate(); }, "num_experts");
+  expect_error([&] { MoeWorkspace ws(PeerGroup::virtual_ranks(4), shape); }, "ep_size");
+
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+  harness.upload(testing::random_layer(shape, 51));
+  auto with = [&](const std::function<void(RankForward&, MoeWeights&)>& edit) {
+    return [&, edit] {
+      RankForward f = harness.args(1);
+      MoeWeights w = *f.weights;
+      edit(f, w);
+      f.weights = &w;
+      harness.workspace().forward({&f, 1});
+    };
+  };
+  expect_error(with([](RankForward& f, MoeWeights&) { f.x.shape[1] = 128; }), "x: expected bf16 [64, 256]");
+  expect_error(with([](RankForward& f, MoeWeights&) { f.router_weights.dtype = DType::kBFloat16; }), "router_weights");
+  expect_error(with([](RankForward& f, MoeWeights&) { f.topk_idx.dtype = DType::kFloat32; }), "topk_idx");
+  expect_error(with([](RankForward& f, MoeWeights&) { f.out.data = static_cast<const char*>(f.out.data) + 2; }),
+               "out: data must be 16-byte aligned");
+  expect_error(with([](RankForward&, MoeWeights& w) { w.expert_down.shape[0] = 8; }), "weights.expert_down");
+  expect_error(with([](RankForward&, MoeWeights& w) { w.shared_up = TensorRef(); }), "weights.shared_up");
+  expect_error(with([](RankForward& f, MoeWeights&) { f.context = nullptr; }), "context");
+  expect_error(with([](RankForward& f, MoeWeights&) { f.rank = 5; }), "rank 5");
+  std::vector<uint16_t> host(64 * 256);
+  expect_error(with([&](RankForward& f, MoeWeights&) { f.x.data = host.data(); }), "x: must be device memory");
+  harness.synchronize();
+}
+
+TEST(MoeForwardTest, BadExpertIdAndCapacityOverflowReachTheStatusWord) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = make_shape(2, 128, 4, 16, 256, 128);
+  {
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+    LayerData data = testing::random_layer(shape, 61);
+    data.inputs.topk_idx[(128 + 5) * 4 + 2] = 16;  // rank 1, token 5, slot 2
+    harness.upload(data);
+    harness.forward();
+    for (int r = 0; r < 2; ++r) {
+      const StatusReport report = harness.status(r);
+      ASSERT_TRUE(report.raw.error_bits & kStatusBadExpertId) << "rank " << r << ": " << report.describe(128, 4, 16);
+      EXPECT_EQ(report.bad_route(), (128 + 5) * 4 + 2);
+    }
+  }
+  {
+    MoeOptions options;
+    options.schedule.capacity_rows = 128;  // far too small
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape, options);
+    harness.upload(testing::random_layer(shape, 62));
+    harness.forward();
+    const StatusReport report = harness.status(0);
+    ASSERT_TRUE(report.raw.error_bits & kStatusCapacityOverflow) << report.describe(128, 4, 16);
+    std::printf("overflow report: %s\n", report.describe(128, 4, 16).c_str());
+  }
+}
+
+// Full-size shapes at EP=2 (both ranks on this GPU), 8192 tokens per rank, against the fp32 GPU check on
+// sampled tokens. Hashed integer data (exact in bf16) keeps the fill on the GPU.
+TEST(MoeForwardTest, FullSizeShapesAgainstFp32Check) {
+  MOK_REQUIRE_GPUS(1);
+  std::printf("full size: shape            rank  sampled  worst error / budget\n");
+  for (const auto& m : reference::model_shapes()) {
+    const MoeShape shape = make_shape(2, 8192, m.top_k, m.num_experts, m.hidden, m.intermediate);
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+    // x in [-2, 2] / 2, weights in [-2, 2] / 64: the hidden and output values stay of order one.
+    harness.fill_hashed(71, 2, 1.f / 64, 0.5f);
+    const auto topk = reference::random_topk_per_rank(2, shape.num_tokens, m.top_k, m.num_experts, 0, 72);
+    std::vector<std::vector<float>> weights;
+    for (int r = 0; r < 2; ++r)
+      weights.push_back(reference::random_routing(shape.num_tokens, m.top_k, m.num_experts, 0, 72 + r).router_weights);
+    harness.upload_routing(topk, weights);
+    harness.forward();
+    std::vector<int32_t> samples;
+    for (int t = 0; t < shape.num_tokens; t += 61) samples.push_back(t);
+    samples.push_back(shape.num_tokens - 1);
+    const std::vector<testing::CheckRank> ranks{harness.check_rank(0), harness.check_rank(1)};
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(harness.status(r).ok()) << harness.status(r).describe(shape.num_tokens, m.top_k, m.num_experts);
+      const auto out = harness.out_bits(r);
+      const auto ref = testing::check_rows_fp32(shape, ranks, harness.check_shared(r), r, samples);
+      std::vector<uint16_t> got;
+      for (int32_t t : samples) got.insert(got.end(), out.begin() + int64_t(t) * m.hidden, out.begin() + int64_t(t + 1) * m.hidden);
+      const auto result = testing::compare_within_budget(got, ref.data(), int64_t(got.size()));
+      EXPECT_LE(result.worst_ratio, 1.0) << m.name << " rank " << r << ": " << result.describe(m.hidden);
+      std::printf("full size: %-16s %4d %8zu  %.3f\n", m.name.c_str(), r, samples.size(), result.worst_ratio);
+    }
+  }
+}
+
+// The fp32 GPU check itself, against the CPU reference on a small problem.
+TEST(MoeForwardTest, Fp32CheckAgreesWithCpuReference) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = make_shape(2, 64, 4, 16, 256, 128);
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+  const LayerData data = testing::random_layer(shape, 81, 0, 0.1);
+  harness.upload(data);
+  const reference::ForwardTrace<float> ref = reference::forward(data.shape, data.params, data.inputs);
+  std::vector<int32_t> samples;
+  for (int t = 0; t < 64; ++t) samples.push_back(t);
+  const std::vector<testing::CheckRank> ranks{harness.check_rank(0), harness.check_rank(1)};
+  for (int r = 0; r < 2; ++r) {
+    const auto check = testing::check_rows_fp32(shape, ranks, harness.check_shared(r), r, samples);
+    double worst = 0;
+    for (size_t n = 0; n < check.size(); ++n) {
+      const double want = ref.out[r * check.size() + n];
+      worst = std::max(worst, std::fabs(check[n] - want) / (1e-4 + 1e-4 * std::fabs(want)));
+    }
+    EXPECT_LE(worst, 1.0) << "rank " << r << ": fp32 check differs from the CPU reference";
+  }
+}
+
+}  // namespace
+}  // namespace mok
