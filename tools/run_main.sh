@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# Builds the library and runs the main program on the local GPU(s) (README's first command).
-#   tools/run_main.sh [mok_bench arguments, e.g. --shape Kimi-K2.7]
+# Builds the library and runs the main program on the local GPU(s) (README's first command): the MoE
+# forward-layer benchmark, ours vs the torchtitan-style PyTorch baseline, at EP=1 and, with two or more
+# GPUs, at EP = the number of GPUs (one process per GPU). Needs PyTorch.
+#   tools/run_main.sh [bench/layer_bench.py arguments, e.g. --shapes Kimi-K2.7 --iters 20]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tools/build.sh --target mok_bench
-"${MOK_BUILD_DIR:-build}/bench/mok_bench" "$@"
+tools/build.sh --target mok_bench_capi
+lib="${MOK_BUILD_DIR:-build}/bench/libmok_bench_capi.so"
+# NVLink multicast stays off on the shared machines (never use NVLS/multimem).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+python3 bench/layer_bench.py --lib "$lib" "$@"
+if [ "$gpus" -ge 2 ]; then
+  python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" bench/layer_bench.py --lib "$lib" "$@"
+fi
