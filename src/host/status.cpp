@@ -6,6 +6,28 @@
 #include <sstream>
 
 namespace mok {
+namespace {
+
+const char* role_name(int32_t role) {
+  switch (static_cast<Role>(role)) {
+    case Role::kNone: return "none";
+    case Role::kScheduleGather: return "schedule gather";
+    case Role::kScheduleCount: return "schedule count";
+    case Role::kBarrier: return "EP barrier";
+  }
+  return "unknown";
+}
+
+const char* counter_name(int32_t counter) {
+  switch (static_cast<CounterId>(counter)) {
+    case CounterId::kNone: return "none";
+    case CounterId::kTopkArrived: return "topk_arrived";
+    case CounterId::kBarrierArrived: return "barrier arrived";
+  }
+  return "unknown";
+}
+
+}  // namespace
 
 DeviceStatus initial_device_status() {
   DeviceStatus status;
@@ -38,7 +60,8 @@ std::string StatusReport::describe(int num_tokens, int top_k, int num_experts) c
         << " (raise ScheduleOptions.capacity_rows)\n";
   if (raw.error_bits & kStatusWaitTimeout)
     out << "spin-wait timed out on rank " << raw.timeout_rank << ", SM " << raw.timeout_sm << ", role "
-        << raw.timeout_role << ", counter " << raw.timeout_counter << "[" << raw.timeout_index << "]: awaited >= "
+        << role_name(raw.timeout_role) << ", counter " << counter_name(raw.timeout_counter) << "["
+        << raw.timeout_index << "]: awaited >= "
         << raw.timeout_awaited << ", saw " << raw.timeout_seen << "\n";
   std::string text = out.str();
   if (!text.empty() && text.back() == '\n') text.pop_back();

@@ -266,6 +266,25 @@ TEST(MoeForwardTest, BadExpertIdAndCapacityOverflowReachTheStatusWord) {
   }
 }
 
+// A rank whose peer never arrives reports the barrier (rank, role, counter, values) instead of hanging.
+TEST(MoeForwardTest, BarrierTimeoutIsReportedNotHung) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = make_shape(2, 64, 2, 8, 256, 128);
+  MoeOptions options;
+  options.schedule.wait_timeout_s = 0.2;
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape, options);
+  harness.upload(testing::random_layer(shape, 65));
+  harness.workspace().build_schedule(harness.all_args());
+  harness.workspace().forward_with_schedule({&harness.args(0), 1});  // rank 1 never publishes its x
+  const StatusReport report = harness.status(0);
+  ASSERT_TRUE(report.raw.error_bits & kStatusWaitTimeout) << report.describe(64, 2, 8);
+  EXPECT_EQ(report.raw.timeout_rank, 0);
+  EXPECT_EQ(report.raw.timeout_role, static_cast<int32_t>(Role::kBarrier));
+  EXPECT_EQ(report.raw.timeout_counter, static_cast<int32_t>(CounterId::kBarrierArrived));
+  EXPECT_EQ(report.raw.timeout_index, 1);
+  std::printf("timeout report: %s\n", report.describe(64, 2, 8).c_str());
+}
+
 // Full-size shapes at EP=2 (both ranks on this GPU), 8192 tokens per rank, against the fp32 GPU check on
 // sampled tokens. Hashed integer data (exact in bf16) keeps the fill on the GPU.
 TEST(MoeForwardTest, FullSizeShapesAgainstFp32Check) {
