@@ -19,11 +19,12 @@ status is 1 when a shape's error is above 2e-2 or NaN.
 Usage: python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/layer_bench.py   (EP=2)
        python3 bench/layer_bench.py                                                            (EP=1)
          [--lib build/bench/libmok_bench_capi.so] [--tokens 8192] [--iters 20] [--shapes A,B] [--skew 0]
-         [--only ours|base] [--check-only] [--seed 0]
+         [--only ours|base] [--check-only] [--breakdown] [--seed 0]
 """
 import argparse
 import ctypes
 import os
+import re
 import subprocess
 import sys
 import time
@@ -201,6 +202,28 @@ def dense_ceiling(tokens, top_k, hidden, inter):
     return lambda: (torch.mm(a1, b1, out=c1), torch.mm(a2, b2, out=c2))
 
 
+def kernel_breakdown(fn, iters=5):
+    """GPU time per forward by kernel (torch.profiler sees our library's kernels too): [(name, ms)], largest first.
+    Kernels of one template are told apart by their epilogue (the shared expert's GEMMs are in the same rows)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    totals = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us <= 0 or event.key.startswith("cuda"):  # runtime API rows, not kernels
+            continue
+        match = re.search(r"(\w+_kernel)", event.key)
+        label = match.group(1) if match else event.key[:40]
+        if label == "expert_gemm_kernel":
+            label += " swiglu" if re.search(r"Epilogue\)1|kSwiGLU", event.key) else " store"
+        totals[label] = totals.get(label, 0) + us / 1e3 / iters
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
 def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k):
     """Times and checks one shape, prints its row on rank 0; returns the relative error (None if not checked).
     Everything it allocates is freed on return."""
@@ -236,6 +259,7 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k):
         ref = base().float()
         err = ((out.float() - ref).norm() / ref.norm()).nan_to_num(nan=float("inf")).reshape(1)
         relerr = max_over_ranks(err).item()
+    breakdown = kernel_breakdown(ours) if args.breakdown and layer is not None else None
     if layer is not None:
         torch.cuda.synchronize()
         lib.mok_bench_layer_destroy(layer)
@@ -248,6 +272,8 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k):
     if rank == 0:
         print(f"{name:16s} {ep:2d} " + " ".join(f"{'-' if v is None else format(v, f):>{w}}" for v, w, f in cells),
               flush=True)
+        for label, ms in breakdown or []:
+            print(f"    {label:36s} {ms:7.3f} ms per forward (rank 0)", flush=True)
     return relerr
 
 
@@ -261,6 +287,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default="", choices=["", "ours", "base"], help="time only this one (for profilers)")
     parser.add_argument("--check-only", action="store_true", help="correctness check only, no timing")
+    parser.add_argument("--breakdown", action="store_true", help="also print our GPU time per kernel (torch.profiler)")
     args = parser.parse_args()
 
     ep = int(os.environ.get("WORLD_SIZE", "1"))

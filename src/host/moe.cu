@@ -41,6 +41,11 @@ struct SharedSchedule {
   int32_t scheduled_rows[1];
 };
 
+MoeShape validated(const MoeShape& shape) {
+  shape.validate();
+  return shape;
+}
+
 template <typename T>
 T* carve(char*& cursor, int64_t count) {
   T* p = reinterpret_cast<T*>(cursor);
@@ -94,7 +99,7 @@ void ForwardContext::release() {
 
 MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options)
     : group_(group),
-      shape_((shape.validate(), shape)),
+      shape_(validated(shape)),
       options_(options),
       schedule_(group_, shape.routing(), options.schedule) {
   const int tile_m = options_.schedule.tile_m;

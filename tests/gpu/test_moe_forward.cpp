@@ -98,13 +98,12 @@ TEST(MoeForwardTest, SkewedRoutingEmptyExpertsAndClampedSwiGLU) {
     harness.forward();
     check_against_reference(harness, data, "all to rank 0");
   }
-  {  // clamped SwiGLU without a shared expert
+  {  // clamped SwiGLU without a shared expert, EP=2
     shape.shared_expert = false;
     shape.swiglu_limit = 0.5f;
-    MoeHarness harness(PeerGroup::virtual_ranks(2), [&] { auto s = shape; s.ep_size = 2; return s; }());
-    auto s2 = shape;
-    s2.ep_size = 2;
-    const LayerData data = testing::random_layer(s2, 13);
+    shape.ep_size = 2;
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+    const LayerData data = testing::random_layer(shape, 13);
     harness.upload(data);
     harness.forward();
     check_against_reference(harness, data, "clamped, no shared expert");
