@@ -140,7 +140,8 @@ class MoeWorkspace {
   // with device peers or virtual ranks) and issue their kernels phase by phase: every rank's kernels of
   // one phase before any rank's next phase. That order is what virtual ranks need (their kernels share
   // one GPU and stream); other groups get each rank's work on its own stream, unsynchronized with the
-  // host. Every call validates all arguments first (std::invalid_argument naming the argument).
+  // host. Every call validates all arguments of all ranks before it issues anything
+  // (std::invalid_argument naming the rank and the argument).
 
   // All-gathers the top-k ids and builds each rank's schedule into its context. Uses rank, topk_idx,
   // context and stream.
@@ -163,6 +164,8 @@ class MoeWorkspace {
  private:
   struct RankState;
   void validate(const RankForward& f, bool needs_layer_inputs) const;
+  void issue_schedule(std::span<const RankForward> ranks);
+  void issue_layer(std::span<const RankForward> ranks);
   void publish(const RankForward& f);
   void compute(const RankForward& f);
   void combine(const RankForward& f);

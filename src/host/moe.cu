@@ -186,8 +186,25 @@ void MoeWorkspace::validate(const RankForward& f, bool needs_layer_inputs) const
   }
 }
 
+// Every public call validates all its arguments before it issues anything: a rejected call leaves no
+// half-issued step behind (a lone rank's schedule would wait for peers that never come).
 void MoeWorkspace::build_schedule(std::span<const RankForward> ranks) {
   for (const RankForward& f : ranks) validate(f, false);
+  issue_schedule(ranks);
+}
+
+void MoeWorkspace::forward_with_schedule(std::span<const RankForward> ranks) {
+  for (const RankForward& f : ranks) validate(f, true);
+  issue_layer(ranks);
+}
+
+void MoeWorkspace::forward(std::span<const RankForward> ranks) {
+  for (const RankForward& f : ranks) validate(f, true);
+  issue_schedule(ranks);
+  issue_layer(ranks);
+}
+
+void MoeWorkspace::issue_schedule(std::span<const RankForward> ranks) {
   for (const RankForward& f : ranks) {
     const IndexType index = f.topk_idx.dtype == DType::kInt64 ? IndexType::kInt64 : IndexType::kInt32;
     schedule_.gather_topk(f.rank, f.topk_idx.data, index, f.stream);
@@ -195,16 +212,10 @@ void MoeWorkspace::build_schedule(std::span<const RankForward> ranks) {
   for (const RankForward& f : ranks) schedule_.build(f.rank, f.stream, f.context->schedule_buffer_);
 }
 
-void MoeWorkspace::forward_with_schedule(std::span<const RankForward> ranks) {
-  for (const RankForward& f : ranks) validate(f, true);
+void MoeWorkspace::issue_layer(std::span<const RankForward> ranks) {
   for (const RankForward& f : ranks) publish(f);
   for (const RankForward& f : ranks) compute(f);
   for (const RankForward& f : ranks) combine(f);
-}
-
-void MoeWorkspace::forward(std::span<const RankForward> ranks) {
-  build_schedule(ranks);
-  forward_with_schedule(ranks);
 }
 
 StatusReport MoeWorkspace::read_status(int rank, cudaStream_t stream) const {
