@@ -1,7 +1,12 @@
 // The unfused MoE forward on two GPUs: device peers (CUDA peer access) and NCCL symmetric windows (two
 // communicators in this process, ncclCommInitAll), each bitwise against the same ranks run as virtual ranks
-// on one GPU; provenance through NCCL's LSA pointers; reruns bitwise; one full-size shape.
+// on one GPU; provenance through NCCL's LSA pointers, in one process and in one process per GPU (the way a
+// training job uses it); reruns bitwise; one full-size shape.
+#include <spawn.h>
+#include <sys/wait.h>
+
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -89,6 +94,33 @@ TEST(MoeMultiGpuTest, ProvenanceThroughNcclWindows) {
       const std::string mismatch = testing::check_provenance(data, r, harness.out_bits(r));
       ASSERT_TRUE(mismatch.empty()) << "hot slot " << hot << ": " << mismatch;
     }
+  }
+}
+
+// Two processes, one GPU each, the communicator built from a unique id (tests/multigpu/moe_nccl_rank.cpp).
+TEST(MoeMultiGpuTest, NcclAcrossProcesses) {
+  MOK_REQUIRE_GPUS(2);
+  ncclUniqueId id;
+  ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
+  std::string hex;
+  for (char byte : id.internal) {
+    char digits[3];
+    std::snprintf(digits, sizeof(digits), "%02x", static_cast<unsigned char>(byte));
+    hex += digits;
+  }
+  std::vector<pid_t> children;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::string rank_text = std::to_string(rank), size_text = "2", path = MOK_NCCL_RANK_PROGRAM;
+    char* argv[] = {path.data(), rank_text.data(), size_text.data(), hex.data(), nullptr};
+    pid_t pid = 0;
+    ASSERT_EQ(posix_spawn(&pid, path.c_str(), nullptr, nullptr, argv, environ), 0) << "cannot start " << path;
+    children.push_back(pid);
+  }
+  for (size_t rank = 0; rank < children.size(); ++rank) {
+    int status = 0;
+    ASSERT_EQ(waitpid(children[rank], &status, 0), children[rank]);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "rank " << rank << " process failed (its stderr is above), status " << status;
   }
 }
 

@@ -1,0 +1,55 @@
+// One rank of a multi-process NCCL test (spawned by test_moe_multigpu's NcclAcrossProcesses test, one
+// process per GPU): builds the communicator from a unique id, runs the provenance forward for every hot
+// slot on its rank and checks its output exactly. Exit status 0 when every output matched; otherwise a
+// message on stderr.
+//   moe_nccl_rank <rank> <ep_size> <unique id as 256 hex digits>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "mok/moe.h"
+#include "tests/common/moe_harness.h"
+
+int main(int argc, char** argv) {
+  if (argc != 4 || std::string(argv[3]).size() != 2 * sizeof(ncclUniqueId)) {
+    std::fprintf(stderr, "usage: moe_nccl_rank <rank> <ep_size> <unique id hex>\n");
+    return 2;
+  }
+  const int rank = std::atoi(argv[1]), ep_size = std::atoi(argv[2]);
+  ncclUniqueId id;
+  for (size_t b = 0; b < sizeof(id); ++b) id.internal[b] = static_cast<char>(std::stoi(std::string(argv[3] + 2 * b, 2), nullptr, 16));
+  ncclComm_t comm = nullptr;
+  try {
+    if (cudaSetDevice(rank) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
+    if (ncclCommInitRank(&comm, ep_size, id, rank) != ncclSuccess) throw std::runtime_error("ncclCommInitRank failed");
+    mok::MoeShape shape;
+    shape.ep_size = ep_size;
+    shape.num_tokens = 96;
+    shape.top_k = 4;
+    shape.num_experts = 8 * ep_size;
+    shape.hidden = 256;
+    shape.intermediate = 128;
+    {
+      mok::testing::MoeHarness harness(mok::PeerGroup::nccl({comm}), shape);
+      for (int hot = 0; hot < shape.top_k; ++hot) {
+        const auto data = mok::testing::provenance_layer(shape, 300 + hot, 0.1, hot);
+        harness.upload(data);
+        harness.forward();
+        const mok::StatusReport report = harness.status(rank);
+        if (!report.ok()) throw std::runtime_error(report.describe(shape.num_tokens, shape.top_k, shape.num_experts));
+        const std::string mismatch = mok::testing::check_provenance(data, rank, harness.out_bits(rank));
+        if (!mismatch.empty()) throw std::runtime_error("hot slot " + std::to_string(hot) + ": " + mismatch);
+      }
+    }  // the harness frees its windows (collective) before the communicator goes
+    ncclCommDestroy(comm);
+    std::printf("rank %d of %d: provenance exact for every hot slot\n", rank, ep_size);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+    return 1;
+  }
+}
