@@ -49,6 +49,11 @@ def time_ms(fns, iters, warmup_s=0.3):
         for fn in fns:
             fn()
         torch.cuda.synchronize()
+    return [median(t) for t in timed_turns(fns, iters)]
+
+
+def timed_turns(fns, iters):
+    """iters rounds, each function called once per round and timed alone with CUDA events: [[ms] per function]."""
     times = [[] for _ in fns]
     for _ in range(iters):
         for fn, t in zip(fns, times):
@@ -58,7 +63,11 @@ def time_ms(fns, iters, warmup_s=0.3):
             stop.record()
             stop.synchronize()
             t.append(start.elapsed_time(stop))
-    return [sorted(t)[len(t) // 2] for t in times]
+    return times
+
+
+def median(values):
+    return sorted(values)[len(values) // 2]
 
 
 def rank0_counts(num_experts, top_k, tokens, gen):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gemm_bench import SHAPES, TORCH_GROUP_ALIGN  # noqa: E402
+from gemm_bench import SHAPES, TORCH_GROUP_ALIGN, median, timed_turns  # noqa: E402
 
 TOLERANCE = 2e-2  # relative Frobenius error, bf16 level
 ERROR = ctypes.create_string_buffer(1024)
@@ -79,17 +79,9 @@ def time_ms(fns, iters, warmup_s=0.3):
         elapsed = torch.tensor([-(time.time() - begin)], device="cuda")
         if -max_over_ranks(elapsed).item() >= warmup_s:  # max of -elapsed = -(min elapsed)
             break
-    times = [[] for _ in fns]
-    for _ in range(iters):
-        for fn, t in zip(fns, times):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            t.append(start.elapsed_time(stop))
+    times = timed_turns(fns, iters)
     slowest = max_over_ranks(torch.tensor(times, dtype=torch.float64, device="cuda")).tolist()
-    return [sorted(t)[len(t) // 2] for t in slowest]
+    return [median(t) for t in slowest]
 
 
 def make_inputs(num_experts, hidden, inter, top_k, tokens, ep, rank, skew, seed):

@@ -104,6 +104,7 @@ class ForwardContext {
  private:
   friend class MoeWorkspace;
   void release();
+  const void* owner_ = nullptr;  // the workspace that made it (its buffers are sized for that shape)
   int rank_ = -1;
   int device_ = 0;
   void* allocation_ = nullptr;

@@ -30,7 +30,8 @@ void require(bool condition, const std::string& message) {
 
 constexpr int64_t kBf16Bytes = 2;
 
-// Tickets of the four GEMM launches of a forward (each launch zeroes its own on the stream).
+// Tickets of the four GEMM launches of a forward (each launch zeroes its own on the stream); an MLP takes
+// two consecutive ones (gate/up, down).
 enum Ticket : int { kSharedGateUp = 0, kSharedDown, kExpertGateUp, kExpertDown, kNumTickets };
 
 // The shared expert as a one-expert schedule over the rank's own tokens: counts {T}, row offsets
@@ -71,6 +72,7 @@ ForwardContext::ForwardContext(ForwardContext&& other) noexcept { *this = std::m
 ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
   if (this != &other) {
     release();
+    owner_ = other.owner_;
     rank_ = other.rank_;
     device_ = other.device_;
     allocation_ = other.allocation_;
@@ -158,6 +160,7 @@ ForwardContext MoeWorkspace::make_context(int rank) const {
                         schedule::round_up(capacity_rows() * i * kBf16Bytes, 256) +
                         schedule::round_up(padded_tokens_ * i * kBf16Bytes, 256);
   ForwardContext ctx;
+  ctx.owner_ = this;
   ctx.rank_ = rank;
   ctx.device_ = s.device;
   MOK_CHECK_CUDA(cudaMalloc(&ctx.allocation_, bytes));
@@ -177,8 +180,8 @@ void MoeWorkspace::validate(const RankForward& f, bool needs_layer_inputs) const
   const std::string where = "rank " + std::to_string(f.rank) + ": ";
   try {
     const RankState& s = state(f.rank);
-    require(f.context != nullptr && f.context->rank() == f.rank,
-            "context: must be a ForwardContext made by make_context(" + std::to_string(f.rank) + ")");
+    require(f.context != nullptr && f.context->owner_ == this && f.context->rank() == f.rank,
+            "context: must be a ForwardContext made by this workspace's make_context(" + std::to_string(f.rank) + ")");
     detail::check_routing_inputs(f, shape_, s.device);
     if (needs_layer_inputs) detail::check_layer_inputs(f, shape_, s.device);
   } catch (const std::invalid_argument& e) {
@@ -234,6 +237,55 @@ int row_kernel_ctas(int64_t rows, int warps_per_cta, int num_sms) {
   return static_cast<int>(std::clamp<int64_t>((rows + warps_per_cta - 1) / warps_per_cta, 1, int64_t(num_sms) * 4));
 }
 
+// gate/up GEMM with the SwiGLU epilogue into `hidden`, then the down GEMM into `out`, over the rows of a
+// schedule (the routed experts' or the shared expert's one-expert schedule).
+struct MlpGemms {  // the two GEMM launches of an MLP over the rows of a schedule
+  const void* rows;
+  int64_t rows_allocated;
+  const void* gate;
+  const void* up;
+  const void* down;
+  int local_experts;
+  const int32_t* expert_counts;
+  const int32_t* expert_row_offsets;
+  const int32_t* scheduled_rows;
+  void* hidden;
+  void* out;
+  int32_t* tickets;  // two: gate/up, down
+};
+
+void issue_mlp(const MoeShape& shape, const MoeOptions& options, const MlpGemms& m, cudaStream_t stream) {
+  ExpertGemmArgs gate_up;
+  gate_up.epilogue = GemmEpilogue::kSwiGLU;
+  gate_up.a = m.rows;
+  gate_up.a_rows = m.rows_allocated;
+  gate_up.k = shape.hidden;
+  gate_up.b = m.gate;
+  gate_up.b_up = m.up;  // null: gate is fused [E, 2I, H]
+  gate_up.n = shape.intermediate;
+  gate_up.local_experts = m.local_experts;
+  gate_up.expert_counts = m.expert_counts;
+  gate_up.expert_row_offsets = m.expert_row_offsets;
+  gate_up.scheduled_rows = m.scheduled_rows;
+  gate_up.tile_m = options.schedule.tile_m;
+  gate_up.swiglu_limit = shape.swiglu_limit;
+  gate_up.out = m.hidden;
+  gate_up.ticket = m.tickets;
+  expert_gemm(gate_up, stream);
+
+  ExpertGemmArgs down = gate_up;
+  down.epilogue = GemmEpilogue::kStore;
+  down.a = m.hidden;
+  down.k = shape.intermediate;
+  down.b = m.down;
+  down.b_up = nullptr;
+  down.n = shape.hidden;
+  down.swiglu_limit = 0;
+  down.out = m.out;
+  down.ticket = m.tickets + 1;
+  expert_gemm(down, stream);
+}
+
 }  // namespace
 
 // Phase 1: x into the symmetric buffer, "x is readable" to every peer, then the shared expert (local work
@@ -249,36 +301,21 @@ void MoeWorkspace::publish(const RankForward& f) {
   device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
   MOK_CHECK_CUDA(cudaGetLastError());
   if (!shape_.shared_expert) return;
-
-  ExpertGemmArgs gate_up;
-  gate_up.epilogue = GemmEpilogue::kSwiGLU;
-  gate_up.a = x_.on(f.rank);
-  gate_up.a_rows = padded_tokens_;
-  gate_up.k = shape_.hidden;
-  gate_up.b = f.weights->shared_gate.data;
-  gate_up.b_up = f.weights->shared_up.data;
-  gate_up.n = shape_.intermediate;
-  gate_up.local_experts = 1;
-  gate_up.expert_counts = s.shared_schedule->counts;
-  gate_up.expert_row_offsets = s.shared_schedule->row_offsets;
-  gate_up.scheduled_rows = s.shared_schedule->scheduled_rows;
-  gate_up.tile_m = options_.schedule.tile_m;
-  gate_up.swiglu_limit = shape_.swiglu_limit;
-  gate_up.out = f.context->shared_hidden_;
-  gate_up.ticket = s.tickets + kSharedGateUp;
-  expert_gemm(gate_up, f.stream);
-
-  ExpertGemmArgs down = gate_up;
-  down.epilogue = GemmEpilogue::kStore;
-  down.a = f.context->shared_hidden_;
-  down.k = shape_.intermediate;
-  down.b = f.weights->shared_down.data;
-  down.b_up = nullptr;
-  down.n = shape_.hidden;
-  down.swiglu_limit = 0;
-  down.out = s.shared_out;
-  down.ticket = s.tickets + kSharedDown;
-  expert_gemm(down, f.stream);
+  const MoeWeights& w = *f.weights;
+  issue_mlp(shape_, options_,
+            {.rows = x_.on(f.rank),
+             .rows_allocated = padded_tokens_,
+             .gate = w.shared_gate.data,
+             .up = w.shared_up.data,
+             .down = w.shared_down.data,
+             .local_experts = 1,
+             .expert_counts = s.shared_schedule->counts,
+             .expert_row_offsets = s.shared_schedule->row_offsets,
+             .scheduled_rows = s.shared_schedule->scheduled_rows,
+             .hidden = f.context->shared_hidden_,
+             .out = s.shared_out,
+             .tickets = s.tickets + kSharedGateUp},
+            f.stream);
 }
 
 // Phase 2: wait for every rank's x, pull the scheduled rows, the routed experts, push the outputs home,
@@ -301,35 +338,20 @@ void MoeWorkspace::compute(const RankForward& f) {
   MOK_CHECK_CUDA(cudaGetLastError());
 
   const MoeWeights& w = *f.weights;
-  ExpertGemmArgs gate_up;
-  gate_up.epilogue = GemmEpilogue::kSwiGLU;
-  gate_up.a = ctx.expert_rows_;
-  gate_up.a_rows = capacity_rows();
-  gate_up.k = shape_.hidden;
-  gate_up.b = w.expert_gate.data;
-  gate_up.b_up = w.expert_up.data;  // null: fused [E, 2I, H]
-  gate_up.n = shape_.intermediate;
-  gate_up.local_experts = shape_.local_experts();
-  gate_up.expert_counts = v.expert_counts;
-  gate_up.expert_row_offsets = v.expert_row_offsets;
-  gate_up.scheduled_rows = v.scheduled_rows;
-  gate_up.tile_m = options_.schedule.tile_m;
-  gate_up.swiglu_limit = shape_.swiglu_limit;
-  gate_up.out = ctx.hidden_;
-  gate_up.ticket = s.tickets + kExpertGateUp;
-  expert_gemm(gate_up, f.stream);
-
-  ExpertGemmArgs down = gate_up;
-  down.epilogue = GemmEpilogue::kStore;
-  down.a = ctx.hidden_;
-  down.k = shape_.intermediate;
-  down.b = w.expert_down.data;
-  down.b_up = nullptr;
-  down.n = shape_.hidden;
-  down.swiglu_limit = 0;
-  down.out = s.y;
-  down.ticket = s.tickets + kExpertDown;
-  expert_gemm(down, f.stream);
+  issue_mlp(shape_, options_,
+            {.rows = ctx.expert_rows_,
+             .rows_allocated = capacity_rows(),
+             .gate = w.expert_gate.data,
+             .up = w.expert_up.data,  // null: gate and up fused in expert_gate
+             .down = w.expert_down.data,
+             .local_experts = shape_.local_experts(),
+             .expert_counts = v.expert_counts,
+             .expert_row_offsets = v.expert_row_offsets,
+             .scheduled_rows = v.scheduled_rows,
+             .hidden = ctx.hidden_,
+             .out = s.y,
+             .tickets = s.tickets + kExpertGateUp},
+            f.stream);
 
   const combine::PushParams push{combined_.peers(f.rank), static_cast<const uint4*>(s.y), v.row_route,
                                  v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};

@@ -16,6 +16,19 @@
 namespace mok::testing {
 using detail::DeviceGuard;
 
+MoeShape moe_shape(int ep_size, int num_tokens, int top_k, int num_experts, int hidden, int intermediate,
+                   bool shared_expert) {
+  MoeShape s;
+  s.ep_size = ep_size;
+  s.num_tokens = num_tokens;
+  s.top_k = top_k;
+  s.num_experts = num_experts;
+  s.hidden = hidden;
+  s.intermediate = intermediate;
+  s.shared_expert = shared_expert;
+  return s;
+}
+
 reference::LayerShape reference_shape(const MoeShape& s) {
   reference::LayerShape r;
   r.num_ranks = s.ep_size;
@@ -345,6 +358,21 @@ CheckRank MoeHarness::check_rank(int rank) const {
 CheckShared MoeHarness::check_shared(int rank) const {
   const RankBuffers& b = *buffers_.at(rank);
   return {b.shared_gate, b.shared_up, b.shared_down};
+}
+
+std::vector<std::vector<uint16_t>> MoeHarness::run_checked(int runs) {
+  std::vector<std::vector<uint16_t>> outs;
+  for (int run = 0; run < runs; ++run) {
+    forward();
+    for (const RankForward& f : args_) {
+      const StatusReport report = status(f.rank);
+      if (!report.ok())
+        throw std::runtime_error("rank " + std::to_string(f.rank) + ": " +
+                                 report.describe(shape_.num_tokens, shape_.top_k, shape_.num_experts));
+      outs.push_back(out_bits(f.rank));
+    }
+  }
+  return outs;
 }
 
 StatusReport MoeHarness::status(int rank) { return workspace_->read_status(rank, stream(rank)); }

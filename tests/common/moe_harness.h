@@ -22,6 +22,8 @@ struct LayerData {
   reference::LayerInputs<float> inputs;
 };
 
+MoeShape moe_shape(int ep_size, int num_tokens, int top_k, int num_experts, int hidden, int intermediate,
+                   bool shared_expert = true);
 reference::LayerShape reference_shape(const MoeShape& shape);
 
 // x ~ N(0, 1); weights ~ N(0, 1 / fan_in); routing: softmax top-k of N(0, 1) logits, with a Zipf-like
@@ -58,6 +60,9 @@ class MoeHarness {
   void forward();
   void synchronize();
   std::vector<uint16_t> out_bits(int rank);  // synchronizes
+  // `runs` forwards; after each, every local rank's output (rank order). Throws std::runtime_error with the
+  // report when a status word records an error.
+  std::vector<std::vector<uint16_t>> run_checked(int runs);
   StatusReport status(int rank);            // synchronizes
 
   // The rank's device tensors, for check_rows_fp32.

@@ -27,23 +27,12 @@ namespace {
 
 using testing::LayerData;
 using testing::MoeHarness;
-
-MoeShape make_shape(int ep, int tokens, int top_k, int experts, int hidden, int intermediate, bool shared = true) {
-  MoeShape s;
-  s.ep_size = ep;
-  s.num_tokens = tokens;
-  s.top_k = top_k;
-  s.num_experts = experts;
-  s.hidden = hidden;
-  s.intermediate = intermediate;
-  s.shared_expert = shared;
-  return s;
-}
+using testing::moe_shape;
 
 // The four model shapes with experts / 8, hidden 512 and intermediate scaled like the model's I / H.
 MoeShape scaled_model_shape(const reference::ModelShape& m, int ep, int tokens) {
   const int intermediate = m.intermediate * 512 / m.hidden >= 256 ? 256 : 128;
-  return make_shape(ep, tokens, m.top_k, m.num_experts / 8, 512, intermediate);
+  return moe_shape(ep, tokens, m.top_k, m.num_experts / 8, 512, intermediate);
 }
 
 // GPU output of every rank against the CPU reference; returns the worst budget ratio.
@@ -81,7 +70,7 @@ TEST(MoeForwardTest, ScaledModelShapesMatchCpuReference) {
 
 TEST(MoeForwardTest, SkewedRoutingEmptyExpertsAndClampedSwiGLU) {
   MOK_REQUIRE_GPUS(1);
-  MoeShape shape = make_shape(4, 200, 6, 32, 256, 128);
+  MoeShape shape = moe_shape(4, 200, 6, 32, 256, 128);
   {  // Zipf-skewed routing: several experts get no rows
     MoeHarness harness(PeerGroup::virtual_ranks(4), shape);
     const LayerData data = testing::random_layer(shape, 11, 3.0, 0.1);
@@ -113,7 +102,7 @@ TEST(MoeForwardTest, SkewedRoutingEmptyExpertsAndClampedSwiGLU) {
 TEST(MoeForwardTest, ProvenanceEncodesRankTokenAndExpert) {
   MOK_REQUIRE_GPUS(1);
   for (int ep : {2, 8}) {
-    const MoeShape shape = make_shape(ep, 96, 4, 32, 256, 128);
+    const MoeShape shape = moe_shape(ep, 96, 4, 32, 256, 128);
     MoeHarness harness(PeerGroup::virtual_ranks(ep), shape);
     for (int hot = 0; hot < shape.top_k; ++hot) {
       const LayerData data = testing::provenance_layer(shape, 20 + hot, 0.1, hot);
@@ -131,21 +120,12 @@ std::vector<std::vector<uint16_t>> run_outputs(const PeerGroup& group, const Moe
                                                const LayerData& data, int runs = 1) {
   MoeHarness harness(group, shape, options);
   harness.upload(data);
-  std::vector<std::vector<uint16_t>> outs;
-  for (int run = 0; run < runs; ++run) {
-    harness.forward();
-    for (int r = 0; r < shape.ep_size; ++r) {
-      const StatusReport report = harness.status(r);
-      EXPECT_TRUE(report.ok()) << "rank " << r << ": " << report.describe(shape.num_tokens, shape.top_k, shape.num_experts);
-      outs.push_back(harness.out_bits(r));
-    }
-  }
-  return outs;
+  return harness.run_checked(runs);
 }
 
 TEST(MoeForwardTest, BitwiseEqualAcrossRerunsTileHeightsAndCapacities) {
   MOK_REQUIRE_GPUS(1);
-  const MoeShape shape = make_shape(4, 300, 8, 64, 512, 256);
+  const MoeShape shape = moe_shape(4, 300, 8, 64, 512, 256);
   const LayerData data = testing::random_layer(shape, 31, 1.0, 0.02);
   const auto group = PeerGroup::virtual_ranks(4);
   const auto base = run_outputs(group, shape, {}, data, 3);
@@ -165,7 +145,7 @@ TEST(MoeForwardTest, BitwiseEqualAcrossRerunsTileHeightsAndCapacities) {
 
 TEST(MoeForwardTest, CudaGraphReplayMatchesEager) {
   MOK_REQUIRE_GPUS(1);
-  const MoeShape shape = make_shape(2, 256, 4, 16, 256, 128);
+  const MoeShape shape = moe_shape(2, 256, 4, 16, 256, 128);
   MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
   const LayerData data = testing::random_layer(shape, 41);
   harness.upload(data);
@@ -199,7 +179,7 @@ TEST(MoeForwardTest, CudaGraphReplayMatchesEager) {
 
 TEST(MoeForwardTest, ValidationNamesTheArgument) {
   MOK_REQUIRE_GPUS(1);
-  const MoeShape shape = make_shape(2, 64, 2, 8, 256, 128);
+  const MoeShape shape = moe_shape(2, 64, 2, 8, 256, 128);
   auto expect_error = [](const std::function<void()>& call, const std::string& needle) {
     try {
       call();
@@ -234,6 +214,8 @@ TEST(MoeForwardTest, ValidationNamesTheArgument) {
   expect_error(with([](RankForward&, MoeWeights& w) { w.expert_down.shape[0] = 8; }), "weights.expert_down");
   expect_error(with([](RankForward&, MoeWeights& w) { w.shared_up = TensorRef(); }), "weights.shared_up");
   expect_error(with([](RankForward& f, MoeWeights&) { f.context = nullptr; }), "context");
+  ForwardContext rank0_context = harness.workspace().make_context(0);
+  expect_error(with([&](RankForward& f, MoeWeights&) { f.context = &rank0_context; }), "context");
   expect_error(with([](RankForward& f, MoeWeights&) { f.rank = 5; }), "rank 5");
   std::vector<uint16_t> host(64 * 256);
   expect_error(with([&](RankForward& f, MoeWeights&) { f.x.data = host.data(); }), "x: must be device memory");
@@ -244,7 +226,7 @@ TEST(MoeForwardTest, ValidationNamesTheArgument) {
 
 TEST(MoeForwardTest, BadExpertIdAndCapacityOverflowReachTheStatusWord) {
   MOK_REQUIRE_GPUS(1);
-  const MoeShape shape = make_shape(2, 128, 4, 16, 256, 128);
+  const MoeShape shape = moe_shape(2, 128, 4, 16, 256, 128);
   {
     MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
     LayerData data = testing::random_layer(shape, 61);
@@ -272,7 +254,7 @@ TEST(MoeForwardTest, BadExpertIdAndCapacityOverflowReachTheStatusWord) {
 // A rank whose peer never arrives reports the barrier (rank, role, counter, values) instead of hanging.
 TEST(MoeForwardTest, BarrierTimeoutIsReportedNotHung) {
   MOK_REQUIRE_GPUS(1);
-  const MoeShape shape = make_shape(2, 64, 2, 8, 256, 128);
+  const MoeShape shape = moe_shape(2, 64, 2, 8, 256, 128);
   MoeOptions options;
   options.schedule.wait_timeout_s = 0.2;
   MoeHarness harness(PeerGroup::virtual_ranks(2), shape, options);
@@ -294,7 +276,7 @@ TEST(MoeForwardTest, FullSizeShapesAgainstFp32Check) {
   MOK_REQUIRE_GPUS(1);
   std::printf("full size: shape            rank  sampled  worst error / budget\n");
   for (const auto& m : reference::model_shapes()) {
-    const MoeShape shape = make_shape(2, 8192, m.top_k, m.num_experts, m.hidden, m.intermediate);
+    const MoeShape shape = moe_shape(2, 8192, m.top_k, m.num_experts, m.hidden, m.intermediate);
     MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
     // x in [-2, 2] / 2, weights in [-2, 2] / 64: the hidden and output values stay of order one.
     harness.fill_hashed(71, 2, 1.f / 64, 0.5f);
@@ -324,7 +306,7 @@ TEST(MoeForwardTest, FullSizeShapesAgainstFp32Check) {
 // The fp32 GPU check itself, against the CPU reference on a small problem.
 TEST(MoeForwardTest, Fp32CheckAgreesWithCpuReference) {
   MOK_REQUIRE_GPUS(1);
-  const MoeShape shape = make_shape(2, 64, 4, 16, 256, 128);
+  const MoeShape shape = moe_shape(2, 64, 4, 16, 256, 128);
   MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
   const LayerData data = testing::random_layer(shape, 81, 0, 0.1);
   harness.upload(data);

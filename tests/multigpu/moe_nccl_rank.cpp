@@ -26,13 +26,7 @@ int main(int argc, char** argv) {
   try {
     if (cudaSetDevice(rank) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
     if (ncclCommInitRank(&comm, ep_size, id, rank) != ncclSuccess) throw std::runtime_error("ncclCommInitRank failed");
-    mok::MoeShape shape;
-    shape.ep_size = ep_size;
-    shape.num_tokens = 96;
-    shape.top_k = 4;
-    shape.num_experts = 8 * ep_size;
-    shape.hidden = 256;
-    shape.intermediate = 128;
+    const mok::MoeShape shape = mok::testing::moe_shape(ep_size, 96, 4, 8 * ep_size, 256, 128);
     {
       mok::testing::MoeHarness harness(mok::PeerGroup::nccl({comm}), shape);
       for (int hot = 0; hot < shape.top_k; ++hot) {

@@ -24,14 +24,7 @@ using testing::LayerData;
 using testing::MoeHarness;
 
 MoeShape make_shape(int tokens, int top_k, int experts, int hidden, int intermediate) {
-  MoeShape s;
-  s.ep_size = 2;
-  s.num_tokens = tokens;
-  s.top_k = top_k;
-  s.num_experts = experts;
-  s.hidden = hidden;
-  s.intermediate = intermediate;
-  return s;
+  return testing::moe_shape(2, tokens, top_k, experts, hidden, intermediate);
 }
 
 // Two NCCL communicators over GPUs 0 and 1, owned by this process.
@@ -49,32 +42,18 @@ struct NcclPair {
   PeerGroup group() const { return PeerGroup::nccl({comms[0], comms[1]}); }
 };
 
-std::vector<std::vector<uint16_t>> outputs(MoeHarness& harness, int runs) {
-  const MoeShape& s = harness.workspace().shape();
-  std::vector<std::vector<uint16_t>> outs;
-  for (int run = 0; run < runs; ++run) {
-    harness.forward();
-    for (int r = 0; r < 2; ++r) {
-      const StatusReport report = harness.status(r);
-      EXPECT_TRUE(report.ok()) << "rank " << r << ": " << report.describe(s.num_tokens, s.top_k, s.num_experts);
-      outs.push_back(harness.out_bits(r));
-    }
-  }
-  return outs;
-}
-
 TEST(MoeMultiGpuTest, DevicePeersAndNcclMatchVirtualRanksBitwise) {
   MOK_REQUIRE_GPUS(2);
   const MoeShape shape = make_shape(512, 8, 64, 512, 256);
   const LayerData data = testing::random_layer(shape, 101, 0.5, 0.02);
   MoeHarness virtual_ranks(PeerGroup::virtual_ranks(2), shape);
   virtual_ranks.upload(data);
-  const auto want = outputs(virtual_ranks, 1);
+  const auto want = virtual_ranks.run_checked(1);
   NcclPair nccl;
   for (bool use_nccl : {false, true}) {
     MoeHarness harness(use_nccl ? nccl.group() : PeerGroup::device_peers({0, 1}), shape);
     harness.upload(data);
-    const auto got = outputs(harness, 3);
+    const auto got = harness.run_checked(3);
     for (size_t n = 0; n < got.size(); ++n)
       ASSERT_EQ(got[n], want[n % 2]) << (use_nccl ? "nccl" : "device peers") << ", run " << n / 2 << ", rank " << n % 2;
     std::printf("%-12s EP=2 on 2 GPUs: 3 runs bitwise equal to virtual ranks\n", use_nccl ? "nccl" : "device peers");
@@ -137,13 +116,13 @@ TEST(MoeMultiGpuTest, FullSizeDeepSeekMatchesVirtualRanksBitwise) {
     MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
     harness.fill_hashed(131, 2, 1.f / 64, 0.5f);
     harness.upload_routing(topk, weights);
-    want = outputs(harness, 1);
+    want = harness.run_checked(1);
   }
   NcclPair nccl;
   MoeHarness harness(nccl.group(), shape);
   harness.fill_hashed(131, 2, 1.f / 64, 0.5f);
   harness.upload_routing(topk, weights);
-  const auto got = outputs(harness, 2);
+  const auto got = harness.run_checked(2);
   for (size_t n = 0; n < got.size(); ++n) ASSERT_EQ(got[n], want[n % 2]) << m.name << " run " << n / 2 << " rank " << n % 2;
   std::printf("%s EP=2 full size, nccl on 2 GPUs: 2 runs bitwise equal to virtual ranks\n", m.name.c_str());
 }

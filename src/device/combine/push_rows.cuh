@@ -40,17 +40,13 @@ struct PushParams {
 };
 
 __global__ void __launch_bounds__(PushTraits::kThreads) push_rows_kernel(PushParams p) {
-  const int lane = threadIdx.x % 32;
-  const int64_t rows = *p.scheduled_rows;
-  const int64_t warps = int64_t(gridDim.x) * PushTraits::kWarps;
-  for (int64_t row = int64_t(blockIdx.x) * PushTraits::kWarps + threadIdx.x / 32; row < rows; row += warps) {
+  device::for_each_row_by_warp(*p.scheduled_rows, [&](int64_t row, int lane) {
     const int32_t route = p.row_route[row];
-    if (route < 0) continue;
+    if (route < 0) return;  // padding
     const schedule::RouteCoords c = schedule::route_coords(route, p.num_tokens, p.top_k);
-    uint4* dst = static_cast<uint4*>(p.combined.base[c.src]) +
-                 (int64_t(c.token) * p.top_k + c.slot) * p.row_vectors;
+    uint4* dst = static_cast<uint4*>(p.combined.base[c.src]) + (int64_t(c.token) * p.top_k + c.slot) * p.row_vectors;
     device::copy_row_warp(p.y + row * p.row_vectors, dst, p.row_vectors, lane);
-  }
+  });
   // Why: the barrier arrive after this kernel publishes these peer stores; order them at system scope.
   device::fence_acq_rel_sys();
 }

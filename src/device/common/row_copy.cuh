@@ -27,6 +27,15 @@ __device__ __forceinline__ void copy_row_warp(const uint4* __restrict__ src, uin
   }
 }
 
+// Calls row_fn(row, lane) for every row in [0, rows): one warp per row, the grid's warps striding over rows.
+template <class RowFn>
+__device__ __forceinline__ void for_each_row_by_warp(int64_t rows, RowFn&& row_fn) {
+  const int warps_per_cta = blockDim.x / 32;
+  const int64_t warps = int64_t(gridDim.x) * warps_per_cta;
+  for (int64_t row = int64_t(blockIdx.x) * warps_per_cta + threadIdx.x / 32; row < rows; row += warps)
+    row_fn(row, static_cast<int>(threadIdx.x % 32));
+}
+
 __device__ __forceinline__ void zero_row_warp(uint4* __restrict__ dst, int vectors, int lane) {
   for (int i = lane; i < vectors; i += 32) dst[i] = make_uint4(0, 0, 0, 0);
 }

@@ -35,20 +35,17 @@ struct PullParams {
 };
 
 __global__ void __launch_bounds__(PullTraits::kThreads) pull_rows_kernel(PullParams p) {
-  const int lane = threadIdx.x % 32;
-  const int64_t rows = *p.scheduled_rows;
-  const int64_t warps = int64_t(gridDim.x) * PullTraits::kWarps;
-  for (int64_t row = int64_t(blockIdx.x) * PullTraits::kWarps + threadIdx.x / 32; row < rows; row += warps) {
+  device::for_each_row_by_warp(*p.scheduled_rows, [&](int64_t row, int lane) {
     uint4* dst = p.dst + row * p.row_vectors;
     const int32_t route = p.row_route[row];
     if (route < 0) {
       device::zero_row_warp(dst, p.row_vectors, lane);
-      continue;
+      return;
     }
     const schedule::RouteCoords c = schedule::route_coords(route, p.num_tokens, p.top_k);
     const uint4* src = static_cast<const uint4*>(p.x.base[c.src]) + int64_t(c.token) * p.row_vectors;
     device::copy_row_warp(src, dst, p.row_vectors, lane);
-  }
+  });
 }
 
 }  // namespace mok::dispatch
