@@ -6,7 +6,7 @@ The layer (DESIGN.md section 1), on each rank, T tokens, E global experts, E/EP 
 Data per rank (seed + rank): x ~ randn, top-k of randn logits (with --skew s, expert e's logit gets
 -s * log(1 + perm(e)), perm a fixed random permutation), router weights = softmax over the k chosen logits,
 weights ~ randn / sqrt(fan_in).
-Baseline (BF16, as torchtitan builds it): bincount + all-to-all of the counts, splits read to the host,
+Baseline (BF16, as torchtitan builds it): histc + all-to-all of the counts, splits read to the host,
 sort routes by expert, all-to-all-v of the rows, expert-major permutation padded to 16 rows per expert
 (generate_permute_indices), torch._grouped_mm gate/up/down, inverse permutation, all-to-all-v back, unsort,
 dense shared expert, weighted sum in fp32. At EP=1 no all-to-alls.
@@ -130,7 +130,8 @@ def baseline_forward(x, topk_idx, router_weights, expert_gate, expert_up, expert
     hidden, local = x.shape[1], expert_gate.shape[0]
     flat = topk_idx.flatten()
     # 1. rows per global expert; each rank learns what it receives ([src rank][local expert]); splits to the host
-    send_counts = torch.bincount(flat, minlength=ep * local)
+    # (torch.histc as torchtitan counts: unlike torch.bincount it does not read the largest id to the host)
+    send_counts = torch.histc(flat.float(), bins=ep * local, min=0, max=ep * local).to(torch.int64)
     if ep > 1:
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts)
