@@ -290,6 +290,23 @@ void MoeHarness::upload(const LayerData& data, DType index_dtype) {
   }
 }
 
+void MoeHarness::use_fused_gate_up(const LayerData& data) {
+  const int64_t h = shape_.hidden, i = shape_.intermediate, e = shape_.local_experts();
+  for (RankForward& f : args_) {
+    RankBuffers& b = *buffers_[f.rank];
+    DeviceGuard guard(b.device);
+    void* fused = b.alloc(e * 2 * i * h * 2);
+    for (int64_t expert = 0; expert < e; ++expert) {
+      const int64_t global = f.rank * e + expert;
+      char* dst = static_cast<char*>(fused) + expert * 2 * i * h * 2;
+      copy_bf16(dst, data.params.expert_gate.data() + global * i * h, i * h);
+      copy_bf16(dst + i * h * 2, data.params.expert_up.data() + global * i * h, i * h);
+    }
+    b.weights.expert_gate = TensorRef(fused, DType::kBFloat16, {e, 2 * i, h});
+    b.weights.expert_up = TensorRef();
+  }
+}
+
 void MoeHarness::fill_hashed(uint64_t seed, int range, float weight_scale, float x_scale) {
   const int64_t t = shape_.num_tokens, h = shape_.hidden, i = shape_.intermediate;
   const int64_t e = shape_.local_experts();
@@ -324,13 +341,18 @@ void MoeHarness::upload_routing(const std::vector<std::vector<int32_t>>& topk,
   }
 }
 
-void MoeHarness::forward() {
+void MoeHarness::poison_outputs() {
+  synchronize();
   const int64_t count = int64_t(shape_.num_tokens) * shape_.hidden;
   const std::vector<uint16_t> poison(count, kBf16Poison);
   for (RankForward& f : args_) {
     DeviceGuard guard(buffers_[f.rank]->device);
     MOK_CHECK_CUDA(cudaMemcpy(buffers_[f.rank]->out, poison.data(), count * 2, cudaMemcpyHostToDevice));
   }
+}
+
+void MoeHarness::forward() {
+  poison_outputs();
   workspace_->forward(args_);
 }
 

@@ -51,12 +51,17 @@ class MoeHarness {
 
   // Copies each local rank's slice of `data` to its GPU; ids as int32 or int64.
   void upload(const LayerData& data, DType index_dtype = DType::kInt32);
+  // Switches every rank's routed weights to one fused [E_local, 2I, H] tensor (each expert's gate rows, then
+  // its up rows) holding `data`'s values; expert_up becomes empty. Call after upload.
+  void use_fused_gate_up(const LayerData& data);
   // Large problems without host copies: weights and x from device_fill's hash (integers in [-range, range]
   // times `scale`, exact in bf16), routing from the host.
   void fill_hashed(uint64_t seed, int range, float weight_scale, float x_scale);
   void upload_routing(const std::vector<std::vector<int32_t>>& topk, const std::vector<std::vector<float>>& weights);
 
-  // Fills every `out` with a bf16 NaN, then issues the forward of all local ranks. Asynchronous.
+  // Fills every local rank's `out` with a bf16 NaN (synchronous).
+  void poison_outputs();
+  // poison_outputs, then issues the forward of all local ranks. Asynchronous.
   void forward();
   void synchronize();
   std::vector<uint16_t> out_bits(int rank);  // synchronizes

@@ -143,6 +143,22 @@ TEST(MoeForwardTest, BitwiseEqualAcrossRerunsTileHeightsAndCapacities) {
   }
 }
 
+// Fused [E, 2I, H] gate/up weights give the same bits as separate ones; also top_k = 1.
+TEST(MoeForwardTest, FusedGateUpWeightsMatchSeparateBitwise) {
+  MOK_REQUIRE_GPUS(1);
+  for (int top_k : {1, 6}) {
+    const MoeShape shape = moe_shape(2, 200, top_k, 16, 512, 256);
+    const LayerData data = testing::random_layer(shape, 45 + top_k);
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+    harness.upload(data);
+    const auto separate = harness.run_checked(1);
+    harness.use_fused_gate_up(data);
+    const auto fused = harness.run_checked(1);
+    for (int r = 0; r < 2; ++r) ASSERT_EQ(fused[r], separate[r]) << "top_k " << top_k << ", rank " << r;
+    check_against_reference(harness, data, "fused, top_k " + std::to_string(top_k));
+  }
+}
+
 TEST(MoeForwardTest, CudaGraphReplayMatchesEager) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = moe_shape(2, 256, 4, 16, 256, 128);
@@ -163,6 +179,7 @@ TEST(MoeForwardTest, CudaGraphReplayMatchesEager) {
   for (int replay = 0; replay < 3; ++replay) {
     // Alternate inputs between replays: the graph must read the buffers, not replay old results.
     harness.upload(replay % 2 == 0 ? data : other);
+    harness.poison_outputs();
     MOK_CHECK_CUDA(cudaGraphLaunch(exec, stream));
     const auto out0 = harness.out_bits(0), out1 = harness.out_bits(1);
     if (replay % 2 == 0) {

@@ -76,6 +76,40 @@ TEST(MoeMultiGpuTest, ProvenanceThroughNcclWindows) {
   }
 }
 
+// Each rank's forward captured into a CUDA graph on its own stream and GPU; the two graphs replayed
+// together (their barriers wait on each other across GPUs inside the graphs) give the eager bits.
+TEST(MoeMultiGpuTest, PerRankCudaGraphsReplayAcrossGpus) {
+  MOK_REQUIRE_GPUS(2);
+  const MoeShape shape = make_shape(256, 4, 16, 256, 128);
+  const LayerData data = testing::random_layer(shape, 140);
+  NcclPair nccl;
+  MoeHarness harness(nccl.group(), shape);
+  harness.upload(data);
+  const auto eager = harness.run_checked(1);
+  cudaGraphExec_t exec[2] = {nullptr, nullptr};
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(harness.stream(r), cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    harness.workspace().forward({&harness.args(r), 1});
+    ASSERT_EQ(cudaStreamEndCapture(harness.stream(r), &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec[r], graph, 0), cudaSuccess);
+    cudaGraphDestroy(graph);
+  }
+  for (int replay = 0; replay < 3; ++replay) {
+    harness.poison_outputs();
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec[r], harness.stream(r)), cudaSuccess);
+    }
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(harness.status(r).ok()) << harness.status(r).describe(256, 4, 16);
+      ASSERT_EQ(harness.out_bits(r), eager[r]) << "replay " << replay << ", rank " << r;
+    }
+  }
+  for (cudaGraphExec_t e : exec) cudaGraphExecDestroy(e);
+}
+
 // Two processes, one GPU each, the communicator built from a unique id (tests/multigpu/moe_nccl_rank.cpp).
 TEST(MoeMultiGpuTest, NcclAcrossProcesses) {
   MOK_REQUIRE_GPUS(2);
