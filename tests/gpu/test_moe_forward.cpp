@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nccl.h>
 
 #include "mok/moe.h"
 #include "reference/moe_reference.h"
@@ -157,6 +158,27 @@ TEST(MoeForwardTest, FusedGateUpWeightsMatchSeparateBitwise) {
     for (int r = 0; r < 2; ++r) ASSERT_EQ(fused[r], separate[r]) << "top_k " << top_k << ", rank " << r;
     check_against_reference(harness, data, "fused, top_k " + std::to_string(top_k));
   }
+}
+
+// EP=1 through an NCCL communicator of one rank (windows of one) gives the virtual rank's bits.
+TEST(MoeForwardTest, SingleRankNcclCommunicatorMatchesVirtualRank) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(1, 300, 8, 32, 512, 256);
+  const LayerData data = testing::random_layer(shape, 47, 0, 0.05);
+  MoeHarness virtual_rank(PeerGroup::virtual_ranks(1), shape);
+  virtual_rank.upload(data);
+  const auto want = virtual_rank.run_checked(1);
+  ncclComm_t comm = nullptr;
+  const int device = 0;
+  ASSERT_EQ(ncclCommInitAll(&comm, 1, &device), ncclSuccess);
+  {
+    MoeHarness harness(PeerGroup::nccl({comm}), shape);
+    harness.upload(data);
+    const auto got = harness.run_checked(2);
+    ASSERT_EQ(got[0], want[0]);
+    ASSERT_EQ(got[1], want[0]);
+  }
+  ncclCommDestroy(comm);
 }
 
 TEST(MoeForwardTest, CudaGraphReplayMatchesEager) {
