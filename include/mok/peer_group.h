@@ -6,7 +6,7 @@
 //                  symmetric buffer is ncclMemAlloc'd memory registered as a window with
 //                  NCCL_WIN_COLL_SYMMETRIC; kernels reach the peers' copies through the device API's LSA
 //                  (load/store accessible) pointers. All ranks must be in one NVLink domain (one LSA team).
-//                  No multicast (NVLS) is used.
+//                  No multicast (NVLS) is used. A one-rank communicator gets plain device memory.
 //   device peers   one rank per GPU of this process, CUDA peer access enabled between them (tests).
 //   virtual ranks  all ranks on one GPU; their kernels run one after another (DESIGN.md section 2). Used to
 //                  test EP = 4, 8, ... on one GPU.

@@ -3,6 +3,8 @@
 // the kind of communicator.
 #include "src/host/nccl_windows.h"
 
+#include <stdexcept>
+
 #include <nccl_device.h>
 
 #include "src/host/check.h"
@@ -19,6 +21,7 @@ __global__ void window_peer_pointers_kernel(ncclWindow_t window, int ep_size, Pe
 }  // namespace
 
 PeerPointers window_peer_pointers(ncclWindow_t window, int ep_size) {
+  if (window == nullptr) throw std::runtime_error("NCCL returned no window for a symmetric allocation");
   PeerPointers* device_table = nullptr;
   MOK_CHECK_CUDA(cudaMalloc(&device_table, sizeof(PeerPointers)));
   window_peer_pointers_kernel<<<1, 128>>>(window, ep_size, device_table);

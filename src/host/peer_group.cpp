@@ -166,7 +166,9 @@ SymmetricAllocation PeerGroup::allocate(size_t bytes) const {
   allocation.ptrs_.assign(size(), nullptr);
   allocation.tables_.assign(size(), PeerPointers{});
   const std::vector<int> local = local_ranks();
-  if (is_nccl()) {
+  // A one-rank communicator has no peers to address: plain device memory (NCCL's one-rank window has no
+  // device-side LSA state to read; reading it faults).
+  if (is_nccl() && size() > 1) {
     allocation.comms_ = comms_;
     allocation.windows_.assign(size(), nullptr);
     for (int r : local) {
