@@ -9,7 +9,14 @@ tools/build.sh --target mok_bench_capi
 lib="${MOK_BUILD_DIR:-build}/bench/libmok_bench_capi.so"
 # NVLink multicast stays off on the shared machines (never use NVLS/multimem).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if ! gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null); then
+  echo "run_main: the layer benchmark needs PyTorch (python3 -m pip install torch)" >&2
+  exit 1
+fi
+if [ "$gpus" -lt 1 ]; then
+  echo "run_main: no CUDA GPU visible; the benchmark needs a Hopper GPU" >&2
+  exit 1
+fi
 python3 bench/layer_bench.py --lib "$lib" "$@"
 if [ "$gpus" -ge 2 ]; then
   python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" bench/layer_bench.py --lib "$lib" "$@"
