@@ -12,8 +12,11 @@
 
 #include "mok/expert_gemm.h"
 #include "mok/moe.h"
+#include "src/host/check.h"
 
 namespace {
+
+using mok::detail::check_nccl;
 
 int report(const std::exception& e, char* error, int error_len) {
   if (error != nullptr && error_len > 0) {
@@ -21,10 +24,6 @@ int report(const std::exception& e, char* error, int error_len) {
     error[error_len - 1] = '\0';
   }
   return 1;
-}
-
-void check_nccl(ncclResult_t result, const char* call) {
-  if (result != ncclSuccess) throw std::runtime_error(std::string(call) + ": " + ncclGetErrorString(result));
 }
 
 // One rank's layer: its NCCL communicator (EP > 1), the workspace and one forward context.

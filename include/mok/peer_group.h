@@ -71,7 +71,7 @@ class PeerGroup {
 
   int size() const { return static_cast<int>(devices_.size()); }
   bool is_virtual() const { return is_virtual_; }
-  bool is_nccl() const { return !comms_.empty(); }
+  bool is_nccl() const { return !comms_.empty(); }  // false for a one-rank communicator (nothing to share)
   bool is_local(int rank) const;
   std::vector<int> local_ranks() const;
   // The GPU of a local rank.

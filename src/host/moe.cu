@@ -13,20 +13,13 @@
 #include "src/device/schedule/placement.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
+#include "src/host/moe_args.h"
 
 namespace mok {
 using detail::DeviceGuard;
-
-namespace detail {  // moe_args.cpp
-void check_routing_inputs(const RankForward& f, const MoeShape& s, int device);
-void check_layer_inputs(const RankForward& f, const MoeShape& s, int device);
-}  // namespace detail
+using detail::require;
 
 namespace {
-
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
-}
 
 constexpr int64_t kBf16Bytes = 2;
 

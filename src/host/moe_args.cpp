@@ -6,13 +6,12 @@
 #include <cuda_runtime_api.h>
 
 #include "mok/moe.h"
+#include "src/host/check.h"
+#include "src/host/moe_args.h"
 
 namespace mok {
+using detail::require;
 namespace {
-
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
-}
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {

@@ -12,6 +12,7 @@
 #include "src/host/nccl_windows.h"
 
 namespace mok {
+using detail::check_nccl;
 using detail::DeviceGuard;
 namespace {
 
@@ -19,11 +20,6 @@ void check_ep_size(int ep_size) {
   if (ep_size < 1 || ep_size > kMaxEpSize)
     throw std::invalid_argument("PeerGroup: ep_size must be in [1, " + std::to_string(kMaxEpSize) + "], got " +
                                 std::to_string(ep_size));
-}
-
-void check_nccl(ncclResult_t result, const char* call) {
-  if (result != ncclSuccess)
-    throw std::runtime_error(std::string("NCCL error in ") + call + ": " + ncclGetErrorString(result));
 }
 
 }  // namespace
@@ -140,6 +136,9 @@ PeerGroup PeerGroup::nccl(const std::vector<ncclComm_t>& comms) {
     group.devices_[rank] = device;
     group.comms_[rank] = comm;
   }
+  // One rank has no peers to address: the group of its one device, with plain device memory (NCCL's
+  // one-rank window has no device-side LSA state; reading it faults).
+  if (ep_size == 1) group.comms_.clear();
   return group;
 }
 
@@ -166,9 +165,7 @@ SymmetricAllocation PeerGroup::allocate(size_t bytes) const {
   allocation.ptrs_.assign(size(), nullptr);
   allocation.tables_.assign(size(), PeerPointers{});
   const std::vector<int> local = local_ranks();
-  // A one-rank communicator has no peers to address: plain device memory (NCCL's one-rank window has no
-  // device-side LSA state to read; reading it faults).
-  if (is_nccl() && size() > 1) {
+  if (is_nccl()) {
     allocation.comms_ = comms_;
     allocation.windows_.assign(size(), nullptr);
     for (int r : local) {

@@ -6,15 +6,10 @@
 #include <string>
 
 #include "src/device/schedule/placement.h"
+#include "src/host/check.h"
 
 namespace mok {
-namespace {
-
-void require(bool condition, const std::string& message) {
-  if (!condition) throw std::invalid_argument(message);
-}
-
-}  // namespace
+using detail::require;
 
 void RoutingShape::validate() const {
   require(ep_size >= 1 && ep_size <= kMaxEpSize,

@@ -18,15 +18,8 @@ using detail::DeviceGuard;
 
 MoeShape moe_shape(int ep_size, int num_tokens, int top_k, int num_experts, int hidden, int intermediate,
                    bool shared_expert) {
-  MoeShape s;
-  s.ep_size = ep_size;
-  s.num_tokens = num_tokens;
-  s.top_k = top_k;
-  s.num_experts = num_experts;
-  s.hidden = hidden;
-  s.intermediate = intermediate;
-  s.shared_expert = shared_expert;
-  return s;
+  return {.ep_size = ep_size, .num_tokens = num_tokens, .top_k = top_k, .num_experts = num_experts,
+          .hidden = hidden, .intermediate = intermediate, .shared_expert = shared_expert};
 }
 
 reference::LayerShape reference_shape(const MoeShape& s) {
