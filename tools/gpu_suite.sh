@@ -34,7 +34,9 @@ if command -v compute-sanitizer >/dev/null; then
   if compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/test_schedule_gpu \
        --gtest_filter='*Overflow*:*BadExpert*:*Huge*:*EmptyExperts*' >"$out/memcheck.log" 2>&1 &&
      compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/test_moe_forward \
-       --gtest_filter='*BadExpert*:*Provenance*' >>"$out/memcheck.log" 2>&1; then
+       --gtest_filter='*BadExpert*:*Provenance*' >>"$out/memcheck.log" 2>&1 &&
+     compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/test_moe_fused \
+       --gtest_filter='*Timeline*:*Late*' >>"$out/memcheck.log" 2>&1; then
     sanitizer=clean
   else
     sanitizer=ERRORS; status=1
@@ -52,7 +54,7 @@ fi
 
 echo
 echo "== test output (tables) =="
-grep -hE "^[0-9]+: (shape|Kimi|GLM|Qwen|DeepSeek|overflow report|timeout report|full size|device peers|nccl|[a-z_]+_kernel )" "$out/ctest.log" | sed 's/^[0-9]*: //'
+grep -hE "^[0-9]+: (shape|Kimi|GLM|Qwen|DeepSeek|overflow report|timeout report|full size|device peers|nccl|fused|rank [0-9]+: |reported|[a-z_]+_kernel )" "$out/ctest.log" | sed 's/^[0-9]*: //'
 echo
 echo "== summary, commit $commit =="
 printf "%-26s %8s %8s %8s\n" "test binary" "passed" "failed" "skipped"

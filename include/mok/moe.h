@@ -1,6 +1,5 @@
-// The MoE layer's forward pass, unfused: stage kernels launched one after another on each rank's stream.
-// It is the tested twin of the fused kernel and the public C++ API. No host synchronization anywhere (the
-// whole sequence can be captured in a CUDA graph); data-dependent errors go to the status word.
+// The MoE layer's forward pass and its public C++ API. No host synchronization anywhere (the whole
+// sequence can be captured in a CUDA graph); data-dependent errors go to the status word.
 //
 //   out[t] = shared(x[t]) + sum_j rw[t, j] * expert_{topk[t, j]}(x[t])       (DESIGN.md section 1)
 //
@@ -11,17 +10,22 @@
 //   ws.forward({&f, 1});                                        // asynchronous on f.stream
 //   StatusReport r = ws.read_status(rank, stream);              // where the caller synchronizes anyway
 //
-// Steps on every rank (stage kernels in src/device/{dispatch,combine}, sync in docs/sync_protocol.md):
+// Steps on every rank (sync in docs/sync_protocol.md):
 //   schedule   all-gather the top-k ids; count, prefix-sum and place routes into the context's schedule
-//   publish    copy x into the rank's symmetric x buffer; barrier arrive ("x is readable")
-//   shared     shared expert on the rank's own tokens (two grouped-GEMM launches with one "expert")
-//   dispatch   barrier wait; *pull* every scheduled row from its source rank's symmetric x
-//   experts    gate/up GEMM with the SwiGLU epilogue -> hidden rows; down GEMM -> expert output rows
-//   combine    *push* each output row into its unique (token, slot) row of the source rank's combine
-//              buffer; barrier arrive ("your rows are written")
+//   publish    copy x into the rank's symmetric x buffer; barrier arrive ("x is readable"); barrier wait
+//   layer      ForwardPath::kFused (default): one persistent megakernel (src/device/megakernel) whose
+//              communication CTAs pull rows and push outputs while its compute CTAs run the shared expert,
+//              then the routed experts minibatch by minibatch.
+//              ForwardPath::kUnfused: the same work as stage kernels one after another:
+//     shared     shared expert on the rank's own tokens (two grouped-GEMM launches with one "expert")
+//     dispatch   *pull* every scheduled row from its source rank's symmetric x
+//     experts    gate/up GEMM with the SwiGLU epilogue -> hidden rows; down GEMM -> expert output rows
+//     combine    *push* each output row into its unique (token, slot) row of the source rank's combine buffer
+//              then barrier arrive ("your rows are written")
 //   epilogue   barrier wait; out = shared + sum_j rw[t, j] * y[t, j] in fp32, j in ascending order, masked
 //              routes skipped; rounded to bf16 once
-// Bitwise deterministic: every row has one writer, every sum a fixed order.
+// Bitwise deterministic: every row has one writer, every sum a fixed order; both paths give the same bits,
+// whatever the fused path's communication CTAs, minibatch and macrobatch.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +33,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -36,6 +41,7 @@
 #include "mok/routing.h"
 #include "mok/schedule.h"
 #include "mok/status.h"
+#include "mok/timeline.h"
 
 namespace mok {
 
@@ -72,8 +78,25 @@ struct MoeShape {
   void validate() const;
 };
 
+enum class ForwardPath : int32_t {
+  kFused = 0,    // one persistent megakernel between the EP barriers (src/device/megakernel)
+  kUnfused = 1,  // stage kernels one after another: the fused path's tested twin
+};
+
+// The megakernel's knobs. None of them changes a bit of the results (tests compare bitwise).
+struct FusedOptions {
+  int comm_ctas = 0;            // CTAs that pull and push rows (a multiple of the cluster size, 2 for the
+                                // model shapes); 0: an eighth of the SMs
+  int minibatch_rows = 4096;    // rows whose gate/up tiles are ordered before their down tiles; multiple of 128
+  int64_t macrobatch_rows = 0;  // rows of the expert-side ring buffers (the context keeps the first
+                                // macrobatch); multiple of 128; 0: the schedule's capacity (no reuse)
+  int timeline_records = 0;     // > 0: record up to this many tasks per CTA (MoeWorkspace::read_timeline)
+};
+
 struct MoeOptions {
   ScheduleOptions schedule;  // row padding, capacity, spin-wait timeout
+  ForwardPath path = ForwardPath::kFused;
+  FusedOptions fused;
 };
 
 // One rank's weights, bf16.
@@ -97,8 +120,11 @@ class ForwardContext {
 
   int rank() const { return rank_; }
   const ScheduleView& schedule() const { return schedule_; }
-  const void* expert_rows() const { return expert_rows_; }  // bf16 [capacity, H]: x rows in expert-major order
-  const void* hidden() const { return hidden_; }            // bf16 [capacity, I]: silu(gate) * up of each row
+  // The expert-side rows of the first macrobatch: schedule rows [0, ring_rows) (all of them unless
+  // MoeOptions::fused.macrobatch_rows is below the capacity; the backward recomputes the others).
+  int64_t ring_rows() const { return ring_rows_; }
+  const void* expert_rows() const { return expert_rows_; }  // bf16 [ring_rows, H]: x rows in expert-major order
+  const void* hidden() const { return hidden_; }            // bf16 [ring_rows, I]: silu(gate) * up of each row
   const void* shared_hidden() const { return shared_hidden_; }  // bf16 [padded T, I]
 
  private:
@@ -110,6 +136,7 @@ class ForwardContext {
   void* allocation_ = nullptr;
   int32_t* schedule_buffer_ = nullptr;
   ScheduleView schedule_;
+  int64_t ring_rows_ = 0;
   void* expert_rows_ = nullptr;
   void* hidden_ = nullptr;
   void* shared_hidden_ = nullptr;
@@ -156,11 +183,16 @@ class MoeWorkspace {
   // timeouts. After an error, `out` is unspecified (no memory outside the buffers is touched).
   // Synchronizes `stream`.
   StatusReport read_status(int rank, cudaStream_t stream) const;
+  // The task records of the rank's last fused forward (MoeOptions::fused.timeline_records > 0), in CTA
+  // order. Synchronizes `stream`.
+  std::vector<TaskRecord> read_timeline(int rank, cudaStream_t stream) const;
 
   const MoeShape& shape() const { return shape_; }
   const PeerGroup& group() const { return group_; }
   int64_t capacity_rows() const { return schedule_.capacity_rows(); }
   int64_t padded_tokens() const { return padded_tokens_; }
+  int64_t ring_rows() const { return ring_rows_; }
+  int comm_ctas() const { return comm_ctas_; }  // the fused path's, resolved
 
  private:
   struct RankState;
@@ -169,6 +201,7 @@ class MoeWorkspace {
   void issue_layer(std::span<const RankForward> ranks);
   void publish(const RankForward& f);
   void compute(const RankForward& f);
+  void compute_fused(const RankForward& f);
   void combine(const RankForward& f);
   const RankState& state(int rank) const;
 
@@ -176,6 +209,9 @@ class MoeWorkspace {
   MoeShape shape_;
   MoeOptions options_;
   int64_t padded_tokens_ = 0;   // T rounded up to the GEMM row tile
+  int64_t ring_rows_ = 0;       // expert-side rows held at once (the fused path's macrobatch)
+  int comm_ctas_ = 0;
+  int grid_ctas_ = 0;           // the megakernel's persistent grid (the same GPU model on every rank)
   ScheduleWorkspace schedule_;
   SymmetricAllocation x_;       // bf16 [padded T, H] per rank: the rows peers pull
   SymmetricAllocation combined_;  // bf16 [T * k, H] per rank: expert outputs pushed by the experts' ranks

@@ -19,10 +19,27 @@ enum StatusBit : uint32_t {
 };
 
 // Which stage a spin-wait belongs to (reported with a timeout).
-enum class Role : int32_t { kNone = 0, kScheduleGather = 1, kScheduleCount = 2, kBarrier = 3 };
+enum class Role : int32_t {
+  kNone = 0,
+  kScheduleGather = 1,
+  kScheduleCount = 2,
+  kBarrier = 3,
+  kGemmProducer = 4,  // forward megakernel: a compute CTA's TMA producer waiting for its tile's inputs
+  kDispatch = 5,      // forward megakernel: a communication CTA pulling rows
+  kCombine = 6,       // forward megakernel: a communication CTA pushing rows
+};
 
 // Which counter a spin-wait watched (reported with a timeout). Names match docs/sync_protocol.md.
-enum class CounterId : int32_t { kNone = 0, kTopkArrived = 1, kBarrierArrived = 2 };
+enum class CounterId : int32_t {
+  kNone = 0,
+  kTopkArrived = 1,
+  kBarrierArrived = 2,
+  kRowsArrived = 3,        // the megakernel's per-64-row counters (docs/sync_protocol.md)
+  kHiddenReady = 4,
+  kSharedHiddenReady = 5,
+  kOutputReady = 6,
+  kRowsCombined = 7,
+};
 
 // Plain-old-data; lives in device memory, one per rank. Reset by the owner before each use.
 struct DeviceStatus {

@@ -9,11 +9,12 @@
 #include "mok/expert_gemm.h"
 #include "src/device/combine/push_rows.cuh"
 #include "src/device/common/peer_barrier.cuh"
-#include "src/device/dispatch/pull_rows.cuh"
+#include "src/device/kernels/row_kernels.cuh"
 #include "src/device/schedule/placement.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
 #include "src/host/moe_args.h"
+#include "src/host/moe_fused.h"
 
 namespace mok {
 using detail::DeviceGuard;
@@ -49,15 +50,18 @@ T* carve(char*& cursor, int64_t count) {
 
 }  // namespace
 
-// Per local rank scratch that does not outlive a forward: expert outputs, shared-expert output, tickets.
+// Per local rank scratch that does not outlive a forward: expert outputs, shared-expert output, tickets,
+// the megakernel's counters and timeline.
 struct MoeWorkspace::RankState {
   int device = -1;
   int num_sms = 0;
   void* allocation = nullptr;
-  void* y = nullptr;             // bf16 [capacity, H]
+  void* y = nullptr;             // bf16 [ring rows, H]
   void* shared_out = nullptr;    // bf16 [padded T, H]
   int32_t* tickets = nullptr;    // [kNumTickets]
   SharedSchedule* shared_schedule = nullptr;
+  uint64_t* fused_counters = nullptr;  // detail::fused_counter_words
+  uint64_t* timeline = nullptr;        // detail::fused_timeline_words, or null
 };
 
 ForwardContext::ForwardContext(ForwardContext&& other) noexcept { *this = std::move(other); }
@@ -71,6 +75,7 @@ ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
     allocation_ = other.allocation_;
     schedule_buffer_ = other.schedule_buffer_;
     schedule_ = other.schedule_;
+    ring_rows_ = other.ring_rows_;
     expert_rows_ = other.expert_rows_;
     hidden_ = other.hidden_;
     shared_hidden_ = other.shared_hidden_;
@@ -102,6 +107,19 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
                                              std::to_string(tile_m));
   require(schedule_.capacity_rows() % tile_m == 0, "MoeOptions.schedule.capacity_rows must be a multiple of tile_m");
   padded_tokens_ = schedule::round_up(shape_.num_tokens, tile_m);
+  const FusedOptions& fused = options_.fused;
+  require(fused.macrobatch_rows >= 0 && fused.macrobatch_rows % 128 == 0,
+          "MoeOptions.fused.macrobatch_rows must be 0 (the capacity) or a positive multiple of 128, got " +
+              std::to_string(fused.macrobatch_rows));
+  require(fused.minibatch_rows > 0 && fused.minibatch_rows % 128 == 0,
+          "MoeOptions.fused.minibatch_rows must be a positive multiple of 128, got " +
+              std::to_string(fused.minibatch_rows));
+  require(fused.comm_ctas >= 0, "MoeOptions.fused.comm_ctas must be >= 0 (0: default)");
+  require(fused.timeline_records >= 0, "MoeOptions.fused.timeline_records must be >= 0");
+  ring_rows_ = fused.macrobatch_rows > 0 ? std::min<int64_t>(fused.macrobatch_rows, capacity_rows()) : capacity_rows();
+  require(options_.path == ForwardPath::kFused || ring_rows_ == capacity_rows(),
+          "MoeOptions.fused.macrobatch_rows below the capacity needs ForwardPath::kFused (the unfused path holds "
+          "every row at once)");
   const int64_t h = shape_.hidden;
   x_ = group_.allocate(padded_tokens_ * h * kBf16Bytes);
   combined_ = group_.allocate(int64_t(shape_.num_tokens) * shape_.top_k * h * kBf16Bytes);
@@ -113,14 +131,24 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     s.device = group_.device(r);
     DeviceGuard guard(s.device);
     MOK_CHECK_CUDA(cudaDeviceGetAttribute(&s.num_sms, cudaDevAttrMultiProcessorCount, s.device));
-    const int64_t bytes = schedule::round_up(capacity_rows() * h * kBf16Bytes, 256) +
-                          schedule::round_up(padded_tokens_ * h * kBf16Bytes, 256) + 2 * 256;
+    if (options_.path == ForwardPath::kFused && grid_ctas_ == 0) {
+      grid_ctas_ = detail::fused_grid_ctas(shape_, s.device);
+      comm_ctas_ = fused.comm_ctas > 0 ? fused.comm_ctas : detail::default_comm_ctas(shape_, s.device);
+    }
+    const int64_t counter_words = detail::fused_counter_words(capacity_rows() / 64, padded_tokens_ / 64);
+    const int64_t timeline_words =
+        fused.timeline_records > 0 ? detail::fused_timeline_words(grid_ctas_, fused.timeline_records) : 0;
+    const int64_t bytes = schedule::round_up(ring_rows_ * h * kBf16Bytes, 256) +
+                          schedule::round_up(padded_tokens_ * h * kBf16Bytes, 256) + 2 * 256 +
+                          schedule::round_up(counter_words * 8, 256) + schedule::round_up(timeline_words * 8, 256);
     MOK_CHECK_CUDA(cudaMalloc(&s.allocation, bytes));
     char* cursor = static_cast<char*>(s.allocation);
-    s.y = carve<char>(cursor, capacity_rows() * h * kBf16Bytes);
+    s.y = carve<char>(cursor, ring_rows_ * h * kBf16Bytes);
     s.shared_out = carve<char>(cursor, padded_tokens_ * h * kBf16Bytes);
     s.tickets = carve<int32_t>(cursor, kNumTickets);
     s.shared_schedule = carve<SharedSchedule>(cursor, 1);
+    s.fused_counters = carve<uint64_t>(cursor, counter_words);
+    if (timeline_words > 0) s.timeline = carve<uint64_t>(cursor, timeline_words);
     const SharedSchedule shared{{shape_.num_tokens},
                                 {0, static_cast<int32_t>(padded_tokens_)},
                                 {static_cast<int32_t>(padded_tokens_)}};
@@ -149,20 +177,21 @@ ForwardContext MoeWorkspace::make_context(int rank) const {
   DeviceGuard guard(s.device);
   const int64_t h = shape_.hidden, i = shape_.intermediate;
   const int64_t bytes = schedule::round_up(schedule_.schedule_elements() * 4, 256) +
-                        schedule::round_up(capacity_rows() * h * kBf16Bytes, 256) +
-                        schedule::round_up(capacity_rows() * i * kBf16Bytes, 256) +
+                        schedule::round_up(ring_rows_ * h * kBf16Bytes, 256) +
+                        schedule::round_up(ring_rows_ * i * kBf16Bytes, 256) +
                         schedule::round_up(padded_tokens_ * i * kBf16Bytes, 256);
   ForwardContext ctx;
   ctx.owner_ = this;
   ctx.rank_ = rank;
   ctx.device_ = s.device;
+  ctx.ring_rows_ = ring_rows_;
   MOK_CHECK_CUDA(cudaMalloc(&ctx.allocation_, bytes));
   // Zero once: padding rows of the shared expert's hidden tile and rows no schedule has written yet.
   MOK_CHECK_CUDA(cudaMemset(ctx.allocation_, 0, bytes));
   char* cursor = static_cast<char*>(ctx.allocation_);
   ctx.schedule_buffer_ = carve<int32_t>(cursor, schedule_.schedule_elements());
-  ctx.expert_rows_ = carve<char>(cursor, capacity_rows() * h * kBf16Bytes);
-  ctx.hidden_ = carve<char>(cursor, capacity_rows() * i * kBf16Bytes);
+  ctx.expert_rows_ = carve<char>(cursor, ring_rows_ * h * kBf16Bytes);
+  ctx.hidden_ = carve<char>(cursor, ring_rows_ * i * kBf16Bytes);
   ctx.shared_hidden_ = carve<char>(cursor, padded_tokens_ * i * kBf16Bytes);
   ctx.schedule_ = schedule_.view(rank, ctx.schedule_buffer_);
   MOK_CHECK_CUDA(cudaDeviceSynchronize());
@@ -210,12 +239,45 @@ void MoeWorkspace::issue_schedule(std::span<const RankForward> ranks) {
 
 void MoeWorkspace::issue_layer(std::span<const RankForward> ranks) {
   for (const RankForward& f : ranks) publish(f);
-  for (const RankForward& f : ranks) compute(f);
+  for (const RankForward& f : ranks) {
+    if (options_.path == ForwardPath::kFused)
+      compute_fused(f);
+    else
+      compute(f);
+  }
   for (const RankForward& f : ranks) combine(f);
 }
 
 StatusReport MoeWorkspace::read_status(int rank, cudaStream_t stream) const {
   return schedule_.read_status(rank, stream);
+}
+
+std::vector<TaskRecord> MoeWorkspace::read_timeline(int rank, cudaStream_t stream) const {
+  const RankState& s = state(rank);
+  require(s.timeline != nullptr, "read_timeline: the workspace records no timeline (MoeOptions.fused.timeline_records "
+                                 "is 0, or the path is unfused)");
+  DeviceGuard guard(s.device);
+  const int capacity = options_.fused.timeline_records;
+  std::vector<uint64_t> words(detail::fused_timeline_words(grid_ctas_, capacity));
+  MOK_CHECK_CUDA(cudaMemcpyAsync(words.data(), s.timeline, words.size() * 8, cudaMemcpyDeviceToHost, stream));
+  MOK_CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<TaskRecord> records;
+  for (int cta = 0; cta < grid_ctas_; ++cta) {
+    const uint64_t* base = words.data() + int64_t(cta) * (capacity + 1) * 4;
+    const int64_t count = std::min<int64_t>(static_cast<int64_t>(base[0]), capacity);
+    for (int64_t i = 0; i < count; ++i) {
+      const uint64_t* r = base + 4 + i * 4;  // layout: megakernel::Timeline
+      records.push_back({.cta = static_cast<int32_t>((r[2] >> 24) & 0xffffff),
+                         .sm = static_cast<int32_t>((r[2] >> 8) & 0xffff),
+                         .kind = static_cast<TaskKind>(r[2] & 0xff),
+                         .row = static_cast<int32_t>(r[3] & 0xffffffffu),
+                         .n_block = static_cast<int32_t>((r[3] >> 32) & 0xffff),
+                         .expert = static_cast<int32_t>(r[3] >> 48),
+                         .start_ns = r[0],
+                         .end_ns = r[1]});
+    }
+  }
+  return records;
 }
 
 namespace {
@@ -247,7 +309,12 @@ struct MlpGemms {  // the two GEMM launches of an MLP over the rows of a schedul
   int32_t* tickets;  // two: gate/up, down
 };
 
-void issue_mlp(const MoeShape& shape, const MoeOptions& options, const MlpGemms& m, cudaStream_t stream) {
+// The two GEMMs of an MLP: gate/up with the SwiGLU epilogue, then down (tickets: m.tickets[0], [1]).
+struct MlpArgs {
+  ExpertGemmArgs gate_up, down;
+};
+
+MlpArgs mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& m) {
   ExpertGemmArgs gate_up;
   gate_up.epilogue = GemmEpilogue::kSwiGLU;
   gate_up.a = m.rows;
@@ -264,7 +331,6 @@ void issue_mlp(const MoeShape& shape, const MoeOptions& options, const MlpGemms&
   gate_up.swiglu_limit = shape.swiglu_limit;
   gate_up.out = m.hidden;
   gate_up.ticket = m.tickets;
-  expert_gemm(gate_up, stream);
 
   ExpertGemmArgs down = gate_up;
   down.epilogue = GemmEpilogue::kStore;
@@ -276,7 +342,13 @@ void issue_mlp(const MoeShape& shape, const MoeOptions& options, const MlpGemms&
   down.swiglu_limit = 0;
   down.out = m.out;
   down.ticket = m.tickets + 1;
-  expert_gemm(down, stream);
+  return {gate_up, down};
+}
+
+void issue_mlp(const MoeShape& shape, const MoeOptions& options, const MlpGemms& m, cudaStream_t stream) {
+  const MlpArgs mlp = mlp_args(shape, options, m);
+  expert_gemm(mlp.gate_up, stream);
+  expert_gemm(mlp.down, stream);
 }
 
 }  // namespace
@@ -293,7 +365,7 @@ void MoeWorkspace::publish(const RankForward& f) {
                                       options_.schedule.wait_timeout_s);
   device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
   MOK_CHECK_CUDA(cudaGetLastError());
-  if (!shape_.shared_expert) return;
+  if (!shape_.shared_expert || options_.path == ForwardPath::kFused) return;  // the megakernel runs it
   const MoeWeights& w = *f.weights;
   issue_mlp(shape_, options_,
             {.rows = x_.on(f.rank),
@@ -324,10 +396,10 @@ void MoeWorkspace::compute(const RankForward& f) {
   device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
   MOK_CHECK_CUDA(cudaGetLastError());
 
-  const dispatch::PullParams pull{x_.peers(f.rank), static_cast<uint4*>(ctx.expert_rows_), v.row_route,
+  const kernels::PullParams pull{x_.peers(f.rank), static_cast<uint4*>(ctx.expert_rows_), v.row_route,
                                   v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};
-  dispatch::pull_rows_kernel<<<row_kernel_ctas(capacity_rows(), dispatch::PullTraits::kWarps, s.num_sms),
-                               dispatch::PullTraits::kThreads, 0, f.stream>>>(pull);
+  kernels::pull_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::PullTraits::kWarps, s.num_sms),
+                               kernels::PullTraits::kThreads, 0, f.stream>>>(pull);
   MOK_CHECK_CUDA(cudaGetLastError());
 
   const MoeWeights& w = *f.weights;
@@ -346,11 +418,85 @@ void MoeWorkspace::compute(const RankForward& f) {
              .tickets = s.tickets + kExpertGateUp},
             f.stream);
 
-  const combine::PushParams push{combined_.peers(f.rank), static_cast<const uint4*>(s.y), v.row_route,
+  const kernels::PushParams push{combined_.peers(f.rank), static_cast<const uint4*>(s.y), v.row_route,
                                  v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};
-  combine::push_rows_kernel<<<row_kernel_ctas(capacity_rows(), combine::PushTraits::kWarps, s.num_sms),
-                              combine::PushTraits::kThreads, 0, f.stream>>>(push);
+  kernels::push_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::PushTraits::kWarps, s.num_sms),
+                              kernels::PushTraits::kThreads, 0, f.stream>>>(push);
   MOK_CHECK_CUDA(cudaGetLastError());
+  device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+// Phase 2, fused: wait for every rank's x, then the megakernel (shared expert, pulls, routed experts,
+// pushes), then "your rows are written" to every peer.
+void MoeWorkspace::compute_fused(const RankForward& f) {
+  const RankState& s = state(f.rank);
+  DeviceGuard guard(s.device);
+  ForwardContext& ctx = *f.context;
+  const ScheduleView& v = ctx.schedule_;
+  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
+                                      options_.schedule.wait_timeout_s);
+  device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
+  MOK_CHECK_CUDA(cudaGetLastError());
+
+  const MoeWeights& w = *f.weights;
+  const MlpArgs routed = mlp_args(shape_, options_,
+                                  {.rows = ctx.expert_rows_,
+                                   .rows_allocated = ring_rows_,
+                                   .gate = w.expert_gate.data,
+                                   .up = w.expert_up.data,
+                                   .down = w.expert_down.data,
+                                   .local_experts = shape_.local_experts(),
+                                   .expert_counts = v.expert_counts,
+                                   .expert_row_offsets = v.expert_row_offsets,
+                                   .scheduled_rows = v.scheduled_rows,
+                                   .hidden = ctx.hidden_,
+                                   .out = s.y,
+                                   .tickets = s.tickets + kExpertGateUp});
+  const MlpArgs shared = !shape_.shared_expert ? routed
+                         : mlp_args(shape_, options_,
+                                    {.rows = x_.on(f.rank),
+                                     .rows_allocated = padded_tokens_,
+                                     .gate = w.shared_gate.data,
+                                     .up = w.shared_up.data,
+                                     .down = w.shared_down.data,
+                                     .local_experts = 1,
+                                     .expert_counts = s.shared_schedule->counts,
+                                     .expert_row_offsets = s.shared_schedule->row_offsets,
+                                     .scheduled_rows = s.shared_schedule->scheduled_rows,
+                                     .hidden = ctx.shared_hidden_,
+                                     .out = s.shared_out,
+                                     .tickets = s.tickets + kSharedGateUp});
+  detail::launch_fused_forward({.shared_gate_up = shared.gate_up,
+                                .shared_down = shared.down,
+                                .expert_gate_up = routed.gate_up,
+                                .expert_down = routed.down,
+                                .expert_row_offsets = v.expert_row_offsets,
+                                .scheduled_rows = v.scheduled_rows,
+                                .row_route = v.row_route,
+                                .local_experts = shape_.local_experts(),
+                                .shared_rows = shape_.shared_expert ? static_cast<int32_t>(padded_tokens_) : 0,
+                                .ring_rows = static_cast<int32_t>(ring_rows_),
+                                .minibatch_rows = options_.fused.minibatch_rows,
+                                .comm_ctas = comm_ctas_,
+                                .x = x_.peers(f.rank),
+                                .combined = combined_.peers(f.rank),
+                                .expert_rows = ctx.expert_rows_,
+                                .expert_out = s.y,
+                                .num_tokens = shape_.num_tokens,
+                                .top_k = shape_.top_k,
+                                .hidden = shape_.hidden,
+                                .intermediate = shape_.intermediate,
+                                .counters = s.fused_counters,
+                                .capacity_units = capacity_rows() / 64,
+                                .shared_units = padded_tokens_ / 64,
+                                .tickets = s.tickets,
+                                .rank = f.rank,
+                                .status = schedule_.device_status(f.rank),
+                                .timeout_ns = static_cast<uint64_t>(options_.schedule.wait_timeout_s * 1e9),
+                                .timeline = s.timeline,
+                                .timeline_capacity = options_.fused.timeline_records},
+                               f.stream);
   device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
   MOK_CHECK_CUDA(cudaGetLastError());
 }

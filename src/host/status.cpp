@@ -14,6 +14,9 @@ const char* role_name(int32_t role) {
     case Role::kScheduleGather: return "schedule gather";
     case Role::kScheduleCount: return "schedule count";
     case Role::kBarrier: return "EP barrier";
+    case Role::kGemmProducer: return "megakernel GEMM producer";
+    case Role::kDispatch: return "megakernel dispatch";
+    case Role::kCombine: return "megakernel combine";
   }
   return "unknown";
 }
@@ -23,6 +26,11 @@ const char* counter_name(int32_t counter) {
     case CounterId::kNone: return "none";
     case CounterId::kTopkArrived: return "topk_arrived";
     case CounterId::kBarrierArrived: return "barrier arrived";
+    case CounterId::kRowsArrived: return "rows_arrived";
+    case CounterId::kHiddenReady: return "hidden_ready";
+    case CounterId::kSharedHiddenReady: return "shared_hidden_ready";
+    case CounterId::kOutputReady: return "output_ready";
+    case CounterId::kRowsCombined: return "rows_combined";
   }
   return "unknown";
 }

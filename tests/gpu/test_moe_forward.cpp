@@ -1,6 +1,7 @@
-// The unfused MoE forward (include/mok/moe.h) on one GPU: virtual ranks for EP = 1, 2, 4, 8.
+// The MoE forward (include/mok/moe.h) on one GPU: virtual ranks for EP = 1, 2, 4, 8. The default path is
+// the fused one (the megakernel); test_moe_fused.cpp holds it bitwise to the unfused path.
 //   - scaled-down model shapes against the CPU reference (fp64 accumulation on the same bf16 values),
-//     within the budget of compare_within_budget; full-size shapes against an fp32 GPU check
+//     within the budget of compare_within_budget, both paths; full-size shapes against an fp32 GPU check
 //   - provenance: outputs that encode source rank, token and expert exactly (misrouting is caught bitwise)
 //   - reruns, tile heights and capacities bitwise equal; a captured CUDA graph replays to the same bits
 //   - skewed routing, experts with no tokens, masked routes, int64 ids
@@ -52,19 +53,25 @@ double check_against_reference(MoeHarness& harness, const LayerData& data, const
 
 TEST(MoeForwardTest, ScaledModelShapesMatchCpuReference) {
   MOK_REQUIRE_GPUS(1);
-  std::printf("shape            EP  tokens  worst error / budget\n");
+  std::printf("shape            EP  tokens  path     worst error / budget\n");
   uint64_t seed = 1;
   for (const auto& m : reference::model_shapes()) {
     for (int ep : {1, 2, 4, 8}) {
       const MoeShape shape = scaled_model_shape(m, ep, 160);
-      MoeHarness harness(PeerGroup::virtual_ranks(ep), shape);
       const LayerData data = testing::random_layer(shape, ++seed, 0, ep == 4 ? 0.05 : 0);
-      harness.upload(data, ep == 2 ? DType::kInt64 : DType::kInt32);
-      harness.forward();
-      for (int r = 0; r < ep; ++r) ASSERT_TRUE(harness.status(r).ok()) << harness.status(r).describe(160, m.top_k, shape.num_experts);
-      const std::string label = m.name + " EP=" + std::to_string(ep) + " seed " + std::to_string(seed);
-      const double worst = check_against_reference(harness, data, label);
-      std::printf("%-16s %2d %7d  %.3f\n", m.name.c_str(), ep, shape.num_tokens, worst);
+      for (ForwardPath path : {ForwardPath::kFused, ForwardPath::kUnfused}) {
+        MoeOptions options;
+        options.path = path;
+        const char* path_name = path == ForwardPath::kFused ? "fused" : "unfused";
+        MoeHarness harness(PeerGroup::virtual_ranks(ep), shape, options);
+        harness.upload(data, ep == 2 ? DType::kInt64 : DType::kInt32);
+        harness.forward();
+        for (int r = 0; r < ep; ++r)
+          ASSERT_TRUE(harness.status(r).ok()) << harness.status(r).describe(160, m.top_k, shape.num_experts);
+        const std::string label = m.name + " EP=" + std::to_string(ep) + " " + path_name + " seed " + std::to_string(seed);
+        const double worst = check_against_reference(harness, data, label);
+        std::printf("%-16s %2d %7d  %-8s %.3f\n", m.name.c_str(), ep, shape.num_tokens, path_name, worst);
+      }
     }
   }
 }

@@ -1,7 +1,7 @@
-// The unfused MoE forward on two GPUs: device peers (CUDA peer access) and NCCL symmetric windows (two
-// communicators in this process, ncclCommInitAll), each bitwise against the same ranks run as virtual ranks
-// on one GPU; provenance through NCCL's LSA pointers, in one process and in one process per GPU (the way a
-// training job uses it); reruns bitwise; one full-size shape.
+// The MoE forward (the default, fused path) on two GPUs: device peers (CUDA peer access) and NCCL symmetric
+// windows (two communicators in this process, ncclCommInitAll), each bitwise against the same ranks run as
+// virtual ranks on one GPU; provenance through NCCL's LSA pointers, in one process and in one process per
+// GPU (the way a training job uses it); reruns bitwise; one full-size shape against the unfused path.
 #include <spawn.h>
 #include <sys/wait.h>
 
@@ -137,7 +137,8 @@ TEST(MoeMultiGpuTest, NcclAcrossProcesses) {
   }
 }
 
-TEST(MoeMultiGpuTest, FullSizeDeepSeekMatchesVirtualRanksBitwise) {
+// The fused path on two GPUs through NCCL windows against the unfused path on virtual ranks, full size.
+TEST(MoeMultiGpuTest, FullSizeDeepSeekFusedMatchesUnfusedVirtualRanksBitwise) {
   MOK_REQUIRE_GPUS(2);
   const auto& m = reference::model_shapes().back();  // DeepSeek-V4-Pro: the largest weights
   const MoeShape shape = make_shape(8192, m.top_k, m.num_experts, m.hidden, m.intermediate);
@@ -147,7 +148,9 @@ TEST(MoeMultiGpuTest, FullSizeDeepSeekMatchesVirtualRanksBitwise) {
     weights.push_back(reference::random_routing(shape.num_tokens, m.top_k, m.num_experts, 0, 130 + r).router_weights);
   std::vector<std::vector<uint16_t>> want;
   {
-    MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+    MoeOptions unfused;
+    unfused.path = ForwardPath::kUnfused;
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape, unfused);
     harness.fill_hashed(131, 2, 1.f / 64, 0.5f);
     harness.upload_routing(topk, weights);
     want = harness.run_checked(1);
@@ -158,7 +161,8 @@ TEST(MoeMultiGpuTest, FullSizeDeepSeekMatchesVirtualRanksBitwise) {
   harness.upload_routing(topk, weights);
   const auto got = harness.run_checked(2);
   for (size_t n = 0; n < got.size(); ++n) ASSERT_EQ(got[n], want[n % 2]) << m.name << " run " << n / 2 << " rank " << n % 2;
-  std::printf("%s EP=2 full size, nccl on 2 GPUs: 2 runs bitwise equal to virtual ranks\n", m.name.c_str());
+  std::printf("%s EP=2 full size, fused on 2 GPUs (nccl): 2 runs bitwise equal to unfused virtual ranks\n",
+              m.name.c_str());
 }
 
 }  // namespace

@@ -1,16 +1,17 @@
-// Combine, in two kernels on either side of a barrier:
+// Combine, on either side of a barrier:
 //
-//   push_rows_kernel (expert rank)  combined_src[token * k + slot, :] = y[row, :] for every scheduled row
-//                                   with a route; each (token, slot) has exactly one expert row, so each
-//                                   destination row has one writer on one rank.
+//   push_row (expert rank: the unfused push_rows_kernel in src/device/kernels/row_kernels.cuh, or the
+//             megakernel's communication CTAs)  combined_src[token * k + slot, :] = y[row, :] for a row with
+//             a route; each (token, slot) has exactly one expert row, so each destination row has one
+//             writer on one rank.
 //   combine_epilogue_kernel (source rank, after the barrier)
 //       out[t, c] = bf16( s[t, c] + sum_{j = 0..k-1, id valid} rw[t, j] * combined[t * k + j, c] )
 //       s = shared expert output (0 without one); fp32 arithmetic, j ascending: bitwise deterministic.
 //       Masked routes (-1) and invalid ids (reported by the schedule) are skipped; their rows are never read.
 //
 // Roles: push is one warp per row (copy_row_warp over NVLink); the epilogue is one thread per 8 columns.
-// Sync: each push thread fences at system scope before exiting, so the barrier arrive that follows in the
-// stream releases its peer stores (docs/sync_protocol.md).
+// Sync: every pushing thread fences at system scope before its kernel exits, so the barrier arrive that
+// follows in the stream releases its peer stores (docs/sync_protocol.md).
 #pragma once
 
 #include <cstdint>
@@ -24,31 +25,14 @@
 
 namespace mok::combine {
 
-struct PushTraits {
-  static constexpr int kThreads = 256;
-  static constexpr int kWarps = kThreads / 32;
-};
-
-struct PushParams {
-  PeerPointers combined;       // every rank's symmetric combine buffer, bf16 [T * k, H]
-  const uint4* y;              // bf16 [capacity, H], this rank's expert outputs
-  const int32_t* row_route;    // [capacity]
-  const int32_t* scheduled_rows;
-  int num_tokens;
-  int top_k;
-  int row_vectors;             // H * 2 / 16
-};
-
-__global__ void __launch_bounds__(PushTraits::kThreads) push_rows_kernel(PushParams p) {
-  device::for_each_row_by_warp(*p.scheduled_rows, [&](int64_t row, int lane) {
-    const int32_t route = p.row_route[row];
-    if (route < 0) return;  // padding
-    const schedule::RouteCoords c = schedule::route_coords(route, p.num_tokens, p.top_k);
-    uint4* dst = static_cast<uint4*>(p.combined.base[c.src]) + (int64_t(c.token) * p.top_k + c.slot) * p.row_vectors;
-    device::copy_row_warp(p.y + row * p.row_vectors, dst, p.row_vectors, lane);
-  });
-  // Why: the barrier arrive after this kernel publishes these peer stores; order them at system scope.
-  device::fence_acq_rel_sys();
+// One row by one warp: expert output row `src` to its (token, slot) row of the source rank's combine
+// buffer; nothing for padding (route -1).
+__device__ __forceinline__ void push_row(const PeerPointers& combined, const uint4* src, int32_t route, int num_tokens,
+                                         int top_k, int row_vectors, int lane) {
+  if (route < 0) return;
+  const schedule::RouteCoords c = schedule::route_coords(route, num_tokens, top_k);
+  uint4* dst = static_cast<uint4*>(combined.base[c.src]) + (int64_t(c.token) * top_k + c.slot) * row_vectors;
+  device::copy_row_warp(src, dst, row_vectors, lane);
 }
 
 struct EpilogueTraits {

@@ -39,6 +39,28 @@ __device__ __forceinline__ void add_release_sys(uint64_t* addr, uint64_t value) 
 // anything it or its CTA signals afterwards.
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// Release add at GPU scope, for counters between CTAs of one kernel: the caller's earlier writes (and,
+// after a CTA barrier and fence_acq_rel_gpu, its CTA's) are visible to whoever acquires the new count.
+__device__ __forceinline__ void add_release_gpu(uint64_t* addr, uint64_t value) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(addr), "l"(value) : "memory");
+}
+
+// Full fence at GPU scope: with a CTA barrier before it, orders the CTA's writes before a release that
+// one thread issues for all of them.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// Waits until this thread's committed bulk (TMA) stores have *written* global memory (not only read their
+// shared-memory source, which is all cute::tma_store_wait waits for), then orders those async-proxy writes
+// before this thread's later generic operations, e.g. the release that tells a reader the rows are there.
+__device__ __forceinline__ void bulk_stores_written() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// After an acquire, before TMA loads (async proxy) of data that generic stores or other CTAs' bulk stores
+// wrote: orders the acquire before the async-proxy reads.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
 // Where a wait happens, for the timeout report.
 struct WaitSite {
   int32_t rank;

@@ -1,13 +1,12 @@
-// Dispatch, pull direction: every scheduled row of this rank's expert-major buffer reads its token's row
-// from the source rank's symmetric x buffer.
+// Dispatch, pull direction, one row: a row of this rank's expert-major buffer reads its token's row from
+// the source rank's symmetric x buffer (the reader sits on the destination: DESIGN.md section 3 measured
+// pull and push alike on our NVLink; docs/design.md has the dispatch-only measurement).
 //
-//   dst[row, :] = x_src[token, :]   for row < scheduled_rows with row_route[row] = (src, token, slot)
-//   dst[row, :] = 0                 for padding rows (row_route = -1) below scheduled_rows
-// Rows at or above scheduled_rows are not touched (no GEMM reads them; 0 rows after a capacity overflow).
+//   dst[row, :] = x_src[token, :]   row_route[row] = (src, token, slot)
+//   dst[row, :] = 0                 padding rows (row_route = -1)
 //
-// Roles: one warp per row, warps striding over rows; lanes move 16-byte vectors (copy_row_warp).
-// Sync: the source ranks wrote x before the barrier this rank's stream waited on; reads only, so nothing
-// is signalled here: the next barrier arrive (after combine) tells the sources their x may be reused.
+// One warp per row; lanes move 16-byte vectors (copy_row_warp). Used by the unfused stage kernel
+// (src/device/kernels/row_kernels.cuh) and the megakernel's communication CTAs.
 // Determinism: each destination row has exactly one writer and is a copy.
 #pragma once
 
@@ -19,33 +18,16 @@
 
 namespace mok::dispatch {
 
-struct PullTraits {
-  static constexpr int kThreads = 256;
-  static constexpr int kWarps = kThreads / 32;
-};
-
-struct PullParams {
-  PeerPointers x;              // every rank's symmetric x buffer, bf16 [padded T, H]
-  uint4* dst;                  // bf16 [capacity, H], this rank's expert-major rows
-  const int32_t* row_route;    // [capacity]
-  const int32_t* scheduled_rows;
-  int num_tokens;
-  int top_k;
-  int row_vectors;             // H * 2 / 16
-};
-
-__global__ void __launch_bounds__(PullTraits::kThreads) pull_rows_kernel(PullParams p) {
-  device::for_each_row_by_warp(*p.scheduled_rows, [&](int64_t row, int lane) {
-    uint4* dst = p.dst + row * p.row_vectors;
-    const int32_t route = p.row_route[row];
-    if (route < 0) {
-      device::zero_row_warp(dst, p.row_vectors, lane);
-      return;
-    }
-    const schedule::RouteCoords c = schedule::route_coords(route, p.num_tokens, p.top_k);
-    const uint4* src = static_cast<const uint4*>(p.x.base[c.src]) + int64_t(c.token) * p.row_vectors;
-    device::copy_row_warp(src, dst, p.row_vectors, lane);
-  });
+// One row by one warp: the token's row of `route` from its source rank, or zeros for padding (route -1).
+__device__ __forceinline__ void pull_row(const PeerPointers& x, uint4* dst, int32_t route, int num_tokens, int top_k,
+                                         int row_vectors, int lane) {
+  if (route < 0) {
+    device::zero_row_warp(dst, row_vectors, lane);
+    return;
+  }
+  const schedule::RouteCoords c = schedule::route_coords(route, num_tokens, top_k);
+  const uint4* src = static_cast<const uint4*>(x.base[c.src]) + int64_t(c.token) * row_vectors;
+  device::copy_row_warp(src, dst, row_vectors, lane);
 }
 
 }  // namespace mok::dispatch

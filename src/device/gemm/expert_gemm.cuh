@@ -153,8 +153,10 @@ struct GemmParams {
 inline constexpr int kUnitRows = 64;
 
 struct TileTask {
-  int32_t row;      // first row in the expert-major buffer
-  int32_t rows;     // 64 or 128 (kBlockM == 128), 64 (kBlockM == 64)
+  int32_t row;         // first row of the schedule (expert-major order): validity, row scales, counters
+  int32_t buffer_row;  // where that row lives in the A and output buffers: row itself, or its place in
+                       // the megakernel's ring of macrobatch rows
+  int32_t rows;        // 64 or 128 (kBlockM == 128), 64 (kBlockM == 64)
   int32_t n_block;  // from TaskWalker: the cluster's group of n-blocks; after for_cta(): this CTA's n-block
   int32_t expert;
 
@@ -204,6 +206,7 @@ struct TaskWalker {
     t.expert = expert;
     t.n_block = local / m_tiles;
     t.row = segment_begin + (local % m_tiles) * Traits::kBlockM;
+    t.buffer_row = t.row;
     t.rows = min(segment_end - t.row, Traits::kBlockM);
     return true;
   }
@@ -222,9 +225,9 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
   Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
   Tensor s_b_halves = flat_divide(s_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{});  // (HN, BK, 2, 1, S)
 
-  // This CTA's share of the A tile: kCtaRowsA rows from task.row + cta_rank * kCtaRowsA (offset, then tile).
+  // This CTA's share of the A tile: kCtaRowsA rows from buffer_row + cta_rank * kCtaRowsA (offset, then tile).
   Tensor s_a_shares = flat_divide(s_a, Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{});  // (RA, BK, C, 1, S)
-  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.row) + cta_rank * T::kCtaRowsA, _0{}), m_a),
+  Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.buffer_row) + cta_rank * T::kCtaRowsA, _0{}), m_a),
                           Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, make_coord(0, _));
   const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
   Tensor g_b0 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
@@ -260,10 +263,14 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x));
 // consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not part
 // of the task (a 64-row task) only passes the pipeline stages back, so the task costs about half a full
 // one; the branch is on values broadcast with __shfl_sync (see below).
+// rows_done (nullable, the megakernel's): one counter per 64 schedule rows; each warpgroup adds 1 to its
+// rows' counter once its stores have reached global memory, so a counter reaches the number of n-blocks
+// when the rows' whole output is readable (docs/sync_protocol.md).
 template <class Traits, class Params>
 __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
                                              typename Traits::Pipeline& pipeline,
-                                             typename Traits::PipelineState& read_state, int consumer_idx) {
+                                             typename Traits::PipelineState& read_state, int consumer_idx,
+                                             uint64_t* rows_done = nullptr) {
   using namespace cute;
   using T = Traits;
   typename T::TiledMma mma;
@@ -386,7 +393,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
     tma_store_fence();
     cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
     if (store_leader) {
-      const int box_row = (task.row + warpgroup * kUnitRows) / kUnitRows;
+      const int box_row = (task.buffer_row + warpgroup * kUnitRows) / kUnitRows;
       const int box_col = (task.n_block * T::kOutCols + pass_begin) / T::kBoxCols;
       CUTE_UNROLL
       for (int box = 0; box < T::kBoxesPerPass; ++box) {
@@ -397,6 +404,12 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
       }
       tma_store_arrive();
     }
+  }
+  if (rows_done != nullptr && store_leader) {
+    // Why: the reader (another CTA's TMA loads, or a communication CTA's loads) acquires this count and
+    // must find the rows written, not just issued.
+    device::bulk_stores_written();
+    device::add_release_gpu(rows_done + (task.row / kUnitRows + warpgroup), 1);
   }
 }
 

@@ -1,0 +1,39 @@
+// Timeline of a fused forward: per CTA, the tasks it ran and when (MoeOptions::fused.timeline_records),
+// written as Chrome-trace JSON (chrome://tracing, ui.perfetto.dev; tools/timeline_png.py draws a PNG).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mok {
+
+// The megakernel's tasks (src/device/megakernel/forward_tasks.h hands them out in this vocabulary).
+enum class TaskKind : int32_t {
+  kSharedGateUp = 0,  // shared expert, gate/up GEMM tile with the SwiGLU epilogue
+  kSharedDown = 1,
+  kExpertGateUp = 2,  // routed experts
+  kExpertDown = 3,
+  kDispatch = 4,      // communication: pull 64 rows from their source ranks
+  kCombine = 5,       // communication: push 64 expert output rows to their source ranks
+  kNone = 6,
+};
+
+const char* task_kind_name(TaskKind kind);
+
+struct TaskRecord {
+  int32_t cta = 0;
+  int32_t sm = 0;
+  TaskKind kind = TaskKind::kNone;
+  int32_t row = 0;      // first schedule row (token row for the shared expert)
+  int32_t n_block = 0;  // GEMM tasks: output column block
+  int32_t expert = 0;   // GEMM tasks: local expert
+  uint64_t start_ns = 0;  // GPU global timer
+  uint64_t end_ns = 0;
+};
+
+// {"traceEvents": [...]}: one complete event per record, pid = rank, tid = CTA, microseconds from the
+// earliest start of `records`.
+std::string chrome_trace_json(const std::vector<TaskRecord>& records, int rank);
+
+}  // namespace mok

@@ -1,0 +1,294 @@
+// The forward megakernel: one persistent launch per rank that pulls token rows, runs the shared and the
+// routed experts' SwiGLU MLPs and pushes the expert outputs to their tokens' ranks (ForwardPath::kFused in
+// include/mok/moe.h). It replaces the unfused path's stages between its two EP barriers:
+//
+//   shared_hidden[t] = SwiGLU(x[t] · Wg^T, x[t] · Wu^T),     shared_out[t] = shared_hidden[t] · Wd^T
+//   expert_rows[r]   = x_src[token]                          (dispatch: pull from the source rank)
+//   hidden[r]        = SwiGLU(expert_rows[r] · Wg_e^T, ...),  y[r] = hidden[r] · Wd_e^T
+//   combined_src[token * k + slot] = y[r]                    (combine: push to the source rank)
+// x [padded T, H] (symmetric), expert_rows [ring, H], hidden [ring, I], y [ring, H] (rings of macrobatch rows,
+// row r at r % ring), shared_hidden [padded T, I], shared_out [padded T, H], combined [T * k, H] (symmetric).
+//
+// Roles. One CTA per SM in clusters of kClusterN; the first comm_ctas CTAs communicate, the rest compute.
+//   communication CTA    thread 0 takes tasks from the comm ticket (forward_tasks.h) and waits for their
+//                        inputs; all 12 warps copy rows, one warp per row (pull_row / push_row).
+//   producer warpgroup   one thread: takes compute slots (TaskRing: the cluster shares each slot), waits for
+//                        the tile's input rows, issues the TMA loads (load_tile).
+//   consumer warpgroups  wgmma + epilogue (compute_tile of the gate/up or the down GEMM), then count their
+//                        64 rows as done for this n-block.
+// Shared memory: the expert GEMM's SharedStorage (gate/up and down traits share its layout) and a ring of
+// decoded tasks (ForwardSharedStorage); communication CTAs use one word of it for the slot broadcast.
+// Sync: counters per 64-row unit in global memory, release-add / acquire-spin with timeouts reported through
+// the status word (docs/sync_protocol.md, "forward megakernel"). Tasks are handed out in topological order,
+// so spinning cannot deadlock.
+// Determinism: every output element is one thread's fixed-order K reduction, whatever tile, CTA, minibatch
+// or macrobatch it falls in; copies are copies. The results are bitwise those of the unfused path.
+#pragma once
+
+#include <cstdint>
+
+#include "mok/peer_group.h"
+#include "mok/status.h"
+#include "src/device/combine/push_rows.cuh"
+#include "src/device/common/sync.cuh"
+#include "src/device/dispatch/pull_rows.cuh"
+#include "src/device/gemm/expert_gemm.cuh"
+#include "src/device/megakernel/forward_tasks.h"
+
+namespace mok::megakernel {
+
+// Counters of one forward (zeroed before the launch), one u64 per 64-row unit.
+struct ForwardCounters {
+  uint64_t* rows_arrived;         // [capacity / 64] dispatch tasks done (target 1)
+  uint64_t* hidden_ready;         // [capacity / 64] gate/up n-blocks stored (target I / 128)
+  uint64_t* output_ready;         // [capacity / 64] down n-blocks stored (target H / 256)
+  uint64_t* rows_combined;        // [capacity / 64] combine tasks done (target 1)
+  uint64_t* shared_hidden_ready;  // [padded T / 64] shared gate/up n-blocks stored (target I / 128)
+};
+
+// Per-CTA task records for the timeline: [CTAs][1 + capacity][4] u64; word 0 of a CTA counts its records.
+// A record: start ns, end ns, kind | SM << 8 | CTA << 24, first row | n-block << 32 | expert << 48.
+struct Timeline {
+  uint64_t* records;  // nullable
+  int capacity;       // records per CTA
+
+  __device__ __forceinline__ void record(TaskKind kind, uint64_t start, uint64_t end, int32_t row, int32_t n_block,
+                                         int32_t expert) const {
+    if (records == nullptr) return;
+    uint64_t* cta = records + int64_t(blockIdx.x) * (capacity + 1) * 4;
+    const uint64_t index = cta[0]++;  // one recording thread per CTA
+    if (index >= uint64_t(capacity)) return;
+    uint64_t* r = cta + 4 + index * 4;
+    r[0] = start;
+    r[1] = end;
+    r[2] = uint64_t(kind) | (uint64_t(device::sm_index()) << 8) | (uint64_t(blockIdx.x) << 24);
+    r[3] = uint32_t(row) | (uint64_t(uint16_t(n_block)) << 32) | (uint64_t(uint16_t(expert)) << 48);
+  }
+};
+
+template <class GemmParams>
+struct ForwardParams {
+  GemmParams shared_gate_up;  // A = x, out = shared_hidden
+  GemmParams shared_down;     // A = shared_hidden, out = shared_out
+  GemmParams expert_gate_up;  // A = expert_rows ring, out = hidden ring
+  GemmParams expert_down;     // A = hidden ring, out = y ring
+  TaskOrderShape order;
+  const int32_t* scheduled_rows;  // read once by each walking thread
+  const int32_t* row_route;   // [capacity]
+  PeerPointers x;             // every rank's symmetric x, bf16 [padded T, H]
+  PeerPointers combined;      // every rank's symmetric combine buffer, bf16 [T * k, H]
+  uint4* expert_rows;         // bf16 ring [ring_rows, H]
+  const uint4* expert_out;    // bf16 ring [ring_rows, H] (y)
+  int num_tokens;
+  int top_k;
+  int row_vectors;            // H * 2 / 16
+  int comm_ctas;
+  int gate_up_n_blocks;       // I / 128
+  int down_n_blocks;          // H / 256
+  ForwardCounters counters;
+  int32_t* compute_ticket;    // zeroed before the launch
+  int32_t* comm_ticket;       // zeroed before the launch
+  int rank;
+  DeviceStatus* status;
+  uint64_t timeout_ns;
+  Timeline timeline;
+};
+
+enum class ForwardRole : int { kCommunication = 0, kProducer = 1, kConsumer = 2 };
+
+// The GEMM's shared memory plus a task ring that carries decoded tasks: the producer walks the task order
+// once per slot and its consumers read the task (the GEMM's own slot ring stays unused).
+template <class T>
+struct ForwardSharedStorage {
+  typename T::SharedStorage gemm;
+  gemm::TaskRing<T::kTaskDepth, 4 * T::kConsumerWarpgroups, T::kClusterN, ComputeTask> tasks;
+};
+
+template <class Params>
+__device__ __forceinline__ const auto& gemm_of(const Params& p, TaskKind kind) {
+  switch (kind) {
+    case TaskKind::kSharedGateUp: return p.shared_gate_up;
+    case TaskKind::kSharedDown: return p.shared_down;
+    case TaskKind::kExpertGateUp: return p.expert_gate_up;
+    default: return p.expert_down;
+  }
+}
+
+template <int kClusterN>
+__device__ __forceinline__ gemm::TileTask tile_of(const ComputeTask& t, int cta_rank) {
+  return gemm::TileTask{t.row, t.buffer_row, t.rows, t.n_group, t.expert}.template for_cta<kClusterN>(cta_rank);
+}
+
+// Producer thread: waits until every 64-row unit of the tile's A rows is complete.
+template <class Params>
+__device__ __forceinline__ void wait_for_inputs(const Params& p, const ComputeTask& t) {
+  const uint64_t* counters;
+  uint64_t target;
+  CounterId id;
+  switch (t.kind) {
+    case TaskKind::kSharedDown:
+      counters = p.counters.shared_hidden_ready, target = p.gate_up_n_blocks, id = CounterId::kSharedHiddenReady;
+      break;
+    case TaskKind::kExpertGateUp:
+      counters = p.counters.rows_arrived, target = 1, id = CounterId::kRowsArrived;
+      break;
+    case TaskKind::kExpertDown:
+      counters = p.counters.hidden_ready, target = p.gate_up_n_blocks, id = CounterId::kHiddenReady;
+      break;
+    default: return;  // shared gate/up: x was complete before the launch
+  }
+  for (int32_t unit = t.row / kUnitRows; unit * kUnitRows < t.row + t.rows; ++unit)
+    device::wait_at_least(counters + unit, target, {p.rank, Role::kGemmProducer, id, unit}, p.status, p.timeout_ns);
+  // Why: the TMA loads that follow read, through the async proxy, rows the acquire above made visible.
+  device::fence_proxy_async_global();
+}
+
+// Registers of the producer warpgroup after setmaxnreg: the GEMM's 48 leave too few for the task walker and
+// four GEMMs' descriptors (ptxas spilled); the consumers keep theirs.
+template <class T>
+inline constexpr int kProducerRegisters = 56;
+
+template <class T, class Params>
+__device__ void run_producer(const Params& p, ForwardSharedStorage<T>& smem, typename T::Pipeline& pipeline,
+                             int cta_rank) {
+  static_assert(kProducerRegisters<T> * 128 + T::kConsumerRegisters * 128 * T::kConsumerWarpgroups <=
+                    T::kLaunchRegisters * T::kThreads,
+                "setmaxnreg redistributes the CTA's launch registers, no more");
+  cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters<T>>();
+  if (threadIdx.x != 0) return;
+  auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
+  ComputeWalker walker(p.order, *p.scheduled_rows);
+  for (int k = 0;; ++k) {
+    ComputeTask task;
+    if (!walker.task_at(smem.tasks.take(k, cta_rank, p.compute_ticket), task)) task.kind = TaskKind::kNone;
+    smem.tasks.publish(k, task);
+    if (task.kind == TaskKind::kNone) break;
+    wait_for_inputs(p, task);
+    load_tile<T>(gemm_of(p, task.kind), tile_of<T::kClusterN>(task, cta_rank), cta_rank, smem.gemm, pipeline, state);
+  }
+  pipeline.producer_tail(state);
+}
+
+template <class T, class TDown, class Params>
+__device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typename T::Pipeline& pipeline,
+                             int cta_rank) {
+  cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+  auto& down_smem = reinterpret_cast<typename TDown::SharedStorage&>(smem.gemm);
+  const bool recorder = threadIdx.x == 128;
+  typename T::PipelineState state;
+  for (int k = 0;; ++k) {
+    const ComputeTask task = smem.tasks.consume(k);  // warp-uniform (broadcast from lane 0)
+    const TaskKind kind = task.kind;
+    if (kind == TaskKind::kNone) break;
+    const uint64_t start = recorder ? device::global_timer_ns() : 0;
+    const gemm::TileTask tile = tile_of<T::kClusterN>(task, cta_rank);
+    // Why opaque: the fragment coordinates derived from the index are loop invariants; hoisted for both
+    // GEMMs they outgrow the consumers' registers (ptxas spilled). Recomputing them per tile costs nothing.
+    int consumer_idx;
+    asm volatile("mov.u32 %0, %1;" : "=r"(consumer_idx) : "r"(static_cast<int>(threadIdx.x) - 128));
+    const bool shared = kind == TaskKind::kSharedGateUp || kind == TaskKind::kSharedDown;
+    // Two call sites, not four: each inlined compute_tile hoists its own loop invariants into registers.
+    if (kind == TaskKind::kSharedGateUp || kind == TaskKind::kExpertGateUp)
+      gemm::compute_tile<T>(shared ? p.shared_gate_up : p.expert_gate_up, tile, smem.gemm, pipeline, state, consumer_idx,
+                            shared ? p.counters.shared_hidden_ready : p.counters.hidden_ready);
+    else
+      gemm::compute_tile<TDown>(shared ? p.shared_down : p.expert_down, tile, down_smem, pipeline, state,
+                                consumer_idx, shared ? nullptr : p.counters.output_ready);
+    if (recorder) p.timeline.record(task.kind, start, device::global_timer_ns(), tile.row, tile.n_block, task.expert);
+  }
+  // Why: the shared memory must outlive the last TMA stores' reads of it.
+  if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
+}
+
+// A communication CTA: dispatch and combine tasks, 64 rows each, one warp per row.
+template <class Params>
+__device__ void run_communication(const Params& p, int32_t& slot_word) {
+  const TaskOrderShape& order = p.order;
+  const int32_t scheduled_rows = *p.scheduled_rows;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  while (true) {
+    if (threadIdx.x == 0) slot_word = atomicAdd(p.comm_ticket, 1);
+    __syncthreads();
+    const CommTask task = comm_task_at(order, scheduled_rows, slot_word);
+    if (task.kind == TaskKind::kNone) break;
+    const uint64_t start = threadIdx.x == 0 ? device::global_timer_ns() : 0;
+    const int32_t first_row = task.unit * kUnitRows;
+    const int64_t ring_row = first_row % order.ring_rows;
+    if (task.kind == TaskKind::kDispatch) {
+      // The ring rows this unit overwrites held the unit one macrobatch later (walked earlier): its gate/up
+      // tiles read them and its combine, which needed everything downstream, is done.
+      const int32_t previous = task.unit + order.ring_rows / kUnitRows;
+      if (threadIdx.x == 0 && previous * kUnitRows < scheduled_rows)
+        device::wait_at_least(p.counters.rows_combined + previous, 1,
+                              {p.rank, Role::kDispatch, CounterId::kRowsCombined, previous}, p.status, p.timeout_ns);
+      // Why: thread 0's acquire covers the whole CTA once it passes the barrier.
+      __syncthreads();
+      for (int r = warp; r < kUnitRows; r += warps)
+        dispatch::pull_row(p.x, p.expert_rows + (ring_row + r) * p.row_vectors, p.row_route[first_row + r],
+                           p.num_tokens, p.top_k, p.row_vectors, lane);
+    } else {
+      if (threadIdx.x == 0)
+        device::wait_at_least(p.counters.output_ready + task.unit, p.down_n_blocks,
+                              {p.rank, Role::kCombine, CounterId::kOutputReady, task.unit}, p.status, p.timeout_ns);
+      __syncthreads();
+      for (int r = warp; r < kUnitRows; r += warps)
+        combine::push_row(p.combined, p.expert_out + (ring_row + r) * p.row_vectors, p.row_route[first_row + r],
+                          p.num_tokens, p.top_k, p.row_vectors, lane);
+    }
+    // Why: all warps' row copies are done before thread 0 publishes them with one release.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      device::fence_acq_rel_gpu();
+      uint64_t* done = task.kind == TaskKind::kDispatch ? p.counters.rows_arrived : p.counters.rows_combined;
+      device::add_release_gpu(done + task.unit, 1);
+      p.timeline.record(task.kind, start, device::global_timer_ns(), first_row, 0, 0);
+    }
+  }
+  // Why: the barrier arrive after this kernel publishes the pushes to peers; order them at system scope.
+  device::fence_acq_rel_sys();
+}
+
+template <class T, class TDown, class Params>
+__global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_constant__ Params p) {
+  static_assert(sizeof(typename T::SharedStorage) == sizeof(typename TDown::SharedStorage) &&
+                    T::kStages == TDown::kStages && T::kBlockM == TDown::kBlockM && T::kBlockN == TDown::kBlockN &&
+                    T::kClusterN == TDown::kClusterN,
+                "the gate/up and down GEMMs share one shared-memory layout, pipeline and cluster");
+  static_assert(T::kBlockM == kTileRows, "the task order's tiles are the GEMM's m-tiles");
+  extern __shared__ __align__(1024) char shared_raw[];
+  auto& smem = *reinterpret_cast<ForwardSharedStorage<T>*>(shared_raw);
+  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);  // uniform: see compute_tile
+  const ForwardRole role = static_cast<int>(blockIdx.x) < p.comm_ctas ? ForwardRole::kCommunication
+                           : warpgroup == 0                            ? ForwardRole::kProducer
+                                                                       : ForwardRole::kConsumer;
+
+  typename T::Pipeline::Params pipeline_params;
+  pipeline_params.transaction_bytes = T::kStageTransactionBytes;
+  pipeline_params.role = role == ForwardRole::kConsumer ? T::Pipeline::ThreadCategory::Consumer
+                                                        : T::Pipeline::ThreadCategory::Producer;
+  pipeline_params.is_leader = threadIdx.x == 0;
+  pipeline_params.num_consumers = 128 * T::kConsumerWarpgroups;
+  typename T::Pipeline pipeline(smem.gemm.pipeline, pipeline_params, typename T::ClusterShape{});
+  if (threadIdx.x == 0) {
+    smem.tasks.init();
+    cutlass::arch::fence_barrier_init();
+  }
+  // Why: the partner CTA arrives on our barriers and multicasts into our shared memory; both CTAs'
+  // barrier initialization must be visible cluster-wide first.
+  if constexpr (T::kClusterN > 1)
+    cute::cluster_sync();
+  else
+    __syncthreads();
+
+  const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
+  switch (role) {
+    case ForwardRole::kCommunication: run_communication(p, smem.tasks.mail[0]); break;
+    case ForwardRole::kProducer: run_producer<T>(p, smem, pipeline, cta_rank); break;
+    case ForwardRole::kConsumer: run_consumer<T, TDown>(p, smem, pipeline, cta_rank); break;
+  }
+  // Why: neither CTA may exit while its partner can still multicast into it or arrive on its barriers.
+  if constexpr (T::kClusterN > 1) cute::cluster_sync();
+}
+
+}  // namespace mok::megakernel

@@ -1,0 +1,150 @@
+// Host side of the forward megakernel: GEMM descriptors for the four GEMMs, counters, the persistent grid.
+#include "src/host/moe_fused.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "src/device/megakernel/forward_kernel.cuh"
+#include "src/host/check.h"
+#include "src/host/gemm_params.h"
+
+namespace mok::detail {
+namespace {
+
+template <int kClusterN>
+using GateUpTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kSwiGLU, kClusterN>;
+template <int kClusterN>
+using DownTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kStore, kClusterN>;
+
+template <int kClusterN>
+auto kernel_of() {
+  using T = GateUpTraits<kClusterN>;
+  using Params = megakernel::ForwardParams<decltype(make_gemm_params<T>(ExpertGemmArgs{}))>;
+  return megakernel::forward_kernel<T, DownTraits<kClusterN>, Params>;
+}
+
+template <int kClusterN>
+cudaLaunchConfig_t launch_config(int grid_ctas, cudaStream_t stream, cudaLaunchAttribute* cluster_attr) {
+  using T = GateUpTraits<kClusterN>;
+  cluster_attr->id = cudaLaunchAttributeClusterDimension;
+  cluster_attr->val.clusterDim.x = kClusterN;
+  cluster_attr->val.clusterDim.y = 1;
+  cluster_attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid_ctas);
+  config.blockDim = dim3(T::kThreads);
+  config.dynamicSmemBytes = sizeof(megakernel::ForwardSharedStorage<T>);
+  config.stream = stream;
+  config.attrs = cluster_attr;
+  config.numAttrs = 1;
+  return config;
+}
+
+template <int kClusterN>
+int grid_ctas(int device) {
+  using T = GateUpTraits<kClusterN>;
+  int num_sms = 0, max_smem = 0;
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int smem_bytes = static_cast<int>(sizeof(megakernel::ForwardSharedStorage<T>));
+  if (smem_bytes > max_smem)
+    throw std::runtime_error("forward megakernel: needs " + std::to_string(smem_bytes) +
+                             " bytes of shared memory per CTA, the device allows " + std::to_string(max_smem));
+  auto kernel = kernel_of<kClusterN>();
+  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  cudaLaunchAttribute cluster_attr;
+  cudaLaunchConfig_t config = launch_config<kClusterN>(num_sms - num_sms % kClusterN, nullptr, &cluster_attr);
+  int max_clusters = 0;
+  MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
+  if (max_clusters < 2) throw std::runtime_error("forward megakernel: fewer than two clusters fit on the device");
+  return max_clusters * kClusterN;
+}
+
+template <int kClusterN>
+void launch(const FusedForwardArgs& a, cudaStream_t stream) {
+  using T = GateUpTraits<kClusterN>;
+  using TDown = DownTraits<kClusterN>;
+  using GemmP = decltype(make_gemm_params<T>(ExpertGemmArgs{}));
+  megakernel::ForwardParams<GemmP> p{
+      .shared_gate_up = make_gemm_params<T>(a.shared_gate_up),
+      .shared_down = make_gemm_params<TDown>(a.shared_down),
+      .expert_gate_up = make_gemm_params<T>(a.expert_gate_up),
+      .expert_down = make_gemm_params<TDown>(a.expert_down),
+      .order = {.expert_row_offsets = a.expert_row_offsets,
+                .local_experts = a.local_experts,
+                .shared_rows = a.shared_rows,
+                .ring_rows = a.ring_rows,
+                .minibatch_rows = a.minibatch_rows,
+                .gate_up_groups = a.intermediate / T::kOutCols / kClusterN,
+                .down_groups = a.hidden / TDown::kOutCols / kClusterN},
+      .scheduled_rows = a.scheduled_rows,
+      .row_route = a.row_route,
+      .x = a.x,
+      .combined = a.combined,
+      .expert_rows = static_cast<uint4*>(a.expert_rows),
+      .expert_out = static_cast<const uint4*>(a.expert_out),
+      .num_tokens = a.num_tokens,
+      .top_k = a.top_k,
+      .row_vectors = a.hidden * 2 / 16,
+      .comm_ctas = a.comm_ctas,
+      .gate_up_n_blocks = a.intermediate / T::kOutCols,
+      .down_n_blocks = a.hidden / TDown::kOutCols,
+      .counters = {.rows_arrived = a.counters,
+                   .hidden_ready = a.counters + a.capacity_units,
+                   .output_ready = a.counters + 2 * a.capacity_units,
+                   .rows_combined = a.counters + 3 * a.capacity_units,
+                   .shared_hidden_ready = a.counters + 4 * a.capacity_units},
+      .compute_ticket = a.tickets,
+      .comm_ticket = a.tickets + 1,
+      .rank = a.rank,
+      .status = a.status,
+      .timeout_ns = a.timeout_ns,
+      .timeline = {a.timeline, a.timeline_capacity}};
+
+  int device = 0;
+  MOK_CHECK_CUDA(cudaGetDevice(&device));
+  const int ctas = grid_ctas<kClusterN>(device);
+  require(a.comm_ctas > 0 && a.comm_ctas % kClusterN == 0 && a.comm_ctas <= ctas - kClusterN,
+          "MoeOptions.fused.comm_ctas must be a positive multiple of " + std::to_string(kClusterN) +
+              " leaving at least one compute cluster of the " + std::to_string(ctas) + " CTAs, got " +
+              std::to_string(a.comm_ctas));
+  MOK_CHECK_CUDA(cudaMemsetAsync(a.counters, 0, fused_counter_words(a.capacity_units, a.shared_units) * 8, stream));
+  MOK_CHECK_CUDA(cudaMemsetAsync(a.tickets, 0, 2 * sizeof(int32_t), stream));
+  if (a.timeline != nullptr)
+    MOK_CHECK_CUDA(cudaMemsetAsync(a.timeline, 0, fused_timeline_words(ctas, a.timeline_capacity) * 8, stream));
+  cudaLaunchAttribute cluster_attr;
+  const cudaLaunchConfig_t config = launch_config<kClusterN>(ctas, stream, &cluster_attr);
+  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel_of<kClusterN>(), p));
+}
+
+}  // namespace
+
+int fused_cluster_n(int hidden, int intermediate) {
+  const bool pairs = (intermediate / 128) % 2 == 0 && (hidden / 256) % 2 == 0;
+  return pairs ? 2 : 1;
+}
+
+int fused_grid_ctas(const MoeShape& shape, int device) {
+  return fused_cluster_n(shape.hidden, shape.intermediate) == 2 ? grid_ctas<2>(device) : grid_ctas<1>(device);
+}
+
+int default_comm_ctas(const MoeShape& shape, int device) {
+  const int cluster_n = fused_cluster_n(shape.hidden, shape.intermediate);
+  int num_sms = 0;
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  const int ctas = num_sms / 8;
+  return ctas < cluster_n ? cluster_n : ctas - ctas % cluster_n;
+}
+
+int64_t fused_counter_words(int64_t capacity_units, int64_t shared_units) { return 4 * capacity_units + shared_units; }
+
+int64_t fused_timeline_words(int grid_ctas, int capacity) { return int64_t(grid_ctas) * (capacity + 1) * 4; }
+
+void launch_fused_forward(const FusedForwardArgs& args, cudaStream_t stream) {
+  if (fused_cluster_n(args.hidden, args.intermediate) == 2)
+    launch<2>(args, stream);
+  else
+    launch<1>(args, stream);
+}
+
+}  // namespace mok::detail
