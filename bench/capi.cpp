@@ -1,6 +1,7 @@
 // C entry points for the Python benchmarks (ctypes), so they can run our kernels on PyTorch's tensors in
 // the same process as the PyTorch baselines. Not a public API: the Python package (nanobind) replaces it.
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -12,6 +13,7 @@
 
 #include "mok/expert_gemm.h"
 #include "mok/moe.h"
+#include "mok/timeline.h"
 #include "src/host/check.h"
 
 namespace {
@@ -58,9 +60,11 @@ int mok_bench_nccl_unique_id(void* out, char* error, int error_len) {
 }
 
 // Collective over the ranks for ep_size > 1 (NCCL communicator from the unique id, symmetric windows).
+// fused: 1 for ForwardPath::kFused (comm_ctas, minibatch_rows and timeline_records as in FusedOptions; 0 keeps
+// a default), 0 for the unfused path.
 void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, int device, int num_tokens, int top_k,
-                             int num_experts, int hidden, int intermediate, int shared_expert, char* error,
-                             int error_len) {
+                             int num_experts, int hidden, int intermediate, int shared_expert, int fused,
+                             int comm_ctas, int minibatch_rows, int timeline_records, char* error, int error_len) {
   try {
     auto layer = std::make_unique<BenchLayer>();
     layer->rank = rank;
@@ -82,7 +86,12 @@ void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, 
     shape.hidden = hidden;
     shape.intermediate = intermediate;
     shape.shared_expert = shared_expert != 0;
-    layer->workspace = std::make_unique<mok::MoeWorkspace>(*layer->group, shape);
+    mok::MoeOptions options;
+    options.path = fused ? mok::ForwardPath::kFused : mok::ForwardPath::kUnfused;
+    options.fused.comm_ctas = comm_ctas;
+    if (minibatch_rows > 0) options.fused.minibatch_rows = minibatch_rows;
+    options.fused.timeline_records = timeline_records;
+    layer->workspace = std::make_unique<mok::MoeWorkspace>(*layer->group, shape, options);
     layer->context = layer->workspace->make_context(rank);
     return layer.release();
   } catch (const std::exception& e) {
@@ -139,6 +148,26 @@ int mok_bench_layer_check_status(void* handle, void* stream, char* error, int er
     return report(e, error, error_len);
   }
 }
+
+// Writes the task records of the layer's last forward as Chrome-trace JSON to `path`. Synchronizes `stream`.
+int mok_bench_layer_write_timeline(void* handle, void* stream, const char* path, char* error, int error_len) {
+  try {
+    auto* layer = static_cast<BenchLayer*>(handle);
+    const auto records = layer->workspace->read_timeline(layer->rank, static_cast<cudaStream_t>(stream));
+    const std::string json = mok::chrome_trace_json(records, layer->rank);
+    FILE* file = std::fopen(path, "w");
+    if (file == nullptr) throw std::runtime_error(std::string("cannot write ") + path);
+    const bool written = std::fwrite(json.data(), 1, json.size(), file) == json.size();
+    std::fclose(file);
+    if (!written) throw std::runtime_error(std::string("short write to ") + path);
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+// The communication CTAs the layer's fused path uses (its resolved default when created with 0).
+int mok_bench_layer_comm_ctas(void* handle) { return static_cast<BenchLayer*>(handle)->workspace->comm_ctas(); }
 
 void mok_bench_layer_destroy(void* handle) { delete static_cast<BenchLayer*>(handle); }
 

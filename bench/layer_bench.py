@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""MoE forward layer benchmark: ours (one call through the C API) vs a torchtitan-style PyTorch baseline, one run.
+"""MoE forward layer benchmark: ours (one call through the C API; the fused megakernel path, and its unfused twin)
+vs a torchtitan-style PyTorch baseline, one run.
 
 The layer (DESIGN.md section 1), on each rank, T tokens, E global experts, E/EP of them local:
   out[t] = shared(x[t]) + sum_j rw[t,j] * expert_{idx[t,j]}(x[t]),   mlp(x) = W_down (silu(W_gate x) * (W_up x))
@@ -10,16 +11,19 @@ Baseline (BF16, as torchtitan builds it): histc + all-to-all of the counts, spli
 sort routes by expert, all-to-all-v of the rows, expert-major permutation padded to 16 rows per expert
 (generate_permute_indices), torch._grouped_mm gate/up/down, inverse permutation, all-to-all-v back, unsort,
 dense shared expert, weighted sum in fp32. At EP=1 no all-to-alls.
-Measured (DESIGN.md section 4): per shape, ours and the baseline take turns call by call after a warm-up
-(steady power state, see gemm_bench.time_ms); each call is timed with CUDA events on each rank, a call's time is
-the slowest rank's, reported: the median. Ours includes building its schedule. The dense ceiling (timed alone)
-is torch.mm [M,H]x[H,2I] then [M,I]x[I,H], M = T*(k+1). TFLOP/s per GPU = 6*(T + T*k)*H*I / time. Then one
-correctness check: both on the same inputs, ||ours - base||_F / ||base||_F (fp32, max over ranks); the exit
-status is 1 when a shape's error is above 2e-2 or NaN.
+Measured (DESIGN.md section 4): per shape, fused, unfused and the baseline take turns call by call after a
+warm-up (steady power state, see gemm_bench.time_ms); each call is timed with CUDA events on each rank, a call's
+time is the slowest rank's, reported: the median. Ours includes building its schedule. The dense ceiling (timed
+alone) is torch.mm [M,H]x[H,2I] then [M,I]x[I,H], M = T*(k+1). TFLOP/s per GPU = 6*(T + T*k)*H*I / time. Then one
+correctness check on the same inputs: ||fused - base||_F / ||base||_F (fp32, max over ranks), and fused == unfused
+bitwise on every rank; the exit status is 1 when a shape's error is above 2e-2 or NaN, or the paths differ.
+--timeline DIR also records the fused kernel's tasks and writes DIR/timeline_<shape>_ep<EP>_rank<r>.json
+(Chrome trace; tools/timeline_png.py draws it); the records cost one store per task.
 Usage: python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/layer_bench.py   (EP=2)
        python3 bench/layer_bench.py                                                            (EP=1)
          [--lib build/bench/libmok_bench_capi.so] [--tokens 8192] [--iters 20] [--shapes A,B] [--skew 0]
-         [--only ours|base] [--check-only] [--breakdown] [--seed 0]
+         [--only fused|unfused|base] [--check-only] [--breakdown] [--seed 0] [--comm-ctas N]
+         [--minibatch ROWS] [--timeline DIR]
 """
 import argparse
 import ctypes
@@ -45,9 +49,11 @@ def load(lib_path):
     p, i32, s = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
     signatures = {  # name: (argument types, result type)
         "mok_bench_nccl_unique_id": ([p, s, i32], i32),
-        "mok_bench_layer_create": ([p] + [i32] * 9 + [s, i32], p),
+        "mok_bench_layer_create": ([p] + [i32] * 13 + [s, i32], p),
         "mok_bench_layer_forward": ([p] * 12 + [s, i32], i32),
         "mok_bench_layer_check_status": ([p, p, s, i32], i32),
+        "mok_bench_layer_write_timeline": ([p, p, s, s, i32], i32),
+        "mok_bench_layer_comm_ctas": ([p], i32),
         "mok_bench_layer_destroy": ([p], None),
     }
     for name, (argtypes, restype) in signatures.items():
@@ -168,7 +174,8 @@ def baseline_forward(x, topk_idx, router_weights, expert_gate, expert_up, expert
     return (shared.float() + routed).bfloat16()
 
 
-def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter):
+def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, fused, comm_ctas=0, minibatch=0,
+                 timeline_records=0):
     """Collective: every rank calls it at the same time. Rank 0's NCCL unique id goes to the others."""
     uid = None
     if ep > 1:
@@ -180,7 +187,7 @@ def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter):
         dist.broadcast(shared_id, src=0)
         uid = (ctypes.c_uint8 * 128)(*shared_id.tolist())
     layer = lib.mok_bench_layer_create(uid, ep, rank, torch.cuda.current_device(), tokens, top_k, num_experts, hidden,
-                                       inter, 1, ERROR, len(ERROR))
+                                       inter, 1, int(fused), comm_ctas, minibatch, timeline_records, ERROR, len(ERROR))
     if not layer:
         raise RuntimeError(ERROR.value.decode(errors="replace"))
     return layer
@@ -218,56 +225,82 @@ def kernel_breakdown(fn, iters=5):
 
 
 def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k):
-    """Times and checks one shape, prints its row on rank 0; returns the relative error (None if not checked).
-    Everything it allocates is freed on return."""
+    """Times and checks one shape, prints its row on rank 0; returns a failure text or None. Everything it allocates
+    is freed on return."""
     tokens = args.tokens
     inputs = make_inputs(num_experts, hidden, inter, top_k, tokens, ep, rank, args.skew, args.seed)
-    out = torch.empty(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    outs = {path: torch.empty(tokens, hidden, device="cuda", dtype=torch.bfloat16) for path in ("fused", "unfused")}
     stream = torch.cuda.current_stream().cuda_stream
-    layer = None if args.only == "base" else create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter)
+    layers = {}
+    for path in ("fused", "unfused"):
+        if args.only in ("", path):
+            layers[path] = create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, path == "fused",
+                                        args.comm_ctas, args.minibatch, 8192 if args.timeline and path == "fused" else 0)
     pointers = [t.data_ptr() for t in inputs.values()]
 
-    def ours():
-        check(lib.mok_bench_layer_forward(layer, *pointers, out.data_ptr(), stream, ERROR, len(ERROR)))
+    def ours(path):
+        return lambda: check(lib.mok_bench_layer_forward(layers[path], *pointers, outs[path].data_ptr(), stream, ERROR,
+                                                         len(ERROR)))
 
     def base():
         return baseline_forward(ep=ep, **inputs)
 
-    t_ours = t_base = t_dense = relerr = None
+    times = dict(fused=None, unfused=None, base=None, dense=None)
+    relerr = bitwise = None
     if args.only:
         begin = time.time()
-        (t,) = time_ms([dict(ours=ours, base=base)[args.only]], args.iters)
-        t_ours, t_base = (t, None) if args.only == "ours" else (None, t)
+        (times[args.only],) = time_ms([ours(args.only) if args.only != "base" else base], args.iters)
         if rank == 0:
             print(f"{name}: {args.only} only, wall {begin:.2f} {time.time():.2f}", flush=True)
     else:
         if not args.check_only:
-            # Ours and the baseline in turns (both stream all expert weights); the dense ceiling alone, in its own
+            # Ours and the baseline in turns (all stream every expert weight); the dense ceiling alone, in its own
             # steady state (it draws less power and keeps a higher clock).
-            t_ours, t_base = time_ms([ours, base], args.iters)
-            (t_dense,) = time_ms([dense_ceiling(tokens, top_k, hidden, inter)], args.iters)
-        out.fill_(float("nan"))  # a row ours does not write shows as NaN
-        ours()
-        check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
+            times["fused"], times["unfused"], times["base"] = time_ms([ours("fused"), ours("unfused"), base], args.iters)
+            (times["dense"],) = time_ms([dense_ceiling(tokens, top_k, hidden, inter)], args.iters)
+        for path in layers:
+            outs[path].fill_(float("nan"))  # a row ours does not write shows as NaN
+            ours(path)()
+            check(lib.mok_bench_layer_check_status(layers[path], stream, ERROR, len(ERROR)))
         ref = base().float()
-        err = ((out.float() - ref).norm() / ref.norm()).nan_to_num(nan=float("inf")).reshape(1)
+        err = ((outs["fused"].float() - ref).norm() / ref.norm()).nan_to_num(nan=float("inf")).reshape(1)
         relerr = max_over_ranks(err).item()
-    breakdown = kernel_breakdown(ours) if args.breakdown and layer is not None else None
-    if layer is not None:
-        torch.cuda.synchronize()
+        differs = torch.tensor([float(not torch.equal(outs["fused"].view(torch.int16), outs["unfused"].view(torch.int16)))],
+                               device="cuda")
+        bitwise = max_over_ranks(differs).item() == 0
+    if args.timeline and "fused" in layers:
+        os.makedirs(args.timeline, exist_ok=True)
+        path = os.path.join(args.timeline, f"timeline_{name}_ep{ep}_rank{rank}.json")
+        check(lib.mok_bench_layer_write_timeline(layers["fused"], stream, path.encode(), ERROR, len(ERROR)))
+    breakdown = {path: kernel_breakdown(ours(path)) for path in layers} if args.breakdown else {}
+    comm_ctas = lib.mok_bench_layer_comm_ctas(layers["fused"]) if "fused" in layers else 0
+    torch.cuda.synchronize()
+    for layer in layers.values():
         lib.mok_bench_layer_destroy(layer)
 
     flops = 6.0 * (tokens + tokens * top_k) * hidden * inter
-    tf = {k: flops / v / 1e9 for k, v in dict(ours=t_ours, base=t_base, dense=t_dense).items() if v}
-    cells = [(t_ours, 9, ".2f"), (t_base, 9, ".2f"), (tf.get("ours"), 8, ".0f"), (tf.get("base"), 8, ".0f"),
-             (tf.get("dense"), 8, ".0f"), (t_ours and t_base and t_base / t_ours, 10, ".2f"),
-             (t_ours and t_dense and t_dense / t_ours, 10, ".2f"), (relerr, 9, ".1e")]
+    tf = {k: flops / v / 1e9 for k, v in times.items() if v}
+    t = times
+
+    def ratio(a, b):
+        return a and b and a / b
+
+    cells = [(t["fused"], 9, ".2f"), (t["unfused"], 10, ".2f"), (t["base"], 9, ".2f"), (tf.get("fused"), 9, ".0f"),
+             (tf.get("base"), 8, ".0f"), (tf.get("dense"), 9, ".0f"), (ratio(t["base"], t["fused"]), 11, ".2f"),
+             (ratio(t["dense"], t["fused"]), 12, ".2f"), (ratio(t["base"], t["unfused"]), 13, ".2f"),
+             (relerr, 9, ".1e")]
     if rank == 0:
-        print(f"{name:16s} {ep:2d} " + " ".join(f"{'-' if v is None else format(v, f):>{w}}" for v, w, f in cells),
-              flush=True)
-        for label, ms in breakdown or []:
-            print(f"    {label:36s} {ms:7.3f} ms per forward (rank 0)", flush=True)
-    return relerr
+        same = "-" if bitwise is None else ("yes" if bitwise else "NO")
+        print(f"{name:16s} {ep:2d} {comm_ctas:5d} " +
+              " ".join(f"{'-' if v is None else format(v, f):>{w}}" for v, w, f in cells) + f" {same:>8s}", flush=True)
+        for path, rows in breakdown.items():
+            for label, ms in rows:
+                print(f"    {path:8s} {label:36s} {ms:7.3f} ms per forward (rank 0)", flush=True)
+    if relerr is not None and not relerr <= TOLERANCE:
+        return f"{name} (relative error {relerr:.2e})"
+    if bitwise is False:
+        return f"{name} (fused and unfused outputs differ)"
+    return None
 
 
 def main():
@@ -278,9 +311,13 @@ def main():
     parser.add_argument("--shapes", default="", help="comma-separated names (default: all)")
     parser.add_argument("--skew", type=float, default=0.0, help="routing skew s: bias -s*log(1+perm(e))")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", default="", choices=["", "ours", "base"], help="time only this one (for profilers)")
+    parser.add_argument("--only", default="", choices=["", "fused", "unfused", "base"],
+                        help="time only this one (for profilers)")
     parser.add_argument("--check-only", action="store_true", help="correctness check only, no timing")
     parser.add_argument("--breakdown", action="store_true", help="also print our GPU time per kernel (torch.profiler)")
+    parser.add_argument("--comm-ctas", type=int, default=0, help="fused path: communication CTAs (0: default)")
+    parser.add_argument("--minibatch", type=int, default=0, help="fused path: minibatch rows (0: default)")
+    parser.add_argument("--timeline", default="", help="directory for the fused kernel's Chrome-trace timelines")
     args = parser.parse_args()
 
     ep = int(os.environ.get("WORLD_SIZE", "1"))
@@ -302,22 +339,24 @@ def main():
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         print(f"MoE forward layer benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, EP={ep}, "
               f"{args.tokens} tokens/rank, median of {args.iters} (slowest rank), skew {args.skew}", flush=True)
-        print(f"{'shape':16s} {'EP':>2s} {'ours_ms':>9s} {'base_ms':>9s} {'ours_TF':>8s} {'base_TF':>8s} "
-              f"{'dense_TF':>8s} {'ours/base':>10s} {'ours/dense':>10s} {'relerr':>9s}", flush=True)
+        print(f"{'shape':16s} {'EP':>2s} {'comm':>5s} {'fused_ms':>9s} {'unfused_ms':>10s} {'base_ms':>9s} "
+              f"{'fused_TF':>9s} {'base_TF':>8s} {'dense_TF':>9s} {'fused/base':>11s} {'fused/dense':>12s} "
+              f"{'unfused/base':>13s} {'relerr':>9s} {'bitwise':>8s}", flush=True)
     failed = []
     for name, num_experts, hidden, inter, top_k in SHAPES:
         if name not in wanted:
             continue
         assert num_experts % ep == 0, f"{name}: {num_experts} experts do not split over {ep} ranks"
-        relerr = run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k)
+        failure = run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k)
         torch.cuda.empty_cache()
-        if relerr is not None and not relerr <= TOLERANCE:
-            failed.append(f"{name} ({relerr:.2e})")
+        if failure:
+            failed.append(failure)
     if dist.is_initialized():
         dist.destroy_process_group()
     if failed:
         if rank == 0:
-            print(f"FAILED: relative error above {TOLERANCE} or NaN: {', '.join(failed)}", flush=True)
+            print(f"FAILED (relative error above {TOLERANCE}, NaN, or paths not bitwise equal): {', '.join(failed)}",
+                  flush=True)
         sys.exit(1)
 
 
