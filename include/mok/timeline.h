@@ -26,6 +26,7 @@ struct TaskRecord {
   int32_t sm = 0;
   TaskKind kind = TaskKind::kNone;
   int32_t row = 0;      // first schedule row (token row for the shared expert)
+  int32_t rows = 0;     // 64 or 128
   int32_t n_block = 0;  // GEMM tasks: output column block
   int32_t expert = 0;   // GEMM tasks: local expert
   uint64_t start_ns = 0;  // GPU global timer

@@ -267,10 +267,11 @@ std::vector<TaskRecord> MoeWorkspace::read_timeline(int rank, cudaStream_t strea
     const int64_t count = std::min<int64_t>(static_cast<int64_t>(base[0]), capacity);
     for (int64_t i = 0; i < count; ++i) {
       const uint64_t* r = base + 4 + i * 4;  // layout: megakernel::Timeline
-      records.push_back({.cta = static_cast<int32_t>((r[2] >> 24) & 0xffffff),
-                         .sm = static_cast<int32_t>((r[2] >> 8) & 0xffff),
+      records.push_back({.cta = static_cast<int32_t>(r[2] >> 32),
+                         .sm = static_cast<int32_t>((r[2] >> 16) & 0xffff),
                          .kind = static_cast<TaskKind>(r[2] & 0xff),
                          .row = static_cast<int32_t>(r[3] & 0xffffffffu),
+                         .rows = static_cast<int32_t>((r[2] >> 8) & 0xff),
                          .n_block = static_cast<int32_t>((r[3] >> 32) & 0xffff),
                          .expert = static_cast<int32_t>(r[3] >> 48),
                          .start_ns = r[0],

@@ -29,9 +29,9 @@ std::string chrome_trace_json(const std::vector<TaskRecord>& records, int rank) 
     const TaskRecord& r = records[i];
     std::snprintf(line, sizeof(line),
                   "{\"name\": \"%s\", \"ph\": \"X\", \"pid\": %d, \"tid\": %d, \"ts\": %.3f, \"dur\": %.3f, "
-                  "\"args\": {\"sm\": %d, \"row\": %d, \"n_block\": %d, \"expert\": %d}}%s\n",
+                  "\"args\": {\"sm\": %d, \"row\": %d, \"rows\": %d, \"n_block\": %d, \"expert\": %d}}%s\n",
                   task_kind_name(r.kind), rank, r.cta, double(r.start_ns - origin) / 1e3,
-                  double(r.end_ns - r.start_ns) / 1e3, r.sm, r.row, r.n_block, r.expert,
+                  double(r.end_ns - r.start_ns) / 1e3, r.sm, r.row, r.rows, r.n_block, r.expert,
                   i + 1 < records.size() ? "," : "");
     json += line;
   }

@@ -25,14 +25,19 @@
 
 namespace mok::combine {
 
-// One row by one warp: expert output row `src` to its (token, slot) row of the source rank's combine
-// buffer; nothing for padding (route -1).
+// Where the expert output row of `route` (not -1) goes: its (token, slot) row of the source rank's
+// combine buffer.
+__device__ __forceinline__ uint4* destination_row(const PeerPointers& combined, int32_t route, int num_tokens,
+                                                  int top_k, int row_vectors) {
+  const schedule::RouteCoords c = schedule::route_coords(route, num_tokens, top_k);
+  return static_cast<uint4*>(combined.base[c.src]) + (int64_t(c.token) * top_k + c.slot) * row_vectors;
+}
+
+// One row by one warp: expert output row `src` to its destination row; nothing for padding (route -1).
 __device__ __forceinline__ void push_row(const PeerPointers& combined, const uint4* src, int32_t route, int num_tokens,
                                          int top_k, int row_vectors, int lane) {
-  if (route < 0) return;
-  const schedule::RouteCoords c = schedule::route_coords(route, num_tokens, top_k);
-  uint4* dst = static_cast<uint4*>(combined.base[c.src]) + (int64_t(c.token) * top_k + c.slot) * row_vectors;
-  device::copy_row_warp(src, dst, row_vectors, lane);
+  if (route >= 0)
+    device::copy_row_warp(src, destination_row(combined, route, num_tokens, top_k, row_vectors), row_vectors, lane);
 }
 
 struct EpilogueTraits {

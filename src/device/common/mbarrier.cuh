@@ -35,6 +35,14 @@ __device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t pa
   }
 }
 
+// Arrives on a barrier of this CTA and raises the bytes its current phase waits for (the transaction
+// count that bulk copies completing on it pay off).
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
 // Arrives on a barrier of this CTA; release at CTA scope.
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");

@@ -18,16 +18,20 @@
 
 namespace mok::dispatch {
 
+// Where the row of `route` (not -1) lives: its token's row of the source rank's symmetric x.
+__device__ __forceinline__ const uint4* source_row(const PeerPointers& x, int32_t route, int num_tokens, int top_k,
+                                                   int row_vectors) {
+  const schedule::RouteCoords c = schedule::route_coords(route, num_tokens, top_k);
+  return static_cast<const uint4*>(x.base[c.src]) + int64_t(c.token) * row_vectors;
+}
+
 // One row by one warp: the token's row of `route` from its source rank, or zeros for padding (route -1).
 __device__ __forceinline__ void pull_row(const PeerPointers& x, uint4* dst, int32_t route, int num_tokens, int top_k,
                                          int row_vectors, int lane) {
-  if (route < 0) {
+  if (route < 0)
     device::zero_row_warp(dst, row_vectors, lane);
-    return;
-  }
-  const schedule::RouteCoords c = schedule::route_coords(route, num_tokens, top_k);
-  const uint4* src = static_cast<const uint4*>(x.base[c.src]) + int64_t(c.token) * row_vectors;
-  device::copy_row_warp(src, dst, row_vectors, lane);
+  else
+    device::copy_row_warp(source_row(x, route, num_tokens, top_k, row_vectors), dst, row_vectors, lane);
 }
 
 }  // namespace mok::dispatch

@@ -259,18 +259,37 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
+// A consumer warpgroup's completion count for the megakernel, added late: its store leader remembers the
+// counter of the rows it just stored and adds 1 only when the stores are surely written: at its next
+// epilogue (by then they long are), before it blocks on a tile's first stage (its producer, or the partner
+// CTA's, may be waiting for exactly this count: not adding it there could deadlock), or at the end.
+// Adding it right after the stores would stall the warpgroup on their latency every tile.
+struct RowsDoneSignal {
+  uint64_t* pending = nullptr;  // counter to add 1 to once this thread's issued stores are written
+
+  __device__ __forceinline__ void flush() {
+    if (pending == nullptr) return;
+    // Why: the reader (another CTA's TMA loads, or a communication CTA) acquires this count and must find
+    // the rows written, not just issued.
+    device::bulk_stores_written();
+    device::add_release_gpu(pending, 1);
+    pending = nullptr;
+  }
+};
+
 // Consumer side of one tile: mainloop over K, then the epilogue. All consumer threads call this;
 // consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not part
 // of the task (a 64-row task) only passes the pipeline stages back, so the task costs about half a full
 // one; the branch is on values broadcast with __shfl_sync (see below).
 // rows_done (nullable, the megakernel's): one counter per 64 schedule rows; each warpgroup adds 1 to its
-// rows' counter once its stores have reached global memory, so a counter reaches the number of n-blocks
-// when the rows' whole output is readable (docs/sync_protocol.md).
+// rows' counter once its stores have reached global memory (through `signal`, late: see RowsDoneSignal),
+// so a counter reaches the number of n-blocks when the rows' whole output is readable
+// (docs/sync_protocol.md). `signal` is the calling thread's own; needed whenever rows_done is set.
 template <class Traits, class Params>
 __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
                                              typename Traits::Pipeline& pipeline,
                                              typename Traits::PipelineState& read_state, int consumer_idx,
-                                             uint64_t* rows_done = nullptr) {
+                                             uint64_t* rows_done = nullptr, RowsDoneSignal* signal = nullptr) {
   using namespace cute;
   using T = Traits;
   typename T::TiledMma mma;
@@ -286,6 +305,10 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   // branches around them warp-uniform; a value broadcast from lane 0 is.
   const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
   const bool active = warpgroup * kUnitRows < __shfl_sync(0xffffffff, task.rows, 0);
+  const bool store_leader = consumer_idx % 128 == 0;
+  if (signal != nullptr && store_leader && signal->pending != nullptr &&
+      pipeline.consumer_try_wait(read_state) == cutlass::BarrierStatus::WaitAgain)
+    signal->flush();  // about to block on the first stage: whoever we wait for may wait for this count
 
   // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
   // and the batch that read it retired.
@@ -343,7 +366,6 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
     const int r = get<0>(coords(2 * half));
     if (p.row_scale != nullptr && r < valid_rows) row_scale[half] = p.row_scale[task.row + r];
   }
-  const bool store_leader = consumer_idx % 128 == 0;
   auto stage = [&](int r, int col, __nv_bfloat162 v) {  // r: row of the tile, col: column of the pass
     char* box = reinterpret_cast<char*>(smem.staging[warpgroup][col / T::kBoxCols]);
     const int byte = (r % kUnitRows) * 128 + (col % T::kBoxCols) * 2;
@@ -354,7 +376,13 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   for (int pass = 0; pass < T::kStagingPasses; ++pass) {
     const int pass_begin = pass * T::kStagingCols;
     // Why: the previous pass's (or tile's) TMA stores of this warpgroup read the boxes we overwrite now.
-    if (store_leader) tma_store_wait<0>();
+    // The previous tile's stores are written by now too: its late count goes out here.
+    if (store_leader) {
+      if (signal != nullptr && signal->pending != nullptr)
+        signal->flush();
+      else
+        tma_store_wait<0>();
+    }
     cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
     if constexpr (T::kEpilogue == Epilogue::kStore) {
       // Column groups of 8 are the fragment's outermost mode: a pass owns a contiguous range of values.
@@ -405,12 +433,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
       tma_store_arrive();
     }
   }
-  if (rows_done != nullptr && store_leader) {
-    // Why: the reader (another CTA's TMA loads, or a communication CTA's loads) acquires this count and
-    // must find the rows written, not just issued.
-    device::bulk_stores_written();
-    device::add_release_gpu(rows_done + (task.row / kUnitRows + warpgroup), 1);
-  }
+  if (rows_done != nullptr && store_leader) signal->pending = rows_done + (task.row / kUnitRows + warpgroup);
 }
 
 enum class GemmRole : int { kProducer = 0, kConsumer = 1 };

@@ -11,13 +11,14 @@
 //
 // Roles. One CTA per SM in clusters of kClusterN; the first comm_ctas CTAs communicate, the rest compute.
 //   communication CTA    thread 0 takes tasks from the comm ticket (forward_tasks.h) and waits for their
-//                        inputs; all 12 warps copy rows, one warp per row (pull_row / push_row).
+//                        inputs; lane 0 of each of the 12 warps bulk-copies rows through its shared-memory
+//                        slot (BulkRowCopier), 12 rows in flight per CTA.
 //   producer warpgroup   one thread: takes compute slots (TaskRing: the cluster shares each slot), waits for
 //                        the tile's input rows, issues the TMA loads (load_tile).
 //   consumer warpgroups  wgmma + epilogue (compute_tile of the gate/up or the down GEMM), then count their
 //                        64 rows as done for this n-block.
-// Shared memory: the expert GEMM's SharedStorage (gate/up and down traits share its layout) and a ring of
-// decoded tasks (ForwardSharedStorage); communication CTAs use one word of it for the slot broadcast.
+// Shared memory (ForwardSharedStorage): the expert GEMM's SharedStorage (gate/up and down traits share its
+// layout), or for communication CTAs 12 row slots of 16 KB in the same bytes; a ring of decoded tasks.
 // Sync: counters per 64-row unit in global memory, release-add / acquire-spin with timeouts reported through
 // the status word (docs/sync_protocol.md, "forward megakernel"). Tasks are handed out in topological order,
 // so spinning cannot deadlock.
@@ -47,13 +48,13 @@ struct ForwardCounters {
 };
 
 // Per-CTA task records for the timeline: [CTAs][1 + capacity][4] u64; word 0 of a CTA counts its records.
-// A record: start ns, end ns, kind | SM << 8 | CTA << 24, first row | n-block << 32 | expert << 48.
+// A record: start ns, end ns, kind | rows << 8 | SM << 16 | CTA << 32, first row | n-block << 32 | expert << 48.
 struct Timeline {
   uint64_t* records;  // nullable
   int capacity;       // records per CTA
 
-  __device__ __forceinline__ void record(TaskKind kind, uint64_t start, uint64_t end, int32_t row, int32_t n_block,
-                                         int32_t expert) const {
+  __device__ __forceinline__ void record(TaskKind kind, uint64_t start, uint64_t end, int32_t row, int32_t rows,
+                                         int32_t n_block, int32_t expert) const {
     if (records == nullptr) return;
     uint64_t* cta = records + int64_t(blockIdx.x) * (capacity + 1) * 4;
     const uint64_t index = cta[0]++;  // one recording thread per CTA
@@ -61,7 +62,8 @@ struct Timeline {
     uint64_t* r = cta + 4 + index * 4;
     r[0] = start;
     r[1] = end;
-    r[2] = uint64_t(kind) | (uint64_t(device::sm_index()) << 8) | (uint64_t(blockIdx.x) << 24);
+    r[2] = uint64_t(kind) | (uint64_t(uint8_t(rows)) << 8) | (uint64_t(uint16_t(device::sm_index())) << 16) |
+           (uint64_t(blockIdx.x) << 32);
     r[3] = uint32_t(row) | (uint64_t(uint16_t(n_block)) << 32) | (uint64_t(uint16_t(expert)) << 48);
   }
 };
@@ -96,12 +98,24 @@ struct ForwardParams {
 
 enum class ForwardRole : int { kCommunication = 0, kProducer = 1, kConsumer = 2 };
 
-// The GEMM's shared memory plus a task ring that carries decoded tasks: the producer walks the task order
-// once per slot and its consumers read the task (the GEMM's own slot ring stays unused).
+// Communication CTAs: each warp's lane 0 copies rows with the bulk-copy engine through its own slot.
+template <class T>
+struct CommTraits {
+  static constexpr int kWarps = T::kThreads / 32;
+  static constexpr int kSlotBytes = 16384;  // a chunk in flight per warp; rows of H > 8192 go in chunks
+};
+
+// Compute CTAs use the GEMM's shared memory, communication CTAs the same bytes as row slots; plus a task
+// ring that carries decoded tasks: the producer walks the task order once per slot and its consumers read
+// the task (the GEMM's own slot ring stays unused).
 template <class T>
 struct ForwardSharedStorage {
-  typename T::SharedStorage gemm;
+  union {
+    typename T::SharedStorage gemm;
+    alignas(128) char comm_slots[CommTraits<T>::kWarps][CommTraits<T>::kSlotBytes];
+  };
   gemm::TaskRing<T::kTaskDepth, 4 * T::kConsumerWarpgroups, T::kClusterN, ComputeTask> tasks;
+  uint64_t comm_slot_loaded[CommTraits<T>::kWarps];  // mbarrier per slot (BulkRowCopier)
 };
 
 template <class Params>
@@ -175,6 +189,7 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
   cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
   auto& down_smem = reinterpret_cast<typename TDown::SharedStorage&>(smem.gemm);
   const bool recorder = threadIdx.x == 128;
+  gemm::RowsDoneSignal signal;  // this warpgroup's late completion count (used by its store leader)
   typename T::PipelineState state;
   for (int k = 0;; ++k) {
     const ComputeTask task = smem.tasks.consume(k);  // warp-uniform (broadcast from lane 0)
@@ -190,23 +205,35 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
     // Two call sites, not four: each inlined compute_tile hoists its own loop invariants into registers.
     if (kind == TaskKind::kSharedGateUp || kind == TaskKind::kExpertGateUp)
       gemm::compute_tile<T>(shared ? p.shared_gate_up : p.expert_gate_up, tile, smem.gemm, pipeline, state, consumer_idx,
-                            shared ? p.counters.shared_hidden_ready : p.counters.hidden_ready);
+                            shared ? p.counters.shared_hidden_ready : p.counters.hidden_ready, &signal);
     else
       gemm::compute_tile<TDown>(shared ? p.shared_down : p.expert_down, tile, down_smem, pipeline, state,
-                                consumer_idx, shared ? nullptr : p.counters.output_ready);
-    if (recorder) p.timeline.record(task.kind, start, device::global_timer_ns(), tile.row, tile.n_block, task.expert);
+                                consumer_idx, shared ? nullptr : p.counters.output_ready, &signal);
+    if (recorder)
+      p.timeline.record(task.kind, start, device::global_timer_ns(), tile.row, tile.rows, tile.n_block, task.expert);
   }
-  // Why: the shared memory must outlive the last TMA stores' reads of it.
-  if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
+  if (threadIdx.x % 128 == 0) {
+    signal.flush();
+    // Why: the shared memory must outlive the last TMA stores' reads of it.
+    cute::tma_store_wait<0>();
+  }
 }
 
-// A communication CTA: dispatch and combine tasks, 64 rows each, one warp per row.
-template <class Params>
-__device__ void run_communication(const Params& p, int32_t& slot_word) {
+// A communication CTA: dispatch and combine tasks, 64 rows each. Thread 0 takes the task and waits for its
+// inputs; each warp's lane 0 bulk-copies its rows (warp w: rows w, w + 12, ...) through its slot, so a CTA has
+// 12 rows in flight; padding rows are zeroed by the warp's stores.
+template <class T, class Params>
+__device__ void run_communication(const Params& p, ForwardSharedStorage<T>& smem) {
   const TaskOrderShape& order = p.order;
   const int32_t scheduled_rows = *p.scheduled_rows;
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int warps = static_cast<int>(blockDim.x) / 32;
+  constexpr int kWarps = CommTraits<T>::kWarps;
+  const int row_bytes = p.row_vectors * 16;
+  int32_t& slot_word = smem.tasks.mail[0];  // the task broadcast (the ring itself is the compute CTAs')
+  if (lane == 0) device::mbarrier_init(&smem.comm_slot_loaded[warp], 1);
+  // Why: the barrier init must be visible to the async proxy (the bulk copies complete on it).
+  cutlass::arch::fence_barrier_init();
+  device::BulkRowCopier copier{smem.comm_slots[warp], &smem.comm_slot_loaded[warp], CommTraits<T>::kSlotBytes};
   while (true) {
     if (threadIdx.x == 0) slot_word = atomicAdd(p.comm_ticket, 1);
     __syncthreads();
@@ -224,25 +251,37 @@ __device__ void run_communication(const Params& p, int32_t& slot_word) {
                               {p.rank, Role::kDispatch, CounterId::kRowsCombined, previous}, p.status, p.timeout_ns);
       // Why: thread 0's acquire covers the whole CTA once it passes the barrier.
       __syncthreads();
-      for (int r = warp; r < kUnitRows; r += warps)
-        dispatch::pull_row(p.x, p.expert_rows + (ring_row + r) * p.row_vectors, p.row_route[first_row + r],
-                           p.num_tokens, p.top_k, p.row_vectors, lane);
+      for (int r = warp; r < kUnitRows; r += kWarps) {
+        uint4* dst = p.expert_rows + (ring_row + r) * p.row_vectors;
+        const int32_t route = p.row_route[first_row + r];
+        if (route < 0) {
+          device::zero_row_warp(dst, p.row_vectors, lane);
+        } else if (lane == 0) {
+          copier.copy(dispatch::source_row(p.x, route, p.num_tokens, p.top_k, p.row_vectors), dst, row_bytes);
+        }
+      }
     } else {
       if (threadIdx.x == 0)
         device::wait_at_least(p.counters.output_ready + task.unit, p.down_n_blocks,
                               {p.rank, Role::kCombine, CounterId::kOutputReady, task.unit}, p.status, p.timeout_ns);
       __syncthreads();
-      for (int r = warp; r < kUnitRows; r += warps)
-        combine::push_row(p.combined, p.expert_out + (ring_row + r) * p.row_vectors, p.row_route[first_row + r],
-                          p.num_tokens, p.top_k, p.row_vectors, lane);
+      // Why: the bulk loads (async proxy) read rows that thread 0's acquire, extended by the barrier, made visible.
+      device::fence_proxy_async_global();
+      for (int r = warp; r < kUnitRows; r += kWarps) {
+        const int32_t route = p.row_route[first_row + r];
+        if (route < 0 || lane != 0) continue;  // padding rows go nowhere
+        copier.copy(p.expert_out + (ring_row + r) * p.row_vectors,
+                    combine::destination_row(p.combined, route, p.num_tokens, p.top_k, p.row_vectors), row_bytes);
+      }
     }
-    // Why: all warps' row copies are done before thread 0 publishes them with one release.
+    if (lane == 0) copier.finish();  // this warp's stores are written
+    // Why: every warp's rows are written before thread 0 publishes them with one release.
     __syncthreads();
     if (threadIdx.x == 0) {
       device::fence_acq_rel_gpu();
       uint64_t* done = task.kind == TaskKind::kDispatch ? p.counters.rows_arrived : p.counters.rows_combined;
       device::add_release_gpu(done + task.unit, 1);
-      p.timeline.record(task.kind, start, device::global_timer_ns(), first_row, 0, 0);
+      p.timeline.record(task.kind, start, device::global_timer_ns(), first_row, kUnitRows, 0, 0);
     }
   }
   // Why: the barrier arrive after this kernel publishes the pushes to peers; order them at system scope.
@@ -283,7 +322,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_co
 
   const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
   switch (role) {
-    case ForwardRole::kCommunication: run_communication(p, smem.tasks.mail[0]); break;
+    case ForwardRole::kCommunication: run_communication<T>(p, smem); break;
     case ForwardRole::kProducer: run_producer<T>(p, smem, pipeline, cta_rank); break;
     case ForwardRole::kConsumer: run_consumer<T, TDown>(p, smem, pipeline, cta_rank); break;
   }
