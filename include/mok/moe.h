@@ -86,7 +86,7 @@ enum class ForwardPath : int32_t {
 // The megakernel's knobs. None of them changes a bit of the results (tests compare bitwise).
 struct FusedOptions {
   int comm_ctas = 0;            // CTAs that pull and push rows (a multiple of the cluster size, 2 for the
-                                // model shapes); 0: an eighth of the SMs
+                                // model shapes); 0: SMs * 128 / I (communication bytes per flop go as 1/I)
   int minibatch_rows = 4096;    // rows whose gate/up tiles are ordered before their down tiles; multiple of 128
   int64_t macrobatch_rows = 0;  // rows of the expert-side ring buffers (the context keeps the first
                                 // macrobatch); multiple of 128; 0: the schedule's capacity (no reuse)

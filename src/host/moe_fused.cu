@@ -1,6 +1,8 @@
 // Host side of the forward megakernel: GEMM descriptors for the four GEMMs, counters, the persistent grid.
 #include "src/host/moe_fused.h"
 
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -129,11 +131,14 @@ int fused_grid_ctas(const MoeShape& shape, int device) {
 }
 
 int default_comm_ctas(const MoeShape& shape, int device) {
+  // Communication moves 4H bytes per routed row (in and out) against 6HI flops, so the CTAs it needs to
+  // keep ahead of compute scale as 1/I. Measured on H200 (132 SMs, EP=2, docs/perf_notes.md round 6): 8
+  // were best at I = 2048, 16 at I = 1024, 4-8 at I = 3072; num_sms * 128 / I gives 8, 16 and 6.
   const int cluster_n = fused_cluster_n(shape.hidden, shape.intermediate);
   int num_sms = 0;
   MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const int ctas = num_sms / 8;
-  return ctas < cluster_n ? cluster_n : ctas - ctas % cluster_n;
+  const int ctas = static_cast<int>(std::lround(double(num_sms) * 128 / shape.intermediate));
+  return std::clamp(ctas / cluster_n * cluster_n, cluster_n, num_sms / 4 / cluster_n * cluster_n);
 }
 
 int64_t fused_counter_words(int64_t capacity_units, int64_t shared_units) { return 4 * capacity_units + shared_units; }
