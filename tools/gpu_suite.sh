@@ -4,7 +4,8 @@
 # Environment: MOK_SUITE_TESTS=regex (only these tests), MOK_SUITE_MAIN=0 (skip mok_bench),
 #              MOK_SUITE_GEMM_BENCH=0 (skip bench/gemm_bench.py), MOK_SUITE_TIMEOUT=s (per test, 300),
 #              MOK_SUITE_LAYER_BENCH=0 (skip tools/run_main.sh, the layer benchmark; MOK_SUITE_LAYER_ARGS
-#              are its arguments, MOK_SUITE_LAYER_TIMEOUT its limit in seconds).
+#              are its arguments, MOK_SUITE_LAYER_TIMEOUT its limit in seconds), MOK_SUITE_DISPATCH_BENCH=0
+#              (skip build-gpu/bench/dispatch_bench, run with two or more GPUs; MOK_SUITE_DISPATCH_ARGS).
 # Configures and builds with the carried .deps/, runs the GPU tests (and CPU ones if asked), the
 # memory checker on the error-path tests, and the main program, then prints a summary table. Logs go to
 # $OUT (the device tool's return folder) when set.
@@ -48,6 +49,10 @@ if [ "${MOK_SUITE_LAYER_BENCH:-1}" = 1 ]; then
   MOK_BUILD_DIR=build-gpu timeout "${MOK_SUITE_LAYER_TIMEOUT:-400}" tools/run_main.sh ${MOK_SUITE_LAYER_ARGS:-} \
     >"$out/layer_bench.log" 2>&1 || status=1
 fi
+gpus=$(nvidia-smi -L | wc -l)
+if [ "${MOK_SUITE_DISPATCH_BENCH:-1}" = 1 ] && [ "$gpus" -ge 2 ]; then
+  timeout 300 build-gpu/bench/dispatch_bench ${MOK_SUITE_DISPATCH_ARGS:-} >"$out/dispatch_bench.log" 2>&1 || status=1
+fi
 if [ "${MOK_SUITE_GEMM_BENCH:-1}" = 1 ]; then
   PYTHONUNBUFFERED=1 python3 bench/gemm_bench.py --lib build-gpu/bench/libmok_bench_capi.so >"$out/gemm_bench.log" 2>&1 || status=1
 fi
@@ -72,5 +77,6 @@ grep -E "tests passed|tests failed" "$out/ctest.log"
 echo
 [ -f "$out/bench.log" ] && cat "$out/bench.log"
 [ -f "$out/gemm_bench.log" ] && { echo; cat "$out/gemm_bench.log"; }
+[ -f "$out/dispatch_bench.log" ] && { echo; cat "$out/dispatch_bench.log"; }
 [ -f "$out/layer_bench.log" ] && { echo; grep -vE "^(\*|Setting OMP|-- |\[|ninja)" "$out/layer_bench.log"; }
 exit $status

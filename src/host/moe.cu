@@ -131,9 +131,16 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     s.device = group_.device(r);
     DeviceGuard guard(s.device);
     MOK_CHECK_CUDA(cudaDeviceGetAttribute(&s.num_sms, cudaDevAttrMultiProcessorCount, s.device));
-    if (options_.path == ForwardPath::kFused && grid_ctas_ == 0) {
-      grid_ctas_ = detail::fused_grid_ctas(shape_, s.device);
-      comm_ctas_ = fused.comm_ctas > 0 ? fused.comm_ctas : detail::default_comm_ctas(shape_, s.device);
+    if (options_.path == ForwardPath::kFused) {  // also prepares the kernel on this device
+      const int ctas = detail::fused_grid_ctas(shape_, s.device);
+      grid_ctas_ = grid_ctas_ == 0 ? ctas : std::min(grid_ctas_, ctas);
+      if (comm_ctas_ == 0)
+        comm_ctas_ = fused.comm_ctas > 0 ? fused.comm_ctas : detail::default_comm_ctas(shape_, s.device);
+      const int cluster_n = detail::fused_cluster_n(shape_.hidden, shape_.intermediate);
+      require(comm_ctas_ % cluster_n == 0 && comm_ctas_ <= grid_ctas_ - cluster_n,
+              "MoeOptions.fused.comm_ctas must be a multiple of " + std::to_string(cluster_n) +
+                  " (CTAs per cluster for this shape) leaving at least one compute cluster of the " +
+                  std::to_string(grid_ctas_) + " CTAs, got " + std::to_string(comm_ctas_));
     }
     const int64_t counter_words = detail::fused_counter_words(capacity_rows() / 64, padded_tokens_ / 64);
     const int64_t timeline_words =
@@ -480,6 +487,7 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
                                 .ring_rows = static_cast<int32_t>(ring_rows_),
                                 .minibatch_rows = options_.fused.minibatch_rows,
                                 .comm_ctas = comm_ctas_,
+                                .grid_ctas = grid_ctas_,
                                 .x = x_.peers(f.rank),
                                 .combined = combined_.peers(f.rank),
                                 .expert_rows = ctx.expert_rows_,

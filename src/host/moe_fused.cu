@@ -8,6 +8,7 @@
 
 #include "src/device/megakernel/forward_kernel.cuh"
 #include "src/host/check.h"
+#include "src/host/device_guard.h"
 #include "src/host/gemm_params.h"
 
 namespace mok::detail {
@@ -44,6 +45,7 @@ cudaLaunchConfig_t launch_config(int grid_ctas, cudaStream_t stream, cudaLaunchA
 
 template <int kClusterN>
 int grid_ctas(int device) {
+  DeviceGuard guard(device);
   using T = GateUpTraits<kClusterN>;
   int num_sms = 0, max_smem = 0;
   MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
@@ -103,13 +105,7 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
       .timeout_ns = a.timeout_ns,
       .timeline = {a.timeline, a.timeline_capacity}};
 
-  int device = 0;
-  MOK_CHECK_CUDA(cudaGetDevice(&device));
-  const int ctas = grid_ctas<kClusterN>(device);
-  require(a.comm_ctas > 0 && a.comm_ctas % kClusterN == 0 && a.comm_ctas <= ctas - kClusterN,
-          "MoeOptions.fused.comm_ctas must be a positive multiple of " + std::to_string(kClusterN) +
-              " leaving at least one compute cluster of the " + std::to_string(ctas) + " CTAs, got " +
-              std::to_string(a.comm_ctas));
+  const int ctas = a.grid_ctas;  // validated with comm_ctas by the workspace
   MOK_CHECK_CUDA(cudaMemsetAsync(a.counters, 0, fused_counter_words(a.capacity_units, a.shared_units) * 8, stream));
   MOK_CHECK_CUDA(cudaMemsetAsync(a.tickets, 0, 2 * sizeof(int32_t), stream));
   if (a.timeline != nullptr)

@@ -25,6 +25,7 @@ struct FusedForwardArgs {
   int32_t ring_rows = 0;                        // macrobatch rows
   int32_t minibatch_rows = 0;
   int comm_ctas = 0;                            // a multiple of fused_cluster_n
+  int grid_ctas = 0;                            // fused_grid_ctas on this device (which prepared the kernel)
   PeerPointers x, combined;
   void* expert_rows = nullptr;                  // ring [ring_rows, H]
   const void* expert_out = nullptr;             // ring [ring_rows, H]
@@ -42,7 +43,8 @@ struct FusedForwardArgs {
 
 // CTAs sharing an A tile in the megakernel: 2 when both GEMMs' output tiles pair up, else 1.
 int fused_cluster_n(int hidden, int intermediate);
-// CTAs of the persistent launch on `device`: as many clusters as fit at once, one CTA per SM.
+// CTAs of the persistent launch on `device`: as many clusters as fit at once, one CTA per SM. Also sets
+// the kernel's shared-memory attribute on the device: call it for every device before launching there.
 int fused_grid_ctas(const MoeShape& shape, int device);
 // Default communication CTAs: SMs * 128 / I, whole clusters (see the definition).
 int default_comm_ctas(const MoeShape& shape, int device);

@@ -5,11 +5,12 @@
 //   - the timeline: one record per task, GEMM tiles counted against the task order walked on the host;
 //     Chrome-trace JSON with one event per record
 //   - a dependency that does not arrive in time is reported through the status word (rank, SM, role,
-//     counter), and the kernel finishes instead of hanging
+//     counter), and the kernel finishes instead of hanging; bad FusedOptions are rejected by name
 // (The CPU reference, provenance, graph, validation and status tests of test_moe_forward.cpp run the fused
 // path too: it is the default.)
 #include <algorithm>
 #include <cstdio>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -167,6 +168,36 @@ TEST(MoeFusedTest, TimelineRecordsEveryTaskOnce) {
                 static_cast<long long>(got[2]), static_cast<long long>(got[3]), static_cast<long long>(got[4]),
                 static_cast<long long>(got[5]));
   }
+}
+
+TEST(MoeFusedTest, InvalidFusedOptionsAreRejectedAtConstruction) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(2, 300, 8, 48, 512, 256);  // CTA pairs: communication CTAs come in twos
+  auto rejects = [&](const MoeOptions& options, const std::string& needle) {
+    try {
+      MoeWorkspace workspace(PeerGroup::virtual_ranks(2), shape, options);
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << "accepted options that should name " << needle;
+  };
+  MoeOptions odd;
+  odd.fused.comm_ctas = 3;
+  rejects(odd, "comm_ctas");
+  MoeOptions all;
+  all.fused.comm_ctas = 1000;
+  rejects(all, "comm_ctas");
+  MoeOptions ragged;
+  ragged.fused.macrobatch_rows = 100;
+  rejects(ragged, "macrobatch_rows");
+  MoeOptions minibatch;
+  minibatch.fused.minibatch_rows = 0;
+  rejects(minibatch, "minibatch_rows");
+  MoeOptions unfused_ring;
+  unfused_ring.path = ForwardPath::kUnfused;
+  unfused_ring.fused.macrobatch_rows = 128;
+  rejects(unfused_ring, "macrobatch_rows");
 }
 
 TEST(MoeFusedTest, LateDependencyIsReportedNotHung) {
