@@ -9,7 +9,8 @@
 // The schedules are the CPU twin's for a random top-k routing of a model shape; each GPU gets the list of
 // (source, destination) row pairs its mode copies (not timed). Both GPUs copy at once, as in training, with
 // the megakernel's copy engines: `bulk` (lane 0 of each of 12 warps per CTA copies whole rows with the TMA's
-// bulk copies through a 16 KB shared-memory slot: src/device/common/row_copy.cuh BulkRowCopier) and `warp`
+// bulk copies through a 16 KB shared-memory slot, several rows at a time when they fit:
+// src/device/common/row_copy.cuh BulkRowCopier) and `warp`
 // (copy_row_warp: 32 lanes, 16-byte vectors), on a given number of CTAs (the megakernel's communication CTAs).
 // Time: CUDA events on each GPU around one launch, the slower GPU's, median of --iters.
 //
@@ -59,7 +60,18 @@ __global__ void __launch_bounds__(kThreads, 1) copy_rows_kernel(const RowCopy* l
     __syncwarp();
     if (lane != 0) return;
     mok::device::BulkRowCopier copier{slots + warp * kSlotBytes, &loaded[warp], kSlotBytes};
-    for (int64_t i = first; i < rows; i += stride) copier.copy(list[i].src, list[i].dst, row_bytes);
+    // As the megakernel: whole rows batched into the slot when two or more fit, else one row in chunks.
+    const int batch = row_bytes * 2 <= kSlotBytes ? kSlotBytes / row_bytes : 1;
+    if (batch == 1) {
+      for (int64_t i = first; i < rows; i += stride) copier.copy(list[i].src, list[i].dst, row_bytes);
+    } else {
+      for (int64_t i = first; i < rows; i += stride * batch) {
+        copier.begin();
+        for (int b = 0; b < batch && i + b * stride < rows; ++b) copier.load(list[i + b * stride].src, row_bytes, b * row_bytes);
+        copier.loaded();
+        for (int b = 0; b < batch && i + b * stride < rows; ++b) copier.store(list[i + b * stride].dst, row_bytes, b * row_bytes);
+      }
+    }
     copier.finish();
   } else {
     for (int64_t i = first; i < rows; i += stride) mok::device::copy_row_warp(list[i].src, list[i].dst, row_bytes / 16, lane);

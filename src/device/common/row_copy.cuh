@@ -43,30 +43,50 @@ __device__ __forceinline__ void for_each_row_by_warp(int64_t rows, RowFn&& row_f
 }
 
 // One thread's bulk copies, staged through its shared-memory slot: global -> slot (completing on the slot's
-// mbarrier), then slot -> global. Chunks of at most slot_bytes; sizes and addresses 16-byte aligned.
+// mbarrier), then slot -> global. Sizes and addresses 16-byte aligned.
+//   copy(src, dst, bytes)            one row, in chunks of at most slot_bytes
+//   begin(); load(src, bytes, at)... loaded(); store(dst, bytes, at)...
+//                                    several whole rows at once (rows of a few KB fill the slot this way)
 struct BulkRowCopier {
   char* slot;         // shared memory of slot_bytes
-  uint64_t* loaded;   // mbarrier initialized with one arrival; phases alternate with each chunk
+  uint64_t* loaded_bar;  // mbarrier initialized with one arrival; one phase per batch or chunk
   int slot_bytes;
   uint32_t phase = 0;
+
+  // Why: the previous batch's stores must have read the slot before new loads overwrite it.
+  __device__ __forceinline__ void begin() const { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+  // Global -> slot[at, at + bytes), completing on the barrier.
+  __device__ __forceinline__ void load(const void* src, int bytes, int at) const {
+    mbarrier_expect_tx(loaded_bar, bytes);
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_address(slot + at)),
+                 "l"(src), "r"(bytes), "r"(smem_address(loaded_bar))
+                 : "memory");
+  }
+
+  // Waits for every load since begin().
+  __device__ __forceinline__ void loaded() {
+    mbarrier_arrive(loaded_bar);
+    mbarrier_wait_cluster(loaded_bar, phase);
+    phase ^= 1;
+  }
+
+  // Slot[at, at + bytes) -> global; its completion is tracked by finish().
+  __device__ __forceinline__ void store(void* dst, int bytes, int at) const {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_address(slot + at)),
+                 "r"(bytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  }
 
   __device__ __forceinline__ void copy(const void* src, void* dst, int bytes) {
     for (int offset = 0; offset < bytes; offset += slot_bytes) {
       const int n = bytes - offset < slot_bytes ? bytes - offset : slot_bytes;
-      // Why: the previous chunk's store must have read the slot before this load overwrites it.
-      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-      mbarrier_arrive_expect_tx(loaded, n);
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-              smem_address(slot)),
-          "l"(static_cast<const char*>(src) + offset), "r"(n), "r"(smem_address(loaded))
-          : "memory");
-      mbarrier_wait_cluster(loaded, phase);
-      phase ^= 1;
-      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(static_cast<char*>(dst) + offset),
-                   "r"(smem_address(slot)), "r"(n)
-                   : "memory");
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      begin();
+      load(static_cast<const char*>(src) + offset, n, 0);
+      loaded();
+      store(static_cast<char*>(dst) + offset, n, 0);
     }
   }
 

@@ -220,8 +220,9 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
 }
 
 // A communication CTA: dispatch and combine tasks, 64 rows each. Thread 0 takes the task and waits for its
-// inputs; each warp's lane 0 bulk-copies its rows (warp w: rows w, w + 12, ...) through its slot, so a CTA has
-// 12 rows in flight; padding rows are zeroed by the warp's stores.
+// inputs; each warp's lane 0 bulk-copies its rows (warp w: rows w, w + 12, ...) through its 16 KB slot, as
+// many whole rows at a time as fit (H <= 4096: two or more), so a CTA keeps 12 slots of rows in flight;
+// padding rows are zeroed by the warp's stores.
 template <class T, class Params>
 __device__ void run_communication(const Params& p, ForwardSharedStorage<T>& smem) {
   const TaskOrderShape& order = p.order;
@@ -229,6 +230,8 @@ __device__ void run_communication(const Params& p, ForwardSharedStorage<T>& smem
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   constexpr int kWarps = CommTraits<T>::kWarps;
   const int row_bytes = p.row_vectors * 16;
+  // Whole rows per slot when they fit more than one (H <= 4096), else one row (in chunks when H > 8192).
+  const int rows_per_batch = row_bytes * 2 <= CommTraits<T>::kSlotBytes ? CommTraits<T>::kSlotBytes / row_bytes : 1;
   int32_t& slot_word = smem.tasks.mail[0];  // the task broadcast (the ring itself is the compute CTAs')
   if (lane == 0) device::mbarrier_init(&smem.comm_slot_loaded[warp], 1);
   // Why: the barrier init must be visible to the async proxy (the bulk copies complete on it).
@@ -242,36 +245,65 @@ __device__ void run_communication(const Params& p, ForwardSharedStorage<T>& smem
     const uint64_t start = threadIdx.x == 0 ? device::global_timer_ns() : 0;
     const int32_t first_row = task.unit * kUnitRows;
     const int64_t ring_row = first_row % order.ring_rows;
-    if (task.kind == TaskKind::kDispatch) {
+    const bool dispatch = task.kind == TaskKind::kDispatch;
+    if (dispatch) {
       // The ring rows this unit overwrites held the unit one macrobatch later (walked earlier): its gate/up
       // tiles read them and its combine, which needed everything downstream, is done.
       const int32_t previous = task.unit + order.ring_rows / kUnitRows;
       if (threadIdx.x == 0 && previous * kUnitRows < scheduled_rows)
         device::wait_at_least(p.counters.rows_combined + previous, 1,
                               {p.rank, Role::kDispatch, CounterId::kRowsCombined, previous}, p.status, p.timeout_ns);
-      // Why: thread 0's acquire covers the whole CTA once it passes the barrier.
-      __syncthreads();
-      for (int r = warp; r < kUnitRows; r += kWarps) {
-        uint4* dst = p.expert_rows + (ring_row + r) * p.row_vectors;
-        const int32_t route = p.row_route[first_row + r];
-        if (route < 0) {
-          device::zero_row_warp(dst, p.row_vectors, lane);
-        } else if (lane == 0) {
-          copier.copy(dispatch::source_row(p.x, route, p.num_tokens, p.top_k, p.row_vectors), dst, row_bytes);
-        }
+    } else if (threadIdx.x == 0) {
+      device::wait_at_least(p.counters.output_ready + task.unit, p.down_n_blocks,
+                            {p.rank, Role::kCombine, CounterId::kOutputReady, task.unit}, p.status, p.timeout_ns);
+    }
+    // Why: thread 0's acquire covers the whole CTA once it passes the barrier; the fence then orders it
+    // before this thread's bulk loads (async proxy) of rows other CTAs wrote.
+    __syncthreads();
+    device::fence_proxy_async_global();
+    // Where row r of the unit comes from and goes to; null source: nothing to copy (a padding row; dispatch
+    // zeroes it, combine leaves it).
+    auto endpoints = [&](int r, const uint4*& src, uint4*& dst) {
+      const int32_t route = p.row_route[first_row + r];
+      const int64_t ring_offset = (ring_row + r) * p.row_vectors;
+      if (dispatch) {
+        dst = p.expert_rows + ring_offset;
+        src = route < 0 ? nullptr : dispatch::source_row(p.x, route, p.num_tokens, p.top_k, p.row_vectors);
+      } else {
+        src = route < 0 ? nullptr : p.expert_out + ring_offset;
+        dst = route < 0 ? nullptr : combine::destination_row(p.combined, route, p.num_tokens, p.top_k, p.row_vectors);
       }
-    } else {
-      if (threadIdx.x == 0)
-        device::wait_at_least(p.counters.output_ready + task.unit, p.down_n_blocks,
-                              {p.rank, Role::kCombine, CounterId::kOutputReady, task.unit}, p.status, p.timeout_ns);
-      __syncthreads();
-      // Why: the bulk loads (async proxy) read rows that thread 0's acquire, extended by the barrier, made visible.
-      device::fence_proxy_async_global();
-      for (int r = warp; r < kUnitRows; r += kWarps) {
-        const int32_t route = p.row_route[first_row + r];
-        if (route < 0 || lane != 0) continue;  // padding rows go nowhere
-        copier.copy(p.expert_out + (ring_row + r) * p.row_vectors,
-                    combine::destination_row(p.combined, route, p.num_tokens, p.top_k, p.row_vectors), row_bytes);
+    };
+    if (dispatch) {
+      for (int r = warp; r < kUnitRows; r += kWarps)
+        if (p.row_route[first_row + r] < 0) device::zero_row_warp(p.expert_rows + (ring_row + r) * p.row_vectors,
+                                                                 p.row_vectors, lane);
+    }
+    if (lane == 0) {
+      if (rows_per_batch == 1) {  // rows of 8 KB and more: one at a time, in slot-sized chunks
+        for (int r = warp; r < kUnitRows; r += kWarps) {
+          const uint4* src;
+          uint4* dst;
+          endpoints(r, src, dst);
+          if (src != nullptr) copier.copy(src, dst, row_bytes);
+        }
+      } else {  // smaller rows: a batch of whole rows fills the slot (loads, one wait, stores)
+        for (int first = warp; first < kUnitRows; first += kWarps * rows_per_batch) {
+          copier.begin();
+          for (int b = 0, r = first; b < rows_per_batch && r < kUnitRows; ++b, r += kWarps) {
+            const uint4* src;
+            uint4* dst;
+            endpoints(r, src, dst);
+            if (src != nullptr) copier.load(src, row_bytes, b * row_bytes);
+          }
+          copier.loaded();
+          for (int b = 0, r = first; b < rows_per_batch && r < kUnitRows; ++b, r += kWarps) {
+            const uint4* src;
+            uint4* dst;
+            endpoints(r, src, dst);
+            if (src != nullptr) copier.store(dst, row_bytes, b * row_bytes);
+          }
+        }
       }
     }
     if (lane == 0) copier.finish();  // this warp's stores are written
