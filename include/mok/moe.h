@@ -37,6 +37,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "mok/expert_gemm.h"
 #include "mok/peer_group.h"
 #include "mok/routing.h"
 #include "mok/schedule.h"
@@ -202,6 +203,10 @@ class MoeWorkspace {
   void publish(const RankForward& f);
   void compute(const RankForward& f);
   void compute_fused(const RankForward& f);
+  // The two GEMMs (gate/up with SwiGLU, down) of the rank's routed experts or of its shared expert, as both
+  // paths run them (the fused one inside its kernel).
+  void routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, ExpertGemmArgs& down) const;
+  void shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, ExpertGemmArgs& down) const;
   void combine(const RankForward& f);
   const RankState& state(int rank) const;
 

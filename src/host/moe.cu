@@ -318,12 +318,9 @@ struct MlpGemms {  // the two GEMM launches of an MLP over the rows of a schedul
 };
 
 // The two GEMMs of an MLP: gate/up with the SwiGLU epilogue, then down (tickets: m.tickets[0], [1]).
-struct MlpArgs {
-  ExpertGemmArgs gate_up, down;
-};
-
-MlpArgs mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& m) {
-  ExpertGemmArgs gate_up;
+void mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& m, ExpertGemmArgs& gate_up,
+              ExpertGemmArgs& down) {
+  gate_up = ExpertGemmArgs{};
   gate_up.epilogue = GemmEpilogue::kSwiGLU;
   gate_up.a = m.rows;
   gate_up.a_rows = m.rows_allocated;
@@ -340,7 +337,7 @@ MlpArgs mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemm
   gate_up.out = m.hidden;
   gate_up.ticket = m.tickets;
 
-  ExpertGemmArgs down = gate_up;
+  down = gate_up;
   down.epilogue = GemmEpilogue::kStore;
   down.a = m.hidden;
   down.k = shape.intermediate;
@@ -350,16 +347,48 @@ MlpArgs mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemm
   down.swiglu_limit = 0;
   down.out = m.out;
   down.ticket = m.tickets + 1;
-  return {gate_up, down};
-}
-
-void issue_mlp(const MoeShape& shape, const MoeOptions& options, const MlpGemms& m, cudaStream_t stream) {
-  const MlpArgs mlp = mlp_args(shape, options, m);
-  expert_gemm(mlp.gate_up, stream);
-  expert_gemm(mlp.down, stream);
 }
 
 }  // namespace
+
+void MoeWorkspace::routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, ExpertGemmArgs& down) const {
+  const RankState& s = state(f.rank);
+  const ForwardContext& ctx = *f.context;
+  const MoeWeights& w = *f.weights;
+  mlp_args(shape_, options_,
+           {.rows = ctx.expert_rows_,
+            .rows_allocated = ring_rows_,
+            .gate = w.expert_gate.data,
+            .up = w.expert_up.data,  // null: gate and up fused in expert_gate
+            .down = w.expert_down.data,
+            .local_experts = shape_.local_experts(),
+            .expert_counts = ctx.schedule_.expert_counts,
+            .expert_row_offsets = ctx.schedule_.expert_row_offsets,
+            .scheduled_rows = ctx.schedule_.scheduled_rows,
+            .hidden = ctx.hidden_,
+            .out = s.y,
+            .tickets = s.tickets + kExpertGateUp},
+           gate_up, down);
+}
+
+void MoeWorkspace::shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, ExpertGemmArgs& down) const {
+  const RankState& s = state(f.rank);
+  const MoeWeights& w = *f.weights;
+  mlp_args(shape_, options_,
+           {.rows = x_.on(f.rank),
+            .rows_allocated = padded_tokens_,
+            .gate = w.shared_gate.data,
+            .up = w.shared_up.data,
+            .down = w.shared_down.data,
+            .local_experts = 1,
+            .expert_counts = s.shared_schedule->counts,
+            .expert_row_offsets = s.shared_schedule->row_offsets,
+            .scheduled_rows = s.shared_schedule->scheduled_rows,
+            .hidden = f.context->shared_hidden_,
+            .out = s.shared_out,
+            .tickets = s.tickets + kSharedGateUp},
+           gate_up, down);
+}
 
 // Phase 1: x into the symmetric buffer, "x is readable" to every peer, then the shared expert (local work
 // that overlaps the peers catching up).
@@ -374,21 +403,10 @@ void MoeWorkspace::publish(const RankForward& f) {
   device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
   MOK_CHECK_CUDA(cudaGetLastError());
   if (!shape_.shared_expert || options_.path == ForwardPath::kFused) return;  // the megakernel runs it
-  const MoeWeights& w = *f.weights;
-  issue_mlp(shape_, options_,
-            {.rows = x_.on(f.rank),
-             .rows_allocated = padded_tokens_,
-             .gate = w.shared_gate.data,
-             .up = w.shared_up.data,
-             .down = w.shared_down.data,
-             .local_experts = 1,
-             .expert_counts = s.shared_schedule->counts,
-             .expert_row_offsets = s.shared_schedule->row_offsets,
-             .scheduled_rows = s.shared_schedule->scheduled_rows,
-             .hidden = f.context->shared_hidden_,
-             .out = s.shared_out,
-             .tickets = s.tickets + kSharedGateUp},
-            f.stream);
+  ExpertGemmArgs gate_up, down;
+  shared_gemms(f, gate_up, down);
+  expert_gemm(gate_up, f.stream);
+  expert_gemm(down, f.stream);
 }
 
 // Phase 2: wait for every rank's x, pull the scheduled rows, the routed experts, push the outputs home,
@@ -410,21 +428,10 @@ void MoeWorkspace::compute(const RankForward& f) {
                                kernels::PullTraits::kThreads, 0, f.stream>>>(pull);
   MOK_CHECK_CUDA(cudaGetLastError());
 
-  const MoeWeights& w = *f.weights;
-  issue_mlp(shape_, options_,
-            {.rows = ctx.expert_rows_,
-             .rows_allocated = capacity_rows(),
-             .gate = w.expert_gate.data,
-             .up = w.expert_up.data,  // null: gate and up fused in expert_gate
-             .down = w.expert_down.data,
-             .local_experts = shape_.local_experts(),
-             .expert_counts = v.expert_counts,
-             .expert_row_offsets = v.expert_row_offsets,
-             .scheduled_rows = v.scheduled_rows,
-             .hidden = ctx.hidden_,
-             .out = s.y,
-             .tickets = s.tickets + kExpertGateUp},
-            f.stream);
+  ExpertGemmArgs gate_up, down;
+  routed_gemms(f, gate_up, down);
+  expert_gemm(gate_up, f.stream);
+  expert_gemm(down, f.stream);
 
   const kernels::PushParams push{combined_.peers(f.rank), static_cast<const uint4*>(s.y), v.row_route,
                                  v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};
@@ -447,38 +454,16 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
   device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
   MOK_CHECK_CUDA(cudaGetLastError());
 
-  const MoeWeights& w = *f.weights;
-  const MlpArgs routed = mlp_args(shape_, options_,
-                                  {.rows = ctx.expert_rows_,
-                                   .rows_allocated = ring_rows_,
-                                   .gate = w.expert_gate.data,
-                                   .up = w.expert_up.data,
-                                   .down = w.expert_down.data,
-                                   .local_experts = shape_.local_experts(),
-                                   .expert_counts = v.expert_counts,
-                                   .expert_row_offsets = v.expert_row_offsets,
-                                   .scheduled_rows = v.scheduled_rows,
-                                   .hidden = ctx.hidden_,
-                                   .out = s.y,
-                                   .tickets = s.tickets + kExpertGateUp});
-  const MlpArgs shared = !shape_.shared_expert ? routed
-                         : mlp_args(shape_, options_,
-                                    {.rows = x_.on(f.rank),
-                                     .rows_allocated = padded_tokens_,
-                                     .gate = w.shared_gate.data,
-                                     .up = w.shared_up.data,
-                                     .down = w.shared_down.data,
-                                     .local_experts = 1,
-                                     .expert_counts = s.shared_schedule->counts,
-                                     .expert_row_offsets = s.shared_schedule->row_offsets,
-                                     .scheduled_rows = s.shared_schedule->scheduled_rows,
-                                     .hidden = ctx.shared_hidden_,
-                                     .out = s.shared_out,
-                                     .tickets = s.tickets + kSharedGateUp});
-  detail::launch_fused_forward({.shared_gate_up = shared.gate_up,
-                                .shared_down = shared.down,
-                                .expert_gate_up = routed.gate_up,
-                                .expert_down = routed.down,
+  ExpertGemmArgs routed_gate_up, routed_down, shared_gate_up, shared_down;
+  routed_gemms(f, routed_gate_up, routed_down);
+  if (shape_.shared_expert)
+    shared_gemms(f, shared_gate_up, shared_down);
+  else  // never run (no shared tiles); the launch still builds descriptors from valid pointers
+    shared_gate_up = routed_gate_up, shared_down = routed_down;
+  detail::launch_fused_forward({.shared_gate_up = shared_gate_up,
+                                .shared_down = shared_down,
+                                .expert_gate_up = routed_gate_up,
+                                .expert_down = routed_down,
                                 .expert_row_offsets = v.expert_row_offsets,
                                 .scheduled_rows = v.scheduled_rows,
                                 .row_route = v.row_route,

@@ -438,6 +438,29 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
 
 enum class GemmRole : int { kProducer = 0, kConsumer = 1 };
 
+// A persistent GEMM CTA's start: its TMA pipeline over `smem` and its task ring, initialized by thread 0,
+// then a barrier over the cluster. Why the cluster: the partner CTA arrives on our barriers and multicasts
+// into our shared memory; both CTAs' barrier initialization must be visible cluster-wide first.
+template <class T, class TaskRingT>
+__device__ __forceinline__ typename T::Pipeline start_pipeline(typename T::SharedStorage& smem, TaskRingT& tasks,
+                                                               bool consumer) {
+  typename T::Pipeline::Params params;
+  params.transaction_bytes = T::kStageTransactionBytes;
+  params.role = consumer ? T::Pipeline::ThreadCategory::Consumer : T::Pipeline::ThreadCategory::Producer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = 128 * T::kConsumerWarpgroups;
+  typename T::Pipeline pipeline(smem.pipeline, params, typename T::ClusterShape{});
+  if (threadIdx.x == 0) {
+    tasks.init();
+    cutlass::arch::fence_barrier_init();
+  }
+  if constexpr (T::kClusterN > 1)
+    cute::cluster_sync();
+  else
+    __syncthreads();
+  return pipeline;
+}
+
 // Standalone persistent launcher: one CTA per SM in clusters of kClusterN, tasks from the ticket.
 // Used by tests and the bench.
 template <class Traits, class Params>
@@ -448,24 +471,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
   const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);  // uniform: see compute_tile
   const GemmRole role = warpgroup == 0 ? GemmRole::kProducer : GemmRole::kConsumer;
 
-  typename T::Pipeline::Params pipeline_params;
-  pipeline_params.transaction_bytes = T::kStageTransactionBytes;
-  pipeline_params.role = role == GemmRole::kProducer ? T::Pipeline::ThreadCategory::Producer
-                                                     : T::Pipeline::ThreadCategory::Consumer;
-  pipeline_params.is_leader = threadIdx.x == 0;
-  pipeline_params.num_consumers = 128 * T::kConsumerWarpgroups;
-  typename T::Pipeline pipeline(smem.pipeline, pipeline_params, typename T::ClusterShape{});
-  if (threadIdx.x == 0) {
-    smem.tasks.init();
-    cutlass::arch::fence_barrier_init();
-  }
-  // Why: the partner CTA arrives on our barriers and multicasts into our shared memory; both CTAs'
-  // barrier initialization must be visible cluster-wide first.
-  if constexpr (T::kClusterN > 1)
-    cute::cluster_sync();
-  else
-    __syncthreads();
-
+  typename T::Pipeline pipeline = start_pipeline<T>(smem, smem.tasks, role == GemmRole::kConsumer);
   const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
   if (role == GemmRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();

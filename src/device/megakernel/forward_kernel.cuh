@@ -334,24 +334,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_co
                            : warpgroup == 0                            ? ForwardRole::kProducer
                                                                        : ForwardRole::kConsumer;
 
-  typename T::Pipeline::Params pipeline_params;
-  pipeline_params.transaction_bytes = T::kStageTransactionBytes;
-  pipeline_params.role = role == ForwardRole::kConsumer ? T::Pipeline::ThreadCategory::Consumer
-                                                        : T::Pipeline::ThreadCategory::Producer;
-  pipeline_params.is_leader = threadIdx.x == 0;
-  pipeline_params.num_consumers = 128 * T::kConsumerWarpgroups;
-  typename T::Pipeline pipeline(smem.gemm.pipeline, pipeline_params, typename T::ClusterShape{});
-  if (threadIdx.x == 0) {
-    smem.tasks.init();
-    cutlass::arch::fence_barrier_init();
-  }
-  // Why: the partner CTA arrives on our barriers and multicasts into our shared memory; both CTAs'
-  // barrier initialization must be visible cluster-wide first.
-  if constexpr (T::kClusterN > 1)
-    cute::cluster_sync();
-  else
-    __syncthreads();
-
+  // Communication CTAs build the pipeline too (unused): every CTA of the cluster takes part in its barrier.
+  typename T::Pipeline pipeline = gemm::start_pipeline<T>(smem.gemm, smem.tasks, role == ForwardRole::kConsumer);
   const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
   switch (role) {
     case ForwardRole::kCommunication: run_communication<T>(p, smem); break;
