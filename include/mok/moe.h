@@ -87,7 +87,8 @@ enum class ForwardPath : int32_t {
 // The megakernel's knobs. None of them changes a bit of the results (tests compare bitwise).
 struct FusedOptions {
   int comm_ctas = 0;            // CTAs that pull and push rows (a multiple of the cluster size, 2 for the
-                                // model shapes); 0: SMs * 128 / I (communication bytes per flop go as 1/I)
+                                // model shapes); 0: max(SMs / 16, SMs * 96 / I) (bytes per flop go as
+                                // 1/I; measured, docs/perf_notes.md round 6)
   int minibatch_rows = 4096;    // rows whose gate/up tiles are ordered before their down tiles; multiple of 128
   int64_t macrobatch_rows = 0;  // rows of the expert-side ring buffers (the context keeps the first
                                 // macrobatch); multiple of 128; 0: the schedule's capacity (no reuse)
