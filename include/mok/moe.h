@@ -86,9 +86,9 @@ enum class ForwardPath : int32_t {
 
 // The megakernel's knobs. None of them changes a bit of the results (tests compare bitwise).
 struct FusedOptions {
-  int comm_ctas = 0;            // CTAs that pull and push rows (a multiple of the cluster size, 2 for the
-                                // model shapes); 0: max(SMs / 16, SMs * 96 / I) (bytes per flop go as
-                                // 1/I; measured, docs/perf_notes.md round 6)
+  int comm_ctas = -1;           // CTAs given to pulling and pushing rows (a multiple of the cluster size, 2
+                                // for the model shapes); 0: none, the three idle warps of every compute
+                                // CTA's producer warpgroup copy the rows; -1: the default (design.md)
   int minibatch_rows = 4096;    // rows whose gate/up tiles are ordered before their down tiles; multiple of 128
   int64_t macrobatch_rows = 0;  // rows of the expert-side ring buffers (the context keeps the first
                                 // macrobatch); multiple of 128; 0: the schedule's capacity (no reuse)
@@ -216,7 +216,7 @@ class MoeWorkspace {
   MoeOptions options_;
   int64_t padded_tokens_ = 0;   // T rounded up to the GEMM row tile
   int64_t ring_rows_ = 0;       // expert-side rows held at once (the fused path's macrobatch)
-  int comm_ctas_ = 0;
+  int comm_ctas_ = -1;
   int grid_ctas_ = 0;           // the megakernel's persistent grid (the same GPU model on every rank)
   ScheduleWorkspace schedule_;
   SymmetricAllocation x_;       // bf16 [padded T, H] per rank: the rows peers pull

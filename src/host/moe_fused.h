@@ -24,7 +24,7 @@ struct FusedForwardArgs {
   int32_t shared_rows = 0;                      // padded tokens, 0 without a shared expert
   int32_t ring_rows = 0;                        // macrobatch rows
   int32_t minibatch_rows = 0;
-  int comm_ctas = 0;                            // a multiple of fused_cluster_n
+  int comm_ctas = 0;                            // a multiple of fused_cluster_n; 0: the producer warps copy
   int grid_ctas = 0;                            // fused_grid_ctas on this device (which prepared the kernel)
   PeerPointers x, combined;
   void* expert_rows = nullptr;                  // ring [ring_rows, H]

@@ -81,7 +81,7 @@ TEST(MoeFusedTest, BitwiseEqualToUnfusedAcrossCommMinibatchAndMacrobatch) {
       {no_shared, 0.5},
   };
   std::vector<FusedOptions> settings;
-  for (int comm : {0, 2, 12, 40})
+  for (int comm : {-1, 0, 2, 12, 40})
     for (int minibatch : {128, 384, 4096})
       for (int64_t macrobatch : {0, 128, 512}) {
         FusedOptions f;
@@ -123,50 +123,58 @@ TEST(MoeFusedTest, BitwiseEqualToUnfusedAcrossCommMinibatchAndMacrobatch) {
 TEST(MoeFusedTest, TimelineRecordsEveryTaskOnce) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = moe_shape(2, 300, 8, 48, 512, 256);
-  MoeOptions options;
-  options.fused.timeline_records = 4096;
-  options.fused.macrobatch_rows = 256;
-  options.fused.comm_ctas = 4;
-  MoeHarness harness(PeerGroup::virtual_ranks(2), shape, options);
-  harness.upload(testing::random_layer(shape, 50));
-  harness.run_checked(1);
-  const int cluster_n = detail::fused_cluster_n(shape.hidden, shape.intermediate);
-  for (int r = 0; r < 2; ++r) {
-    const std::vector<TaskRecord> records = harness.workspace().read_timeline(r, harness.stream(r));
-    // The task order, walked on the host from the rank's schedule.
-    const ForwardContext& ctx = *harness.args(r).context;
-    const int32_t scheduled = download<int32_t>(ctx.schedule().scheduled_rows, 1)[0];
-    const std::vector<int32_t> offsets =
-        download<int32_t>(ctx.schedule().expert_row_offsets, shape.local_experts() + 1);
-    const megakernel::TaskOrderShape order{.expert_row_offsets = offsets.data(),
-                                           .local_experts = shape.local_experts(),
-                                           .shared_rows = static_cast<int32_t>(harness.workspace().padded_tokens()),
-                                           .ring_rows = static_cast<int32_t>(harness.workspace().ring_rows()),
-                                           .minibatch_rows = options.fused.minibatch_rows,
-                                           .gate_up_groups = shape.intermediate / 128 / cluster_n,
-                                           .down_groups = shape.hidden / 256 / cluster_n};
-    std::vector<int64_t> want(7, 0), got(7, 0);
-    megakernel::ComputeWalker walker(order, scheduled);
-    megakernel::ComputeTask task;
-    for (int32_t slot = 0; walker.task_at(slot, task); ++slot) want[int(task.kind)] += cluster_n;  // one per CTA
-    want[int(TaskKind::kDispatch)] = want[int(TaskKind::kCombine)] = scheduled / 64;
-    for (const TaskRecord& record : records) {
-      ++got[int(record.kind)];
-      ASSERT_GE(record.end_ns, record.start_ns);
-      const bool comm = record.kind == TaskKind::kDispatch || record.kind == TaskKind::kCombine;
-      ASSERT_EQ(comm, record.cta < harness.workspace().comm_ctas()) << "a task ran in the wrong role's CTA";
+  for (int comm_ctas : {4, 0}) {  // dedicated communication CTAs, and the producer warps
+    MoeOptions options;
+    options.fused.timeline_records = 4096;
+    options.fused.macrobatch_rows = 256;
+    options.fused.comm_ctas = comm_ctas;
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape, options);
+    harness.upload(testing::random_layer(shape, 50));
+    harness.run_checked(1);
+    const int cluster_n = detail::fused_cluster_n(shape.hidden, shape.intermediate);
+    for (int r = 0; r < 2; ++r) {
+      const std::vector<TaskRecord> records = harness.workspace().read_timeline(r, harness.stream(r));
+      // The task order, walked on the host from the rank's schedule.
+      const ForwardContext& ctx = *harness.args(r).context;
+      const int32_t scheduled = download<int32_t>(ctx.schedule().scheduled_rows, 1)[0];
+      const std::vector<int32_t> offsets =
+          download<int32_t>(ctx.schedule().expert_row_offsets, shape.local_experts() + 1);
+      const megakernel::TaskOrderShape order{.expert_row_offsets = offsets.data(),
+                                             .local_experts = shape.local_experts(),
+                                             .shared_rows = static_cast<int32_t>(harness.workspace().padded_tokens()),
+                                             .ring_rows = static_cast<int32_t>(harness.workspace().ring_rows()),
+                                             .minibatch_rows = options.fused.minibatch_rows,
+                                             .gate_up_groups = shape.intermediate / 128 / cluster_n,
+                                             .down_groups = shape.hidden / 256 / cluster_n};
+      std::vector<int64_t> want(7, 0), got(7, 0);
+      megakernel::ComputeWalker walker(order, scheduled);
+      megakernel::ComputeTask task;
+      for (int32_t slot = 0; walker.task_at(slot, task); ++slot) want[int(task.kind)] += cluster_n;  // one per CTA
+      want[int(TaskKind::kDispatch)] = want[int(TaskKind::kCombine)] = scheduled / 64;
+      for (const TaskRecord& record : records) {
+        ++got[int(record.kind)];
+        ASSERT_GE(record.end_ns, record.start_ns);
+        const bool comm = record.kind == TaskKind::kDispatch || record.kind == TaskKind::kCombine;
+        const bool comm_cta = record.cta < harness.workspace().comm_ctas();
+        if (comm_cta) {
+          ASSERT_TRUE(comm) << "a GEMM tile ran in a communication CTA";
+        }
+        if (harness.workspace().comm_ctas() > 0) {
+          ASSERT_EQ(comm, comm_cta) << "a copy ran outside the communication CTAs";
+        }
+      }
+      for (int kind = 0; kind < 6; ++kind)
+        EXPECT_EQ(got[kind], want[kind]) << "rank " << r << ": records of " << task_kind_name(TaskKind(kind));
+      const std::string json = chrome_trace_json(records, r);
+      EXPECT_EQ(json.rfind("{\"traceEvents\": [", 0), 0u);
+      int64_t events = 0;
+      for (size_t at = json.find("\"ph\": \"X\""); at != std::string::npos; at = json.find("\"ph\": \"X\"", at + 1))
+        ++events;
+      EXPECT_EQ(events, int64_t(records.size()));
+      std::printf("comm CTAs %d, rank %d: %zu task records (%lld gate/up, %lld down, %lld dispatch, %lld combine)\n",
+                  comm_ctas, r, records.size(), static_cast<long long>(got[2]), static_cast<long long>(got[3]),
+                  static_cast<long long>(got[4]), static_cast<long long>(got[5]));
     }
-    for (int kind = 0; kind < 6; ++kind)
-      EXPECT_EQ(got[kind], want[kind]) << "rank " << r << ": records of " << task_kind_name(TaskKind(kind));
-    const std::string json = chrome_trace_json(records, r);
-    EXPECT_EQ(json.rfind("{\"traceEvents\": [", 0), 0u);
-    int64_t events = 0;
-    for (size_t at = json.find("\"ph\": \"X\""); at != std::string::npos; at = json.find("\"ph\": \"X\"", at + 1))
-      ++events;
-    EXPECT_EQ(events, int64_t(records.size()));
-    std::printf("rank %d: %zu task records (%lld gate/up, %lld down, %lld dispatch, %lld combine)\n", r, records.size(),
-                static_cast<long long>(got[2]), static_cast<long long>(got[3]), static_cast<long long>(got[4]),
-                static_cast<long long>(got[5]));
   }
 }
 

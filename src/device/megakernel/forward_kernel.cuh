@@ -14,7 +14,8 @@
 //                        inputs; lane 0 of each of the 12 warps bulk-copies rows through its shared-memory
 //                        slot (BulkRowCopier), 12 rows in flight per CTA.
 //   producer warpgroup   one thread: takes compute slots (TaskRing: the cluster shares each slot), waits for
-//                        the tile's input rows, issues the TMA loads (load_tile).
+//                        the tile's input rows, issues the TMA loads (load_tile). With comm_ctas == 0 its
+//                        other three warps are the communication instead (warp copies, same task loop).
 //   consumer warpgroups  wgmma + epilogue (compute_tile of the gate/up or the down GEMM), then count their
 //                        64 rows as done for this n-block.
 // Shared memory (ForwardSharedStorage): the expert GEMM's SharedStorage (gate/up and down traits share its
@@ -47,7 +48,8 @@ struct ForwardCounters {
   uint64_t* shared_hidden_ready;  // [padded T / 64] shared gate/up n-blocks stored (target I / 128)
 };
 
-// Per-CTA task records for the timeline: [CTAs][1 + capacity][4] u64; word 0 of a CTA counts its records.
+// Per-CTA task records for the timeline: [CTAs][1 + capacity][4] u64; word 0 of a CTA counts its records
+// (atomically: a compute CTA's first consumer thread and its copy warps' leader both record).
 // A record: start ns, end ns, kind | rows << 8 | SM << 16 | CTA << 32, first row | n-block << 32 | expert << 48.
 struct Timeline {
   uint64_t* records;  // nullable
@@ -57,7 +59,7 @@ struct Timeline {
                                          int32_t n_block, int32_t expert) const {
     if (records == nullptr) return;
     uint64_t* cta = records + int64_t(blockIdx.x) * (capacity + 1) * 4;
-    const uint64_t index = cta[0]++;  // one recording thread per CTA
+    const uint64_t index = atomicAdd(reinterpret_cast<unsigned long long*>(cta), 1ull);  // two recorders a CTA
     if (index >= uint64_t(capacity)) return;
     uint64_t* r = cta + 4 + index * 4;
     r[0] = start;
@@ -116,6 +118,7 @@ struct ForwardSharedStorage {
   };
   gemm::TaskRing<T::kTaskDepth, 4 * T::kConsumerWarpgroups, T::kClusterN, ComputeTask> tasks;
   uint64_t comm_slot_loaded[CommTraits<T>::kWarps];  // mbarrier per slot (BulkRowCopier)
+  int32_t comm_slot_word;                            // the communication group's task broadcast
 };
 
 template <class Params>
@@ -169,6 +172,10 @@ __device__ void run_producer(const Params& p, ForwardSharedStorage<T>& smem, typ
                     T::kLaunchRegisters * T::kThreads,
                 "setmaxnreg redistributes the CTA's launch registers, no more");
   cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters<T>>();
+  if (threadIdx.x >= 32) {  // warps 1-3 copy rows when no CTA is given to communication
+    if (p.comm_ctas == 0) run_communication_warps<T>(p, smem);
+    return;
+  }
   if (threadIdx.x != 0) return;
   auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
   ComputeWalker walker(p.order, *p.scheduled_rows);
@@ -219,105 +226,142 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
   }
 }
 
-// A communication CTA: dispatch and combine tasks, 64 rows each. Thread 0 takes the task and waits for its
-// inputs; each warp's lane 0 bulk-copies its rows (warp w: rows w, w + 12, ...) through its 16 KB slot, as
-// many whole rows at a time as fit (H <= 4096: two or more), so a CTA keeps 12 slots of rows in flight;
-// padding rows are zeroed by the warp's stores.
-template <class T, class Params>
-__device__ void run_communication(const Params& p, ForwardSharedStorage<T>& smem) {
-  const TaskOrderShape& order = p.order;
+// The communication loop of both placements: a group of threads takes 64-row dispatch and combine tasks
+// from the comm ticket; its leader waits for the task's inputs; copy_unit(task) copies the rows (each thread
+// ends with its copies written); the leader publishes them with one release.
+//   sync()  the group's barrier: __syncthreads for a communication CTA, a named barrier for the producer
+//           warpgroup's three copy warps
+template <class Params, class Sync, class CopyUnit>
+__device__ __forceinline__ void communication_loop(const Params& p, int32_t& slot_word, bool leader, Sync sync,
+                                                   CopyUnit copy_unit) {
   const int32_t scheduled_rows = *p.scheduled_rows;
+  while (true) {
+    if (leader) slot_word = atomicAdd(p.comm_ticket, 1);
+    sync();
+    const CommTask task = comm_task_at(p.order, scheduled_rows, slot_word);
+    if (task.kind == TaskKind::kNone) break;
+    const uint64_t start = leader ? device::global_timer_ns() : 0;
+    if (leader) {
+      if (task.kind == TaskKind::kDispatch) {
+        // The ring rows this unit overwrites held the unit one macrobatch later (walked earlier): its gate/up
+        // tiles read them and its combine, which needed everything downstream, is done.
+        const int32_t previous = task.unit + p.order.ring_rows / kUnitRows;
+        if (previous * kUnitRows < scheduled_rows)
+          device::wait_at_least(p.counters.rows_combined + previous, 1,
+                                {p.rank, Role::kDispatch, CounterId::kRowsCombined, previous}, p.status, p.timeout_ns);
+      } else {
+        device::wait_at_least(p.counters.output_ready + task.unit, p.down_n_blocks,
+                              {p.rank, Role::kCombine, CounterId::kOutputReady, task.unit}, p.status, p.timeout_ns);
+      }
+    }
+    // Why: the leader's acquire covers the group once it passes the barrier; the fence then orders it before
+    // this thread's bulk loads (async proxy) of rows other CTAs wrote.
+    sync();
+    device::fence_proxy_async_global();
+    copy_unit(task);
+    // Why: every thread's rows are written before the leader publishes them with one release.
+    sync();
+    if (leader) {
+      device::fence_acq_rel_gpu();
+      uint64_t* done = task.kind == TaskKind::kDispatch ? p.counters.rows_arrived : p.counters.rows_combined;
+      device::add_release_gpu(done + task.unit, 1);
+      p.timeline.record(task.kind, start, device::global_timer_ns(), task.unit * kUnitRows, kUnitRows, 0, 0);
+    }
+  }
+  // Why: the barrier arrive after this kernel publishes the pushes to peers; order them at system scope.
+  device::fence_acq_rel_sys();
+}
+
+// Where row r of a unit comes from and goes to: (source, destination); a null source means nothing to
+// copy (a padding row: dispatch zeroes it, combine leaves it).
+template <class Params>
+__device__ __forceinline__ void unit_row_endpoints(const Params& p, const CommTask& task, int r, const uint4*& src,
+                                                   uint4*& dst) {
+  const int32_t row = task.unit * kUnitRows + r;
+  const int32_t route = p.row_route[row];
+  const int64_t ring_offset = int64_t(row % p.order.ring_rows) * p.row_vectors;
+  if (task.kind == TaskKind::kDispatch) {
+    dst = p.expert_rows + ring_offset;
+    src = route < 0 ? nullptr : dispatch::source_row(p.x, route, p.num_tokens, p.top_k, p.row_vectors);
+  } else {
+    src = route < 0 ? nullptr : p.expert_out + ring_offset;
+    dst = route < 0 ? nullptr : combine::destination_row(p.combined, route, p.num_tokens, p.top_k, p.row_vectors);
+  }
+}
+
+// A communication CTA (FusedOptions::comm_ctas > 0): each warp's lane 0 bulk-copies its rows (warp w: rows w,
+// w + 12, ...) through its 16 KB slot, as many whole rows at a time as fit (H <= 4096: two or more), so a CTA
+// keeps 12 slots of rows in flight; padding rows are zeroed by the warp's stores.
+template <class T, class Params>
+__device__ void run_communication_cta(const Params& p, ForwardSharedStorage<T>& smem) {
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   constexpr int kWarps = CommTraits<T>::kWarps;
   const int row_bytes = p.row_vectors * 16;
   // Whole rows per slot when they fit more than one (H <= 4096), else one row (in chunks when H > 8192).
   const int rows_per_batch = row_bytes * 2 <= CommTraits<T>::kSlotBytes ? CommTraits<T>::kSlotBytes / row_bytes : 1;
-  int32_t& slot_word = smem.tasks.mail[0];  // the task broadcast (the ring itself is the compute CTAs')
   if (lane == 0) device::mbarrier_init(&smem.comm_slot_loaded[warp], 1);
   // Why: the barrier init must be visible to the async proxy (the bulk copies complete on it).
   cutlass::arch::fence_barrier_init();
   device::BulkRowCopier copier{smem.comm_slots[warp], &smem.comm_slot_loaded[warp], CommTraits<T>::kSlotBytes};
-  while (true) {
-    if (threadIdx.x == 0) slot_word = atomicAdd(p.comm_ticket, 1);
-    __syncthreads();
-    const CommTask task = comm_task_at(order, scheduled_rows, slot_word);
-    if (task.kind == TaskKind::kNone) break;
-    const uint64_t start = threadIdx.x == 0 ? device::global_timer_ns() : 0;
-    const int32_t first_row = task.unit * kUnitRows;
-    const int64_t ring_row = first_row % order.ring_rows;
-    const bool dispatch = task.kind == TaskKind::kDispatch;
-    if (dispatch) {
-      // The ring rows this unit overwrites held the unit one macrobatch later (walked earlier): its gate/up
-      // tiles read them and its combine, which needed everything downstream, is done.
-      const int32_t previous = task.unit + order.ring_rows / kUnitRows;
-      if (threadIdx.x == 0 && previous * kUnitRows < scheduled_rows)
-        device::wait_at_least(p.counters.rows_combined + previous, 1,
-                              {p.rank, Role::kDispatch, CounterId::kRowsCombined, previous}, p.status, p.timeout_ns);
-    } else if (threadIdx.x == 0) {
-      device::wait_at_least(p.counters.output_ready + task.unit, p.down_n_blocks,
-                            {p.rank, Role::kCombine, CounterId::kOutputReady, task.unit}, p.status, p.timeout_ns);
-    }
-    // Why: thread 0's acquire covers the whole CTA once it passes the barrier; the fence then orders it
-    // before this thread's bulk loads (async proxy) of rows other CTAs wrote.
-    __syncthreads();
-    device::fence_proxy_async_global();
-    // Where row r of the unit comes from and goes to; null source: nothing to copy (a padding row; dispatch
-    // zeroes it, combine leaves it).
-    auto endpoints = [&](int r, const uint4*& src, uint4*& dst) {
-      const int32_t route = p.row_route[first_row + r];
-      const int64_t ring_offset = (ring_row + r) * p.row_vectors;
-      if (dispatch) {
-        dst = p.expert_rows + ring_offset;
-        src = route < 0 ? nullptr : dispatch::source_row(p.x, route, p.num_tokens, p.top_k, p.row_vectors);
-      } else {
-        src = route < 0 ? nullptr : p.expert_out + ring_offset;
-        dst = route < 0 ? nullptr : combine::destination_row(p.combined, route, p.num_tokens, p.top_k, p.row_vectors);
+  auto copy_unit = [&](const CommTask& task) {
+    if (task.kind == TaskKind::kDispatch) {
+      for (int r = warp; r < kUnitRows; r += kWarps) {
+        const uint4* src;
+        uint4* dst;
+        unit_row_endpoints(p, task, r, src, dst);
+        if (src == nullptr) device::zero_row_warp(dst, p.row_vectors, lane);
       }
-    };
-    if (dispatch) {
-      for (int r = warp; r < kUnitRows; r += kWarps)
-        if (p.row_route[first_row + r] < 0) device::zero_row_warp(p.expert_rows + (ring_row + r) * p.row_vectors,
-                                                                 p.row_vectors, lane);
     }
-    if (lane == 0) {
-      if (rows_per_batch == 1) {  // rows of 8 KB and more: one at a time, in slot-sized chunks
-        for (int r = warp; r < kUnitRows; r += kWarps) {
+    if (lane != 0) return;
+    if (rows_per_batch == 1) {  // rows of 8 KB and more: one at a time, in slot-sized chunks
+      for (int r = warp; r < kUnitRows; r += kWarps) {
+        const uint4* src;
+        uint4* dst;
+        unit_row_endpoints(p, task, r, src, dst);
+        if (src != nullptr) copier.copy(src, dst, row_bytes);
+      }
+    } else {  // smaller rows: a batch of whole rows fills the slot (loads, one wait, stores)
+      for (int first = warp; first < kUnitRows; first += kWarps * rows_per_batch) {
+        copier.begin();
+        for (int b = 0, r = first; b < rows_per_batch && r < kUnitRows; ++b, r += kWarps) {
           const uint4* src;
           uint4* dst;
-          endpoints(r, src, dst);
-          if (src != nullptr) copier.copy(src, dst, row_bytes);
+          unit_row_endpoints(p, task, r, src, dst);
+          if (src != nullptr) copier.load(src, row_bytes, b * row_bytes);
         }
-      } else {  // smaller rows: a batch of whole rows fills the slot (loads, one wait, stores)
-        for (int first = warp; first < kUnitRows; first += kWarps * rows_per_batch) {
-          copier.begin();
-          for (int b = 0, r = first; b < rows_per_batch && r < kUnitRows; ++b, r += kWarps) {
-            const uint4* src;
-            uint4* dst;
-            endpoints(r, src, dst);
-            if (src != nullptr) copier.load(src, row_bytes, b * row_bytes);
-          }
-          copier.loaded();
-          for (int b = 0, r = first; b < rows_per_batch && r < kUnitRows; ++b, r += kWarps) {
-            const uint4* src;
-            uint4* dst;
-            endpoints(r, src, dst);
-            if (src != nullptr) copier.store(dst, row_bytes, b * row_bytes);
-          }
+        copier.loaded();
+        for (int b = 0, r = first; b < rows_per_batch && r < kUnitRows; ++b, r += kWarps) {
+          const uint4* src;
+          uint4* dst;
+          unit_row_endpoints(p, task, r, src, dst);
+          if (src != nullptr) copier.store(dst, row_bytes, b * row_bytes);
         }
       }
     }
-    if (lane == 0) copier.finish();  // this warp's stores are written
-    // Why: every warp's rows are written before thread 0 publishes them with one release.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      device::fence_acq_rel_gpu();
-      uint64_t* done = task.kind == TaskKind::kDispatch ? p.counters.rows_arrived : p.counters.rows_combined;
-      device::add_release_gpu(done + task.unit, 1);
-      p.timeline.record(task.kind, start, device::global_timer_ns(), first_row, kUnitRows, 0, 0);
+    copier.finish();  // this warp's stores are written
+  };
+  communication_loop(p, smem.comm_slot_word, threadIdx.x == 0, [] { __syncthreads(); }, copy_unit);
+}
+
+// The producer warpgroup's three warps besides the TMA issuer (FusedOptions::comm_ctas == 0: no CTA is
+// given to communication): warp copies (copy_row_warp), warp w of 3 taking rows w, w + 3, ... of a unit.
+template <class T, class Params>
+__device__ void run_communication_warps(const Params& p, ForwardSharedStorage<T>& smem) {
+  constexpr int kCopyWarps = 3, kBarrierId = 8;  // named barrier ids 1 and 2 are the consumer warpgroups'
+  const int warp = static_cast<int>(threadIdx.x) / 32 - 1, lane = static_cast<int>(threadIdx.x) % 32;
+  auto copy_unit = [&](const CommTask& task) {
+    for (int r = warp; r < kUnitRows; r += kCopyWarps) {
+      const uint4* src;
+      uint4* dst;
+      unit_row_endpoints(p, task, r, src, dst);
+      if (src != nullptr)
+        device::copy_row_warp(src, dst, p.row_vectors, lane);
+      else if (task.kind == TaskKind::kDispatch)
+        device::zero_row_warp(dst, p.row_vectors, lane);
     }
-  }
-  // Why: the barrier arrive after this kernel publishes the pushes to peers; order them at system scope.
-  device::fence_acq_rel_sys();
+  };
+  communication_loop(p, smem.comm_slot_word, threadIdx.x == 32,
+                     [] { cutlass::arch::NamedBarrier::sync(32 * kCopyWarps, kBarrierId); }, copy_unit);
 }
 
 template <class T, class TDown, class Params>
@@ -338,7 +382,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_co
   typename T::Pipeline pipeline = gemm::start_pipeline<T>(smem.gemm, smem.tasks, role == ForwardRole::kConsumer);
   const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
   switch (role) {
-    case ForwardRole::kCommunication: run_communication<T>(p, smem); break;
+    case ForwardRole::kCommunication: run_communication_cta<T>(p, smem); break;
     case ForwardRole::kProducer: run_producer<T>(p, smem, pipeline, cta_rank); break;
     case ForwardRole::kConsumer: run_consumer<T, TDown>(p, smem, pipeline, cta_rank); break;
   }
