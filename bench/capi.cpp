@@ -61,7 +61,7 @@ int mok_bench_nccl_unique_id(void* out, char* error, int error_len) {
 
 // Collective over the ranks for ep_size > 1 (NCCL communicator from the unique id, symmetric windows).
 // fused: 1 for ForwardPath::kFused (comm_ctas, minibatch_rows and timeline_records as in FusedOptions;
-// comm_ctas -1 and minibatch_rows 0 keep the defaults), 0 for the unfused path.
+// minibatch_rows 0 keeps the default), 0 for the unfused path.
 void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, int device, int num_tokens, int top_k,
                              int num_experts, int hidden, int intermediate, int shared_expert, int fused,
                              int comm_ctas, int minibatch_rows, int timeline_records, char* error, int error_len) {

@@ -174,7 +174,7 @@ def baseline_forward(x, topk_idx, router_weights, expert_gate, expert_up, expert
     return (shared.float() + routed).bfloat16()
 
 
-def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, fused, comm_ctas=-1, minibatch=0,
+def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, fused, comm_ctas=0, minibatch=0,
                  timeline_records=0):
     """Collective: every rank calls it at the same time. Rank 0's NCCL unique id goes to the others."""
     uid = None
@@ -315,8 +315,8 @@ def main():
                         help="time only this one (for profilers)")
     parser.add_argument("--check-only", action="store_true", help="correctness check only, no timing")
     parser.add_argument("--breakdown", action="store_true", help="also print our GPU time per kernel (torch.profiler)")
-    parser.add_argument("--comm-ctas", type=int, default=-1,
-                        help="fused path: communication CTAs (0: the producer warps copy; -1: default)")
+    parser.add_argument("--comm-ctas", type=int, default=0,
+                        help="fused path: CTAs given to communication (default 0: the producer warps copy)")
     parser.add_argument("--minibatch", type=int, default=0, help="fused path: minibatch rows (0: default)")
     parser.add_argument("--timeline", default="", help="directory for the fused kernel's Chrome-trace timelines")
     args = parser.parse_args()

@@ -86,9 +86,10 @@ enum class ForwardPath : int32_t {
 
 // The megakernel's knobs. None of them changes a bit of the results (tests compare bitwise).
 struct FusedOptions {
-  int comm_ctas = -1;           // CTAs given to pulling and pushing rows (a multiple of the cluster size, 2
-                                // for the model shapes); 0: none, the three idle warps of every compute
-                                // CTA's producer warpgroup copy the rows; -1: the default (design.md)
+  int comm_ctas = 0;            // 0: every CTA computes and the three idle warps of each producer warpgroup
+                                // copy the rows (faster on every model shape, docs/perf_notes.md round 6);
+                                // > 0: this many CTAs only copy (a multiple of the cluster size, 2 for the
+                                // model shapes)
   int minibatch_rows = 4096;    // rows whose gate/up tiles are ordered before their down tiles; multiple of 128
   int64_t macrobatch_rows = 0;  // rows of the expert-side ring buffers (the context keeps the first
                                 // macrobatch); multiple of 128; 0: the schedule's capacity (no reuse)
@@ -194,7 +195,7 @@ class MoeWorkspace {
   int64_t capacity_rows() const { return schedule_.capacity_rows(); }
   int64_t padded_tokens() const { return padded_tokens_; }
   int64_t ring_rows() const { return ring_rows_; }
-  int comm_ctas() const { return comm_ctas_; }  // the fused path's, resolved
+  int comm_ctas() const { return comm_ctas_; }  // the fused path's dedicated communication CTAs
 
  private:
   struct RankState;
@@ -216,7 +217,7 @@ class MoeWorkspace {
   MoeOptions options_;
   int64_t padded_tokens_ = 0;   // T rounded up to the GEMM row tile
   int64_t ring_rows_ = 0;       // expert-side rows held at once (the fused path's macrobatch)
-  int comm_ctas_ = -1;
+  int comm_ctas_ = 0;
   int grid_ctas_ = 0;           // the megakernel's persistent grid (the same GPU model on every rank)
   ScheduleWorkspace schedule_;
   SymmetricAllocation x_;       // bf16 [padded T, H] per rank: the rows peers pull

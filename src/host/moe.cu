@@ -114,7 +114,7 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
   require(fused.minibatch_rows > 0 && fused.minibatch_rows % 128 == 0,
           "MoeOptions.fused.minibatch_rows must be a positive multiple of 128, got " +
               std::to_string(fused.minibatch_rows));
-  require(fused.comm_ctas >= -1, "MoeOptions.fused.comm_ctas must be >= 0, or -1 for the default");
+  require(fused.comm_ctas >= 0, "MoeOptions.fused.comm_ctas must be >= 0 (0: the producer warps copy)");
   require(fused.timeline_records >= 0, "MoeOptions.fused.timeline_records must be >= 0");
   ring_rows_ = fused.macrobatch_rows > 0 ? std::min<int64_t>(fused.macrobatch_rows, capacity_rows()) : capacity_rows();
   require(options_.path == ForwardPath::kFused || ring_rows_ == capacity_rows(),
@@ -134,8 +134,7 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     if (options_.path == ForwardPath::kFused) {  // also prepares the kernel on this device
       const int ctas = detail::fused_grid_ctas(shape_, s.device);
       grid_ctas_ = grid_ctas_ == 0 ? ctas : std::min(grid_ctas_, ctas);
-      if (comm_ctas_ < 0)
-        comm_ctas_ = fused.comm_ctas >= 0 ? fused.comm_ctas : detail::default_comm_ctas(shape_, s.device);
+      comm_ctas_ = fused.comm_ctas;
       const int cluster_n = detail::fused_cluster_n(shape_.hidden, shape_.intermediate);
       require(comm_ctas_ % cluster_n == 0 && comm_ctas_ <= grid_ctas_ - cluster_n,
               "MoeOptions.fused.comm_ctas must be a multiple of " + std::to_string(cluster_n) +

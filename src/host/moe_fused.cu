@@ -1,8 +1,6 @@
 // Host side of the forward megakernel: GEMM descriptors for the four GEMMs, counters, the persistent grid.
 #include "src/host/moe_fused.h"
 
-#include <algorithm>
-#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -124,19 +122,6 @@ int fused_cluster_n(int hidden, int intermediate) {
 
 int fused_grid_ctas(const MoeShape& shape, int device) {
   return fused_cluster_n(shape.hidden, shape.intermediate) == 2 ? grid_ctas<2>(device) : grid_ctas<1>(device);
-}
-
-int default_comm_ctas(const MoeShape& shape, int device) {
-  // Communication moves 4H bytes per routed row (in and out) against 6HI flops, so beyond a floor the CTAs
-  // it needs to keep ahead of compute scale as 1/I. Measured on H200 (132 SMs, EP=2, sweep of 6 / 8 / 12 /
-  // 16, docs/perf_notes.md round 6): best 8 at I = 2048 and 3072, 12 at I = 1024 (16 within 1 %); fewer
-  // than 8 starve the first gate/up tiles even where the bytes per flop are lowest. SMs / 16 and
-  // SMs * 96 / I give 8, 8, 12 and 8.
-  const int cluster_n = fused_cluster_n(shape.hidden, shape.intermediate);
-  int num_sms = 0;
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const int ctas = std::max(num_sms / 16, static_cast<int>(std::lround(double(num_sms) * 96 / shape.intermediate)));
-  return std::clamp(ctas / cluster_n * cluster_n, cluster_n, num_sms / 4 / cluster_n * cluster_n);
 }
 
 int64_t fused_counter_words(int64_t capacity_units, int64_t shared_units) { return 4 * capacity_units + shared_units; }
