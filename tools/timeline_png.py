@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Draws the fused forward's timeline (Chrome-trace JSON from MoeWorkspace::read_timeline / chrome_trace_json, e.g.
-bench/layer_bench.py --timeline DIR) as a PNG: one row per CTA, one bar per task, coloured by task kind; one panel
-per file (rank). Also prints, per file, the kernel's span and how busy each role's CTAs were.
+bench/layer_bench.py --timeline DIR) as a PNG: one row per CTA, its GEMM tiles in the upper half and its row copies
+in the lower half, one bar per task, coloured by task kind; one panel per file (rank). Also prints, per file, the
+kernel's span and, per role, how much of the span its CTAs spent in tasks (a copy task's span includes its wait for
+its rows: a combine waits for the down tiles).
 
 Usage: tools/timeline_png.py TIMELINE.json [MORE.json ...] -o timeline.png   (needs matplotlib)
 """
@@ -16,7 +18,7 @@ COMM = ("dispatch", "combine")
 
 def load(path):
     with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]  # tasks, not track names
     if not events:
         raise SystemExit(f"{path}: no task records")
     return events
@@ -30,13 +32,13 @@ def summary(path, events):
     lines = [f"{path}: {len(events)} tasks, span {span / 1e3:.3f} ms"]
     for role, names in (("communication", COMM), ("compute", tuple(n for n in COLOURS if n not in COMM))):
         mine = [e for e in events if e["name"] in names]
-        ctas = {e["tid"] for e in mine}
+        ctas = {e["args"]["cta"] for e in mine}
         if not ctas:
             continue
         busy = sum(e["dur"] for e in mine)
         first = min(e["ts"] for e in mine)
         last = max(e["ts"] + e["dur"] for e in mine)
-        lines.append(f"  {role:13s} {len(ctas):3d} CTAs, busy {100 * busy / (len(ctas) * span):5.1f}% of the span, "
+        lines.append(f"  {role:13s} {len(ctas):3d} CTAs, in tasks {100 * busy / (len(ctas) * span):5.1f}% of the span, "
                      f"first task at {(first - start) / 1e3:.3f} ms, last ends at {(last - start) / 1e3:.3f} ms")
     for name in COLOURS:
         mine = [e for e in events if e["name"] == name]
@@ -70,9 +72,10 @@ def main():
             mine = [e for e in events if e["name"] == name]
             by_cta = {}
             for e in mine:
-                by_cta.setdefault(e["tid"], []).append(((e["ts"] - start) / 1e3, e["dur"] / 1e3))
+                by_cta.setdefault(e["args"]["cta"], []).append(((e["ts"] - start) / 1e3, e["dur"] / 1e3))
+            low = 0.0 if name in COMM else -0.45  # copies in the lower half of the CTA's row, GEMM tiles above
             for cta, bars in by_cta.items():
-                ax.broken_barh(bars, (cta - 0.45, 0.9), facecolors=colour, linewidth=0)
+                ax.broken_barh(bars, (cta + low, 0.45), facecolors=colour, linewidth=0)
         ax.set_title(path.rsplit("/", 1)[-1])
         ax.set_xlabel("ms since the kernel's first task")
         ax.set_ylabel("CTA")

@@ -33,8 +33,9 @@ struct TaskRecord {
   uint64_t end_ns = 0;
 };
 
-// {"traceEvents": [...]}: one complete event per record, pid = rank, tid = CTA, microseconds from the
-// earliest start of `records`.
+// {"traceEvents": [...]}: one complete event per record, pid = rank, two tracks per CTA (tid 2 * CTA: its
+// GEMM tiles, 2 * CTA + 1: its row copies; named by metadata events), microseconds from the earliest start
+// of `records`. A copy task's span includes its wait for its rows (a combine waits for the down tiles).
 std::string chrome_trace_json(const std::vector<TaskRecord>& records, int rank);
 
 }  // namespace mok

@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "mok/timeline.h"
 #include "src/device/megakernel/forward_tasks.h"
 
 namespace mok::megakernel {
@@ -188,6 +189,30 @@ TEST(ForwardTasksTest, MacrobatchesAreWalkedLastToFirst) {
   EXPECT_LT(w.compute.back().row, 256);
   EXPECT_EQ(w.comm.front().unit, 8);  // the first unit of the last macrobatch
   check_case(c);
+}
+
+// The timeline's Chrome trace: every record one complete event on its CTA's GEMM or copy track, times in
+// microseconds from the first start, and a name for each track.
+TEST(ForwardTasksTest, ChromeTraceHasOneEventPerRecordOnItsTrack) {
+  const std::vector<TaskRecord> records = {
+      {.cta = 0, .sm = 3, .kind = TaskKind::kDispatch, .row = 64, .rows = 64, .start_ns = 1000, .end_ns = 4000},
+      {.cta = 1, .sm = 5, .kind = TaskKind::kExpertGateUp, .row = 128, .rows = 128, .n_block = 2, .expert = 7,
+       .start_ns = 2000, .end_ns = 9500},
+      {.cta = 1, .sm = 5, .kind = TaskKind::kCombine, .row = 64, .rows = 64, .start_ns = 3000, .end_ns = 3500}};
+  const std::string json = chrome_trace_json(records, 1);
+  auto count = [&](const std::string& needle) {
+    int n = 0;
+    for (size_t at = json.find(needle); at != std::string::npos; at = json.find(needle, at + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(count("\"ph\": \"X\""), 3);
+  EXPECT_EQ(count("\"ph\": \"M\""), 4);  // two tracks for each of CTAs 0 and 1
+  EXPECT_NE(json.find("{\"name\": \"dispatch\", \"ph\": \"X\", \"pid\": 1, \"tid\": 1, \"ts\": 0.000, \"dur\": 3.000"),
+            std::string::npos) << json;
+  EXPECT_NE(json.find("{\"name\": \"expert gate/up\", \"ph\": \"X\", \"pid\": 1, \"tid\": 2, \"ts\": 1.000, \"dur\": 7.500"),
+            std::string::npos) << json;
+  EXPECT_NE(json.find("\"tid\": 3, \"ts\": 2.000"), std::string::npos) << json;  // CTA 1's copies
+  EXPECT_NE(json.find("\"name\": \"CTA 1 copies\""), std::string::npos) << json;
 }
 
 }  // namespace
