@@ -1,6 +1,6 @@
 // Dispatch, pull direction, one row: a row of this rank's expert-major buffer reads its token's row from
-// the source rank's symmetric x buffer (the reader sits on the destination: DESIGN.md section 3 measured
-// pull and push alike on our NVLink; docs/design.md has the dispatch-only measurement).
+// the source rank's symmetric x buffer. The reader sits on the destination: the faster direction for
+// dispatch on our NVLink (bench/dispatch_bench, docs/perf_notes.md round 6).
 //
 //   dst[row, :] = x_src[token, :]   row_route[row] = (src, token, slot)
 //   dst[row, :] = 0                 padding rows (row_route = -1)

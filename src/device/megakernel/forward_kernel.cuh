@@ -9,15 +9,15 @@
 // x [padded T, H] (symmetric), expert_rows [ring, H], hidden [ring, I], y [ring, H] (rings of macrobatch rows,
 // row r at r % ring), shared_hidden [padded T, I], shared_out [padded T, H], combined [T * k, H] (symmetric).
 //
-// Roles. One CTA per SM in clusters of kClusterN; the first comm_ctas CTAs communicate, the rest compute.
-//   communication CTA    thread 0 takes tasks from the comm ticket (forward_tasks.h) and waits for their
-//                        inputs; lane 0 of each of the 12 warps bulk-copies rows through its shared-memory
-//                        slot (BulkRowCopier), 12 rows in flight per CTA.
-//   producer warpgroup   one thread: takes compute slots (TaskRing: the cluster shares each slot), waits for
-//                        the tile's input rows, issues the TMA loads (load_tile). With comm_ctas == 0 its
-//                        other three warps are the communication instead (warp copies, same task loop).
+// Roles. One CTA per SM in clusters of kClusterN, every one computing (the default, comm_ctas == 0):
+//   producer warpgroup   thread 0: takes compute slots (TaskRing: the cluster shares each slot), waits for the
+//                        tile's input rows, issues the TMA loads (load_tile). Warps 1-3: the communication,
+//                        taking dispatch and combine tasks from the comm ticket (forward_tasks.h) and copying
+//                        rows with warp copies (communication_loop).
 //   consumer warpgroups  wgmma + epilogue (compute_tile of the gate/up or the down GEMM), then count their
 //                        64 rows as done for this n-block.
+// With comm_ctas > 0 the first comm_ctas CTAs only communicate instead: lane 0 of each of their 12 warps
+// bulk-copies rows through a shared-memory slot (BulkRowCopier), 12 slots in flight per CTA.
 // Shared memory (ForwardSharedStorage): the expert GEMM's SharedStorage (gate/up and down traits share its
 // layout), or for communication CTAs 12 row slots of 16 KB in the same bytes; a ring of decoded tasks.
 // Sync: counters per 64-row unit in global memory, release-add / acquire-spin with timeouts reported through
