@@ -59,7 +59,7 @@ fi
 
 echo
 echo "== test output (tables) =="
-grep -hE "^[0-9]+: (shape|Kimi|GLM|Qwen|DeepSeek|overflow report|timeout report|full size|device peers|nccl|fused|rank [0-9]+: |reported|[a-z_]+_kernel )" "$out/ctest.log" | sed 's/^[0-9]*: //'
+grep -hE "^[0-9]+: (shape|Kimi|GLM|Qwen|DeepSeek|overflow report|timeout report|full size|device peers|nccl|fused|comm CTAs|reported|[a-z_]+_kernel )" "$out/ctest.log" | sed 's/^[0-9]*: //'
 echo
 echo "== summary, commit $commit =="
 printf "%-26s %8s %8s %8s\n" "test binary" "passed" "failed" "skipped"
