@@ -195,7 +195,7 @@ class MoeWorkspace {
   int64_t capacity_rows() const { return schedule_.capacity_rows(); }
   int64_t padded_tokens() const { return padded_tokens_; }
   int64_t ring_rows() const { return ring_rows_; }
-  int comm_ctas() const { return comm_ctas_; }  // the fused path's dedicated communication CTAs
+  int comm_ctas() const { return options_.fused.comm_ctas; }  // the fused path's dedicated communication CTAs
 
  private:
   struct RankState;
@@ -217,7 +217,6 @@ class MoeWorkspace {
   MoeOptions options_;
   int64_t padded_tokens_ = 0;   // T rounded up to the GEMM row tile
   int64_t ring_rows_ = 0;       // expert-side rows held at once (the fused path's macrobatch)
-  int comm_ctas_ = 0;
   int grid_ctas_ = 0;           // the megakernel's persistent grid (the same GPU model on every rank)
   ScheduleWorkspace schedule_;
   SymmetricAllocation x_;       // bf16 [padded T, H] per rank: the rows peers pull

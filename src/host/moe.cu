@@ -134,12 +134,11 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     if (options_.path == ForwardPath::kFused) {  // also prepares the kernel on this device
       const int ctas = detail::fused_grid_ctas(shape_, s.device);
       grid_ctas_ = grid_ctas_ == 0 ? ctas : std::min(grid_ctas_, ctas);
-      comm_ctas_ = fused.comm_ctas;
       const int cluster_n = detail::fused_cluster_n(shape_.hidden, shape_.intermediate);
-      require(comm_ctas_ % cluster_n == 0 && comm_ctas_ <= grid_ctas_ - cluster_n,
+      require(fused.comm_ctas % cluster_n == 0 && fused.comm_ctas <= grid_ctas_ - cluster_n,
               "MoeOptions.fused.comm_ctas must be a multiple of " + std::to_string(cluster_n) +
                   " (CTAs per cluster for this shape) leaving at least one compute cluster of the " +
-                  std::to_string(grid_ctas_) + " CTAs, got " + std::to_string(comm_ctas_));
+                  std::to_string(grid_ctas_) + " CTAs, got " + std::to_string(fused.comm_ctas));
     }
     const int64_t counter_words = detail::fused_counter_words(capacity_rows() / 64, padded_tokens_ / 64);
     const int64_t timeline_words =
@@ -264,12 +263,13 @@ std::vector<TaskRecord> MoeWorkspace::read_timeline(int rank, cudaStream_t strea
                                  "is 0, or the path is unfused)");
   DeviceGuard guard(s.device);
   const int capacity = options_.fused.timeline_records;
-  std::vector<uint64_t> words(detail::fused_timeline_words(grid_ctas_, capacity));
+  const int64_t cta_words = detail::fused_timeline_words(1, capacity);
+  std::vector<uint64_t> words(grid_ctas_ * cta_words);
   MOK_CHECK_CUDA(cudaMemcpyAsync(words.data(), s.timeline, words.size() * 8, cudaMemcpyDeviceToHost, stream));
   MOK_CHECK_CUDA(cudaStreamSynchronize(stream));
   std::vector<TaskRecord> records;
   for (int cta = 0; cta < grid_ctas_; ++cta) {
-    const uint64_t* base = words.data() + int64_t(cta) * (capacity + 1) * 4;
+    const uint64_t* base = words.data() + cta * cta_words;
     const int64_t count = std::min<int64_t>(static_cast<int64_t>(base[0]), capacity);
     for (int64_t i = 0; i < count; ++i) {
       const uint64_t* r = base + 4 + i * 4;  // layout: megakernel::Timeline
@@ -470,7 +470,7 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
                                 .shared_rows = shape_.shared_expert ? static_cast<int32_t>(padded_tokens_) : 0,
                                 .ring_rows = static_cast<int32_t>(ring_rows_),
                                 .minibatch_rows = options_.fused.minibatch_rows,
-                                .comm_ctas = comm_ctas_,
+                                .comm_ctas = options_.fused.comm_ctas,
                                 .grid_ctas = grid_ctas_,
                                 .x = x_.peers(f.rank),
                                 .combined = combined_.peers(f.rank),
