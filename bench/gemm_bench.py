@@ -21,11 +21,13 @@ import time
 
 import torch
 
-SHAPES = [  # name, experts, hidden, intermediate, top_k
-    ("Kimi-K2.7", 384, 7168, 2048, 8),
-    ("GLM-5.2", 256, 6144, 2048, 8),
-    ("Qwen3.5-397B", 512, 4096, 1024, 10),
-    ("DeepSeek-V4-Pro", 384, 7168, 3072, 6),
+SHAPES = [  # name, experts, hidden, intermediate, top_k, shared expert (of width intermediate); as reference/routing_gen.cpp
+    ("Kimi-K2.7", 384, 7168, 2048, 8, True),
+    ("GLM-5.2", 256, 6144, 2048, 8, True),
+    ("Qwen3.5-397B", 512, 4096, 1024, 10, True),
+    ("DeepSeek-V4-Pro", 384, 7168, 3072, 6, True),
+    ("gpt-oss-120b", 128, 2880, 2880, 4, False),  # H and I not multiples of the GEMM tiles
+    ("Qwen3-30B-A3B", 128, 2048, 768, 8, False),
 ]
 DEFAULT_TILE_M = 64  # mok::ScheduleOptions' default padding
 TORCH_GROUP_ALIGN = 16  # torchtitan pads each expert's rows for torch._grouped_mm
@@ -100,7 +102,7 @@ def main():
               f"{'ours/torch':>10s} {'ours/dense':>10s}")
     print(header + "   (TFLOP/s)")
     stream = torch.cuda.current_stream().cuda_stream
-    for name, num_experts, hidden, inter, top_k in SHAPES:
+    for name, num_experts, hidden, inter, top_k, _ in SHAPES:
         if args.shapes and name not in args.shapes.split(','):
             continue
         tile_m = args.tile_m

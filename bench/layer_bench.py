@@ -14,7 +14,8 @@ dense shared expert, weighted sum in fp32. At EP=1 no all-to-alls.
 Measured (DESIGN.md section 4): per shape, fused, unfused and the baseline take turns call by call after a
 warm-up (steady power state, see gemm_bench.time_ms); each call is timed with CUDA events on each rank, a call's
 time is the slowest rank's, reported: the median. Ours includes building its schedule. The dense ceiling (timed
-alone) is torch.mm [M,H]x[H,2I] then [M,I]x[I,H], M = T*(k+1). TFLOP/s per GPU = 6*(T + T*k)*H*I / time. Then one
+alone) is torch.mm [M,H]x[H,2I] then [M,I]x[I,H], M = T*(k+1) (T*k without a shared expert: gpt-oss-120b,
+Qwen3-30B-A3B). TFLOP/s per GPU = 6*(T + T*k)*H*I / time (6*T*k*H*I without a shared expert). Then one
 correctness check on the same inputs: ||fused - base||_F / ||base||_F (fp32, max over ranks), and fused == unfused
 bitwise on every rank; the exit status is 1 when a shape's error is above 2e-2 or NaN, or the paths differ.
 --timeline DIR also records the fused kernel's tasks and writes DIR/timeline_<shape>_ep<EP>_rank<r>.json
@@ -90,8 +91,8 @@ def time_ms(fns, iters, warmup_s=0.3):
     return [median(t) for t in slowest]
 
 
-def make_inputs(num_experts, hidden, inter, top_k, tokens, ep, rank, skew, seed):
-    """One rank's data, in mok_bench_layer_forward's argument order."""
+def make_inputs(num_experts, hidden, inter, top_k, shared, tokens, ep, rank, skew, seed):
+    """One rank's data, in mok_bench_layer_forward's argument order (no shared weights without a shared expert)."""
     gen = torch.Generator(device="cuda").manual_seed(seed + rank)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, hidden, generator=gen, **bf16)
@@ -107,8 +108,8 @@ def make_inputs(num_experts, hidden, inter, top_k, tokens, ep, rank, skew, seed)
 
     return dict(x=x, topk_idx=idx.to(torch.int32).contiguous(), router_weights=torch.softmax(chosen, dim=1).contiguous(),
                 expert_gate=weight(local, inter, hidden), expert_up=weight(local, inter, hidden),
-                expert_down=weight(local, hidden, inter), shared_gate=weight(inter, hidden),
-                shared_up=weight(inter, hidden), shared_down=weight(hidden, inter))
+                expert_down=weight(local, hidden, inter), shared_gate=weight(inter, hidden) if shared else None,
+                shared_up=weight(inter, hidden) if shared else None, shared_down=weight(hidden, inter) if shared else None)
 
 
 def permute_indices(counts, ep, local, rows, align=TORCH_GROUP_ALIGN):
@@ -169,12 +170,14 @@ def baseline_forward(x, topk_idx, router_weights, expert_gate, expert_up, expert
     y_routes = torch.empty_like(y_back)
     y_routes[order] = y_back
     # 6. shared expert, weighted sum
-    shared = torch.mm(F.silu(torch.mm(x, shared_gate.t())) * torch.mm(x, shared_up.t()), shared_down.t())
     routed = (y_routes.view(tokens, top_k, hidden).float() * router_weights[..., None]).sum(1)
+    if shared_gate is None:
+        return routed.bfloat16()
+    shared = torch.mm(F.silu(torch.mm(x, shared_gate.t())) * torch.mm(x, shared_up.t()), shared_down.t())
     return (shared.float() + routed).bfloat16()
 
 
-def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, fused, comm_ctas=0, minibatch=0,
+def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, shared, fused, comm_ctas=0, minibatch=0,
                  timeline_records=0):
     """Collective: every rank calls it at the same time. Rank 0's NCCL unique id goes to the others."""
     uid = None
@@ -187,14 +190,15 @@ def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, fused
         dist.broadcast(shared_id, src=0)
         uid = (ctypes.c_uint8 * 128)(*shared_id.tolist())
     layer = lib.mok_bench_layer_create(uid, ep, rank, torch.cuda.current_device(), tokens, top_k, num_experts, hidden,
-                                       inter, 1, int(fused), comm_ctas, minibatch, timeline_records, ERROR, len(ERROR))
+                                       inter, int(shared), int(fused), comm_ctas, minibatch, timeline_records, ERROR,
+                                       len(ERROR))
     if not layer:
         raise RuntimeError(ERROR.value.decode(errors="replace"))
     return layer
 
 
-def dense_ceiling(tokens, top_k, hidden, inter):
-    rows = tokens * (top_k + 1)
+def dense_ceiling(tokens, top_k, shared, hidden, inter):
+    rows = tokens * (top_k + int(shared))
     a1, b1 = (torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in ((rows, hidden), (hidden, 2 * inter)))
     a2, b2 = (torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in ((rows, inter), (inter, hidden)))
     c1 = torch.empty(rows, 2 * inter, device="cuda", dtype=torch.bfloat16)
@@ -224,19 +228,19 @@ def kernel_breakdown(fn, iters=5):
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
-def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k):
+def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shared):
     """Times and checks one shape, prints its row on rank 0; returns a failure text or None. Everything it allocates
     is freed on return."""
     tokens = args.tokens
-    inputs = make_inputs(num_experts, hidden, inter, top_k, tokens, ep, rank, args.skew, args.seed)
+    inputs = make_inputs(num_experts, hidden, inter, top_k, shared, tokens, ep, rank, args.skew, args.seed)
     outs = {path: torch.empty(tokens, hidden, device="cuda", dtype=torch.bfloat16) for path in ("fused", "unfused")}
     stream = torch.cuda.current_stream().cuda_stream
     layers = {}
     for path in ("fused", "unfused"):
         if args.only in ("", path):
-            layers[path] = create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, path == "fused",
+            layers[path] = create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, shared, path == "fused",
                                         args.comm_ctas, args.minibatch, 8192 if args.timeline and path == "fused" else 0)
-    pointers = [t.data_ptr() for t in inputs.values()]
+    pointers = [0 if t is None else t.data_ptr() for t in inputs.values()]
 
     def ours(path):
         return lambda: check(lib.mok_bench_layer_forward(layers[path], *pointers, outs[path].data_ptr(), stream, ERROR,
@@ -257,7 +261,7 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k):
             # Ours and the baseline in turns (all stream every expert weight); the dense ceiling alone, in its own
             # steady state (it draws less power and keeps a higher clock).
             times["fused"], times["unfused"], times["base"] = time_ms([ours("fused"), ours("unfused"), base], args.iters)
-            (times["dense"],) = time_ms([dense_ceiling(tokens, top_k, hidden, inter)], args.iters)
+            (times["dense"],) = time_ms([dense_ceiling(tokens, top_k, shared, hidden, inter)], args.iters)
         for path in layers:
             outs[path].fill_(float("nan"))  # a row ours does not write shows as NaN
             ours(path)()
@@ -278,7 +282,7 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k):
     for layer in layers.values():
         lib.mok_bench_layer_destroy(layer)
 
-    flops = 6.0 * (tokens + tokens * top_k) * hidden * inter
+    flops = 6.0 * (tokens * int(shared) + tokens * top_k) * hidden * inter  # the shared expert counts as a route
     tf = {k: flops / v / 1e9 for k, v in times.items() if v}
     t = times
 
@@ -344,11 +348,11 @@ def main():
               f"{'fused_TF':>9s} {'base_TF':>8s} {'dense_TF':>9s} {'fused/base':>11s} {'fused/dense':>12s} "
               f"{'unfused/base':>13s} {'relerr':>9s} {'bitwise':>8s}", flush=True)
     failed = []
-    for name, num_experts, hidden, inter, top_k in SHAPES:
+    for name, num_experts, hidden, inter, top_k, shared in SHAPES:
         if name not in wanted:
             continue
         assert num_experts % ep == 0, f"{name}: {num_experts} experts do not split over {ep} ranks"
-        failure = run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k)
+        failure = run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shared)
         torch.cuda.empty_cache()
         if failure:
             failed.append(failure)

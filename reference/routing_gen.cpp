@@ -54,8 +54,16 @@ const std::vector<ModelShape>& model_shapes() {
       {"GLM-5.2", 256, 6144, 2048, 8},
       {"Qwen3.5-397B", 512, 4096, 1024, 10},
       {"DeepSeek-V4-Pro", 384, 7168, 3072, 6},
+      {"gpt-oss-120b", 128, 2880, 2880, 4, false},  // H and I not multiples of the GEMM tiles
+      {"Qwen3-30B-A3B", 128, 2048, 768, 8, false},
   };
   return shapes;
+}
+
+const ModelShape& model_shape(const std::string& name) {
+  for (const ModelShape& m : model_shapes())
+    if (m.name == name) return m;
+  throw std::out_of_range("no model shape named " + name);
 }
 
 }  // namespace mok::reference

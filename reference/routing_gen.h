@@ -27,9 +27,13 @@ struct ModelShape {
   int hidden;
   int intermediate;
   int top_k;
+  bool shared_expert = true;  // one shared expert of width `intermediate`
 };
 
-// Kimi-K2.7, GLM-5.2, Qwen3.5-397B, DeepSeek-V4-Pro (one shared expert of width `intermediate` each).
+// DESIGN.md section 4's shapes, Kimi-K2.7, GLM-5.2, Qwen3.5-397B, DeepSeek-V4-Pro (one shared expert each),
+// then gpt-oss-120b (H = I = 2880: partial GEMM tiles) and Qwen3-30B-A3B, which have no shared expert.
 const std::vector<ModelShape>& model_shapes();
+// The shape of that name; throws std::out_of_range for an unknown one.
+const ModelShape& model_shape(const std::string& name);
 
 }  // namespace mok::reference

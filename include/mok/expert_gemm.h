@@ -23,7 +23,8 @@ struct ExpertGemmArgs {
   int k = 0;                    // multiple of 64
   const void* b = nullptr;      // bf16 weights, see above
   const void* b_up = nullptr;   // kSwiGLU with separate gate/up weights; nullptr: b is fused [E, 2n, k]
-  int n = 0;                    // output columns: kStore multiple of 256, kSwiGLU multiple of 128
+  int n = 0;                    // output columns, a multiple of 64; the last output tile (kStore 256 columns,
+                                // kSwiGLU 128) is partial when n is not a multiple of it
   int local_experts = 0;
   const int32_t* expert_counts = nullptr;       // from ScheduleView
   const int32_t* expert_row_offsets = nullptr;  // from ScheduleView; segments padded to tile_m

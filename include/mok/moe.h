@@ -68,8 +68,8 @@ struct MoeShape {
   int num_tokens = 0;    // T per rank (the same on every rank)
   int top_k = 0;
   int num_experts = 0;   // E, global; expert e lives on rank e / local_experts()
-  int hidden = 0;        // H: a multiple of 256 (the down GEMM's output tile)
-  int intermediate = 0;  // I: a multiple of 128 (the SwiGLU GEMM's output tile)
+  int hidden = 0;        // H: a multiple of 64 (fastest as a multiple of 256, the down GEMM's output tile)
+  int intermediate = 0;  // I: a multiple of 64 (fastest as a multiple of 128, the SwiGLU GEMM's output tile)
   bool shared_expert = true;
   float swiglu_limit = 0;  // > 0: clamped SwiGLU
 

@@ -21,6 +21,12 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // Output columns of one tile (256 accumulator columns; SwiGLU turns gate + up into half as many).
 int output_tile_columns(GemmEpilogue epilogue) { return epilogue == GemmEpilogue::kSwiGLU ? 128 : 256; }
 
+// Output tiles along n; the last one is partial when n is not a multiple of the tile.
+int output_tiles(GemmEpilogue epilogue, int n) {
+  const int columns = output_tile_columns(epilogue);
+  return (n + columns - 1) / columns;
+}
+
 template <class Traits>
 void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   using T = Traits;
@@ -68,14 +74,13 @@ void validate(const ExpertGemmArgs& args) {
   require(args.b_up == nullptr || (swiglu && aligned16(args.b_up)), "b_up is only for kSwiGLU and must be 16-byte aligned");
   require(args.out != nullptr && aligned16(args.out), "out must be a non-null, 16-byte aligned bf16 buffer");
   require(args.k > 0 && args.k % 64 == 0, "k must be a positive multiple of 64, got " + std::to_string(args.k));
-  const int n_multiple = output_tile_columns(args.epilogue);  // whole output tiles
-  require(args.n > 0 && args.n % n_multiple == 0,
-          "n must be a positive multiple of " + std::to_string(n_multiple) + ", got " + std::to_string(args.n));
+  // Whole 64-column store boxes; the last output tile may be partial.
+  require(args.n > 0 && args.n % 64 == 0, "n must be a positive multiple of 64, got " + std::to_string(args.n));
   require(args.cluster_n == 0 || args.cluster_n == 1 || args.cluster_n == 2,
           "cluster_n must be 0 (choose), 1 or 2, got " + std::to_string(args.cluster_n));
-  require(args.cluster_n != 2 || args.n % (2 * n_multiple) == 0,
-          "cluster_n = 2 pairs output tiles: n must be a multiple of " + std::to_string(2 * n_multiple) + ", got " +
-              std::to_string(args.n));
+  require(args.cluster_n != 2 || output_tiles(args.epilogue, args.n) % 2 == 0,
+          "cluster_n = 2 pairs output tiles: n = " + std::to_string(args.n) + " gives an odd number of " +
+              std::to_string(output_tile_columns(args.epilogue)) + "-column tiles");
   require(args.local_experts > 0, "local_experts must be positive");
   require(args.tile_m == 64 || args.tile_m == 128, "tile_m must be 64 or 128, got " + std::to_string(args.tile_m));
   require(args.a_rows > 0 && args.a_rows % args.tile_m == 0, "a_rows must be a positive multiple of tile_m");
@@ -104,7 +109,7 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
 
 int choose_cluster_n(GemmEpilogue epilogue, int n) {
   // Pairs of CTAs sharing A need an even number of output tiles.
-  return n % (2 * output_tile_columns(epilogue)) == 0 ? 2 : 1;
+  return output_tiles(epilogue, n) % 2 == 0 ? 2 : 1;
 }
 
 }  // namespace mok

@@ -47,11 +47,10 @@ std::string TensorRef::describe() const {
 
 void MoeShape::validate() const {
   routing().validate();
-  require(hidden > 0 && hidden % 256 == 0,
-          "MoeShape.hidden must be a positive multiple of 256 (the down GEMM's output tile), got " + std::to_string(hidden));
-  require(intermediate > 0 && intermediate % 128 == 0,
-          "MoeShape.intermediate must be a positive multiple of 128 (the SwiGLU GEMM's output tile), got " +
-              std::to_string(intermediate));
+  // Multiples of 64: the GEMMs' K step and output store box (their last output tile may be partial).
+  require(hidden > 0 && hidden % 64 == 0, "MoeShape.hidden must be a positive multiple of 64, got " + std::to_string(hidden));
+  require(intermediate > 0 && intermediate % 64 == 0,
+          "MoeShape.intermediate must be a positive multiple of 64, got " + std::to_string(intermediate));
   require(swiglu_limit >= 0, "MoeShape.swiglu_limit must be >= 0 (0: plain SwiGLU)");
 }
 

@@ -385,6 +385,76 @@ TEST(ExpertGemmTest, ModelShapesAtEp2RowCounts) {
   }
 }
 
+// n and k multiples of 64 but not of the tiles (gpt-oss: H = I = 2880): the last n-block is partial. Its B
+// rows run into the next expert's (or past the last expert: TMA zero fill), its columns past n must not be
+// stored. Integer inputs: the store is bitwise against the CPU, SwiGLU within its budget; every column of
+// every row is checked (outputs poisoned), fused and separate gate/up weights, single CTAs and pairs.
+TEST(ExpertGemmTest, PartialOutputTilesForMultiplesOf64) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> expert_counts = {65, 0, 130, 1};
+  const int num_experts = static_cast<int>(expert_counts.size());
+  const int k = 192;  // three K blocks: not a multiple of 128 either
+  for (int n : {64, 320, 448, 2880}) {
+    const uint64_t seed = 40 + n;
+    GemmFixture fx(expert_counts, 64, 64);
+    const auto a = hashed_bf16(size_t(fx.a_rows) * k, seed, -2, 2);
+    const auto w = hashed_bf16(size_t(num_experts) * 2 * n * k, seed + 1, -1, 1);  // store: first E*n rows
+    DeviceArray<uint16_t> d_a(a), d_w(w), d_out(size_t(fx.a_rows) * n);
+    const std::vector<uint16_t> poison(d_out.count, kPoison);
+    // Store: every cluster size the tile count allows, bitwise equal to the CPU.
+    for (int cluster_n : {1, 2}) {
+      if (cluster_n == 2 && choose_cluster_n(GemmEpilogue::kStore, n) != 2) continue;
+      d_out.upload(poison);
+      ExpertGemmArgs args = fx.args(GemmEpilogue::kStore, d_a.ptr, k, d_w.ptr, n, d_out.ptr);
+      args.cluster_n = cluster_n;
+      expert_gemm(args, nullptr);
+      MOK_CHECK_CUDA(cudaDeviceSynchronize());
+      const auto out = d_out.download();
+      ASSERT_EQ(check_layout(out, fx.seg, fx.a_rows, n), "") << "store n " << n << " cluster " << cluster_n;
+      for (int64_t row = 0; row < fx.seg.rows; ++row) {
+        if (!fx.seg.is_real(row)) continue;
+        const int e = fx.seg.expert_of(row);
+        for (int c = 0; c < n; ++c) {
+          const float want = static_cast<float>(cpu_dot(a, row, w, int64_t(e) * n + c, k));
+          ASSERT_EQ(out[row * n + c], to_bf16_bits(want))
+              << where("store", row, c, from_bf16_bits(out[row * n + c]), want) << " n " << n << " cluster "
+              << cluster_n << " seed " << seed;
+        }
+      }
+    }
+    // SwiGLU with fused weights [E, 2n, k] and with separate ones (gate = the first E*n rows, up = the rest).
+    DeviceArray<uint16_t> d_up(std::vector<uint16_t>(w.begin() + size_t(num_experts) * n * k, w.end()));
+    for (bool fused : {true, false}) {
+      for (int cluster_n : {1, 2}) {
+        if (cluster_n == 2 && choose_cluster_n(GemmEpilogue::kSwiGLU, n) != 2) continue;
+        d_out.upload(poison);
+        ExpertGemmArgs args = fx.args(GemmEpilogue::kSwiGLU, d_a.ptr, k, d_w.ptr, n, d_out.ptr);
+        if (!fused) args.b_up = d_up.ptr;
+        args.cluster_n = cluster_n;
+        expert_gemm(args, nullptr);
+        MOK_CHECK_CUDA(cudaDeviceSynchronize());
+        const auto out = d_out.download();
+        ASSERT_EQ(check_layout(out, fx.seg, fx.a_rows, n), "") << "swiglu n " << n << " fused " << fused;
+        for (int64_t row = 0; row < fx.seg.rows; ++row) {
+          if (!fx.seg.is_real(row)) continue;
+          const int e = fx.seg.expert_of(row);
+          for (int c = 0; c < n; ++c) {
+            const int64_t gate_row = fused ? int64_t(e) * 2 * n + c : int64_t(e) * n + c;
+            const int64_t up_row = fused ? gate_row + n : int64_t(num_experts) * n + gate_row;
+            const double g = cpu_dot(a, row, w, gate_row, k), u = cpu_dot(a, row, w, up_row, k);
+            const double want = g / (1 + std::exp(-g)) * u;
+            const float value = from_bf16_bits(out[row * n + c]);
+            ASSERT_FALSE(std::isnan(value)) << where("swiglu NaN", row, c, value, want);
+            ASSERT_LE(std::abs(value - want), std::abs(want) / 128 + 1e-3)
+                << where("swiglu", row, c, value, want) << " n " << n << " fused " << fused << " cluster "
+                << cluster_n << " seed " << seed;
+          }
+        }
+      }
+    }
+  }
+}
+
 // After a capacity overflow the schedule reports 0 scheduled rows (its row offsets are then past the
 // buffer): the GEMM must not touch the output.
 TEST(ExpertGemmTest, OverflowedScheduleWritesNothing) {
@@ -411,6 +481,9 @@ TEST(ExpertGemmTest, ClusterHeuristic) {
   EXPECT_EQ(choose_cluster_n(GemmEpilogue::kStore, 768), 1);  // three tiles of 256 do not pair
   EXPECT_EQ(choose_cluster_n(GemmEpilogue::kSwiGLU, 256), 2);
   EXPECT_EQ(choose_cluster_n(GemmEpilogue::kSwiGLU, 384), 1);
+  EXPECT_EQ(choose_cluster_n(GemmEpilogue::kStore, 2880), 2);   // 12 tiles, the last one partial
+  EXPECT_EQ(choose_cluster_n(GemmEpilogue::kSwiGLU, 2880), 1);  // 23 tiles
+  EXPECT_EQ(choose_cluster_n(GemmEpilogue::kStore, 320), 2);
 }
 
 TEST(ExpertGemmTest, ValidationNamesTheArgument) {
@@ -425,7 +498,7 @@ TEST(ExpertGemmTest, ValidationNamesTheArgument) {
   args.k = 100;
   EXPECT_NE(message().find("k must be"), std::string::npos);
   args.k = 128;
-  args.n = 200;
+  args.n = 200;  // not a multiple of 64
   EXPECT_NE(message().find("n must be"), std::string::npos);
   args.n = 256;
   args.cluster_n = 3;

@@ -33,8 +33,10 @@ using testing::moe_shape;
 
 // The four model shapes with experts / 8, hidden 512 and intermediate scaled like the model's I / H.
 MoeShape scaled_model_shape(const reference::ModelShape& m, int ep, int tokens) {
-  const int intermediate = m.intermediate * 512 / m.hidden >= 256 ? 256 : 128;
-  return moe_shape(ep, tokens, m.top_k, m.num_experts / 8, 512, intermediate);
+  // A model whose H or I is not a multiple of the GEMM tiles (gpt-oss: 2880) keeps a partial last n-block.
+  const int hidden = m.hidden % 256 == 0 ? 512 : 576;
+  const int intermediate = m.intermediate % 128 != 0 ? 192 : m.intermediate * 512 / m.hidden >= 256 ? 256 : 128;
+  return moe_shape(ep, tokens, m.top_k, m.num_experts / 8, hidden, intermediate, m.shared_expert);
 }
 
 // GPU output of every rank against the CPU reference; returns the worst budget ratio.
@@ -322,7 +324,7 @@ TEST(MoeForwardTest, FullSizeShapesAgainstFp32Check) {
   MOK_REQUIRE_GPUS(1);
   std::printf("full size: shape            rank  sampled  worst error / budget\n");
   for (const auto& m : reference::model_shapes()) {
-    const MoeShape shape = moe_shape(2, 8192, m.top_k, m.num_experts, m.hidden, m.intermediate);
+    const MoeShape shape = moe_shape(2, 8192, m.top_k, m.num_experts, m.hidden, m.intermediate, m.shared_expert);
     MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
     // x in [-2, 2] / 2, weights in [-2, 2] / 64: the hidden and output values stay of order one.
     harness.fill_hashed(71, 2, 1.f / 64, 0.5f);

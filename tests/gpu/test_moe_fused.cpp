@@ -79,6 +79,8 @@ TEST(MoeFusedTest, BitwiseEqualToUnfusedAcrossCommMinibatchAndMacrobatch) {
       {moe_shape(2, 300, 8, 48, 512, 256), 1.0},  // CTA pairs (cluster 2), skewed
       {clamped, 0.0},
       {no_shared, 0.5},
+      // H and I multiples of 64 only: both GEMMs end in a partial n-block (2 of each: CTA pairs)
+      {moe_shape(2, 257, 4, 16, 448, 192), 0.5},
   };
   std::vector<FusedOptions> settings;
   for (int comm : {0, 2, 12, 40})

@@ -140,7 +140,7 @@ TEST(MoeMultiGpuTest, NcclAcrossProcesses) {
 // The fused path on two GPUs through NCCL windows against the unfused path on virtual ranks, full size.
 TEST(MoeMultiGpuTest, FullSizeDeepSeekFusedMatchesUnfusedVirtualRanksBitwise) {
   MOK_REQUIRE_GPUS(2);
-  const auto& m = reference::model_shapes().back();  // DeepSeek-V4-Pro: the largest weights
+  const auto& m = reference::model_shape("DeepSeek-V4-Pro");  // the largest weights
   const MoeShape shape = make_shape(8192, m.top_k, m.num_experts, m.hidden, m.intermediate);
   const auto topk = reference::random_topk_per_rank(2, shape.num_tokens, m.top_k, m.num_experts, 0, 130);
   std::vector<std::vector<float>> weights;

@@ -229,11 +229,14 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
   Tensor s_a_shares = flat_divide(s_a, Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{});  // (RA, BK, C, 1, S)
   Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.buffer_row) + cta_rank * T::kCtaRowsA, _0{}), m_a),
                           Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, make_coord(0, _));
+  // B rows by offset, not by tile index: an expert's rows (n, or 2n fused) need not be a multiple of the
+  // half tile. A last, partial n-block reads rows of the next expert (or of the up half) into columns no
+  // epilogue stores, and the TMA fills rows past the last expert with zeros.
   const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
-  Tensor g_b0 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
-                           make_coord((b_base + p.b_half_offset0) / T::kHalfN, _));
-  Tensor g_b1 = local_tile(m_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{},
-                           make_coord((b_base + p.b_half_offset1) / T::kHalfN, _));
+  Tensor g_b0 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset0, _0{}), m_b),
+                           Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
+  Tensor g_b1 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset1, _0{}), m_b),
+                           Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
   auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{},
                                       group_modes<0, 2>(s_a_shares(_, _, cta_rank, 0, _)), group_modes<0, 2>(g_a));
   constexpr uint16_t kAllCtas = (1u << T::kClusterN) - 1;
@@ -425,6 +428,9 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
       const int box_col = (task.n_block * T::kOutCols + pass_begin) / T::kBoxCols;
       CUTE_UNROLL
       for (int box = 0; box < T::kBoxesPerPass; ++box) {
+        // A partial last n-block (out_cols a multiple of 64, not of the tile): its boxes past out_cols hold
+        // columns of no output; skip them (the TMA would clip them anyway).
+        if ((box_col + box) * T::kBoxCols >= p.out_cols) break;
         Tensor s_box = make_tensor(make_smem_ptr(smem.staging[warpgroup][box]), typename T::SmemLayoutOutBox{});
         Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, box_col + box));
         auto [t_g, t_s] = tma_partition(p.tma_out, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
