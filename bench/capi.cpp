@@ -61,10 +61,13 @@ int mok_bench_nccl_unique_id(void* out, char* error, int error_len) {
 
 // Collective over the ranks for ep_size > 1 (NCCL communicator from the unique id, symmetric windows).
 // fused: 1 for ForwardPath::kFused (comm_ctas, minibatch_rows and timeline_records as in FusedOptions;
-// minibatch_rows 0 keeps the default), 0 for the unfused path.
-void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, int device, int num_tokens, int top_k,
-                             int num_experts, int hidden, int intermediate, int shared_expert, int fused,
-                             int comm_ctas, int minibatch_rows, int timeline_records, char* error, int error_len) {
+// minibatch_rows 0 keeps the default), 0 for the unfused path. capacity_rows and wait_timeout_s as in
+// ScheduleOptions (0 keeps the default).
+void* mok_bench_layer_create_with_schedule(const void* nccl_unique_id, int ep_size, int rank, int device,
+                                           int num_tokens, int top_k, int num_experts, int hidden, int intermediate,
+                                           int shared_expert, int fused, int comm_ctas, int minibatch_rows,
+                                           int timeline_records, int64_t capacity_rows, double wait_timeout_s,
+                                           char* error, int error_len) {
   try {
     auto layer = std::make_unique<BenchLayer>();
     layer->rank = rank;
@@ -91,6 +94,8 @@ void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, 
     options.fused.comm_ctas = comm_ctas;
     if (minibatch_rows > 0) options.fused.minibatch_rows = minibatch_rows;
     options.fused.timeline_records = timeline_records;
+    options.schedule.capacity_rows = capacity_rows;
+    if (wait_timeout_s > 0) options.schedule.wait_timeout_s = wait_timeout_s;
     layer->workspace = std::make_unique<mok::MoeWorkspace>(*layer->group, shape, options);
     layer->context = layer->workspace->make_context(rank);
     return layer.release();
@@ -100,12 +105,23 @@ void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, 
   }
 }
 
-// Asynchronous on `stream`; topk_idx int32.
-int mok_bench_layer_forward(void* handle, const void* x, const void* topk_idx, const float* router_weights,
-                            const void* expert_gate, const void* expert_up, const void* expert_down,
-                            const void* shared_gate, const void* shared_up, const void* shared_down, void* out,
-                            void* stream, char* error, int error_len) {
+// mok_bench_layer_create_with_schedule with the default capacity and spin-wait timeout.
+void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, int device, int num_tokens, int top_k,
+                             int num_experts, int hidden, int intermediate, int shared_expert, int fused,
+                             int comm_ctas, int minibatch_rows, int timeline_records, char* error, int error_len) {
+  return mok_bench_layer_create_with_schedule(nccl_unique_id, ep_size, rank, device, num_tokens, top_k, num_experts,
+                                              hidden, intermediate, shared_expert, fused, comm_ctas, minibatch_rows,
+                                              timeline_records, 0, 0, error, error_len);
+}
+
+// Asynchronous on `stream`; topk_dtype: 0 for int32 ids, 1 for int64 ids.
+int mok_bench_layer_forward_ids(void* handle, const void* x, const void* topk_idx, int topk_dtype,
+                                const float* router_weights, const void* expert_gate, const void* expert_up,
+                                const void* expert_down, const void* shared_gate, const void* shared_up,
+                                const void* shared_down, void* out, void* stream, char* error, int error_len) {
   try {
+    if (topk_dtype != 0 && topk_dtype != 1)
+      throw std::invalid_argument("topk_dtype: must be 0 (int32) or 1 (int64), got " + std::to_string(topk_dtype));
     auto* layer = static_cast<BenchLayer*>(handle);
     const mok::MoeShape& s = layer->workspace->shape();
     const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden, i = s.intermediate, e = s.local_experts();
@@ -123,13 +139,33 @@ int mok_bench_layer_forward(void* handle, const void* x, const void* topk_idx, c
     mok::RankForward f;
     f.rank = layer->rank;
     f.x = TensorRef(x, DType::kBFloat16, {t, h});
-    f.topk_idx = TensorRef(topk_idx, DType::kInt32, {t, k});
+    f.topk_idx = TensorRef(topk_idx, topk_dtype == 1 ? DType::kInt64 : DType::kInt32, {t, k});
     f.router_weights = TensorRef(router_weights, DType::kFloat32, {t, k});
     f.weights = &w;
     f.out = TensorRef(out, DType::kBFloat16, {t, h});
     f.context = &layer->context;
     f.stream = static_cast<cudaStream_t>(stream);
     layer->workspace->forward({&f, 1});
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+// Asynchronous on `stream`; topk_idx int32.
+int mok_bench_layer_forward(void* handle, const void* x, const void* topk_idx, const float* router_weights,
+                            const void* expert_gate, const void* expert_up, const void* expert_down,
+                            const void* shared_gate, const void* shared_up, const void* shared_down, void* out,
+                            void* stream, char* error, int error_len) {
+  return mok_bench_layer_forward_ids(handle, x, topk_idx, 0, router_weights, expert_gate, expert_up, expert_down,
+                                     shared_gate, shared_up, shared_down, out, stream, error, error_len);
+}
+
+// Clears the layer's status word (it stays set until this call). Asynchronous on `stream`.
+int mok_bench_layer_reset_status(void* handle, void* stream, char* error, int error_len) {
+  try {
+    auto* layer = static_cast<BenchLayer*>(handle);
+    layer->workspace->reset_status(layer->rank, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {
     return report(e, error, error_len);

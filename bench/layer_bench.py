@@ -51,8 +51,11 @@ def load(lib_path):
     signatures = {  # name: (argument types, result type)
         "mok_bench_nccl_unique_id": ([p, s, i32], i32),
         "mok_bench_layer_create": ([p] + [i32] * 13 + [s, i32], p),
+        "mok_bench_layer_create_with_schedule": ([p] + [i32] * 13 + [ctypes.c_int64, ctypes.c_double, s, i32], p),
         "mok_bench_layer_forward": ([p] * 12 + [s, i32], i32),
+        "mok_bench_layer_forward_ids": ([p, p, p, i32] + [p] * 9 + [s, i32], i32),
         "mok_bench_layer_check_status": ([p, p, s, i32], i32),
+        "mok_bench_layer_reset_status": ([p, p, s, i32], i32),
         "mok_bench_layer_write_timeline": ([p, p, s, s, i32], i32),
         "mok_bench_layer_comm_ctas": ([p], i32),
         "mok_bench_layer_destroy": ([p], None),

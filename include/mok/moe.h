@@ -186,6 +186,8 @@ class MoeWorkspace {
   // timeouts. After an error, `out` is unspecified (no memory outside the buffers is touched).
   // Synchronizes `stream`.
   StatusReport read_status(int rank, cudaStream_t stream) const;
+  // Clears the rank's status word (the word is sticky: errors stay until this call). Asynchronous on `stream`.
+  void reset_status(int rank, cudaStream_t stream);
   // The task records of the rank's last fused forward (MoeOptions::fused.timeline_records > 0), in CTA
   // order. Synchronizes `stream`.
   std::vector<TaskRecord> read_timeline(int rank, cudaStream_t stream) const;

@@ -257,6 +257,18 @@ StatusReport MoeWorkspace::read_status(int rank, cudaStream_t stream) const {
   return schedule_.read_status(rank, stream);
 }
 
+namespace {
+__global__ void reset_status_stub_kernel(DeviceStatus* status, DeviceStatus initial) { *status = initial; }
+}  // namespace
+
+// TEMP stub: the sticky status word and the real reset_status come from another branch.
+void MoeWorkspace::reset_status(int rank, cudaStream_t stream) {
+  const RankState& s = state(rank);
+  DeviceGuard guard(s.device);
+  reset_status_stub_kernel<<<1, 1, 0, stream>>>(schedule_.device_status(rank), initial_device_status());
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
 std::vector<TaskRecord> MoeWorkspace::read_timeline(int rank, cudaStream_t stream) const {
   const RankState& s = state(rank);
   require(s.timeline != nullptr, "read_timeline: the workspace records no timeline (MoeOptions.fused.timeline_records "

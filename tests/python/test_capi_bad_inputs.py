@@ -1,0 +1,361 @@
+#!/usr/bin/env python3
+"""The bad-input matrix (docs/bad_inputs.md) through bench/capi.cpp's C entry points, in a process that imported
+torch FIRST: the regression test for the crash of issue 13 (a forward with one out-of-range expert id returned 0,
+and the next mok_bench_layer_check_status crashed the process while formatting the message). It takes every error
+path of every C entry point the matrix reaches, and after each bad call runs a good call on the same layer whose
+output must equal a fresh layer's output bitwise (outputs are filled with a NaN before every run).
+A crash (signal) fails the CTest; exit 0: every row as documented, 1: a row differs, 77: skipped (no torch, no
+CUDA, no Hopper GPU).
+Usage: python3 tests/python/test_capi_bad_inputs.py build/bench/libmok_bench_capi.so
+"""
+import sys
+
+try:
+    import torch  # first, before the library: the configuration that crashed
+except ImportError as e:
+    print(f"SKIP: torch is not importable ({e})")
+    sys.exit(77)
+import ctypes  # noqa: E402
+import math  # noqa: E402
+
+E, H, I, K, T = 16, 256, 128, 4, 100
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+ERROR = ctypes.create_string_buffer(2048)
+ROWS = []  # (case, path, expected, observed, next call, passed)
+
+
+def load(path):
+    lib = ctypes.CDLL(path)
+    p, i32, s = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
+    signatures = {
+        "mok_bench_layer_create_with_schedule": ([p] + [i32] * 13 + [ctypes.c_int64, ctypes.c_double, s, i32], p),
+        "mok_bench_layer_forward": ([p] * 12 + [s, i32], i32),
+        "mok_bench_layer_forward_ids": ([p, p, p, i32] + [p] * 9 + [s, i32], i32),
+        "mok_bench_layer_check_status": ([p, p, s, i32], i32),
+        "mok_bench_layer_reset_status": ([p, p, s, i32], i32),
+        "mok_bench_layer_write_timeline": ([p, p, s, s, i32], i32),
+        "mok_bench_layer_destroy": ([p], None),
+        "mok_bench_expert_gemm": ([i32, p, ctypes.c_int64, i32, p, p, i32, i32, p, p, p, i32, p, ctypes.c_float, p,
+                                   i32, p, p, p, s, i32], i32),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def message():
+    return ERROR.value.decode(errors="replace")
+
+
+class Layer:
+    """One layer (EP=1) and its stream; every call goes through the C entry points."""
+
+    def __init__(self, lib, fused, tokens=T, capacity_rows=0):
+        self.lib, self.tokens = lib, tokens
+        self.handle = lib.mok_bench_layer_create_with_schedule(None, 1, 0, torch.cuda.current_device(), tokens, K, E,
+                                                               H, I, 1, int(fused), 0, 0, 0, capacity_rows, 0.0,
+                                                               ERROR, len(ERROR))
+        if not self.handle:
+            raise RuntimeError("mok_bench_layer_create_with_schedule: " + message())
+        self.stream = torch.cuda.current_stream().cuda_stream
+
+    def forward(self, d, out, x=None, topk=None, rw=None, gate=None):
+        """rc and message of one forward; pointer arguments may be replaced by raw addresses."""
+        ptr = lambda t, override: override if override is not None else t.data_ptr()  # noqa: E731
+        topk_dtype = 1 if d["topk_idx"].dtype == torch.int64 else 0
+        rc = self.lib.mok_bench_layer_forward_ids(
+            self.handle, ptr(d["x"], x), ptr(d["topk_idx"], topk), topk_dtype, ptr(d["router_weights"], rw),
+            ptr(d["expert_gate"], gate), d["expert_up"].data_ptr(), d["expert_down"].data_ptr(),
+            d["shared_gate"].data_ptr(), d["shared_up"].data_ptr(), d["shared_down"].data_ptr(), out.data_ptr(),
+            self.stream, ERROR, len(ERROR))
+        return rc, message() if rc else ""
+
+    def status(self):
+        rc = self.lib.mok_bench_layer_check_status(self.handle, self.stream, ERROR, len(ERROR))
+        return rc, message() if rc else ""
+
+    def reset(self):
+        if self.lib.mok_bench_layer_reset_status(self.handle, self.stream, ERROR, len(ERROR)) != 0:
+            raise RuntimeError("mok_bench_layer_reset_status: " + message())
+
+    def run(self, d):
+        """A good call: poisoned output, forward, status; returns the output or raises."""
+        out = poisoned(self.tokens)
+        rc, text = self.forward(d, out)
+        if rc:
+            raise RuntimeError("forward: " + text)
+        rc, text = self.status()
+        if rc:
+            raise RuntimeError("status: " + text)
+        torch.cuda.synchronize()
+        return out
+
+    def close(self):
+        self.lib.mok_bench_layer_destroy(self.handle)
+
+
+def poisoned(tokens):
+    return torch.full((tokens, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+def make_inputs(tokens, seed, masked=0.05):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+
+    def weight(*shape):
+        return (torch.randn(*shape, generator=g, **bf16) * shape[-1] ** -0.5).contiguous()
+
+    logits = torch.randn(tokens, E, device="cuda", generator=g)
+    chosen, idx = logits.topk(K, dim=1)
+    idx = idx.to(torch.int32)
+    idx[torch.rand(tokens, K, device="cuda", generator=g) < masked] = -1
+    return dict(x=torch.randn(tokens, H, generator=g, **bf16), topk_idx=idx.contiguous(),
+                router_weights=torch.softmax(chosen, dim=1).contiguous(), expert_gate=weight(E, I, H),
+                expert_up=weight(E, I, H), expert_down=weight(E, H, I), shared_gate=weight(I, H),
+                shared_up=weight(I, H), shared_down=weight(H, I))
+
+
+def reference(d):
+    """fp32 layer from the bf16 values; ids outside [0, E) contribute nothing."""
+    x = d["x"].float()
+
+    def mlp(v, gate, up, down):
+        return (torch.nn.functional.silu(v @ gate.float().T) * (v @ up.float().T)) @ down.float().T
+
+    out = mlp(x, d["shared_gate"], d["shared_up"], d["shared_down"])
+    idx = d["topk_idx"].long()
+    for e in range(E):
+        for j in range(K):
+            rows = (idx[:, j] == e).nonzero().flatten()
+            if rows.numel():
+                y = mlp(x[rows], d["expert_gate"][e], d["expert_up"][e], d["expert_down"][e])
+                out[rows] += d["router_weights"][rows, j:j + 1] * y
+    return out
+
+
+def relative_error(got, want):
+    return ((got.float() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def bitwise_equal(a, b):
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def record(case, path, expected, ok, observed, next_call):
+    ROWS.append((case, path, expected, observed, next_call, ok and next_call.startswith("bitwise ==")
+                 or ok and next_call == "-"))
+
+
+class Matrix:
+    """The rows the C API can express, on one layer per path (EP=1: T=100, k=4, E=16, H=256, I=128)."""
+
+    def __init__(self, lib, fused):
+        self.lib, self.fused, self.path = lib, fused, "fused" if fused else "unfused"
+        self.good = make_inputs(T, 7)
+        self.fresh = self.fresh_output(self.good)
+        self.layer = Layer(lib, fused)
+
+    def fresh_output(self, d, **kwargs):
+        layer = Layer(self.lib, self.fused, tokens=d["x"].shape[0], **kwargs)
+        try:
+            return layer.run(d)
+        finally:
+            layer.close()
+
+    def next_call(self, layer=None, d=None, fresh=None):
+        layer, d, fresh = layer or self.layer, d or self.good, self.fresh if fresh is None else fresh
+        try:
+            out = layer.run(d)
+        except RuntimeError as e:
+            return f"FAIL {e}"
+        return "bitwise == fresh" if bitwise_equal(out, fresh) else "FAIL differs from a fresh layer"
+
+    def bad_ids(self):
+        masked = dict(self.good, topk_idx=self.good["topk_idx"].clone())
+        masked["topk_idx"][60, 1] = -1
+        masked_out = self.fresh_output(masked)
+        err = relative_error(masked_out, reference(masked))
+        record("masked route (the bad id's defined result) vs fp32 reference", self.path, "rel. error < 2e-2",
+               err < 2e-2, f"{err:.2e}", "-")
+        cases = [(v, torch.int32, v) for v in (E, E + 1, -2, INT32_MIN, INT32_MAX)]
+        cases += [(v, torch.int64, r) for v, r in ((E, E), (-2, -2), (2**31, INT32_MAX), (2**32 + 3, INT32_MAX),
+                                                   (-2**40, INT32_MIN), (INT64_MIN, INT32_MIN),
+                                                   (INT64_MAX, INT32_MAX))]
+        for value, dtype, reported in cases:
+            d = dict(self.good, topk_idx=masked["topk_idx"].to(dtype).clone())
+            d["topk_idx"][60, 1] = value
+            out = poisoned(T)
+            rc, text = self.layer.forward(d, out)
+            src, status = self.layer.status()  # the call that crashed
+            want = f"expert id {reported} out of range [-1, {E}) at route 241 (src rank 0, token 60, slot 1)"
+            ok = rc == 0 and src == 1 and want in status
+            torch.cuda.synchronize()
+            same = bitwise_equal(out, masked_out)
+            observed = (status or text or "no error") + ("; out == masked" if same else "; out differs from masked")
+            self.layer.reset()
+            record(f"expert id {value} ({str(dtype)[6:]})", self.path, "status names route 241 (token 60, slot 1); "
+                   "out == route masked", ok and same, observed, self.next_call())
+
+    def nonfinite(self):
+        def case(name, edit, affected_rows):
+            d = {key: value.clone() for key, value in self.good.items()}
+            edit(d)
+            out = poisoned(T)
+            rc, text = self.layer.forward(d, out)
+            src, status = self.layer.status()
+            torch.cuda.synchronize()
+            rows = torch.zeros(T, dtype=torch.bool, device="cuda")
+            rows[affected_rows(d)] = True
+            bits = out.view(torch.int16)
+            poison = torch.tensor(0x7fc1, dtype=torch.int16, device="cuda")
+            ok = (rc == 0 and src == 0 and bool(rows.any()) and bool((~torch.isfinite(out[rows].float())).all())
+                  and not bool((bits[rows] == poison).any()) and bitwise_equal(out[~rows], self.fresh[~rows]))
+            record(name, self.path, "defined: affected tokens non-finite, others == clean, no error", ok,
+                   text or status or f"{int(rows.sum())} rows non-finite, rest == clean", self.next_call())
+
+        case("NaN in x (token 7)", lambda d: d["x"].__setitem__((7, 3), float("nan")), lambda d: [7])
+        case("+Inf in x (token 50)", lambda d: d["x"].__setitem__((50, 0), float("inf")), lambda d: [50])
+        valid = (self.good["topk_idx"] >= 0).nonzero()
+        t, j = valid[0].tolist()
+        case("NaN router weight (valid route)", lambda d: d["router_weights"].__setitem__((t, j), float("nan")),
+             lambda d: [t])
+        case("NaN in weights.expert_gate (expert 10)", lambda d: d["expert_gate"].__setitem__((10, 5, 7), float("nan")),
+             lambda d: (d["topk_idx"] == 10).any(dim=1).nonzero().flatten())
+
+    def routing(self):
+        masked = dict(self.good, topk_idx=torch.full_like(self.good["topk_idx"], -1))
+        zero = dict(self.good, router_weights=torch.zeros_like(self.good["router_weights"]))
+        one = dict(self.good, topk_idx=torch.full_like(self.good["topk_idx"], 3))
+        outs = {}
+        for name, d in (("all routes masked", masked), ("all router weights 0", zero),
+                        ("every route to expert 3", one)):
+            try:
+                outs[name] = out = self.layer.run(d)
+                err = relative_error(out, reference(d))
+                ok, observed = err < 2e-2, f"rel. error {err:.2e}"
+            except RuntimeError as e:
+                ok, observed = False, str(e)
+            record(name, self.path, "defined: correct (fp32 reference)", ok, observed, self.next_call())
+        same = "all routes masked" in outs and "all router weights 0" in outs and bitwise_equal(
+            outs["all routes masked"], outs["all router weights 0"])
+        record("all router weights 0 == all routes masked", self.path, "bitwise (shared expert only)", same,
+               "bitwise" if same else "differ", "-")
+
+    def rejected(self):
+        pinned = torch.empty(E * I * H, dtype=torch.bfloat16).pin_memory()
+        g = self.good
+        cases = [
+            ("x + 2 bytes", dict(x=g["x"].data_ptr() + 2), "x: data must be 16-byte aligned"),
+            ("topk_idx + 2 bytes", dict(topk=g["topk_idx"].data_ptr() + 2), "topk_idx: data must be 4-byte aligned"),
+            ("router_weights + 2 bytes", dict(rw=g["router_weights"].data_ptr() + 2),
+             "router_weights: data must be 4-byte aligned"),
+            ("weights.expert_gate + 2 bytes", dict(gate=g["expert_gate"].data_ptr() + 2),
+             "weights.expert_gate: data must be 16-byte aligned"),
+            ("x in pinned host memory", dict(x=pinned.data_ptr()), "x: must be device memory"),
+            ("weights.expert_gate in pinned host memory", dict(gate=pinned.data_ptr()),
+             "weights.expert_gate: must be device memory"),
+        ]
+        for name, overrides, needle in cases:
+            out = poisoned(T)
+            rc, text = self.layer.forward(g, out, **overrides)
+            torch.cuda.synchronize()
+            untouched = bool(torch.isnan(out.float()).all())
+            record(name, self.path, f"error naming the argument ({needle})", rc == 1 and needle in text and untouched,
+                   text or "no error", self.next_call())
+        out = poisoned(T)
+        rc = self.lib.mok_bench_layer_forward_ids(self.layer.handle, g["x"].data_ptr(), g["topk_idx"].data_ptr(), 7,
+                                                  *[g[n].data_ptr() for n in ("router_weights", "expert_gate",
+                                                                              "expert_up", "expert_down", "shared_gate",
+                                                                              "shared_up", "shared_down")],
+                                                  out.data_ptr(), self.layer.stream, ERROR, len(ERROR))
+        record("topk_dtype 7", self.path, "error naming topk_dtype", rc == 1 and "topk_dtype" in message(),
+               message() if rc else "no error", self.next_call())
+
+    def tokens(self):
+        for tokens in (1, 63, 65, 127, 129, 1000):
+            d = make_inputs(tokens, 100 + tokens)
+            layer = Layer(self.lib, self.fused, tokens=tokens)
+            try:
+                first = layer.run(d)
+                err = relative_error(first, reference(d))
+                ok, observed = err < 2e-2, f"rel. error {err:.2e}"
+                again = layer.run(d)
+                next_call = "bitwise == first call" if bitwise_equal(again, first) else "FAIL rerun differs"
+            except RuntimeError as e:
+                ok, observed, next_call = False, str(e), "-"
+            finally:
+                layer.close()
+            record(f"T = {tokens}", self.path, "defined: correct (fp32 reference)", ok, observed, next_call)
+
+    def capacity(self):
+        layer = Layer(self.lib, self.fused, capacity_rows=128)
+        out = poisoned(T)
+        rc, text = layer.forward(self.good, out)
+        src, status = layer.status()
+        ok = rc == 0 and src == 1 and "capacity overflow" in status and "capacity is 128" in status
+        layer.reset()
+        fits = dict(self.good, topk_idx=torch.full_like(self.good["topk_idx"], -1))
+        fits["topk_idx"][:32, 0] = 0  # 32 rows of expert 0: one 64-row tile
+        fresh = self.fresh_output(fits, capacity_rows=128)
+        record("capacity too small (128 rows)", self.path, "status: capacity overflow", ok, status or text or "no error",
+               self.next_call(layer, fits, fresh))
+        layer.close()
+
+    def other_entry_points(self):
+        """The error paths of the remaining entry points: create, write_timeline, expert_gemm."""
+        handle = self.lib.mok_bench_layer_create_with_schedule(None, 1, 0, 0, T, K, E, 200, I, 1, int(self.fused), 0,
+                                                               0, 0, 0, 0.0, ERROR, len(ERROR))
+        record("create with hidden 200", self.path, "NULL, error naming MoeShape.hidden",
+               not handle and "MoeShape.hidden" in message(), message() if not handle else "created", "-")
+        if handle:
+            self.lib.mok_bench_layer_destroy(handle)
+        rc = self.lib.mok_bench_layer_write_timeline(self.layer.handle, self.layer.stream, b"/nonexistent/t.json",
+                                                     ERROR, len(ERROR))
+        record("write_timeline without records", self.path, "error naming timeline_records",
+               rc == 1 and "timeline_records" in message(), message() if rc else "no error", self.next_call())
+        rc = self.lib.mok_bench_expert_gemm(0, None, 0, 0, None, None, 0, 0, None, None, None, 64, None, 0.0, None, 1,
+                                            None, None, None, ERROR, len(ERROR))
+        record("expert_gemm with null operands", self.path, "error (no crash)", rc == 1 and len(message()) > 0,
+               message() if rc else "no error", self.next_call())
+
+    def run(self):
+        self.bad_ids()
+        self.nonfinite()
+        self.routing()
+        self.rejected()
+        self.tokens()
+        self.capacity()
+        self.other_entry_points()
+        self.layer.close()
+
+
+def main():
+    if len(sys.argv) != 2:
+        print(__doc__)
+        return 2
+    if not torch.cuda.is_available():
+        print("SKIP: torch sees no CUDA device")
+        return 77
+    capability = torch.cuda.get_device_capability()
+    if capability != (9, 0):
+        print(f"SKIP: needs a Hopper (sm_90) GPU, device 0 is sm_{capability[0]}{capability[1]}")
+        return 77
+    lib = load(sys.argv[1])
+    for fused in (True, False):
+        try:
+            Matrix(lib, fused).run()
+        except Exception as e:  # a setup failure is a failed row, not a crash
+            record("setup", "fused" if fused else "unfused", "runs", False, f"{type(e).__name__}: {e}", "-")
+    print("case | path | expected | observed | next call")
+    failed = 0
+    for case, path, expected, observed, next_call, passed in ROWS:
+        failed += not passed
+        print(f"{case} | {path} | {expected} | {observed} | {next_call}{'' if passed else '   <-- MISMATCH'}")
+    print(f"{len(ROWS) - failed} of {len(ROWS)} rows as documented")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
