@@ -114,6 +114,7 @@ struct Generator {
 
 enum class RoutingMode { kBalanced = 0, kSkewed = 1, kOneHot = 2 };
 constexpr int kNumModes = 3;
+RoutingMode mode_of(int call) { return static_cast<RoutingMode>(((call % kNumModes) + kNumModes) % kNumModes); }
 const char* mode_name(RoutingMode m) {
   return m == RoutingMode::kBalanced ? "balanced" : m == RoutingMode::kSkewed ? "skewed" : "one-hot";
 }
@@ -197,7 +198,7 @@ struct Soak {
   }
 
   void upload_routing(int call) {
-    const RoutingMode mode = static_cast<RoutingMode>(call % kNumModes);
+    const RoutingMode mode = mode_of(call);
     std::vector<std::vector<int32_t>> topk(shape.ep_size);
     for (int r = 0; r < shape.ep_size; ++r)
       topk[r] = make_topk(mode, shape.num_tokens, shape.top_k, shape.num_experts,
@@ -228,7 +229,7 @@ struct Soak {
         const auto diff = std::mismatch(first[n].begin(), first[n].end(), second.begin());
         const int64_t index = diff.first - first[n].begin();
         std::printf("FAIL call %d (%s), rank %d: rerun differs at token %lld, column %lld (0x%04x, rerun 0x%04x); "
-                    "seed %llu\n", call, mode_name(static_cast<RoutingMode>(call % kNumModes)), rank,
+                    "seed %llu\n", call, mode_name(mode_of(call)), rank,
                     static_cast<long long>(index / shape.hidden), static_cast<long long>(index % shape.hidden),
                     *diff.first, *diff.second, static_cast<unsigned long long>(args.seed));
         equal = false;
@@ -299,7 +300,7 @@ int run(const Args& args, const mok::reference::ModelShape& model, const mok::Mo
       MOK_CHECK_CUDA(cudaEventRecord(start, stream));
       harness.workspace().forward(harness.all_args());
       MOK_CHECK_CUDA(cudaEventRecord(stop, stream));
-      if (!soak.status_ok(call, mode_name(static_cast<RoutingMode>(call % kNumModes)))) ++failures;
+      if (!soak.status_ok(call, mode_name(mode_of(call)))) ++failures;
       float ms = 0;
       MOK_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
       times_ms.push_back(ms);
@@ -309,7 +310,7 @@ int run(const Args& args, const mok::reference::ModelShape& model, const mok::Mo
         if (!soak.rerun_matches(call)) ++failures;
         else
           std::printf("call %5d: %-8s rerun bitwise equal, status ok, %.3f ms\n", call,
-                      mode_name(static_cast<RoutingMode>(call % kNumModes)), ms);
+                      mode_name(mode_of(call)), ms);
       }
     }
     harness.synchronize();
