@@ -5,10 +5,17 @@
 #              MOK_SUITE_GEMM_BENCH=0 (skip bench/gemm_bench.py), MOK_SUITE_TIMEOUT=s (per test, 300),
 #              MOK_SUITE_LAYER_BENCH=0 (skip tools/run_main.sh, the layer benchmark; MOK_SUITE_LAYER_ARGS
 #              are its arguments, MOK_SUITE_LAYER_TIMEOUT its limit in seconds), MOK_SUITE_DISPATCH_BENCH=0
-#              (skip build-gpu/bench/dispatch_bench, run with two or more GPUs; MOK_SUITE_DISPATCH_ARGS).
+#              (skip build-gpu/bench/dispatch_bench, run with two or more GPUs; MOK_SUITE_DISPATCH_ARGS),
+#              MOK_SUITE_SOAK=0 (skip build-gpu/bench/mok_soak; MOK_SUITE_SOAK_ARGS are its arguments).
+#   compute-sanitizer: MOK_SUITE_SANITIZERS=0 skips all of it. memcheck runs every GPU test binary of the
+#              labels (MOK_SANITIZER_TESTS=regex picks binaries, MOK_MEMCHECK_FILTER is their gtest filter)
+#              with MOK_TEST_REDUCED=1 (full-size cases skip, big sweeps shrink); racecheck and synccheck
+#              run test_moe_fused with MOK_RACECHECK_FILTER (gtest filter, default '*Timeline*').
+#              MOK_SANITIZER_TIMEOUT=s per run (240); MOK_SANITIZER_BUDGET=s for all runs together (900):
+#              runs that would start later are reported as skipped.
 # Configures and builds with the carried .deps/, runs the GPU tests (and CPU ones if asked), the
-# memory checker on the error-path tests, and the main program, then prints a summary table. Logs go to
-# $OUT (the device tool's return folder) when set.
+# compute-sanitizer runs, the soak and the main program, then prints a summary table (one line per test
+# binary and per sanitizer run). Logs go to $OUT (the device tool's return folder) when set.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 labels=${1:-"gpu|multigpu"}
@@ -29,19 +36,59 @@ fi
 
 ctest --test-dir build-gpu -V --timeout "${MOK_SUITE_TIMEOUT:-300}" -L "$labels" ${MOK_SUITE_TESTS:+-R "$MOK_SUITE_TESTS"} >"$out/ctest.log" 2>&1 || status=1
 
-# Error paths under the memory checker: no out-of-bounds access on overflow or bad ids.
-sanitizer=skipped
-if command -v compute-sanitizer >/dev/null; then
-  if compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/test_schedule_gpu \
-       --gtest_filter='*Overflow*:*BadExpert*:*Huge*:*EmptyExperts*' >"$out/memcheck.log" 2>&1 &&
-     compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/test_moe_forward \
-       --gtest_filter='*BadExpert*:*Provenance*' >>"$out/memcheck.log" 2>&1 &&
-     compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/tests/test_moe_fused \
-       --gtest_filter='*Timeline*:*Late*' >>"$out/memcheck.log" 2>&1; then
-    sanitizer=clean
-  else
-    sanitizer=ERRORS; status=1
+# compute-sanitizer. One line per run in the summary: clean / ERRORS / test FAILED / TIMEOUT / skipped.
+sanitizer_lines=()
+sanitizer_timeout=${MOK_SANITIZER_TIMEOUT:-240}
+sanitizer_deadline=$((SECONDS + ${MOK_SANITIZER_BUDGET:-900}))
+# sanitize LABEL LOG TOOL-ARGS... BINARY ARGS...: one run at reduced sizes, its verdict into the table.
+sanitize() {
+  local label=$1 log=$2 rc=0 verdict ok skipped
+  shift 2
+  if [ "$SECONDS" -ge "$sanitizer_deadline" ]; then
+    sanitizer_lines+=("$(printf "%-34s %s" "$label" "skipped (MOK_SANITIZER_BUDGET spent)")")
+    return
   fi
+  MOK_TEST_REDUCED=1 timeout -k 15 "$sanitizer_timeout" compute-sanitizer --error-exitcode 9 "$@" >"$log" 2>&1 || rc=$?
+  ok=$(grep -cE '^\[ +OK \] .*\([0-9]+ ms\)' "$log")
+  skipped=$(grep -cE '^\[ +SKIPPED \] .*\([0-9]+ ms\)' "$log")
+  case $rc in
+    0) if [ "$ok" -gt 0 ]; then verdict="clean ($ok passed, $skipped skipped)"; else verdict="skipped ($skipped skipped)"; fi ;;
+    9) verdict="ERRORS: $(grep -m1 -E '^========= ERROR SUMMARY|^========= RACECHECK SUMMARY' "$log" | sed 's/^========= //') ($(basename "$log"))"
+       status=1 ;;
+    124|137) verdict="TIMEOUT after ${sanitizer_timeout} s ($(basename "$log"))"; status=1 ;;
+    *) verdict="test FAILED, rc $rc ($(basename "$log"))"; status=1 ;;
+  esac
+  sanitizer_lines+=("$(printf "%-34s %s" "$label" "$verdict")")
+}
+if [ "${MOK_SUITE_SANITIZERS:-1}" != 1 ]; then
+  sanitizer_lines+=("$(printf "%-34s %s" "compute-sanitizer" "skipped (MOK_SUITE_SANITIZERS=0)")")
+elif ! command -v compute-sanitizer >/dev/null; then
+  sanitizer_lines+=("$(printf "%-34s %s" "compute-sanitizer" "skipped (not on PATH)")")
+else
+  for name in $(ctest --test-dir build-gpu -N -L "$labels" -LE cpu ${MOK_SANITIZER_TESTS:+-R "$MOK_SANITIZER_TESTS"} |
+                awk '/Test +#[0-9]+:/ {print $3}'); do
+    [ -x "build-gpu/tests/$name" ] || continue
+    sanitize "memcheck $name" "$out/memcheck_$name.log" --tool memcheck \
+      "build-gpu/tests/$name" --gtest_filter="${MOK_MEMCHECK_FILTER:-*}"
+  done
+  if [ -x build-gpu/tests/test_moe_fused ] && [[ test_moe_fused =~ ${MOK_SANITIZER_TESTS:-.} ]]; then
+    race_filter=${MOK_RACECHECK_FILTER:-*Timeline*}
+    sanitize "racecheck test_moe_fused" "$out/racecheck_test_moe_fused.log" --tool racecheck --racecheck-report all \
+      build-gpu/tests/test_moe_fused --gtest_filter="$race_filter"
+    sanitize "synccheck test_moe_fused" "$out/synccheck_test_moe_fused.log" --tool synccheck \
+      build-gpu/tests/test_moe_fused --gtest_filter="$race_filter"
+  fi
+fi
+
+# The soak: many forward calls with fresh routings (bench/soak.cpp); its last line is the verdict.
+soak=skipped
+if [ "${MOK_SUITE_SOAK:-1}" = 1 ] && [ -x build-gpu/bench/mok_soak ]; then
+  soak_rc=0
+  timeout -k 15 300 build-gpu/bench/mok_soak ${MOK_SUITE_SOAK_ARGS:-} >"$out/soak.log" 2>&1 || soak_rc=$?
+  soak=$(grep -E '^mok_soak: (PASS|FAIL|SKIPPED)' "$out/soak.log" | tail -n 1 | sed 's/^mok_soak: //')
+  [ "$soak_rc" = 124 ] && soak="TIMEOUT after 300 s"
+  [ -n "$soak" ] || soak="FAILED, rc $soak_rc (soak.log)"
+  [ "$soak_rc" = 0 ] || [ "$soak_rc" = 77 ] || status=1
 fi
 
 [ "${MOK_SUITE_MAIN:-1}" = 1 ] && { build-gpu/bench/mok_bench >"$out/bench.log" 2>&1 || status=1; }
@@ -72,7 +119,8 @@ for n in $(grep -oE "^ *Start +[0-9]+" "$out/ctest.log" | awk '{print $2}'); do
     printf "%-26s %s\n" "$name" "$(grep -oE "Test +#$n: $name \.+ *\**[A-Za-z]+" "$out/ctest.log" | grep -oE "[A-Za-z]+$")"
   fi
 done
-printf "%-26s %s\n" "memcheck (error paths)" "$sanitizer"
+printf "%s\n" ${sanitizer_lines[@]+"${sanitizer_lines[@]}"}
+printf "%-34s %s\n" "mok_soak" "$soak"
 grep -E "tests passed|tests failed" "$out/ctest.log"
 echo
 [ -f "$out/bench.log" ] && cat "$out/bench.log"

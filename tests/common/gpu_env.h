@@ -1,40 +1,24 @@
-// What the test process can use: GPUs of compute capability 9.0 (the library is built for sm_90a only).
+// GoogleTest's side of tests/common/gpu_query.h: skip a test without the GPUs it needs, or a full-size
+// case when the suite asks for reduced sizes (MOK_TEST_REDUCED, under compute-sanitizer).
 #pragma once
 
 #include <string>
 
-#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
-namespace mok::testing {
-
-// Number of visible Hopper GPUs; `reason` says why it is short of `needed`.
-inline int hopper_gpus(int needed, std::string* reason) {
-  int count = 0;
-  const cudaError_t error = cudaGetDeviceCount(&count);
-  if (error != cudaSuccess) {
-    cudaGetLastError();
-    *reason = std::string("no usable CUDA device (") + cudaGetErrorName(error) + ")";
-    return 0;
-  }
-  int hopper = 0;
-  for (int d = 0; d < count; ++d) {
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d);
-    if (major == 9 && minor == 0) ++hopper;
-  }
-  if (hopper < needed)
-    *reason = "needs " + std::to_string(needed) + " Hopper (sm_90) GPU(s), found " + std::to_string(hopper) +
-              " of " + std::to_string(count) + " CUDA device(s)";
-  return hopper;
-}
-
-}  // namespace mok::testing
+#include "tests/common/gpu_query.h"
 
 // Skips the current test unless `n` Hopper GPUs are visible.
 #define MOK_REQUIRE_GPUS(n)                                                         \
   do {                                                                              \
     std::string mok_skip_reason_;                                                   \
     if (::mok::testing::hopper_gpus((n), &mok_skip_reason_) < (n)) GTEST_SKIP() << mok_skip_reason_; \
+  } while (0)
+
+// Skips the current test (a full-size case) when MOK_TEST_REDUCED asks for reduced sizes.
+#define MOK_SKIP_IF_REDUCED()                                                                      \
+  do {                                                                                             \
+    if (::mok::testing::reduced_sizes())                                                           \
+      GTEST_SKIP() << "full-size case skipped: MOK_TEST_REDUCED is set (reduced sizes, e.g. under " \
+                      "compute-sanitizer)";                                                        \
   } while (0)

@@ -82,10 +82,16 @@ TEST(MoeFusedTest, BitwiseEqualToUnfusedAcrossCommMinibatchAndMacrobatch) {
       // H and I multiples of 64 only: both GEMMs end in a partial n-block (2 of each: CTA pairs)
       {moe_shape(2, 257, 4, 16, 448, 192), 0.5},
   };
+  // Reduced sizes (MOK_TEST_REDUCED, under compute-sanitizer): 4 of the 36 settings, still with and without
+  // dedicated communication CTAs and with and without ring reuse.
+  const bool reduced = testing::reduced_sizes();
+  const std::vector<int> comms = reduced ? std::vector<int>{0, 2} : std::vector<int>{0, 2, 12, 40};
+  const std::vector<int> minibatches = reduced ? std::vector<int>{128} : std::vector<int>{128, 384, 4096};
+  const std::vector<int64_t> macrobatches = reduced ? std::vector<int64_t>{0, 128} : std::vector<int64_t>{0, 128, 512};
   std::vector<FusedOptions> settings;
-  for (int comm : {0, 2, 12, 40})
-    for (int minibatch : {128, 384, 4096})
-      for (int64_t macrobatch : {0, 128, 512}) {
+  for (int comm : comms)
+    for (int minibatch : minibatches)
+      for (int64_t macrobatch : macrobatches) {
         FusedOptions f;
         f.comm_ctas = comm;
         f.minibatch_rows = minibatch;
