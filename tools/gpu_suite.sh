@@ -48,7 +48,7 @@ sanitize() {
     sanitizer_lines+=("$(printf "%-34s %s" "$label" "skipped (MOK_SANITIZER_BUDGET spent)")")
     return
   fi
-  MOK_TEST_REDUCED=1 timeout -k 15 "$sanitizer_timeout" compute-sanitizer --error-exitcode 9 "$@" >"$log" 2>&1 || rc=$?
+  MOK_TEST_REDUCED=1 MOK_TEST_WAIT_TIMEOUT_S=${MOK_TEST_WAIT_TIMEOUT_S:-5} timeout -k 15 "$sanitizer_timeout" compute-sanitizer --error-exitcode 9 "$@" >"$log" 2>&1 || rc=$?
   ok=$(grep -cE '^\[ +OK \] .*\([0-9]+ ms\)' "$log")
   skipped=$(grep -cE '^\[ +SKIPPED \] .*\([0-9]+ ms\)' "$log")
   case $rc in
@@ -106,7 +106,7 @@ fi
 
 echo
 echo "== test output (tables) =="
-grep -hE "^[0-9]+: (shape|Kimi|GLM|Qwen|DeepSeek|overflow report|timeout report|full size|device peers|nccl|fused|comm CTAs|reported|[a-z_]+_kernel )" "$out/ctest.log" | sed 's/^[0-9]*: //'
+grep -hE "^[0-9]+: (shape|Kimi|GLM|Qwen|DeepSeek|gpt-oss|case|overflow report|timeout report|full size|device peers|nccl|fused|comm CTAs|reported|[a-z_]+_kernel )" "$out/ctest.log" | sed 's/^[0-9]*: //'
 echo
 echo "== summary, commit $commit =="
 printf "%-26s %8s %8s %8s\n" "test binary" "passed" "failed" "skipped"

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include <nccl.h>
@@ -80,6 +81,12 @@ class PeerGroup {
   // `bytes` on every rank, zero-filled, synchronously: call at setup, not on the hot path. For the nccl kind
   // this is collective: every process of the communicator calls it, in the same order.
   SymmetricAllocation allocate(size_t bytes) const;
+
+  // Every rank's `values` (the same count on every rank), rank-major: [size() * values.size()]. For the nccl
+  // kind a collective (ncclAllGather) that every process calls, synchronously, with its local ranks all
+  // giving the same values; the other kinds are one process, so every rank's values are the caller's.
+  // For setup-time agreement checks (MoeWorkspace: every rank must build the same shape).
+  std::vector<int64_t> all_gather(const std::vector<int64_t>& values) const;
 
  private:
   std::vector<int> devices_;        // [ep_size] GPU of each local rank, -1 for other processes' ranks

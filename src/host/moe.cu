@@ -3,8 +3,11 @@
 #include "mok/moe.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "mok/expert_gemm.h"
 #include "src/device/combine/push_rows.cuh"
@@ -36,8 +39,51 @@ struct SharedSchedule {
   int32_t scheduled_rows[1];
 };
 
-MoeShape validated(const MoeShape& shape) {
-  shape.validate();
+// Every rank must build the same workspace. Each rank's shape and options, and whether they passed its own
+// validation, are all-gathered over the group first (PeerGroup::all_gather, a collective for NCCL groups), so
+// a rank that rejects its arguments or disagrees with a peer makes every rank throw, naming the field,
+// instead of leaving the others waiting in the collective allocations that follow.
+MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options) {
+  std::string error;
+  try {
+    shape.validate();
+  } catch (const std::invalid_argument& e) {
+    error = e.what();
+  }
+  int32_t limit_bits = 0;
+  std::memcpy(&limit_bits, &shape.swiglu_limit, sizeof(limit_bits));
+  const std::pair<const char*, int64_t> fields[] = {
+      {"validation", error.empty() ? 1 : 0},
+      {"MoeShape.ep_size", shape.ep_size},
+      {"MoeShape.num_tokens", shape.num_tokens},
+      {"MoeShape.top_k", shape.top_k},
+      {"MoeShape.num_experts", shape.num_experts},
+      {"MoeShape.hidden", shape.hidden},
+      {"MoeShape.intermediate", shape.intermediate},
+      {"MoeShape.shared_expert", shape.shared_expert},
+      {"MoeShape.swiglu_limit (bits)", limit_bits},
+      {"MoeOptions.schedule.tile_m", options.schedule.tile_m},
+      {"MoeOptions.schedule.capacity_rows", options.schedule.capacity_rows},
+      {"MoeOptions.path", static_cast<int64_t>(options.path)},
+      {"MoeOptions.fused.comm_ctas", options.fused.comm_ctas},
+      {"MoeOptions.fused.minibatch_rows", options.fused.minibatch_rows},
+      {"MoeOptions.fused.macrobatch_rows", options.fused.macrobatch_rows},
+      {"MoeOptions.fused.timeline_records", options.fused.timeline_records},
+  };
+  constexpr size_t kFields = sizeof(fields) / sizeof(fields[0]);
+  std::vector<int64_t> mine;
+  for (const auto& field : fields) mine.push_back(field.second);
+  const std::vector<int64_t> all = group.all_gather(mine);
+  if (!error.empty()) throw std::invalid_argument(error);
+  for (int r = 0; r < group.size(); ++r) {
+    const int64_t* theirs = all.data() + r * kFields;
+    require(theirs[0] == 1, "MoeWorkspace: rank " + std::to_string(r) +
+                                " rejected its MoeShape (its own error names the field); every rank must build the same workspace");
+    for (size_t f = 1; f < kFields; ++f)
+      require(theirs[f] == mine[f], std::string("MoeWorkspace: the ranks disagree on ") + fields[f].first + ": " +
+                                        std::to_string(mine[f]) + " here, " + std::to_string(theirs[f]) + " on rank " +
+                                        std::to_string(r) + "; every rank must build the same workspace");
+  }
   return shape;
 }
 
@@ -99,7 +145,7 @@ void ForwardContext::release() {
 
 MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options)
     : group_(group),
-      shape_(validated(shape)),
+      shape_(agreed(group, shape, options)),
       options_(options),
       schedule_(group_, shape.routing(), options.schedule) {
   const int tile_m = options_.schedule.tile_m;

@@ -204,4 +204,38 @@ SymmetricAllocation PeerGroup::allocate(size_t bytes) const {
   return allocation;
 }
 
+std::vector<int64_t> PeerGroup::all_gather(const std::vector<int64_t>& values) const {
+  const size_t count = values.size();
+  std::vector<int64_t> gathered;
+  if (!is_nccl()) {
+    for (int r = 0; r < size(); ++r) gathered.insert(gathered.end(), values.begin(), values.end());
+    return gathered;
+  }
+  gathered.assign(size() * count, 0);
+  const std::vector<int> local = local_ranks();
+  std::vector<int64_t*> buffers(size(), nullptr);
+  for (int r : local) {
+    DeviceGuard guard(devices_[r]);
+    MOK_CHECK_CUDA(cudaMalloc(&buffers[r], (size() + 1) * count * sizeof(int64_t)));
+    MOK_CHECK_CUDA(cudaMemcpy(buffers[r] + size() * count, values.data(), count * sizeof(int64_t),
+                              cudaMemcpyHostToDevice));
+  }
+  // One process may drive several ranks: a group call, as for the window registration.
+  check_nccl(ncclGroupStart(), "ncclGroupStart");
+  for (int r : local) {
+    DeviceGuard guard(devices_[r]);
+    check_nccl(ncclAllGather(buffers[r] + size() * count, buffers[r], count, ncclInt64, comms_[r], nullptr),
+               "ncclAllGather");
+  }
+  check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+  for (int r : local) {
+    DeviceGuard guard(devices_[r]);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    if (r == local.front())
+      MOK_CHECK_CUDA(cudaMemcpy(gathered.data(), buffers[r], size() * count * sizeof(int64_t), cudaMemcpyDeviceToHost));
+    cudaFree(buffers[r]);
+  }
+  return gathered;
+}
+
 }  // namespace mok

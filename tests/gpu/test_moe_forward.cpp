@@ -109,6 +109,35 @@ TEST(MoeForwardTest, SkewedRoutingEmptyExpertsAndClampedSwiGLU) {
   }
 }
 
+// top_k up to E (every token routed to every expert) and one local expert per rank, both paths, against
+// the CPU reference; H and I multiples of 64 only (partial GEMM tiles).
+TEST(MoeForwardTest, TopKUpToExpertsAndOneLocalExpert) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<MoeShape> shapes = {
+      moe_shape(8, 64, 8, 8, 256, 128),     // EP 8, E_local 1, k = E
+      moe_shape(1, 100, 16, 16, 320, 192),  // EP 1, k = E, partial tiles
+      moe_shape(4, 33, 1, 4, 192, 64),      // EP 4, E_local 1, k 1, the smallest tiles
+  };
+  uint64_t seed = 90;
+  for (const MoeShape& shape : shapes) {
+    const LayerData data = testing::random_layer(shape, ++seed);
+    for (ForwardPath path : {ForwardPath::kFused, ForwardPath::kUnfused}) {
+      MoeOptions options;
+      options.path = path;
+      MoeHarness harness(PeerGroup::virtual_ranks(shape.ep_size), shape, options);
+      harness.upload(data);
+      harness.forward();
+      for (int r = 0; r < shape.ep_size; ++r)
+        ASSERT_TRUE(harness.status(r).ok()) << harness.status(r).describe(shape.num_tokens, shape.top_k, shape.num_experts);
+      const std::string label = "EP " + std::to_string(shape.ep_size) + " E " + std::to_string(shape.num_experts) +
+                                " k " + std::to_string(shape.top_k) + " H " + std::to_string(shape.hidden) + " I " +
+                                std::to_string(shape.intermediate) + (path == ForwardPath::kFused ? " fused" : " unfused") +
+                                " seed " + std::to_string(seed);
+      std::printf("shape %s: worst error / budget %.3f\n", label.c_str(), check_against_reference(harness, data, label));
+    }
+  }
+}
+
 TEST(MoeForwardTest, ProvenanceEncodesRankTokenAndExpert) {
   MOK_REQUIRE_GPUS(1);
   for (int ep : {2, 8}) {

@@ -110,9 +110,9 @@ TEST(MoeMultiGpuTest, PerRankCudaGraphsReplayAcrossGpus) {
   for (cudaGraphExec_t e : exec) cudaGraphExecDestroy(e);
 }
 
-// Two processes, one GPU each, the communicator built from a unique id (tests/multigpu/moe_nccl_rank.cpp).
-TEST(MoeMultiGpuTest, NcclAcrossProcesses) {
-  MOK_REQUIRE_GPUS(2);
+// Starts moe_nccl_rank on two GPUs with a fresh unique id (extra: its optional last argument) and expects
+// both processes to exit with status 0.
+void run_two_rank_processes(const std::string& extra) {
   ncclUniqueId id;
   ASSERT_EQ(ncclGetUniqueId(&id), ncclSuccess);
   std::string hex;
@@ -124,7 +124,9 @@ TEST(MoeMultiGpuTest, NcclAcrossProcesses) {
   std::vector<pid_t> children;
   for (int rank = 0; rank < 2; ++rank) {
     std::string rank_text = std::to_string(rank), size_text = "2", path = MOK_NCCL_RANK_PROGRAM;
-    char* argv[] = {path.data(), rank_text.data(), size_text.data(), hex.data(), nullptr};
+    std::string extra_text = extra;
+    char* argv[] = {path.data(), rank_text.data(), size_text.data(), hex.data(), extra.empty() ? nullptr : extra_text.data(),
+                    nullptr};
     pid_t pid = 0;
     ASSERT_EQ(posix_spawn(&pid, path.c_str(), nullptr, nullptr, argv, environ), 0) << "cannot start " << path;
     children.push_back(pid);
@@ -135,6 +137,19 @@ TEST(MoeMultiGpuTest, NcclAcrossProcesses) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
         << "rank " << rank << " process failed (its stderr is above), status " << status;
   }
+}
+
+// Two processes, one GPU each, the communicator built from a unique id (tests/multigpu/moe_nccl_rank.cpp).
+TEST(MoeMultiGpuTest, NcclAcrossProcesses) {
+  MOK_REQUIRE_GPUS(2);
+  run_two_rank_processes("");
+}
+
+// The ranks build workspaces of different token counts: every rank gets an error naming the field (the
+// shapes are all-gathered before any collective allocation), no rank hangs.
+TEST(MoeMultiGpuTest, NcclMismatchedShapesRejectedOnEveryRank) {
+  MOK_REQUIRE_GPUS(2);
+  run_two_rank_processes("mismatch");
 }
 
 // The fused path on two GPUs through NCCL windows against the unfused path on virtual ranks, full size.
