@@ -392,11 +392,21 @@ TEST(ExpertGemmTest, ModelShapesAtEp2RowCounts) {
 // every row is checked (outputs poisoned), fused and separate gate/up weights, single CTAs and pairs.
 TEST(ExpertGemmTest, PartialOutputTilesForMultiplesOf64) {
   MOK_REQUIRE_GPUS(1);
-  const std::vector<int32_t> expert_counts = {65, 0, 130, 1};
-  const int num_experts = static_cast<int>(expert_counts.size());
-  const int k = 192;  // three K blocks: not a multiple of 128 either
-  for (int n : {64, 320, 448, 2880}) {
-    const uint64_t seed = 40 + n;
+  struct Case {
+    std::vector<int32_t> expert_counts;
+    int k, n;
+  };
+  // k = 192: three K blocks, not a multiple of 128 either; k = 64: one K block. One expert of n = 64 rows:
+  // fewer weight rows than the 128-row TMA box.
+  std::vector<Case> cases;
+  for (int n : {64, 320, 448, 2880}) cases.push_back({{65, 0, 130, 1}, 192, n});
+  for (int n : {64, 192}) cases.push_back({{33}, 64, n});
+  cases.push_back({{33, 5}, 64, 64});
+  for (const Case& test_case : cases) {
+    const std::vector<int32_t>& expert_counts = test_case.expert_counts;
+    const int num_experts = static_cast<int>(expert_counts.size());
+    const int k = test_case.k, n = test_case.n;
+    const uint64_t seed = 40 + n + k;
     GemmFixture fx(expert_counts, 64, 64);
     const auto a = hashed_bf16(size_t(fx.a_rows) * k, seed, -2, 2);
     const auto w = hashed_bf16(size_t(num_experts) * 2 * n * k, seed + 1, -1, 1);  // store: first E*n rows
@@ -411,14 +421,15 @@ TEST(ExpertGemmTest, PartialOutputTilesForMultiplesOf64) {
       expert_gemm(args, nullptr);
       MOK_CHECK_CUDA(cudaDeviceSynchronize());
       const auto out = d_out.download();
-      ASSERT_EQ(check_layout(out, fx.seg, fx.a_rows, n), "") << "store n " << n << " cluster " << cluster_n;
+      ASSERT_EQ(check_layout(out, fx.seg, fx.a_rows, n), "") << "store n " << n << " k " << k << " cluster " << cluster_n;
       for (int64_t row = 0; row < fx.seg.rows; ++row) {
         if (!fx.seg.is_real(row)) continue;
         const int e = fx.seg.expert_of(row);
         for (int c = 0; c < n; ++c) {
           const float want = static_cast<float>(cpu_dot(a, row, w, int64_t(e) * n + c, k));
           ASSERT_EQ(out[row * n + c], to_bf16_bits(want))
-              << where("store", row, c, from_bf16_bits(out[row * n + c]), want) << " n " << n << " cluster "
+              << where("store", row, c, from_bf16_bits(out[row * n + c]), want) << " n " << n << " k " << k << " experts "
+              << num_experts << " cluster "
               << cluster_n << " seed " << seed;
         }
       }
@@ -435,7 +446,7 @@ TEST(ExpertGemmTest, PartialOutputTilesForMultiplesOf64) {
         expert_gemm(args, nullptr);
         MOK_CHECK_CUDA(cudaDeviceSynchronize());
         const auto out = d_out.download();
-        ASSERT_EQ(check_layout(out, fx.seg, fx.a_rows, n), "") << "swiglu n " << n << " fused " << fused;
+        ASSERT_EQ(check_layout(out, fx.seg, fx.a_rows, n), "") << "swiglu n " << n << " k " << k << " fused " << fused;
         for (int64_t row = 0; row < fx.seg.rows; ++row) {
           if (!fx.seg.is_real(row)) continue;
           const int e = fx.seg.expert_of(row);
@@ -447,7 +458,8 @@ TEST(ExpertGemmTest, PartialOutputTilesForMultiplesOf64) {
             const float value = from_bf16_bits(out[row * n + c]);
             ASSERT_FALSE(std::isnan(value)) << where("swiglu NaN", row, c, value, want);
             ASSERT_LE(std::abs(value - want), std::abs(want) / 128 + 1e-3)
-                << where("swiglu", row, c, value, want) << " n " << n << " fused " << fused << " cluster "
+                << where("swiglu", row, c, value, want) << " n " << n << " k " << k << " experts " << num_experts
+                << " fused " << fused << " cluster "
                 << cluster_n << " seed " << seed;
           }
         }

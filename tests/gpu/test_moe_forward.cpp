@@ -117,6 +117,11 @@ TEST(MoeForwardTest, TopKUpToExpertsAndOneLocalExpert) {
       moe_shape(8, 64, 8, 8, 256, 128),     // EP 8, E_local 1, k = E
       moe_shape(1, 100, 16, 16, 320, 192),  // EP 1, k = E, partial tiles
       moe_shape(4, 33, 1, 4, 192, 64),      // EP 4, E_local 1, k 1, the smallest tiles
+      moe_shape(4, 33, 1, 4, 192, 128),
+      moe_shape(4, 33, 1, 4, 256, 64),
+      moe_shape(1, 33, 1, 1, 192, 64),
+      moe_shape(4, 33, 1, 4, 192, 64, false),
+      moe_shape(4, 33, 2, 8, 192, 64),
   };
   uint64_t seed = 90;
   for (const MoeShape& shape : shapes) {
