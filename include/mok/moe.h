@@ -9,6 +9,7 @@
 //   RankForward f{rank, x, topk_idx, router_weights, &weights, out, &ctx, stream};
 //   ws.forward({&f, 1});                                        // asynchronous on f.stream
 //   StatusReport r = ws.read_status(rank, stream);              // where the caller synchronizes anyway
+//   if (!r.ok()) ws.reset_status(rank, stream);                 // the status word is sticky until reset
 //
 // Steps on every rank (sync in docs/sync_protocol.md):
 //   schedule   all-gather the top-k ids; count, prefix-sum and place routes into the context's schedule
@@ -174,6 +175,15 @@ class MoeWorkspace {
   // host. Every call validates all arguments of all ranks before it issues anything
   // (std::invalid_argument naming the rank and the argument).
 
+  // Streams. Calls of one workspace share its buffers (symmetric x and combine buffers, scratch, counters,
+  // tickets, the status word), so they must not overlap. Calls issued outside a CUDA-graph capture are
+  // ordered by the workspace: a call on a stream other than the rank's previous call's waits (on the GPU,
+  // cudaStreamWaitEvent) for an event recorded after that call, so two layers issued back to back on two
+  // streams run one after the other with the results of one stream. Inside a capture the workspace adds
+  // nothing (an event recorded outside the capture cannot be waited on in it): capture the calls of one
+  // workspace on one stream, order other streams yourself, and do not launch such a graph concurrently
+  // with other calls on the workspace (graph launches are not tracked).
+
   // All-gathers the top-k ids and builds each rank's schedule into its context. Uses rank, topk_idx,
   // context and stream.
   void build_schedule(std::span<const RankForward> ranks);
@@ -182,11 +192,19 @@ class MoeWorkspace {
   // build_schedule, then forward_with_schedule.
   void forward(std::span<const RankForward> ranks);
 
-  // The rank's status word since its last build_schedule: bad expert ids, capacity overflow, spin-wait
-  // timeouts. After an error, `out` is unspecified (no memory outside the buffers is touched).
-  // Synchronizes `stream`.
+  // The rank's status word: everything since the last reset_status (or the workspace's creation), over
+  // every layer and step that ran on the workspace: bad expert ids, capacity overflow, spin-wait timeouts,
+  // each field keeping its first event. After an error, every `out` since then is unspecified (no memory
+  // outside the buffers is touched). After a timeout the rank's abort flag stays set: every later call's
+  // waits give up at once (the step fails fast and the report keeps the first cause) until reset_status.
+  // Synchronizes `stream` (after ordering it behind the rank's last call, see "Streams" below).
   StatusReport read_status(int rank, cudaStream_t stream) const;
-  // Clears the rank's status word (the word is sticky: errors stay until this call). Asynchronous on `stream`.
+  // Clears the rank's status word and abort flag, and zeroes its side of the cross-rank counters (EP
+  // barrier, gather arrivals, epoch), which a timeout leaves out of step with the peers'. Calls issued after
+  // it report afresh. Call it on every local rank of every process, and let every rank's reset finish
+  // before any rank issues its next call (synchronize the streams; across processes, a host barrier): a
+  // peer's next arrival must not land before the reset. Asynchronous on `stream` (a kernel and a memset,
+  // CUDA-graph capturable).
   void reset_status(int rank, cudaStream_t stream);
   // The task records of the rank's last fused forward (MoeOptions::fused.timeline_records > 0), in CTA
   // order. Synchronizes `stream`.
@@ -213,6 +231,8 @@ class MoeWorkspace {
   void shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, ExpertGemmArgs& down) const;
   void combine(const RankForward& f);
   const RankState& state(int rank) const;
+  void begin_call(int rank, cudaStream_t stream) const;  // waits for the rank's previous call (other stream)
+  void end_call(int rank, cudaStream_t stream) const;    // records this call's event
 
   PeerGroup group_;
   MoeShape shape_;

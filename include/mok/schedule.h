@@ -5,6 +5,7 @@
 //   ws.build(rank, s);                                  // count, prefix-sum, place (async)
 //   ScheduleView v = ws.view(rank);                     // device pointers for later stages
 //   StatusReport r = ws.read_status(rank, s);           // synchronizes s; bad ids / overflow / timeouts
+//   ws.reset_status(rank, s);                           // the status word is sticky until this (async)
 //
 // With virtual ranks, call gather_topk for every rank before build for any rank (build waits for all
 // ranks' ids). With device peers or NCCL, each rank uses its own stream; the order of host calls does not
@@ -59,7 +60,7 @@ class ScheduleWorkspace {
   void gather_topk(int rank, const void* topk, IndexType index_type, cudaStream_t stream);
   // Waits (on the GPU) for every rank's ids, then counts, prefix-sums and places, into `schedule`
   // (schedule_elements() int32 on the rank's GPU, e.g. a forward context's) or, when null, the workspace's
-  // own buffers. Resets the rank's status word first. Asynchronous.
+  // own buffers. Reports into the rank's status word (sticky: see reset_status). Asynchronous.
   void build(int rank, cudaStream_t stream, int32_t* schedule = nullptr);
 
   // Device pointers into a built schedule: `schedule` as passed to build, or null for the workspace's own.
@@ -70,8 +71,14 @@ class ScheduleWorkspace {
   const RoutingShape& shape() const { return shape_; }
   int64_t capacity_rows() const { return capacity_rows_; }
 
-  // Status word of `rank` since the last build. Synchronizes `stream`.
+  // Status word of `rank`: every error since the last reset_status (or the workspace's creation), across
+  // builds. Synchronizes `stream`.
   StatusReport read_status(int rank, cudaStream_t stream) const;
+  // Resets `rank`'s status word, its abort flag included (include/mok/status.h), and its side of the gather
+  // counters (epoch, top-k arrivals), which a timed-out build leaves out of step with the peers'. Call it on
+  // every rank, and let every rank's reset finish before any rank gathers again (synchronize the streams;
+  // across processes, a host barrier). Asynchronous on `stream`, CUDA-graph capturable (one kernel).
+  void reset_status(int rank, cudaStream_t stream);
   // Copies `rank`'s schedule (see view) to the host. Synchronizes `stream`.
   HostSchedule download(int rank, cudaStream_t stream, const int32_t* schedule = nullptr) const;
 

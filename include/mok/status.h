@@ -2,8 +2,14 @@
 // timeouts) travel from the GPU to the host without a trap and without a host synchronization.
 //
 // Kernels record errors with integer atomics; nothing is reported until the host reads the word at a
-// point where it synchronizes anyway (mok::ScheduleWorkspace::read_status). Each field keeps the *first*
-// event by a deterministic key (smallest route id), so a report does not depend on thread timing.
+// point where it synchronizes anyway (mok::MoeWorkspace::read_status). The word is sticky: it collects
+// every error since the caller last reset it (MoeWorkspace::reset_status, ScheduleWorkspace::reset_status;
+// workspace creation resets it too), across layers and steps. Each field keeps the *first* event: bad ids
+// by a deterministic key (smallest route id), overflow and timeout by the first to claim them.
+//
+// Abort: the first wait that times out also sets `abort`. Every later wait on another CTA's or rank's
+// counter then gives up at once instead of spinning its own timeout, so a failed step costs about one
+// timeout; the abort stays set until the reset (docs/sync_protocol.md, "Timeouts and the abort word").
 #pragma once
 
 #include <cstdint>
@@ -27,6 +33,7 @@ enum class Role : int32_t {
   kGemmProducer = 4,  // forward megakernel: a compute CTA's TMA producer waiting for its tile's inputs
   kDispatch = 5,      // forward megakernel: a communication CTA pulling rows
   kCombine = 6,       // forward megakernel: a communication CTA pushing rows
+  kGemmConsumer = 7,  // a GEMM consumer warpgroup (task ring, pipeline full barrier)
 };
 
 // Which counter a spin-wait watched (reported with a timeout). Names match docs/sync_protocol.md.
@@ -39,12 +46,26 @@ enum class CounterId : int32_t {
   kSharedHiddenReady = 5,
   kOutputReady = 6,
   kRowsCombined = 7,
+  // In-kernel hand-offs on shared-memory mbarriers (index: the ring entry or pipeline stage).
+  kTaskRing = 8,       // TaskRing::full / empty (producer <-> its consumers)
+  kTaskMail = 9,       // TaskRing::mail_full / mail_empty (rank-0 producer <-> rank-1 producer)
+  kPipelineFull = 10,  // GEMM pipeline: consumers wait for a stage's TMA bytes
+  kPipelineEmpty = 11, // GEMM pipeline: the producer waits for a stage's release
 };
 
-// Plain-old-data; lives in device memory, one per rank. Reset by the owner before each use.
+// Values of DeviceStatus::abort (bits).
+enum AbortBit : uint32_t {
+  kAbortNone = 0,
+  kAbortWait = 1u << 0,     // a wait on another CTA's or rank's counter timed out (data: a peer or a
+                            // dependency never came); counter waits give up at once
+  kAbortHandoff = 1u << 1,  // an in-kernel mbarrier hand-off timed out (a protocol bug); every wait,
+                            // mbarrier waits included, gives up at once
+};
+
+// Plain-old-data; lives in device memory, one per rank. Reset only by the caller (reset_status).
 struct DeviceStatus {
   uint32_t error_bits;
-  uint32_t pad0;
+  uint32_t abort;  // AbortBit; set (GPU scope) with the first timeout, cleared only by a reset
   // Bad expert id: key = (global route id << 32) | uint32(id); atomicMin keeps the first route.
   uint64_t bad_route_key;
   // Capacity overflow: rows the schedule needed and the rows it had.
@@ -59,9 +80,12 @@ struct DeviceStatus {
   int32_t timeout_index;    // which element of the counter array
   uint64_t timeout_awaited;
   uint64_t timeout_seen;
+  // Waits that gave up at once because `abort` was already set (after the first timeout), mod 2^32.
+  uint32_t abandoned_waits;
+  uint32_t pad1;
 };
 
-// Value a status word is reset to before a stage runs.
+// Value a status word is reset to (at workspace creation and by reset_status).
 DeviceStatus initial_device_status();
 
 // Decoded report (host).

@@ -108,6 +108,12 @@ struct MoeWorkspace::RankState {
   SharedSchedule* shared_schedule = nullptr;
   uint64_t* fused_counters = nullptr;  // detail::fused_counter_words
   uint64_t* timeline = nullptr;        // detail::fused_timeline_words, or null
+  // The rank's last call issued outside a CUDA-graph capture: its stream, and an event recorded after its
+  // last kernel. A call on another stream waits for that event first (the buffers above, the symmetric
+  // buffers, counters and tickets are shared by every call of the workspace).
+  cudaEvent_t call_done = nullptr;
+  mutable cudaStream_t call_stream = nullptr;  // mutable: read_status (const) orders itself too
+  mutable bool has_call = false;
 };
 
 ForwardContext::ForwardContext(ForwardContext&& other) noexcept { *this = std::move(other); }
@@ -204,6 +210,7 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
                                 {0, static_cast<int32_t>(padded_tokens_)},
                                 {static_cast<int32_t>(padded_tokens_)}};
     MOK_CHECK_CUDA(cudaMemcpy(s.shared_schedule, &shared, sizeof(shared), cudaMemcpyHostToDevice));
+    MOK_CHECK_CUDA(cudaEventCreateWithFlags(&s.call_done, cudaEventDisableTiming));
   }
 }
 
@@ -213,6 +220,7 @@ MoeWorkspace::~MoeWorkspace() {
     int previous = 0;
     cudaGetDevice(&previous);
     cudaSetDevice(ranks_[r].device);
+    if (ranks_[r].call_done != nullptr) cudaEventDestroy(ranks_[r].call_done);
     cudaFree(ranks_[r].allocation);
     cudaSetDevice(previous);
   }
@@ -266,18 +274,68 @@ void MoeWorkspace::validate(const RankForward& f, bool needs_layer_inputs) const
 // half-issued step behind (a lone rank's schedule would wait for peers that never come).
 void MoeWorkspace::build_schedule(std::span<const RankForward> ranks) {
   for (const RankForward& f : ranks) validate(f, false);
+  for (const RankForward& f : ranks) begin_call(f.rank, f.stream);
   issue_schedule(ranks);
+  for (const RankForward& f : ranks) end_call(f.rank, f.stream);
 }
 
 void MoeWorkspace::forward_with_schedule(std::span<const RankForward> ranks) {
   for (const RankForward& f : ranks) validate(f, true);
+  for (const RankForward& f : ranks) begin_call(f.rank, f.stream);
   issue_layer(ranks);
+  for (const RankForward& f : ranks) end_call(f.rank, f.stream);
 }
 
 void MoeWorkspace::forward(std::span<const RankForward> ranks) {
   for (const RankForward& f : ranks) validate(f, true);
+  for (const RankForward& f : ranks) begin_call(f.rank, f.stream);
   issue_schedule(ranks);
   issue_layer(ranks);
+  for (const RankForward& f : ranks) end_call(f.rank, f.stream);
+}
+
+namespace {
+
+// Whether `stream` is being captured into a CUDA graph. An error (e.g. the legacy stream queried during
+// another stream's global-mode capture) counts as capturing: then the workspace adds no event work.
+bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace
+
+// Cross-stream order of the workspace's calls (include/mok/moe.h, "Streams"): outside a capture, a call
+// on a stream other than the rank's previous call's waits (on the GPU) for that call's event.
+void MoeWorkspace::begin_call(int rank, cudaStream_t stream) const {
+  const RankState& s = state(rank);
+  if (!s.has_call || s.call_stream == stream || is_capturing(stream)) return;
+  DeviceGuard guard(s.device);
+  MOK_CHECK_CUDA(cudaStreamWaitEvent(stream, s.call_done, 0));
+}
+
+void MoeWorkspace::end_call(int rank, cudaStream_t stream) const {
+  const RankState& s = state(rank);
+  if (is_capturing(stream)) return;
+  DeviceGuard guard(s.device);
+  MOK_CHECK_CUDA(cudaEventRecord(s.call_done, stream));
+  s.call_stream = stream;
+  s.has_call = true;
+}
+
+void MoeWorkspace::reset_status(int rank, cudaStream_t stream) {
+  const RankState& s = state(rank);
+  begin_call(rank, stream);
+  schedule_.reset_status(rank, stream);
+  // A timed-out barrier leaves this rank's counters out of step with its peers' (it passed without their
+  // arrivals): every rank starts again from zero.
+  DeviceGuard guard(s.device);
+  MOK_CHECK_CUDA(cudaMemsetAsync(flags_.on(rank), 0, device::BarrierLayout::bytes(), stream));
+  end_call(rank, stream);
 }
 
 void MoeWorkspace::issue_schedule(std::span<const RankForward> ranks) {
@@ -300,19 +358,8 @@ void MoeWorkspace::issue_layer(std::span<const RankForward> ranks) {
 }
 
 StatusReport MoeWorkspace::read_status(int rank, cudaStream_t stream) const {
+  begin_call(rank, stream);
   return schedule_.read_status(rank, stream);
-}
-
-namespace {
-__global__ void reset_status_stub_kernel(DeviceStatus* status, DeviceStatus initial) { *status = initial; }
-}  // namespace
-
-// TEMP stub: the sticky status word and the real reset_status come from another branch.
-void MoeWorkspace::reset_status(int rank, cudaStream_t stream) {
-  const RankState& s = state(rank);
-  DeviceGuard guard(s.device);
-  reset_status_stub_kernel<<<1, 1, 0, stream>>>(schedule_.device_status(rank), initial_device_status());
-  MOK_CHECK_CUDA(cudaGetLastError());
 }
 
 std::vector<TaskRecord> MoeWorkspace::read_timeline(int rank, cudaStream_t stream) const {

@@ -14,7 +14,14 @@ namespace mok {
 using detail::DeviceGuard;
 namespace {
 
-__global__ void reset_status_kernel(DeviceStatus* status, DeviceStatus initial) { *status = initial; }
+// The rank's status word, and its side of the cross-rank counters: its epoch and the arrival counters in its
+// own gather buffer (ScheduleWorkspace::reset_status says when that is safe).
+__global__ void reset_rank_kernel(DeviceStatus* status, DeviceStatus initial, uint64_t* epoch, uint64_t* topk_arrived,
+                                  int ep_size) {
+  *status = initial;
+  *epoch = 0;
+  for (int src = 0; src < ep_size; ++src) topk_arrived[src] = 0;
+}
 
 }  // namespace
 
@@ -142,9 +149,6 @@ void ScheduleWorkspace::build(int rank, cudaStream_t stream, int32_t* schedule) 
   DeviceGuard guard(state.device);
   const auto p = make_params(shape_, options_, capacity_rows_, rank, schedule != nullptr ? schedule : state.schedule,
                              gather_.on(rank), state.epoch, state.status);
-  reset_status_kernel<<<1, 1, 0, stream>>>(state.status, initial_device_status());
-  MOK_CHECK_CUDA(cudaGetLastError());
-
   const dim3 count_grid(static_cast<unsigned>(p.layout.num_chunks), static_cast<unsigned>(shape_.ep_size));
   const size_t histogram_bytes = size_t(shape_.local_experts()) * sizeof(int32_t);
   schedule::count_chunks_kernel<<<count_grid, 32, histogram_bytes, stream>>>(p);
@@ -157,6 +161,15 @@ void ScheduleWorkspace::build(int rank, cudaStream_t stream, int32_t* schedule) 
   const int64_t work = std::max(shape_.total_routes(), capacity_rows_);
   const int64_t ctas = std::min<int64_t>((work + kThreads - 1) / kThreads, int64_t(state.num_sms) * 8);
   schedule::place_routes_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+void ScheduleWorkspace::reset_status(int rank, cudaStream_t stream) {
+  const RankState& state = local_state(rank, "reset_status");
+  DeviceGuard guard(state.device);
+  // A kernel, not a copy from host memory: capturable into a CUDA graph like the rest of a step.
+  reset_rank_kernel<<<1, 1, 0, stream>>>(state.status, initial_device_status(), state.epoch,
+                                         schedule::GatherLayout::topk_arrived(gather_.on(rank)), shape_.ep_size);
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 

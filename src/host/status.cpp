@@ -1,9 +1,11 @@
 // Host side of the device status word (include/mok/status.h).
 #include "mok/status.h"
 
+#include <cinttypes>
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
 #include <limits>
-#include <sstream>
 
 namespace mok {
 namespace {
@@ -17,6 +19,7 @@ const char* role_name(int32_t role) {
     case Role::kGemmProducer: return "megakernel GEMM producer";
     case Role::kDispatch: return "megakernel dispatch";
     case Role::kCombine: return "megakernel combine";
+    case Role::kGemmConsumer: return "GEMM consumer";
   }
   return "unknown";
 }
@@ -31,6 +34,10 @@ const char* counter_name(int32_t counter) {
     case CounterId::kSharedHiddenReady: return "shared_hidden_ready";
     case CounterId::kOutputReady: return "output_ready";
     case CounterId::kRowsCombined: return "rows_combined";
+    case CounterId::kTaskRing: return "task ring";
+    case CounterId::kTaskMail: return "task mail";
+    case CounterId::kPipelineFull: return "pipeline full";
+    case CounterId::kPipelineEmpty: return "pipeline empty";
   }
   return "unknown";
 }
@@ -53,27 +60,43 @@ int32_t StatusReport::bad_expert_id() const {
   return static_cast<int32_t>(static_cast<uint32_t>(raw.bad_route_key & 0xffffffffu));
 }
 
+namespace {
+
+// Appends printf-formatted text to `out` (no iostreams in the library's host code).
+__attribute__((format(printf, 2, 3))) void append(std::string& out, const char* format, ...) {
+  char line[512];
+  va_list args;
+  va_start(args, format);
+  const int n = std::vsnprintf(line, sizeof(line), format, args);
+  va_end(args);
+  if (n > 0) out.append(line, static_cast<size_t>(n) < sizeof(line) ? static_cast<size_t>(n) : sizeof(line) - 1);
+}
+
+}  // namespace
+
 std::string StatusReport::describe(int num_tokens, int top_k, int num_experts) const {
   if (ok()) return "ok";
-  std::ostringstream out;
+  std::string out;
   if (raw.error_bits & kStatusBadExpertId) {
     const int64_t route = bad_route();
     const int64_t token_global = route / top_k;
-    out << "expert id " << bad_expert_id() << " out of range [-1, " << num_experts << ") at route " << route
-        << " (src rank " << token_global / num_tokens << ", token " << token_global % num_tokens << ", slot "
-        << route % top_k << ")\n";
+    append(out, "expert id %d out of range [-1, %d) at route %" PRId64 " (src rank %" PRId64 ", token %" PRId64
+                ", slot %" PRId64 ")\n",
+           bad_expert_id(), num_experts, route, token_global / num_tokens, token_global % num_tokens, route % top_k);
   }
   if (raw.error_bits & kStatusCapacityOverflow)
-    out << "capacity overflow: the schedule needs " << raw.rows_needed << " rows, capacity is " << raw.rows_capacity
-        << " (raise ScheduleOptions.capacity_rows)\n";
-  if (raw.error_bits & kStatusWaitTimeout)
-    out << "spin-wait timed out on rank " << raw.timeout_rank << ", SM " << raw.timeout_sm << ", role "
-        << role_name(raw.timeout_role) << ", counter " << counter_name(raw.timeout_counter) << "["
-        << raw.timeout_index << "]: awaited >= "
-        << raw.timeout_awaited << ", saw " << raw.timeout_seen << "\n";
-  std::string text = out.str();
-  if (!text.empty() && text.back() == '\n') text.pop_back();
-  return text;
+    append(out, "capacity overflow: the schedule needs %" PRId64 " rows, capacity is %" PRId64
+                " (raise ScheduleOptions.capacity_rows)\n",
+           raw.rows_needed, raw.rows_capacity);
+  if (raw.error_bits & kStatusWaitTimeout) {
+    append(out, "spin-wait timed out on rank %d, SM %d, role %s, counter %s[%d]: awaited >= %" PRIu64 ", saw %" PRIu64 "\n",
+           raw.timeout_rank, raw.timeout_sm, role_name(raw.timeout_role), counter_name(raw.timeout_counter),
+           raw.timeout_index, raw.timeout_awaited, raw.timeout_seen);
+    if (raw.abandoned_waits > 0)
+      append(out, "%u later waits gave up at once (abort set)\n", raw.abandoned_waits);
+  }
+  if (!out.empty() && out.back() == '\n') out.pop_back();
+  return out;
 }
 
 }  // namespace mok

@@ -392,6 +392,11 @@ std::vector<std::vector<uint16_t>> MoeHarness::run_checked(int runs) {
 
 StatusReport MoeHarness::status(int rank) { return workspace_->read_status(rank, stream(rank)); }
 
+void MoeHarness::reset_status() {
+  for (const RankForward& f : args_) workspace_->reset_status(f.rank, f.stream);
+  synchronize();
+}
+
 std::string BudgetResult::describe(int hidden) const {
   std::ostringstream s;
   s << "worst |gpu - ref| / budget = " << worst_ratio;

@@ -69,6 +69,9 @@ class MoeHarness {
   // report when a status word records an error.
   std::vector<std::vector<uint16_t>> run_checked(int runs);
   StatusReport status(int rank);            // synchronizes
+  // MoeWorkspace::reset_status on every local rank, then waits for the resets (the cross-rank counters they
+  // zero must be zero everywhere before the next call).
+  void reset_status();
 
   // The rank's device tensors, for check_rows_fp32.
   CheckRank check_rank(int rank) const;

@@ -185,6 +185,38 @@ TEST(ScheduleCpuTest, CapacityOverflowPlacesNothingAndReports) {
   expect_twin_matches_oracle(shape, 128, ids, 11, needed - 1);
 }
 
+// StatusReport::describe: every error on its own line, in the text format the tests and logs rely on.
+TEST(ScheduleCpuTest, StatusDescribesEveryError) {
+  StatusReport report;
+  report.raw = initial_device_status();
+  EXPECT_EQ(report.describe(100, 2, 8), "ok");
+  report.raw.error_bits = kStatusBadExpertId | kStatusCapacityOverflow | kStatusWaitTimeout;
+  report.raw.bad_route_key = (uint64_t(301) << 32) | uint32_t(-5);
+  report.raw.rows_needed = 4096;
+  report.raw.rows_capacity = 1024;
+  report.raw.timeout_rank = 1;
+  report.raw.timeout_sm = 17;
+  report.raw.timeout_role = static_cast<int32_t>(Role::kGemmConsumer);
+  report.raw.timeout_counter = static_cast<int32_t>(CounterId::kPipelineFull);
+  report.raw.timeout_index = 3;
+  report.raw.timeout_awaited = 1;
+  report.raw.timeout_seen = 0;
+  report.raw.abandoned_waits = 12;
+  EXPECT_EQ(report.describe(100, 2, 8),
+            "expert id -5 out of range [-1, 8) at route 301 (src rank 1, token 50, slot 1)\n"
+            "capacity overflow: the schedule needs 4096 rows, capacity is 1024 (raise ScheduleOptions.capacity_rows)\n"
+            "spin-wait timed out on rank 1, SM 17, role GEMM consumer, counter pipeline full[3]: awaited >= 1, saw 0\n"
+            "12 later waits gave up at once (abort set)");
+  report.raw.error_bits = kStatusWaitTimeout;
+  report.raw.abandoned_waits = 0;
+  report.raw.timeout_role = static_cast<int32_t>(Role::kBarrier);
+  report.raw.timeout_counter = static_cast<int32_t>(CounterId::kBarrierArrived);
+  report.raw.timeout_awaited = 18446744073709551615ull;
+  EXPECT_EQ(report.describe(100, 2, 8),
+            "spin-wait timed out on rank 1, SM 17, role EP barrier, counter barrier arrived[3]: awaited >= "
+            "18446744073709551615, saw 0");
+}
+
 TEST(ScheduleCpuTest, BadExpertIdsReportTheFirstRoute) {
   RoutingShape shape{2, 100, 2, 8};
   auto ids = balanced_ids(shape, 0.0, 5);

@@ -6,11 +6,13 @@
 //   - reruns, tile heights and capacities bitwise equal; a captured CUDA graph replays to the same bits
 //   - skewed routing, experts with no tokens, masked routes, int64 ids
 //   - host validation names the argument; bad ids and capacity overflow reach the status word
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -350,6 +352,162 @@ TEST(MoeForwardTest, BarrierTimeoutIsReportedNotHung) {
   EXPECT_EQ(report.raw.timeout_counter, static_cast<int32_t>(CounterId::kBarrierArrived));
   EXPECT_EQ(report.raw.timeout_index, 1);
   std::printf("timeout report: %s\n", report.describe(64, 2, 8).c_str());
+}
+
+// Empty when a == b bitwise, else the first differing element (token, column, both values).
+std::string first_mismatch(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, int hidden) {
+  if (a.size() != b.size()) return "sizes " + std::to_string(a.size()) + " vs " + std::to_string(b.size());
+  for (size_t n = 0; n < a.size(); ++n)
+    if (a[n] != b[n])
+      return "token " + std::to_string(n / hidden) + ", column " + std::to_string(n % hidden) + ": " +
+             std::to_string(a[n]) + " vs " + std::to_string(b[n]);
+  return {};
+}
+
+// The status word is sticky: layer 1's bad id survives a good layer 2 on the same workspace, until
+// reset_status; the next good call then reads ok and gives the bits of a fresh workspace.
+TEST(MoeForwardTest, StatusIsStickyUntilReset) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(2, 128, 4, 16, 256, 128);
+  const uint64_t seed = 66;
+  const LayerData good = testing::random_layer(shape, seed);
+  std::vector<std::vector<uint16_t>> fresh;
+  {
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+    harness.upload(good);
+    fresh = harness.run_checked(1);
+  }
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+  LayerData bad = testing::random_layer(shape, seed + 1);
+  bad.inputs.topk_idx[(128 + 7) * 4 + 1] = 99;  // layer 1: rank 1, token 7, slot 1
+  harness.upload(bad);
+  harness.forward();
+  harness.upload(good);  // layer 2: good ids
+  harness.forward();
+  for (int r = 0; r < 2; ++r) {
+    const StatusReport report = harness.status(r);
+    ASSERT_TRUE(report.raw.error_bits & kStatusBadExpertId) << "seed " << seed << " rank " << r << ": "
+                                                            << report.describe(128, 4, 16);
+    EXPECT_EQ(report.bad_route(), (128 + 7) * 4 + 1) << report.describe(128, 4, 16);
+    EXPECT_EQ(report.bad_expert_id(), 99);
+  }
+  harness.reset_status();
+  harness.forward();
+  for (int r = 0; r < 2; ++r) {
+    const StatusReport report = harness.status(r);
+    ASSERT_TRUE(report.ok()) << "rank " << r << ": " << report.describe(128, 4, 16);
+    EXPECT_EQ(first_mismatch(harness.out_bits(r), fresh[r], shape.hidden), "")
+        << "shape T=128 k=4 E=16 H=256 I=128 EP=2, seed " << seed << ", rank " << r;
+  }
+}
+
+// A rank whose peer never arrives: the first barrier wait times out, sets the abort word, and every later
+// wait of the step gives up at once, so the failing forward costs about one timeout (the second barrier
+// would have cost another). Then reset_status and a good forward on the same workspace give the bits of a
+// good forward.
+TEST(MoeForwardTest, TimeoutAbortsTheStepAndResetRecovers) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(2, 64, 2, 8, 256, 128);
+  for (ForwardPath path : {ForwardPath::kFused, ForwardPath::kUnfused}) {
+    SCOPED_TRACE(path == ForwardPath::kFused ? "fused" : "unfused");
+    MoeOptions options;
+    options.path = path;
+    const double timeout_s = 0.5;
+    options.schedule.wait_timeout_s = timeout_s;
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape, options);
+    harness.upload(testing::random_layer(shape, 67));
+    const std::vector<std::vector<uint16_t>> good = harness.run_checked(1);  // also loads every kernel
+
+    harness.poison_outputs();
+    const auto start = std::chrono::steady_clock::now();
+    harness.workspace().build_schedule(harness.all_args());
+    harness.workspace().forward_with_schedule({&harness.args(0), 1});  // rank 1 never publishes its x
+    harness.synchronize();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const StatusReport report = harness.status(0);
+    std::printf("failing forward: %.3f s with a %.1f s timeout; %s\n", seconds, timeout_s,
+                report.describe(64, 2, 8).c_str());
+    ASSERT_TRUE(report.raw.error_bits & kStatusWaitTimeout) << report.describe(64, 2, 8);
+    EXPECT_EQ(report.raw.timeout_role, static_cast<int32_t>(Role::kBarrier)) << report.describe(64, 2, 8);
+    EXPECT_EQ(report.raw.timeout_index, 1);
+    EXPECT_NE(report.raw.abort, 0u);
+    EXPECT_GE(report.raw.abandoned_waits, 1u) << "the second barrier should have given up at once";
+    EXPECT_LT(seconds, 1.5 * timeout_s) << "more than one timeout spent";
+
+    // A later call fails fast while the abort is set, and the report keeps the first cause.
+    harness.forward();
+    harness.synchronize();
+    const StatusReport again = harness.status(0);
+    EXPECT_EQ(again.raw.timeout_role, static_cast<int32_t>(Role::kBarrier)) << again.describe(64, 2, 8);
+    EXPECT_EQ(again.raw.timeout_index, 1);
+
+    harness.reset_status();
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(harness.status(r).ok()) << harness.status(r).describe(64, 2, 8);
+    const std::vector<std::vector<uint16_t>> after = harness.run_checked(1);
+    for (int r = 0; r < 2; ++r)
+      EXPECT_EQ(first_mismatch(after[r], good[r], shape.hidden), "")
+          << "T=64 k=2 E=8 H=256 I=128 EP=2 seed 67 rank " << r;
+  }
+}
+
+// Two layers sharing a workspace, issued back to back on two streams: the workspace orders the second
+// behind the first, so the results are bitwise those of the same layers on one stream.
+TEST(MoeForwardTest, TwoStreamsAreSerializedByTheWorkspace) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(1, 2048, 4, 16, 512, 256);
+  MoeHarness harness(PeerGroup::virtual_ranks(1), shape);
+  harness.upload(testing::random_layer(shape, 71));
+  const LayerData second = testing::random_layer(shape, 72);
+  const int64_t t = shape.num_tokens, k = shape.top_k, h = shape.hidden;
+  std::vector<void*> buffers;
+  auto device_copy = [&](const void* src, int64_t bytes) {
+    void* p = nullptr;
+    MOK_CHECK_CUDA(cudaMalloc(&p, bytes));
+    if (src != nullptr) MOK_CHECK_CUDA(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice));
+    buffers.push_back(p);
+    return p;
+  };
+  std::vector<uint16_t> x_bits(t * h);
+  for (int64_t n = 0; n < t * h; ++n) x_bits[n] = testing::to_bf16_bits(second.inputs.x[n]);
+  RankForward layer_a = harness.args(0);
+  RankForward layer_b = layer_a;
+  ForwardContext context_b = harness.workspace().make_context(0);
+  layer_b.x = TensorRef(device_copy(x_bits.data(), t * h * 2), DType::kBFloat16, {t, h});
+  layer_b.topk_idx = TensorRef(device_copy(second.inputs.topk_idx.data(), t * k * 4), DType::kInt32, {t, k});
+  layer_b.router_weights =
+      TensorRef(device_copy(second.inputs.router_weights.data(), t * k * 4), DType::kFloat32, {t, k});
+  layer_b.out = TensorRef(device_copy(nullptr, t * h * 2), DType::kBFloat16, {t, h});
+  layer_b.context = &context_b;
+  cudaStream_t other = nullptr;
+  MOK_CHECK_CUDA(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  auto out_b_bits = [&] {
+    std::vector<uint16_t> bits(t * h);
+    MOK_CHECK_CUDA(cudaMemcpy(bits.data(), layer_b.out.data, t * h * 2, cudaMemcpyDeviceToHost));
+    return bits;
+  };
+  auto run = [&](cudaStream_t stream_b) {
+    harness.poison_outputs();
+    const std::vector<uint16_t> poison(t * h, testing::kBf16Poison);
+    MOK_CHECK_CUDA(cudaMemcpy(layer_b.out.mutable_data(), poison.data(), t * h * 2, cudaMemcpyHostToDevice));
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());  // the poison has landed before a non-blocking stream reads it
+    layer_b.stream = stream_b;
+    for (int rep = 0; rep < 3; ++rep) {  // a few rounds: overlap, had it been possible, shows in one of them
+      harness.workspace().forward({&layer_a, 1});
+      harness.workspace().forward({&layer_b, 1});
+    }
+    MOK_CHECK_CUDA(cudaStreamSynchronize(layer_a.stream));
+    MOK_CHECK_CUDA(cudaStreamSynchronize(other));
+    const StatusReport report = harness.workspace().read_status(0, layer_a.stream);
+    EXPECT_TRUE(report.ok()) << report.describe(int(t), int(k), shape.num_experts);
+    return std::pair{harness.out_bits(0), out_b_bits()};
+  };
+  const auto one_stream = run(layer_a.stream);
+  const auto two_streams = run(other);
+  EXPECT_EQ(first_mismatch(two_streams.first, one_stream.first, int(h)), "") << "layer a, T=2048 H=512 seeds 71/72";
+  EXPECT_EQ(first_mismatch(two_streams.second, one_stream.second, int(h)), "") << "layer b, T=2048 H=512 seeds 71/72";
+  EXPECT_NE(first_mismatch(one_stream.first, one_stream.second, int(h)), "") << "the two layers' inputs differ";
+  MOK_CHECK_CUDA(cudaStreamDestroy(other));
+  for (void* p : buffers) MOK_CHECK_CUDA(cudaFree(p));
 }
 
 // Full-size shapes at EP=2 (both ranks on this GPU), 8192 tokens per rank, against the fp32 GPU check on

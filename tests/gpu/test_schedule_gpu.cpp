@@ -141,6 +141,30 @@ TEST(ScheduleGpuTest, BadExpertIdsAreReportedExactly) {
   }
 }
 
+// The status word is sticky across builds until reset_status; a good build after the reset matches the
+// CPU twin again, status included.
+TEST(ScheduleGpuTest, StatusIsStickyAcrossBuildsUntilReset) {
+  MOK_REQUIRE_GPUS(1);
+  const RoutingShape shape{2, 2048, 8, 64};
+  auto bad = make_ids(shape, 0.0, 23);
+  bad[0][1234] = 64;
+  const auto good = make_ids(shape, 0.0, 24);
+  ScheduleOptions options;
+  ScheduleHarness harness(PeerGroup::virtual_ranks(2), shape, options);
+  harness.upload(bad, IndexType::kInt32);
+  harness.launch();
+  harness.upload(good, IndexType::kInt32);
+  harness.launch();
+  for (int r = 0; r < 2; ++r) {
+    const StatusReport report = harness.workspace().read_status(r, harness.stream(r));
+    EXPECT_EQ(report.raw.error_bits, kStatusBadExpertId) << "seed 23/24 rank " << r;
+    EXPECT_EQ(report.bad_route(), 1234);
+  }
+  for (int r = 0; r < 2; ++r) harness.workspace().reset_status(r, harness.stream(r));
+  harness.synchronize();
+  expect_matches_twin(harness, options, good, "after reset, seed=24");
+}
+
 TEST(ScheduleGpuTest, HugeInt64IdsSaturateAndAreReported) {
   MOK_REQUIRE_GPUS(1);
   const RoutingShape shape{1, 64, 2, 8};

@@ -22,16 +22,24 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) 
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(arrivals) : "memory");
 }
 
-// Waits until the phase of parity `parity` has completed. Acquire at cluster scope, so it also orders
-// stores a partner CTA made into this CTA's shared memory before its release-arrive.
+// True once the phase of parity `parity` has completed (the hardware may suspend the thread a while
+// before it answers false). Acquire at cluster scope, so it also orders stores a partner CTA made into this
+// CTA's shared memory before its release-arrive.
+__device__ __forceinline__ bool mbarrier_try_wait_cluster(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+      : "=r"(done)
+      : "r"(smem_address(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// Waits until the phase of parity `parity` has completed, without a bound (the bulk-copy slot of a
+// communication CTA: its only partner is the copy engine). Hand-offs between threads go through
+// handoff_wait (src/device/common/sync.cuh) instead.
 __device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(smem_address(bar)), "r"(parity)
-        : "memory");
+  while (!mbarrier_try_wait_cluster(bar, parity)) {
   }
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "mok/status.h"
+#include "src/device/common/mbarrier.cuh"
 
 namespace mok::device {
 
@@ -69,22 +70,18 @@ struct WaitSite {
   int32_t index;
 };
 
-// Spins until *counter >= target (acquire, system scope). Gives up after timeout_ns, records the first
-// timeout in `status` (rank, SM, role, counter, awaited and seen values) and returns false. (No printf:
-// it would give every waiting kernel a stack frame; the host prints the status word.)
-// Callers skip their work after a false return: results are then garbage but nothing is written out of
-// bounds, and the host learns why from the status word.
-__device__ inline bool wait_at_least(const uint64_t* counter, uint64_t target, WaitSite site,
-                                     DeviceStatus* status, uint64_t timeout_ns) {
-  uint64_t seen = load_acquire_sys(counter);
-  if (seen >= target) return true;
-  const uint64_t start = global_timer_ns();
-  while (true) {
-    seen = load_acquire_sys(counter);
-    if (seen >= target) return true;
-    if (global_timer_ns() - start > timeout_ns) break;
-    __nanosleep(64);
-  }
+// The abort word (DeviceStatus::abort): a relaxed volatile read, cheap enough for every slow-path poll.
+// GPU scope is enough: the word is per rank and only this GPU's kernels read and write it (peers learn of
+// a failure by timing out themselves).
+__device__ __forceinline__ uint32_t abort_bits(const DeviceStatus* status) {
+  return *static_cast<const volatile uint32_t*>(&status->abort);
+}
+
+// The first timeout claims the report (rank, SM, role, counter, index, awaited, seen) and sets `abort`;
+// later ones only add their error bit. Why release at GPU scope on the abort word: a waiter that sees it
+// set may read the report afterwards (the host reads it after the stream anyway).
+__device__ __forceinline__ void record_timeout(DeviceStatus* status, WaitSite site, uint64_t awaited, uint64_t seen,
+                                               uint32_t abort_bit) {
   atomicOr(&status->error_bits, kStatusWaitTimeout);
   if (atomicCAS(&status->timeout_claimed, 0u, 1u) == 0u) {
     status->timeout_rank = site.rank;
@@ -92,10 +89,91 @@ __device__ inline bool wait_at_least(const uint64_t* counter, uint64_t target, W
     status->timeout_role = static_cast<int32_t>(site.role);
     status->timeout_counter = static_cast<int32_t>(site.counter);
     status->timeout_index = site.index;
-    status->timeout_awaited = target;
+    status->timeout_awaited = awaited;
     status->timeout_seen = seen;
   }
+  __threadfence();
+  atomicOr(&status->abort, abort_bit);
+}
+
+// A wait that gave up at once because an earlier one timed out.
+__device__ __forceinline__ void record_abandoned(DeviceStatus* status) { atomicAdd(&status->abandoned_waits, 1u); }
+
+// Spins until *counter >= target (acquire, system scope). Gives up after timeout_ns, records the first
+// timeout in `status` (rank, SM, role, counter, awaited and seen values), sets the abort word and returns
+// false; gives up at once (false, counted in abandoned_waits) while the abort word is set, so after one
+// timeout the rest of the step fails fast. The fast path (counter already there) reads nothing else.
+// (No printf: it would give every waiting kernel a stack frame; the host prints the status word.)
+// Callers skip the dependent work after a false return (docs/sync_protocol.md says what each skips):
+// results are then garbage but nothing is written out of bounds, and the host learns why from the status.
+__device__ inline bool wait_at_least(const uint64_t* counter, uint64_t target, WaitSite site,
+                                     DeviceStatus* status, uint64_t timeout_ns) {
+  uint64_t seen = load_acquire_sys(counter);
+  if (seen >= target) return true;
+  if (abort_bits(status) != 0) {
+    record_abandoned(status);
+    return false;
+  }
+  const uint64_t start = global_timer_ns();
+  while (true) {
+    seen = load_acquire_sys(counter);
+    if (seen >= target) return true;
+    if (abort_bits(status) != 0) {
+      record_abandoned(status);
+      return false;
+    }
+    if (global_timer_ns() - start > timeout_ns) break;
+    __nanosleep(64);
+  }
+  record_timeout(status, site, target, seen, kAbortWait);
   return false;
+}
+
+// Bound of the in-kernel mbarrier hand-offs (task ring, GEMM pipeline): where they report and how long
+// they may take. `status == nullptr` (the standalone GEMM) waits without a bound, as CUTLASS does.
+// Their partners are threads of the same launch, which make progress as long as the counter waits above
+// are bounded, so a legitimate hand-off lasts at most about one counter timeout (a producer waiting for
+// its inputs) plus some tiles: the bound is twice the counter timeout plus one second, and expiring it
+// means a protocol bug. They do not give up on kAbortWait (a counter timeout): the roles then finish the
+// tiles they hold, keeping every TMA load waited for; only kAbortHandoff makes them give up at once.
+struct HandoffBound {
+  DeviceStatus* status = nullptr;
+  uint64_t counter_timeout_ns = 0;
+  int32_t rank = 0;
+
+  __device__ __forceinline__ uint64_t timeout_ns() const { return 2 * counter_timeout_ns + 1000000000ull; }
+};
+
+// The slow path of an mbarrier wait: polls try_wait() (true once the phase completed) until it succeeds,
+// the bound expires (recorded, kAbortHandoff) or another hand-off timed out; false when it gave up.
+template <class TryWait>
+__device__ __forceinline__ bool handoff_wait_slow(TryWait try_wait, const HandoffBound& bound, Role role,
+                                                  CounterId counter, int32_t index) {
+  if (bound.status == nullptr) {
+    while (!try_wait()) {
+    }
+    return true;
+  }
+  const uint64_t start = global_timer_ns();
+  while (!try_wait()) {
+    if (abort_bits(bound.status) & kAbortHandoff) {
+      record_abandoned(bound.status);
+      return false;
+    }
+    if (global_timer_ns() - start > bound.timeout_ns()) {
+      record_timeout(bound.status, {bound.rank, role, counter, index}, 1, 0, kAbortHandoff);
+      return false;
+    }
+  }
+  return true;
+}
+
+// A bounded mbarrier hand-off (cluster-scope acquire): the fast path is one try_wait, as before; false
+// when it gave up (see handoff_wait_slow).
+__device__ __forceinline__ bool mbarrier_wait_bounded(uint64_t* bar, uint32_t parity, const HandoffBound& bound,
+                                                      Role role, CounterId counter, int32_t index) {
+  if (mbarrier_try_wait_cluster(bar, parity)) return true;
+  return handoff_wait_slow([&] { return mbarrier_try_wait_cluster(bar, parity); }, bound, role, counter, index);
 }
 
 }  // namespace mok::device

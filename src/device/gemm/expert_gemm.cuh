@@ -212,11 +212,40 @@ struct TaskWalker {
   }
 };
 
+// Bounded pipeline waits (the megakernel's; a default HandoffBound waits without a bound). The fast path
+// is CUTLASS's one try_wait; only a stage that is not ready yet polls the timer (docs/sync_protocol.md).
+// The producer's acquire returns false when it gave up (the caller stops issuing). The consumers' wait
+// goes on after a give-up as if the stage were full (garbage, in bounds): their control flow around wgmma
+// stays warp-uniform, and every later hand-off gives up at once (kAbortHandoff), so the kernel ends.
+template <class Pipeline, class State>
+__device__ __forceinline__ bool producer_acquire_bounded(Pipeline& pipeline, const State& state,
+                                                         const device::HandoffBound& bound) {
+  auto token = pipeline.producer_try_acquire(state);
+  if (token == cutlass::BarrierStatus::WaitAgain) {
+    if (!device::handoff_wait_slow(
+            [&] { return pipeline.producer_try_acquire(state) == cutlass::BarrierStatus::WaitDone; }, bound,
+            Role::kGemmProducer, CounterId::kPipelineEmpty, state.index()))
+      return false;
+    token = cutlass::BarrierStatus::WaitDone;
+  }
+  pipeline.producer_acquire(state, token);  // arms the stage's transaction bytes; no wait left
+  return true;
+}
+
+template <class Pipeline, class State>
+__device__ __forceinline__ void consumer_wait_bounded(Pipeline& pipeline, const State& state,
+                                                      const device::HandoffBound& bound) {
+  if (pipeline.consumer_try_wait(state) == cutlass::BarrierStatus::WaitDone) return;
+  device::handoff_wait_slow([&] { return pipeline.consumer_try_wait(state) == cutlass::BarrierStatus::WaitDone; },
+                            bound, Role::kGemmConsumer, CounterId::kPipelineFull, state.index());
+}
+
 // Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
+// False when a stage acquire gave up (`bound`): the rest of the tile is not issued.
 template <class Traits, class Params>
-__device__ __forceinline__ void load_tile(const Params& p, const TileTask& task, int cta_rank,
+__device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task, int cta_rank,
                                           typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
-                                          typename Traits::PipelineState& state) {
+                                          typename Traits::PipelineState& state, const device::HandoffBound& bound = {}) {
   using namespace cute;
   using T = Traits;
   Tensor m_a = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k));
@@ -247,7 +276,7 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
   const int num_k_blocks = p.k / T::kBlockK;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     // Waits until the consumers of every CTA of the cluster released the stage: our A rows land in all.
-    pipeline.producer_acquire(state);
+    if (!producer_acquire_bounded(pipeline, state, bound)) return false;
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
     if constexpr (T::kClusterN > 1)
@@ -258,6 +287,7 @@ __device__ __forceinline__ void load_tile(const Params& p, const TileTask& task,
     copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
     ++state;
   }
+  return true;
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
@@ -292,7 +322,8 @@ template <class Traits, class Params>
 __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
                                              typename Traits::Pipeline& pipeline,
                                              typename Traits::PipelineState& read_state, int consumer_idx,
-                                             uint64_t* rows_done = nullptr, RowsDoneSignal* signal = nullptr) {
+                                             uint64_t* rows_done = nullptr, RowsDoneSignal* signal = nullptr,
+                                             const device::HandoffBound& bound = {}) {
   using namespace cute;
   using T = Traits;
   typename T::TiledMma mma;
@@ -319,7 +350,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   if (!active) {
     // A 64-row task: the other warpgroup computes it alone; this one only passes the stages back.
     for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-      pipeline.consumer_wait(read_state);
+      consumer_wait_bounded(pipeline, read_state, bound);
       pipeline.consumer_release(read_state);
       ++read_state;
     }
@@ -328,7 +359,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   typename T::PipelineState release_state = read_state;
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    pipeline.consumer_wait(read_state);
+    consumer_wait_bounded(pipeline, read_state, bound);
     const int stage = read_state.index();
     warpgroup_fence_operand(accum);
     warpgroup_arrive();

@@ -5,8 +5,13 @@
 #include <cstdint>
 
 #include "src/device/common/mbarrier.cuh"
+#include "src/device/common/sync.cuh"
 
 namespace mok::gemm {
+
+// A slot past every task: what take() hands out once the status word's abort is set (the cluster stops at
+// the same slot in both CTAs) or when its mail hand-off gave up. Every walker maps it to "no task".
+inline constexpr int32_t kStopSlot = 0x7fffffff;
 
 // Hand-off of task slots. The cluster's rank-0 producer takes each slot from the global ticket and mails
 // it to the rank-1 producer; each producer publishes it, or what it decoded from it (Payload: a few 32-bit
@@ -32,31 +37,39 @@ struct TaskRing {
   }
 
   // Producer thread: the cluster's k-th slot (rank 0 takes it from `ticket`, rank 1 from rank 0's mail).
-  __device__ int32_t take(int k, int cta_rank, int32_t* ticket) {
+  // With a bound (the megakernel's): rank 0 hands out kStopSlot instead once the abort word is set, and
+  // either rank returns kStopSlot when its mail hand-off gave up.
+  __device__ int32_t take(int k, int cta_rank, int32_t* ticket, const device::HandoffBound& bound = {}) {
     const int q = k % kDepth;
     const uint32_t phase = (k / kDepth) & 1;
     int32_t s;
     if (cta_rank == 0) {
-      s = atomicAdd(ticket, 1);
+      s = bound.status != nullptr && device::abort_bits(bound.status) != 0 ? kStopSlot : atomicAdd(ticket, 1);
       if constexpr (kClusterN > 1) {
-        device::mbarrier_wait_cluster(&mail_empty[q], phase ^ 1);
+        if (!device::mbarrier_wait_bounded(&mail_empty[q], phase ^ 1, bound, Role::kGemmProducer, CounterId::kTaskMail, q))
+          return kStopSlot;
         device::store_cluster(&mail[q], 1, s);
         device::mbarrier_arrive_cluster(&mail_full[q], 1);
       }
     } else {
-      device::mbarrier_wait_cluster(&mail_full[q], phase);
+      if (!device::mbarrier_wait_bounded(&mail_full[q], phase, bound, Role::kGemmProducer, CounterId::kTaskMail, q))
+        return kStopSlot;
       s = mail[q];
       device::mbarrier_arrive_cluster(&mail_empty[q], 0);
     }
     return s;
   }
 
-  // Producer thread: the k-th entry for the consumers.
-  __device__ void publish(int k, const Payload& value) {
+  // Producer thread: the k-th entry for the consumers; false (nothing published) when the wait for the
+  // entry to be free gave up.
+  __device__ bool publish(int k, const Payload& value, const device::HandoffBound& bound = {}) {
     const int q = k % kDepth;
-    device::mbarrier_wait_cluster(&empty[q], ((k / kDepth) & 1) ^ 1);
+    if (!device::mbarrier_wait_bounded(&empty[q], ((k / kDepth) & 1) ^ 1, bound, Role::kGemmProducer,
+                                       CounterId::kTaskRing, q))
+      return false;
     slot[q] = value;
     device::mbarrier_arrive(&full[q]);
+    return true;
   }
 
   // Producer thread: take, then publish the slot itself.
@@ -69,18 +82,27 @@ struct TaskRing {
 
   // Consumer threads (all of them): the k-th entry, warp-uniform.
   __device__ Payload consume(int k) {
+    Payload value;
+    consume(k, value, {});
+    return value;
+  }
+
+  // The same with a bound: false (warp-uniform; `value` is then garbage) when the wait gave up. The warps of
+  // a warpgroup may disagree: a caller that runs warpgroup-wide work on the entry must agree first.
+  __device__ bool consume(int k, Payload& value, const device::HandoffBound& bound) {
     const int q = k % kDepth;
-    device::mbarrier_wait_cluster(&full[q], (k / kDepth) & 1);
+    const bool arrived = device::mbarrier_wait_bounded(&full[q], (k / kDepth) & 1, bound, Role::kGemmConsumer,
+                                                       CounterId::kTaskRing, q);
     // Why the shuffle: see compute_tile (ptxas must see branches around wgmma as warp-uniform).
     int32_t words[sizeof(Payload) / 4];
     const int32_t* entry = reinterpret_cast<const int32_t*>(&slot[q]);
 #pragma unroll
     for (int w = 0; w < int(sizeof(Payload) / 4); ++w) words[w] = __shfl_sync(0xffffffff, entry[w], 0);
+    const bool ok = __shfl_sync(0xffffffff, __all_sync(0xffffffff, arrived) ? 1 : 0, 0) != 0;
     __syncwarp();
     if (threadIdx.x % 32 == 0) device::mbarrier_arrive(&empty[q]);
-    Payload value;
     memcpy(&value, words, sizeof(Payload));
-    return value;
+    return ok;
   }
 };
 

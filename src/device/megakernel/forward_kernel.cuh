@@ -177,17 +177,55 @@ __device__ void run_producer(const Params& p, ForwardSharedStorage<T>& smem, typ
     return;
   }
   if (threadIdx.x != 0) return;
+  const device::HandoffBound bound{p.status, p.timeout_ns, p.rank};
   auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
   ComputeWalker walker(p.order, *p.scheduled_rows);
   for (int k = 0;; ++k) {
+    // After a timeout (abort set) rank 0 takes kStopSlot: both CTAs of the cluster stop at this slot.
+    const int32_t slot = smem.tasks.take(k, cta_rank, p.compute_ticket, bound);
     ComputeTask task;
-    if (!walker.task_at(smem.tasks.take(k, cta_rank, p.compute_ticket), task)) task.kind = TaskKind::kNone;
-    smem.tasks.publish(k, task);
+    if (slot == gemm::kStopSlot || !walker.task_at(slot, task)) task.kind = TaskKind::kNone;
+    if (!smem.tasks.publish(k, task, bound)) break;  // hand-off gave up: stop issuing
     if (task.kind == TaskKind::kNone) break;
+    // A failed input wait still issues the tile (in bounds, garbage): the partner CTA and both CTAs'
+    // consumers already hold it, and every load issued is waited for before the CTAs exit.
     wait_for_inputs(p, task);
-    load_tile<T>(gemm_of(p, task.kind), tile_of<T::kClusterN>(task, cta_rank), cta_rank, smem.gemm, pipeline, state);
+    if (!load_tile<T>(gemm_of(p, task.kind), tile_of<T::kClusterN>(task, cta_rank), cta_rank, smem.gemm, pipeline,
+                      state, bound))
+      break;
   }
-  pipeline.producer_tail(state);
+  // Why: neither CTA may exit while its consumers, or the partner's, still release stages into it
+  // (CUTLASS's producer_tail, bounded).
+  for (int stage = 0; stage < T::kStages; ++stage, ++state) {
+    if (pipeline.producer_try_acquire(state) == cutlass::BarrierStatus::WaitDone) continue;
+    if (!device::handoff_wait_slow(
+            [&] { return pipeline.producer_try_acquire(state) == cutlass::BarrierStatus::WaitDone; }, bound,
+            Role::kGemmProducer, CounterId::kPipelineEmpty, state.index()))
+      break;
+  }
+}
+
+// Hardware named barrier `barrier_id` (0-15, no CUTLASS offset: cutlass::arch::NamedBarrier adds
+// ReservedNamedBarrierCount to its ids) over `threads` threads that also reduces a flag: true when every
+// thread passed true (and) / any thread did (or). Broadcast from lane 0, so ptxas sees it warp-uniform.
+__device__ __forceinline__ bool named_barrier_and(bool value, int barrier_id, int threads) {
+  uint32_t all;
+  asm volatile(
+      "{ .reg .pred p, q; setp.ne.u32 q, %1, 0; bar.red.and.pred p, %2, %3, q; selp.u32 %0, 1, 0, p; }"
+      : "=r"(all)
+      : "r"(value ? 1u : 0u), "r"(barrier_id), "r"(threads)
+      : "memory");
+  return __shfl_sync(0xffffffff, all, 0) != 0;
+}
+
+__device__ __forceinline__ bool named_barrier_or(bool value, int barrier_id, int threads) {
+  uint32_t any;
+  asm volatile(
+      "{ .reg .pred p, q; setp.ne.u32 q, %1, 0; bar.red.or.pred p, %2, %3, q; selp.u32 %0, 1, 0, p; }"
+      : "=r"(any)
+      : "r"(value ? 1u : 0u), "r"(barrier_id), "r"(threads)
+      : "memory");
+  return __shfl_sync(0xffffffff, any, 0) != 0;
 }
 
 template <class T, class TDown, class Params>
@@ -198,8 +236,17 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
   const bool recorder = threadIdx.x == 128;
   gemm::RowsDoneSignal signal;  // this warpgroup's late completion count (used by its store leader)
   typename T::PipelineState state;
+  const device::HandoffBound bound{p.status, p.timeout_ns, p.rank};
+  // The consumer warpgroup's hardware barrier: the one compute_tile's epilogue syncs (NamedBarrier id
+  // 1 + warpgroup), the same 128 threads.
+  const int consumer_barrier = int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) + 1 +
+                               __shfl_sync(0xffffffff, (static_cast<int>(threadIdx.x) - 128) / 128, 0);
   for (int k = 0;; ++k) {
-    const ComputeTask task = smem.tasks.consume(k);  // warp-uniform (broadcast from lane 0)
+    ComputeTask task;
+    const bool arrived = smem.tasks.consume(k, task, bound);  // warp-uniform (broadcast from lane 0)
+    // Why: a hand-off that gave up leaves the warpgroup's four warps free to disagree; they must leave
+    // together (the tile's wgmma and named barriers need all four).
+    if (!named_barrier_and(arrived, consumer_barrier, 128)) break;
     const TaskKind kind = task.kind;
     if (kind == TaskKind::kNone) break;
     const uint64_t start = recorder ? device::global_timer_ns() : 0;
@@ -212,10 +259,10 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
     // Two call sites, not four: each inlined compute_tile hoists its own loop invariants into registers.
     if (kind == TaskKind::kSharedGateUp || kind == TaskKind::kExpertGateUp)
       gemm::compute_tile<T>(shared ? p.shared_gate_up : p.expert_gate_up, tile, smem.gemm, pipeline, state, consumer_idx,
-                            shared ? p.counters.shared_hidden_ready : p.counters.hidden_ready, &signal);
+                            shared ? p.counters.shared_hidden_ready : p.counters.hidden_ready, &signal, bound);
     else
       gemm::compute_tile<TDown>(shared ? p.shared_down : p.expert_down, tile, down_smem, pipeline, state,
-                                consumer_idx, shared ? nullptr : p.counters.output_ready, &signal);
+                                consumer_idx, shared ? nullptr : p.counters.output_ready, &signal, bound);
     if (recorder)
       p.timeline.record(task.kind, start, device::global_timer_ns(), tile.row, tile.rows, tile.n_block, task.expert);
   }
@@ -229,38 +276,47 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
 // The communication loop of both placements: a group of threads takes 64-row dispatch and combine tasks
 // from the comm ticket; its leader waits for the task's inputs; copy_unit(task) copies the rows (each thread
 // ends with its copies written); the leader publishes them with one release.
-//   sync()  the group's barrier: __syncthreads for a communication CTA, a named barrier for the producer
-//           warpgroup's three copy warps
+//   sync(flag)  the group's barrier, returning whether any thread passed true: __syncthreads_or for a
+//               communication CTA, bar.red.or on a named barrier for the producer warpgroup's copy warps
 template <class Params, class Sync, class CopyUnit>
 __device__ __forceinline__ void communication_loop(const Params& p, int32_t& slot_word, bool leader, Sync sync,
                                                    CopyUnit copy_unit) {
   const int32_t scheduled_rows = *p.scheduled_rows;
   while (true) {
-    if (leader) slot_word = atomicAdd(p.comm_ticket, 1);
-    sync();
+    // After a timeout (abort set) the group takes no more tasks.
+    if (leader) slot_word = device::abort_bits(p.status) != 0 ? gemm::kStopSlot : atomicAdd(p.comm_ticket, 1);
+    sync(false);
+    if (slot_word == gemm::kStopSlot) break;
     const CommTask task = comm_task_at(p.order, scheduled_rows, slot_word);
     if (task.kind == TaskKind::kNone) break;
     const uint64_t start = leader ? device::global_timer_ns() : 0;
+    bool gave_up = false;
     if (leader) {
+      bool ready = true;
       if (task.kind == TaskKind::kDispatch) {
         // The ring rows this unit overwrites held the unit one macrobatch later (walked earlier): its gate/up
         // tiles read them and its combine, which needed everything downstream, is done.
         const int32_t previous = task.unit + p.order.ring_rows / kUnitRows;
         if (previous * kUnitRows < scheduled_rows)
-          device::wait_at_least(p.counters.rows_combined + previous, 1,
-                                {p.rank, Role::kDispatch, CounterId::kRowsCombined, previous}, p.status, p.timeout_ns);
+          ready = device::wait_at_least(p.counters.rows_combined + previous, 1,
+                                        {p.rank, Role::kDispatch, CounterId::kRowsCombined, previous}, p.status,
+                                        p.timeout_ns);
       } else {
-        device::wait_at_least(p.counters.output_ready + task.unit, p.down_n_blocks,
-                              {p.rank, Role::kCombine, CounterId::kOutputReady, task.unit}, p.status, p.timeout_ns);
+        ready = device::wait_at_least(p.counters.output_ready + task.unit, p.down_n_blocks,
+                                      {p.rank, Role::kCombine, CounterId::kOutputReady, task.unit}, p.status,
+                                      p.timeout_ns);
       }
+      gave_up = !ready;
     }
     // Why: the leader's acquire covers the group once it passes the barrier; the fence then orders it before
     // this thread's bulk loads (async proxy) of rows other CTAs wrote.
-    sync();
+    // A wait that gave up: the group skips this unit's copy (its rows would be overwritten while read, or
+    // are not written yet) and stops; the unit's counter never moves, so its dependents give up too.
+    if (sync(gave_up)) break;
     device::fence_proxy_async_global();
     copy_unit(task);
     // Why: every thread's rows are written before the leader publishes them with one release.
-    sync();
+    sync(false);
     if (leader) {
       device::fence_acq_rel_gpu();
       uint64_t* done = task.kind == TaskKind::kDispatch ? p.counters.rows_arrived : p.counters.rows_combined;
@@ -340,14 +396,17 @@ __device__ void run_communication_cta(const Params& p, ForwardSharedStorage<T>& 
     }
     copier.finish();  // this warp's stores are written
   };
-  communication_loop(p, smem.comm_slot_word, threadIdx.x == 0, [] { __syncthreads(); }, copy_unit);
+  communication_loop(p, smem.comm_slot_word, threadIdx.x == 0, [](bool flag) { return __syncthreads_or(flag) != 0; },
+                     copy_unit);
 }
 
 // The producer warpgroup's three warps besides the TMA issuer (FusedOptions::comm_ctas == 0: no CTA is
 // given to communication): warp copies (copy_row_warp), warp w of 3 taking rows w, w + 3, ... of a unit.
 template <class T, class Params>
 __device__ void run_communication_warps(const Params& p, ForwardSharedStorage<T>& smem) {
-  constexpr int kCopyWarps = 3, kBarrierId = 8;  // named barrier ids 1 and 2 are the consumer warpgroups'
+  // Hardware barrier 8: CUTLASS NamedBarrier ids 1 and 2 of the consumer warpgroups are hardware 9 and 10.
+  // (Through NamedBarrier::sync, id 8 was hardware 16, which the SASS showed wrapped to barrier 0.)
+  constexpr int kCopyWarps = 3, kBarrierId = 8;
   const int warp = static_cast<int>(threadIdx.x) / 32 - 1, lane = static_cast<int>(threadIdx.x) % 32;
   auto copy_unit = [&](const CommTask& task) {
     for (int r = warp; r < kUnitRows; r += kCopyWarps) {
@@ -361,7 +420,7 @@ __device__ void run_communication_warps(const Params& p, ForwardSharedStorage<T>
     }
   };
   communication_loop(p, smem.comm_slot_word, threadIdx.x == 32,
-                     [] { cutlass::arch::NamedBarrier::sync(32 * kCopyWarps, kBarrierId); }, copy_unit);
+                     [](bool flag) { return named_barrier_or(flag, kBarrierId, 32 * kCopyWarps); }, copy_unit);
 }
 
 template <class T, class TDown, class Params>

@@ -115,7 +115,16 @@ __global__ void __launch_bounds__(32) count_chunks_kernel(ScheduleParams p) {
   const bool arrived = lane == 0 ? device::wait_at_least(GatherLayout::topk_arrived(p.gather_base) + src,
                                                          expected, site, p.status, p.timeout_ns)
                                  : true;
-  if (!__shfl_sync(0xffffffffu, arrived ? 1 : 0, 0)) return;
+  if (!__shfl_sync(0xffffffffu, arrived ? 1 : 0, 0)) {
+    // The ids never came (or an earlier wait timed out): this chunk counts as empty, so the schedule the
+    // later kernels build stays consistent and in bounds instead of mixing in a previous build's counts.
+    for (int64_t q = chunk * kChunkRoutes + lane; q < p.routes_per_rank && q < (chunk + 1) * kChunkRoutes; q += 32)
+      p.schedule[p.layout.route_slot + int64_t(src) * p.routes_per_rank + q] = kNoRoute;
+    int32_t* counts =
+        p.schedule + p.layout.chunk_counts + (int64_t(src) * p.layout.num_chunks + chunk) * p.local_experts;
+    for (int e = lane; e < p.local_experts; e += 32) counts[e] = 0;
+    return;
+  }
   // Why: lane 0's acquire covers the ids for lane 0 only; the warp barrier extends the ordering to the
   // other lanes of the warp (CTA-scope morally strong synchronization).
   __syncwarp();
@@ -199,8 +208,8 @@ __global__ void __launch_bounds__(ScanTraits::kThreads) scan_experts_kernel(Sche
     row_offsets[p.local_experts] = static_cast<int32_t>(rows_needed);
     const bool fits = rows_needed <= l.capacity_rows;
     p.schedule[l.scheduled_rows] = fits ? static_cast<int32_t>(rows_needed) : 0;
-    if (!fits) {
-      atomicOr(&p.status->error_bits, kStatusCapacityOverflow);
+    // The status word is sticky (include/mok/status.h): the first overflow since the reset keeps its numbers.
+    if (!fits && (atomicOr(&p.status->error_bits, kStatusCapacityOverflow) & kStatusCapacityOverflow) == 0) {
       p.status->rows_needed = rows_needed;
       p.status->rows_capacity = l.capacity_rows;
     }
