@@ -172,7 +172,6 @@ def test_fake_tensor_mode_shapes():
     ws = meta_workspace()
     ctx = ws.make_context()
     with FakeTensorMode():
-        x, idx, rw, w = (t for t in meta_args()[:3]), None, None, None
         x, idx, rw = make_inputs(SHAPE, "cpu")
         w = make_weights(SHAPE, "cpu")
         out = torch.ops.mok.forward(ws.handle, ctx.handle, False, x, idx, rw, w.expert_gate, w.expert_up,
