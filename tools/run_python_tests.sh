@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python package's tests (called by tools/run_tests.sh, so CI runs them):
 #   1. PyTorch, if missing: python3 -m pip install torch (PyPI; ~100 s and 5.4 GB where measured, docs/design.md)
-#   2. python3 -m pip install .  (scikit-build-core: the CUDA library and the extension only, in build/py/)
+#   2. python3 -m pip install .  (scikit-build-core: the CUDA library and the extension only, in build-python/)
 #   3. pytest python/tests: the CPU tests; the GPU tests report their skip reason without a Hopper GPU.
 # Without a registry (the GPU machine) step 2 uses --no-build-isolation when scikit-build-core and nanobind
 # are installed. MOK_PYTHON_TESTS=0 skips everything (printed). $PYTHON picks the interpreter (python3).
