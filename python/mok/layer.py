@@ -72,7 +72,7 @@ class Workspace:
         if self.is_meta:
             return Status(ok=True)
         ok, bits, message = self._native.read_status(_cuda_stream(self.device))
-        return Status(ok=bool(ok), error_bits=int(bits), message=message)
+        return Status(ok=bool(ok), error_bits=int(bits), message=message.rstrip())
 
     def reset_status(self) -> None:
         """Clears the status word, asynchronously on the current stream."""
