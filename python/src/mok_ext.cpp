@@ -1,0 +1,325 @@
+// mok._mok: the C++ API of include/mok/moe.h for Python (nanobind), the forward pass only.
+//
+// Tensors arrive as DLPack views of the caller's (torch) tensors: no copies, no ownership taken. Each call
+// checks what it reads (CUDA device of the workspace, dtype, C-contiguity, 16-byte alignment) and names the
+// argument; shapes are checked by MoeWorkspace itself (std::invalid_argument -> ValueError). Streams are
+// raw cudaStream_t values (torch.cuda.current_stream().cuda_stream). The Python package (python/mok) is the
+// user-facing API; this module is its private back end.
+//
+//   _mok.nccl_unique_id() -> bytes                      rank 0 makes it, the group broadcasts it
+//   ws = _mok.Workspace(device, ep_size, rank, nccl_id or None, shape..., options...)
+//   ctx = ws.make_context()
+//   ws.forward(x, topk_idx, router_weights, weights..., out, ctx, stream, schedule_ready)
+//   ok, bits, message = ws.read_status(stream)
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include <cuda_runtime_api.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nccl.h>
+
+#include "mok/moe.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using Array = nb::ndarray<nb::device::cuda>;
+using OptionalArray = std::optional<Array>;
+
+void check_cuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+void check_nccl(ncclResult_t status, const char* what) {
+  if (status != ncclSuccess) throw std::runtime_error(std::string(what) + ": " + ncclGetErrorString(status));
+}
+
+// Makes `device` current for the scope and restores the caller's (PyTorch's) current device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+const char* dtype_name(nb::dlpack::dtype t) {
+  if (t == nb::dtype<float>()) return "float32";
+  if (t == nb::dtype<double>()) return "float64";
+  if (t == nb::dtype<int32_t>()) return "int32";
+  if (t == nb::dtype<int64_t>()) return "int64";
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return "bf16";
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && t.bits == 16) return "float16";
+  return "an unsupported dtype";
+}
+
+bool is_c_contiguous(const Array& a) {
+  int64_t expected = 1;
+  for (size_t d = a.ndim(); d-- > 0;) {
+    if (a.shape(d) != 1 && a.stride(d) != expected) return false;
+    expected *= static_cast<int64_t>(a.shape(d));
+  }
+  return true;
+}
+
+// A TensorRef on `a` after the checks the C++ API cannot make itself (it sees only a pointer).
+mok::TensorRef tensor_ref(const Array& a, const char* name, int device, bool allow_int64 = false) {
+  const nb::dlpack::dtype t = a.dtype();
+  mok::DType dtype;
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16 && t.lanes == 1) {
+    dtype = mok::DType::kBFloat16;
+  } else if (t == nb::dtype<float>()) {
+    dtype = mok::DType::kFloat32;
+  } else if (t == nb::dtype<int32_t>()) {
+    dtype = mok::DType::kInt32;
+  } else if (t == nb::dtype<int64_t>() && allow_int64) {
+    dtype = mok::DType::kInt64;
+  } else {
+    throw std::invalid_argument(std::string(name) + ": unsupported dtype " + dtype_name(t));
+  }
+  if (a.device_id() != device) {
+    throw std::invalid_argument(std::string(name) + ": on cuda:" + std::to_string(a.device_id()) +
+                                ", the workspace is on cuda:" + std::to_string(device));
+  }
+  if (a.ndim() < 1 || a.ndim() > static_cast<size_t>(mok::TensorRef::kMaxDims)) {
+    throw std::invalid_argument(std::string(name) + ": " + std::to_string(a.ndim()) + " dimensions");
+  }
+  if (!is_c_contiguous(a)) throw std::invalid_argument(std::string(name) + ": not contiguous");
+  if (reinterpret_cast<uintptr_t>(a.data()) % 16 != 0) {
+    throw std::invalid_argument(std::string(name) + ": data pointer not 16-byte aligned");
+  }
+  mok::TensorRef ref;
+  ref.data = a.data();
+  ref.dtype = dtype;
+  ref.ndim = static_cast<int>(a.ndim());
+  for (size_t d = 0; d < a.ndim(); ++d) ref.shape[d] = static_cast<int64_t>(a.shape(d));
+  return ref;
+}
+
+mok::TensorRef optional_ref(const OptionalArray& a, const char* name, int device) {
+  return a ? tensor_ref(*a, name, device) : mok::TensorRef();
+}
+
+cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+// MoeWorkspace::reset_status comes with the sticky status word (another branch). Bound when the header has
+// it; HAS_RESET_STATUS tells the Python side.
+// TODO(issue 16): drop the detection once MoeWorkspace::reset_status is on every branch.
+template <class Workspace>
+constexpr bool has_reset_status() {
+  return requires(Workspace& w, int rank, cudaStream_t stream) { w.reset_status(rank, stream); };
+}
+
+template <class Workspace>
+void reset_status_of(Workspace& w, int rank, cudaStream_t stream) {
+  if constexpr (has_reset_status<Workspace>()) {
+    w.reset_status(rank, stream);
+  } else {
+    throw std::logic_error("MoeWorkspace::reset_status is not in this build of the library");
+  }
+}
+
+class Context {
+ public:
+  explicit Context(mok::ForwardContext context) : context_(std::move(context)) {}
+  mok::ForwardContext& get() { return context_; }
+  int64_t ring_rows() const { return context_.ring_rows(); }
+
+ private:
+  mok::ForwardContext context_;
+};
+
+// One rank's layer as one process drives it: its communicator (EP > 1), peer group and workspace.
+class Workspace {
+ public:
+  Workspace(int device, int ep_size, int rank, std::optional<nb::bytes> nccl_id, const mok::MoeShape& shape,
+            const mok::MoeOptions& options)
+      : device_(device), rank_(rank) {
+    if (ep_size != shape.ep_size) throw std::logic_error("ep_size and shape.ep_size differ");
+    if (rank < 0 || rank >= ep_size) {
+      throw std::invalid_argument("rank " + std::to_string(rank) + " outside [0, " + std::to_string(ep_size) + ")");
+    }
+    ncclUniqueId id{};
+    if (ep_size > 1) {
+      if (!nccl_id || nccl_id->size() != sizeof(id)) {
+        throw std::invalid_argument("nccl_id: EP > 1 needs the " + std::to_string(sizeof(id)) +
+                                    "-byte ncclUniqueId of rank 0");
+      }
+      std::memcpy(&id, nccl_id->c_str(), sizeof(id));
+    }
+    nb::gil_scoped_release release;  // collective: NCCL init and the symmetric allocations wait for peers
+    DeviceGuard guard(device);
+    if (ep_size > 1) {
+      check_nccl(ncclCommInitRank(&comm_, ep_size, id, rank), "ncclCommInitRank");
+      group_ = std::make_unique<mok::PeerGroup>(mok::PeerGroup::nccl({comm_}));
+    } else {
+      group_ = std::make_unique<mok::PeerGroup>(mok::PeerGroup::virtual_ranks(1, device));
+    }
+    workspace_ = std::make_unique<mok::MoeWorkspace>(*group_, shape, options);
+  }
+
+  ~Workspace() {
+    DeviceGuard guard(device_);
+    workspace_.reset();  // frees the symmetric windows (collective) before the communicator goes
+    group_.reset();
+    if (comm_ != nullptr) ncclCommDestroy(comm_);
+  }
+
+  Context make_context() const {
+    DeviceGuard guard(device_);
+    return Context(workspace_->make_context(rank_));
+  }
+
+  void build_schedule(const Array& topk_idx, Context& context, uintptr_t stream) {
+    DeviceGuard guard(device_);
+    mok::RankForward f;
+    f.rank = rank_;
+    f.topk_idx = tensor_ref(topk_idx, "topk_idx", device_, /*allow_int64=*/true);
+    f.context = &context.get();
+    f.stream = as_stream(stream);
+    workspace_->build_schedule({&f, 1});
+  }
+
+  void forward(const Array& x, const Array& topk_idx, const Array& router_weights, const Array& expert_gate,
+               const OptionalArray& expert_up, const Array& expert_down, const OptionalArray& shared_gate,
+               const OptionalArray& shared_up, const OptionalArray& shared_down, const Array& out,
+               Context& context, uintptr_t stream, bool schedule_ready) {
+    DeviceGuard guard(device_);
+    mok::MoeWeights w;
+    w.expert_gate = tensor_ref(expert_gate, "expert_gate", device_);
+    w.expert_up = optional_ref(expert_up, "expert_up", device_);
+    w.expert_down = tensor_ref(expert_down, "expert_down", device_);
+    w.shared_gate = optional_ref(shared_gate, "shared_gate", device_);
+    w.shared_up = optional_ref(shared_up, "shared_up", device_);
+    w.shared_down = optional_ref(shared_down, "shared_down", device_);
+    mok::RankForward f;
+    f.rank = rank_;
+    f.x = tensor_ref(x, "x", device_);
+    f.topk_idx = tensor_ref(topk_idx, "topk_idx", device_, /*allow_int64=*/true);
+    f.router_weights = tensor_ref(router_weights, "router_weights", device_);
+    f.weights = &w;
+    f.out = tensor_ref(out, "out", device_);
+    f.context = &context.get();
+    f.stream = as_stream(stream);
+    if (schedule_ready) {
+      workspace_->forward_with_schedule({&f, 1});
+    } else {
+      workspace_->forward({&f, 1});
+    }
+  }
+
+  // (ok, error bits, one line per error). Synchronizes `stream`.
+  std::tuple<bool, uint32_t, std::string> read_status(uintptr_t stream) const {
+    DeviceGuard guard(device_);
+    const mok::StatusReport r = workspace_->read_status(rank_, as_stream(stream));
+    const mok::MoeShape& s = workspace_->shape();
+    return {r.ok(), r.raw.error_bits, r.ok() ? std::string() : r.describe(s.num_tokens, s.top_k, s.num_experts)};
+  }
+
+  void reset_status(uintptr_t stream) {
+    DeviceGuard guard(device_);
+    reset_status_of(*workspace_, rank_, as_stream(stream));
+  }
+
+  int rank() const { return rank_; }
+  int device() const { return device_; }
+  int64_t capacity_rows() const { return workspace_->capacity_rows(); }
+  int64_t ring_rows() const { return workspace_->ring_rows(); }
+  int64_t padded_tokens() const { return workspace_->padded_tokens(); }
+  int comm_ctas() const { return workspace_->comm_ctas(); }
+
+ private:
+  int device_ = 0;
+  int rank_ = 0;
+  ncclComm_t comm_ = nullptr;
+  std::unique_ptr<mok::PeerGroup> group_;
+  std::unique_ptr<mok::MoeWorkspace> workspace_;
+};
+
+nb::bytes nccl_unique_id() {
+  static_assert(sizeof(ncclUniqueId) == NCCL_UNIQUE_ID_BYTES);
+  ncclUniqueId id;
+  check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  return nb::bytes(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+// (the NCCL version this module was compiled against, the one loaded in the process), as NCCL_VERSION_CODE.
+std::tuple<int, int> nccl_versions() {
+  int loaded = 0;
+  check_nccl(ncclGetVersion(&loaded), "ncclGetVersion");
+  return {NCCL_VERSION_CODE, loaded};
+}
+
+}  // namespace
+
+NB_MODULE(_mok, m) {
+  m.doc() = "MoK for Hopper: the C++ forward API (private back end of the mok package)";
+  m.attr("HAS_RESET_STATUS") = has_reset_status<mok::MoeWorkspace>();
+  m.def("nccl_unique_id", &nccl_unique_id, "A new ncclUniqueId (128 bytes) for rank 0 to broadcast");
+  m.def("nccl_versions", &nccl_versions, "(compiled NCCL_VERSION_CODE, ncclGetVersion of the loaded library)");
+
+  nb::class_<Context>(m, "Context").def_prop_ro("ring_rows", &Context::ring_rows);
+
+  nb::class_<Workspace>(m, "Workspace")
+      .def(
+          "__init__",
+          [](Workspace* self, int device, int ep_size, int rank, std::optional<nb::bytes> nccl_id, int num_tokens,
+             int hidden, int intermediate, int top_k, int num_experts, bool shared_expert, float swiglu_limit,
+             int path, int comm_ctas, int minibatch_rows, int64_t macrobatch_rows, int64_t capacity_rows, int tile_m,
+             double wait_timeout_s) {
+            mok::MoeShape shape;
+            shape.ep_size = ep_size;
+            shape.num_tokens = num_tokens;
+            shape.top_k = top_k;
+            shape.num_experts = num_experts;
+            shape.hidden = hidden;
+            shape.intermediate = intermediate;
+            shape.shared_expert = shared_expert;
+            shape.swiglu_limit = swiglu_limit;
+            mok::MoeOptions options;
+            options.schedule.tile_m = tile_m;
+            options.schedule.capacity_rows = capacity_rows;
+            options.schedule.wait_timeout_s = wait_timeout_s;
+            if (path != 0 && path != 1) throw std::invalid_argument("path: 0 (fused) or 1 (unfused)");
+            options.path = static_cast<mok::ForwardPath>(path);
+            options.fused.comm_ctas = comm_ctas;
+            options.fused.minibatch_rows = minibatch_rows;
+            options.fused.macrobatch_rows = macrobatch_rows;
+            new (self) Workspace(device, ep_size, rank, std::move(nccl_id), shape, options);
+          },
+          nb::arg("device"), nb::arg("ep_size"), nb::arg("rank"), nb::arg("nccl_id").none(), nb::arg("num_tokens"),
+          nb::arg("hidden"), nb::arg("intermediate"), nb::arg("top_k"), nb::arg("num_experts"),
+          nb::arg("shared_expert"), nb::arg("swiglu_limit"), nb::arg("path"), nb::arg("comm_ctas"),
+          nb::arg("minibatch_rows"), nb::arg("macrobatch_rows"), nb::arg("capacity_rows"), nb::arg("tile_m"),
+          nb::arg("wait_timeout_s"))
+      .def("make_context", &Workspace::make_context, nb::keep_alive<0, 1>())
+      .def("build_schedule", &Workspace::build_schedule, nb::arg("topk_idx"), nb::arg("context"), nb::arg("stream"))
+      .def("forward", &Workspace::forward, nb::arg("x"), nb::arg("topk_idx"), nb::arg("router_weights"),
+           nb::arg("expert_gate"), nb::arg("expert_up").none(), nb::arg("expert_down"), nb::arg("shared_gate").none(),
+           nb::arg("shared_up").none(), nb::arg("shared_down").none(), nb::arg("out"), nb::arg("context"),
+           nb::arg("stream"), nb::arg("schedule_ready"))
+      .def("read_status", &Workspace::read_status, nb::arg("stream"))
+      .def("reset_status", &Workspace::reset_status, nb::arg("stream"))
+      .def_prop_ro("rank", &Workspace::rank)
+      .def_prop_ro("device", &Workspace::device)
+      .def_prop_ro("capacity_rows", &Workspace::capacity_rows)
+      .def_prop_ro("ring_rows", &Workspace::ring_rows)
+      .def_prop_ro("padded_tokens", &Workspace::padded_tokens)
+      .def_prop_ro("comm_ctas", &Workspace::comm_ctas);
+}

@@ -1,0 +1,214 @@
+"""Tests on a CUDA Hopper GPU (marker gpu; skipped with the reason elsewhere), EP = 1 on GPU 0: forward
+against a float64 PyTorch reference, bitwise determinism and independence of the knobs, CUDA-graph capture,
+torch.compile(fullgraph=True), bad inputs through the Python API."""
+import dataclasses
+
+import pytest
+import torch
+
+import mok
+from conftest import make_inputs, make_weights
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = 2e-2  # relative Frobenius error, bf16 level
+SHAPES = {  # name: LayerShape (ep_size 1)
+    "shared": mok.LayerShape(1, num_tokens=384, top_k=2, num_experts=8, hidden=256, intermediate=128),
+    "no-shared": mok.LayerShape(1, num_tokens=300, top_k=4, num_experts=16, hidden=192, intermediate=64,
+                                shared_expert=False),
+    "clamped": mok.LayerShape(1, num_tokens=256, top_k=2, num_experts=4, hidden=128, intermediate=192,
+                              swiglu_limit=0.5),
+}
+
+
+def workspace(shape, **config):
+    return mok.get_workspace(mok.Config(**config), None, shape.num_tokens, shape.hidden, shape.intermediate,
+                             shape.top_k, shape.num_experts, shared_expert=shape.shared_expert,
+                             swiglu_limit=shape.swiglu_limit)
+
+
+def reference(shape, x, idx, rw, w):
+    """The layer in float64 (reference/moe_reference.h): shared(x) + sum_j rw[t, j] * expert_idx[t,j](x)."""
+    f64 = torch.float64
+    x, rw = x.to(f64), rw.to(f64)
+    i = shape.intermediate
+    limit = shape.swiglu_limit
+
+    def mlp(rows, gate, up, down):
+        g, u = rows @ gate.to(f64).T, rows @ up.to(f64).T
+        if limit > 0:
+            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+        return (torch.nn.functional.silu(g) * u) @ down.to(f64).T
+
+    gate_all = w.expert_gate if w.expert_up is not None else w.expert_gate[:, :i]
+    up_all = w.expert_up if w.expert_up is not None else w.expert_gate[:, i:]
+    out = torch.zeros_like(x)
+    if shape.shared_expert:
+        out += mlp(x, w.shared_gate, w.shared_up, w.shared_down)
+    for e in range(shape.num_experts):
+        tokens, slots = (idx == e).nonzero(as_tuple=True)
+        if tokens.numel():
+            out.index_add_(0, tokens, rw[tokens, slots, None] * mlp(x[tokens], gate_all[e], up_all[e], w.expert_down[e]))
+    return out
+
+
+def relative_error(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("path", ["fused", "unfused"])
+def test_forward_matches_the_float64_reference(name, path):
+    shape = SHAPES[name]
+    ws = workspace(shape, path=path)
+    x, idx, rw = make_inputs(shape, "cuda", seed=1)
+    w = make_weights(shape, "cuda", seed=2)
+    out, ctx = mok.forward(ws, x, idx, rw, w)
+    mok.check_status(ws)
+    assert (out.shape, out.dtype, out.device) == ((shape.num_tokens, shape.hidden), torch.bfloat16, x.device)
+    error = relative_error(out, reference(shape, x, idx, rw, w))
+    assert error < TOLERANCE, f"{name} {path}: relative Frobenius error {error:.3e} (seed 1/2)"
+
+
+def test_variants_give_the_same_bits():
+    """Fused gate/up weights, int64 ids, a separate build_schedule, the unfused path, other comm/minibatch/
+    macrobatch splits and a rerun: all bitwise equal to one fused forward."""
+    shape = SHAPES["shared"]
+    x, idx, rw = make_inputs(shape, "cuda", seed=3)
+    w = make_weights(shape, "cuda", seed=4)
+    ws = workspace(shape)
+    base, ctx = mok.forward(ws, x, idx, rw, w)
+    results = {"rerun": mok.forward(ws, x, idx, rw, w, ctx)[0],
+               "int64 ids": mok.forward(ws, x, idx.long(), rw, w, ctx)[0],
+               "fused gate/up": mok.forward(ws, x, idx, rw, make_weights(shape, "cuda", seed=4, fused_gate_up=True),
+                                            ctx)[0]}
+    mok.build_schedule(ws, idx, ctx)
+    results["build_schedule"] = mok.forward(ws, x, idx, rw, w, ctx, schedule_ready=True)[0]
+    mok.check_status(ws)
+    for config in (dict(path="unfused"), dict(comm_ctas=2), dict(minibatch_rows=128),
+                   dict(macrobatch_rows=256, minibatch_rows=128)):
+        other = workspace(shape, **config)
+        results[str(config)] = mok.forward(other, x, idx, rw, w)[0]
+        mok.check_status(other)
+    for name, out in results.items():
+        assert torch.equal(out, base), f"{name}: differs from the fused forward at " \
+                                       f"{(out != base).nonzero()[:1].tolist()} (seeds 3/4)"
+
+
+def test_cuda_graph_capture_and_replay():
+    shape = SHAPES["shared"]
+    ws = workspace(shape)
+    ctx = ws.make_context()
+    x, idx, rw = make_inputs(shape, "cuda", seed=5)
+    w = make_weights(shape, "cuda", seed=6)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mok.forward(ws, x, idx, rw, w, ctx)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = mok.forward(ws, x, idx, rw, w, ctx)
+    for seed in (7, 8):
+        x2, idx2, rw2 = make_inputs(shape, "cuda", seed=seed)
+        x.copy_(x2), idx.copy_(idx2), rw.copy_(rw2)
+        graph.replay()
+        expected, _ = mok.forward(ws, x2, idx2, rw2, w, ctx)
+        mok.check_status(ws)
+        assert torch.equal(out, expected), f"replay with seed {seed} differs from an eager forward"
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend):
+    shape = SHAPES["shared"]
+    ws = workspace(shape)
+    ctx = ws.make_context()
+    x, idx, rw = make_inputs(shape, "cuda", seed=9)
+    w = make_weights(shape, "cuda", seed=10)
+
+    def layer(x, idx, rw):
+        out, _ = mok.forward(ws, x, idx, rw, w, ctx)
+        return out.float() * 2 + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    got = compiled(x, idx, rw)
+    assert torch.equal(got, layer(x, idx, rw))
+
+
+def test_bad_expert_id_reports_and_recovers():
+    shape = SHAPES["shared"]
+    ws = workspace(shape)
+    x, idx, rw = make_inputs(shape, "cuda", seed=11)
+    w = make_weights(shape, "cuda", seed=12)
+    good, ctx = mok.forward(ws, x, idx, rw, w)
+    mok.check_status(ws)
+    bad = idx.clone()
+    bad[5, 1] = shape.num_experts + 3
+    mok.forward(ws, x, bad, rw, w, ctx)
+    with pytest.raises(RuntimeError, match=f"expert id {shape.num_experts + 3} out of range"):
+        mok.check_status(ws)
+    status = ws.read_status()
+    assert not status.ok and status.error_bits & 1 and "token 5, slot 1" in status.message, status
+    if mok._mok.HAS_RESET_STATUS:  # the sticky status word keeps errors until cleared
+        ws.reset_status()
+    again, _ = mok.forward(ws, x, idx, rw, w, ctx)
+    mok.check_status(ws)
+    assert torch.equal(again, good), "the call after a bad one differs from the first good one"
+
+
+def test_reset_status():
+    ws = workspace(SHAPES["shared"])
+    if mok._mok.HAS_RESET_STATUS:
+        ws.reset_status()
+        assert ws.read_status().ok
+    else:
+        with pytest.raises(NotImplementedError, match="reset_status"):
+            ws.reset_status()
+
+
+def test_capacity_overflow_reports():
+    shape = SHAPES["shared"]
+    ws = workspace(shape, capacity_rows=128)
+    x, idx, rw = make_inputs(shape, "cuda", seed=13)
+    w = make_weights(shape, "cuda", seed=14)
+    mok.forward(ws, x, idx, rw, w)
+    with pytest.raises(RuntimeError, match="capacity"):
+        mok.check_status(ws)
+
+
+def test_wrong_shapes_raise_and_the_process_goes_on():
+    shape = SHAPES["shared"]
+    ws = workspace(shape)
+    x, idx, rw = make_inputs(shape, "cuda", seed=15)
+    w = make_weights(shape, "cuda", seed=16)
+    with pytest.raises(ValueError, match=r"x: expected .* \[T, H\] = \[384, 256\]"):
+        mok.forward(ws, x[:100], idx, rw, w)
+    with pytest.raises(ValueError, match="expert_down"):
+        mok.forward(ws, x, idx, rw, dataclasses.replace(w, expert_down=w.expert_gate))
+    ctx = ws.make_context()
+    out = torch.empty_like(x)
+    stream = torch.cuda.current_stream().cuda_stream
+    # Past the Python checks, the C++ API's own (std::invalid_argument -> ValueError naming the argument).
+    with pytest.raises(ValueError, match="router_weights"):
+        ws._native.forward(x, idx, rw[:10], w.expert_gate, w.expert_up, w.expert_down, w.shared_gate, w.shared_up,
+                           w.shared_down, out, ctx._native, stream, False)
+    with pytest.raises(ValueError, match="x: data pointer not 16-byte aligned"):
+        flat = torch.empty(x.numel() + 8, dtype=torch.bfloat16, device="cuda")
+        ws._native.forward(flat[1:1 + x.numel()].view(x.shape), idx, rw, w.expert_gate, w.expert_up, w.expert_down,
+                           w.shared_gate, w.shared_up, w.shared_down, out, ctx._native, stream, False)
+    with pytest.raises(ValueError, match="MoeShape.hidden"):  # the C++ validation: not a multiple of 64
+        mok.get_workspace(mok.Config(), None, 64, 100, 64, 2, 8)
+    good, _ = mok.forward(ws, x, idx, rw, w, ctx)
+    mok.check_status(ws)
+    assert relative_error(good, reference(shape, x, idx, rw, w)) < TOLERANCE
+
+
+def test_autograd_says_backward_is_missing():
+    shape = SHAPES["shared"]
+    ws = workspace(shape)
+    x, idx, rw = make_inputs(shape, "cuda", seed=17)
+    w = make_weights(shape, "cuda", seed=18)
+    out, _ = mok.forward(ws, x.requires_grad_(True), idx, rw, w)
+    with pytest.raises(NotImplementedError, match=r"issue 14"):
+        out.float().sum().backward()
