@@ -406,14 +406,15 @@ std::string BudgetResult::describe(int hidden) const {
   return s.str();
 }
 
-BudgetResult compare_within_budget(const std::vector<uint16_t>& gpu, const float* ref, int64_t count) {
+BudgetResult compare_within_budget(const std::vector<uint16_t>& gpu, const float* ref, int64_t count,
+                                   const float* extra) {
   double sum_squares = 0;
   for (int64_t n = 0; n < count; ++n) sum_squares += double(ref[n]) * ref[n];
   const double rms = std::sqrt(sum_squares / std::max<int64_t>(count, 1));
   BudgetResult result;
   for (int64_t n = 0; n < count; ++n) {
     const float got = from_bf16_bits(gpu[n]);
-    const double budget = std::ldexp(std::fabs(ref[n]) + rms, -6);
+    const double budget = std::ldexp(std::fabs(ref[n]) + rms, -6) + (extra != nullptr ? extra[n] : 0.0);
     const double ratio = std::isfinite(got) ? std::fabs(got - ref[n]) / budget : std::numeric_limits<double>::infinity();
     if (!(ratio <= result.worst_ratio)) {
       result.worst_ratio = ratio;

@@ -94,8 +94,10 @@ class MoeHarness {
   std::vector<RankForward> args_;                      // local ranks
 };
 
-// Largest |gpu - ref| / (2^-6 * (|ref| + rms(ref))) over a rank's output, and where it is; NaN counts as
-// infinitely far. The budget covers the bf16 roundings of hidden, expert and shared outputs and of out.
+// Largest |gpu - ref| / (2^-6 * (|ref| + rms(ref)) + extra[n]) over a rank's output, and where it is; NaN
+// counts as infinitely far. The budget covers the bf16 roundings of hidden, expert and shared outputs and of
+// out, while those partial outputs do not cancel; `extra` (optional, per element) adds what rounding them
+// costs when they do (check_against_reference: 2^-8 * (|shared| + sum_j |rw_j * y_j|)).
 struct BudgetResult {
   double worst_ratio = 0;
   int64_t worst_index = -1;
@@ -103,6 +105,7 @@ struct BudgetResult {
   double want = 0;
   std::string describe(int hidden) const;
 };
-BudgetResult compare_within_budget(const std::vector<uint16_t>& gpu, const float* ref, int64_t count);
+BudgetResult compare_within_budget(const std::vector<uint16_t>& gpu, const float* ref, int64_t count,
+                                   const float* extra = nullptr);
 
 }  // namespace mok::testing
