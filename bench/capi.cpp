@@ -63,11 +63,10 @@ int mok_bench_nccl_unique_id(void* out, char* error, int error_len) {
 // fused: 1 for ForwardPath::kFused (comm_ctas, minibatch_rows and timeline_records as in FusedOptions;
 // minibatch_rows 0 keeps the default), 0 for the unfused path. capacity_rows and wait_timeout_s as in
 // ScheduleOptions (0 keeps the default).
-void* mok_bench_layer_create_with_schedule(const void* nccl_unique_id, int ep_size, int rank, int device,
-                                           int num_tokens, int top_k, int num_experts, int hidden, int intermediate,
-                                           int shared_expert, int fused, int comm_ctas, int minibatch_rows,
-                                           int timeline_records, int64_t capacity_rows, double wait_timeout_s,
-                                           char* error, int error_len) {
+void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, int device, int num_tokens, int top_k,
+                             int num_experts, int hidden, int intermediate, int shared_expert, int fused,
+                             int comm_ctas, int minibatch_rows, int timeline_records, int64_t capacity_rows,
+                             double wait_timeout_s, char* error, int error_len) {
   try {
     auto layer = std::make_unique<BenchLayer>();
     layer->rank = rank;
@@ -105,20 +104,11 @@ void* mok_bench_layer_create_with_schedule(const void* nccl_unique_id, int ep_si
   }
 }
 
-// mok_bench_layer_create_with_schedule with the default capacity and spin-wait timeout.
-void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, int device, int num_tokens, int top_k,
-                             int num_experts, int hidden, int intermediate, int shared_expert, int fused,
-                             int comm_ctas, int minibatch_rows, int timeline_records, char* error, int error_len) {
-  return mok_bench_layer_create_with_schedule(nccl_unique_id, ep_size, rank, device, num_tokens, top_k, num_experts,
-                                              hidden, intermediate, shared_expert, fused, comm_ctas, minibatch_rows,
-                                              timeline_records, 0, 0, error, error_len);
-}
-
 // Asynchronous on `stream`; topk_dtype: 0 for int32 ids, 1 for int64 ids.
-int mok_bench_layer_forward_ids(void* handle, const void* x, const void* topk_idx, int topk_dtype,
-                                const float* router_weights, const void* expert_gate, const void* expert_up,
-                                const void* expert_down, const void* shared_gate, const void* shared_up,
-                                const void* shared_down, void* out, void* stream, char* error, int error_len) {
+int mok_bench_layer_forward(void* handle, const void* x, const void* topk_idx, int topk_dtype,
+                            const float* router_weights, const void* expert_gate, const void* expert_up,
+                            const void* expert_down, const void* shared_gate, const void* shared_up,
+                            const void* shared_down, void* out, void* stream, char* error, int error_len) {
   try {
     if (topk_dtype != 0 && topk_dtype != 1)
       throw std::invalid_argument("topk_dtype: must be 0 (int32) or 1 (int64), got " + std::to_string(topk_dtype));
@@ -150,15 +140,6 @@ int mok_bench_layer_forward_ids(void* handle, const void* x, const void* topk_id
   } catch (const std::exception& e) {
     return report(e, error, error_len);
   }
-}
-
-// Asynchronous on `stream`; topk_idx int32.
-int mok_bench_layer_forward(void* handle, const void* x, const void* topk_idx, const float* router_weights,
-                            const void* expert_gate, const void* expert_up, const void* expert_down,
-                            const void* shared_gate, const void* shared_up, const void* shared_down, void* out,
-                            void* stream, char* error, int error_len) {
-  return mok_bench_layer_forward_ids(handle, x, topk_idx, 0, router_weights, expert_gate, expert_up, expert_down,
-                                     shared_gate, shared_up, shared_down, out, stream, error, error_len);
 }
 
 // Clears the layer's status word (it stays set until this call). Asynchronous on `stream`.

@@ -17,9 +17,13 @@ import argparse
 import ctypes
 import os
 import subprocess
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import capi  # noqa: E402
 
 SHAPES = [  # name, experts, hidden, intermediate, top_k, shared expert (of width intermediate); as reference/routing_gen.cpp
     ("Kimi-K2.7", 384, 7168, 2048, 8, True),
@@ -31,15 +35,6 @@ SHAPES = [  # name, experts, hidden, intermediate, top_k, shared expert (of widt
 ]
 DEFAULT_TILE_M = 64  # mok::ScheduleOptions' default padding
 TORCH_GROUP_ALIGN = 16  # torchtitan pads each expert's rows for torch._grouped_mm
-
-
-def load(lib_path):
-    lib = ctypes.CDLL(lib_path)
-    fn = lib.mok_bench_expert_gemm
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [i32, p, i64, i32, p, p, i32, i32, p, p, p, i32, p, f32, p, i32, p, p, p, ctypes.c_char_p, i32]
-    fn.restype = i32
-    return fn
 
 
 def time_ms(fns, iters, warmup_s=0.3):
@@ -91,7 +86,7 @@ def main():
     parser.add_argument("--trace", default="", help="folder for per-tile timings of ours (summary: bench/gemm_trace_stats.py)")
     args = parser.parse_args()
     ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
-    gemm = load(os.path.abspath(args.lib))
+    gemm = capi.load(os.path.abspath(args.lib)).mok_bench_expert_gemm
     error = ctypes.create_string_buffer(512)
     gen = torch.Generator(device="cuda").manual_seed(0)
     commit = os.environ.get("MOK_COMMIT") or subprocess.run(

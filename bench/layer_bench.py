@@ -39,31 +39,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from capi import load  # noqa: E402
 from gemm_bench import SHAPES, TORCH_GROUP_ALIGN, median, timed_turns  # noqa: E402
 
 TOLERANCE = 2e-2  # relative Frobenius error, bf16 level
 ERROR = ctypes.create_string_buffer(1024)
-
-
-def load(lib_path):
-    lib = ctypes.CDLL(lib_path)
-    p, i32, s = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
-    signatures = {  # name: (argument types, result type)
-        "mok_bench_nccl_unique_id": ([p, s, i32], i32),
-        "mok_bench_layer_create": ([p] + [i32] * 13 + [s, i32], p),
-        "mok_bench_layer_create_with_schedule": ([p] + [i32] * 13 + [ctypes.c_int64, ctypes.c_double, s, i32], p),
-        "mok_bench_layer_forward": ([p] * 12 + [s, i32], i32),
-        "mok_bench_layer_forward_ids": ([p, p, p, i32] + [p] * 9 + [s, i32], i32),
-        "mok_bench_layer_check_status": ([p, p, s, i32], i32),
-        "mok_bench_layer_reset_status": ([p, p, s, i32], i32),
-        "mok_bench_layer_write_timeline": ([p, p, s, s, i32], i32),
-        "mok_bench_layer_comm_ctas": ([p], i32),
-        "mok_bench_layer_destroy": ([p], None),
-    }
-    for name, (argtypes, restype) in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
-    return lib
 
 
 def check(rc):
@@ -193,8 +173,8 @@ def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, share
         dist.broadcast(shared_id, src=0)
         uid = (ctypes.c_uint8 * 128)(*shared_id.tolist())
     layer = lib.mok_bench_layer_create(uid, ep, rank, torch.cuda.current_device(), tokens, top_k, num_experts, hidden,
-                                       inter, int(shared), int(fused), comm_ctas, minibatch, timeline_records, ERROR,
-                                       len(ERROR))
+                                       inter, int(shared), int(fused), comm_ctas, minibatch, timeline_records, 0, 0.0,
+                                       ERROR, len(ERROR))
     if not layer:
         raise RuntimeError(ERROR.value.decode(errors="replace"))
     return layer
@@ -244,6 +224,7 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shar
             layers[path] = create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, shared, path == "fused",
                                         args.comm_ctas, args.minibatch, 8192 if args.timeline and path == "fused" else 0)
     pointers = [0 if t is None else t.data_ptr() for t in inputs.values()]
+    pointers.insert(2, 0)  # topk_dtype after topk_idx: int32 ids
 
     def ours(path):
         return lambda: check(lib.mok_bench_layer_forward(layers[path], *pointers, outs[path].data_ptr(), stream, ERROR,

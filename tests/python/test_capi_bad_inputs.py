@@ -16,33 +16,16 @@ except ImportError as e:
     print(f"SKIP: torch is not importable ({e})")
     sys.exit(77)
 import ctypes  # noqa: E402
-import math  # noqa: E402
+import os  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from capi import load  # noqa: E402  (the C entry points' declarations)
 
 E, H, I, K, T = 16, 256, 128, 4, 100
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 ERROR = ctypes.create_string_buffer(2048)
 ROWS = []  # (case, path, expected, observed, next call, passed)
-
-
-def load(path):
-    lib = ctypes.CDLL(path)
-    p, i32, s = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
-    signatures = {
-        "mok_bench_layer_create_with_schedule": ([p] + [i32] * 13 + [ctypes.c_int64, ctypes.c_double, s, i32], p),
-        "mok_bench_layer_forward": ([p] * 12 + [s, i32], i32),
-        "mok_bench_layer_forward_ids": ([p, p, p, i32] + [p] * 9 + [s, i32], i32),
-        "mok_bench_layer_check_status": ([p, p, s, i32], i32),
-        "mok_bench_layer_reset_status": ([p, p, s, i32], i32),
-        "mok_bench_layer_write_timeline": ([p, p, s, s, i32], i32),
-        "mok_bench_layer_destroy": ([p], None),
-        "mok_bench_expert_gemm": ([i32, p, ctypes.c_int64, i32, p, p, i32, i32, p, p, p, i32, p, ctypes.c_float, p,
-                                   i32, p, p, p, s, i32], i32),
-    }
-    for name, (argtypes, restype) in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
-    return lib
 
 
 def message():
@@ -54,18 +37,18 @@ class Layer:
 
     def __init__(self, lib, fused, tokens=T, capacity_rows=0):
         self.lib, self.tokens = lib, tokens
-        self.handle = lib.mok_bench_layer_create_with_schedule(None, 1, 0, torch.cuda.current_device(), tokens, K, E,
+        self.handle = lib.mok_bench_layer_create(None, 1, 0, torch.cuda.current_device(), tokens, K, E,
                                                                H, I, 1, int(fused), 0, 0, 0, capacity_rows, 0.0,
                                                                ERROR, len(ERROR))
         if not self.handle:
-            raise RuntimeError("mok_bench_layer_create_with_schedule: " + message())
+            raise RuntimeError("mok_bench_layer_create: " + message())
         self.stream = torch.cuda.current_stream().cuda_stream
 
     def forward(self, d, out, x=None, topk=None, rw=None, gate=None):
         """rc and message of one forward; pointer arguments may be replaced by raw addresses."""
         ptr = lambda t, override: override if override is not None else t.data_ptr()  # noqa: E731
         topk_dtype = 1 if d["topk_idx"].dtype == torch.int64 else 0
-        rc = self.lib.mok_bench_layer_forward_ids(
+        rc = self.lib.mok_bench_layer_forward(
             self.handle, ptr(d["x"], x), ptr(d["topk_idx"], topk), topk_dtype, ptr(d["router_weights"], rw),
             ptr(d["expert_gate"], gate), d["expert_up"].data_ptr(), d["expert_down"].data_ptr(),
             d["shared_gate"].data_ptr(), d["shared_up"].data_ptr(), d["shared_down"].data_ptr(), out.data_ptr(),
@@ -265,7 +248,7 @@ class Matrix:
             record(name, self.path, f"error naming the argument ({needle})", rc == 1 and needle in text and untouched,
                    text or "no error", self.next_call())
         out = poisoned(T)
-        rc = self.lib.mok_bench_layer_forward_ids(self.layer.handle, g["x"].data_ptr(), g["topk_idx"].data_ptr(), 7,
+        rc = self.lib.mok_bench_layer_forward(self.layer.handle, g["x"].data_ptr(), g["topk_idx"].data_ptr(), 7,
                                                   *[g[n].data_ptr() for n in ("router_weights", "expert_gate",
                                                                               "expert_up", "expert_down", "shared_gate",
                                                                               "shared_up", "shared_down")],
@@ -305,7 +288,7 @@ class Matrix:
 
     def other_entry_points(self):
         """The error paths of the remaining entry points: create, write_timeline, expert_gemm."""
-        handle = self.lib.mok_bench_layer_create_with_schedule(None, 1, 0, 0, T, K, E, 200, I, 1, int(self.fused), 0,
+        handle = self.lib.mok_bench_layer_create(None, 1, 0, 0, T, K, E, 200, I, 1, int(self.fused), 0,
                                                                0, 0, 0, 0.0, ERROR, len(ERROR))
         record("create with hidden 200", self.path, "NULL, error naming MoeShape.hidden",
                not handle and "MoeShape.hidden" in message(), message() if not handle else "created", "-")

@@ -1,0 +1,33 @@
+"""ctypes declarations of bench/capi.cpp's C entry points: the one place Python spells their signatures
+(bench/layer_bench.py, bench/gemm_bench.py and tests/python/test_capi_bad_inputs.py load the library here).
+Every entry point but destroy and comm_ctas returns 0, or 1 (NULL for create) with a NUL-terminated message
+in its `error` buffer."""
+import ctypes
+
+_p, _i32, _i64, _f32, _f64, _s = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_double,
+                                  ctypes.c_char_p)
+SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
+    "mok_bench_nccl_unique_id": ([_p, _s, _i32], _i32),
+    # nccl_unique_id, ep_size, rank, device, num_tokens, top_k, num_experts, hidden, intermediate, shared_expert,
+    # fused, comm_ctas, minibatch_rows, timeline_records, capacity_rows, wait_timeout_s, error, error_len
+    "mok_bench_layer_create": ([_p] + [_i32] * 13 + [_i64, _f64, _s, _i32], _p),
+    # handle, x, topk_idx, topk_dtype (0 int32, 1 int64), router_weights, expert_gate, expert_up, expert_down,
+    # shared_gate, shared_up, shared_down, out, stream, error, error_len
+    "mok_bench_layer_forward": ([_p, _p, _p, _i32] + [_p] * 9 + [_s, _i32], _i32),
+    "mok_bench_layer_reset_status": ([_p, _p, _s, _i32], _i32),
+    "mok_bench_layer_check_status": ([_p, _p, _s, _i32], _i32),
+    "mok_bench_layer_write_timeline": ([_p, _p, _s, _s, _i32], _i32),
+    "mok_bench_layer_comm_ctas": ([_p], _i32),
+    "mok_bench_layer_destroy": ([_p], None),
+    "mok_bench_expert_gemm": ([_i32, _p, _i64, _i32, _p, _p, _i32, _i32, _p, _p, _p, _i32, _p, _f32, _p, _i32, _p, _p,
+                               _p, _s, _i32], _i32),
+}
+
+
+def load(lib_path):
+    """The library at lib_path with every entry point's argument and result types set."""
+    lib = ctypes.CDLL(lib_path)
+    for name, (argtypes, restype) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
