@@ -220,6 +220,9 @@ class MoeWorkspace {
  private:
   struct RankState;
   void validate(const RankForward& f, bool needs_layer_inputs) const;
+  // The public calls' one sequence: validate every rank (the layer's inputs too when `layer`), order behind
+  // the rank's previous call, issue the schedule and/or the layer, record the call's event.
+  void issue_call(std::span<const RankForward> ranks, bool schedule, bool layer);
   void issue_schedule(std::span<const RankForward> ranks);
   void issue_layer(std::span<const RankForward> ranks);
   void publish(const RankForward& f);

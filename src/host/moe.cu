@@ -272,25 +272,17 @@ void MoeWorkspace::validate(const RankForward& f, bool needs_layer_inputs) const
 
 // Every public call validates all its arguments before it issues anything: a rejected call leaves no
 // half-issued step behind (a lone rank's schedule would wait for peers that never come).
-void MoeWorkspace::build_schedule(std::span<const RankForward> ranks) {
-  for (const RankForward& f : ranks) validate(f, false);
-  for (const RankForward& f : ranks) begin_call(f.rank, f.stream);
-  issue_schedule(ranks);
-  for (const RankForward& f : ranks) end_call(f.rank, f.stream);
-}
+void MoeWorkspace::build_schedule(std::span<const RankForward> ranks) { issue_call(ranks, true, false); }
 
-void MoeWorkspace::forward_with_schedule(std::span<const RankForward> ranks) {
-  for (const RankForward& f : ranks) validate(f, true);
-  for (const RankForward& f : ranks) begin_call(f.rank, f.stream);
-  issue_layer(ranks);
-  for (const RankForward& f : ranks) end_call(f.rank, f.stream);
-}
+void MoeWorkspace::forward_with_schedule(std::span<const RankForward> ranks) { issue_call(ranks, false, true); }
 
-void MoeWorkspace::forward(std::span<const RankForward> ranks) {
-  for (const RankForward& f : ranks) validate(f, true);
+void MoeWorkspace::forward(std::span<const RankForward> ranks) { issue_call(ranks, true, true); }
+
+void MoeWorkspace::issue_call(std::span<const RankForward> ranks, bool schedule, bool layer) {
+  for (const RankForward& f : ranks) validate(f, layer);
   for (const RankForward& f : ranks) begin_call(f.rank, f.stream);
-  issue_schedule(ranks);
-  issue_layer(ranks);
+  if (schedule) issue_schedule(ranks);
+  if (layer) issue_layer(ranks);
   for (const RankForward& f : ranks) end_call(f.rank, f.stream);
 }
 

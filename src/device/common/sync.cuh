@@ -129,6 +129,31 @@ __device__ inline bool wait_at_least(const uint64_t* counter, uint64_t target, W
   return false;
 }
 
+// Hardware named barrier `barrier_id` (0-15, no CUTLASS offset: cutlass::arch::NamedBarrier adds
+// ReservedNamedBarrierCount to its ids) over `threads` threads that also reduces a flag: whether every thread
+// (kAll) or any thread passed true. Broadcast from lane 0, so ptxas sees the result warp-uniform.
+template <bool kAll>
+__device__ __forceinline__ bool named_barrier_reduce(bool value, int barrier_id, int threads) {
+  uint32_t result;
+  if constexpr (kAll)
+    asm volatile("{ .reg .pred p, q; setp.ne.u32 q, %1, 0; bar.red.and.pred p, %2, %3, q; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(result)
+                 : "r"(value ? 1u : 0u), "r"(barrier_id), "r"(threads)
+                 : "memory");
+  else
+    asm volatile("{ .reg .pred p, q; setp.ne.u32 q, %1, 0; bar.red.or.pred p, %2, %3, q; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(result)
+                 : "r"(value ? 1u : 0u), "r"(barrier_id), "r"(threads)
+                 : "memory");
+  return __shfl_sync(0xffffffff, result, 0) != 0;
+}
+__device__ __forceinline__ bool named_barrier_all(bool value, int barrier_id, int threads) {
+  return named_barrier_reduce<true>(value, barrier_id, threads);
+}
+__device__ __forceinline__ bool named_barrier_any(bool value, int barrier_id, int threads) {
+  return named_barrier_reduce<false>(value, barrier_id, threads);
+}
+
 // Bound of the in-kernel mbarrier hand-offs (task ring, GEMM pipeline): where they report and how long
 // they may take. `status == nullptr` (the standalone GEMM) waits without a bound, as CUTLASS does.
 // Their partners are threads of the same launch, which make progress as long as the counter waits above

@@ -217,19 +217,29 @@ struct TaskWalker {
 // The producer's acquire returns false when it gave up (the caller stops issuing). The consumers' wait
 // goes on after a give-up as if the stage were full (garbage, in bounds): their control flow around wgmma
 // stays warp-uniform, and every later hand-off gives up at once (kAbortHandoff), so the kernel ends.
+// Waits until the consumers released `state`'s stage; false when the wait gave up.
+template <class Pipeline, class State>
+__device__ __forceinline__ bool stage_free_bounded(Pipeline& pipeline, const State& state,
+                                                   const device::HandoffBound& bound) {
+  const auto free = [&] { return pipeline.producer_try_acquire(state) == cutlass::BarrierStatus::WaitDone; };
+  return free() ||
+         device::handoff_wait_slow(free, bound, Role::kGemmProducer, CounterId::kPipelineEmpty, state.index());
+}
+
 template <class Pipeline, class State>
 __device__ __forceinline__ bool producer_acquire_bounded(Pipeline& pipeline, const State& state,
                                                          const device::HandoffBound& bound) {
-  auto token = pipeline.producer_try_acquire(state);
-  if (token == cutlass::BarrierStatus::WaitAgain) {
-    if (!device::handoff_wait_slow(
-            [&] { return pipeline.producer_try_acquire(state) == cutlass::BarrierStatus::WaitDone; }, bound,
-            Role::kGemmProducer, CounterId::kPipelineEmpty, state.index()))
-      return false;
-    token = cutlass::BarrierStatus::WaitDone;
-  }
-  pipeline.producer_acquire(state, token);  // arms the stage's transaction bytes; no wait left
+  if (!stage_free_bounded(pipeline, state, bound)) return false;
+  pipeline.producer_acquire(state, cutlass::BarrierStatus::WaitDone);  // arms the transaction bytes; no wait left
   return true;
+}
+
+// CUTLASS's producer_tail, bounded. Why: neither CTA may exit while its consumers, or the partner CTA's,
+// still release stages into it.
+template <class Pipeline, class State>
+__device__ __forceinline__ void producer_tail_bounded(Pipeline& pipeline, State state, const device::HandoffBound& bound) {
+  for (int stage = 0; stage < int(Pipeline::Stages); ++stage, ++state)
+    if (!stage_free_bounded(pipeline, state, bound)) return;
 }
 
 template <class Pipeline, class State>

@@ -194,38 +194,7 @@ __device__ void run_producer(const Params& p, ForwardSharedStorage<T>& smem, typ
                       state, bound))
       break;
   }
-  // Why: neither CTA may exit while its consumers, or the partner's, still release stages into it
-  // (CUTLASS's producer_tail, bounded).
-  for (int stage = 0; stage < T::kStages; ++stage, ++state) {
-    if (pipeline.producer_try_acquire(state) == cutlass::BarrierStatus::WaitDone) continue;
-    if (!device::handoff_wait_slow(
-            [&] { return pipeline.producer_try_acquire(state) == cutlass::BarrierStatus::WaitDone; }, bound,
-            Role::kGemmProducer, CounterId::kPipelineEmpty, state.index()))
-      break;
-  }
-}
-
-// Hardware named barrier `barrier_id` (0-15, no CUTLASS offset: cutlass::arch::NamedBarrier adds
-// ReservedNamedBarrierCount to its ids) over `threads` threads that also reduces a flag: true when every
-// thread passed true (and) / any thread did (or). Broadcast from lane 0, so ptxas sees it warp-uniform.
-__device__ __forceinline__ bool named_barrier_and(bool value, int barrier_id, int threads) {
-  uint32_t all;
-  asm volatile(
-      "{ .reg .pred p, q; setp.ne.u32 q, %1, 0; bar.red.and.pred p, %2, %3, q; selp.u32 %0, 1, 0, p; }"
-      : "=r"(all)
-      : "r"(value ? 1u : 0u), "r"(barrier_id), "r"(threads)
-      : "memory");
-  return __shfl_sync(0xffffffff, all, 0) != 0;
-}
-
-__device__ __forceinline__ bool named_barrier_or(bool value, int barrier_id, int threads) {
-  uint32_t any;
-  asm volatile(
-      "{ .reg .pred p, q; setp.ne.u32 q, %1, 0; bar.red.or.pred p, %2, %3, q; selp.u32 %0, 1, 0, p; }"
-      : "=r"(any)
-      : "r"(value ? 1u : 0u), "r"(barrier_id), "r"(threads)
-      : "memory");
-  return __shfl_sync(0xffffffff, any, 0) != 0;
+  gemm::producer_tail_bounded(pipeline, state, bound);
 }
 
 template <class T, class TDown, class Params>
@@ -246,7 +215,7 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
     const bool arrived = smem.tasks.consume(k, task, bound);  // warp-uniform (broadcast from lane 0)
     // Why: a hand-off that gave up leaves the warpgroup's four warps free to disagree; they must leave
     // together (the tile's wgmma and named barriers need all four).
-    if (!named_barrier_and(arrived, consumer_barrier, 128)) break;
+    if (!device::named_barrier_all(arrived, consumer_barrier, 128)) break;
     const TaskKind kind = task.kind;
     if (kind == TaskKind::kNone) break;
     const uint64_t start = recorder ? device::global_timer_ns() : 0;
@@ -420,7 +389,7 @@ __device__ void run_communication_warps(const Params& p, ForwardSharedStorage<T>
     }
   };
   communication_loop(p, smem.comm_slot_word, threadIdx.x == 32,
-                     [](bool flag) { return named_barrier_or(flag, kBarrierId, 32 * kCopyWarps); }, copy_unit);
+                     [](bool flag) { return device::named_barrier_any(flag, kBarrierId, 32 * kCopyWarps); }, copy_unit);
 }
 
 template <class T, class TDown, class Params>

@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(32) count_chunks_kernel(ScheduleParams p) {
       const int32_t rank_in_chunk = histogram[local] + __popc(same & lanes_below);
       route_slot[q] = pack_route_slot(local, rank_in_chunk);
       // Why: every lane of the group reads the count before its lowest lane bumps it; a warp is not in
-      // lockstep under independent thread scheduling (racecheck reported the read-after-write hazard).
+      // lockstep under independent thread scheduling (racecheck reported the write-after-read hazard).
       __syncwarp(same);
       if ((same & lanes_below) == 0) histogram[local] += __popc(same);
     } else if (q < p.routes_per_rank) {
