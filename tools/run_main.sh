@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the library and runs the main program on the local GPU(s) (README's first command): the MoE
 # forward-layer benchmark, ours vs the torchtitan-style PyTorch baseline, at EP=1 and, with two or more
-# GPUs, at EP = the number of GPUs (one process per GPU). Needs PyTorch.
+# GPUs, at EP = the number of GPUs (one process per GPU). Installs PyTorch (pip) when it is missing.
 #   tools/run_main.sh [bench/layer_bench.py arguments, e.g. --shapes Kimi-K2.7 --iters 20]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,10 +9,11 @@ tools/build.sh --target mok_bench_capi
 lib="${MOK_BUILD_DIR:-build}/bench/libmok_bench_capi.so"
 # NVLink multicast stays off on the shared machines (never use NVLS/multimem).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if ! gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null); then
-  echo "run_main: the layer benchmark needs PyTorch (python3 -m pip install torch)" >&2
-  exit 1
+if ! python3 -c "import torch" 2>/dev/null; then
+  echo "run_main: PyTorch missing: python3 -m pip install torch"
+  python3 -m pip install --disable-pip-version-check torch
 fi
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -lt 1 ]; then
   echo "run_main: no CUDA GPU visible; the benchmark needs a Hopper GPU" >&2
   exit 1

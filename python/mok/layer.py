@@ -67,21 +67,18 @@ class Workspace:
         return ForwardContext(self, None if self.is_meta else self._native.make_context())
 
     def read_status(self) -> Status:
-        """The status word since the last schedule: bad expert ids, capacity overflow, spin-wait timeouts.
-        Synchronizes the current stream."""
+        """The status word since the last reset_status (it is sticky): bad expert ids, capacity overflow,
+        spin-wait timeouts. Synchronizes the current stream."""
         if self.is_meta:
             return Status(ok=True)
         ok, bits, message = self._native.read_status(_cuda_stream(self.device))
         return Status(ok=bool(ok), error_bits=int(bits), message=message.rstrip())
 
     def reset_status(self) -> None:
-        """Clears the status word, asynchronously on the current stream."""
+        """Clears the status word and the abort flag, asynchronously on the current stream (with EP > 1: on
+        every rank, all resets finished before any rank's next call; include/mok/moe.h)."""
         if self.is_meta:
             return
-        if not _native_module().HAS_RESET_STATUS:
-            # TODO(issue 16): bound automatically once MoeWorkspace::reset_status is in include/mok/moe.h.
-            raise NotImplementedError("mok.Workspace.reset_status: this build's C++ library has no "
-                                      "MoeWorkspace::reset_status yet; build_schedule resets the status word")
         self._native.reset_status(_cuda_stream(self.device))
 
     @property

@@ -118,23 +118,6 @@ mok::TensorRef optional_ref(const OptionalArray& a, const char* name, int device
 
 cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
-// MoeWorkspace::reset_status comes with the sticky status word (another branch). Bound when the header has
-// it; HAS_RESET_STATUS tells the Python side.
-// TODO(issue 16): drop the detection once MoeWorkspace::reset_status is on every branch.
-template <class Workspace>
-constexpr bool has_reset_status() {
-  return requires(Workspace& w, int rank, cudaStream_t stream) { w.reset_status(rank, stream); };
-}
-
-template <class Workspace>
-void reset_status_of(Workspace& w, int rank, cudaStream_t stream) {
-  if constexpr (has_reset_status<Workspace>()) {
-    w.reset_status(rank, stream);
-  } else {
-    throw std::logic_error("MoeWorkspace::reset_status is not in this build of the library");
-  }
-}
-
 class Context {
  public:
   explicit Context(mok::ForwardContext context) : context_(std::move(context)) {}
@@ -234,7 +217,7 @@ class Workspace {
 
   void reset_status(uintptr_t stream) {
     DeviceGuard guard(device_);
-    reset_status_of(*workspace_, rank_, as_stream(stream));
+    workspace_->reset_status(rank_, as_stream(stream));
   }
 
   int rank() const { return rank_; }
@@ -270,7 +253,6 @@ std::tuple<int, int> nccl_versions() {
 
 NB_MODULE(_mok, m) {
   m.doc() = "MoK for Hopper: the C++ forward API (private back end of the mok package)";
-  m.attr("HAS_RESET_STATUS") = has_reset_status<mok::MoeWorkspace>();
   m.def("nccl_unique_id", &nccl_unique_id, "A new ncclUniqueId (128 bytes) for rank 0 to broadcast");
   m.def("nccl_versions", &nccl_versions, "(compiled NCCL_VERSION_CODE, ncclGetVersion of the loaded library)");
 

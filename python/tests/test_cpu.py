@@ -26,8 +26,6 @@ def meta_args(shared_expert=True, fused_gate_up=False):
 
 
 def test_extension_loads():
-    from mok import _mok
-    assert isinstance(_mok.HAS_RESET_STATUS, bool)
     compiled, loaded = mok.nccl_versions()
     assert compiled >= 22800, f"compiled against NCCL {compiled}, need >= 2.28"
     assert loaded > 0

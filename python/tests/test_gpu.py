@@ -150,21 +150,82 @@ def test_bad_expert_id_reports_and_recovers():
         mok.check_status(ws)
     status = ws.read_status()
     assert not status.ok and status.error_bits & 1 and "token 5, slot 1" in status.message, status
-    if mok._mok.HAS_RESET_STATUS:  # the sticky status word keeps errors until cleared
-        ws.reset_status()
+    ws.reset_status()  # the sticky status word keeps errors until cleared
     again, _ = mok.forward(ws, x, idx, rw, w, ctx)
     mok.check_status(ws)
     assert torch.equal(again, good), "the call after a bad one differs from the first good one"
 
 
-def test_reset_status():
-    ws = workspace(SHAPES["shared"])
-    if mok._mok.HAS_RESET_STATUS:
+def test_out_of_range_ids_act_as_masked_and_never_wrap():
+    """Out-of-range ids (int64 ones that would wrap to a valid int32 id among them) report through the status
+    word, contribute nothing (out == the same call with that route masked), and the next call is correct."""
+    shape = SHAPES["shared"]
+    ws = workspace(shape)
+    x, idx, rw = make_inputs(shape, "cuda", seed=21, index_dtype=torch.int64)
+    w = make_weights(shape, "cuda", seed=22)
+    masked = idx.clone()
+    masked[7, 0] = -1
+    want, ctx = mok.forward(ws, x, masked, rw, w)
+    mok.check_status(ws)
+    for bad_id in (shape.num_experts, -2, 2**32 + 3, 2**40, -(2**63), 2**63 - 1):
+        bad = idx.clone()
+        bad[7, 0] = bad_id
+        out, ctx = mok.forward(ws, x, bad, rw, w, ctx)
+        with pytest.raises(RuntimeError, match=r"out of range .* token 7, slot 0"):
+            mok.check_status(ws)
         ws.reset_status()
-        assert ws.read_status().ok
+        assert torch.equal(out, want), f"id {bad_id}: out differs from the route masked"
+    again, _ = mok.forward(ws, x, idx, rw, w, ctx)
+    mok.check_status(ws)
+    assert relative_error(again, reference(shape, x, idx, rw, w)) < TOLERANCE
+
+
+@pytest.mark.parametrize("where", ["x", "router_weights"])
+def test_nan_stays_in_its_token(where):
+    """A NaN in one token's x or router weight makes exactly that token's output non-finite; no error; the
+    next clean call is bitwise the clean result."""
+    shape = SHAPES["shared"]
+    ws = workspace(shape)
+    x, idx, rw = make_inputs(shape, "cuda", seed=23)
+    w = make_weights(shape, "cuda", seed=24)
+    clean, ctx = mok.forward(ws, x, idx, rw, w)
+    dirty_x, dirty_rw = x.clone(), rw.clone()
+    if where == "x":
+        dirty_x[9, 3] = float("nan")
     else:
-        with pytest.raises(NotImplementedError, match="reset_status"):
-            ws.reset_status()
+        dirty_rw[9, 1] = float("nan")
+    dirty, ctx = mok.forward(ws, dirty_x, idx, dirty_rw, w, ctx)
+    mok.check_status(ws)
+    assert not torch.isfinite(dirty[9]).all(), "token 9 should be non-finite"
+    others = torch.ones(shape.num_tokens, dtype=torch.bool, device="cuda")
+    others[9] = False
+    assert torch.equal(dirty[others], clean[others]), "a NaN in token 9 reached other tokens"
+    again, _ = mok.forward(ws, x, idx, rw, w, ctx)
+    assert torch.equal(again, clean)
+
+
+@pytest.mark.parametrize("tokens", [1, 63, 65, 129])
+def test_token_counts_off_the_tiles(tokens):
+    shape = dataclasses.replace(SHAPES["shared"], num_tokens=tokens)
+    ws = workspace(shape)
+    x, idx, rw = make_inputs(shape, "cuda", seed=25 + tokens)
+    w = make_weights(shape, "cuda", seed=26)
+    out, ctx = mok.forward(ws, x, idx, rw, w)
+    mok.check_status(ws)
+    assert relative_error(out, reference(shape, x, idx, rw, w)) < TOLERANCE
+    assert torch.equal(mok.forward(ws, x, idx, rw, w, ctx)[0], out)
+
+
+def test_all_routes_masked_and_zero_weights_give_the_shared_expert():
+    shape = SHAPES["shared"]
+    ws = workspace(shape)
+    x, idx, rw = make_inputs(shape, "cuda", seed=27)
+    w = make_weights(shape, "cuda", seed=28)
+    masked, ctx = mok.forward(ws, x, torch.full_like(idx, -1), rw, w)
+    zero, ctx = mok.forward(ws, x, idx, torch.zeros_like(rw), w, ctx)
+    mok.check_status(ws)
+    assert torch.equal(masked, zero)
+    assert relative_error(masked, reference(shape, x, torch.full_like(idx, -1), rw, w)) < TOLERANCE
 
 
 def test_capacity_overflow_reports():
@@ -172,9 +233,16 @@ def test_capacity_overflow_reports():
     ws = workspace(shape, capacity_rows=128)
     x, idx, rw = make_inputs(shape, "cuda", seed=13)
     w = make_weights(shape, "cuda", seed=14)
-    mok.forward(ws, x, idx, rw, w)
+    _, ctx = mok.forward(ws, x, idx, rw, w)
     with pytest.raises(RuntimeError, match="capacity"):
         mok.check_status(ws)
+    # After the reset, a routing that fits the 128 rows (32 routes to expert 0) is correct on the same workspace.
+    ws.reset_status()
+    fits = torch.full_like(idx, -1)
+    fits[:32, 0] = 0
+    out, _ = mok.forward(ws, x, fits, rw, w, ctx)
+    mok.check_status(ws)
+    assert relative_error(out, reference(shape, x, fits, rw, w)) < TOLERANCE
 
 
 def test_wrong_shapes_raise_and_the_process_goes_on():

@@ -5,7 +5,7 @@
 // compared bitwise with a fresh workspace's result. Outputs are poisoned with a bf16 NaN (0x7fc1) before every
 // run, so an unwritten output never passes. Rows with their own shape or options (T edge cases, a capacity too
 // small, zero tokens) get their own workspace and the same "bad call, next good call" sequence.
-// The status word is sticky (another branch): every expected error is followed by reset_status.
+// The status word is sticky until reset_status: every expected error is followed by a reset of every rank.
 // At the end each test prints one line per row ("case | path | expected | observed | next call") and fails on
 // any row whose outcome or next call differs from the table.
 // MOK_TEST_WAIT_TIMEOUT_S overrides the spin-wait timeout of the shared workspace (default 0.5 s; raise it under
