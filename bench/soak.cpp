@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -95,8 +96,10 @@ Args parse(int argc, char** argv) {
 
 mok::reference::ModelShape find_shape(const std::string& name) {
   if (name == kSoakShape.name) return kSoakShape;
-  for (const auto& m : mok::reference::model_shapes())
-    if (m.name == name) return m;
+  try {
+    return mok::reference::model_shape(name);
+  } catch (const std::out_of_range&) {
+  }
   mok::reference::ModelShape custom{name, 0, 0, 0, 0};
   if (std::sscanf(name.c_str(), "%d,%d,%d,%d", &custom.num_experts, &custom.hidden, &custom.intermediate,
                   &custom.top_k) == 4)
@@ -191,9 +194,8 @@ struct Soak {
         ok = false;
       }
     }
-    // No reset between calls: with the status word reset by build_schedule each read sees one call; with a
-    // sticky one it sees every call since the workspace was made. The soak stops at the first error, so
-    // either way an error cannot be missed and no reset_status call is needed.
+    // No reset between calls: the status word is sticky, so each read sees every call since the workspace
+    // was made, and the soak stops at the first error.
     return ok;
   }
 
@@ -247,7 +249,7 @@ struct Soak {
 
 mok::MoeShape layer_shape(const Args& args, const mok::reference::ModelShape& model) {
   const mok::MoeShape shape = mok::testing::moe_shape(args.ep, args.tokens, model.top_k, model.num_experts,
-                                                      model.hidden, model.intermediate);
+                                                      model.hidden, model.intermediate, model.shared_expert);
   try {
     shape.validate();
   } catch (const std::invalid_argument& e) {
