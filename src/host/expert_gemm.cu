@@ -18,13 +18,20 @@ void require(bool condition, const std::string& message) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The launched tile configurations (expert_gemm below), by epilogue.
+template <int kClusterN>
+using SwiGLUTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kSwiGLU, kClusterN>;
+template <int kClusterN>
+using StoreTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kStore, kClusterN>;
+
 // Output columns of one tile (256 accumulator columns; SwiGLU turns gate + up into half as many).
-int output_tile_columns(GemmEpilogue epilogue) { return epilogue == GemmEpilogue::kSwiGLU ? 128 : 256; }
+int output_tile_columns(GemmEpilogue epilogue) {
+  return epilogue == GemmEpilogue::kSwiGLU ? SwiGLUTraits<1>::kOutCols : StoreTraits<1>::kOutCols;
+}
 
 // Output tiles along n; the last one is partial when n is not a multiple of the tile.
 int output_tiles(GemmEpilogue epilogue, int n) {
-  const int columns = output_tile_columns(epilogue);
-  return (n + columns - 1) / columns;
+  return epilogue == GemmEpilogue::kSwiGLU ? SwiGLUTraits<1>::n_blocks(n) : StoreTraits<1>::n_blocks(n);
 }
 
 template <class Traits>
@@ -92,18 +99,16 @@ void validate(const ExpertGemmArgs& args) {
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);
   const int cluster_n = args.cluster_n != 0 ? args.cluster_n : choose_cluster_n(args.epilogue, args.n);
-  constexpr auto kSwiGLU = gemm::Epilogue::kSwiGLU;
-  constexpr auto kStore = gemm::Epilogue::kStore;
   if (args.epilogue == GemmEpilogue::kSwiGLU) {
     if (cluster_n == 2)
-      launch<gemm::GemmTraits<128, 256, 4, kSwiGLU, 2>>(args, stream);
+      launch<SwiGLUTraits<2>>(args, stream);
     else
-      launch<gemm::GemmTraits<128, 256, 4, kSwiGLU, 1>>(args, stream);
+      launch<SwiGLUTraits<1>>(args, stream);
   } else {
     if (cluster_n == 2)
-      launch<gemm::GemmTraits<128, 256, 4, kStore, 2>>(args, stream);
+      launch<StoreTraits<2>>(args, stream);
     else
-      launch<gemm::GemmTraits<128, 256, 4, kStore, 1>>(args, stream);
+      launch<StoreTraits<1>>(args, stream);
   }
 }
 

@@ -47,7 +47,7 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
   p.b_rows = b_rows;
   p.k = args.k;
   p.local_experts = args.local_experts;
-  p.num_n_blocks = (args.n + T::kOutCols - 1) / T::kOutCols;  // the last one may be partial (n % 64 == 0)
+  p.num_n_blocks = T::n_blocks(args.n);  // the last one may be partial (n % 64 == 0)
   p.b_expert_rows = b_expert_rows;
   if (swiglu) {  // half 0: gate rows, half 1: up rows of the same output columns
     p.b_half_offset0 = 0;

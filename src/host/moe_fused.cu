@@ -17,9 +17,6 @@ using GateUpTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kSwiGLU, kClu
 template <int kClusterN>
 using DownTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kStore, kClusterN>;
 
-// Output tiles of a GEMM with `columns` output columns; the last one is partial when they do not divide.
-int n_blocks(int columns, int tile_columns) { return (columns + tile_columns - 1) / tile_columns; }
-
 template <int kClusterN>
 auto kernel_of() {
   using T = GateUpTraits<kClusterN>;
@@ -80,8 +77,8 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
                 .shared_rows = a.shared_rows,
                 .ring_rows = a.ring_rows,
                 .minibatch_rows = a.minibatch_rows,
-                .gate_up_groups = n_blocks(a.intermediate, T::kOutCols) / kClusterN,
-                .down_groups = n_blocks(a.hidden, TDown::kOutCols) / kClusterN},
+                .gate_up_groups = T::n_blocks(a.intermediate) / kClusterN,
+                .down_groups = TDown::n_blocks(a.hidden) / kClusterN},
       .scheduled_rows = a.scheduled_rows,
       .row_route = a.row_route,
       .x = a.x,
@@ -92,8 +89,8 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
       .top_k = a.top_k,
       .row_vectors = a.hidden * 2 / 16,
       .comm_ctas = a.comm_ctas,
-      .gate_up_n_blocks = n_blocks(a.intermediate, T::kOutCols),
-      .down_n_blocks = n_blocks(a.hidden, TDown::kOutCols),
+      .gate_up_n_blocks = T::n_blocks(a.intermediate),
+      .down_n_blocks = TDown::n_blocks(a.hidden),
       .counters = {.rows_arrived = a.counters,
                    .hidden_ready = a.counters + a.capacity_units,
                    .output_ready = a.counters + 2 * a.capacity_units,
@@ -119,8 +116,8 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
 }  // namespace
 
 int fused_cluster_n(int hidden, int intermediate) {
-  const bool pairs = n_blocks(intermediate, GateUpTraits<1>::kOutCols) % 2 == 0 &&
-                     n_blocks(hidden, DownTraits<1>::kOutCols) % 2 == 0;
+  const bool pairs = GateUpTraits<1>::n_blocks(intermediate) % 2 == 0 &&
+                     DownTraits<1>::n_blocks(hidden) % 2 == 0;
   return pairs ? 2 : 1;
 }
 

@@ -61,6 +61,8 @@ struct GemmTraits {
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N, and B loads in two halves of 8-row atoms");
   static constexpr int kHalfN = kBlockN / 2;
   static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kHalfN : kBlockN;
+  // Output tiles (n-blocks) of n output columns; the last one is partial when n is not a multiple of kOutCols.
+  static constexpr int n_blocks(int64_t n) { return static_cast<int>((n + kOutCols - 1) / kOutCols); }
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kClusterN = kClusterN_;  // CTAs sharing one A tile (adjacent n-blocks)
   static_assert(kClusterN == 1 || kClusterN == 2, "A is shared by at most two CTAs");
