@@ -18,11 +18,8 @@ void require(bool condition, const std::string& message) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The launched tile configurations (expert_gemm below), by epilogue.
-template <int kClusterN>
-using SwiGLUTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kSwiGLU, kClusterN>;
-template <int kClusterN>
-using StoreTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kStore, kClusterN>;
+using detail::StoreTraits;
+using detail::SwiGLUTraits;
 
 // Output columns of one tile (256 accumulator columns; SwiGLU turns gate + up into half as many).
 int output_tile_columns(GemmEpilogue epilogue) {

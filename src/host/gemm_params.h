@@ -11,6 +11,13 @@
 
 namespace mok::detail {
 
+// The tile configurations every launch uses (the standalone GEMM and the megakernel): 128 x 256 accumulator
+// tiles, 4 stages, clusters of 1 or 2.
+template <int kClusterN>
+using SwiGLUTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kSwiGLU, kClusterN>;
+template <int kClusterN>
+using StoreTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kStore, kClusterN>;
+
 // The ticket and trace fields are left empty; the caller sets what its launch uses.
 template <class Traits>
 auto make_gemm_params(const ExpertGemmArgs& args) {

@@ -12,10 +12,11 @@
 namespace mok::detail {
 namespace {
 
+// The megakernel's gate/up and down GEMMs: the standalone GEMM's tiles (src/host/gemm_params.h).
 template <int kClusterN>
-using GateUpTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kSwiGLU, kClusterN>;
+using GateUpTraits = SwiGLUTraits<kClusterN>;
 template <int kClusterN>
-using DownTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kStore, kClusterN>;
+using DownTraits = StoreTraits<kClusterN>;
 
 template <int kClusterN>
 auto kernel_of() {
