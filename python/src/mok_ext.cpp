@@ -28,6 +28,8 @@
 #include <nccl.h>
 
 #include "mok/moe.h"
+#include "src/host/check.h"
+#include "src/host/device_guard.h"
 
 namespace nb = nanobind;
 
@@ -36,28 +38,8 @@ namespace {
 using Array = nb::ndarray<nb::device::cuda>;
 using OptionalArray = std::optional<Array>;
 
-void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
-}
-
-void check_nccl(ncclResult_t status, const char* what) {
-  if (status != ncclSuccess) throw std::runtime_error(std::string(what) + ": " + ncclGetErrorString(status));
-}
-
-// Makes `device` current for the scope and restores the caller's (PyTorch's) current device after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
+using mok::detail::check_nccl;
+using mok::detail::DeviceGuard;  // restores the caller's (PyTorch's) current device after each call
 
 const char* dtype_name(nb::dlpack::dtype t) {
   if (t == nb::dtype<float>()) return "float32";
