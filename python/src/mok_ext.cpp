@@ -130,13 +130,15 @@ class Workspace {
     }
     nb::gil_scoped_release release;  // collective: NCCL init and the symmetric allocations wait for peers
     DeviceGuard guard(device);
-    if (ep_size > 1) {
-      check_nccl(ncclCommInitRank(&comm_, ep_size, id, rank), "ncclCommInitRank");
-      group_ = std::make_unique<mok::PeerGroup>(mok::PeerGroup::nccl({comm_}));
-    } else {
-      group_ = std::make_unique<mok::PeerGroup>(mok::PeerGroup::virtual_ranks(1, device));
+    if (ep_size > 1) check_nccl(ncclCommInitRank(&comm_, ep_size, id, rank), "ncclCommInitRank");
+    try {
+      group_ = std::make_unique<mok::PeerGroup>(ep_size > 1 ? mok::PeerGroup::nccl({comm_})
+                                                            : mok::PeerGroup::virtual_ranks(1, device));
+      workspace_ = std::make_unique<mok::MoeWorkspace>(*group_, shape, options);
+    } catch (...) {  // a rejected shape: the communicator must not outlive the failed constructor
+      if (comm_ != nullptr) ncclCommDestroy(comm_);
+      throw;
     }
-    workspace_ = std::make_unique<mok::MoeWorkspace>(*group_, shape, options);
   }
 
   ~Workspace() {
