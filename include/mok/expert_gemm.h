@@ -4,8 +4,21 @@
 //   kSwiGLU: out[r, :] = row_scale[r] * silu(min(g, L)) * clamp(u, -L, L)
 //            g = a[r] · Wg_e^T, u = a[r] · Wu_e^T with either fused weights b [E_local, 2n, k] (n gate rows
 //            then n up rows per expert) or separate b = Wg [E_local, n, k], b_up = Wu [E_local, n, k].
+//   kSwiGLUBackward (the backward's down dgrad, the SwiGLU backward fused into its epilogue):
+//            d_hu = a[r] · W_e^T over n = I columns (a = d_out rows, k = H; W = W_down read MN-major), then
+//            with g, u from `gate_up` (bf16 [a_rows, 2n], g in columns [0, n), u in [n, 2n)), L the clamp,
+//            d_h = row_scale[r] * d_hu (row_scale = the route's router weight; null: 1):
+//              out[r, c]     = d_g = d_h * u_c * silu'(g_c) * [L == 0 or g < L]
+//              out[r, n + c] = d_u = d_h * silu(g_c) * [L == 0 or -L < u < L]        out bf16 [a_rows, 2n]
+//              row_partials[r, nb] = sum over the tile's columns c of d_hu[r, c] * silu(g_c) * u_c (fp32,
+//                                    the d_rw partial of n-block nb; unscaled, so exact at rw = 0)
 // Row r belongs to expert e when it lies in e's padded segment of the schedule; padding rows get zeros.
 // Asynchronous on `stream`, no host synchronization (row counts are read on the GPU).
+//
+// Operand majorness (b_major): kK reads b as [E_local, n, k] (the forward: k contiguous); kMN reads b as
+// [E_local, k, n] (n contiguous: the backward's dgrad through the forward's weights, unchanged in memory).
+// kMN with b_up (kStore only): K is the concatenation of b [E_local, k/2, n] and b_up [E_local, k/2, n]
+// (the gate/up dgrad over [d_g, d_u] with separate gate and up weights).
 #pragma once
 
 #include <cstdint>
@@ -14,7 +27,12 @@
 
 namespace mok {
 
-enum class GemmEpilogue : int32_t { kStore = 0, kSwiGLU = 1 };
+enum class GemmEpilogue : int32_t { kStore = 0, kSwiGLU = 1, kSwiGLUBackward = 2 };
+
+enum class OperandMajor : int32_t {
+  kK = 0,   // rows of the operand are contiguous along k
+  kMN = 1,  // rows of the operand are contiguous along m (A) or n (B): a transposed view, no copy
+};
 
 struct ExpertGemmArgs {
   GemmEpilogue epilogue = GemmEpilogue::kStore;
@@ -22,7 +40,9 @@ struct ExpertGemmArgs {
   int64_t a_rows = 0;           // rows allocated (the schedule's capacity)
   int k = 0;                    // multiple of 64
   const void* b = nullptr;      // bf16 weights, see above
-  const void* b_up = nullptr;   // kSwiGLU with separate gate/up weights; nullptr: b is fused [E, 2n, k]
+  const void* b_up = nullptr;   // kSwiGLU with separate gate/up weights; nullptr: b is fused [E, 2n, k];
+                                // kStore with b_major kMN: the second half of K (see above)
+  OperandMajor b_major = OperandMajor::kK;
   int n = 0;                    // output columns, a multiple of 64; the last output tile (kStore 256 columns,
                                 // kSwiGLU 128) is partial when n is not a multiple of it
   int local_experts = 0;
@@ -33,7 +53,11 @@ struct ExpertGemmArgs {
                                 // task on one consumer warpgroup
   const float* row_scale = nullptr;  // optional [a_rows]
   float swiglu_limit = 0;       // 0: plain SwiGLU
-  void* out = nullptr;          // bf16 [a_rows, n]
+  void* out = nullptr;          // bf16 [a_rows, n] (kSwiGLUBackward: [a_rows, 2n])
+  void* gate_up_out = nullptr;  // kSwiGLU, optional: bf16 [a_rows, 2n], the raw g (columns [0, n)) and u
+                                // ([n, 2n)) of every row, before the clamp (what the backward reads)
+  const void* gate_up = nullptr;  // kSwiGLUBackward: bf16 [a_rows, 2n], the forward's g and u (gate_up_out)
+  float* row_partials = nullptr;  // kSwiGLUBackward: fp32 [a_rows, gemm_n_blocks(kSwiGLUBackward, n)]
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);
                                 // 0: choose_cluster_n
   int32_t* ticket = nullptr;    // one int32 of device memory, zeroed by the call on its stream: the task
@@ -47,6 +71,9 @@ struct ExpertGemmArgs {
 void validate(const ExpertGemmArgs& args);
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream);
+
+// Output tiles along n (the columns of kSwiGLUBackward's row_partials); the last one may be partial.
+int gemm_n_blocks(GemmEpilogue epilogue, int n);
 
 // CTAs per cluster for a GEMM with `n` output columns: 2 (the A tile multicast to a pair of n-blocks) when
 // the output tiles pair up, else 1.

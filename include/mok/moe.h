@@ -101,6 +101,8 @@ struct MoeOptions {
   ScheduleOptions schedule;  // row padding, capacity, spin-wait timeout
   ForwardPath path = ForwardPath::kFused;
   FusedOptions fused;
+  bool backward = true;      // allocate the backward's buffers (false: an inference-only workspace, whose
+                             // backward and recompute_forward_context throw)
 };
 
 // One rank's weights, bf16.
@@ -111,6 +113,28 @@ struct MoeWeights {
   TensorRef shared_gate;  // [I, H]   (the three shared tensors are empty without a shared expert)
   TensorRef shared_up;    // [I, H]
   TensorRef shared_down;  // [H, I]
+};
+
+// How one weight gradient is produced.
+enum class GradMode : int32_t {
+  kWrite = 0,       // grad = this call's gradient, in grad's dtype (bf16 or fp32), rounded once
+  kAccumulate = 1,  // grad (fp32) += this call's gradient (Megatron's main_grad over micro-batches)
+};
+
+struct WeightGrad {
+  TensorRef grad;  // the parameter's shape, bf16 or fp32 (kAccumulate: fp32); empty: not computed
+  GradMode mode = GradMode::kWrite;
+};
+
+// One rank's weight gradients, laid out as MoeWeights (fused gate/up weights: expert_gate [E_local, 2I, H]
+// receives both, expert_up stays empty).
+struct MoeWeightGrads {
+  WeightGrad expert_gate;
+  WeightGrad expert_up;
+  WeightGrad expert_down;
+  WeightGrad shared_gate;  // the three shared gradients are empty without a shared expert
+  WeightGrad shared_up;
+  WeightGrad shared_down;
 };
 
 // What one layer's forward leaves for its backward, on one rank: the schedule and the expert-side
@@ -158,6 +182,23 @@ struct RankForward {
   cudaStream_t stream = nullptr;
 };
 
+// One rank's arguments of a backward call: the forward's inputs and context, the output's gradient, and
+// where the gradients go. Every gradient is written (or accumulated) in full; masked routes get
+// d_router_weights 0 and contribute nothing to d_x.
+struct RankBackward {
+  int rank = 0;
+  TensorRef x;                        // bf16 [T, H], the forward's
+  TensorRef topk_idx;                 // int32 or int64 [T, k], the forward's
+  TensorRef router_weights;           // fp32 [T, k], the forward's
+  const MoeWeights* weights = nullptr;
+  const ForwardContext* context = nullptr;  // the forward's (or recompute_forward_context's)
+  TensorRef d_out;                    // bf16 [T, H]
+  TensorRef d_x;                      // bf16 [T, H], written
+  TensorRef d_router_weights;         // fp32 [T, k], written
+  const MoeWeightGrads* weight_grads = nullptr;
+  cudaStream_t stream = nullptr;
+};
+
 class MoeWorkspace {
  public:
   // Allocates the symmetric buffers (collective for NCCL groups) and per-rank scratch. Synchronous.
@@ -191,6 +232,20 @@ class MoeWorkspace {
   void forward_with_schedule(std::span<const RankForward> ranks);
   // build_schedule, then forward_with_schedule.
   void forward(std::span<const RankForward> ranks);
+
+  // The backward of the forward that filled each rank's context (docs/design.md, "Backward"):
+  //   d_hu = d_out_row · W_down (unscaled)   d_rw = <d_hu, h> (fp32)   d_h = rw * d_hu
+  //   [d_g, d_u] = SwiGLU backward from the recomputed g, u      d_x_route = [d_g, d_u] · [W_gate; W_up]
+  //   d_x[t] = shared dgrad + sum_j d_x_route[t, j] (fp32, j ascending, one rounding)
+  //   dW_down_e = sum (rw * d_out)ᵀ h, dW_gate/up_e = sum d_{g,u}ᵀ x over the expert's rows (fixed order)
+  // The expert's rank pulls d_out rows from the token's rank and pushes d_x_route rows and d_rw back into
+  // the token's (token, slot) slots. Bitwise deterministic; asynchronous, no host synchronization.
+  void backward(std::span<const RankBackward> ranks);
+  // Rebuilds each rank's context (expert-major x rows, hidden rows, the shared expert's hidden rows) from x,
+  // the weights and the schedule already in the context, without producing `out`: for activation
+  // checkpointing (build_schedule first when the context's schedule is not the step's). Uses rank, x,
+  // weights, context and stream of each RankForward; the bits equal the forward's.
+  void recompute_forward_context(std::span<const RankForward> ranks);
 
   // The rank's status word: everything since the last reset_status (or the workspace's creation), over
   // every layer and step that ran on the workspace: bad expert ids, capacity overflow, spin-wait timeouts,

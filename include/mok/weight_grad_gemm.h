@@ -1,0 +1,56 @@
+// Weight gradients of the routed (or shared) experts as k-grouped GEMMs: the reduction runs over each
+// expert's rows of the schedule, both operands read MN-major (rows of a and b are the K dimension).
+//
+//   grad_e[m, n] = sum_{r in segment e} a[r, m] * b[r, n]          e = 0 .. local_experts - 1
+//     the backward's uses:  dW_down_e  = sum_r dy[r]ᵀ h[r]        a = dy = rw * d_out rows [rows, H], b = h [rows, I]
+//                           dW_gu_e    = sum_r d_gu[r]ᵀ x[r]      a = [d_g, d_u] [rows, 2I],        b = x rows [rows, H]
+//   a bf16 [rows_allocated, m], b bf16 [rows_allocated, n] row-major; fp32 accumulation.
+//   Segment e is [expert_row_offsets[e], min(expert_row_offsets[e + 1], *scheduled_rows)): padding rows
+//   (past the expert's count inside its segment) must be zero in a or in b and finite in the other (the
+//   forward's and the backward's GEMMs write them as zeros). An expert without rows gets a zero gradient.
+//
+// Output (GradOutput): kBFloat16 / kFloat32 write grad_e, rounded once; kAccumulateFloat32 adds grad_e to the
+// fp32 values already there (Megatron's main_grad: out = out + grad_e, one fp32 addition per element).
+// Rows [0, m_split) of each expert's gradient go to `out` [E_local, m_split, n] and rows [m_split, m) to
+// `out_split` [E_local, m - m_split, n] when out_split is set (separate gate and up gradients from one
+// [d_g, d_u] operand); otherwise `out` is [E_local, m, n].
+//
+// Deterministic: each output tile is owned by one CTA, which reduces its expert's rows in ascending order
+// in fp32; no atomics on values. Asynchronous on `stream`, no host synchronization.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace mok {
+
+enum class GradOutput : int32_t {
+  kBFloat16 = 0,           // write, bf16
+  kFloat32 = 1,            // write, fp32
+  kAccumulateFloat32 = 2,  // fp32 out += this call's gradient
+};
+
+struct WeightGradArgs {
+  const void* a = nullptr;      // bf16 [rows_allocated, m], 16-byte aligned
+  const void* b = nullptr;      // bf16 [rows_allocated, n], 16-byte aligned
+  int64_t rows_allocated = 0;   // a multiple of tile_m
+  int m = 0;                    // multiple of 64
+  int n = 0;                    // multiple of 64
+  int local_experts = 0;
+  const int32_t* expert_row_offsets = nullptr;  // from ScheduleView: [local_experts + 1], segments padded to tile_m
+  const int32_t* scheduled_rows = nullptr;      // from ScheduleView
+  int tile_m = 64;                              // the schedule's padding (64 or 128)
+  GradOutput output = GradOutput::kBFloat16;
+  void* out = nullptr;          // [E_local, m_split or m, n], bf16 or fp32 as `output` says, 16-byte aligned
+  void* out_split = nullptr;    // optional: [E_local, m - m_split, n]
+  int m_split = 0;              // with out_split: a multiple of 64 in (0, m)
+  int32_t* ticket = nullptr;    // one int32 of device memory, zeroed by the call on its stream
+};
+
+// Throws std::invalid_argument naming the offending field.
+void validate(const WeightGradArgs& args);
+
+void weight_grad_gemm(const WeightGradArgs& args, cudaStream_t stream);
+
+}  // namespace mok
