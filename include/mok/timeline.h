@@ -8,7 +8,7 @@
 
 namespace mok {
 
-// The megakernel's tasks (src/device/megakernel/forward_tasks.h hands them out in this vocabulary).
+// The megakernel's tasks (the phase tables of src/device/megakernel/forward_tasks.h name them).
 enum class TaskKind : int32_t {
   kSharedGateUp = 0,  // shared expert, gate/up GEMM tile with the SwiGLU epilogue
   kSharedDown = 1,

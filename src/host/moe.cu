@@ -13,6 +13,7 @@
 #include "src/device/combine/push_rows.cuh"
 #include "src/device/common/peer_barrier.cuh"
 #include "src/device/kernels/row_kernels.cuh"
+#include "src/device/megakernel/timeline_record.h"
 #include "src/device/schedule/placement.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
@@ -360,7 +361,7 @@ std::vector<TaskRecord> MoeWorkspace::read_timeline(int rank, cudaStream_t strea
                                  "is 0, or the path is unfused)");
   DeviceGuard guard(s.device);
   const int capacity = options_.fused.timeline_records;
-  const int64_t cta_words = detail::fused_timeline_words(1, capacity);
+  const int64_t cta_words = megakernel::timeline_cta_words(capacity);
   std::vector<uint64_t> words(grid_ctas_ * cta_words);
   MOK_CHECK_CUDA(cudaMemcpyAsync(words.data(), s.timeline, words.size() * 8, cudaMemcpyDeviceToHost, stream));
   MOK_CHECK_CUDA(cudaStreamSynchronize(stream));
@@ -368,18 +369,8 @@ std::vector<TaskRecord> MoeWorkspace::read_timeline(int rank, cudaStream_t strea
   for (int cta = 0; cta < grid_ctas_; ++cta) {
     const uint64_t* base = words.data() + cta * cta_words;
     const int64_t count = std::min<int64_t>(static_cast<int64_t>(base[0]), capacity);
-    for (int64_t i = 0; i < count; ++i) {
-      const uint64_t* r = base + 4 + i * 4;  // layout: megakernel::Timeline
-      records.push_back({.cta = static_cast<int32_t>(r[2] >> 32),
-                         .sm = static_cast<int32_t>((r[2] >> 16) & 0xffff),
-                         .kind = static_cast<TaskKind>(r[2] & 0xff),
-                         .row = static_cast<int32_t>(r[3] & 0xffffffffu),
-                         .rows = static_cast<int32_t>((r[2] >> 8) & 0xff),
-                         .n_block = static_cast<int32_t>((r[3] >> 32) & 0xffff),
-                         .expert = static_cast<int32_t>(r[3] >> 48),
-                         .start_ns = r[0],
-                         .end_ns = r[1]});
-    }
+    for (int64_t i = 0; i < count; ++i)
+      records.push_back(megakernel::decode_task_record(base + megakernel::timeline_record_offset(i)));
   }
   return records;
 }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "src/device/megakernel/forward_kernel.cuh"
+#include "src/device/megakernel/timeline_record.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
 #include "src/host/gemm_params.h"
@@ -68,18 +69,15 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
   using T = GateUpTraits<kClusterN>;
   using TDown = DownTraits<kClusterN>;
   using GemmP = decltype(make_gemm_params<T>(ExpertGemmArgs{}));
+  namespace forward = megakernel::forward;
+  // By forward::Gemm: the shared and the routed gate/up and down GEMMs.
+  const int32_t n_blocks[forward::kNumGemms] = {T::n_blocks(a.intermediate), TDown::n_blocks(a.hidden),
+                                                T::n_blocks(a.intermediate), TDown::n_blocks(a.hidden)};
   megakernel::ForwardParams<GemmP> p{
-      .shared_gate_up = make_gemm_params<T>(a.shared_gate_up),
-      .shared_down = make_gemm_params<TDown>(a.shared_down),
-      .expert_gate_up = make_gemm_params<T>(a.expert_gate_up),
-      .expert_down = make_gemm_params<TDown>(a.expert_down),
-      .order = {.expert_row_offsets = a.expert_row_offsets,
-                .local_experts = a.local_experts,
-                .shared_rows = a.shared_rows,
-                .ring_rows = a.ring_rows,
-                .minibatch_rows = a.minibatch_rows,
-                .gate_up_groups = T::n_blocks(a.intermediate) / kClusterN,
-                .down_groups = TDown::n_blocks(a.hidden) / kClusterN},
+      .gemms = {make_gemm_params<T>(a.shared_gate_up), make_gemm_params<TDown>(a.shared_down),
+                make_gemm_params<T>(a.expert_gate_up), make_gemm_params<TDown>(a.expert_down)},
+      .order = forward::task_order(a.expert_row_offsets, a.local_experts, a.shared_rows, a.ring_rows,
+                                   a.minibatch_rows, n_blocks, kClusterN),
       .scheduled_rows = a.scheduled_rows,
       .row_route = a.row_route,
       .x = a.x,
@@ -90,13 +88,8 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
       .top_k = a.top_k,
       .row_vectors = a.hidden * 2 / 16,
       .comm_ctas = a.comm_ctas,
-      .gate_up_n_blocks = T::n_blocks(a.intermediate),
-      .down_n_blocks = TDown::n_blocks(a.hidden),
-      .counters = {.rows_arrived = a.counters,
-                   .hidden_ready = a.counters + a.capacity_units,
-                   .output_ready = a.counters + 2 * a.capacity_units,
-                   .rows_combined = a.counters + 3 * a.capacity_units,
-                   .shared_hidden_ready = a.counters + 4 * a.capacity_units},
+      .counters = megakernel::resolve_counters(forward::kCounters, a.counters, a.capacity_units, a.shared_units,
+                                               n_blocks),
       .compute_ticket = a.tickets,
       .comm_ticket = a.tickets + 1,
       .rank = a.rank,
@@ -126,9 +119,13 @@ int fused_grid_ctas(const MoeShape& shape, int device) {
   return fused_cluster_n(shape.hidden, shape.intermediate) == 2 ? grid_ctas<2>(device) : grid_ctas<1>(device);
 }
 
-int64_t fused_counter_words(int64_t capacity_units, int64_t shared_units) { return 4 * capacity_units + shared_units; }
+int64_t fused_counter_words(int64_t capacity_units, int64_t shared_units) {
+  return megakernel::counter_words(megakernel::forward::kCounters, capacity_units, shared_units);
+}
 
-int64_t fused_timeline_words(int grid_ctas, int capacity) { return int64_t(grid_ctas) * (capacity + 1) * 4; }
+int64_t fused_timeline_words(int grid_ctas, int capacity) {
+  return int64_t(grid_ctas) * megakernel::timeline_cta_words(capacity);
+}
 
 void launch_fused_forward(const FusedForwardArgs& args, cudaStream_t stream) {
   if (fused_cluster_n(args.hidden, args.intermediate) == 2)

@@ -147,17 +147,17 @@ TEST(MoeFusedTest, TimelineRecordsEveryTaskOnce) {
       const int32_t scheduled = download<int32_t>(ctx.schedule().scheduled_rows, 1)[0];
       const std::vector<int32_t> offsets =
           download<int32_t>(ctx.schedule().expert_row_offsets, shape.local_experts() + 1);
-      const megakernel::TaskOrderShape order{.expert_row_offsets = offsets.data(),
-                                             .local_experts = shape.local_experts(),
-                                             .shared_rows = static_cast<int32_t>(harness.workspace().padded_tokens()),
-                                             .ring_rows = static_cast<int32_t>(harness.workspace().ring_rows()),
-                                             .minibatch_rows = options.fused.minibatch_rows,
-                                             .gate_up_groups = shape.intermediate / 128 / cluster_n,
-                                             .down_groups = shape.hidden / 256 / cluster_n};
+      namespace forward = megakernel::forward;
+      const int32_t gate_up_n_blocks = shape.intermediate / 128, down_n_blocks = shape.hidden / 256;
+      const megakernel::TaskOrderShape order = forward::task_order(
+          offsets.data(), shape.local_experts(), static_cast<int32_t>(harness.workspace().padded_tokens()),
+          static_cast<int32_t>(harness.workspace().ring_rows()), options.fused.minibatch_rows,
+          {gate_up_n_blocks, down_n_blocks, gate_up_n_blocks, down_n_blocks}, cluster_n);
       std::vector<int64_t> want(7, 0), got(7, 0);
       megakernel::ComputeWalker walker(order, scheduled);
       megakernel::ComputeTask task;
-      for (int32_t slot = 0; walker.task_at(slot, task); ++slot) want[int(task.kind)] += cluster_n;  // one per CTA
+      for (int32_t slot = 0; walker.task_at(slot, task); ++slot)
+        want[int(order.phases.phase[task.phase].kind)] += cluster_n;  // one per CTA
       want[int(TaskKind::kDispatch)] = want[int(TaskKind::kCombine)] = scheduled / 64;
       for (const TaskRecord& record : records) {
         ++got[int(record.kind)];

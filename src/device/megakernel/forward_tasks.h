@@ -1,207 +1,82 @@
-// Task order of the forward megakernel (src/device/megakernel/forward_kernel.cuh): which task a ticket
-// slot is, for the compute CTAs and for the communication CTAs. Host + device code, so the CPU tests walk
-// the same order the GPU does and check that it is topological and covers every tile exactly once.
+// The forward megakernel's tables (src/device/megakernel/forward_kernel.cuh): its four GEMMs, its five
+// counter arrays and its compute and communication phases, walked by task_order.h. Host + device code.
 //
-// Vocabulary (rows are schedule rows: the expert-major order of src/device/schedule/placement.h)
-//   unit         64 rows; the grain of every dependency counter and of dispatch and combine tasks
-//   tile         a GEMM task: up to 128 rows of one expert x one group of n-blocks (TileTask)
-//   macrobatch   ring_rows consecutive rows. The expert-side buffers (x rows, hidden, expert outputs) hold
-//                one macrobatch: schedule row r lives at ring row r % ring_rows. Macrobatches are walked
-//                last to first, so macrobatch 0 is what stays resident for the backward.
-//   minibatch    minibatch_rows consecutive rows of a macrobatch (the last one may be shorter); the unit
-//                of ordering: its gate/up tiles, then its down tiles.
-//
-// Compute order (one atomic ticket): shared gate/up tiles, shared down tiles, then per minibatch in walk
-// order: gate/up tiles, down tiles. Inside a phase, tiles go expert by expert, n-block group by group,
-// m-tiles fastest (TaskWalker's order, clipped to the phase's rows): tiles that share weights start together.
-// Communication order (a second ticket): per macrobatch in walk order, dispatch of its units, then combine
-// of its units.
-// Every task waits only for tasks earlier in its own order or in the other one, and each of those waits
-// only for earlier ones again, so handing tasks out in ticket order cannot deadlock (docs/sync_protocol.md).
+//   shared gate/up   shared_hidden[t] = SwiGLU(x[t] · Wg^T, x[t] · Wu^T)       needs nothing (x is complete)
+//   shared down      shared_out[t] = shared_hidden[t] · Wd^T                    needs shared_hidden_ready
+//   per minibatch:
+//   expert gate/up   hidden[r] = SwiGLU(expert_rows[r] · Wg_e^T, ...)           needs rows_arrived
+//   expert down      y[r] = hidden[r] · Wd_e^T                                  needs hidden_ready
+//   per macrobatch:
+//   dispatch         expert_rows[r] = x_src[token] (pull)        needs rows_combined of the ring rows' previous unit
+//   combine          combined_src[token * k + slot] = y[r] (push)                 needs output_ready
+// Who adds, who waits and why it cannot deadlock: docs/sync_protocol.md, "forward megakernel".
 #pragma once
 
 #include <cstdint>
 
+#include "mok/status.h"
 #include "mok/timeline.h"
 #include "src/device/common/host_device.h"
-#include "src/device/schedule/placement.h"
+#include "src/device/megakernel/task_order.h"
+#include "src/device/megakernel/task_tables.h"
 
-namespace mok::megakernel {
+namespace mok::megakernel::forward {
 
-inline constexpr int kUnitRows = 64;
-inline constexpr int kTileRows = 128;
+// The GEMM descriptors of ForwardParams::gemms.
+enum Gemm : int8_t { kSharedGateUpGemm, kSharedDownGemm, kExpertGateUpGemm, kExpertDownGemm, kNumGemms };
 
-// What the task order needs to know, all of it readable on the host and on the device.
-struct TaskOrderShape {
-  const int32_t* expert_row_offsets;  // [local_experts + 1], the routed schedule's padded segments
-  int local_experts;
-  int32_t shared_rows;                // padded tokens, or 0 without a shared expert
-  int32_t ring_rows;                  // macrobatch rows, a multiple of 128
-  int32_t minibatch_rows;             // a multiple of 128
-  int gate_up_groups;                 // n-block groups (of cluster_n CTAs) of the gate/up GEMM: I / 128 / cluster_n
-  int down_groups;                    // of the down GEMM: H / 256 / cluster_n
+// The gate/up GEMMs (SwiGLU epilogue, I / 128 n-blocks) and the down GEMMs (H / 256) run with different
+// traits: the kernel picks them by this.
+MOK_HOST_DEVICE constexpr bool is_gate_up(int gemm) { return gemm == kSharedGateUpGemm || gemm == kExpertGateUpGemm; }
+
+// The counter arrays of ForwardParams::counters, in kCounters order.
+enum Counter : int8_t { kRowsArrived, kHiddenReady, kOutputReady, kRowsCombined, kSharedHiddenReady, kNumCounters };
+
+inline constexpr CounterDesc kCounters[kNumCounters] = {
+    // id                           units of                 complete at
+    {CounterId::kRowsArrived,       CounterUnits::kCapacity, kOneTask},           // the unit's dispatch
+    {CounterId::kHiddenReady,       CounterUnits::kCapacity, kExpertGateUpGemm},  // every gate/up n-block stored
+    {CounterId::kOutputReady,       CounterUnits::kCapacity, kExpertDownGemm},    // every down n-block stored
+    {CounterId::kRowsCombined,      CounterUnits::kCapacity, kOneTask},           // the unit's combine
+    {CounterId::kSharedHiddenReady, CounterUnits::kShared,   kSharedGateUpGemm},
 };
 
-struct ComputeTask {
-  TaskKind kind;
-  int32_t row;         // first schedule row (token row for the shared expert)
-  int32_t buffer_row;  // where it lives in the A and output buffers
-  int32_t rows;        // 64 or 128
-  int32_t n_group;     // group of cluster_n adjacent n-blocks
-  int32_t expert;      // local expert (0 for the shared expert)
+inline constexpr PhaseDesc kPhases[] = {
+    // kind                    GEMM               rows                   waits on            signals
+    {TaskKind::kSharedGateUp, kSharedGateUpGemm, PhaseRows::kShared,    kNoCounter,         kSharedHiddenReady},
+    {TaskKind::kSharedDown,   kSharedDownGemm,   PhaseRows::kShared,    kSharedHiddenReady, kNoCounter},
+    {TaskKind::kExpertGateUp, kExpertGateUpGemm, PhaseRows::kMinibatch, kRowsArrived,       kHiddenReady},
+    {TaskKind::kExpertDown,   kExpertDownGemm,   PhaseRows::kMinibatch, kHiddenReady,       kOutputReady},
 };
 
-struct CommTask {
-  TaskKind kind;  // kDispatch, kCombine or kNone (past the last task)
-  int32_t unit;   // schedule rows [unit * 64, unit * 64 + 64)
+inline constexpr CommPhaseDesc kCommPhases[] = {
+    // kind                role             waits on       for                     signals
+    {TaskKind::kDispatch, Role::kDispatch, kRowsCombined, CommWait::kRingPrevious, kRowsArrived},
+    {TaskKind::kCombine,  Role::kCombine,  kOutputReady,  CommWait::kUnit,         kRowsCombined},
 };
 
-MOK_HOST_DEVICE int32_t ceil_div(int32_t a, int32_t b) { return (a + b - 1) / b; }
+static_assert(tables_are_consistent(kPhases, kCommPhases, kCounters, kNumGemms), "the forward's tables disagree");
+static_assert(kCounters[kRowsArrived].id == CounterId::kRowsArrived && kCounters[kHiddenReady].id == CounterId::kHiddenReady &&
+                  kCounters[kOutputReady].id == CounterId::kOutputReady &&
+                  kCounters[kRowsCombined].id == CounterId::kRowsCombined &&
+                  kCounters[kSharedHiddenReady].id == CounterId::kSharedHiddenReady,
+              "Counter indexes kCounters");
 
-// Macrobatches and, per macrobatch, minibatches of the routed rows: the schedule's rows in use
-// (scheduled_rows, a multiple of 64; 0 after a capacity overflow).
-struct Batches {
-  int32_t macrobatches;        // ceil(scheduled_rows / ring_rows)
-  int32_t last_rows;           // rows of the last macrobatch (walked first)
-  int32_t last_minibatches;
-  int32_t full_minibatches;    // of every other macrobatch
-
-  MOK_HOST_DEVICE static Batches of(const TaskOrderShape& s, int32_t scheduled_rows) {
-    Batches b{};
-    b.macrobatches = ceil_div(scheduled_rows, s.ring_rows);
-    b.last_rows = scheduled_rows - (b.macrobatches - 1) * s.ring_rows;
-    b.last_minibatches = b.macrobatches > 0 ? ceil_div(b.last_rows, s.minibatch_rows) : 0;
-    b.full_minibatches = ceil_div(s.ring_rows, s.minibatch_rows);
-    return b;
-  }
-  MOK_HOST_DEVICE int32_t total_minibatches() const {
-    return macrobatches > 0 ? last_minibatches + (macrobatches - 1) * full_minibatches : 0;
-  }
-  MOK_HOST_DEVICE int32_t rows_of(int32_t macrobatch, const TaskOrderShape& s) const {
-    return macrobatch == macrobatches - 1 ? last_rows : s.ring_rows;
-  }
-};
-
-// The j-th minibatch in walk order: schedule rows [lo, hi).
-MOK_HOST_DEVICE void minibatch_rows_at(const TaskOrderShape& s, const Batches& b, int32_t j, int32_t& lo, int32_t& hi) {
-  int32_t macrobatch, index;
-  if (j < b.last_minibatches) {
-    macrobatch = b.macrobatches - 1;
-    index = j;
-  } else {
-    const int32_t rest = j - b.last_minibatches;
-    macrobatch = b.macrobatches - 2 - rest / b.full_minibatches;
-    index = rest % b.full_minibatches;
-  }
-  const int32_t begin = macrobatch * s.ring_rows;
-  lo = begin + index * s.minibatch_rows;
-  const int32_t end = begin + b.rows_of(macrobatch, s);
-  hi = lo + s.minibatch_rows < end ? lo + s.minibatch_rows : end;
+// The forward's task order over a rank's routed schedule (host: the launch and the tests); n_blocks[g]:
+// GEMM g's n-blocks, a multiple of cluster_n.
+inline TaskOrderShape task_order(const int32_t* expert_row_offsets, int local_experts, int32_t shared_rows,
+                                 int32_t ring_rows, int32_t minibatch_rows, const int32_t (&n_blocks)[kNumGemms],
+                                 int cluster_n) {
+  TaskOrderShape s{.expert_row_offsets = expert_row_offsets,
+                   .local_experts = local_experts,
+                   .shared_rows = shared_rows,
+                   .ring_rows = ring_rows,
+                   .minibatch_rows = minibatch_rows,
+                   .gemm_groups = {},
+                   .phases = phase_table(kPhases),
+                   .comm_phases = comm_phase_table(kCommPhases)};
+  for (int g = 0; g < kNumGemms; ++g) s.gemm_groups[g] = n_blocks[g] / cluster_n;
+  return s;
 }
 
-// The communication task of `slot`.
-MOK_HOST_DEVICE CommTask comm_task_at(const TaskOrderShape& s, int32_t scheduled_rows, int32_t slot) {
-  const Batches b = Batches::of(s, scheduled_rows);
-  if (b.macrobatches == 0) return {TaskKind::kNone, 0};
-  const int32_t last_units = b.last_rows / kUnitRows;
-  const int32_t full_units = s.ring_rows / kUnitRows;
-  int32_t macrobatch, local, units;
-  if (slot < 2 * last_units) {
-    macrobatch = b.macrobatches - 1;
-    local = slot;
-    units = last_units;
-  } else {
-    const int32_t rest = slot - 2 * last_units;
-    macrobatch = b.macrobatches - 2 - rest / (2 * full_units);
-    if (macrobatch < 0) return {TaskKind::kNone, 0};
-    local = rest % (2 * full_units);
-    units = full_units;
-  }
-  const int32_t first_unit = macrobatch * full_units;
-  return {local < units ? TaskKind::kDispatch : TaskKind::kCombine, first_unit + local % units};
-}
-
-// Walks the compute order slot by slot, asked for increasing slots, so a cursor over phases and experts
-// replaces a search per slot. Holds a reference to the shape (on the GPU: kernel parameter space, not
-// registers; the producer thread that walks has few).
-struct ComputeWalker {
-  const TaskOrderShape& shape;
-  Batches batches;
-  int32_t phase = -1;         // 0, 1: shared gate/up, down (when there is a shared expert); then 2 per minibatch
-  TaskKind kind = TaskKind::kNone;
-  int32_t lo = 0, hi = 0;     // the phase's rows
-  int experts = 0;
-  int groups = 0;
-  int32_t expert = 0;         // the cursor: current expert of the phase
-  int32_t begin = 0, end = 0; // its rows inside [lo, hi)
-  int32_t tiles = 0;
-  int32_t slot_begin = 0, slot_end = 0;
-
-  MOK_HOST_DEVICE ComputeWalker(const TaskOrderShape& s, int32_t scheduled_rows)
-      : shape(s), batches(Batches::of(s, scheduled_rows)) {}
-
-  // The task of `slot` (slots asked in increasing order), or false past the last task.
-  MOK_HOST_DEVICE bool task_at(int32_t slot, ComputeTask& t) {
-    while (slot >= slot_end)
-      if (!next_expert()) return false;
-    const int32_t local = slot - slot_begin;
-    t.kind = kind;
-    t.expert = expert;
-    t.n_group = local / tiles;
-    t.row = begin + (local % tiles) * kTileRows;
-    t.rows = end - t.row < kTileRows ? end - t.row : kTileRows;
-    const bool routed = kind == TaskKind::kExpertGateUp || kind == TaskKind::kExpertDown;
-    t.buffer_row = routed ? t.row % shape.ring_rows : t.row;
-    return true;
-  }
-
- private:
-  MOK_HOST_DEVICE bool next_phase() {
-    ++phase;
-    const bool shared = shape.shared_rows > 0;
-    if (shared && phase < 2) {
-      kind = phase == 0 ? TaskKind::kSharedGateUp : TaskKind::kSharedDown;
-      lo = 0;
-      hi = shape.shared_rows;
-      experts = 1;
-    } else {
-      const int32_t q = phase - (shared ? 2 : 0);
-      if (q / 2 >= batches.total_minibatches()) return false;
-      kind = q % 2 == 0 ? TaskKind::kExpertGateUp : TaskKind::kExpertDown;
-      minibatch_rows_at(shape, batches, q / 2, lo, hi);
-      experts = shape.local_experts;
-    }
-    const bool gate_up = kind == TaskKind::kSharedGateUp || kind == TaskKind::kExpertGateUp;
-    groups = gate_up ? shape.gate_up_groups : shape.down_groups;
-    expert = shared_phase() ? -1 : schedule::expert_of_row(shape.expert_row_offsets, experts, lo) - 1;
-    return true;                                                 // next_expert moves to the first one
-  }
-
-  MOK_HOST_DEVICE bool shared_phase() const {
-    return kind == TaskKind::kSharedGateUp || kind == TaskKind::kSharedDown;
-  }
-  // Start of segment e of the phase's schedule; the shared expert is one segment [0, shared_rows).
-  MOK_HOST_DEVICE int32_t offset(int32_t e) const {
-    return shared_phase() ? (e == 0 ? 0 : shape.shared_rows) : shape.expert_row_offsets[e];
-  }
-
-  MOK_HOST_DEVICE bool next_expert() {
-    while (true) {
-      if (phase >= 0) {
-        while (++expert < experts && offset(expert) < hi) {
-          const int32_t segment_begin = offset(expert), segment_end = offset(expert + 1);
-          begin = segment_begin > lo ? segment_begin : lo;
-          end = segment_end < hi ? segment_end : hi;
-          tiles = end > begin ? ceil_div(end - begin, kTileRows) : 0;
-          if (tiles == 0) continue;  // an empty expert
-          slot_begin = slot_end;
-          slot_end += tiles * groups;
-          return true;
-        }
-      }
-      if (!next_phase()) return false;
-    }
-  }
-};
-
-}  // namespace mok::megakernel
+}  // namespace mok::megakernel::forward
