@@ -403,11 +403,15 @@ __device__ __forceinline__ void run_grad_producer(const Params& p, typename Trai
                                                   typename Traits::Pipeline& pipeline) {
   auto state = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   GradTaskWalker<Traits> walker;
+  int32_t next_slot = smem.tasks.take(0, 0, p.ticket);
   for (int k = 0;; ++k) {
     GradTileTask task;
-    const bool more = walker.task_at(p, smem.tasks.take(k, 0, p.ticket), task);
+    const bool more = walker.task_at(p, next_slot, task);
     smem.tasks.publish(k, task);
     if (!more) break;
+    // The next slot's atomic goes out before this tile's loads: its latency hides behind them (the thread
+    // waits for the value only at the next task_at).
+    next_slot = smem.tasks.take(k + 1, 0, p.ticket);
     load_grad_tile<Traits>(p, task, smem, pipeline, state);
   }
   // Why: the CTA must not exit while its consumers still read (and release) the last stages.
