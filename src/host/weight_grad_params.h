@@ -11,11 +11,15 @@
 
 namespace mok::detail {
 
-// The tile configurations every launch uses: 128 x 256 tiles; as many 48 KB stages as fit beside the
-// whole tile's staging (bf16: 64 KB, 3 stages; fp32: 128 KB, 2 stages) in 227 KB of shared memory (the
-// launch checks the device's limit).
+// The tile configurations every launch uses: 128 x 256 tiles, and beside the whole tile's staging as
+// many stages as fit in 227 KB of shared memory (the launch checks the device's limit). bf16 (64 KB of
+// staging): 3 stages of 64 rows (48 KB each). fp32 (128 KB): 4 stages of 32 rows (24 KB each) rather than 2
+// of 64: the same bytes, but a released stage is needed again 3 half-k-blocks later instead of 1 k-block
+// later, so a TMA load has 1.5x the time to arrive (a stage is released once the next one's wgmma issued).
 template <GradOutput kOutput>
-using WeightGradConfig = gemm::WeightGradTraits<kOutput, 256, kOutput == GradOutput::kBFloat16 ? 3 : 2>;
+using WeightGradConfig = std::conditional_t<kOutput == GradOutput::kBFloat16,
+                                            gemm::WeightGradTraits<kOutput, 256, 64, 3>,
+                                            gemm::WeightGradTraits<kOutput, 256, 32, 4>>;
 
 // The ticket is left empty; the caller sets what its launch uses. validate(args) first.
 template <class Traits>

@@ -3,7 +3,8 @@
 //   grad_e[i, j] = sum over the rows r of expert e's segment of a[r, i] * b[r, j]     i < m, j < n, e < E_local
 //   a bf16 [rows, m], b bf16 [rows, n] row-major. In GEMM terms A = aᵀ (m x K) and B = bᵀ (n x K), both
 //   MN-major (the m or n index is contiguous), and K = the segment [row_offsets[e], min(row_offsets[e+1],
-//   scheduled_rows)) in whole 64-row k-blocks (segments are padded to 64 or 128 rows). fp32 accumulation.
+//   scheduled_rows)) in whole k-blocks of kBlockK rows (segments are padded to 64 or 128 rows). fp32
+//   accumulation.
 //   kOutput: bf16 or fp32 written (rounded once from the accumulator), or fp32 added (out += grad_e).
 //
 // A task is one output tile: (expert, m-block of kBlockM gradient rows, n-block of kBlockN columns). Every
@@ -14,8 +15,8 @@
 // Roles (one CTA = 1 producer warpgroup + 2 consumer warpgroups, no cluster):
 //   producer   one thread takes slots (TaskRing), decodes them (GradTaskWalker) and publishes the task to
 //              the consumers, then per k-block issues the TMA loads of the stage: kBlockM/64 boxes of a
-//              (64 rows x 64 m-columns) and kBlockN/64 boxes of b, straight from the row-major buffers into
-//              MN-major 128B-swizzled layouts (Layout_MN_SW128_Atom: one box is 64 k-rows of 128 bytes).
+//              (kBlockK rows x 64 m-columns) and kBlockN/64 boxes of b, straight from the row-major buffers
+//              into MN-major 128B-swizzled layouts (Layout_MN_SW128_Atom: a box is kBlockK rows of 128 bytes).
 //              It runs ahead into the next tiles' k-blocks, as far as the stages allow, while the
 //              consumers write the previous tile.
 //   consumers  warpgroup w owns gradient rows [64w, 64w + 64) of the tile: wgmma 64 x kBlockN x 16 with
@@ -50,9 +51,10 @@
 // the consumer side, each advancing a pipeline state that persists across tasks, so a persistent loop
 // (weight_grad_gemm_kernel below, later the backward megakernel) can interleave them with other work.
 //
-// Shared memory (kBlockM 128, kBlockN 256): stages of A (16 KB) and B (32 KB) | staging, one box row per
-// consumer warpgroup (kBlockN columns: bf16 32 KB, fp32 64 KB) | pipeline barriers | task ring.
-// bf16: 3 stages + 64 KB = 208 KB; fp32: 2 stages + 128 KB = 224 KB.
+// Shared memory (kBlockM 128, kBlockN 256): stages of A (kBlockK x 256 bytes) and B (kBlockK x 512 bytes)
+// | staging, one box row per consumer warpgroup (kBlockN columns: bf16 32 KB, fp32 64 KB) | pipeline
+// barriers | task ring. bf16: 3 stages of 64 rows + 64 KB = 208 KB; fp32: 4 stages of 32 rows + 128 KB =
+// 224 KB (src/host/weight_grad_params.h says why).
 // Sync (docs/sync_protocol.md, "the weight-gradient GEMM"): PipelineTmaAsync full/empty per stage; the
 // task ring; per warpgroup a named barrier around the staging writes and cp.async.bulk.wait_group.read
 // before the boxes are written again.
@@ -82,19 +84,20 @@ struct GradTileTask {
   int32_t m_block;    // gradient rows [m_block * kBlockM, + kBlockM) of the expert
   int32_t n_block;    // gradient columns [n_block * kBlockN, + kBlockN)
   int32_t row_begin;  // first schedule row of the expert's segment (the K offset)
-  int32_t k_blocks;   // 64-row k-blocks of the segment; 0: the expert has no rows
+  int32_t k_blocks;   // kBlockK-row k-blocks of the segment; 0: the expert has no rows
 };
 
-template <GradOutput kOutput_, int kBlockN_, int kStages_>
+template <GradOutput kOutput_, int kBlockN_, int kBlockK_, int kStages_>
 struct WeightGradTraits {
   using Element = cutlass::bfloat16_t;
   static constexpr GradOutput kOutput = kOutput_;
   using OutElement = std::conditional_t<kOutput == GradOutput::kBFloat16, cutlass::bfloat16_t, float>;
   static constexpr int kBlockM = 128;       // gradient rows per tile: 64 per consumer warpgroup
   static constexpr int kBlockN = kBlockN_;  // gradient columns per tile (wgmma N)
-  static constexpr int kBlockK = 64;        // schedule rows per k-block
+  static constexpr int kBlockK = kBlockK_;  // schedule rows per k-block (one pipeline stage)
   static constexpr int kStages = kStages_;
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N, and whole 64-column load boxes");
+  static_assert(kBlockK % 16 == 0 && 64 % kBlockK == 0, "wgmma K steps; segments (multiples of 64) are whole k-blocks");
   // A load box: 64 m- (or n-) columns = one 128-byte swizzle row of bf16, by kBlockK schedule rows.
   static constexpr int kBoxColumns = 64;
   static constexpr int kBoxesA = kBlockM / kBoxColumns;
@@ -112,7 +115,7 @@ struct WeightGradTraits {
                 "setmaxnreg redistributes the CTA's launch registers, no more");
 
   // MN-major stages, atoms tiled along K first (CUTLASS's order for MN-major operands): each 64-column box
-  // of a stage is 64 x 64 contiguous (8 KB), which one TMA box fills.
+  // of a stage is 64 x kBlockK contiguous (kBlockK rows of 128 bytes), which one TMA box fills.
   using SmemAtom = decltype(cute::GMMA::Layout_MN_SW128_Atom<Element>{});
   using SmemLayoutA = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{}),
@@ -203,7 +206,7 @@ struct GradTaskWalker {
       const int32_t end = min(p.expert_row_offsets[e + 1], scheduled_rows);
       expert = e;
       row_begin = begin;
-      k_blocks = max(end - begin, 0) / Traits::kBlockK;  // segments are whole k-blocks (padded to 64 or 128)
+      k_blocks = max(end - begin, 0) / Traits::kBlockK;  // segments are whole k-blocks (padded to 64 or 128 rows)
     }
     const int32_t local = slot - e * tiles;
     t = GradTileTask{e, local / p.num_n_blocks, local % p.num_n_blocks, row_begin, k_blocks};
