@@ -266,17 +266,19 @@ std::string check_exact(const Problem& p, const Reference& ref, GradOutput outpu
 }
 
 // "" when every element is within the budget (random normal inputs), else the first element outside it.
-// Budget: products of bf16 values are exact in fp32; the fp32 accumulation over K rows errs by up to
-// ~K * 2^-24 * sum |a b| (3e-5 * sum |a b| at K = 512) and typically by ~sqrt(K) * 2^-24 times that
-// (1.3e-6 at K = 512). We allow 1e-5 * sum |a b|, plus 2^-8 |grad| for the bf16 rounding (half an ulp is
-// 2^-9) and, accumulating, 2^-22 |result| for the fp32 addition. A wrong row, column or expert is off by
-// O(|grad|), far outside it.
+// Budget: products of bf16 values are exact in fp32; an IEEE fp32 accumulation over K rows errs by up to
+// ~K * 2^-24 * sum |a b| (3e-5 * sum |a b| at K = 512) and typically by ~sqrt(K) * 2^-24 times that. The
+// tensor cores' accumulation is not specified to be IEEE, so we allow 2^-15 * sum |a b| (the IEEE worst
+// case at K = 512, 1.6x it at the largest K here, 320, and room for an accumulator a few bits short of
+// IEEE), plus 2^-8 |grad| for the bf16 rounding (half an ulp is 2^-9) and, accumulating, 2^-22 |result|
+// for the fp32 addition. A wrong row, column or expert
+// moves an element by about |a b| ~ 1, far outside it (sum |a b| ~ 0.64 K: the budget is ~0.006 at K = 300).
 std::string check_budget(const Problem& p, const Reference& ref, GradOutput output, const Outputs& out,
                          const std::vector<float>* start = nullptr) {
   if (!out.guard_error.empty()) return std::string(mode_name(output)) + ", " + p.c.describe() + ": " + out.guard_error;
   for (size_t x = 0; x < ref.grad.size(); ++x) {
     double want = ref.grad[x];
-    double budget = 1e-5 * ref.abs_sum[x] + 1e-30;
+    double budget = std::ldexp(ref.abs_sum[x], -15) + 1e-30;
     if (output == GradOutput::kBFloat16) budget += std::ldexp(std::abs(want), -8);
     if (output == GradOutput::kAccumulateFloat32) {
       want += (*start)[x];
@@ -368,7 +370,8 @@ TEST(WeightGradGemmTest, ScheduledRowsBoundTheSegments) {
 // tile_m, m, n and the split all drawn from the seed.
 TEST(WeightGradGemmTest, RandomSchedulesAreExact) {
   MOK_REQUIRE_GPUS(1);
-  for (uint64_t seed = 100; seed < 106; ++seed) {
+  const uint64_t seeds = testing::reduced_sizes() ? 2 : 6;  // fewer under compute-sanitizer
+  for (uint64_t seed = 100; seed < 100 + seeds; ++seed) {
     std::mt19937 rng(static_cast<uint32_t>(seed));
     auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
     Case c;
@@ -407,7 +410,7 @@ TEST(WeightGradGemmTest, ManyTilesRerunBitwise) {
     const std::vector<float>* s = output == GradOutput::kAccumulateFloat32 ? &start : nullptr;
     const Outputs first = run_gpu(p, output, 1, s);
     ASSERT_EQ(check_exact(p, ref, output, first, 1, &start), "");
-    for (int rerun = 0; rerun < 3; ++rerun) {
+    for (int rerun = 0; rerun < (testing::reduced_sizes() ? 1 : 3); ++rerun) {
       const Outputs again = run_gpu(p, output, 1, s);
       ASSERT_TRUE(again.raw[0] == first.raw[0] && again.raw[1] == first.raw[1])
           << mode_name(output) << ", " << c.describe() << ": rerun " << rerun << " differs bitwise";
