@@ -14,6 +14,7 @@
 #include "mok/expert_gemm.h"
 #include "mok/moe.h"
 #include "mok/timeline.h"
+#include "mok/weight_grad_gemm.h"
 #include "src/host/check.h"
 
 namespace {
@@ -214,6 +215,35 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
     args.trace = trace;
     args.ticket = ticket;
     mok::expert_gemm(args, static_cast<cudaStream_t>(stream));
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+// The weight-gradient GEMM (include/mok/weight_grad_gemm.h); output: 0 kBFloat16, 1 kFloat32,
+// 2 kAccumulateFloat32. out_split may be null (then m_split must be 0). Returns 0, or 1 with a message.
+int mok_bench_weight_grad_gemm(const void* a, const void* b, int64_t rows_allocated, int m, int n, int local_experts,
+                               const int32_t* expert_row_offsets, const int32_t* scheduled_rows, int tile_m,
+                               int output, void* out, void* out_split, int m_split, int32_t* ticket, void* stream,
+                               char* error, int error_len) {
+  try {
+    mok::WeightGradArgs args;
+    args.a = a;
+    args.b = b;
+    args.rows_allocated = rows_allocated;
+    args.m = m;
+    args.n = n;
+    args.local_experts = local_experts;
+    args.expert_row_offsets = expert_row_offsets;
+    args.scheduled_rows = scheduled_rows;
+    args.tile_m = tile_m;
+    args.output = static_cast<mok::GradOutput>(output);
+    args.out = out;
+    args.out_split = out_split;
+    args.m_split = m_split;
+    args.ticket = ticket;
+    mok::weight_grad_gemm(args, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {
     return report(e, error, error_len);

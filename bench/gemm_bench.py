@@ -10,8 +10,10 @@ The dense ceiling is one torch.mm with the same M = routed rows, N and K. TFLOP/
 (2 * rows * N * K); our padding to tile_m-row segments is work we pay for and do not count. Time: median of
 CUDA-event timings in the steady power state: ours and torch._grouped_mm take turns call by call; the dense
 ceiling is timed alone (see time_ms).
+With --gemm wgrad (or all, the default), the weight-gradient GEMMs of the same row counts follow
+(mok::weight_grad_gemm, k-grouped: grad_e = a_eᵀ b_e over expert e's rows; see wgrad_main).
 Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--cluster 0|1|2]
-                     [--shapes A,B] [--only ours|torch|dense] [--trace DIR]
+                     [--shapes A,B] [--only ours|torch|dense] [--trace DIR] [--gemm expert|wgrad|all]
 """
 import argparse
 import ctypes
@@ -84,7 +86,11 @@ def main():
     parser.add_argument("--cluster", type=int, default=0, help="CTAs sharing an A tile: 1, 2, 0 = library's choice")
     parser.add_argument("--only", default="", help="time only this one: ours, torch or dense (for profilers)")
     parser.add_argument("--trace", default="", help="folder for per-tile timings of ours (summary: bench/gemm_trace_stats.py)")
+    parser.add_argument("--gemm", default="all", choices=["expert", "wgrad", "all"],
+                        help="the expert GEMMs, the weight-gradient GEMMs or both (--only, --trace, --cluster: expert only)")
     args = parser.parse_args()
+    if args.gemm == "wgrad":
+        return wgrad_main(args)
     ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
     gemm = capi.load(os.path.abspath(args.lib)).mok_bench_expert_gemm
     error = ctypes.create_string_buffer(512)
@@ -165,6 +171,105 @@ def main():
             del a, out, a_torch, a_dense, b_dense
         del w13, w2
         torch.cuda.empty_cache()
+    if args.gemm == "all":
+        print()
+        wgrad_main(args)
+
+
+def wgrad_main(args):
+    """The weight-gradient GEMMs of each shape's rank-0 rows (same routing draws as the expert table):
+      dW_gate/up  a = [d_g, d_u] [rows, 2I], b = x [rows, H] -> [E_local, 2I, H] (gate and up rows to two
+                  outputs, out_split at I), K = each expert's rows
+      dW_down     a = dy [rows, H], b = h [rows, I]        -> [E_local, H, I]
+    Ours in its three output modes (bf16, fp32 written, fp32 accumulated), torch._grouped_mm's weight
+    gradient (2d x 2d with offs along K, as its autograd computes it: a.t() [m, rows] x b [rows, n], 16-row
+    aligned groups, bf16 out), and two dense ceilings: torch.bmm over the experts with every expert's K the
+    mean row count (the same outputs, bf16) and one torch.mm over all rows (M = m, N = n, K = rows, a single
+    output: the compute ceiling without the per-expert output traffic). TFLOP/s count 2 * real rows * m * n.
+    f32 TB/s: the fp32 mode's output bytes per second (its HBM write floor at small K). --tokens 4096 gives
+    the K of 8192 tokens at EP = 1 (~171 rows per Kimi expert)."""
+    lib = capi.load(os.path.abspath(args.lib))
+    wgrad = lib.mok_bench_weight_grad_gemm
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+    error = ctypes.create_string_buffer(512)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    stream = torch.cuda.current_stream().cuda_stream
+    commit = os.environ.get("MOK_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"weight-gradient GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
+          f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
+    print(f"{'shape':16s} {'gemm':11s} {'rows':>7s} {'K/e':>5s} {'bf16':>6s} {'f32':>6s} {'acc':>6s} {'torch':>6s} "
+          f"{'bmm':>6s} {'mm':>6s} {'bf16/torch':>10s} {'bf16/bmm':>8s} {'f32/bmm':>8s} {'f32 TB/s':>8s}   (TFLOP/s)")
+    torch_failed = None
+    for name, num_experts, hidden, inter, top_k, _ in SHAPES:
+        if args.shapes and name not in args.shapes.split(','):
+            continue
+        tile_m = args.tile_m
+        local = num_experts // 2
+        counts = rank0_counts(num_experts, top_k, args.tokens, gen)
+        padded = (counts + tile_m - 1) // tile_m * tile_m
+        offsets = torch.zeros(local + 1, dtype=torch.int32, device="cuda")
+        offsets[1:] = torch.cumsum(padded, 0)
+        rows_padded = int(offsets[-1])
+        rows = int(counts.sum())
+        scheduled = offsets[-1:].clone()
+        # Padding rows are zero in a (the contract: zero in a or in b).
+        index = torch.arange(rows_padded, device="cuda", dtype=torch.int32)
+        expert_of = torch.searchsorted(offsets[1:], index, right=True)
+        real = (index - offsets[expert_of]) < counts.to(torch.int32)[expert_of]
+        torch_offs = torch.cumsum((counts + TORCH_GROUP_ALIGN - 1) // TORCH_GROUP_ALIGN * TORCH_GROUP_ALIGN, 0).to(torch.int32)
+        torch_rows = int(torch_offs[-1])
+        k_mean = max(16, round(rows / local / 16) * 16)
+        for label, m, n, m_split in (("dW_gate/up", 2 * inter, hidden, inter), ("dW_down", hidden, inter, 0)):
+            a = torch.randn(rows_padded, m, device="cuda", dtype=torch.bfloat16) * real[:, None]
+            b = torch.randn(rows_padded, n, device="cuda", dtype=torch.bfloat16)
+            top = m_split or m
+            outs = {dtype: (torch.empty(local, top, n, device="cuda", dtype=dtype),
+                            torch.empty(local, m - top, n, device="cuda", dtype=dtype) if m_split else None)
+                    for dtype in (torch.bfloat16, torch.float32)}
+            outs[torch.float32][0].zero_()
+            if m_split:
+                outs[torch.float32][1].zero_()
+
+            def ours(output):
+                out, split = outs[torch.bfloat16 if output == 0 else torch.float32]
+                rc = wgrad(a.data_ptr(), b.data_ptr(), rows_padded, m, n, local, offsets.data_ptr(), scheduled.data_ptr(),
+                           tile_m, output, out.data_ptr(), split.data_ptr() if split is not None else None, m_split,
+                           ticket.data_ptr(), stream, error, len(error))
+                if rc != 0:
+                    raise RuntimeError(error.value.decode())
+
+            a_torch = torch.randn(torch_rows, m, device="cuda", dtype=torch.bfloat16)
+            b_torch = torch.randn(torch_rows, n, device="cuda", dtype=torch.bfloat16)
+            grouped = lambda: torch._grouped_mm(a_torch.t(), b_torch, offs=torch_offs)
+            if torch_failed is None:
+                try:
+                    grouped()
+                except (RuntimeError, AttributeError) as e:
+                    torch_failed = str(e).splitlines()[0]
+                    print(f"  (torch._grouped_mm weight gradient unavailable: {torch_failed})")
+            a_bmm = torch.randn(local, k_mean, m, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            b_bmm = torch.randn(local, k_mean, n, device="cuda", dtype=torch.bfloat16)
+            bmm = lambda: torch.bmm(a_bmm, b_bmm)
+            a_mm = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16).t()
+            b_mm = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+            mm = lambda: torch.mm(a_mm, b_mm)
+
+            # The grouped GEMMs in turns (all write E_local outputs); each dense ceiling alone (see time_ms).
+            fns = [lambda: ours(0), lambda: ours(1), lambda: ours(2)] + ([grouped] if torch_failed is None else [])
+            times = time_ms(fns, args.iters)
+            t_torch = times[3] if torch_failed is None else float("nan")
+            (t_bmm,) = time_ms([bmm], args.iters)
+            (t_mm,) = time_ms([mm], args.iters)
+            flops = 2.0 * rows * m * n
+            tf = [flops / t / 1e9 for t in times[:3]] + [flops / t_torch / 1e9,
+                                                         2.0 * local * k_mean * m * n / t_bmm / 1e9, flops / t_mm / 1e9]
+            out_tbps = local * m * n * 4 / times[1] / 1e9
+            print(f"{name:16s} {label:11s} {rows:7d} {rows / local:5.0f} {tf[0]:6.0f} {tf[1]:6.0f} {tf[2]:6.0f} {tf[3]:6.0f} "
+                  f"{tf[4]:6.0f} {tf[5]:6.0f} {tf[0] / tf[3]:10.2f} {tf[0] / tf[4]:8.2f} {tf[1] / tf[4]:8.2f} "
+                  f"{out_tbps:8.2f}", flush=True)
+            del a, b, outs, a_torch, b_torch, a_bmm, b_bmm, a_mm, b_mm
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,458 @@
+// Weight-gradient GEMM, k-grouped over the experts' row segments (Hopper: TMA + wgmma, warp-specialized).
+//
+//   grad_e[i, j] = sum over the rows r of expert e's segment of a[r, i] * b[r, j]     i < m, j < n, e < E_local
+//   a bf16 [rows, m], b bf16 [rows, n] row-major. In GEMM terms A = aᵀ (m x K) and B = bᵀ (n x K), both
+//   MN-major (the m or n index is contiguous), and K = the segment [row_offsets[e], min(row_offsets[e+1],
+//   scheduled_rows)) in whole k-blocks of kBlockK rows (segments are padded to 64 or 128 rows). fp32
+//   accumulation.
+//   kOutput: bf16 or fp32 written (rounded once from the accumulator), or fp32 added (out += grad_e).
+//
+// A task is one output tile: (expert, m-block of kBlockM gradient rows, n-block of kBlockN columns). Every
+// expert has num_m_blocks * num_n_blocks tasks, an expert without rows too (it writes zeros, or adds
+// nothing). Slots come from an atomic ticket in order expert by expert (an expert's a and b rows, a few MB,
+// stay in L2 while its tiles run), n-blocks fastest.
+//
+// Roles (one CTA = 1 producer warpgroup + 2 consumer warpgroups, no cluster):
+//   producer   one thread takes slots (TaskRing), decodes them (GradTaskWalker) and publishes the task to
+//              the consumers, then per k-block issues the TMA loads of the stage: kBlockM/64 boxes of a
+//              (kBlockK rows x 64 m-columns) and kBlockN/64 boxes of b, straight from the row-major buffers
+//              into MN-major 128B-swizzled layouts (Layout_MN_SW128_Atom: a box is kBlockK rows of 128 bytes).
+//              It runs ahead into the next tiles' k-blocks, as far as the stages allow, while the
+//              consumers write the previous tile.
+//   consumers  warpgroup w owns gradient rows [64w, 64w + 64) of the tile: wgmma 64 x kBlockN x 16 with
+//              both operands MN-major from shared memory (transposed bf16 operands), fp32 accumulators in
+//              registers, one batch in flight. Then the epilogue, below.
+//
+// Epilogue: registers -> shared-memory boxes (64 rows x 128 bytes, the TMA's 128-byte swizzle) -> TMA
+// stores, or TMA reduce-adds for kAccumulateFloat32. Why through shared memory: with K of a few hundred
+// rows a tile's fp32 output (128 KB) costs as much time as its mainloop, so it must drain while the next
+// tile computes. The whole tile is staged (no passes), the warpgroup's first thread issues the stores and
+// goes on; only the next tile's epilogue waits until they have read the boxes. Stores from registers would
+// keep the warpgroup (and the tensor cores) waiting until the memory system took every value. The
+// fragment-order writes are conflict-free: a warp's bf16x2 writes fill one 128-byte wavefront, its
+// float2 writes two (8 rows x 4 lanes; the swizzle spreads the 8 rows over all banks). Each box row is one
+// full 128-byte line of the output.
+// kAccumulateFloat32 uses the TMA's reduce-add (cp.reduce.async.bulk.tensor .add): the L2 reads each fp32
+// value, adds the tile's value once and writes it back. One CTA owns each tile and each element gets
+// exactly one addition per call, so the result is out + grad_e rounded once, whichever CTA ran it and
+// whenever: no order-dependent float sum (STYLE.md's reason for banning float atomics) can arise. A
+// load-add-store in the SM would need the old tile in registers (full with the accumulator) or a second
+// staging buffer (shared memory is full with stages and staging), and would double the SM's traffic.
+//
+// Partial tiles (m, n multiples of 64, not of the tile): a load box whose 64 columns lie past m (or n) is
+// loaded from the last 64 columns instead, so no box starts outside the tensor; it feeds accumulator rows
+// or columns no store writes. A consumer warpgroup whose 64 rows lie past m only passes the stages back.
+// Stores skip boxes past m or n, and the output tensor is addressed per expert (E_local * rows_out rows),
+// so no store reaches the next expert's gradient. out_split: m_split is a multiple of 64, so each
+// warpgroup's 64 rows lie on one side of it; a tile that straddles the split writes its upper half to
+// `out` and its lower half to `out_split`.
+//
+// The unit of work is a GradTileTask: load_grad_tile() on the producer side and compute_grad_tile() on
+// the consumer side, each advancing a pipeline state that persists across tasks, so a persistent loop
+// (weight_grad_gemm_kernel below, later the backward megakernel) can interleave them with other work.
+//
+// Shared memory (kBlockM 128, kBlockN 256): stages of A (kBlockK x 256 bytes) and B (kBlockK x 512 bytes)
+// | staging, one box row per consumer warpgroup (kBlockN columns: bf16 32 KB, fp32 64 KB) | pipeline
+// barriers | task ring. bf16: 3 stages of 64 rows + 64 KB = 208 KB; fp32: 4 stages of 32 rows + 128 KB =
+// 224 KB (src/host/weight_grad_params.h says why).
+// Sync (docs/sync_protocol.md, "the weight-gradient GEMM"): PipelineTmaAsync full/empty per stage; the
+// task ring; per warpgroup a named barrier around the staging writes and cp.async.bulk.wait_group.read
+// before the boxes are written again.
+// Determinism: each output element is one fixed-order K reduction (ascending rows) by one thread of one
+// CTA; no value atomics; the result does not depend on which CTA takes which slot.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "mok/weight_grad_gemm.h"
+#include "src/device/common/sync.cuh"
+#include "src/device/gemm/expert_gemm.cuh"
+#include "src/device/gemm/task_ring.cuh"
+
+namespace mok::gemm {
+
+// One output tile, as the producer decodes it from a slot and the task ring carries it to the consumers.
+struct GradTileTask {
+  int32_t expert;     // -1: no task (the slot lies past the last one)
+  int32_t m_block;    // gradient rows [m_block * kBlockM, + kBlockM) of the expert
+  int32_t n_block;    // gradient columns [n_block * kBlockN, + kBlockN)
+  int32_t row_begin;  // first schedule row of the expert's segment (the K offset)
+  int32_t k_blocks;   // kBlockK-row k-blocks of the segment; 0: the expert has no rows
+};
+
+template <GradOutput kOutput_, int kBlockN_, int kBlockK_, int kStages_>
+struct WeightGradTraits {
+  using Element = cutlass::bfloat16_t;
+  static constexpr GradOutput kOutput = kOutput_;
+  using OutElement = std::conditional_t<kOutput == GradOutput::kBFloat16, cutlass::bfloat16_t, float>;
+  static constexpr int kBlockM = 128;       // gradient rows per tile: 64 per consumer warpgroup
+  static constexpr int kBlockN = kBlockN_;  // gradient columns per tile (wgmma N)
+  static constexpr int kBlockK = kBlockK_;  // schedule rows per k-block (one pipeline stage)
+  static constexpr int kStages = kStages_;
+  static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N, and whole 64-column load boxes");
+  static_assert(kBlockK % 16 == 0 && 64 % kBlockK == 0, "wgmma K steps; segments (multiples of 64) are whole k-blocks");
+  // A load box: 64 m- (or n-) columns = one 128-byte swizzle row of bf16, by kBlockK schedule rows.
+  static constexpr int kBoxColumns = 64;
+  static constexpr int kBoxesA = kBlockM / kBoxColumns;
+  static constexpr int kBoxesB = kBlockN / kBoxColumns;
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static_assert(kConsumerWarpgroups == kBoxesA, "consumer warpgroup w computes the rows of A box w");
+  static constexpr int kClusterN = 1;  // for start_pipeline: no multicast, the CTA is its own cluster
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  // As in GemmTraits: setmaxnreg moves registers within the CTA's launch share, no more.
+  static constexpr int kProducerRegisters = 48;
+  static constexpr int kConsumerRegisters = 224;
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
+                "setmaxnreg redistributes the CTA's launch registers, no more");
+
+  // MN-major stages, atoms tiled along K first (CUTLASS's order for MN-major operands): each 64-column box
+  // of a stage is 64 x kBlockK contiguous (kBlockK rows of 128 bytes), which one TMA box fills.
+  using SmemAtom = decltype(cute::GMMA::Layout_MN_SW128_Atom<Element>{});
+  using SmemLayoutA = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{}),
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using SmemLayoutB = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::make_shape(cute::Int<kBlockN>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{}),
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using SmemLayoutLoadBox = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::make_shape(cute::Int<kBoxColumns>{}, cute::Int<kBlockK>{})));
+
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
+
+  static constexpr int kTaskDepth = 4;  // tasks the producer may publish ahead of its consumers
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+  static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
+
+  // Staging: per consumer warpgroup its 64 rows x kBlockN columns, as store boxes of 64 rows x 128 bytes
+  // (bf16: 64 columns, fp32: 32) in the TMA's 128-byte swizzle.
+  static constexpr int kStoreBoxRowBytes = 128;
+  static constexpr int kStoreBoxColumns = kStoreBoxRowBytes / static_cast<int>(sizeof(OutElement));
+  static constexpr int kStoreBoxes = kBlockN / kStoreBoxColumns;  // per warpgroup
+  static constexpr int kStoreBoxBytes = 64 * kStoreBoxRowBytes;
+  static_assert(kBlockN % kStoreBoxColumns == 0, "whole store boxes");
+  using SmemLayoutStoreBox = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<OutElement>{}, cute::make_shape(cute::Int<64>{}, cute::Int<kStoreBoxColumns>{})));
+  static_assert(cute::cosize_v<SmemLayoutStoreBox> * sizeof(OutElement) == kStoreBoxBytes, "one box");
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
+    // 1024-byte aligned boxes: the swizzle pattern is a function of the address bits [4, 10).
+    alignas(1024) uint8_t staging[kConsumerWarpgroups][kStoreBoxes][kStoreBoxBytes];
+    typename Pipeline::SharedStorage pipeline;
+    TaskRing<kTaskDepth, 4 * kConsumerWarpgroups, 1, GradTileTask> tasks;
+  };
+  static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
+
+  // Named barriers (CUTLASS ids, offset past the reserved ones) around consumer warpgroup w's staging.
+  static constexpr int kStagingBarrier = 1;
+};
+
+// Kernel parameters; the TMA copies are built on the host (src/host/weight_grad_params.h).
+template <class TmaLoad, class TmaStore>
+struct WeightGradParams {
+  TmaLoad tma_a;            // a [rows, m] as (m, rows), m contiguous; boxes of 64 columns x 64 rows
+  TmaLoad tma_b;            // b [rows, n] as (n, rows)
+  TmaStore tma_out;         // out as [E_local * rows_out, n]; boxes of 64 rows x 128 bytes
+  TmaStore tma_out_split;   // out_split as [E_local * (m - m_split), n]; tma_out's copy when there is none
+  int64_t rows = {};        // rows allocated in a and b
+  int m = {};
+  int n = {};
+  int m_split = {};         // rows [0, m_split) go to out, the rest to out_split; m without out_split
+  int local_experts = {};
+  int num_m_blocks = {};    // the last one may be partial (m % kBlockM != 0)
+  int num_n_blocks = {};
+  int32_t num_tasks = {};   // local_experts * num_m_blocks * num_n_blocks
+  const int32_t* expert_row_offsets = {};
+  const int32_t* scheduled_rows = {};
+  int32_t* ticket = {};     // zeroed before the launch; each CTA takes its next slot from it
+};
+
+// Slot -> task, for one thread that visits increasing slots (the producer): the expert's K range is read
+// once per expert, not per tile.
+template <class Traits>
+struct GradTaskWalker {
+  int32_t expert = -1;
+  int32_t row_begin = 0;
+  int32_t k_blocks = 0;
+  int32_t scheduled_rows = -1;  // read at the first task; 0 after a capacity overflow: every expert empty
+
+  // The task of `slot`; false (and expert -1) when the slot lies past the last task.
+  template <class Params>
+  __device__ __forceinline__ bool task_at(const Params& p, int32_t slot, GradTileTask& t) {
+    if (slot >= p.num_tasks) {
+      t = GradTileTask{-1, 0, 0, 0, 0};
+      return false;
+    }
+    const int32_t tiles = p.num_m_blocks * p.num_n_blocks;
+    const int32_t e = slot / tiles;
+    if (e != expert) {
+      if (scheduled_rows < 0) scheduled_rows = *p.scheduled_rows;
+      const int32_t begin = min(p.expert_row_offsets[e], scheduled_rows);
+      const int32_t end = min(p.expert_row_offsets[e + 1], scheduled_rows);
+      expert = e;
+      row_begin = begin;
+      k_blocks = max(end - begin, 0) / Traits::kBlockK;  // segments are whole k-blocks (padded to 64 or 128 rows)
+    }
+    const int32_t local = slot - e * tiles;
+    t = GradTileTask{e, local / p.num_n_blocks, local % p.num_n_blocks, row_begin, k_blocks};
+    return true;
+  }
+};
+
+// Producer side of one tile: its k-blocks through the pipeline, each stage the A boxes then the B boxes.
+// One thread calls this. False when a stage acquire gave up (`bound`): the rest of the tile is not issued.
+template <class Traits, class Params>
+__device__ __forceinline__ bool load_grad_tile(const Params& p, const GradTileTask& task,
+                                               typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
+                                               typename Traits::PipelineState& state,
+                                               const device::HandoffBound& bound = {}) {
+  using namespace cute;
+  using T = Traits;
+  using Box = Shape<Int<T::kBoxColumns>, Int<T::kBlockK>>;
+  Tensor m_a = p.tma_a.get_tma_tensor(make_shape(int64_t(p.m), p.rows));  // (m, rows)
+  Tensor m_b = p.tma_b.get_tma_tensor(make_shape(int64_t(p.n), p.rows));  // (n, rows)
+  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});  // (BM, BK, S)
+  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});  // (BN, BK, S)
+  Tensor s_a_boxes = flat_divide(s_a, Box{});  // (64, BK, BM/64, 1, S)
+  Tensor s_b_boxes = flat_divide(s_b, Box{});  // (64, BK, BN/64, 1, S)
+  // Boxes of the whole operand from the expert's first row on: (64, BK, column boxes, k-blocks). By row
+  // offset: a segment starts at any multiple of 64.
+  Tensor g_a = local_tile(domain_offset(make_coord(_0{}, int64_t(task.row_begin)), m_a), Box{}, make_coord(_, _));
+  Tensor g_b = local_tile(domain_offset(make_coord(_0{}, int64_t(task.row_begin)), m_b), Box{}, make_coord(_, _));
+  auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_a_boxes), group_modes<0, 2>(g_a));
+  auto [t_b_g, t_b_s] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_b_boxes), group_modes<0, 2>(g_b));
+  // Column boxes past m (n) load the last box instead: in bounds, into rows (columns) nothing stores.
+  const int last_a_box = p.m / T::kBoxColumns - 1;
+  const int last_b_box = p.n / T::kBoxColumns - 1;
+  const int first_a_box = task.m_block * T::kBoxesA;
+  const int first_b_box = task.n_block * T::kBoxesB;
+  for (int k_block = 0; k_block < task.k_blocks; ++k_block) {
+    if (!producer_acquire_bounded(pipeline, state, bound)) return false;
+    auto* full = pipeline.producer_get_barrier(state);
+    const int stage = state.index();
+    CUTE_UNROLL
+    for (int box = 0; box < T::kBoxesA; ++box)
+      copy(p.tma_a.with(*full), t_a_g(_, min(first_a_box + box, last_a_box), k_block), t_a_s(_, box, 0, stage));
+    CUTE_UNROLL
+    for (int box = 0; box < T::kBoxesB; ++box)
+      copy(p.tma_b.with(*full), t_b_g(_, min(first_b_box + box, last_b_box), k_block), t_b_s(_, box, 0, stage));
+    ++state;
+  }
+  return true;
+}
+
+// Stores (or reduce-adds) consumer warpgroup `warpgroup`'s staged boxes to `tma`'s tensor of `out_rows`
+// rows, from row `row` on, skipping the boxes past n. Called by the warpgroup's first thread.
+template <class Traits, class Params, class Tma>
+__device__ __forceinline__ void store_staged_rows(const Params& p, const Tma& tma, int64_t out_rows, int64_t row,
+                                                  int n_block, typename Traits::SharedStorage& smem, int warpgroup) {
+  using namespace cute;
+  using T = Traits;
+  using OutElement = typename T::OutElement;
+  Tensor m_out = tma.get_tma_tensor(make_shape(out_rows, int64_t(p.n)));
+  const int box_row = static_cast<int>(row / 64);
+  const int first_col = n_block * T::kBlockN;
+  CUTE_UNROLL
+  for (int box = 0; box < T::kStoreBoxes; ++box) {
+    if (first_col + box * T::kStoreBoxColumns >= p.n) break;  // a partial last n-block
+    Tensor s_box = make_tensor(make_smem_ptr(reinterpret_cast<OutElement*>(smem.staging[warpgroup][box])),
+                               typename T::SmemLayoutStoreBox{});
+    Tensor g_box = local_tile(m_out, Shape<_64, Int<T::kStoreBoxColumns>>{},
+                              make_coord(box_row, first_col / T::kStoreBoxColumns + box));
+    auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
+    copy(tma, t_s, t_g);
+  }
+}
+
+// Writes a consumer warpgroup's accumulators into its staging boxes (rounded to OutElement), in the TMA's
+// 128-byte swizzle. The wgmma accumulator layout (CuTe's CLayout_64xN): value i of thread t of the
+// warpgroup holds row 16 * (t / 32) + (t % 32) / 4 + 8 * ((i / 2) % 2) and column 2 * (t % 4) + i % 2 +
+// 8 * (i / 4). The byte of a column within its 128-byte box row is a compile-time part (the 8-column
+// group) plus a part of the lane with disjoint bits, and the swizzle (XOR with row % 8 = (t % 32) / 4 in
+// bits [4, 7)) is a per-thread constant: each write is a register base plus an immediate offset.
+template <class Traits, class Accum>
+__device__ __forceinline__ void write_staging(const Accum& accum, uint8_t (*boxes)[Traits::kStoreBoxBytes], int thread) {
+  using T = Traits;
+  constexpr int kBytes = int(sizeof(typename T::OutElement));
+  constexpr int kGroupsPerBox = T::kStoreBoxColumns / 8;  // 8-column groups per 128-byte box row
+  const int lane = thread % 32;
+  const int row = 16 * (thread / 32) + lane / 4;
+  const int lane_bytes = (2 * (lane % 4) * kBytes) ^ ((row % 8) << 4);
+  uint8_t* base = &boxes[0][0] + row * T::kStoreBoxRowBytes;
+  constexpr int kValues = decltype(cute::size(accum))::value;
+  static_assert(kValues == 64 * T::kBlockN / 128, "a warpgroup's 64 x kBlockN accumulators, 128 threads");
+  CUTE_UNROLL
+  for (int i = 0; i < kValues; i += 2) {
+    const int group = i / 4;  // 8-column group
+    const int half = (i / 2) % 2;  // rows row and row + 8
+    const int offset = (group / kGroupsPerBox) * T::kStoreBoxBytes + half * 8 * T::kStoreBoxRowBytes +
+                       (((group % kGroupsPerBox) * 8 * kBytes) ^ lane_bytes);
+    if constexpr (T::kOutput == GradOutput::kBFloat16)
+      *reinterpret_cast<__nv_bfloat162*>(base + offset) = __floats2bfloat162_rn(accum(i), accum(i + 1));
+    else
+      *reinterpret_cast<float2*>(base + offset) = make_float2(accum(i), accum(i + 1));
+  }
+}
+
+// Consumer side of one tile: mainloop over the expert's k-blocks, then the epilogue. All consumer threads
+// call this; consumer_idx is the thread's index among the consumer warpgroups. Branches around wgmma are
+// on values broadcast with __shfl_sync (ptxas serializes every wgmma of the kernel, warning C7518, unless
+// it sees them warp-uniform).
+template <class Traits, class Params>
+__device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTileTask& task,
+                                                  typename Traits::SharedStorage& smem,
+                                                  typename Traits::Pipeline& pipeline,
+                                                  typename Traits::PipelineState& read_state, int consumer_idx,
+                                                  const device::HandoffBound& bound = {}) {
+  using namespace cute;
+  using T = Traits;
+  typename T::TiledMma mma;
+  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
+  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+  auto thread_mma = mma.get_thread_slice(consumer_idx);
+  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
+  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
+  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
+  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
+  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+
+  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
+  const int k_blocks = __shfl_sync(0xffffffff, task.k_blocks, 0);
+  const int first_row = __shfl_sync(0xffffffff, task.m_block, 0) * T::kBlockM + warpgroup * 64;  // of the gradient
+  const bool store_leader = consumer_idx % 128 == 0;
+  if (first_row >= p.m) {
+    // Rows past m (a partial last m-block): the other warpgroup computes the tile alone.
+    for (int k_block = 0; k_block < k_blocks; ++k_block) {
+      consumer_wait_bounded(pipeline, read_state, bound);
+      pipeline.consumer_release(read_state);
+      ++read_state;
+    }
+    return;
+  }
+
+  // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
+  // and the batch that read it retired. The accumulators start at zero and every wgmma adds to them: an
+  // expert without rows gets a zero tile (the alternative, the first wgmma overwriting and a zero fill on
+  // the no-rows path, made ptxas spill the 168 registers the kernel has at launch).
+  typename T::PipelineState release_state = read_state;
+  clear(accum);
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  for (int k_block = 0; k_block < k_blocks; ++k_block) {
+    consumer_wait_bounded(pipeline, read_state, bound);
+    const int stage = read_state.index();
+    warpgroup_fence_operand(accum);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(t_r_a); ++k) cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(accum);
+    if (k_block > 0) {
+      pipeline.consumer_release(release_state);
+      ++release_state;
+    }
+    ++read_state;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accum);
+  if (k_blocks > 0) {
+    pipeline.consumer_release(release_state);
+    ++release_state;
+  } else if constexpr (T::kOutput == GradOutput::kAccumulateFloat32) {
+    return;  // no rows: adds nothing, out stays as it is
+  }
+
+  // Epilogue. Why the wait: the previous tile's stores read the boxes we overwrite now; the barrier tells
+  // the whole warpgroup.
+  if (store_leader) tma_store_wait<0>();
+  cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
+  write_staging<T>(accum, smem.staging[warpgroup], consumer_idx % 128);
+  // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
+  tma_store_fence();
+  cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
+  if (store_leader) {
+    const int64_t expert = task.expert;
+    if (first_row < p.m_split)
+      store_staged_rows<T>(p, p.tma_out, int64_t(p.local_experts) * p.m_split, expert * p.m_split + first_row,
+                           task.n_block, smem, warpgroup);
+    else
+      store_staged_rows<T>(p, p.tma_out_split, int64_t(p.local_experts) * (p.m - p.m_split),
+                           expert * (p.m - p.m_split) + (first_row - p.m_split), task.n_block, smem, warpgroup);
+    tma_store_arrive();
+  }
+}
+
+enum class WeightGradRole : int { kProducer = 0, kConsumer = 1 };
+
+// Producer thread of the standalone kernel: slots from the ticket until one lies past the last task (it
+// publishes that one too, so the consumers stop).
+template <class Traits, class Params>
+__device__ __forceinline__ void run_grad_producer(const Params& p, typename Traits::SharedStorage& smem,
+                                                  typename Traits::Pipeline& pipeline) {
+  auto state = cutlass::make_producer_start_state<typename Traits::Pipeline>();
+  GradTaskWalker<Traits> walker;
+  int32_t next_slot = smem.tasks.take(0, 0, p.ticket);
+  for (int k = 0;; ++k) {
+    GradTileTask task;
+    const bool more = walker.task_at(p, next_slot, task);
+    smem.tasks.publish(k, task);
+    if (!more) break;
+    // The next slot's atomic goes out before this tile's loads: its latency hides behind them (the thread
+    // waits for the value only at the next task_at).
+    next_slot = smem.tasks.take(k + 1, 0, p.ticket);
+    load_grad_tile<Traits>(p, task, smem, pipeline, state);
+  }
+  // Why: the CTA must not exit while its consumers still read (and release) the last stages.
+  pipeline.producer_tail(state);
+}
+
+template <class Traits, class Params>
+__device__ __forceinline__ void run_grad_consumers(const Params& p, typename Traits::SharedStorage& smem,
+                                                   typename Traits::Pipeline& pipeline, int consumer_idx) {
+  typename Traits::PipelineState state;
+  for (int k = 0;; ++k) {
+    const GradTileTask task = smem.tasks.consume(k);
+    if (task.expert < 0) break;
+    compute_grad_tile<Traits>(p, task, smem, pipeline, state, consumer_idx);
+  }
+  // Why: the shared memory must outlive the last TMA stores' reads of it.
+  if (consumer_idx % 128 == 0) cute::tma_store_wait<0>();
+}
+
+// Standalone persistent launcher: one CTA per SM, tasks from the ticket. Used by tests and the bench.
+template <class Traits, class Params>
+__global__ void __launch_bounds__(Traits::kThreads, 1) weight_grad_gemm_kernel(const __grid_constant__ Params p) {
+  using T = Traits;
+  extern __shared__ __align__(1024) char shared_raw[];
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(shared_raw);
+  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);  // uniform: see compute_grad_tile
+  const WeightGradRole role = warpgroup == 0 ? WeightGradRole::kProducer : WeightGradRole::kConsumer;
+  typename T::Pipeline pipeline = start_pipeline<T>(smem, smem.tasks, role == WeightGradRole::kConsumer);
+  switch (role) {
+    case WeightGradRole::kProducer:
+      cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+      if (threadIdx.x == 0) run_grad_producer<T>(p, smem, pipeline);
+      break;
+    case WeightGradRole::kConsumer:
+      cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+      run_grad_consumers<T>(p, smem, pipeline, static_cast<int>(threadIdx.x) - 128);
+      break;
+  }
+}
+
+}  // namespace mok::gemm

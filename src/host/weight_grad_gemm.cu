@@ -1,0 +1,101 @@
+// Host side of the weight-gradient GEMM: argument validation, output-mode dispatch and the launch of the
+// persistent kernel in src/device/gemm/weight_grad_gemm.cuh (parameters: src/host/weight_grad_params.h).
+#include "mok/weight_grad_gemm.h"
+
+#include <algorithm>
+#include <climits>
+#include <stdexcept>
+#include <string>
+
+#include "src/device/gemm/weight_grad_gemm.cuh"
+#include "src/host/check.h"
+#include "src/host/weight_grad_params.h"
+
+namespace mok {
+namespace {
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument("weight_grad_gemm: " + message);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <class Traits>
+void launch(const WeightGradArgs& args, cudaStream_t stream) {
+  using T = Traits;
+  auto p = detail::make_weight_grad_params<T>(args);
+  p.ticket = args.ticket;
+  MOK_CHECK_CUDA(cudaMemsetAsync(args.ticket, 0, sizeof(int32_t), stream));
+
+  int device = 0, num_sms = 0, max_smem = 0;
+  MOK_CHECK_CUDA(cudaGetDevice(&device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (T::kSharedBytes > max_smem)
+    throw std::runtime_error("weight_grad_gemm: tile config needs " + std::to_string(T::kSharedBytes) +
+                             " bytes of shared memory, device allows " + std::to_string(max_smem));
+  auto kernel = gemm::weight_grad_gemm_kernel<T, decltype(p)>;
+  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSharedBytes));
+  cudaLaunchConfig_t config{};
+  // Persistent: one CTA per SM (the shared memory allows no second one), no more CTAs than tasks.
+  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(num_sms, p.num_tasks)));
+  config.blockDim = dim3(T::kThreads);
+  config.dynamicSmemBytes = T::kSharedBytes;
+  config.stream = stream;
+  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p));
+}
+
+}  // namespace
+
+void validate(const WeightGradArgs& args) {
+  require(args.a != nullptr && aligned16(args.a), "a must be a non-null, 16-byte aligned bf16 buffer");
+  require(args.b != nullptr && aligned16(args.b), "b must be a non-null, 16-byte aligned bf16 buffer");
+  require(args.tile_m == 64 || args.tile_m == 128, "tile_m must be 64 or 128, got " + std::to_string(args.tile_m));
+  require(args.rows_allocated > 0 && args.rows_allocated % args.tile_m == 0 && args.rows_allocated <= INT32_MAX,
+          "rows_allocated must be a positive multiple of tile_m (" + std::to_string(args.tile_m) +
+              ") within int32, got " + std::to_string(args.rows_allocated));
+  // Whole 64-column load and store boxes; the last tile along m or n may be partial.
+  require(args.m > 0 && args.m % 64 == 0, "m must be a positive multiple of 64, got " + std::to_string(args.m));
+  require(args.n > 0 && args.n % 64 == 0, "n must be a positive multiple of 64, got " + std::to_string(args.n));
+  require(args.local_experts > 0, "local_experts must be positive, got " + std::to_string(args.local_experts));
+  require(args.expert_row_offsets != nullptr, "expert_row_offsets must be set (the schedule's, in device memory)");
+  require(args.scheduled_rows != nullptr, "scheduled_rows must be set (the schedule's, in device memory)");
+  require(args.output == GradOutput::kBFloat16 || args.output == GradOutput::kFloat32 ||
+              args.output == GradOutput::kAccumulateFloat32,
+          "output must be kBFloat16, kFloat32 or kAccumulateFloat32, got " +
+              std::to_string(static_cast<int32_t>(args.output)));
+  require(args.out != nullptr && aligned16(args.out), "out must be a non-null, 16-byte aligned buffer");
+  if (args.out_split != nullptr) {
+    require(aligned16(args.out_split), "out_split must be 16-byte aligned");
+    require(args.m_split > 0 && args.m_split < args.m && args.m_split % 64 == 0,
+            "m_split must be a multiple of 64 in (0, m = " + std::to_string(args.m) + ") with out_split, got " +
+                std::to_string(args.m_split));
+  } else {
+    require(args.m_split == 0, "m_split is only for out_split (null), got " + std::to_string(args.m_split));
+  }
+  // TMA coordinates and task slots are int32.
+  require(int64_t(args.local_experts) * args.m <= INT32_MAX,
+          "local_experts * m must fit int32 (output rows), got " + std::to_string(int64_t(args.local_experts) * args.m));
+  using Tile = detail::WeightGradConfig<GradOutput::kBFloat16>;  // every output mode has the same tile
+  const int64_t tasks = int64_t(args.local_experts) * ((args.m + Tile::kBlockM - 1) / Tile::kBlockM) *
+                        ((args.n + Tile::kBlockN - 1) / Tile::kBlockN);
+  require(tasks <= (int64_t(1) << 30), "too many output tiles (local_experts * m-blocks * n-blocks): " + std::to_string(tasks));
+  require(args.ticket != nullptr, "ticket must point to an int32 of device memory");
+}
+
+void weight_grad_gemm(const WeightGradArgs& args, cudaStream_t stream) {
+  validate(args);
+  switch (args.output) {
+    case GradOutput::kBFloat16:
+      launch<detail::WeightGradConfig<GradOutput::kBFloat16>>(args, stream);
+      break;
+    case GradOutput::kFloat32:
+      launch<detail::WeightGradConfig<GradOutput::kFloat32>>(args, stream);
+      break;
+    case GradOutput::kAccumulateFloat32:
+      launch<detail::WeightGradConfig<GradOutput::kAccumulateFloat32>>(args, stream);
+      break;
+  }
+}
+
+}  // namespace mok

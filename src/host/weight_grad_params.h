@@ -1,0 +1,69 @@
+// Host side of the weight-gradient GEMM's kernel parameters: the tile configurations and the TMA
+// descriptors of src/device/gemm/weight_grad_gemm.cuh, built from WeightGradArgs. Shared by the standalone
+// launch (src/host/weight_grad_gemm.cu) and, later, the backward megakernel's, so both run the same tiles.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "mok/weight_grad_gemm.h"
+#include "src/device/gemm/weight_grad_gemm.cuh"
+
+namespace mok::detail {
+
+// The tile configurations every launch uses: 128 x 256 tiles, and beside the whole tile's staging as
+// many stages as fit in 227 KB of shared memory (the launch checks the device's limit). bf16 (64 KB of
+// staging): 3 stages of 64 rows (48 KB each). fp32 (128 KB): 4 stages of 32 rows (24 KB each) rather than 2
+// of 64: the same bytes, but a released stage is needed again 3 half-k-blocks later instead of 1 k-block
+// later, so a TMA load has 1.5x the time to arrive (a stage is released once the next one's wgmma issued).
+template <GradOutput kOutput>
+using WeightGradConfig = std::conditional_t<kOutput == GradOutput::kBFloat16,
+                                            gemm::WeightGradTraits<kOutput, 256, 64, 3>,
+                                            gemm::WeightGradTraits<kOutput, 256, 32, 4>>;
+
+// The ticket is left empty; the caller sets what its launch uses. validate(args) first.
+template <class Traits>
+auto make_weight_grad_params(const WeightGradArgs& args) {
+  using namespace cute;
+  using T = Traits;
+  using Element = typename T::Element;
+  using OutElement = typename T::OutElement;
+  const int64_t rows = args.rows_allocated;
+  // a [rows, m] row-major seen as (m, rows) with m contiguous: the MN-major operand A = aᵀ; b likewise.
+  auto make_load = [&](const void* ptr, int cols) {
+    auto g = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(int64_t(cols), rows),
+                         make_stride(_1{}, int64_t(cols)));
+    return make_tma_copy(SM90_TMA_LOAD{}, g, typename T::SmemLayoutLoadBox{});
+  };
+  auto tma_a = make_load(args.a, args.m);
+  auto tma_b = make_load(args.b, args.n);
+
+  const bool split = args.out_split != nullptr;
+  const int m_split = split ? args.m_split : args.m;
+  using StoreOp = std::conditional_t<T::kOutput == GradOutput::kAccumulateFloat32, SM90_TMA_REDUCE_ADD, SM90_TMA_STORE>;
+  // One expert's gradient is `out_rows` consecutive rows of n columns: [E_local * out_rows, n].
+  auto make_store = [&](void* ptr, int64_t out_rows) {
+    auto g = make_tensor(make_gmem_ptr(static_cast<OutElement*>(ptr)),
+                         make_shape(int64_t(args.local_experts) * out_rows, int64_t(args.n)),
+                         make_stride(int64_t(args.n), _1{}));
+    return make_tma_copy(StoreOp{}, g, typename T::SmemLayoutStoreBox{});
+  };
+  auto tma_out = make_store(args.out, m_split);
+  // Without out_split no row reaches it (m_split = m); the descriptor only has to be a valid one.
+  auto tma_out_split = split ? make_store(args.out_split, args.m - args.m_split) : tma_out;
+
+  gemm::WeightGradParams<decltype(tma_a), decltype(tma_out)> p{tma_a, tma_b, tma_out, tma_out_split};
+  p.rows = rows;
+  p.m = args.m;
+  p.n = args.n;
+  p.m_split = m_split;
+  p.local_experts = args.local_experts;
+  p.num_m_blocks = (args.m + T::kBlockM - 1) / T::kBlockM;
+  p.num_n_blocks = (args.n + T::kBlockN - 1) / T::kBlockN;
+  p.num_tasks = args.local_experts * p.num_m_blocks * p.num_n_blocks;  // validate() bounds it
+  p.expert_row_offsets = args.expert_row_offsets;
+  p.scheduled_rows = args.scheduled_rows;
+  return p;
+}
+
+}  // namespace mok::detail

@@ -1,0 +1,514 @@
+// Weight-gradient GEMM (src/device/gemm/weight_grad_gemm.cuh) against a CPU reference in double.
+// Integer-valued bf16 inputs (|v| <= 3) make every fp32 partial sum exact, so fp32 outputs must equal the
+// reference exactly and bf16 outputs its one round-to-nearest-even (compared as values: +0 == -0, NaN never
+// passes); kAccumulateFloat32 starts from integer fp32 values and must give start + calls * grad exactly.
+// Random normal inputs are checked within a stated budget. Every output buffer is NaN-poisoned before a
+// run (accumulate: holds the start values) and followed by a guard region that must stay untouched; rows
+// of a and b past the schedule are NaN, so reading one shows. Validation cases need no GPU.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "mok/weight_grad_gemm.h"
+#include "src/host/check.h"
+#include "tests/common/bf16.h"
+#include "tests/common/device_array.h"
+#include "tests/common/device_fill.h"
+#include "tests/common/gpu_env.h"
+
+namespace mok {
+namespace {
+
+using testing::DeviceArray;
+using testing::from_bf16_bits;
+using testing::hashed_int;
+using testing::round_to_bf16;
+using testing::to_bf16_bits;
+
+constexpr uint16_t kBf16NaN = testing::kBf16Poison;
+constexpr uint32_t kFloatPoison = 0x7fc00001u;  // an fp32 NaN
+constexpr uint8_t kGuardByte = 0x5a;            // the guard after each output buffer
+constexpr size_t kGuardBytes = 4096;
+
+const char* mode_name(GradOutput output) {
+  switch (output) {
+    case GradOutput::kBFloat16: return "kBFloat16";
+    case GradOutput::kFloat32: return "kFloat32";
+    case GradOutput::kAccumulateFloat32: return "kAccumulateFloat32";
+  }
+  return "?";
+}
+
+// A problem: expert row counts (segments padded to tile_m), gradient shape, input kind.
+struct Case {
+  std::vector<int32_t> counts;
+  int m = 0, n = 0, tile_m = 64;
+  int m_split = 0;                // > 0: rows [m_split, m) go to out_split
+  int32_t scheduled_rows = -1;    // -1: every segment (offsets[E]); else the schedule's row count
+  bool zero_padding_in_a = true;  // padding rows: zeros in a (b random), or zeros in b (a random)
+  bool integer_values = true;     // false: random normal inputs, checked within a budget
+  uint64_t seed = 1;
+
+  std::string describe() const {
+    std::string s = "E=" + std::to_string(counts.size()) + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
+                    " tile_m=" + std::to_string(tile_m) + " m_split=" + std::to_string(m_split) +
+                    " scheduled_rows=" + std::to_string(scheduled_rows) + " padding zeros in " +
+                    (zero_padding_in_a ? "a" : "b") + " seed=" + std::to_string(seed) + " counts={";
+    for (size_t e = 0; e < counts.size(); ++e) s += (e ? "," : "") + std::to_string(counts[e]);
+    return s + "}";
+  }
+};
+
+struct Problem {
+  Case c;
+  int experts = 0;
+  std::vector<int32_t> offsets;  // [E + 1]
+  int32_t scheduled = 0;
+  int64_t rows = 0;              // allocated: the segments and 2 * tile_m spare rows
+  std::vector<uint16_t> a, b;    // bf16 bits, [rows, m] and [rows, n]
+
+  int32_t begin(int e) const { return std::min(offsets[e], scheduled); }
+  int32_t end(int e) const { return std::min(offsets[e + 1], scheduled); }
+};
+
+Problem make_problem(const Case& c) {
+  Problem p;
+  p.c = c;
+  p.experts = static_cast<int>(c.counts.size());
+  p.offsets.assign(p.experts + 1, 0);
+  for (int e = 0; e < p.experts; ++e) p.offsets[e + 1] = p.offsets[e] + (c.counts[e] + c.tile_m - 1) / c.tile_m * c.tile_m;
+  p.scheduled = c.scheduled_rows < 0 ? p.offsets.back() : c.scheduled_rows;
+  p.rows = p.offsets.back() + 2 * c.tile_m;
+  p.a.assign(size_t(p.rows) * c.m, 0);
+  p.b.assign(size_t(p.rows) * c.n, 0);
+  std::mt19937 rng(static_cast<uint32_t>(c.seed));
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto value = [&](uint64_t stream, int64_t index) {
+    return c.integer_values ? to_bf16_bits(float(hashed_int(c.seed * 2 + stream, index, -3, 3))) : to_bf16_bits(normal(rng));
+  };
+  int e = 0;
+  for (int64_t r = 0; r < p.rows; ++r) {
+    while (e < p.experts && r >= p.offsets[e + 1]) ++e;
+    uint16_t* a_row = &p.a[size_t(r) * c.m];
+    uint16_t* b_row = &p.b[size_t(r) * c.n];
+    if (r >= p.scheduled) {  // past the schedule: the kernel must not read it
+      std::fill(a_row, a_row + c.m, kBf16NaN);
+      std::fill(b_row, b_row + c.n, kBf16NaN);
+      continue;
+    }
+    const bool real = r - p.offsets[e] < c.counts[e];
+    for (int i = 0; i < c.m; ++i) a_row[i] = real || !c.zero_padding_in_a ? value(0, r * c.m + i) : 0;
+    for (int j = 0; j < c.n; ++j) b_row[j] = real || c.zero_padding_in_a ? value(1, r * c.n + j) : 0;
+  }
+  return p;
+}
+
+// grad[e][i][j] in double; abs_sum = sum |a b| (the scale of the fp32 rounding error), when asked for.
+struct Reference {
+  std::vector<double> grad, abs_sum;
+};
+
+Reference reference(const Problem& p, bool with_abs_sum) {
+  const int m = p.c.m, n = p.c.n;
+  Reference ref;
+  ref.grad.assign(size_t(p.experts) * m * n, 0.0);
+  if (with_abs_sum) ref.abs_sum.assign(ref.grad.size(), 0.0);
+  std::vector<double> b_row(n);
+  for (int e = 0; e < p.experts; ++e) {
+    for (int32_t r = p.begin(e); r < p.end(e); ++r) {  // rank-1 updates, ascending rows
+      for (int j = 0; j < n; ++j) b_row[j] = from_bf16_bits(p.b[size_t(r) * n + j]);
+      for (int i = 0; i < m; ++i) {
+        const double a = from_bf16_bits(p.a[size_t(r) * m + i]);
+        if (a == 0) continue;
+        double* g = &ref.grad[(size_t(e) * m + i) * n];
+        for (int j = 0; j < n; ++j) g[j] += a * b_row[j];
+        if (with_abs_sum) {
+          double* s = &ref.abs_sum[(size_t(e) * m + i) * n];
+          for (int j = 0; j < n; ++j) s[j] += std::abs(a * b_row[j]);
+        }
+      }
+    }
+  }
+  return ref;
+}
+
+// Where gradient element (e, i, j) lives: buffer 0 (out) or 1 (out_split), and its element index there.
+struct Location {
+  int buffer;
+  size_t index;
+};
+Location locate(const Case& c, int e, int i, int j) {
+  const int split = c.m_split > 0 ? c.m_split : c.m;
+  if (i < split) return {0, (size_t(e) * split + i) * c.n + j};
+  return {1, (size_t(e) * (c.m - split) + (i - split)) * c.n + j};
+}
+
+// The output buffers of one problem in one mode, each followed by kGuardBytes of guard.
+struct Outputs {
+  std::vector<float> values;       // [E, m, n], merged from out and out_split, as floats
+  std::vector<uint8_t> raw[2];     // the two buffers' bytes (without guards), for bitwise comparisons
+  std::string guard_error;         // "" when both guards are intact
+};
+
+// Runs weight_grad_gemm `calls` times on one pair of output buffers. Accumulate: they start as `start`
+// ([E, m, n]); the write modes: NaN.
+Outputs run_gpu(const Problem& p, GradOutput output, int calls = 1, const std::vector<float>* start = nullptr) {
+  const Case& c = p.c;
+  const size_t elem = output == GradOutput::kBFloat16 ? 2 : 4;
+  const int split = c.m_split > 0 ? c.m_split : c.m;
+  const size_t count[2] = {size_t(p.experts) * split * c.n, size_t(p.experts) * (c.m - split) * c.n};
+  std::vector<uint8_t> host[2];
+  for (int k = 0; k < 2; ++k) {
+    host[k].assign(count[k] * elem + kGuardBytes, kGuardByte);
+    for (size_t x = 0; x < count[k]; ++x) {
+      if (elem == 2) std::memcpy(&host[k][x * 2], &kBf16NaN, 2);
+      else std::memcpy(&host[k][x * 4], &kFloatPoison, 4);
+    }
+  }
+  if (start != nullptr) {
+    for (int e = 0; e < p.experts; ++e)
+      for (int i = 0; i < c.m; ++i)
+        for (int j = 0; j < c.n; ++j) {
+          const Location at = locate(c, e, i, j);
+          std::memcpy(&host[at.buffer][at.index * 4], &(*start)[(size_t(e) * c.m + i) * c.n + j], 4);
+        }
+  }
+  DeviceArray<uint16_t> d_a(p.a), d_b(p.b);
+  DeviceArray<int32_t> d_offsets(p.offsets), d_scheduled(std::vector<int32_t>{p.scheduled}), d_ticket(1);
+  DeviceArray<uint8_t> d_out(host[0]), d_split(host[1]);
+  WeightGradArgs args;
+  args.a = d_a.ptr;
+  args.b = d_b.ptr;
+  args.rows_allocated = p.rows;
+  args.m = c.m;
+  args.n = c.n;
+  args.local_experts = p.experts;
+  args.expert_row_offsets = d_offsets.ptr;
+  args.scheduled_rows = d_scheduled.ptr;
+  args.tile_m = c.tile_m;
+  args.output = output;
+  args.out = d_out.ptr;
+  if (c.m_split > 0) {
+    args.out_split = d_split.ptr;
+    args.m_split = c.m_split;
+  }
+  args.ticket = d_ticket.ptr;
+  for (int call = 0; call < calls; ++call) weight_grad_gemm(args, nullptr);
+  MOK_CHECK_CUDA(cudaDeviceSynchronize());
+
+  Outputs result;
+  const std::vector<uint8_t> got[2] = {d_out.download(), d_split.download()};
+  for (int k = 0; k < 2; ++k) {
+    for (size_t x = count[k] * elem; x < got[k].size(); ++x)
+      if (got[k][x] != kGuardByte && result.guard_error.empty())
+        result.guard_error = std::string(k ? "out_split" : "out") + "'s guard written at byte " +
+                             std::to_string(x - count[k] * elem) + " past its end";
+    result.raw[k].assign(got[k].begin(), got[k].begin() + count[k] * elem);
+  }
+  result.values.resize(size_t(p.experts) * c.m * c.n);
+  for (int e = 0; e < p.experts; ++e)
+    for (int i = 0; i < c.m; ++i)
+      for (int j = 0; j < c.n; ++j) {
+        const Location at = locate(c, e, i, j);
+        float v;
+        if (elem == 2) {
+          uint16_t bits;
+          std::memcpy(&bits, &result.raw[at.buffer][at.index * 2], 2);
+          v = from_bf16_bits(bits);
+        } else {
+          std::memcpy(&v, &result.raw[at.buffer][at.index * 4], 4);
+        }
+        result.values[(size_t(e) * c.m + i) * c.n + j] = v;
+      }
+  return result;
+}
+
+// Start values for kAccumulateFloat32: integers (exact sums) or normals.
+std::vector<float> start_values(const Problem& p) {
+  std::vector<float> start(size_t(p.experts) * p.c.m * p.c.n);
+  std::mt19937 rng(static_cast<uint32_t>(p.c.seed + 77));
+  std::normal_distribution<float> normal(0.f, 4.f);
+  for (size_t x = 0; x < start.size(); ++x)
+    start[x] = p.c.integer_values ? float(hashed_int(p.c.seed + 99, int64_t(x), -100000, 100000)) : normal(rng);
+  return start;
+}
+
+std::string mismatch(const Problem& p, GradOutput output, size_t x, float got, double want) {
+  const int m = p.c.m, n = p.c.n;
+  const int e = int(x / (size_t(m) * n)), i = int(x / n % m), j = int(x % n);
+  return std::string(mode_name(output)) + ", " + p.c.describe() + ": first mismatch at expert " + std::to_string(e) +
+         " row " + std::to_string(i) + " col " + std::to_string(j) + ": got " + std::to_string(got) + ", expected " +
+         std::to_string(want);
+}
+
+// "" when the outputs are exactly the reference (integer inputs), else the first mismatch.
+std::string check_exact(const Problem& p, const Reference& ref, GradOutput output, const Outputs& out, int calls = 1,
+                        const std::vector<float>* start = nullptr) {
+  if (!out.guard_error.empty()) return std::string(mode_name(output)) + ", " + p.c.describe() + ": " + out.guard_error;
+  for (size_t x = 0; x < ref.grad.size(); ++x) {
+    const float grad = static_cast<float>(ref.grad[x]);  // an integer below 2^24: exact
+    float want = grad;
+    if (output == GradOutput::kBFloat16) want = round_to_bf16(grad);
+    if (output == GradOutput::kAccumulateFloat32) {
+      want = (*start)[x];
+      for (int call = 0; call < calls; ++call) want = want + grad;
+    }
+    if (!(out.values[x] == want)) return mismatch(p, output, x, out.values[x], want);
+  }
+  return {};
+}
+
+// "" when every element is within the budget (random normal inputs), else the first element outside it.
+// Budget: products of bf16 values are exact in fp32; an IEEE fp32 accumulation over K rows errs by up to
+// ~K * 2^-24 * sum |a b| (3e-5 * sum |a b| at K = 512) and typically by ~sqrt(K) * 2^-24 times that. The
+// tensor cores' accumulation is not specified to be IEEE, so we allow 2^-15 * sum |a b| (the IEEE worst
+// case at K = 512, 1.6x it at the largest K here, 320, and room for an accumulator a few bits short of
+// IEEE), plus 2^-8 |grad| for the bf16 rounding (half an ulp is 2^-9) and, accumulating, 2^-22 |result|
+// for the fp32 addition. A wrong row, column or expert
+// moves an element by about |a b| ~ 1, far outside it (sum |a b| ~ 0.64 K: the budget is ~0.006 at K = 300).
+std::string check_budget(const Problem& p, const Reference& ref, GradOutput output, const Outputs& out,
+                         const std::vector<float>* start = nullptr) {
+  if (!out.guard_error.empty()) return std::string(mode_name(output)) + ", " + p.c.describe() + ": " + out.guard_error;
+  for (size_t x = 0; x < ref.grad.size(); ++x) {
+    double want = ref.grad[x];
+    double budget = std::ldexp(ref.abs_sum[x], -15) + 1e-30;
+    if (output == GradOutput::kBFloat16) budget += std::ldexp(std::abs(want), -8);
+    if (output == GradOutput::kAccumulateFloat32) {
+      want += (*start)[x];
+      budget += std::ldexp(std::abs(want), -22);
+    }
+    if (!(std::abs(out.values[x] - want) <= budget)) return mismatch(p, output, x, out.values[x], want);
+  }
+  return {};
+}
+
+// Every output mode on one problem, exact; accumulate once and twice.
+void expect_exact_in_every_mode(const Case& c) {
+  const Problem p = make_problem(c);
+  const Reference ref = reference(p, false);
+  for (GradOutput output : {GradOutput::kBFloat16, GradOutput::kFloat32})
+    EXPECT_EQ(check_exact(p, ref, output, run_gpu(p, output)), "");
+  const std::vector<float> start = start_values(p);
+  for (int calls : {1, 2})
+    EXPECT_EQ(check_exact(p, ref, GradOutput::kAccumulateFloat32,
+                          run_gpu(p, GradOutput::kAccumulateFloat32, calls, &start), calls, &start),
+              "")
+        << calls << " accumulating call(s)";
+}
+
+const std::vector<int32_t> kSkewedCounts = {0, 1, 63, 64, 65, 200, 0, 129};
+
+// m and n not multiples of the 128 x 256 tile: partial last m-blocks (one consumer warpgroup idle) and
+// n-blocks (store boxes past n skipped, load boxes clamped); empty experts; both paddings.
+TEST(WeightGradGemmTest, EveryOutputModeIsExact) {
+  MOK_REQUIRE_GPUS(1);
+  uint64_t seed = 1;
+  for (int tile_m : {64, 128})
+    for (auto [m, n] : {std::pair{192, 320}, std::pair{320, 576}, std::pair{64, 64}}) {
+      Case c;
+      c.counts = kSkewedCounts;
+      c.m = m;
+      c.n = n;
+      c.tile_m = tile_m;
+      c.seed = seed++;
+      expect_exact_in_every_mode(c);
+    }
+}
+
+TEST(WeightGradGemmTest, PaddingRowsMayBeZeroInEitherOperand) {
+  MOK_REQUIRE_GPUS(1);
+  for (bool zero_in_a : {true, false}) {
+    Case c;
+    c.counts = {5, 70, 0, 191};
+    c.m = 256;
+    c.n = 512;
+    c.tile_m = 128;
+    c.zero_padding_in_a = zero_in_a;
+    c.seed = 31;
+    expect_exact_in_every_mode(c);
+  }
+}
+
+// m_split 192 splits the second m-block: its first warpgroup's rows go to out, the second's to out_split;
+// m_split 128 falls on a tile boundary.
+TEST(WeightGradGemmTest, OutSplitRoutesEachHalfOfATile) {
+  MOK_REQUIRE_GPUS(1);
+  for (int m_split : {192, 128, 64}) {
+    Case c;
+    c.counts = kSkewedCounts;
+    c.m = 320;
+    c.n = 320;
+    c.m_split = m_split;
+    c.seed = 40 + m_split;
+    expect_exact_in_every_mode(c);
+  }
+}
+
+// The K range stops at scheduled_rows: 0 (a capacity overflow: every expert empty, zeros written or
+// nothing added) and a cut inside expert 2's segment (later experts empty). Rows past it are NaN.
+TEST(WeightGradGemmTest, ScheduledRowsBoundTheSegments) {
+  MOK_REQUIRE_GPUS(1);
+  Case c;
+  c.counts = {100, 64, 300, 20};
+  c.m = 192;
+  c.n = 256;
+  c.seed = 50;
+  for (int32_t scheduled : {0, 128 + 64 + 128}) {  // expert 2's segment starts at 192 (tile_m 64)
+    c.scheduled_rows = scheduled;
+    expect_exact_in_every_mode(c);
+  }
+}
+
+// Random skewed schedules built on the host: expert count, row counts (some experts empty, one hot),
+// tile_m, m, n and the split all drawn from the seed.
+TEST(WeightGradGemmTest, RandomSchedulesAreExact) {
+  MOK_REQUIRE_GPUS(1);
+  const uint64_t seeds = testing::reduced_sizes() ? 2 : 6;  // fewer under compute-sanitizer
+  for (uint64_t seed = 100; seed < 100 + seeds; ++seed) {
+    std::mt19937 rng(static_cast<uint32_t>(seed));
+    auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    Case c;
+    c.seed = seed;
+    c.tile_m = uniform(0, 1) ? 128 : 64;
+    c.m = 64 * uniform(1, 8);
+    c.n = 64 * uniform(1, 8);
+    if (c.m > 64 && uniform(0, 1)) c.m_split = 64 * uniform(1, c.m / 64 - 1);
+    c.zero_padding_in_a = uniform(0, 1);
+    c.counts.resize(uniform(1, 16));
+    for (auto& count : c.counts) count = uniform(0, 3) == 0 ? 0 : uniform(1, 250);
+    c.counts[uniform(0, int(c.counts.size()) - 1)] = uniform(300, 700);
+    const GradOutput output = static_cast<GradOutput>(seed % 3);
+    const Problem p = make_problem(c);
+    const Reference ref = reference(p, false);
+    const std::vector<float> start = start_values(p);
+    const bool accumulate = output == GradOutput::kAccumulateFloat32;
+    EXPECT_EQ(check_exact(p, ref, output, run_gpu(p, output, 1, accumulate ? &start : nullptr), 1, &start), "");
+  }
+}
+
+// More tiles than SMs (CTAs come back to the ticket); reruns, whichever CTA takes which tile, give the
+// same bits (checked against the CPU once).
+TEST(WeightGradGemmTest, ManyTilesRerunBitwise) {
+  MOK_REQUIRE_GPUS(1);
+  Case c;
+  c.m = 512;
+  c.n = 512;  // 4 x 2 tiles per expert, 24 experts: 192 tiles
+  c.seed = 60;
+  std::mt19937 rng(60);
+  for (int e = 0; e < 24; ++e) c.counts.push_back(e % 5 == 0 ? 0 : std::uniform_int_distribution<int>(1, 200)(rng));
+  const Problem p = make_problem(c);
+  const Reference ref = reference(p, false);
+  const std::vector<float> start = start_values(p);
+  for (GradOutput output : {GradOutput::kBFloat16, GradOutput::kFloat32, GradOutput::kAccumulateFloat32}) {
+    const std::vector<float>* s = output == GradOutput::kAccumulateFloat32 ? &start : nullptr;
+    const Outputs first = run_gpu(p, output, 1, s);
+    ASSERT_EQ(check_exact(p, ref, output, first, 1, &start), "");
+    for (int rerun = 0; rerun < (testing::reduced_sizes() ? 1 : 3); ++rerun) {
+      const Outputs again = run_gpu(p, output, 1, s);
+      ASSERT_TRUE(again.raw[0] == first.raw[0] && again.raw[1] == first.raw[1])
+          << mode_name(output) << ", " << c.describe() << ": rerun " << rerun << " differs bitwise";
+    }
+  }
+}
+
+// gpt-oss-like columns (2880 = 22.5 tiles of 128) and a partial n-block (704 = 2.75 tiles of 256), random
+// normal inputs, within the budget of check_budget; the bf16 and fp32 results agree with one rounding.
+TEST(WeightGradGemmTest, RandomNormalInputsWithinBudget) {
+  MOK_REQUIRE_GPUS(1);
+  MOK_SKIP_IF_REDUCED();
+  Case c;
+  c.counts = {256, 0, 300, 17, 200};
+  c.m = 2880;
+  c.n = 704;
+  c.m_split = 1408;
+  c.integer_values = false;
+  c.seed = 70;
+  const Problem p = make_problem(c);
+  const Reference ref = reference(p, true);
+  const Outputs f32 = run_gpu(p, GradOutput::kFloat32);
+  EXPECT_EQ(check_budget(p, ref, GradOutput::kFloat32, f32), "");
+  const Outputs bf16 = run_gpu(p, GradOutput::kBFloat16);
+  EXPECT_EQ(check_budget(p, ref, GradOutput::kBFloat16, bf16), "");
+  for (size_t x = 0; x < f32.values.size(); ++x)
+    ASSERT_EQ(bf16.values[x], round_to_bf16(f32.values[x])) << mismatch(p, GradOutput::kBFloat16, x, bf16.values[x], f32.values[x])
+                                                             << " (bf16 must be the fp32 result rounded once)";
+  const std::vector<float> start = start_values(p);
+  EXPECT_EQ(check_budget(p, ref, GradOutput::kAccumulateFloat32, run_gpu(p, GradOutput::kAccumulateFloat32, 1, &start),
+                         &start),
+            "");
+}
+
+// validate() names the offending field; weight_grad_gemm() validates before touching the GPU.
+TEST(WeightGradValidationTest, NamesTheOffendingField) {
+  alignas(16) static uint16_t buffer[64];
+  static int32_t device_ints[4];
+  const auto valid = [] {
+    WeightGradArgs g;
+    g.a = g.b = buffer;
+    g.out = buffer;
+    g.rows_allocated = 256;
+    g.m = 128;
+    g.n = 256;
+    g.local_experts = 2;
+    g.expert_row_offsets = g.scheduled_rows = device_ints;
+    g.tile_m = 128;
+    g.ticket = device_ints;
+    return g;
+  };
+  EXPECT_NO_THROW(validate(valid()));
+  struct Bad {
+    const char* field;
+    std::function<void(WeightGradArgs&)> spoil;
+  };
+  const std::vector<Bad> cases = {
+      {"a must", [](WeightGradArgs& g) { g.a = nullptr; }},
+      {"a must", [](WeightGradArgs& g) { g.a = buffer + 1; }},
+      {"b must", [](WeightGradArgs& g) { g.b = nullptr; }},
+      {"b must", [](WeightGradArgs& g) { g.b = buffer + 3; }},
+      {"tile_m must", [](WeightGradArgs& g) { g.tile_m = 96; }},
+      {"rows_allocated must", [](WeightGradArgs& g) { g.rows_allocated = 0; }},
+      {"rows_allocated must", [](WeightGradArgs& g) { g.rows_allocated = 192; }},  // not a multiple of 128
+      {"rows_allocated must", [](WeightGradArgs& g) { g.rows_allocated = int64_t(1) << 32; }},
+      {"m must", [](WeightGradArgs& g) { g.m = 96; }},
+      {"m must", [](WeightGradArgs& g) { g.m = 0; }},
+      {"n must", [](WeightGradArgs& g) { g.n = 100; }},
+      {"n must", [](WeightGradArgs& g) { g.n = -64; }},
+      {"local_experts must", [](WeightGradArgs& g) { g.local_experts = 0; }},
+      {"expert_row_offsets must", [](WeightGradArgs& g) { g.expert_row_offsets = nullptr; }},
+      {"scheduled_rows must", [](WeightGradArgs& g) { g.scheduled_rows = nullptr; }},
+      {"output must", [](WeightGradArgs& g) { g.output = static_cast<GradOutput>(3); }},
+      {"out must", [](WeightGradArgs& g) { g.out = nullptr; }},
+      {"out must", [](WeightGradArgs& g) { g.out = buffer + 2; }},
+      {"out_split must", [](WeightGradArgs& g) { g.out_split = buffer + 4; g.m_split = 64; }},
+      {"m_split must", [](WeightGradArgs& g) { g.out_split = buffer; g.m_split = 0; }},
+      {"m_split must", [](WeightGradArgs& g) { g.out_split = buffer; g.m_split = 128; }},  // = m
+      {"m_split must", [](WeightGradArgs& g) { g.out_split = buffer; g.m_split = 32; }},
+      {"m_split is only", [](WeightGradArgs& g) { g.m_split = 64; }},
+      {"local_experts * m", [](WeightGradArgs& g) { g.local_experts = 1 << 20; g.m = 1 << 12; }},
+      {"too many output tiles", [](WeightGradArgs& g) { g.local_experts = 1 << 16; g.n = 1 << 24; }},
+      {"ticket must", [](WeightGradArgs& g) { g.ticket = nullptr; }},
+  };
+  for (const Bad& bad : cases) {
+    WeightGradArgs args = valid();
+    bad.spoil(args);
+    const std::string expected = std::string("weight_grad_gemm: ") + bad.field;
+    std::string message = "no throw";
+    try {
+      validate(args);
+    } catch (const std::invalid_argument& e) {
+      message = e.what();
+    }
+    EXPECT_EQ(message.rfind(expected, 0), 0u) << "expected \"" << expected << "...\", got \"" << message << "\"";
+    EXPECT_THROW(weight_grad_gemm(args, nullptr), std::invalid_argument) << bad.field;
+  }
+}
+
+}  // namespace
+}  // namespace mok
