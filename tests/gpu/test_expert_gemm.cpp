@@ -514,7 +514,7 @@ TEST(ExpertGemmTest, StoreWithMNMajorWeightsIsBitwiseExact) {
       {{0, 1, 63, 129, 700, 0, 128, 7}, 256, 512, 64, false},  // two n-blocks: pairs
       {{0, 1, 63, 129, 700, 0, 128, 7}, 384, 512, 128, true},  // k / 2 = 192: three k-blocks per source
       {{65, 0, 130, 1}, 128, 320, 64, true},                   // the last n-block has 64 of 256 columns
-      {{65, 0, 130, 1}, 192, 768, 128, false},                 // three n-blocks (single CTAs); k / 2 odd blocks
+      {{65, 0, 130, 1}, 192, 768, 128, false},                 // three n-blocks (single CTAs); K in one buffer
       {{33}, 64, 64, 64, false},                               // one k-block, one partial n-block
   };
   for (const Case& test_case : cases) {
