@@ -250,7 +250,7 @@ struct SwiGLUBackwardEpilogue {
     const __nv_bfloat16* line = p.gate_up + (int64_t(task.buffer_row) + r) * 2 * n + (thread % 2) * n + tile_col;
     CUTE_UNROLL
     for (int c = 0; c < T::kBlockN; c += T::kBoxCols)
-      if (tile_col + c < n) asm volatile("prefetch.global.L2 [%0];" ::"l"(line + c));
+      if (tile_col + c < n) cute::prefetch(line + c);  // prefetch.global.L2
   }
 
   template <class T, class Params, class Accum, class Coords>
