@@ -190,10 +190,12 @@ int mok_bench_layer_comm_ctas(void* handle) { return static_cast<BenchLayer*>(ha
 void mok_bench_layer_destroy(void* handle) { delete static_cast<BenchLayer*>(handle); }
 
 // Returns 0, or 1 with a message in `error` (NUL-terminated, at most error_len bytes).
-int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, const void* b, const void* b_up, int n,
-                          int local_experts, const int32_t* expert_counts, const int32_t* expert_row_offsets,
-                          const int32_t* scheduled_rows, int tile_m, const float* row_scale, float swiglu_limit, void* out,
-                          int cluster_n, int32_t* ticket, void* trace, void* stream, char* error, int error_len) {
+int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, const void* b, const void* b_up,
+                          int b_major, int n, int local_experts, const int32_t* expert_counts,
+                          const int32_t* expert_row_offsets, const int32_t* scheduled_rows, int tile_m,
+                          const float* row_scale, float swiglu_limit, void* out, void* gate_up_out, const void* gate_up,
+                          float* row_partials, int cluster_n, int32_t* ticket, void* trace, void* stream, char* error,
+                          int error_len) {
   try {
     mok::ExpertGemmArgs args;
     args.epilogue = static_cast<mok::GemmEpilogue>(epilogue);
@@ -202,6 +204,7 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
     args.k = k;
     args.b = b;
     args.b_up = b_up;
+    args.b_major = static_cast<mok::OperandMajor>(b_major);
     args.n = n;
     args.local_experts = local_experts;
     args.expert_counts = expert_counts;
@@ -211,6 +214,9 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
     args.row_scale = row_scale;
     args.swiglu_limit = swiglu_limit;
     args.out = out;
+    args.gate_up_out = gate_up_out;
+    args.gate_up = gate_up;
+    args.row_partials = row_partials;
     args.cluster_n = cluster_n;
     args.trace = trace;
     args.ticket = ticket;

@@ -19,8 +19,11 @@ SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
     "mok_bench_layer_write_timeline": ([_p, _p, _s, _s, _i32], _i32),
     "mok_bench_layer_comm_ctas": ([_p], _i32),
     "mok_bench_layer_destroy": ([_p], None),
-    "mok_bench_expert_gemm": ([_i32, _p, _i64, _i32, _p, _p, _i32, _i32, _p, _p, _p, _i32, _p, _f32, _p, _i32, _p, _p,
-                               _p, _s, _i32], _i32),
+    # epilogue, a, a_rows, k, b, b_up, b_major, n, local_experts, expert_counts, expert_row_offsets,
+    # scheduled_rows, tile_m, row_scale, swiglu_limit, out, gate_up_out, gate_up, row_partials, cluster_n, ticket,
+    # trace, stream, error, error_len
+    "mok_bench_expert_gemm": ([_i32, _p, _i64, _i32, _p, _p, _i32, _i32, _i32, _p, _p, _p, _i32, _p, _f32, _p, _p, _p,
+                               _p, _i32, _p, _p, _p, _s, _i32], _i32),
     # a, b, rows_allocated, m, n, local_experts, expert_row_offsets, scheduled_rows, tile_m, output (0 bf16,
     # 1 fp32, 2 fp32 accumulate), out, out_split, m_split, ticket, stream, error, error_len
     "mok_bench_weight_grad_gemm": ([_p, _p, _i64, _i32, _i32, _i32, _p, _p, _i32, _i32, _p, _p, _i32, _p, _p, _s, _i32],

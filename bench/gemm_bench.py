@@ -2,10 +2,14 @@
 """Expert grouped-GEMM benchmark: ours vs torch._grouped_mm vs the dense bf16 GEMM ceiling, one run.
 
 For each model shape (DESIGN.md section 4) at 8192 tokens/rank and EP=2, rank 0's expert row counts come
-from a softmax top-k routing of random logits over 2 x 8192 tokens. Two GEMMs per shape:
+from a softmax top-k routing of random logits over 2 x 8192 tokens. Four GEMMs per shape:
   gate/up  [rows, H] x [E_local, 2I, H]^T -> ours with the fused SwiGLU epilogue (writes [rows, I]);
            torch._grouped_mm writes [rows, 2I] (no activation)
   down     [rows, I] x [E_local, H, I]^T -> [rows, H]
+  down dg  the backward's down dgrad: d_out [rows, H] x [E_local, H, I] (the forward's W_down read MN-major)
+           -> ours with the SwiGLU backward epilogue (reads g, u [rows, 2I], writes d_g, d_u [rows, 2I] and the
+           row partials of d_rw); torch._grouped_mm writes d_hu [rows, I]
+  gu dg    the gate/up dgrad: [d_g, d_u] [rows, 2I] x [E_local, 2I, H] (fused W_gate; W_up, MN-major) -> [rows, H]
 The dense ceiling is one torch.mm with the same M = routed rows, N and K. TFLOP/s count real rows only
 (2 * rows * N * K); our padding to tile_m-row segments is work we pay for and do not count. Time: median of
 CUDA-event timings in the steady power state: ours and torch._grouped_mm take turns call by call; the dense
@@ -121,22 +125,30 @@ def main():
 
         w13 = torch.randn(local, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
         w2 = torch.randn(local, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
-        for label, k, n_out, weights in (("gate/up", hidden, inter, w13), ("down", inter, hidden, w2)):
-            n_total = weights.shape[1]  # accumulator columns: 2I for gate/up, H for down
+        # label, epilogue (0 store, 1 SwiGLU, 2 SwiGLU backward), b_major (0 K, 1 MN), k, our n, weights,
+        # the accumulator columns (N of the FLOP count), torch's weights ([E, K, N])
+        gemms = (("gate/up", 1, 0, hidden, inter, w13, 2 * inter, w13.transpose(-2, -1)),
+                 ("down", 0, 0, inter, hidden, w2, hidden, w2.transpose(-2, -1)),
+                 ("down dg", 2, 1, hidden, inter, w2, inter, w2),
+                 ("gu dg", 0, 1, 2 * inter, hidden, w13, hidden, w13))
+        for label, epilogue, b_major, k, n_out, weights, n_total, w_t in gemms:
             a = torch.randn(rows_padded, k, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(rows_padded, n_out, device="cuda", dtype=torch.bfloat16)
-            epilogue = 1 if label == "gate/up" else 0
+            backward = epilogue == 2
+            out = torch.empty(rows_padded, 2 * n_out if backward else n_out, device="cuda", dtype=torch.bfloat16)
+            gate_up = torch.randn(rows_padded, 2 * n_out, device="cuda", dtype=torch.bfloat16) if backward else None
+            n_blocks = -(-n_out // 256)  # gemm_n_blocks(kSwiGLUBackward, n)
+            partials = torch.empty(rows_padded, n_blocks, device="cuda", dtype=torch.float32) if backward else None
 
             def ours(trace=None):
-                rc = gemm(epilogue, a.data_ptr(), rows_padded, k, weights.data_ptr(), None, n_out, local,
+                rc = gemm(epilogue, a.data_ptr(), rows_padded, k, weights.data_ptr(), None, b_major, n_out, local,
                           counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None, 0.0, out.data_ptr(),
+                          None, gate_up.data_ptr() if backward else None, partials.data_ptr() if backward else None,
                           args.cluster, ticket.data_ptr(), trace, stream, error, len(error))
                 if rc != 0:
                     raise RuntimeError(error.value.decode())
 
             a_torch = torch.randn(torch_rows, k, device="cuda", dtype=torch.bfloat16)
-            w_t = weights.transpose(-2, -1)  # [E, K, N], as torchtitan passes it
-            grouped = lambda: torch._grouped_mm(a_torch, w_t, offs=torch_offs)
+            grouped = lambda: torch._grouped_mm(a_torch, w_t, offs=torch_offs)  # w_t [E, K, N], as torchtitan passes it
             a_dense = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             b_dense = torch.randn(k, n_total, device="cuda", dtype=torch.bfloat16)
             dense = lambda: torch.mm(a_dense, b_dense)
@@ -150,11 +162,11 @@ def main():
                 continue
 
             def save_trace(suffix):
-                trace = torch.zeros(rows_padded // 64 * (n_total // 256) * 2 * 4, dtype=torch.int64, device="cuda")
+                trace = torch.zeros(rows_padded // 64 * -(-n_total // 256) * 2 * 4, dtype=torch.int64, device="cuda")
                 ours(trace.data_ptr())
                 torch.cuda.synchronize()
                 os.makedirs(args.trace, exist_ok=True)
-                torch.save(trace.cpu(), os.path.join(args.trace, f"{name}_{label.replace('/', '')}{suffix}.pt"))
+                torch.save(trace.cpu(), os.path.join(args.trace, f"{name}_{label.replace('/', '').replace(' ', '_')}{suffix}.pt"))
 
             if args.trace:
                 save_trace("")
@@ -168,7 +180,7 @@ def main():
             tf = [flops / t / 1e9 for t in (t_ours, t_torch, t_dense)]
             print(f"{name:16s} {label:8s} {rows:7d} {100.0 * (rows_padded - rows) / rows:5.1f} {tf[0]:7.0f} "
                   f"{tf[1]:7.0f} {tf[2]:7.0f} {tf[0] / tf[1]:10.2f} {tf[0] / tf[2]:10.2f}", flush=True)
-            del a, out, a_torch, a_dense, b_dense
+            del a, out, gate_up, partials, a_torch, a_dense, b_dense
         del w13, w2
         torch.cuda.empty_cache()
     if args.gemm == "all":

@@ -43,8 +43,9 @@ struct ExpertGemmArgs {
   const void* b_up = nullptr;   // kSwiGLU with separate gate/up weights; nullptr: b is fused [E, 2n, k];
                                 // kStore with b_major kMN: the second half of K (see above)
   OperandMajor b_major = OperandMajor::kK;
-  int n = 0;                    // output columns, a multiple of 64; the last output tile (kStore 256 columns,
-                                // kSwiGLU 128) is partial when n is not a multiple of it
+  int n = 0;                    // output columns, a multiple of 64; the last output tile (kStore and
+                                // kSwiGLUBackward 256 columns, kSwiGLU 128: gemm_n_blocks) is partial when n is
+                                // not a multiple of it
   int local_experts = 0;
   const int32_t* expert_counts = nullptr;       // from ScheduleView
   const int32_t* expert_row_offsets = nullptr;  // from ScheduleView; segments padded to tile_m

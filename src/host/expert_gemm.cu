@@ -2,6 +2,7 @@
 // launch of the persistent kernel in src/device/gemm/expert_gemm.cuh.
 #include "mok/expert_gemm.h"
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -18,17 +19,20 @@ void require(bool condition, const std::string& message) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-using detail::StoreTraits;
-using detail::SwiGLUTraits;
+using detail::ExpertGemmTraits;
+using detail::KMajorMainloop;
+using detail::MNMajorMainloop;
 
-// Output columns of one tile (256 accumulator columns; SwiGLU turns gate + up into half as many).
+// GEMM columns per output tile (256 accumulator columns; SwiGLU turns gate + up into half as many).
 int output_tile_columns(GemmEpilogue epilogue) {
-  return epilogue == GemmEpilogue::kSwiGLU ? SwiGLUTraits<1>::kOutCols : StoreTraits<1>::kOutCols;
-}
-
-// Output tiles along n; the last one is partial when n is not a multiple of the tile.
-int output_tiles(GemmEpilogue epilogue, int n) {
-  return epilogue == GemmEpilogue::kSwiGLU ? SwiGLUTraits<1>::n_blocks(n) : StoreTraits<1>::n_blocks(n);
+  switch (epilogue) {
+    case GemmEpilogue::kStore: return detail::StoreTraits<1>::kOutCols;
+    case GemmEpilogue::kSwiGLU: return detail::SwiGLUTraits<1>::kOutCols;
+    case GemmEpilogue::kSwiGLUBackward:
+      return ExpertGemmTraits<MNMajorMainloop, gemm::SwiGLUBackwardEpilogue, 1>::kOutCols;
+  }
+  throw std::invalid_argument("expert_gemm: epilogue must be kStore, kSwiGLU or kSwiGLUBackward, got " +
+                              std::to_string(static_cast<int>(epilogue)));
 }
 
 template <class Traits>
@@ -68,21 +72,54 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p));
 }
 
+// The one place where the runtime choices become the kernel's policies (an instantiation per mainloop,
+// epilogue and cluster size).
+template <class Mainloop, class Epilogue>
+void launch_policies(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) {
+  if (cluster_n == 2)
+    launch<ExpertGemmTraits<Mainloop, Epilogue, 2>>(args, stream);
+  else
+    launch<ExpertGemmTraits<Mainloop, Epilogue, 1>>(args, stream);
+}
+
 }  // namespace
 
 void validate(const ExpertGemmArgs& args) {
-  const bool swiglu = args.epilogue == GemmEpilogue::kSwiGLU;
-  require(args.epilogue == GemmEpilogue::kStore || swiglu, "epilogue must be kStore or kSwiGLU");
+  const GemmEpilogue epilogue = args.epilogue;
+  const bool store = epilogue == GemmEpilogue::kStore, swiglu = epilogue == GemmEpilogue::kSwiGLU,
+             backward = epilogue == GemmEpilogue::kSwiGLUBackward;
+  const bool mn_major = args.b_major == OperandMajor::kMN;
+  require(store || swiglu || backward, "epilogue must be kStore, kSwiGLU or kSwiGLUBackward, got " +
+                                           std::to_string(static_cast<int>(epilogue)));
+  require(mn_major || args.b_major == OperandMajor::kK,
+          "b_major must be kK or kMN, got " + std::to_string(static_cast<int>(args.b_major)));
   require(args.a != nullptr && aligned16(args.a), "a must be a non-null, 16-byte aligned bf16 buffer");
   require(args.b != nullptr && aligned16(args.b), "b must be a non-null, 16-byte aligned bf16 buffer");
-  require(args.b_up == nullptr || (swiglu && aligned16(args.b_up)), "b_up is only for kSwiGLU and must be 16-byte aligned");
+  require(args.b_up == nullptr || ((swiglu || (store && mn_major)) && aligned16(args.b_up)),
+          "b_up is only for kSwiGLU (separate gate and up weights) or kStore with b_major kMN (K split over b "
+          "and b_up), and must be 16-byte aligned");
+  require(!swiglu || !mn_major, "kSwiGLU reads b K-major: b_major must be kK (kMN is for kStore and kSwiGLUBackward)");
+  require(!backward || mn_major, "kSwiGLUBackward reads b = W_down [E, k, n] MN-major: b_major must be kMN");
   require(args.out != nullptr && aligned16(args.out), "out must be a non-null, 16-byte aligned bf16 buffer");
   require(args.k > 0 && args.k % 64 == 0, "k must be a positive multiple of 64, got " + std::to_string(args.k));
+  require(!(mn_major && args.b_up != nullptr) || args.k % 128 == 0,
+          "k must be a multiple of 128 when b and b_up each hold half of K (whole 64-row k-blocks), got " +
+              std::to_string(args.k));
   // Whole 64-column store boxes; the last output tile may be partial.
   require(args.n > 0 && args.n % 64 == 0, "n must be a positive multiple of 64, got " + std::to_string(args.n));
+  require(args.gate_up_out == nullptr || (swiglu && aligned16(args.gate_up_out)),
+          "gate_up_out is only for kSwiGLU and must be 16-byte aligned");
+  require(args.gate_up == nullptr || backward, "gate_up is only for kSwiGLUBackward");
+  require(!backward || (args.gate_up != nullptr && aligned16(args.gate_up)),
+          "kSwiGLUBackward needs gate_up: a non-null, 16-byte aligned bf16 [a_rows, 2n] buffer");
+  require(args.row_partials == nullptr || backward, "row_partials is only for kSwiGLUBackward");
+  require(!backward || (args.row_partials != nullptr && reinterpret_cast<uintptr_t>(args.row_partials) % 4 == 0),
+          "kSwiGLUBackward needs row_partials: a non-null fp32 [a_rows, gemm_n_blocks] buffer");
+  require(std::isfinite(args.swiglu_limit) && args.swiglu_limit >= 0,
+          "swiglu_limit must be finite and >= 0 (0: plain SwiGLU), got " + std::to_string(args.swiglu_limit));
   require(args.cluster_n == 0 || args.cluster_n == 1 || args.cluster_n == 2,
           "cluster_n must be 0 (choose), 1 or 2, got " + std::to_string(args.cluster_n));
-  require(args.cluster_n != 2 || output_tiles(args.epilogue, args.n) % 2 == 0,
+  require(args.cluster_n != 2 || gemm_n_blocks(args.epilogue, args.n) % 2 == 0,
           "cluster_n = 2 pairs output tiles: n = " + std::to_string(args.n) + " gives an odd number of " +
               std::to_string(output_tile_columns(args.epilogue)) + "-column tiles");
   require(args.local_experts > 0, "local_experts must be positive");
@@ -96,22 +133,33 @@ void validate(const ExpertGemmArgs& args) {
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);
   const int cluster_n = args.cluster_n != 0 ? args.cluster_n : choose_cluster_n(args.epilogue, args.n);
-  if (args.epilogue == GemmEpilogue::kSwiGLU) {
-    if (cluster_n == 2)
-      launch<SwiGLUTraits<2>>(args, stream);
-    else
-      launch<SwiGLUTraits<1>>(args, stream);
-  } else {
-    if (cluster_n == 2)
-      launch<StoreTraits<2>>(args, stream);
-    else
-      launch<StoreTraits<1>>(args, stream);
+  switch (args.epilogue) {
+    case GemmEpilogue::kStore:
+      if (args.b_major == OperandMajor::kMN)
+        launch_policies<MNMajorMainloop, gemm::StoreEpilogue>(args, cluster_n, stream);
+      else
+        launch_policies<KMajorMainloop, gemm::StoreEpilogue>(args, cluster_n, stream);
+      break;
+    case GemmEpilogue::kSwiGLU:
+      if (args.gate_up_out != nullptr)
+        launch_policies<KMajorMainloop, gemm::SwiGLUEpilogue<true>>(args, cluster_n, stream);
+      else
+        launch_policies<KMajorMainloop, gemm::SwiGLUEpilogue<false>>(args, cluster_n, stream);
+      break;
+    case GemmEpilogue::kSwiGLUBackward:
+      launch_policies<MNMajorMainloop, gemm::SwiGLUBackwardEpilogue>(args, cluster_n, stream);
+      break;
   }
+}
+
+int gemm_n_blocks(GemmEpilogue epilogue, int n) {
+  const int columns = output_tile_columns(epilogue);
+  return n > 0 ? (n + columns - 1) / columns : 0;
 }
 
 int choose_cluster_n(GemmEpilogue epilogue, int n) {
   // Pairs of CTAs sharing A need an even number of output tiles.
-  return output_tiles(epilogue, n) % 2 == 0 ? 2 : 1;
+  return gemm_n_blocks(epilogue, n) % 2 == 0 ? 2 : 1;
 }
 
 }  // namespace mok

@@ -12,22 +12,25 @@
 namespace mok::detail {
 
 // The tile configurations every launch uses (the standalone GEMM and the megakernel): 128 x 256 accumulator
-// tiles, 4 stages, clusters of 1 or 2.
+// tiles, 4 stages, clusters of 1 or 2; the mainloop and epilogue policies vary.
+template <class Mainloop, class Epilogue, int kClusterN>
+using ExpertGemmTraits = gemm::GemmTraits<128, 256, 4, Mainloop, Epilogue, kClusterN>;
+using KMajorMainloop = gemm::Bf16Mainloop<OperandMajor::kK>;
+using MNMajorMainloop = gemm::Bf16Mainloop<OperandMajor::kMN>;
+// The forward's two (K-major weights, no side outputs).
 template <int kClusterN>
-using SwiGLUTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kSwiGLU, kClusterN>;
+using SwiGLUTraits = ExpertGemmTraits<KMajorMainloop, gemm::SwiGLUEpilogue<false>, kClusterN>;
 template <int kClusterN>
-using StoreTraits = gemm::GemmTraits<128, 256, 4, gemm::Epilogue::kStore, kClusterN>;
+using StoreTraits = ExpertGemmTraits<KMajorMainloop, gemm::StoreEpilogue, kClusterN>;
 
-// The ticket and trace fields are left empty; the caller sets what its launch uses.
+// The ticket and trace fields are left empty; the caller sets what its launch uses. `args` is validated.
 template <class Traits>
 auto make_gemm_params(const ExpertGemmArgs& args) {
   using namespace cute;
   using T = Traits;
   using Element = typename T::Element;
-  const bool swiglu = args.epilogue == GemmEpilogue::kSwiGLU;
-  const bool fused = swiglu && args.b_up == nullptr;
-  const int64_t b_expert_rows = fused ? 2 * int64_t(args.n) : args.n;
-  const int64_t b_rows = int64_t(args.local_experts) * b_expert_rows;
+  constexpr GemmEpilogue kEpilogue = T::kEpilogue;
+  static_assert(T::kBMajor == OperandMajor::kK || kEpilogue != GemmEpilogue::kSwiGLU, "SwiGLU reads B K-major");
 
   auto g_a = make_tensor(make_gmem_ptr(static_cast<const Element*>(args.a)), make_shape(args.a_rows, int64_t(args.k)),
                          make_stride(int64_t(args.k), _1{}));
@@ -36,23 +39,51 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
   using TmaLoadA = std::conditional_t<(T::kClusterN > 1), SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;
   auto tma_a = make_tma_copy(TmaLoadA{}, g_a, typename T::SmemLayoutACta{},
                              Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, Int<1>{});
+
+  // B: K-major [b_rows, k] (rows: n per expert, 2n fused gate/up); MN-major [b_rows, n] (rows: the k of
+  // each expert, half of it per source when K is split over b and b_up). Both sources share one shape.
+  const bool swiglu = kEpilogue == GemmEpilogue::kSwiGLU;
+  const bool fused = swiglu && args.b_up == nullptr;
+  const bool k_split = T::kBMajor == OperandMajor::kMN && args.b_up != nullptr;
+  int64_t b_expert_rows;
+  if constexpr (T::kBMajor == OperandMajor::kK)
+    b_expert_rows = fused ? 2 * int64_t(args.n) : args.n;
+  else
+    b_expert_rows = k_split ? args.k / 2 : args.k;
+  const int64_t b_rows = int64_t(args.local_experts) * b_expert_rows;
   auto make_b = [&](const void* ptr) {
-    auto g_b = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(b_rows, int64_t(args.k)),
-                           make_stride(int64_t(args.k), _1{}));
-    return make_tma_copy(SM90_TMA_LOAD{}, g_b, typename T::SmemLayoutBHalf{});
+    if constexpr (T::kBMajor == OperandMajor::kK) {
+      auto g_b = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(b_rows, int64_t(args.k)),
+                             make_stride(int64_t(args.k), _1{}));
+      return make_tma_copy(SM90_TMA_LOAD{}, g_b, typename T::SmemLayoutBBox{});
+    } else {  // (n, k-row) coordinates, n contiguous
+      auto g_b = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(int64_t(args.n), b_rows),
+                             make_stride(_1{}, int64_t(args.n)));
+      return make_tma_copy(SM90_TMA_LOAD{}, g_b, typename T::SmemLayoutBBox{});
+    }
   };
   auto tma_b0 = make_b(args.b);
-  auto tma_b1 = make_b(swiglu && !fused ? args.b_up : args.b);
+  auto tma_b1 = make_b(args.b_up != nullptr && !fused ? args.b_up : args.b);
 
-  const int64_t out_cols = args.n;  // SwiGLU: n hidden columns from 2n accumulator columns
-  auto g_out = make_tensor(make_gmem_ptr(static_cast<Element*>(args.out)), make_shape(args.a_rows, out_cols),
-                           make_stride(out_cols, _1{}));
-  auto tma_out = make_tma_copy(SM90_TMA_STORE{}, g_out, typename T::SmemLayoutOutBox{});
+  // kSwiGLU: n hidden columns from 2n accumulator columns; kSwiGLUBackward: d_g and d_u, 2n.
+  const int64_t out_cols = kEpilogue == GemmEpilogue::kSwiGLUBackward ? 2 * int64_t(args.n) : args.n;
+  auto make_store = [&](void* ptr, int64_t cols) {
+    auto g_out = make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)), make_shape(args.a_rows, cols),
+                             make_stride(cols, _1{}));
+    return make_tma_copy(SM90_TMA_STORE{}, g_out, typename T::SmemLayoutOutBox{});
+  };
+  auto tma_out = make_store(args.out, out_cols);
+  decltype(tma_out) tma_gate_up_out{};
+  if constexpr (kEpilogue == GemmEpilogue::kSwiGLU) {
+    if constexpr (T::Epilogue::kGateUpOut) tma_gate_up_out = make_store(args.gate_up_out, 2 * int64_t(args.n));
+  }
 
-  gemm::GemmParams<decltype(tma_a), decltype(tma_b0), decltype(tma_out)> p{tma_a, tma_b0, tma_b1, tma_out};
+  gemm::GemmParams<decltype(tma_a), decltype(tma_b0), decltype(tma_out)> p{tma_a, tma_b0, tma_b1, tma_out,
+                                                                           tma_gate_up_out};
   p.a_rows = args.a_rows;
   p.b_rows = b_rows;
   p.k = args.k;
+  p.n = args.n;
   p.local_experts = args.local_experts;
   p.num_n_blocks = T::n_blocks(args.n);  // the last one may be partial (n % 64 == 0)
   p.b_expert_rows = b_expert_rows;
@@ -60,17 +91,20 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
     p.b_half_offset0 = 0;
     p.b_half_offset1 = fused ? args.n : 0;
     p.b_block_step = T::kHalfN;
-  } else {  // two halves of kBlockN consecutive rows
+  } else {  // K-major: two halves of kBlockN consecutive rows (MN-major B reads neither)
     p.b_half_offset0 = 0;
     p.b_half_offset1 = T::kHalfN;
     p.b_block_step = T::kBlockN;
   }
+  p.b_k_blocks0 = static_cast<int>(b_expert_rows / T::kBlockK);  // kMN: all k-blocks, or those of b
   p.expert_counts = args.expert_counts;
   p.expert_row_offsets = args.expert_row_offsets;
   p.scheduled_rows = args.scheduled_rows;
   p.row_scale = args.row_scale;
   p.swiglu_limit = args.swiglu_limit;
   p.out_cols = out_cols;
+  p.gate_up = static_cast<const __nv_bfloat16*>(args.gate_up);
+  p.row_partials = args.row_partials;
   return p;
 }
 

@@ -4,7 +4,10 @@
 // NaN first: padding rows must come back as zeros, rows past the schedule must stay untouched.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -123,6 +126,33 @@ std::string check_layout(const std::vector<uint16_t>& out, const Segments& seg, 
   }
   return {};
 }
+
+// fp32 outputs (the row partials) are poisoned with this NaN; untouched entries keep its bits.
+constexpr uint32_t kFloatPoison = 0x7fc00badu;
+
+uint32_t float_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+std::vector<float> float_poison(size_t count) {
+  float f;
+  std::memcpy(&f, &kFloatPoison, sizeof f);
+  return std::vector<float>(count, f);
+}
+
+// CPU reference of an MN-major product: row `row` of A [., k] times column `col` of expert e's W [k, n]
+// (W [E, k, n], n contiguous), in double.
+double cpu_dot_mn(const std::vector<uint16_t>& a, int64_t row, const std::vector<uint16_t>& w, int e, int k, int n,
+                  int col) {
+  double sum = 0;
+  for (int kk = 0; kk < k; ++kk)
+    sum += double(from_bf16_bits(a[row * k + kk])) * from_bf16_bits(w[(int64_t(e) * k + kk) * n + col]);
+  return sum;
+}
+
+double sigmoid(double x) { return x >= 0 ? 1 / (1 + std::exp(-x)) : std::exp(x) / (1 + std::exp(x)); }
 
 TEST(ExpertGemmTest, StoreIsBitwiseExactForEdgeRowCounts) {
   MOK_REQUIRE_GPUS(1);
@@ -468,6 +498,287 @@ TEST(ExpertGemmTest, PartialOutputTilesForMultiplesOf64) {
   }
 }
 
+// B MN-major (b_major kMN: W [E, k, n], n contiguous: the dgrad's view of the forward's weights as they
+// are), with K in one buffer or split over b (k-rows [0, k/2) of each expert) and b_up (the rest): the gate/up
+// dgrad over [d_g, d_u] with fused or separate weights. Integer inputs: bitwise against the CPU, for 64- and
+// 128-row padding with empty experts, partial last n-blocks (n a multiple of 64, not of 256), one k-block,
+// row scales; pairs of CTAs, the split weights and reruns give the same bits as the first single-CTA run.
+TEST(ExpertGemmTest, StoreWithMNMajorWeightsIsBitwiseExact) {
+  MOK_REQUIRE_GPUS(1);
+  struct Case {
+    std::vector<int32_t> expert_counts;
+    int k, n, tile_m;
+    bool scaled;
+  };
+  const std::vector<Case> cases = {
+      {{0, 1, 63, 129, 700, 0, 128, 7}, 256, 512, 64, false},  // two n-blocks: pairs
+      {{0, 1, 63, 129, 700, 0, 128, 7}, 384, 512, 128, true},  // k / 2 = 192: three k-blocks per source
+      {{65, 0, 130, 1}, 128, 320, 64, true},                   // the last n-block has 64 of 256 columns
+      {{65, 0, 130, 1}, 192, 768, 128, false},                 // three n-blocks (single CTAs); K in one buffer
+      {{33}, 64, 64, 64, false},                               // one k-block, one partial n-block
+  };
+  for (const Case& test_case : cases) {
+    const std::vector<int32_t>& expert_counts = test_case.expert_counts;
+    const int num_experts = static_cast<int>(expert_counts.size());
+    const int k = test_case.k, n = test_case.n;
+    const uint64_t seed = 500 + k + n + test_case.tile_m;
+    const std::string shape = "k " + std::to_string(k) + " n " + std::to_string(n) + " tile_m " +
+                              std::to_string(test_case.tile_m) + " seed " + std::to_string(seed);
+    GemmFixture fx(expert_counts, 128, test_case.tile_m);  // spare rows past the schedule
+    const auto a = hashed_bf16(size_t(fx.a_rows) * k, seed, -2, 2);
+    const auto w = hashed_bf16(size_t(num_experts) * k * n, seed + 1, -2, 2);  // [E, k, n]
+    std::vector<float> scale(fx.a_rows);
+    for (int64_t r = 0; r < fx.a_rows; ++r) scale[r] = std::ldexp(1.0f, hashed_int(seed, r, -3, 3));
+    // The split: b = k-rows [0, k/2) of each expert, b_up = [k/2, k).
+    std::vector<uint16_t> w_low, w_high;
+    for (int e = 0; e < num_experts; ++e) {
+      const auto expert = w.begin() + size_t(e) * k * n;
+      w_low.insert(w_low.end(), expert, expert + size_t(k / 2) * n);
+      w_high.insert(w_high.end(), expert + size_t(k / 2) * n, expert + size_t(k) * n);
+    }
+    DeviceArray<uint16_t> d_a(a), d_w(w), d_low(w_low), d_high(w_high), d_out(size_t(fx.a_rows) * n);
+    DeviceArray<float> d_scale(scale);
+    const std::vector<uint16_t> poison(d_out.count, kPoison);
+    ExpertGemmArgs args = fx.args(GemmEpilogue::kStore, d_a.ptr, k, d_w.ptr, n, d_out.ptr);
+    args.b_major = OperandMajor::kMN;
+    if (test_case.scaled) args.row_scale = d_scale.ptr;
+    auto run = [&](const ExpertGemmArgs& run_args) {
+      d_out.upload(poison);
+      expert_gemm(run_args, nullptr);
+      MOK_CHECK_CUDA(cudaDeviceSynchronize());
+      return d_out.download();
+    };
+    args.cluster_n = 1;
+    const auto out = run(args);
+    ASSERT_EQ(check_layout(out, fx.seg, fx.a_rows, n), "") << shape;
+    for (int64_t row = 0; row < fx.seg.rows; ++row) {
+      if (!fx.seg.is_real(row)) continue;
+      const int e = fx.seg.expert_of(row);
+      for (int c = 0; c < n; ++c) {
+        const float want = static_cast<float>(cpu_dot_mn(a, row, w, e, k, n, c)) * (test_case.scaled ? scale[row] : 1.0f);
+        ASSERT_EQ(out[row * n + c], to_bf16_bits(want))
+            << where("kMN store", row, c, from_bf16_bits(out[row * n + c]), want) << " (expert " << e << ", " << shape << ")";
+      }
+    }
+    if (choose_cluster_n(GemmEpilogue::kStore, n) == 2) {
+      args.cluster_n = 2;
+      ASSERT_EQ(run(args), out) << "cluster_n 2 differs from cluster_n 1, " << shape;
+    }
+    args.cluster_n = 0;
+    for (int rerun = 0; rerun < 2; ++rerun) ASSERT_EQ(run(args), out) << "rerun " << rerun << " differs, " << shape;
+    if (k % 128 == 0) {
+      ExpertGemmArgs split = args;
+      split.b = d_low.ptr;
+      split.b_up = d_high.ptr;
+      for (int cluster_n : {1, 2}) {
+        if (cluster_n == 2 && choose_cluster_n(GemmEpilogue::kStore, n) != 2) continue;
+        split.cluster_n = cluster_n;
+        ASSERT_EQ(run(split), out) << "K split over b and b_up differs from one buffer, cluster_n " << cluster_n << ", "
+                                   << shape;
+      }
+    }
+  }
+}
+
+// kSwiGLU's optional side output: the raw g and u of every row (bf16, before the clamp and the row scale;
+// padding rows zeros) in gate_up_out [a_rows, 2n]. Integer inputs make g and u exact integers in fp32, so
+// their bits equal the CPU's rounding; h stays bitwise what a run without the side output writes. Fused and
+// separate weights, plain and clamped (|g|, |u| reach past the clamp), a partial last n-block, pairs.
+TEST(ExpertGemmTest, SwiGLUGateUpOutHoldsTheRawGateAndUp) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> expert_counts = {129, 0, 1, 255, 64};
+  const int num_experts = static_cast<int>(expert_counts.size());
+  const int k = 256, n = 192;  // two 128-column n-blocks, the second partial: pairs possible
+  ASSERT_EQ(choose_cluster_n(GemmEpilogue::kSwiGLU, n), 2);
+  for (float limit : {0.0f, 3.0f}) {
+    for (bool fused : {true, false}) {
+      const uint64_t seed = 600 + (limit > 0) + 2 * fused;
+      const std::string shape = "limit " + std::to_string(limit) + " fused " + std::to_string(fused) + " seed " +
+                                std::to_string(seed);
+      GemmFixture fx(expert_counts, 128, limit > 0 ? 64 : 128);
+      const auto a = hashed_bf16(size_t(fx.a_rows) * k, seed, -1, 1);
+      const auto w_gate = hashed_bf16(size_t(num_experts) * n * k, seed + 1, -1, 1);
+      const auto w_up = hashed_bf16(size_t(num_experts) * n * k, seed + 2, -1, 1);
+      std::vector<uint16_t> w_fused;  // [E, 2n, k]
+      for (int e = 0; e < num_experts; ++e) {
+        w_fused.insert(w_fused.end(), w_gate.begin() + size_t(e) * n * k, w_gate.begin() + size_t(e + 1) * n * k);
+        w_fused.insert(w_fused.end(), w_up.begin() + size_t(e) * n * k, w_up.begin() + size_t(e + 1) * n * k);
+      }
+      std::vector<float> scale(fx.a_rows);
+      for (int64_t r = 0; r < fx.a_rows; ++r) scale[r] = std::ldexp(1.0f, hashed_int(seed, r, -2, 2));
+      DeviceArray<uint16_t> d_a(a), d_gate(w_gate), d_up(w_up), d_fused(w_fused);
+      DeviceArray<uint16_t> d_h(size_t(fx.a_rows) * n), d_gu(size_t(fx.a_rows) * 2 * n);
+      DeviceArray<float> d_scale(scale);
+      ExpertGemmArgs args = fx.args(GemmEpilogue::kSwiGLU, d_a.ptr, k, fused ? d_fused.ptr : d_gate.ptr, n, d_h.ptr);
+      if (!fused) args.b_up = d_up.ptr;
+      args.swiglu_limit = limit;
+      args.row_scale = d_scale.ptr;
+      auto run = [&](const ExpertGemmArgs& run_args) {
+        d_h.upload(std::vector<uint16_t>(d_h.count, kPoison));
+        d_gu.upload(std::vector<uint16_t>(d_gu.count, kPoison));
+        expert_gemm(run_args, nullptr);
+        MOK_CHECK_CUDA(cudaDeviceSynchronize());
+      };
+      run(args);  // without the side output
+      const auto h_plain = d_h.download();
+      ASSERT_EQ(d_gu.download(), std::vector<uint16_t>(d_gu.count, kPoison)) << "gate_up_out written while unset";
+      args.gate_up_out = d_gu.ptr;
+      args.cluster_n = 1;
+      run(args);
+      ASSERT_EQ(d_h.download(), h_plain) << "h changed with gate_up_out, " << shape;
+      const auto gu = d_gu.download();
+      ASSERT_EQ(check_layout(gu, fx.seg, fx.a_rows, 2 * n), "") << "gate_up_out, " << shape;
+      for (int64_t row = 0; row < fx.seg.rows; ++row) {
+        if (!fx.seg.is_real(row)) continue;
+        const int e = fx.seg.expert_of(row);
+        for (int c = 0; c < n; ++c) {
+          const float g = static_cast<float>(cpu_dot(a, row, w_gate, int64_t(e) * n + c, k));
+          const float u = static_cast<float>(cpu_dot(a, row, w_up, int64_t(e) * n + c, k));
+          ASSERT_EQ(gu[row * 2 * n + c], to_bf16_bits(g)) << where("g", row, c, from_bf16_bits(gu[row * 2 * n + c]), g)
+                                                           << ", " << shape;
+          ASSERT_EQ(gu[row * 2 * n + n + c], to_bf16_bits(u))
+              << where("u", row, c, from_bf16_bits(gu[row * 2 * n + n + c]), u) << ", " << shape;
+        }
+      }
+      args.cluster_n = 2;
+      run(args);
+      ASSERT_EQ(d_h.download(), h_plain) << "h with gate_up_out in pairs, " << shape;
+      ASSERT_EQ(d_gu.download(), gu) << "gate_up_out in pairs differs from single CTAs, " << shape;
+    }
+  }
+}
+
+// The down dgrad with the SwiGLU backward in its epilogue (kSwiGLUBackward): a = d_out rows [., H] (k = H),
+// b = W_down [E, H, I] read MN-major (n = I), g and u from gate_up [a_rows, 2I]. Against a double CPU reference
+// of the formulas in include/mok/expert_gemm.h (masks on the raw g, u, as reference/moe_reference.h).
+// Integer d_out and W_down make d_hu exact; g, u are quarter steps in [-12, 12], which hit the clamp's edges
+// exactly (g, u = +-L: the strict masks). Budget, per element (the GPU evaluates sigmoid with __expf, relative
+// error below 2^-20 for |g| <= 12, in fp32): d_g within 2^-7 |want| + 2^-17 (1 + 3 |g_c|) |d_h u_c|; d_u
+// within 2^-7 |want| + 2^-17 (1 + |g_c|) |d_h| (bf16 output rounding: up to 2^-8); row partials within 2^-16 of the
+// sum of the terms' magnitudes (fp32 sums of <= 66 terms). Row scale null, set, or with exact zeros (then
+// d_g = d_u = 0 and the partials, unscaled, are still checked). Pairs and reruns: the same bits.
+TEST(ExpertGemmTest, SwiGLUBackwardWithinBudget) {
+  MOK_REQUIRE_GPUS(1);
+  enum class Scale { kNone, kSet, kWithZeros };
+  struct Case {
+    std::vector<int32_t> expert_counts;
+    int k, n, tile_m;
+    float limit;
+    Scale scale;
+  };
+  const std::vector<Case> cases = {
+      {{0, 1, 63, 129, 300, 0, 128, 7}, 256, 512, 64, 0.0f, Scale::kNone},  // two n-blocks: pairs
+      {{0, 1, 63, 129, 300, 0, 128, 7}, 192, 512, 128, 7.0f, Scale::kSet},
+      {{65, 0, 130, 1}, 128, 320, 64, 7.0f, Scale::kWithZeros},  // the last n-block: 64 of 256 columns
+      {{65, 0, 130, 1}, 128, 192, 128, 0.0f, Scale::kWithZeros},  // one partial n-block
+      {{33, 5}, 64, 768, 64, 3.0f, Scale::kSet},                   // three n-blocks: single CTAs
+  };
+  for (const Case& test_case : cases) {
+    const std::vector<int32_t>& expert_counts = test_case.expert_counts;
+    const int num_experts = static_cast<int>(expert_counts.size());
+    const int k = test_case.k, n = test_case.n;
+    const int n_blocks = gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, n);
+    constexpr int kTileCols = 256;  // the backward's output tile: row partial nb sums columns [256 nb, 256 nb + 256)
+    ASSERT_EQ(n_blocks, (n + kTileCols - 1) / kTileCols);
+    const double limit = test_case.limit;
+    const uint64_t seed = 700 + k + n + test_case.tile_m;
+    const std::string shape = "k " + std::to_string(k) + " n " + std::to_string(n) + " tile_m " +
+                              std::to_string(test_case.tile_m) + " limit " + std::to_string(test_case.limit) +
+                              " scale " + std::to_string(int(test_case.scale)) + " seed " + std::to_string(seed);
+    GemmFixture fx(expert_counts, 128, test_case.tile_m);  // spare rows past the schedule
+    const auto d_out = hashed_bf16(size_t(fx.a_rows) * k, seed, -2, 2);
+    const auto w_down = hashed_bf16(size_t(num_experts) * k * n, seed + 1, -2, 2);  // [E, H, I]
+    std::vector<uint16_t> gate_up(size_t(fx.a_rows) * 2 * n);
+    for (size_t i = 0; i < gate_up.size(); ++i) gate_up[i] = to_bf16_bits(hashed_int(seed + 2, int64_t(i), -48, 48) / 4.0f);
+    std::vector<float> scale(fx.a_rows, 1.0f);
+    for (int64_t r = 0; r < fx.a_rows; ++r) {
+      if (test_case.scale != Scale::kNone) scale[r] = hashed_int(seed + 3, r, 1, 8) / 4.0f;
+      if (test_case.scale == Scale::kWithZeros && r % 3 == 0) scale[r] = 0.0f;
+    }
+    DeviceArray<uint16_t> d_a(d_out), d_w(w_down), d_gate_up(gate_up), d_grad(size_t(fx.a_rows) * 2 * n);
+    DeviceArray<float> d_scale(scale), d_partials(size_t(fx.a_rows) * n_blocks);
+    ExpertGemmArgs args = fx.args(GemmEpilogue::kSwiGLUBackward, d_a.ptr, k, d_w.ptr, n, d_grad.ptr);
+    args.b_major = OperandMajor::kMN;
+    args.gate_up = d_gate_up.ptr;
+    args.row_partials = d_partials.ptr;
+    args.swiglu_limit = test_case.limit;
+    if (test_case.scale != Scale::kNone) args.row_scale = d_scale.ptr;
+    auto run = [&](const ExpertGemmArgs& run_args) {
+      d_grad.upload(std::vector<uint16_t>(d_grad.count, kPoison));
+      d_partials.upload(float_poison(d_partials.count));
+      expert_gemm(run_args, nullptr);
+      MOK_CHECK_CUDA(cudaDeviceSynchronize());
+      return std::make_pair(d_grad.download(), d_partials.download());
+    };
+    args.cluster_n = 1;
+    const auto [grad, partials] = run(args);
+    ASSERT_EQ(check_layout(grad, fx.seg, fx.a_rows, 2 * n), "") << "d_g / d_u, " << shape;
+    for (int64_t row = 0; row < fx.a_rows; ++row) {
+      for (int nb = 0; nb < n_blocks; ++nb) {
+        const uint32_t bits = float_bits(partials[row * n_blocks + nb]);
+        const bool scheduled = row < fx.seg.rows;
+        if (!scheduled) {
+          ASSERT_EQ(bits, kFloatPoison) << "row partial past the schedule written: row " << row << " n-block " << nb;
+        } else if (!fx.seg.is_real(row)) {
+          ASSERT_EQ(bits, 0u) << "padding row partial not zero: row " << row << " n-block " << nb << ", " << shape;
+        }
+      }
+    }
+    std::vector<double> d_hu(n);
+    for (int64_t row = 0; row < fx.seg.rows; ++row) {
+      if (!fx.seg.is_real(row)) continue;
+      const int e = fx.seg.expert_of(row);
+      for (int c = 0; c < n; ++c) d_hu[c] = cpu_dot_mn(d_out, row, w_down, e, k, n, c);
+      const double rw = test_case.scale == Scale::kNone ? 1.0 : scale[row];
+      std::vector<double> partial_sum(n_blocks, 0.0), partial_magnitude(n_blocks, 0.0);
+      for (int c = 0; c < n; ++c) {
+        const double g = from_bf16_bits(gate_up[row * 2 * n + c]), u = from_bf16_bits(gate_up[row * 2 * n + n + c]);
+        const bool gate_passes = !(limit > 0) || g < limit;
+        const bool up_passes = !(limit > 0) || (-limit < u && u < limit);
+        const double g_c = limit > 0 ? std::min(g, limit) : g;
+        const double u_c = limit > 0 ? std::clamp(u, -limit, limit) : u;
+        const double s = sigmoid(g_c), d_h = rw * d_hu[c];
+        const double want_g = gate_passes ? d_h * u_c * (s * (1 + g_c * (1 - s))) : 0.0;
+        const double want_u = up_passes ? d_h * g_c * s : 0.0;
+        const float got_g = from_bf16_bits(grad[row * 2 * n + c]), got_u = from_bf16_bits(grad[row * 2 * n + n + c]);
+        const double budget_g = std::abs(want_g) / 128 + std::ldexp(1.0, -17) * (1 + 3 * std::abs(g_c)) * std::abs(d_h * u_c);
+        const double budget_u = std::abs(want_u) / 128 + std::ldexp(1.0, -17) * (1 + std::abs(g_c)) * std::abs(d_h);
+        ASSERT_FALSE(std::isnan(got_g) || std::isnan(got_u)) << where("NaN", row, c, got_g, want_g) << ", " << shape;
+        ASSERT_LE(std::abs(got_g - want_g), budget_g)
+            << where("d_g", row, c, got_g, want_g) << " (g " << g << ", u " << u << ", rw " << rw << ", d_hu " << d_hu[c]
+            << ", expert " << e << ", " << shape << ")";
+        ASSERT_LE(std::abs(got_u - want_u), budget_u)
+            << where("d_u", row, c, got_u, want_u) << " (g " << g << ", u " << u << ", rw " << rw << ", d_hu " << d_hu[c]
+            << ", expert " << e << ", " << shape << ")";
+        const double term = d_hu[c] * g_c * s * u_c;
+        partial_sum[c / kTileCols] += term;
+        partial_magnitude[c / kTileCols] += std::abs(term);
+      }
+      for (int nb = 0; nb < n_blocks; ++nb) {
+        const float got = partials[row * n_blocks + nb];
+        ASSERT_FALSE(std::isnan(got)) << "row partial NaN: row " << row << " n-block " << nb << ", " << shape;
+        ASSERT_LE(std::abs(got - partial_sum[nb]), std::ldexp(partial_magnitude[nb], -16))
+            << "row partial: row " << row << " n-block " << nb << ": got " << got << ", expected " << partial_sum[nb]
+            << " (rw " << rw << ", expert " << e << ", " << shape << ")";
+      }
+    }
+    if (choose_cluster_n(GemmEpilogue::kSwiGLUBackward, n) == 2) {
+      args.cluster_n = 2;
+      const auto [grad2, partials2] = run(args);
+      ASSERT_EQ(grad2, grad) << "d_g / d_u in pairs differ from single CTAs, " << shape;
+      ASSERT_TRUE(std::memcmp(partials2.data(), partials.data(), partials.size() * sizeof(float)) == 0)
+          << "row partials in pairs differ from single CTAs, " << shape;
+    }
+    args.cluster_n = 0;
+    for (int rerun = 0; rerun < 2; ++rerun) {
+      const auto [grad_again, partials_again] = run(args);
+      ASSERT_EQ(grad_again, grad) << "rerun " << rerun << " d_g / d_u differ, " << shape;
+      ASSERT_TRUE(std::memcmp(partials_again.data(), partials.data(), partials.size() * sizeof(float)) == 0)
+          << "rerun " << rerun << " row partials differ, " << shape;
+    }
+  }
+}
+
 // After a capacity overflow the schedule reports 0 scheduled rows (its row offsets are then past the
 // buffer): the GEMM must not touch the output.
 TEST(ExpertGemmTest, OverflowedScheduleWritesNothing) {
@@ -526,6 +837,110 @@ TEST(ExpertGemmTest, ValidationNamesTheArgument) {
   EXPECT_NE(message().find("ticket must"), std::string::npos);
   args.b = buffer + 1;
   EXPECT_NE(message().find("b must be"), std::string::npos);
+}
+
+// Output tiles per epilogue: 256 columns (kStore, kSwiGLUBackward), 128 (kSwiGLU); the last one partial.
+TEST(ExpertGemmTest, NBlocksPerEpilogue) {
+  EXPECT_EQ(gemm_n_blocks(GemmEpilogue::kStore, 512), 2);
+  EXPECT_EQ(gemm_n_blocks(GemmEpilogue::kStore, 320), 2);
+  EXPECT_EQ(gemm_n_blocks(GemmEpilogue::kSwiGLU, 192), 2);
+  EXPECT_EQ(gemm_n_blocks(GemmEpilogue::kSwiGLU, 2880), 23);
+  EXPECT_EQ(gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, 64), 1);
+  EXPECT_EQ(gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, 768), 3);
+  EXPECT_EQ(gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, 2880), 12);
+  EXPECT_EQ(choose_cluster_n(GemmEpilogue::kSwiGLUBackward, 2048), 2);
+  EXPECT_EQ(choose_cluster_n(GemmEpilogue::kSwiGLUBackward, 768), 1);
+  EXPECT_THROW(gemm_n_blocks(static_cast<GemmEpilogue>(7), 256), std::invalid_argument);
+}
+
+// The policies' combinations: each bad one is rejected with a message naming the field (no GPU needed).
+TEST(ExpertGemmTest, ValidationRejectsBadCombinations) {
+  alignas(16) static uint16_t buffer[64];
+  alignas(16) static float partials[64];
+  ExpertGemmArgs base;
+  base.a = base.b = base.out = buffer;
+  base.k = 256;
+  base.n = 512;
+  base.local_experts = 2;
+  base.a_rows = 128;
+  base.expert_counts = base.expert_row_offsets = base.scheduled_rows = reinterpret_cast<const int32_t*>(buffer);
+  base.ticket = reinterpret_cast<int32_t*>(buffer);
+  auto message = [](const ExpertGemmArgs& args) {
+    try { validate(args); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
+    return std::string("no throw");
+  };
+  auto expect = [&](const ExpertGemmArgs& args, const std::string& text, const char* what) {
+    EXPECT_NE(message(args).find(text), std::string::npos) << what << ": got \"" << message(args) << "\"";
+  };
+  expect(base, "no throw", "kStore, K-major");
+  ExpertGemmArgs args = base;
+  args.epilogue = static_cast<GemmEpilogue>(7);
+  expect(args, "epilogue must be", "unknown epilogue");
+  args = base;
+  args.b_major = static_cast<OperandMajor>(5);
+  expect(args, "b_major must be", "unknown b_major");
+  args = base;
+  args.b_up = buffer;
+  expect(args, "b_up is only for", "kStore K-major with b_up");
+  args.b_major = OperandMajor::kMN;
+  expect(args, "no throw", "kStore MN-major, K split over b and b_up");
+  args.k = 192;  // halves of 96 rows: not whole k-blocks
+  expect(args, "k must be a multiple of 128", "K split with k = 3 x 64");
+  args.b_up = buffer + 1;
+  args.k = 256;
+  expect(args, "b_up is only for", "misaligned b_up");
+  args = base;
+  args.epilogue = GemmEpilogue::kSwiGLU;
+  args.b_major = OperandMajor::kMN;
+  expect(args, "kSwiGLU reads b K-major", "kSwiGLU MN-major");
+  args.b_up = buffer;
+  expect(args, "kSwiGLU reads b K-major", "kSwiGLU MN-major with b_up");
+  args = base;
+  args.epilogue = GemmEpilogue::kSwiGLU;
+  args.gate_up_out = buffer;
+  expect(args, "no throw", "kSwiGLU with gate_up_out");
+  args.gate_up_out = buffer + 1;
+  expect(args, "gate_up_out is only for kSwiGLU and must be 16-byte aligned", "misaligned gate_up_out");
+  args = base;
+  args.gate_up_out = buffer;
+  expect(args, "gate_up_out is only for kSwiGLU", "kStore with gate_up_out");
+  args = base;
+  args.gate_up = buffer;
+  expect(args, "gate_up is only for kSwiGLUBackward", "kStore with gate_up");
+  args = base;
+  args.row_partials = partials;
+  expect(args, "row_partials is only for kSwiGLUBackward", "kStore with row_partials");
+  // kSwiGLUBackward: MN-major, gate_up and row_partials required, no b_up.
+  args = base;
+  args.epilogue = GemmEpilogue::kSwiGLUBackward;
+  args.gate_up = buffer;
+  args.row_partials = partials;
+  expect(args, "kSwiGLUBackward reads b = W_down", "kSwiGLUBackward K-major");
+  args.b_major = OperandMajor::kMN;
+  expect(args, "no throw", "kSwiGLUBackward");
+  ExpertGemmArgs backward = args;
+  args.gate_up = nullptr;
+  expect(args, "kSwiGLUBackward needs gate_up", "kSwiGLUBackward without gate_up");
+  args.gate_up = buffer + 1;
+  expect(args, "kSwiGLUBackward needs gate_up", "kSwiGLUBackward with misaligned gate_up");
+  args = backward;
+  args.row_partials = nullptr;
+  expect(args, "kSwiGLUBackward needs row_partials", "kSwiGLUBackward without row_partials");
+  args = backward;
+  args.b_up = buffer;
+  expect(args, "b_up is only for", "kSwiGLUBackward with b_up");
+  args = backward;
+  args.gate_up_out = buffer;
+  expect(args, "gate_up_out is only for kSwiGLU", "kSwiGLUBackward with gate_up_out");
+  args = backward;
+  args.n = 256;  // one 256-column n-block
+  args.cluster_n = 2;
+  expect(args, "cluster_n = 2 pairs", "kSwiGLUBackward pairs over one n-block");
+  args = backward;
+  args.swiglu_limit = -1;
+  expect(args, "swiglu_limit must be", "negative clamp");
+  args.swiglu_limit = std::numeric_limits<float>::quiet_NaN();
+  expect(args, "swiglu_limit must be", "NaN clamp");
 }
 
 }  // namespace

@@ -1,19 +1,28 @@
 // Grouped GEMM over expert-major rows, one output tile at a time (Hopper: TMA + wgmma, warp-specialized).
 //
-//   For each local expert e and each row r of its segment (from the GPU schedule):
-//     kStore:  Y[r, :]  = scale[r] * (A[r, :] · W_e^T)                  W [E_local, N, K]
-//     kSwiGLU: H[r, :]  = scale[r] * silu(min(g, L)) * clamp(u, -L, L)   g = A[r] · Wg_e^T, u = A[r] · Wu_e^T
+//   For each local expert e and each row r of its segment (from the GPU schedule), acc = A[r, :] · W_e:
+//     kStore:          Y[r, :] = scale[r] * acc                                       W_e [N, K] or [K, N]
+//     kSwiGLU:         H[r, :] = scale[r] * silu(min(g, L)) * clamp(u, -L, L)         g = A[r] · Wg_e^T, u = A[r] · Wu_e^T
+//     kSwiGLUBackward: d_g, d_u [r, 2N] from acc = d_hu and the forward's g, u; per-row partials of d_rw
 //   A [rows, K] bf16 row-major (expert e's rows are the padded segment [row_offsets[e], row_offsets[e+1])),
-//   Y / H [rows, N_out] bf16; fp32 accumulation. Padding rows (past expert_counts[e]) are written as zeros,
-//   so later weight-gradient GEMMs can sum over whole segments. L = 0 disables the clamp; scale is optional.
+//   outputs bf16; fp32 accumulation. Padding rows (past expert_counts[e]) are written as zeros, so later
+//   weight-gradient GEMMs can sum over whole segments. L = 0 disables the clamp; scale is optional.
+//   The epilogues' formulas, side inputs and outputs: src/device/gemm/gemm_epilogue.cuh.
+//
+// Policies: GemmTraits = tile shape + a mainloop policy (operand element type and B's majorness, below)
+// + an epilogue policy (gemm_epilogue.cuh) + the cluster size; compute_tile = mainloop() + Epilogue::store.
+// B K-major (kK): W [E_local, N, K] (k contiguous: the forward's weights), loaded as two boxes of
+// kBlockN/2 rows (gate and up rows for SwiGLU, two row ranges of W otherwise). B MN-major (kMN):
+// W [E_local, K, N] (n contiguous: the backward's dgrad through the forward's weights as they are), loaded
+// as kBlockN/64 boxes of 64 columns into MN-major 128-byte-swizzled stages, read by wgmma as B Major::MN;
+// K may be the concatenation of two sources (b for the first b_k_blocks0 k-blocks, then b_up).
 //
 // Clusters of kClusterN (1 or 2) CTAs share the A tile: a task is one m-tile and kClusterN adjacent
 // n-blocks; CTA c of the cluster computes n-block kClusterN * task.n_block + c. With 2, each CTA loads half
 // of the A tile's rows and multicasts it to both, cutting L2 traffic per k-block from 48 to 40 KB per CTA.
 //
 // Roles (one CTA = 1 producer warpgroup + kBlockM/64 consumer warpgroups):
-//   producer   one elected thread issues, per stage, the TMA loads of its half of A (multicast) and of B
-//              (two halves of kBlockN/2 x 64: gate and up rows for SwiGLU, two row ranges of W otherwise).
+//   producer   one elected thread issues, per stage, the TMA loads of its half of A (multicast) and of B.
 //   consumers  wgmma 64 x kBlockN x 16 per warpgroup (SS operands, fp32 accumulators in registers),
 //              one batch in flight; then the epilogue into shared memory and out by TMA stores, which
 //              drain while the next tile's mainloop runs.
@@ -34,6 +43,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 
@@ -41,26 +51,59 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "mok/expert_gemm.h"
 #include "src/device/common/sync.cuh"
+#include "src/device/gemm/gemm_epilogue.cuh"
 #include "src/device/gemm/task_ring.cuh"
+#include "src/device/gemm/tile_task.cuh"
 #include "src/device/schedule/placement.h"
 
 namespace mok::gemm {
 
-enum class Epilogue : int { kStore = 0, kSwiGLU = 1 };
-
-template <int kBlockM_, int kBlockN_, int kStages_, Epilogue kEpilogue_, int kClusterN_>
-struct GemmTraits {
+// Mainloop policy: the operands' element type and layouts. A is K-major; B either (kBMajor).
+// Seam for FP8: an 8-bit Element with per-block scales would add the scales' loads to the producer's
+// stages (and their transaction bytes) and, in mainloop(), a promotion of each k-block's wgmma partial
+// sums into the fp32 accumulators with those scales; the epilogues see fp32 accumulators either way.
+template <OperandMajor kBMajor_>
+struct Bf16Mainloop {
   using Element = cutlass::bfloat16_t;
+  static constexpr OperandMajor kBMajor = kBMajor_;
+  static constexpr bool kBKMajor = kBMajor == OperandMajor::kK;
+  static constexpr cute::GMMA::Major kGmmaMajorB = kBKMajor ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
+  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});  // A, K-major B, output boxes
+  // MN-major atoms are 64 n x 8 k (128 bytes of n per k); stacked along k first, so that each 64-column
+  // slice of a B stage is one contiguous 8 KB block: one TMA box, and the wgmma descriptor's n-stride.
+  using SmemAtomBMN = decltype(cute::GMMA::Layout_MN_SW128_Atom<Element>{});
+  template <int kRows, int kCols, int kStages>
+  using SmemLayoutB = std::conditional_t<
+      kBKMajor,
+      decltype(cute::tile_to_shape(SmemAtom{},
+                                   cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}, cute::Int<kStages>{}))),
+      decltype(cute::tile_to_shape(SmemAtomBMN{},
+                                   cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}, cute::Int<kStages>{}),
+                                   cute::Step<cute::_2, cute::_1, cute::_3>{}))>;
+  template <int kRows, int kCols>
+  using SmemLayoutBBox = std::conditional_t<
+      kBKMajor, decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}))),
+      decltype(cute::tile_to_shape(SmemAtomBMN{}, cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}),
+                                   cute::Step<cute::_2, cute::_1>{}))>;
+};
+
+template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_>
+struct GemmTraits {
+  using Mainloop = Mainloop_;
+  using Epilogue = Epilogue_;
+  using Element = typename Mainloop::Element;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;   // accumulator columns per tile
   static constexpr int kBlockK = 64;         // one 128-byte swizzle row of bf16
   static constexpr int kStages = kStages_;
-  static constexpr Epilogue kEpilogue = kEpilogue_;
+  static constexpr GemmEpilogue kEpilogue = Epilogue::kKind;
+  static constexpr OperandMajor kBMajor = Mainloop::kBMajor;
   static_assert(kBlockM == 64 || kBlockM == 128, "one consumer warpgroup per 64 rows");
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N, and B loads in two halves of 8-row atoms");
   static constexpr int kHalfN = kBlockN / 2;
-  static constexpr int kOutCols = kEpilogue == Epilogue::kSwiGLU ? kHalfN : kBlockN;
+  static constexpr int kOutCols = Epilogue::out_cols(kBlockN);
   // Output tiles (n-blocks) of n output columns; the last one is partial when n is not a multiple of kOutCols.
   static constexpr int n_blocks(int64_t n) { return static_cast<int>((n + kOutCols - 1) / kOutCols); }
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
@@ -80,20 +123,23 @@ struct GemmTraits {
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
                 "setmaxnreg redistributes the CTA's launch registers, no more");
 
-  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});
+  using SmemAtom = typename Mainloop::SmemAtom;
   using SmemLayoutA = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
-  using SmemLayoutB = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::make_shape(cute::Int<kBlockN>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
-  // One TMA box: half of a B stage. Both halves of a stage are contiguous, so the stage is one wgmma operand.
-  using SmemLayoutBHalf =
-      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kHalfN>{}, cute::Int<kBlockK>{})));
+  using SmemLayoutB = typename Mainloop::template SmemLayoutB<kBlockN, kBlockK, kStages>;
+  // One TMA box of B: K-major, half of a stage (kHalfN rows); MN-major, 64 columns (128 bytes, the swizzle
+  // span). A stage's boxes are contiguous, so the stage is one wgmma operand.
+  static constexpr int kBoxRowsB = Mainloop::kBKMajor ? kHalfN : 64;
+  static constexpr int kBoxesB = kBlockN / kBoxRowsB;
+  static_assert(Mainloop::kBKMajor || kBlockN % 64 == 0, "MN-major B stages are whole 64-column boxes");
+  using SmemLayoutBBox = typename Mainloop::template SmemLayoutBBox<kBoxRowsB, kBlockK>;
   using SmemLayoutACta =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kCtaRowsA>{}, cute::Int<kBlockK>{})));
 
   using TiledMma = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>>(),
+                                 cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>,
+                                 cute::GMMA::Major::K, Mainloop::kGmmaMajorB>(),
       cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
 
   static constexpr int kTaskDepth = 4;  // slots a producer may publish ahead of its consumers
@@ -101,73 +147,57 @@ struct GemmTraits {
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
 
-  // Epilogue staging: per consumer warpgroup, its 64 output rows as boxes of 64 x 64 bf16 (128 bytes a
-  // row, 128-byte swizzle: the fragment-order writes, 8 rows x 4 lanes per warp, hit 32 distinct banks),
-  // which TMA stores copy out. Staged in passes of kStagingCols columns, which keeps 4 pipeline stages
-  // within shared memory.
+  // Epilogue staging (gemm_epilogue.cuh): per consumer warpgroup, kStagingBoxes boxes of 64 rows x 64
+  // columns of bf16 (128 bytes a row, 128-byte swizzle), which TMA stores copy out. Staged in passes of
+  // kStagingCols columns, which keeps 4 pipeline stages within shared memory.
   static constexpr int kBoxCols = 64;
-  static constexpr int kStagingCols = kOutCols < 128 ? kOutCols : 128;
-  static constexpr int kStagingPasses = kOutCols / kStagingCols;
-  static constexpr int kBoxesPerPass = kStagingCols / kBoxCols;
-  static_assert(kOutCols % kStagingCols == 0 && kStagingCols % kBoxCols == 0, "whole staging passes and boxes");
+  static constexpr int kStagingBoxes = 2;
+  static constexpr int kStagingCols = kStagingBoxes * kBoxCols;
+  static_assert(kOutCols % kStagingCols == 0, "whole staging passes");
   using SmemLayoutOutBox =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<64>{}, cute::Int<kBoxCols>{})));
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
-    alignas(1024) Element staging[kConsumerWarpgroups][kBoxesPerPass][64 * kBoxCols];  // one pass of columns
+    alignas(1024) Element staging[kConsumerWarpgroups][kStagingBoxes][64 * kBoxCols];  // one pass of columns
     typename Pipeline::SharedStorage pipeline;
     TaskRing<kTaskDepth, 4 * kConsumerWarpgroups, kClusterN> tasks;
   };
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
 };
 
-// Kernel parameters; TmaA / TmaB are CuTe TMA copies built on the host (src/host/expert_gemm.cu).
+// Kernel parameters; the TMA copies are CuTe's, built on the host (src/host/gemm_params.h).
 template <class TmaA, class TmaB, class TmaOut>
 struct GemmParams {
-  TmaA tma_a;   // A [a_rows, k]
-  TmaB tma_b0;  // B half 0 source [b_rows, k]
-  TmaB tma_b1;  // B half 1 source [b_rows, k]
+  TmaA tma_a;      // A [a_rows, k]
+  TmaB tma_b0;     // kK: B half 0 source [b_rows, k]; kMN: B [b_rows, n], the first b_k_blocks0 k-blocks
+  TmaB tma_b1;     // kK: B half 1 source [b_rows, k]; kMN: B [b_rows, n], the k-blocks after those
   TmaOut tma_out;  // Y / H [a_rows, out_cols], stores of one 64 x 64 box
+  TmaOut tma_gate_up_out;  // SwiGLUEpilogue<true>: g / u [a_rows, 2n]; unused (empty) otherwise
   int64_t a_rows = {};
   int64_t b_rows = {};
   int k = {};
+  int n = {};  // the GEMM's n: output columns (kStore, kSwiGLU), d_hu columns (kSwiGLUBackward)
   int local_experts = {};
   int num_n_blocks = {};
-  // Row of B half h for expert e, n-block nb: e * b_expert_rows + b_half_offset[h] + nb * b_block_step.
+  // kK: row of B half h for expert e, n-block nb: e * b_expert_rows + b_half_offset[h] + nb * b_block_step.
+  // kMN: k-row of expert e's first k-block in either source: e * b_expert_rows.
   int64_t b_expert_rows = {};
   int64_t b_half_offset0 = {};
   int64_t b_half_offset1 = {};
   int64_t b_block_step = {};
+  int b_k_blocks0 = {};  // kMN: k-blocks from tma_b0 (all of them without a second source)
   const int32_t* expert_counts = {};
   const int32_t* expert_row_offsets = {};
   const int32_t* scheduled_rows = {};
   const float* row_scale = {};  // nullable
   float swiglu_limit = {};      // 0: plain SwiGLU
   int64_t out_cols = {};
+  const __nv_bfloat16* gate_up = {};  // kSwiGLUBackward: the forward's g / u [a_rows, 2n]
+  float* row_partials = {};           // kSwiGLUBackward: [a_rows, num_n_blocks]
   int32_t* ticket = {};  // zeroed before the launch; each cluster takes its next slot from it
   uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id | cycles<<16, expert<<48|group<<32|row
-};
-
-// Segments are padded to 64 or 128 rows; a task covers kBlockM rows of one expert's segment, or the
-// 64 rows left at its end (then the second consumer warpgroup computes rows it does not store).
-inline constexpr int kUnitRows = 64;
-
-struct TileTask {
-  int32_t row;         // first row of the schedule (expert-major order): validity, row scales, counters
-  int32_t buffer_row;  // where that row lives in the A and output buffers: row itself, or its place in
-                       // the megakernel's ring of macrobatch rows
-  int32_t rows;        // 64 or 128 (kBlockM == 128), 64 (kBlockM == 64)
-  int32_t n_block;  // from TaskWalker: the cluster's group of n-blocks; after for_cta(): this CTA's n-block
-  int32_t expert;
-
-  template <int kClusterN>
-  __device__ __forceinline__ TileTask for_cta(int cta_rank) const {
-    TileTask t = *this;
-    t.n_block = n_block * kClusterN + cta_rank;
-    return t;
-  }
 };
 
 // Task order: expert by expert; within an expert, n-block group by group, and the expert's m-tiles
@@ -261,113 +291,94 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
   using namespace cute;
   using T = Traits;
   Tensor m_a = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k));
-  Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(p.b_rows, p.k));
   Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
   Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-  Tensor s_b_halves = flat_divide(s_b, Shape<Int<T::kHalfN>, Int<T::kBlockK>>{});  // (HN, BK, 2, 1, S)
+  Tensor s_b_boxes = flat_divide(s_b, Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{});  // (BR, BK, boxes, 1, S)
 
   // This CTA's share of the A tile: kCtaRowsA rows from buffer_row + cta_rank * kCtaRowsA (offset, then tile).
   Tensor s_a_shares = flat_divide(s_a, Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{});  // (RA, BK, C, 1, S)
   Tensor g_a = local_tile(domain_offset(make_coord(int64_t(task.buffer_row) + cta_rank * T::kCtaRowsA, _0{}), m_a),
                           Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, make_coord(0, _));
-  // B rows by offset, not by tile index: an expert's rows (n, or 2n fused) need not be a multiple of the
-  // half tile. A last, partial n-block reads rows of the next expert (or of the up half) into columns no
-  // epilogue stores, and the TMA fills rows past the last expert with zeros.
-  const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
-  Tensor g_b0 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset0, _0{}), m_b),
-                           Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
-  Tensor g_b1 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset1, _0{}), m_b),
-                           Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
   auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{},
                                       group_modes<0, 2>(s_a_shares(_, _, cta_rank, 0, _)), group_modes<0, 2>(g_a));
   constexpr uint16_t kAllCtas = (1u << T::kClusterN) - 1;
-  auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(s_b_halves(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
-  auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(s_b_halves(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
   const int num_k_blocks = p.k / T::kBlockK;
-  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    // Waits until the consumers of every CTA of the cluster released the stage: our A rows land in all.
-    if (!producer_acquire_bounded(pipeline, state, bound)) return false;
-    auto* full = pipeline.producer_get_barrier(state);
-    const int stage = state.index();
-    if constexpr (T::kClusterN > 1)
-      copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
-    else
-      copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
-    copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
-    copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
-    ++state;
+  if constexpr (T::Mainloop::kBKMajor) {
+    // B rows by offset, not by tile index: an expert's rows (n, or 2n fused) need not be a multiple of the
+    // half tile. A last, partial n-block reads rows of the next expert (or of the up half) into columns no
+    // epilogue stores, and the TMA fills rows past the last expert with zeros.
+    Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(p.b_rows, p.k));
+    const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
+    Tensor g_b0 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset0, _0{}), m_b),
+                             Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
+    Tensor g_b1 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset1, _0{}), m_b),
+                             Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
+    auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
+                                          group_modes<0, 2>(s_b_boxes(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
+    auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
+                                          group_modes<0, 2>(s_b_boxes(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
+    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+      // Waits until the consumers of every CTA of the cluster released the stage: our A rows land in all.
+      if (!producer_acquire_bounded(pipeline, state, bound)) return false;
+      auto* full = pipeline.producer_get_barrier(state);
+      const int stage = state.index();
+      if constexpr (T::kClusterN > 1)
+        copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
+      else
+        copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
+      copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
+      copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
+      ++state;
+    }
+  } else {
+    // MN-major B [b_rows, n] as (n, k-row) coordinates: box b of n-block nb holds columns nb * kBlockN + 64 b
+    // of k-rows e * b_expert_rows + 64 k_block (of the second source once k_block >= b_k_blocks0). A last,
+    // partial n-block's boxes past n lie outside the tensor: the TMA fills them with zeros (and still
+    // counts their bytes), into columns no epilogue stores.
+    Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(int64_t(p.n), p.b_rows));  // both sources: same shape
+    const int64_t n_base = int64_t(task.n_block) * T::kBlockN;
+    const int64_t k_base = int64_t(task.expert) * p.b_expert_rows;
+    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+      if (!producer_acquire_bounded(pipeline, state, bound)) return false;  // as above
+      auto* full = pipeline.producer_get_barrier(state);
+      const int stage = state.index();
+      if constexpr (T::kClusterN > 1)
+        copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
+      else
+        copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
+      const bool second = k_block >= p.b_k_blocks0;
+      const auto& tma_b = second ? p.tma_b1 : p.tma_b0;
+      const int64_t k_row = k_base + int64_t(second ? k_block - p.b_k_blocks0 : k_block) * T::kBlockK;
+      CUTE_UNROLL
+      for (int box = 0; box < T::kBoxesB; ++box) {
+        Tensor g_box = local_tile(domain_offset(make_coord(n_base + box * T::kBoxRowsB, k_row), m_b),
+                                  Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{}, make_coord(0, 0));
+        auto [t_b_g, t_b_s] = tma_partition(tma_b, Int<0>{}, Layout<_1>{},
+                                            group_modes<0, 2>(s_b_boxes(_, _, box, 0, stage)), group_modes<0, 2>(g_box));
+        copy(tma_b.with(*full), t_b_g, t_b_s);
+      }
+      ++state;
+    }
   }
   return true;
 }
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
-
-// A consumer warpgroup's completion count for the megakernel, added late: its store leader remembers the
-// counter of the rows it just stored and adds 1 only when the stores are surely written: at its next
-// epilogue (by then they long are), before it blocks on a tile's first stage (its producer, or the partner
-// CTA's, may be waiting for exactly this count: not adding it there could deadlock), or at the end.
-// Adding it right after the stores would stall the warpgroup on their latency every tile.
-struct RowsDoneSignal {
-  uint64_t* pending = nullptr;  // counter to add 1 to once this thread's issued stores are written
-
-  __device__ __forceinline__ void flush() {
-    if (pending == nullptr) return;
-    // Why: the reader (another CTA's TMA loads, or a communication CTA) acquires this count and must find
-    // the rows written, not just issued.
-    device::bulk_stores_written();
-    device::add_release_gpu(pending, 1);
-    pending = nullptr;
-  }
-};
-
-// Consumer side of one tile: mainloop over K, then the epilogue. All consumer threads call this;
-// consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not part
-// of the task (a 64-row task) only passes the pipeline stages back, so the task costs about half a full
-// one; the branch is on values broadcast with __shfl_sync (see below).
-// rows_done (nullable, the megakernel's): one counter per 64 schedule rows; each warpgroup adds 1 to its
-// rows' counter once its stores have reached global memory (through `signal`, late: see RowsDoneSignal),
-// so a counter reaches the number of n-blocks when the rows' whole output is readable
-// (docs/sync_protocol.md). `signal` is the calling thread's own; needed whenever rows_done is set.
-template <class Traits, class Params>
-__device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
-                                             typename Traits::Pipeline& pipeline,
-                                             typename Traits::PipelineState& read_state, int consumer_idx,
-                                             uint64_t* rows_done = nullptr, RowsDoneSignal* signal = nullptr,
-                                             const device::HandoffBound& bound = {}) {
+// The mainloop of an active warpgroup: accum = its rows of A · B over K, one wgmma batch (one stage) in
+// flight; a stage is released once the batch after it issued and the batch that read it retired.
+// (The FP8 seam of the mainloop policy: per-k-block promotion with scales would go here.)
+template <class Traits, class ThreadMma, class Accum>
+__device__ __forceinline__ void mainloop(int num_k_blocks, typename Traits::SharedStorage& smem,
+                                         typename Traits::Pipeline& pipeline,
+                                         typename Traits::PipelineState& read_state, typename Traits::TiledMma& mma,
+                                         const ThreadMma& thread_mma, Accum& accum, const device::HandoffBound& bound) {
   using namespace cute;
   using T = Traits;
-  typename T::TiledMma mma;
   Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
   Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-  auto thread_mma = mma.get_thread_slice(consumer_idx);
   Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
   Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
   Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
   Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
-  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
-  // Why the shuffle: ptxas serializes every wgmma of the kernel (warning C7518) unless it can prove the
-  // branches around them warp-uniform; a value broadcast from lane 0 is.
-  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  const bool active = warpgroup * kUnitRows < __shfl_sync(0xffffffff, task.rows, 0);
-  const bool store_leader = consumer_idx % 128 == 0;
-  if (signal != nullptr && store_leader && signal->pending != nullptr &&
-      pipeline.consumer_try_wait(read_state) == cutlass::BarrierStatus::WaitAgain)
-    signal->flush();  // about to block on the first stage: whoever we wait for may wait for this count
-
-  // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
-  // and the batch that read it retired.
-  const int num_k_blocks = p.k / T::kBlockK;
-  if (!active) {
-    // A 64-row task: the other warpgroup computes it alone; this one only passes the stages back.
-    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-      consumer_wait_bounded(pipeline, read_state, bound);
-      pipeline.consumer_release(read_state);
-      ++read_state;
-    }
-    return;
-  }
   typename T::PipelineState release_state = read_state;
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
@@ -395,93 +406,70 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
     pipeline.consumer_release(release_state);
     ++release_state;
   }
+}
 
-  // Epilogue: registers -> bf16 boxes in shared memory (padding rows as zeros) -> TMA stores, which drain
-  // while the warpgroup goes on to its next tile. Each warpgroup stages and stores its own 64 rows; its
-  // first thread issues the stores. (A reader of the output inside the same kernel, e.g. the megakernel's
-  // down GEMM, needs the stores complete, cp.async.bulk.wait_group 0, before the release that signals it.)
-  Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
-  const int32_t valid_end = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert];
-  constexpr int kValues = decltype(size(accum))::value;
+// Consumer side of one tile: mainloop over K, then the epilogue policy's store. All consumer threads call
+// this; consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not
+// part of the task (a 64-row task) only passes the pipeline stages back, so the task costs about half a
+// full one; the branch is on values broadcast with __shfl_sync (see below).
+// rows_done (nullable, the megakernel's): one counter per 64 schedule rows; each warpgroup adds 1 to its
+// rows' counter once its stores have reached global memory (through `signal`, late: see RowsDoneSignal),
+// so a counter reaches the number of n-blocks when the rows' whole output is readable
+// (docs/sync_protocol.md). `signal` is the calling thread's own; needed whenever rows_done is set.
+template <class Traits, class Params>
+__device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
+                                             typename Traits::Pipeline& pipeline,
+                                             typename Traits::PipelineState& read_state, int consumer_idx,
+                                             uint64_t* rows_done = nullptr, RowsDoneSignal* signal = nullptr,
+                                             const device::HandoffBound& bound = {}) {
+  using namespace cute;
+  using T = Traits;
+  typename T::TiledMma mma;
+  auto thread_mma = mma.get_thread_slice(consumer_idx);
+  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+  // Why the shuffle: ptxas serializes every wgmma of the kernel (warning C7518) unless it can prove the
+  // branches around them warp-uniform; a value broadcast from lane 0 is.
+  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
+  const bool active = warpgroup * kUnitRows < __shfl_sync(0xffffffff, task.rows, 0);
+  const bool store_leader = consumer_idx % 128 == 0;
+  if (signal != nullptr && store_leader && signal->pending != nullptr &&
+      pipeline.consumer_try_wait(read_state) == cutlass::BarrierStatus::WaitAgain)
+    signal->flush();  // about to block on the first stage: whoever we wait for may wait for this count
+
+  const int num_k_blocks = p.k / T::kBlockK;
+  if (!active) {
+    // A 64-row task: the other warpgroup computes it alone; this one only passes the stages back.
+    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+      consumer_wait_bounded(pipeline, read_state, bound);
+      pipeline.consumer_release(read_state);
+      ++read_state;
+    }
+    return;
+  }
+  T::Epilogue::template prefetch<T>(p, task, warpgroup, consumer_idx % 128);
+  mainloop<T>(num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum, bound);
+
+  // Epilogue (gemm_epilogue.cuh): each warpgroup stages and stores its own 64 rows; its first thread issues
+  // the stores. (A reader of the output inside the same kernel, e.g. the megakernel's down GEMM, needs the
+  // stores complete, cp.async.bulk.wait_group 0, before the release that signals it.)
+  // Why opaque (epilogues with many staged values, kOpaqueCoordinates): the fragment coordinates and the
+  // staging addresses derived from the thread index are loop invariants of a persistent loop; hoisted out
+  // of it they outgrow the consumers' registers (ptxas spilled). Recomputed per tile they cost nothing.
+  int coords_idx = consumer_idx;
+  if constexpr (T::Epilogue::kOpaqueCoordinates) asm volatile("mov.u32 %0, %1;" : "=r"(coords_idx) : "r"(consumer_idx));
+  Tensor coords =
+      mma.get_thread_slice(coords_idx).partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
   // A thread's fragment covers two rows (r0 and r0 + 8 of its warp's 16): value i lies in row half
   // (i / 2) % 2; load the two row scales once.
-  const int valid_rows = valid_end - task.row;
-  float row_scale[2] = {1.0f, 1.0f};
+  TileRows rows;
+  rows.valid_rows = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert] - task.row;
   CUTE_UNROLL
   for (int half = 0; half < 2; ++half) {
     const int r = get<0>(coords(2 * half));
-    if (p.row_scale != nullptr && r < valid_rows) row_scale[half] = p.row_scale[task.row + r];
+    rows.row_scale[half] = p.row_scale != nullptr && r < rows.valid_rows ? p.row_scale[task.row + r] : 1.0f;
   }
-  auto stage = [&](int r, int col, __nv_bfloat162 v) {  // r: row of the tile, col: column of the pass
-    char* box = reinterpret_cast<char*>(smem.staging[warpgroup][col / T::kBoxCols]);
-    const int byte = (r % kUnitRows) * 128 + (col % T::kBoxCols) * 2;
-    *reinterpret_cast<__nv_bfloat162*>(box + (byte ^ ((r % 8) << 4))) = v;  // the TMA's 128-byte swizzle
-  };
-  Tensor m_out = p.tma_out.get_tma_tensor(make_shape(p.a_rows, p.out_cols));
-  CUTE_UNROLL
-  for (int pass = 0; pass < T::kStagingPasses; ++pass) {
-    const int pass_begin = pass * T::kStagingCols;
-    // Why: the previous pass's (or tile's) TMA stores of this warpgroup read the boxes we overwrite now.
-    // The previous tile's stores are written by now too: its late count goes out here.
-    if (store_leader) {
-      if (signal != nullptr && signal->pending != nullptr)
-        signal->flush();
-      else
-        tma_store_wait<0>();
-    }
-    cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
-    if constexpr (T::kEpilogue == Epilogue::kStore) {
-      // Column groups of 8 are the fragment's outermost mode: a pass owns a contiguous range of values.
-      constexpr int kPassValues = kValues / T::kStagingPasses;
-      CUTE_UNROLL
-      for (int i = pass * kPassValues; i < (pass + 1) * kPassValues; i += 2) {
-        const int r = get<0>(coords(i));
-        const float scale = row_scale[(i / 2) % 2];
-        stage(r, get<1>(coords(i)) - pass_begin,
-              r < valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
-                             : __floats2bfloat162_rn(0.0f, 0.0f));
-      }
-    } else {
-      // Fragment values [0, kValues/2) hold columns [0, kHalfN) (gate), the rest the same columns + kHalfN (up).
-      constexpr int kHalf = kValues / 2;
-      const float limit = p.swiglu_limit;
-      static_assert(T::kStagingPasses == 1, "the SwiGLU output tile is staged in one pass");
-      CUTE_UNROLL
-      for (int i = 0; i < kHalf; i += 2) {
-        const int r = get<0>(coords(i));
-        const float scale = row_scale[(i / 2) % 2];
-        float h[2];
-        CUTE_UNROLL
-        for (int j = 0; j < 2; ++j) {
-          float g = accum(i + j), u = accum(i + kHalf + j);
-          if (limit > 0.0f) {
-            g = fminf(g, limit);
-            u = fminf(fmaxf(u, -limit), limit);
-          }
-          h[j] = silu(g) * u * scale;
-        }
-        stage(r, get<1>(coords(i)), r < valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f));
-      }
-    }
-    // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
-    tma_store_fence();
-    cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
-    if (store_leader) {
-      const int box_row = (task.buffer_row + warpgroup * kUnitRows) / kUnitRows;
-      const int box_col = (task.n_block * T::kOutCols + pass_begin) / T::kBoxCols;
-      CUTE_UNROLL
-      for (int box = 0; box < T::kBoxesPerPass; ++box) {
-        // A partial last n-block (out_cols a multiple of 64, not of the tile): its boxes past out_cols hold
-        // columns of no output; skip them (the TMA would clip them anyway).
-        if ((box_col + box) * T::kBoxCols >= p.out_cols) break;
-        Tensor s_box = make_tensor(make_smem_ptr(smem.staging[warpgroup][box]), typename T::SmemLayoutOutBox{});
-        Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, box_col + box));
-        auto [t_g, t_s] = tma_partition(p.tma_out, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
-        copy(p.tma_out, t_s, t_g);
-      }
-      tma_store_arrive();
-    }
-  }
+  const TileStager<T> stager{smem, warpgroup, store_leader, signal, (task.buffer_row + warpgroup * kUnitRows) / kUnitRows};
+  T::Epilogue::template store<T>(p, task, accum, coords, rows, stager);
   if (rows_done != nullptr && store_leader) signal->pending = rows_done + (task.row / kUnitRows + warpgroup);
 }
 

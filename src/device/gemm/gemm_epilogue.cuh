@@ -1,0 +1,334 @@
+// Epilogue policies of the expert GEMM (src/device/gemm/expert_gemm.cuh): what a consumer warpgroup does
+// with its rows of the fp32 accumulator tile acc [kBlockM, kBlockN] once the mainloop is done. Per tile
+// (r: a row of the tile, c: an accumulator column, nb: the n-block, n: the GEMM's n, rw: the row scale,
+// 1 without one; L: the clamp, 0 for none; padding rows, past the expert's count, are stored as zeros):
+//
+//   StoreEpilogue          out[r, nb * kBlockN + c] = rw * acc[r, c]                          out [a_rows, n]
+//   SwiGLUEpilogue<kGU>    out[r, j] = rw * silu(min(g, L)) * clamp(u, -L, L)                  out [a_rows, n]
+//                          g = acc[r, c], u = acc[r, kBlockN/2 + c], j = nb * kBlockN/2 + c; with kGU also the
+//                          raw g and u (bf16, before the clamp): gate_up_out[r, j] = g, gate_up_out[r, n + j] = u
+//   SwiGLUBackwardEpilogue d_hu = acc[r, c], j = nb * kBlockN + c, g = gate_up[r, j], u = gate_up[r, n + j]:
+//                          out[r, j] = d_g, out[r, n + j] = d_u (formulas: include/mok/expert_gemm.h)  [a_rows, 2n]
+//                          row_partials[r, nb] = sum over the tile's columns j < n of d_hu * silu(g_c) * u_c
+//
+// A thread's accumulator fragment (per warpgroup 64 rows; wgmma's layout): value i holds row
+// 16 * warp + lane / 4 + 8 * ((i / 2) % 2) and column 8 * (i / 4) + 2 * (lane % 4) + i % 2. So a thread owns
+// two rows, the quad of lanes 4q..4q+3 shares them, and column groups of 8 are the outermost mode (a range
+// of columns is a contiguous range of values). The code reads rows and columns from the identity tensor
+// `coords`, not from this formula.
+//
+// Output path (all three): registers -> bf16 boxes of 64 x 64 in shared memory (the TMA's 128-byte swizzle;
+// the fragment-order writes, 8 rows x 4 lanes a warp, hit 32 distinct banks) -> TMA stores issued by the
+// warpgroup's first thread, which drain while the warpgroup runs its next tile. A pass stages
+// kStagingBoxes boxes; the next pass reuses them once the stores have read them (TileStager). Passes:
+// store 2 (128 columns each), SwiGLU 1 (+ 2 for g and u), SwiGLU backward kBlockN / 64 (d_g and d_u of 64
+// columns each).
+// Determinism: each output element is computed by one thread from its own accumulators; the row partials
+// sum a thread's columns in order, then the quad's four sums by a butterfly (identical bits in every
+// lane, see SwiGLUBackwardEpilogue). No atomics.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "mok/expert_gemm.h"
+#include "src/device/common/sync.cuh"
+#include "src/device/gemm/tile_task.cuh"
+
+namespace mok::gemm {
+
+// A consumer warpgroup's completion count for the megakernel, added late: its store leader remembers the
+// counter of the rows it just stored and adds 1 only when the stores are surely written: at its next
+// epilogue (by then they long are), before it blocks on a tile's first stage (its producer, or the partner
+// CTA's, may be waiting for exactly this count: not adding it there could deadlock), or at the end.
+// Adding it right after the stores would stall the warpgroup on their latency every tile.
+struct RowsDoneSignal {
+  uint64_t* pending = nullptr;  // counter to add 1 to once this thread's issued stores are written
+
+  __device__ __forceinline__ void flush() {
+    if (pending == nullptr) return;
+    // Why: the reader (another CTA's TMA loads, or a communication CTA) acquires this count and must find
+    // the rows written, not just issued.
+    device::bulk_stores_written();
+    device::add_release_gpu(pending, 1);
+    pending = nullptr;
+  }
+};
+
+// The rows of a tile as the epilogue sees them.
+struct TileRows {
+  int valid_rows;      // rows of the tile that are real rows of the expert; the rest are padding
+  float row_scale[2];  // of the thread's two fragment rows: 1 without a scale or for a padding row
+};
+
+// Shared-memory staging and TMA stores of one consumer warpgroup's output boxes. All 128 threads of the
+// warpgroup call begin_pass, stage and end_pass the same number of times (named barrier 1 + warpgroup).
+template <class T>
+struct TileStager {
+  typename T::SharedStorage& smem;
+  int warpgroup;
+  bool store_leader;       // the warpgroup's first thread: waits for and issues the stores
+  RowsDoneSignal* signal;  // nullable: the megakernel's late completion count
+  int box_row;             // the 64-row box of the output buffers that these rows are
+
+  // Why: the previous pass's (or tile's) TMA stores of this warpgroup read the boxes we overwrite now.
+  // The previous tile's stores are written by now too: its late count goes out here.
+  __device__ __forceinline__ void begin_pass() const {
+    if (store_leader) {
+      if (signal != nullptr && signal->pending != nullptr)
+        signal->flush();
+      else
+        cute::tma_store_wait<0>();
+    }
+    cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
+  }
+
+  // Two adjacent columns at row r of the tile, column col of the pass's boxes (box col / 64).
+  __device__ __forceinline__ void stage(int r, int col, __nv_bfloat162 v) const {
+    char* box = reinterpret_cast<char*>(smem.staging[warpgroup][col / T::kBoxCols]);
+    const int byte = (r % kUnitRows) * 128 + (col % T::kBoxCols) * 2;
+    *reinterpret_cast<__nv_bfloat162*>(box + (byte ^ ((r % 8) << 4))) = v;  // the TMA's 128-byte swizzle
+  }
+
+  // Stores box b of the pass to box column box_col(b) of `tma`'s [a_rows, cols] tensor, for b = 0, 1, ...
+  // until box_col returns a negative column (a partial last n-block: its boxes past its part hold columns
+  // of no output). box_col runs on the store leader only.
+  template <class Tma, class BoxCol>
+  __device__ __forceinline__ void end_pass(const Tma& tma, int64_t a_rows, int64_t cols, BoxCol&& box_col) const {
+    using namespace cute;
+    // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
+    tma_store_fence();
+    cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
+    if (store_leader) {
+      Tensor m_out = tma.get_tma_tensor(make_shape(a_rows, cols));
+      CUTE_UNROLL
+      for (int box = 0; box < T::kStagingBoxes; ++box) {
+        const int col = box_col(box);
+        if (col < 0) break;
+        Tensor s_box = make_tensor(make_smem_ptr(smem.staging[warpgroup][box]), typename T::SmemLayoutOutBox{});
+        Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, col));
+        auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
+        copy(tma, t_s, t_g);
+      }
+      tma_store_arrive();
+    }
+  }
+};
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+// The epilogue interface (T: the GEMM's traits):
+//   kKind                  the public epilogue it implements
+//   out_cols(kBlockN)      GEMM columns (of n) per output tile: the n-block width
+//   prefetch<T>(...)       before the tile's mainloop (consumer threads of an active warpgroup)
+//   store<T>(...)          after it: writes the warpgroup's rows through `stager`
+struct StoreEpilogue {
+  static constexpr GemmEpilogue kKind = GemmEpilogue::kStore;
+  static constexpr bool kOpaqueCoordinates = false;
+  static constexpr int out_cols(int block_n) { return block_n; }
+
+  template <class T, class Params>
+  __device__ __forceinline__ static void prefetch(const Params&, const TileTask&, int, int) {}
+
+  template <class T, class Params, class Accum, class Coords>
+  __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
+                                               const Coords& coords, const TileRows& rows,
+                                               const TileStager<T>& stager) {
+    using cute::get;
+    constexpr int kValues = decltype(cute::size(accum))::value;
+    constexpr int kPasses = T::kOutCols / T::kStagingCols;
+    constexpr int kPassValues = kValues / kPasses;  // a pass owns a contiguous range of values
+    CUTE_UNROLL
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int pass_begin = pass * T::kStagingCols;
+      stager.begin_pass();
+      CUTE_UNROLL
+      for (int i = pass * kPassValues; i < (pass + 1) * kPassValues; i += 2) {
+        const int r = get<0>(coords(i));
+        const float scale = rows.row_scale[(i / 2) % 2];
+        stager.stage(r, get<1>(coords(i)) - pass_begin,
+                     r < rows.valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
+                                         : __floats2bfloat162_rn(0.0f, 0.0f));
+      }
+      const int box_col = (task.n_block * T::kOutCols + pass_begin) / T::kBoxCols;
+      stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) {
+        return (box_col + box) * T::kBoxCols < p.out_cols ? box_col + box : -1;
+      });
+    }
+  }
+};
+
+template <bool kWritesGateUp>
+struct SwiGLUEpilogue {
+  static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLU;
+  static constexpr bool kGateUpOut = kWritesGateUp;
+  static constexpr bool kOpaqueCoordinates = kWritesGateUp;
+  static constexpr int out_cols(int block_n) { return block_n / 2; }  // gate + up columns -> hidden columns
+
+  template <class T, class Params>
+  __device__ __forceinline__ static void prefetch(const Params&, const TileTask&, int, int) {}
+
+  template <class T, class Params, class Accum, class Coords>
+  __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
+                                               const Coords& coords, const TileRows& rows,
+                                               const TileStager<T>& stager) {
+    using cute::get;
+    // Fragment values [0, kValues/2) hold columns [0, kHalfN) (gate), the rest the same columns + kHalfN (up):
+    // the activation is register-local.
+    constexpr int kValues = decltype(cute::size(accum))::value;
+    constexpr int kHalf = kValues / 2;
+    static_assert(T::kOutCols == T::kStagingCols, "the SwiGLU output tile is staged in one pass");
+    const int col = task.n_block * T::kOutCols;
+    const float limit = p.swiglu_limit;
+    stager.begin_pass();
+    CUTE_UNROLL
+    for (int i = 0; i < kHalf; i += 2) {
+      const int r = get<0>(coords(i));
+      const float scale = rows.row_scale[(i / 2) % 2];
+      float h[2];
+      CUTE_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        float g = accum(i + j), u = accum(i + kHalf + j);
+        if (limit > 0.0f) {
+          g = fminf(g, limit);
+          u = fminf(fmaxf(u, -limit), limit);
+        }
+        h[j] = silu(g) * u * scale;
+      }
+      stager.stage(r, get<1>(coords(i)),
+                   r < rows.valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f));
+    }
+    const int box_col = col / T::kBoxCols;
+    stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) {
+      return (box_col + box) * T::kBoxCols < p.out_cols ? box_col + box : -1;
+    });
+    if constexpr (kWritesGateUp) {
+      // The raw g, then u, of the same columns, rounded once from the accumulators (h above never sees
+      // these roundings): part 0 to gate_up_out[:, col + c], part 1 to gate_up_out[:, n + col + c].
+      CUTE_UNROLL
+      for (int part = 0; part < 2; ++part) {
+        stager.begin_pass();
+        CUTE_UNROLL
+        for (int i = part * kHalf; i < (part + 1) * kHalf; i += 2) {
+          const int r = get<0>(coords(i));
+          stager.stage(r, get<1>(coords(i)) - part * T::kHalfN,
+                       r < rows.valid_rows ? __floats2bfloat162_rn(accum(i), accum(i + 1))
+                                           : __floats2bfloat162_rn(0.0f, 0.0f));
+        }
+        stager.end_pass(p.tma_gate_up_out, p.a_rows, 2 * int64_t(p.n), [&](int box) {
+          const int c = col + box * T::kBoxCols;
+          return c < p.n ? (part * p.n + c) / T::kBoxCols : -1;
+        });
+      }
+    }
+  }
+};
+
+// The SwiGLU backward fused into the down dgrad's epilogue (acc = d_hu, 256 columns a tile). g and u come
+// from global memory: prefetched into L2 before the mainloop, loaded into registers pass by pass (64
+// columns: box 0 takes d_g, box 1 d_u), each pass's loads issued before it waits for the previous pass's
+// stores, so their latency overlaps that wait.
+// Row partials: each thread sums its columns of a row in a fixed order (pass by pass, ascending value
+// index), then the row's quad adds its four sums by a butterfly, x += shfl_xor(x, 1); x += shfl_xor(x, 2):
+// every lane computes (s0 + s1) + (s2 + s3) up to the order of the operands of each addition, and IEEE
+// addition is commutative, so all four lanes hold identical bits; lane 0 of the quad writes them.
+struct SwiGLUBackwardEpilogue {
+  static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLUBackward;
+  static constexpr bool kOpaqueCoordinates = true;
+  static constexpr int out_cols(int block_n) { return block_n; }
+
+  // One thread per (row of the warpgroup, g or u): the row's 128-byte lines (64 columns) of the tile below n.
+  template <class T, class Params>
+  __device__ __forceinline__ static void prefetch(const Params& p, const TileTask& task, int warpgroup, int thread) {
+    const int r = warpgroup * kUnitRows + thread / 2;
+    if (r >= p.expert_row_offsets[task.expert] + p.expert_counts[task.expert] - task.row) return;  // padding
+    const int64_t n = p.n, tile_col = int64_t(task.n_block) * T::kBlockN;
+    const __nv_bfloat16* line = p.gate_up + (int64_t(task.buffer_row) + r) * 2 * n + (thread % 2) * n + tile_col;
+    CUTE_UNROLL
+    for (int c = 0; c < T::kBlockN; c += T::kBoxCols)
+      if (tile_col + c < n) cute::prefetch(line + c);  // prefetch.global.L2
+  }
+
+  template <class T, class Params, class Accum, class Coords>
+  __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
+                                               const Coords& coords, const TileRows& rows,
+                                               const TileStager<T>& stager) {
+    using cute::get;
+    constexpr int kValues = decltype(cute::size(accum))::value;
+    constexpr int kPasses = T::kBlockN / T::kBoxCols;
+    constexpr int kPassValues = kValues / kPasses;  // 8 columns x 2 rows per 8-column group
+    constexpr int kPairs = kPassValues / 2;         // bf16 pairs of g (and of u) a pass
+    static_assert(kPassValues % 4 == 0, "a pass covers whole 8-column groups");
+    const int64_t n = p.n, tile_col = int64_t(task.n_block) * T::kBlockN;
+    const float limit = p.swiglu_limit;
+    const __nv_bfloat162* gate_up[2];  // the thread's two rows of g (u: n columns further)
+    bool real[2];
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int r = get<0>(coords(2 * half));
+      real[half] = r < rows.valid_rows;
+      gate_up[half] =
+          reinterpret_cast<const __nv_bfloat162*>(p.gate_up + (int64_t(task.buffer_row) + r) * 2 * n + tile_col);
+    }
+    const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
+    float partial[2] = {0.0f, 0.0f};
+    CUTE_UNROLL
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int pass_begin = pass * T::kBoxCols;
+      if (tile_col + pass_begin >= n) break;  // the partial last n-block (uniform over the warpgroup)
+      __nv_bfloat162 g2[kPairs], u2[kPairs];
+      CUTE_UNROLL
+      for (int v = 0; v < kPairs; ++v) {
+        const int i = pass * kPassValues + 2 * v;
+        const int half = (i / 2) % 2, c = get<1>(coords(i));  // c even: one 4-byte pair
+        g2[v] = real[half] ? gate_up[half][c / 2] : zero;
+        u2[v] = real[half] ? gate_up[half][(n + c) / 2] : zero;
+      }
+      stager.begin_pass();
+      CUTE_UNROLL
+      for (int v = 0; v < kPairs; ++v) {
+        const int i = pass * kPassValues + 2 * v;
+        const int half = (i / 2) % 2;
+        const float2 g_pair = __bfloat1622float2(g2[v]), u_pair = __bfloat1622float2(u2[v]);
+        float d_g[2], d_u[2];
+        CUTE_UNROLL
+        for (int j = 0; j < 2; ++j) {
+          const float g = j == 0 ? g_pair.x : g_pair.y, u = j == 0 ? u_pair.x : u_pair.y;
+          const bool clamped = limit > 0.0f;
+          // Masks on the raw g, u; g_c = min(g, L), u_c = clamp(u, -L, L) (reference/moe_reference.h).
+          const bool gate_passes = !clamped || g < limit;
+          const bool up_passes = !clamped || (-limit < u && u < limit);
+          const float g_c = clamped ? fminf(g, limit) : g;
+          const float u_c = clamped ? fminf(fmaxf(u, -limit), limit) : u;
+          const float s = 1.0f / (1.0f + __expf(-g_c));
+          const float silu_g = g_c * s;
+          const float d_hu = accum(i + j);
+          const float d_h = d_hu * rows.row_scale[half];
+          d_g[j] = gate_passes ? d_h * u_c * (s * (1.0f + g_c * (1.0f - s))) : 0.0f;
+          d_u[j] = up_passes ? d_h * silu_g : 0.0f;
+          if (real[half]) partial[half] += d_hu * silu_g * u_c;
+        }
+        const int r = get<0>(coords(i)), col = get<1>(coords(i)) - pass_begin;
+        stager.stage(r, col, real[half] ? __floats2bfloat162_rn(d_g[0], d_g[1]) : zero);
+        stager.stage(r, T::kBoxCols + col, real[half] ? __floats2bfloat162_rn(d_u[0], d_u[1]) : zero);
+      }
+      const int c = int(tile_col) + pass_begin;  // < n (see above); box 0: d_g, box 1: d_u
+      stager.end_pass(p.tma_out, p.a_rows, 2 * n, [&](int box) { return (box * p.n + c) / T::kBoxCols; });
+    }
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      float x = partial[half];
+      x += __shfl_xor_sync(0xffffffff, x, 1);
+      x += __shfl_xor_sync(0xffffffff, x, 2);
+      const int r = get<0>(coords(2 * half));
+      if (threadIdx.x % 4 == 0)
+        p.row_partials[(int64_t(task.buffer_row) + r) * p.num_n_blocks + task.n_block] = real[half] ? x : 0.0f;
+    }
+  }
+};
+
+}  // namespace mok::gemm
