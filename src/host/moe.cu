@@ -18,26 +18,17 @@
 #include "src/host/device_guard.h"
 #include "src/host/moe_args.h"
 #include "src/host/moe_fused.h"
+#include "src/host/moe_state.h"
 
 namespace mok {
 using detail::DeviceGuard;
 using detail::require;
+using detail::barrier_params;
+using detail::carve;
+using detail::kBf16Bytes;
+using detail::row_kernel_ctas;
 
 namespace {
-
-constexpr int64_t kBf16Bytes = 2;
-
-// Tickets of the four GEMM launches of a forward (each launch zeroes its own on the stream); an MLP takes
-// two consecutive ones (gate/up, down).
-enum Ticket : int { kSharedGateUp = 0, kSharedDown, kExpertGateUp, kExpertDown, kNumTickets };
-
-// The shared expert as a one-expert schedule over the rank's own tokens: counts {T}, row offsets
-// {0, padded T}, scheduled rows {padded T}.
-struct SharedSchedule {
-  int32_t counts[1];
-  int32_t row_offsets[2];
-  int32_t scheduled_rows[1];
-};
 
 // Every rank must build the same workspace. Each rank's shape and options, and whether they passed its own
 // validation, are all-gathered over the group first (PeerGroup::all_gather, a collective for NCCL groups), so
@@ -69,6 +60,7 @@ MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
       {"MoeOptions.fused.minibatch_rows", options.fused.minibatch_rows},
       {"MoeOptions.fused.macrobatch_rows", options.fused.macrobatch_rows},
       {"MoeOptions.fused.timeline_records", options.fused.timeline_records},
+      {"MoeOptions.backward", options.backward},
   };
   constexpr size_t kFields = sizeof(fields) / sizeof(fields[0]);
   std::vector<int64_t> mine;
@@ -87,34 +79,7 @@ MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
   return shape;
 }
 
-template <typename T>
-T* carve(char*& cursor, int64_t count) {
-  T* p = reinterpret_cast<T*>(cursor);
-  cursor += schedule::round_up(count * int64_t(sizeof(T)), 256);
-  return p;
-}
-
 }  // namespace
-
-// Per local rank scratch that does not outlive a forward: expert outputs, shared-expert output, tickets,
-// the megakernel's counters and timeline.
-struct MoeWorkspace::RankState {
-  int device = -1;
-  int num_sms = 0;
-  void* allocation = nullptr;
-  void* y = nullptr;             // bf16 [ring rows, H]
-  void* shared_out = nullptr;    // bf16 [padded T, H]
-  int32_t* tickets = nullptr;    // [kNumTickets]
-  SharedSchedule* shared_schedule = nullptr;
-  uint64_t* fused_counters = nullptr;  // detail::fused_counter_words
-  uint64_t* timeline = nullptr;        // detail::fused_timeline_words, or null
-  // The rank's last call issued outside a CUDA-graph capture: its stream, and an event recorded after its
-  // last kernel. A call on another stream waits for that event first (the buffers above, the symmetric
-  // buffers, counters and tickets are shared by every call of the workspace).
-  cudaEvent_t call_done = nullptr;
-  mutable cudaStream_t call_stream = nullptr;  // mutable: read_status (const) orders itself too
-  mutable bool has_call = false;
-};
 
 ForwardContext::ForwardContext(ForwardContext&& other) noexcept { *this = std::move(other); }
 
@@ -125,6 +90,7 @@ ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
     rank_ = other.rank_;
     device_ = other.device_;
     allocation_ = other.allocation_;
+    bytes_ = other.bytes_;
     schedule_buffer_ = other.schedule_buffer_;
     schedule_ = other.schedule_;
     ring_rows_ = other.ring_rows_;
@@ -202,16 +168,17 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     char* cursor = static_cast<char*>(s.allocation);
     s.y = carve<char>(cursor, ring_rows_ * h * kBf16Bytes);
     s.shared_out = carve<char>(cursor, padded_tokens_ * h * kBf16Bytes);
-    s.tickets = carve<int32_t>(cursor, kNumTickets);
-    s.shared_schedule = carve<SharedSchedule>(cursor, 1);
+    s.tickets = carve<int32_t>(cursor, detail::kNumTickets);
+    s.shared_schedule = carve<detail::SharedSchedule>(cursor, 1);
     s.fused_counters = carve<uint64_t>(cursor, counter_words);
     if (timeline_words > 0) s.timeline = carve<uint64_t>(cursor, timeline_words);
-    const SharedSchedule shared{{shape_.num_tokens},
+    const detail::SharedSchedule shared{{shape_.num_tokens},
                                 {0, static_cast<int32_t>(padded_tokens_)},
                                 {static_cast<int32_t>(padded_tokens_)}};
     MOK_CHECK_CUDA(cudaMemcpy(s.shared_schedule, &shared, sizeof(shared), cudaMemcpyHostToDevice));
     MOK_CHECK_CUDA(cudaEventCreateWithFlags(&s.call_done, cudaEventDisableTiming));
   }
+  if (options_.backward) allocate_backward();
 }
 
 MoeWorkspace::~MoeWorkspace() {
@@ -222,6 +189,7 @@ MoeWorkspace::~MoeWorkspace() {
     cudaSetDevice(ranks_[r].device);
     if (ranks_[r].call_done != nullptr) cudaEventDestroy(ranks_[r].call_done);
     cudaFree(ranks_[r].allocation);
+    if (ranks_[r].backward.allocation != nullptr) cudaFree(ranks_[r].backward.allocation);
     cudaSetDevice(previous);
   }
 }
@@ -244,6 +212,7 @@ ForwardContext MoeWorkspace::make_context(int rank) const {
   ctx.rank_ = rank;
   ctx.device_ = s.device;
   ctx.ring_rows_ = ring_rows_;
+  ctx.bytes_ = bytes;
   MOK_CHECK_CUDA(cudaMalloc(&ctx.allocation_, bytes));
   // Zero once: padding rows of the shared expert's hidden tile and rows no schedule has written yet.
   MOK_CHECK_CUDA(cudaMemset(ctx.allocation_, 0, bytes));
@@ -386,16 +355,6 @@ std::vector<TaskRecord> MoeWorkspace::read_timeline(int rank, cudaStream_t strea
 
 namespace {
 
-device::BarrierParams barrier_params(const SymmetricAllocation& flags, int rank, int ep_size, DeviceStatus* status,
-                                     double timeout_s) {
-  return {flags.peers(rank), rank, ep_size, status, static_cast<uint64_t>(timeout_s * 1e9)};
-}
-
-// One grid-stride launch of row kernels: enough warps to keep NVLink busy, at most a few CTAs per SM.
-int row_kernel_ctas(int64_t rows, int warps_per_cta, int num_sms) {
-  return static_cast<int>(std::clamp<int64_t>((rows + warps_per_cta - 1) / warps_per_cta, 1, int64_t(num_sms) * 4));
-}
-
 // gate/up GEMM with the SwiGLU epilogue into `hidden`, then the down GEMM into `out`, over the rows of a
 // schedule (the routed experts' or the shared expert's one-expert schedule).
 struct MlpGemms {  // the two GEMM launches of an MLP over the rows of a schedule
@@ -463,7 +422,7 @@ void MoeWorkspace::routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .scheduled_rows = ctx.schedule_.scheduled_rows,
             .hidden = ctx.hidden_,
             .out = s.y,
-            .tickets = s.tickets + kExpertGateUp},
+            .tickets = s.tickets + detail::kExpertGateUp},
            gate_up, down);
 }
 
@@ -482,7 +441,7 @@ void MoeWorkspace::shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .scheduled_rows = s.shared_schedule->scheduled_rows,
             .hidden = f.context->shared_hidden_,
             .out = s.shared_out,
-            .tickets = s.tickets + kSharedGateUp},
+            .tickets = s.tickets + detail::kSharedGateUp},
            gate_up, down);
 }
 
@@ -518,8 +477,14 @@ void MoeWorkspace::compute(const RankForward& f) {
   device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
   MOK_CHECK_CUDA(cudaGetLastError());
 
-  const kernels::PullParams pull{x_.peers(f.rank), static_cast<uint4*>(ctx.expert_rows_), v.row_route,
-                                  v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};
+  const kernels::PullParams pull{.x = x_.peers(f.rank),
+                                  .dst = static_cast<uint4*>(ctx.expert_rows_),
+                                  .row_route = v.row_route,
+                                  .scheduled_rows = v.scheduled_rows,
+                                  .row_limit = capacity_rows(),
+                                  .num_tokens = shape_.num_tokens,
+                                  .top_k = shape_.top_k,
+                                  .row_vectors = row_vectors};
   kernels::pull_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::PullTraits::kWarps, s.num_sms),
                                kernels::PullTraits::kThreads, 0, f.stream>>>(pull);
   MOK_CHECK_CUDA(cudaGetLastError());
@@ -600,23 +565,19 @@ void MoeWorkspace::combine(const RankForward& f) {
   device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
   MOK_CHECK_CUDA(cudaGetLastError());
 
-  const combine::EpilogueParams p{static_cast<const uint4*>(combined_.on(f.rank)),
-                                  shape_.shared_expert ? static_cast<const uint4*>(s.shared_out) : nullptr,
-                                  static_cast<const float*>(f.router_weights.data),
-                                  f.topk_idx.data,
-                                  static_cast<uint4*>(f.out.mutable_data()),
-                                  shape_.num_tokens,
-                                  shape_.top_k,
-                                  shape_.num_experts,
-                                  static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns)};
-  const int64_t threads = int64_t(shape_.num_tokens) * p.row_vectors;
-  constexpr int kThreads = combine::EpilogueTraits::kThreads;
-  const int ctas = static_cast<int>(std::min<int64_t>((threads + kThreads - 1) / kThreads, int64_t(s.num_sms) * 8));
-  if (f.topk_idx.dtype == DType::kInt64)
-    combine::combine_epilogue_kernel<int64_t><<<ctas, kThreads, 0, f.stream>>>(p);
-  else
-    combine::combine_epilogue_kernel<int32_t><<<ctas, kThreads, 0, f.stream>>>(p);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  const combine::EpilogueParams p{
+      .combined = static_cast<const uint4*>(combined_.on(f.rank)),
+      .shared_out = shape_.shared_expert ? static_cast<const uint4*>(s.shared_out) : nullptr,
+      .router_weights = static_cast<const float*>(f.router_weights.data),
+      .topk_idx = f.topk_idx.data,
+      .out = static_cast<uint4*>(f.out.mutable_data()),
+      .route_values = nullptr,
+      .route_out = nullptr,
+      .num_tokens = shape_.num_tokens,
+      .top_k = shape_.top_k,
+      .num_experts = shape_.num_experts,
+      .row_vectors = static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns)};
+  detail::launch_combine_epilogue(p, f.topk_idx.dtype, s.num_sms, f.stream);
 }
 
 }  // namespace mok
