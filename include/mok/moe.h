@@ -315,6 +315,12 @@ class MoeWorkspace {
   void recompute_publish(const RankForward& f);
   void recompute_rows(const RankForward& f);
   void recompute_finish(const RankForward& f);
+  // The EP barrier's halves and the dispatch pull, issued by the forward, the backward and the recompute
+  // (src/host/moe.cu holds their kernels' one home).
+  void barrier_arrive(int rank, cudaStream_t stream) const;
+  void barrier_wait(int rank, cudaStream_t stream) const;
+  // Pulls schedule rows [0, min(scheduled rows, row_limit)) of f's context from their source ranks' x.
+  void pull_rows(const RankForward& f, int64_t row_limit) const;
   const RankState& state(int rank) const;
   void begin_call(int rank, cudaStream_t stream) const;  // waits for the rank's previous call (other stream)
   void end_call(int rank, cudaStream_t stream) const;    // records this call's event

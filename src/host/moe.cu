@@ -1,5 +1,6 @@
 // MoeWorkspace: buffers and launches of the unfused forward (include/mok/moe.h). The stage kernels live in
-// src/device/{dispatch,combine,common}; the GEMMs go through mok::expert_gemm.
+// src/device/{dispatch,combine,common}; the GEMMs go through mok::expert_gemm. The backward and
+// recompute_forward_context are in src/host/moe_backward.cu; the state both share in src/host/moe_state.h.
 #include "mok/moe.h"
 
 #include <algorithm>
@@ -21,11 +22,10 @@
 #include "src/host/moe_state.h"
 
 namespace mok {
-using detail::DeviceGuard;
-using detail::require;
-using detail::barrier_params;
 using detail::carve;
+using detail::DeviceGuard;
 using detail::kBf16Bytes;
+using detail::require;
 using detail::row_kernel_ctas;
 
 namespace {
@@ -173,8 +173,8 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     s.fused_counters = carve<uint64_t>(cursor, counter_words);
     if (timeline_words > 0) s.timeline = carve<uint64_t>(cursor, timeline_words);
     const detail::SharedSchedule shared{{shape_.num_tokens},
-                                {0, static_cast<int32_t>(padded_tokens_)},
-                                {static_cast<int32_t>(padded_tokens_)}};
+                                        {0, static_cast<int32_t>(padded_tokens_)},
+                                        {static_cast<int32_t>(padded_tokens_)}};
     MOK_CHECK_CUDA(cudaMemcpy(s.shared_schedule, &shared, sizeof(shared), cudaMemcpyHostToDevice));
     MOK_CHECK_CUDA(cudaEventCreateWithFlags(&s.call_done, cudaEventDisableTiming));
   }
@@ -269,6 +269,46 @@ bool is_capturing(cudaStream_t stream) {
 }
 
 }  // namespace
+
+namespace {
+
+device::BarrierParams barrier_params(const SymmetricAllocation& flags, int rank, int ep_size, DeviceStatus* status,
+                                     double timeout_s) {
+  return {flags.peers(rank), rank, ep_size, status, static_cast<uint64_t>(timeout_s * 1e9)};
+}
+
+}  // namespace
+
+void MoeWorkspace::barrier_arrive(int rank, cudaStream_t stream) const {
+  DeviceGuard guard(state(rank).device);
+  device::barrier_arrive_kernel<<<1, 32, 0, stream>>>(barrier_params(
+      flags_, rank, shape_.ep_size, schedule_.device_status(rank), options_.schedule.wait_timeout_s));
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+void MoeWorkspace::barrier_wait(int rank, cudaStream_t stream) const {
+  DeviceGuard guard(state(rank).device);
+  device::barrier_wait_kernel<<<1, 32, 0, stream>>>(barrier_params(
+      flags_, rank, shape_.ep_size, schedule_.device_status(rank), options_.schedule.wait_timeout_s));
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+void MoeWorkspace::pull_rows(const RankForward& f, int64_t row_limit) const {
+  const RankState& s = state(f.rank);
+  DeviceGuard guard(s.device);
+  const ScheduleView& v = f.context->schedule_;
+  const kernels::PullParams pull{.x = x_.peers(f.rank),
+                                 .dst = static_cast<uint4*>(f.context->expert_rows_),
+                                 .row_route = v.row_route,
+                                 .scheduled_rows = v.scheduled_rows,
+                                 .row_limit = row_limit,
+                                 .num_tokens = shape_.num_tokens,
+                                 .top_k = shape_.top_k,
+                                 .row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16)};
+  kernels::pull_rows_kernel<<<row_kernel_ctas(row_limit, kernels::PullTraits::kWarps, s.num_sms),
+                               kernels::PullTraits::kThreads, 0, f.stream>>>(pull);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
 
 // Cross-stream order of the workspace's calls (include/mok/moe.h, "Streams"): outside a capture, a call
 // on a stream other than the rank's previous call's waits (on the GPU) for that call's event.
@@ -453,10 +493,7 @@ void MoeWorkspace::publish(const RankForward& f) {
   const int64_t h = shape_.hidden;
   MOK_CHECK_CUDA(cudaMemcpyAsync(x_.on(f.rank), f.x.data, int64_t(shape_.num_tokens) * h * kBf16Bytes,
                                  cudaMemcpyDeviceToDevice, f.stream));
-  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_arrive(f.rank, f.stream);
   if (!shape_.shared_expert || options_.path == ForwardPath::kFused) return;  // the megakernel runs it
   ExpertGemmArgs gate_up, down;
   shared_gemms(f, gate_up, down);
@@ -469,25 +506,10 @@ void MoeWorkspace::publish(const RankForward& f) {
 void MoeWorkspace::compute(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
-  ForwardContext& ctx = *f.context;
-  const ScheduleView& v = ctx.schedule_;
+  const ScheduleView& v = f.context->schedule_;
   const int row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16);
-  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
-
-  const kernels::PullParams pull{.x = x_.peers(f.rank),
-                                  .dst = static_cast<uint4*>(ctx.expert_rows_),
-                                  .row_route = v.row_route,
-                                  .scheduled_rows = v.scheduled_rows,
-                                  .row_limit = capacity_rows(),
-                                  .num_tokens = shape_.num_tokens,
-                                  .top_k = shape_.top_k,
-                                  .row_vectors = row_vectors};
-  kernels::pull_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::PullTraits::kWarps, s.num_sms),
-                               kernels::PullTraits::kThreads, 0, f.stream>>>(pull);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_wait(f.rank, f.stream);
+  pull_rows(f, capacity_rows());
 
   ExpertGemmArgs gate_up, down;
   routed_gemms(f, gate_up, down);
@@ -499,8 +521,7 @@ void MoeWorkspace::compute(const RankForward& f) {
   kernels::push_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::PushTraits::kWarps, s.num_sms),
                               kernels::PushTraits::kThreads, 0, f.stream>>>(push);
   MOK_CHECK_CUDA(cudaGetLastError());
-  device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_arrive(f.rank, f.stream);
 }
 
 // Phase 2, fused: wait for every rank's x, then the megakernel (shared expert, pulls, routed experts,
@@ -510,10 +531,7 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
   DeviceGuard guard(s.device);
   ForwardContext& ctx = *f.context;
   const ScheduleView& v = ctx.schedule_;
-  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_wait(f.rank, f.stream);
 
   ExpertGemmArgs routed_gate_up, routed_down, shared_gate_up, shared_down;
   routed_gemms(f, routed_gate_up, routed_down);
@@ -552,18 +570,14 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
                                 .timeline = s.timeline,
                                 .timeline_capacity = options_.fused.timeline_records},
                                f.stream);
-  device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_arrive(f.rank, f.stream);
 }
 
 // Phase 3: wait for every expert rank's rows, then out = shared + sum_j rw * y_j.
 void MoeWorkspace::combine(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
-  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_wait(f.rank, f.stream);
 
   const combine::EpilogueParams p{
       .combined = static_cast<const uint4*>(combined_.on(f.rank)),

@@ -17,9 +17,7 @@
 #include "mok/expert_gemm.h"
 #include "mok/weight_grad_gemm.h"
 #include "src/device/combine/push_rows.cuh"
-#include "src/device/common/peer_barrier.cuh"
 #include "src/device/kernels/backward_row_kernels.cuh"
-#include "src/device/kernels/row_kernels.cuh"
 #include "src/device/schedule/placement.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
@@ -27,7 +25,6 @@
 #include "src/host/moe_state.h"
 
 namespace mok {
-using detail::barrier_params;
 using detail::carve;
 using detail::DeviceGuard;
 using detail::kBf16Bytes;
@@ -268,10 +265,7 @@ void MoeWorkspace::backward_publish(const RankBackward& b) {
       cudaMemcpyAsync(d_out_.on(b.rank), b.d_out.data, t * h * kBf16Bytes, cudaMemcpyDeviceToDevice, b.stream));
   MOK_CHECK_CUDA(cudaMemcpyAsync(rw_.on(b.rank), b.router_weights.data, t * k * kFloatBytes, cudaMemcpyDeviceToDevice,
                                  b.stream));
-  const auto barrier = barrier_params(flags_, b.rank, shape_.ep_size, schedule_.device_status(b.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_arrive_kernel<<<1, 32, 0, b.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_arrive(b.rank, b.stream);
   if (shape_.shared_expert) shared_backward(b);
 }
 
@@ -317,10 +311,7 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   const ForwardContext& ctx = *b.context;
   const ScheduleView& v = ctx.schedule_;
   const int row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16);
-  const auto barrier = barrier_params(flags_, b.rank, shape_.ep_size, schedule_.device_status(b.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_wait_kernel<<<1, 32, 0, b.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_wait(b.rank, b.stream);
 
   // A context that keeps every row (ring = capacity) is read in place; otherwise the x rows are gathered:
   // the kept ones from the context, the others pulled again from their source ranks.
@@ -381,8 +372,7 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   kernels::push_grad_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::GradRowTraits::kWarps, s.num_sms),
                                    kernels::GradRowTraits::kThreads, 0, b.stream>>>(push);
   MOK_CHECK_CUDA(cudaGetLastError());
-  device::barrier_arrive_kernel<<<1, 32, 0, b.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_arrive(b.rank, b.stream);
 
   issue_weight_grads(shape_, options_, m, b.stream);
 }
@@ -392,10 +382,7 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
 void MoeWorkspace::backward_epilogue(const RankBackward& b) {
   const RankState& s = state(b.rank);
   DeviceGuard guard(s.device);
-  const auto barrier = barrier_params(flags_, b.rank, shape_.ep_size, schedule_.device_status(b.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_wait_kernel<<<1, 32, 0, b.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_wait(b.rank, b.stream);
   const combine::EpilogueParams p{
       .combined = static_cast<const uint4*>(combined_.on(b.rank)),
       .shared_out = shape_.shared_expert ? static_cast<const uint4*>(s.backward.shared_dx) : nullptr,
@@ -428,10 +415,7 @@ void MoeWorkspace::recompute_publish(const RankForward& f) {
   DeviceGuard guard(s.device);
   MOK_CHECK_CUDA(cudaMemcpyAsync(x_.on(f.rank), f.x.data, int64_t(shape_.num_tokens) * shape_.hidden * kBf16Bytes,
                                  cudaMemcpyDeviceToDevice, f.stream));
-  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_arrive(f.rank, f.stream);
   if (!shape_.shared_expert) return;
   ExpertGemmArgs gate_up, down;  // the forward's shared gate/up GEMM: the same bits in shared_hidden
   shared_gemms(f, gate_up, down);
@@ -443,25 +427,10 @@ void MoeWorkspace::recompute_publish(const RankForward& f) {
 void MoeWorkspace::recompute_rows(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
-  ForwardContext& ctx = *f.context;
-  const ScheduleView& v = ctx.schedule_;
-  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
-  const kernels::PullParams pull{.x = x_.peers(f.rank),
-                                 .dst = static_cast<uint4*>(ctx.expert_rows_),
-                                 .row_route = v.row_route,
-                                 .scheduled_rows = v.scheduled_rows,
-                                 .row_limit = ring_rows_,
-                                 .num_tokens = shape_.num_tokens,
-                                 .top_k = shape_.top_k,
-                                 .row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16)};
-  kernels::pull_rows_kernel<<<row_kernel_ctas(ring_rows_, kernels::PullTraits::kWarps, s.num_sms),
-                               kernels::PullTraits::kThreads, 0, f.stream>>>(pull);
-  MOK_CHECK_CUDA(cudaGetLastError());
-  device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  const ScheduleView& v = f.context->schedule_;
+  barrier_wait(f.rank, f.stream);
+  pull_rows(f, ring_rows_);
+  barrier_arrive(f.rank, f.stream);
 
   ExpertGemmArgs gate_up, down;
   routed_gemms(f, gate_up, down);  // A = the context's rows [ring, H], out = its hidden rows
@@ -475,13 +444,6 @@ void MoeWorkspace::recompute_rows(const RankForward& f) {
   expert_gemm(gate_up, f.stream);
 }
 
-void MoeWorkspace::recompute_finish(const RankForward& f) {
-  const RankState& s = state(f.rank);
-  DeviceGuard guard(s.device);
-  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
-}
+void MoeWorkspace::recompute_finish(const RankForward& f) { barrier_wait(f.rank, f.stream); }
 
 }  // namespace mok

@@ -1,6 +1,6 @@
 // MoeWorkspace's per-rank state and the helpers its two translation units share: src/host/moe.cu (workspace,
-// forward) and src/host/moe_backward.cu (backward, recompute_forward_context). Include from .cu files only
-// (it pulls in the barrier kernels).
+// forward) and src/host/moe_backward.cu (backward, recompute_forward_context). Include from .cu files only.
+// Headers with non-template kernels (peer_barrier.cuh, row_kernels.cuh) stay out: each has one .cu home.
 #pragma once
 
 #include <algorithm>
@@ -10,7 +10,6 @@
 
 #include "mok/moe.h"
 #include "src/device/combine/push_rows.cuh"
-#include "src/device/common/peer_barrier.cuh"
 #include "src/device/schedule/placement.h"
 #include "src/host/check.h"
 
@@ -50,11 +49,6 @@ T* carve(char*& cursor, int64_t count) {
   T* p = reinterpret_cast<T*>(cursor);
   cursor += schedule::round_up(count * int64_t(sizeof(T)), 256);
   return p;
-}
-
-inline device::BarrierParams barrier_params(const SymmetricAllocation& flags, int rank, int ep_size,
-                                            DeviceStatus* status, double timeout_s) {
-  return {flags.peers(rank), rank, ep_size, status, static_cast<uint64_t>(timeout_s * 1e9)};
 }
 
 // One grid-stride launch of row kernels: enough warps to keep NVLink busy, at most a few CTAs per SM.

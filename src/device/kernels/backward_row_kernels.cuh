@@ -4,6 +4,8 @@
 //                          (when the context does not keep every row) its x row; zeros for padding rows
 //   push_grad_rows_kernel  every scheduled row with a route: its d_x_route row into the (token, slot) row of
 //                          the source rank's combine buffer, its d_rw into the source rank's d_rw
+//   kept_rows_kernel       (one thread) kept = min(scheduled_rows, limit): the row count of
+//                          recompute_forward_context's gate/up GEMM over the rows a context keeps
 // Rows at or above scheduled_rows are not touched (no GEMM reads them; 0 rows after a capacity overflow).
 // Roles: one warp per row, the grid's warps striding over rows.
 // Sync: pull only reads what peers published before the barrier its stream waited on; push fences at system
@@ -64,6 +66,10 @@ __global__ void __launch_bounds__(GradRowTraits::kThreads) push_grad_rows_kernel
   });
   // Why: the barrier arrive after this kernel publishes these peer stores; order them at system scope.
   device::fence_acq_rel_sys();
+}
+
+__global__ void __launch_bounds__(32) kept_rows_kernel(const int32_t* scheduled_rows, int32_t limit, int32_t* kept) {
+  if (threadIdx.x == 0) *kept = *scheduled_rows < limit ? *scheduled_rows : limit;
 }
 
 }  // namespace mok::kernels

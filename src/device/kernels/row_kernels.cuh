@@ -6,8 +6,6 @@
 //                     GEMM reads them; 0 rows after a capacity overflow)
 //   push_rows_kernel  every scheduled row with a route = into its (token, slot) row of the source rank's
 //                     combine buffer
-//   kept_rows_kernel  (one thread) kept = min(scheduled_rows, limit): the row count of a GEMM over the
-//                     rows a context keeps
 // Roles: one warp per row, the grid's warps striding over rows.
 // Sync: pull only reads peers' x, complete before the barrier its stream waited on; push fences at system
 // scope so the barrier arrive that follows releases its peer stores (docs/sync_protocol.md).
@@ -67,10 +65,6 @@ __global__ void __launch_bounds__(PushTraits::kThreads) push_rows_kernel(PushPar
   });
   // Why: the barrier arrive after this kernel publishes these peer stores; order them at system scope.
   device::fence_acq_rel_sys();
-}
-
-__global__ void __launch_bounds__(32) kept_rows_kernel(const int32_t* scheduled_rows, int32_t limit, int32_t* kept) {
-  if (threadIdx.x == 0) *kept = *scheduled_rows < limit ? *scheduled_rows : limit;
 }
 
 }  // namespace mok::kernels
