@@ -187,8 +187,11 @@ double check_gradients(MoeHarness& harness, const LayerData& data, const std::ve
       if (id >= 0 && id < s.num_experts) continue;
       uint32_t bits = 0;
       std::memcpy(&bits, &d_rw[q], 4);
-      EXPECT_EQ(bits, 0u) << label << ", " << rank << " d_router_weights at masked route (token " << q / k
-                          << ", slot " << q % k << ") must be exactly 0, got " << d_rw[q];
+      if (bits == 0) continue;
+      ADD_FAILURE() << label << ", " << rank << " d_router_weights at the masked route (token " << q / k << ", slot "
+                    << q % k << ") must be exactly 0, got " << d_rw[q] << " (first such route)";
+      worst_all = std::numeric_limits<double>::infinity();
+      break;
     }
     // Routed weight gradients, expert by expert (a rank's experts are global experts r * E_local + e).
     const std::pair<GradTensor, const std::vector<float>*> routed[] = {
@@ -584,7 +587,8 @@ TEST(MoeBackwardTest, RecomputeGivesTheForwardContextBits) {
 // pulled again), the tile height or the capacity, nor on the run: bitwise.
 TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesAndReruns) {
   MOK_REQUIRE_GPUS(1);
-  const MoeShape shape = moe_shape(4, 300, 8, 64, 512, 256);
+  const bool reduced = testing::reduced_sizes();
+  const MoeShape shape = moe_shape(4, reduced ? 96 : 300, 8, 64, 512, 256);
   const LayerData data = testing::random_layer(shape, 351, 1.0, 0.02);
   const std::vector<float> d_out = testing::random_d_out(shape, 5351);
   MoeHarness base(PeerGroup::virtual_ranks(4), shape);
@@ -609,8 +613,9 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesAndReruns
   variants[2].options.fused.macrobatch_rows = 512;
   variants[3].name = "tile_m 128";
   variants[3].options.schedule.tile_m = 128;
-  variants[4].name = "capacity 5120";  // half the worst case (10624 rows), enough for this routing
-  variants[4].options.schedule.capacity_rows = 5120;
+  // Below the worst case (10624 rows at T = 300, 4096 at T = 96), enough for this routing.
+  variants[4].name = "capacity below the worst case";
+  variants[4].options.schedule.capacity_rows = reduced ? 3072 : 5120;
   for (const Variant& v : variants) {
     MoeHarness harness(PeerGroup::virtual_ranks(4), shape, v.options);
     forward_backward(harness, data, d_out);
