@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 
 namespace mok::reference {
 namespace {
@@ -582,6 +583,7 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
     T* dst_rows = dst->data() + group_offset + unit.row_begin * cols;
     for (int64_t idx = 0; idx < num_rows * cols; ++idx) dst_rows[idx] = static_cast<T>(acc[idx]);
   });
+  grads.route_d_x = std::move(route_d_x);
   return grads;
 }
 

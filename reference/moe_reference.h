@@ -88,8 +88,12 @@ struct LayerGrads {
   std::vector<T> d_router_weights;                           // [N, k], 0 for masked routes
   std::vector<T> d_shared_gate, d_shared_up, d_shared_down;  // parameter shapes (zeros without shared)
   std::vector<T> d_expert_gate, d_expert_up, d_expert_down;  // parameter shapes
+  // Not a gradient: each route's d_x partial W_gate^T dg + W_up^T du as stored (rounded to T), the terms of
+  // d_x's sum (tests size their error budgets by them). [N * (k + 1), H]: routed route (n, j) at n * k + j,
+  // the shared expert's of token n at N * k + n; zeros for masked routes and without a shared expert.
+  std::vector<T> route_d_x;
 
-  // Every tensor with its name, in declaration order: tests compare gradients field by field with it.
+  // Every gradient with its name, in declaration order: tests compare gradients field by field with it.
   std::vector<std::pair<const char*, const std::vector<T>*>> named() const {
     return {{"d_x", &d_x},
             {"d_router_weights", &d_router_weights},

@@ -8,6 +8,9 @@
 //   ForwardContext ctx = ws.make_context(rank);                 // one per layer: what backward needs
 //   RankForward f{rank, x, topk_idx, router_weights, &weights, out, &ctx, stream};
 //   ws.forward({&f, 1});                                        // asynchronous on f.stream
+//   RankBackward b{rank, x, topk_idx, router_weights, &weights, &ctx, d_out, d_x, d_router_weights, &grads,
+//                  stream};
+//   ws.backward({&b, 1});                                       // gradients, asynchronous on b.stream
 //   StatusReport r = ws.read_status(rank, stream);              // where the caller synchronizes anyway
 //   if (!r.ok()) ws.reset_status(rank, stream);                 // the status word is sticky until reset
 //
@@ -154,6 +157,8 @@ class ForwardContext {
   const void* expert_rows() const { return expert_rows_; }  // bf16 [ring_rows, H]: x rows in expert-major order
   const void* hidden() const { return hidden_; }            // bf16 [ring_rows, I]: silu(gate) * up of each row
   const void* shared_hidden() const { return shared_hidden_; }  // bf16 [padded T, I]
+  // Device memory the context holds (schedule and activations): what one layer keeps for its backward.
+  int64_t bytes() const { return bytes_; }
 
  private:
   friend class MoeWorkspace;
@@ -162,6 +167,7 @@ class ForwardContext {
   int rank_ = -1;
   int device_ = 0;
   void* allocation_ = nullptr;
+  int64_t bytes_ = 0;
   int32_t* schedule_buffer_ = nullptr;
   ScheduleView schedule_;
   int64_t ring_rows_ = 0;
@@ -195,7 +201,9 @@ struct RankBackward {
   TensorRef d_out;                    // bf16 [T, H]
   TensorRef d_x;                      // bf16 [T, H], written
   TensorRef d_router_weights;         // fp32 [T, k], written
-  const MoeWeightGrads* weight_grads = nullptr;
+  const MoeWeightGrads* weight_grads = nullptr;  // required; a WeightGrad left empty is not computed.
+                                      // Separate gate and up gradients (routed, or shared) come from one
+                                      // GEMM: both or neither, of one dtype and mode
   cudaStream_t stream = nullptr;
 };
 
@@ -271,10 +279,16 @@ class MoeWorkspace {
   int64_t padded_tokens() const { return padded_tokens_; }
   int64_t ring_rows() const { return ring_rows_; }
   int comm_ctas() const { return options_.fused.comm_ctas; }  // the fused path's dedicated communication CTAs
+  // Device memory per rank that the backward's buffers take (symmetric d_out, router weights and d_rw,
+  // and the per-rank scratch; docs/design.md, "Backward"); 0 without MoeOptions::backward.
+  int64_t backward_bytes() const { return backward_bytes_; }
 
  private:
   struct RankState;
+  struct BackwardScratch;
   void validate(const RankForward& f, bool needs_layer_inputs) const;
+  void validate_backward(const RankBackward& b) const;
+  void validate_recompute(const RankForward& f) const;
   // The public calls' one sequence: validate every rank (the layer's inputs too when `layer`), order behind
   // the rank's previous call, issue the schedule and/or the layer, record the call's event.
   void issue_call(std::span<const RankForward> ranks, bool schedule, bool layer);
@@ -288,6 +302,25 @@ class MoeWorkspace {
   void routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, ExpertGemmArgs& down) const;
   void shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, ExpertGemmArgs& down) const;
   void combine(const RankForward& f);
+  // The backward's phases (src/host/moe_backward.cu): publish x, d_out and router weights, then the
+  // shared expert's backward; pull rows, the routed experts' dgrads, push d_x rows and d_rw, then their
+  // weight gradients; the token-side epilogue.
+  void allocate_backward();
+  void backward_publish(const RankBackward& b);
+  void shared_backward(const RankBackward& b);
+  void backward_experts(const RankBackward& b);
+  void backward_epilogue(const RankBackward& b);
+  // recompute_forward_context's phases: publish x (and the shared expert's hidden rows); pull the kept
+  // rows and recompute their hidden rows; the closing barrier.
+  void recompute_publish(const RankForward& f);
+  void recompute_rows(const RankForward& f);
+  void recompute_finish(const RankForward& f);
+  // The EP barrier's halves and the dispatch pull, issued by the forward, the backward and the recompute
+  // (src/host/moe.cu holds their kernels' one home).
+  void barrier_arrive(int rank, cudaStream_t stream) const;
+  void barrier_wait(int rank, cudaStream_t stream) const;
+  // Pulls schedule rows [0, min(scheduled rows, row_limit)) of f's context from their source ranks' x.
+  void pull_rows(const RankForward& f, int64_t row_limit) const;
   const RankState& state(int rank) const;
   void begin_call(int rank, cudaStream_t stream) const;  // waits for the rank's previous call (other stream)
   void end_call(int rank, cudaStream_t stream) const;    // records this call's event
@@ -302,6 +335,12 @@ class MoeWorkspace {
   SymmetricAllocation x_;       // bf16 [padded T, H] per rank: the rows peers pull
   SymmetricAllocation combined_;  // bf16 [T * k, H] per rank: expert outputs pushed by the experts' ranks
   SymmetricAllocation flags_;   // barrier counters, see src/device/common/peer_barrier.cuh
+  // The backward's (MoeOptions::backward): d_out and the router weights published for the experts' ranks
+  // to pull, and d_rw pushed back into (token, slot); the combine buffer takes the d_x_route rows.
+  SymmetricAllocation d_out_;   // bf16 [padded T, H] per rank (padding rows stay zero)
+  SymmetricAllocation rw_;      // fp32 [T * k]
+  SymmetricAllocation d_rw_;    // fp32 [T * k]
+  int64_t backward_bytes_ = 0;
   std::unique_ptr<RankState[]> ranks_;
 };
 

@@ -1,5 +1,6 @@
 // MoeWorkspace: buffers and launches of the unfused forward (include/mok/moe.h). The stage kernels live in
-// src/device/{dispatch,combine,common}; the GEMMs go through mok::expert_gemm.
+// src/device/{dispatch,combine,common}; the GEMMs go through mok::expert_gemm. The backward and
+// recompute_forward_context are in src/host/moe_backward.cu; the state both share in src/host/moe_state.h.
 #include "mok/moe.h"
 
 #include <algorithm>
@@ -19,26 +20,16 @@
 #include "src/host/device_guard.h"
 #include "src/host/moe_args.h"
 #include "src/host/moe_fused.h"
+#include "src/host/moe_state.h"
 
 namespace mok {
+using detail::carve;
 using detail::DeviceGuard;
+using detail::kBf16Bytes;
 using detail::require;
+using detail::row_kernel_ctas;
 
 namespace {
-
-constexpr int64_t kBf16Bytes = 2;
-
-// Tickets of the four GEMM launches of a forward (each launch zeroes its own on the stream); an MLP takes
-// two consecutive ones (gate/up, down).
-enum Ticket : int { kSharedGateUp = 0, kSharedDown, kExpertGateUp, kExpertDown, kNumTickets };
-
-// The shared expert as a one-expert schedule over the rank's own tokens: counts {T}, row offsets
-// {0, padded T}, scheduled rows {padded T}.
-struct SharedSchedule {
-  int32_t counts[1];
-  int32_t row_offsets[2];
-  int32_t scheduled_rows[1];
-};
 
 // Every rank must build the same workspace. Each rank's shape and options, and whether they passed its own
 // validation, are all-gathered over the group first (PeerGroup::all_gather, a collective for NCCL groups), so
@@ -70,6 +61,7 @@ MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
       {"MoeOptions.fused.minibatch_rows", options.fused.minibatch_rows},
       {"MoeOptions.fused.macrobatch_rows", options.fused.macrobatch_rows},
       {"MoeOptions.fused.timeline_records", options.fused.timeline_records},
+      {"MoeOptions.backward", options.backward},
   };
   constexpr size_t kFields = sizeof(fields) / sizeof(fields[0]);
   std::vector<int64_t> mine;
@@ -88,34 +80,7 @@ MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
   return shape;
 }
 
-template <typename T>
-T* carve(char*& cursor, int64_t count) {
-  T* p = reinterpret_cast<T*>(cursor);
-  cursor += schedule::round_up(count * int64_t(sizeof(T)), 256);
-  return p;
-}
-
 }  // namespace
-
-// Per local rank scratch that does not outlive a forward: expert outputs, shared-expert output, tickets,
-// the megakernel's counters and timeline.
-struct MoeWorkspace::RankState {
-  int device = -1;
-  int num_sms = 0;
-  void* allocation = nullptr;
-  void* y = nullptr;             // bf16 [ring rows, H]
-  void* shared_out = nullptr;    // bf16 [padded T, H]
-  int32_t* tickets = nullptr;    // [kNumTickets]
-  SharedSchedule* shared_schedule = nullptr;
-  uint64_t* fused_counters = nullptr;  // detail::fused_counter_words
-  uint64_t* timeline = nullptr;        // detail::fused_timeline_words, or null
-  // The rank's last call issued outside a CUDA-graph capture: its stream, and an event recorded after its
-  // last kernel. A call on another stream waits for that event first (the buffers above, the symmetric
-  // buffers, counters and tickets are shared by every call of the workspace).
-  cudaEvent_t call_done = nullptr;
-  mutable cudaStream_t call_stream = nullptr;  // mutable: read_status (const) orders itself too
-  mutable bool has_call = false;
-};
 
 ForwardContext::ForwardContext(ForwardContext&& other) noexcept { *this = std::move(other); }
 
@@ -126,6 +91,7 @@ ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
     rank_ = other.rank_;
     device_ = other.device_;
     allocation_ = other.allocation_;
+    bytes_ = other.bytes_;
     schedule_buffer_ = other.schedule_buffer_;
     schedule_ = other.schedule_;
     ring_rows_ = other.ring_rows_;
@@ -203,16 +169,17 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     char* cursor = static_cast<char*>(s.allocation);
     s.y = carve<char>(cursor, ring_rows_ * h * kBf16Bytes);
     s.shared_out = carve<char>(cursor, padded_tokens_ * h * kBf16Bytes);
-    s.tickets = carve<int32_t>(cursor, kNumTickets);
-    s.shared_schedule = carve<SharedSchedule>(cursor, 1);
+    s.tickets = carve<int32_t>(cursor, detail::kNumTickets);
+    s.shared_schedule = carve<detail::SharedSchedule>(cursor, 1);
     s.fused_counters = carve<uint64_t>(cursor, counter_words);
     if (timeline_words > 0) s.timeline = carve<uint64_t>(cursor, timeline_words);
-    const SharedSchedule shared{{shape_.num_tokens},
-                                {0, static_cast<int32_t>(padded_tokens_)},
-                                {static_cast<int32_t>(padded_tokens_)}};
+    const detail::SharedSchedule shared{{shape_.num_tokens},
+                                        {0, static_cast<int32_t>(padded_tokens_)},
+                                        {static_cast<int32_t>(padded_tokens_)}};
     MOK_CHECK_CUDA(cudaMemcpy(s.shared_schedule, &shared, sizeof(shared), cudaMemcpyHostToDevice));
     MOK_CHECK_CUDA(cudaEventCreateWithFlags(&s.call_done, cudaEventDisableTiming));
   }
+  if (options_.backward) allocate_backward();
 }
 
 MoeWorkspace::~MoeWorkspace() {
@@ -223,6 +190,7 @@ MoeWorkspace::~MoeWorkspace() {
     cudaSetDevice(ranks_[r].device);
     if (ranks_[r].call_done != nullptr) cudaEventDestroy(ranks_[r].call_done);
     cudaFree(ranks_[r].allocation);
+    if (ranks_[r].backward.allocation != nullptr) cudaFree(ranks_[r].backward.allocation);
     cudaSetDevice(previous);
   }
 }
@@ -245,6 +213,7 @@ ForwardContext MoeWorkspace::make_context(int rank) const {
   ctx.rank_ = rank;
   ctx.device_ = s.device;
   ctx.ring_rows_ = ring_rows_;
+  ctx.bytes_ = bytes;
   MOK_CHECK_CUDA(cudaMalloc(&ctx.allocation_, bytes));
   // Zero once: padding rows of the shared expert's hidden tile and rows no schedule has written yet.
   MOK_CHECK_CUDA(cudaMemset(ctx.allocation_, 0, bytes));
@@ -301,6 +270,46 @@ bool is_capturing(cudaStream_t stream) {
 }
 
 }  // namespace
+
+namespace {
+
+device::BarrierParams barrier_params(const SymmetricAllocation& flags, int rank, int ep_size, DeviceStatus* status,
+                                     double timeout_s) {
+  return {flags.peers(rank), rank, ep_size, status, static_cast<uint64_t>(timeout_s * 1e9)};
+}
+
+}  // namespace
+
+void MoeWorkspace::barrier_arrive(int rank, cudaStream_t stream) const {
+  DeviceGuard guard(state(rank).device);
+  device::barrier_arrive_kernel<<<1, 32, 0, stream>>>(barrier_params(
+      flags_, rank, shape_.ep_size, schedule_.device_status(rank), options_.schedule.wait_timeout_s));
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+void MoeWorkspace::barrier_wait(int rank, cudaStream_t stream) const {
+  DeviceGuard guard(state(rank).device);
+  device::barrier_wait_kernel<<<1, 32, 0, stream>>>(barrier_params(
+      flags_, rank, shape_.ep_size, schedule_.device_status(rank), options_.schedule.wait_timeout_s));
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+void MoeWorkspace::pull_rows(const RankForward& f, int64_t row_limit) const {
+  const RankState& s = state(f.rank);
+  DeviceGuard guard(s.device);
+  const ScheduleView& v = f.context->schedule_;
+  const kernels::PullParams pull{.x = x_.peers(f.rank),
+                                 .dst = static_cast<uint4*>(f.context->expert_rows_),
+                                 .row_route = v.row_route,
+                                 .scheduled_rows = v.scheduled_rows,
+                                 .row_limit = row_limit,
+                                 .num_tokens = shape_.num_tokens,
+                                 .top_k = shape_.top_k,
+                                 .row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16)};
+  kernels::pull_rows_kernel<<<row_kernel_ctas(row_limit, kernels::PullTraits::kWarps, s.num_sms),
+                               kernels::PullTraits::kThreads, 0, f.stream>>>(pull);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
 
 // Cross-stream order of the workspace's calls (include/mok/moe.h, "Streams"): outside a capture, a call
 // on a stream other than the rank's previous call's waits (on the GPU) for that call's event.
@@ -377,16 +386,6 @@ std::vector<TaskRecord> MoeWorkspace::read_timeline(int rank, cudaStream_t strea
 
 namespace {
 
-device::BarrierParams barrier_params(const SymmetricAllocation& flags, int rank, int ep_size, DeviceStatus* status,
-                                     double timeout_s) {
-  return {flags.peers(rank), rank, ep_size, status, static_cast<uint64_t>(timeout_s * 1e9)};
-}
-
-// One grid-stride launch of row kernels: enough warps to keep NVLink busy, at most a few CTAs per SM.
-int row_kernel_ctas(int64_t rows, int warps_per_cta, int num_sms) {
-  return static_cast<int>(std::clamp<int64_t>((rows + warps_per_cta - 1) / warps_per_cta, 1, int64_t(num_sms) * 4));
-}
-
 // gate/up GEMM with the SwiGLU epilogue into `hidden`, then the down GEMM into `out`, over the rows of a
 // schedule (the routed experts' or the shared expert's one-expert schedule).
 struct MlpGemms {  // the two GEMM launches of an MLP over the rows of a schedule
@@ -454,7 +453,7 @@ void MoeWorkspace::routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .scheduled_rows = ctx.schedule_.scheduled_rows,
             .hidden = ctx.hidden_,
             .out = s.y,
-            .tickets = s.tickets + kExpertGateUp},
+            .tickets = s.tickets + detail::kExpertGateUp},
            gate_up, down);
 }
 
@@ -473,7 +472,7 @@ void MoeWorkspace::shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .scheduled_rows = s.shared_schedule->scheduled_rows,
             .hidden = f.context->shared_hidden_,
             .out = s.shared_out,
-            .tickets = s.tickets + kSharedGateUp},
+            .tickets = s.tickets + detail::kSharedGateUp},
            gate_up, down);
 }
 
@@ -485,10 +484,7 @@ void MoeWorkspace::publish(const RankForward& f) {
   const int64_t h = shape_.hidden;
   MOK_CHECK_CUDA(cudaMemcpyAsync(x_.on(f.rank), f.x.data, int64_t(shape_.num_tokens) * h * kBf16Bytes,
                                  cudaMemcpyDeviceToDevice, f.stream));
-  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_arrive(f.rank, f.stream);
   if (!shape_.shared_expert || options_.path == ForwardPath::kFused) return;  // the megakernel runs it
   ExpertGemmArgs gate_up, down;
   shared_gemms(f, gate_up, down);
@@ -501,19 +497,10 @@ void MoeWorkspace::publish(const RankForward& f) {
 void MoeWorkspace::compute(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
-  ForwardContext& ctx = *f.context;
-  const ScheduleView& v = ctx.schedule_;
+  const ScheduleView& v = f.context->schedule_;
   const int row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16);
-  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
-
-  const kernels::PullParams pull{x_.peers(f.rank), static_cast<uint4*>(ctx.expert_rows_), v.row_route,
-                                  v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};
-  kernels::pull_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::PullTraits::kWarps, s.num_sms),
-                               kernels::PullTraits::kThreads, 0, f.stream>>>(pull);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_wait(f.rank, f.stream);
+  pull_rows(f, capacity_rows());
 
   ExpertGemmArgs gate_up, down;
   routed_gemms(f, gate_up, down);
@@ -525,8 +512,7 @@ void MoeWorkspace::compute(const RankForward& f) {
   kernels::push_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::PushTraits::kWarps, s.num_sms),
                               kernels::PushTraits::kThreads, 0, f.stream>>>(push);
   MOK_CHECK_CUDA(cudaGetLastError());
-  device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_arrive(f.rank, f.stream);
 }
 
 // Phase 2, fused: wait for every rank's x, then the megakernel (shared expert, pulls, routed experts,
@@ -536,10 +522,7 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
   DeviceGuard guard(s.device);
   ForwardContext& ctx = *f.context;
   const ScheduleView& v = ctx.schedule_;
-  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_wait(f.rank, f.stream);
 
   ExpertGemmArgs routed_gate_up, routed_down, shared_gate_up, shared_down;
   routed_gemms(f, routed_gate_up, routed_down);
@@ -578,36 +561,28 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
                                 .timeline = s.timeline,
                                 .timeline_capacity = options_.fused.timeline_records},
                                f.stream);
-  device::barrier_arrive_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_arrive(f.rank, f.stream);
 }
 
 // Phase 3: wait for every expert rank's rows, then out = shared + sum_j rw * y_j.
 void MoeWorkspace::combine(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
-  const auto barrier = barrier_params(flags_, f.rank, shape_.ep_size, schedule_.device_status(f.rank),
-                                      options_.schedule.wait_timeout_s);
-  device::barrier_wait_kernel<<<1, 32, 0, f.stream>>>(barrier);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_wait(f.rank, f.stream);
 
-  const combine::EpilogueParams p{static_cast<const uint4*>(combined_.on(f.rank)),
-                                  shape_.shared_expert ? static_cast<const uint4*>(s.shared_out) : nullptr,
-                                  static_cast<const float*>(f.router_weights.data),
-                                  f.topk_idx.data,
-                                  static_cast<uint4*>(f.out.mutable_data()),
-                                  shape_.num_tokens,
-                                  shape_.top_k,
-                                  shape_.num_experts,
-                                  static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns)};
-  const int64_t threads = int64_t(shape_.num_tokens) * p.row_vectors;
-  constexpr int kThreads = combine::EpilogueTraits::kThreads;
-  const int ctas = static_cast<int>(std::min<int64_t>((threads + kThreads - 1) / kThreads, int64_t(s.num_sms) * 8));
-  if (f.topk_idx.dtype == DType::kInt64)
-    combine::combine_epilogue_kernel<int64_t><<<ctas, kThreads, 0, f.stream>>>(p);
-  else
-    combine::combine_epilogue_kernel<int32_t><<<ctas, kThreads, 0, f.stream>>>(p);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  const combine::EpilogueParams p{
+      .combined = static_cast<const uint4*>(combined_.on(f.rank)),
+      .shared_out = shape_.shared_expert ? static_cast<const uint4*>(s.shared_out) : nullptr,
+      .router_weights = static_cast<const float*>(f.router_weights.data),
+      .topk_idx = f.topk_idx.data,
+      .out = static_cast<uint4*>(f.out.mutable_data()),
+      .route_values = nullptr,
+      .route_out = nullptr,
+      .num_tokens = shape_.num_tokens,
+      .top_k = shape_.top_k,
+      .num_experts = shape_.num_experts,
+      .row_vectors = static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns)};
+  detail::launch_combine_epilogue(p, f.topk_idx.dtype, s.num_sms, f.stream);
 }
 
 }  // namespace mok

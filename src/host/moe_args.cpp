@@ -2,6 +2,7 @@
 // argument and says what was expected and what was given.
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include <cuda_runtime_api.h>
 
@@ -96,6 +97,86 @@ void check_routing_inputs(const RankForward& f, const MoeShape& s, int device) {
   const int64_t t = s.num_tokens, k = s.top_k;
   const DType index_dtype = f.topk_idx.dtype == DType::kInt64 ? DType::kInt64 : DType::kInt32;
   check_tensor(f.topk_idx, "topk_idx", index_dtype, {t, k}, device, index_dtype == DType::kInt64 ? 8 : 4);
+}
+
+void check_recompute_inputs(const RankForward& f, const MoeShape& s, int device) {
+  check_tensor(f.x, "x", DType::kBFloat16, {s.num_tokens, s.hidden}, device, 16);
+  require(f.weights != nullptr, "weights: must not be null");
+  check_weights(*f.weights, s, device);
+}
+
+namespace {
+
+// An optional gradient: empty, or bf16 / fp32 of `shape` on `device`, 16-byte aligned (the weight-gradient
+// GEMM's TMA stores); kAccumulate adds into fp32 only.
+void check_weight_grad(const WeightGrad& g, const char* name, std::initializer_list<int64_t> shape, int device) {
+  if (g.grad.empty()) return;
+  require(g.mode == GradMode::kWrite || g.mode == GradMode::kAccumulate,
+          std::string(name) + ": mode must be GradMode::kWrite or kAccumulate, got " +
+              std::to_string(static_cast<int>(g.mode)));
+  require(g.grad.dtype == DType::kBFloat16 || g.grad.dtype == DType::kFloat32,
+          std::string(name) + ": expected a bf16 or fp32 gradient, got " + g.grad.describe());
+  require(g.mode != GradMode::kAccumulate || g.grad.dtype == DType::kFloat32,
+          std::string(name) + ": GradMode::kAccumulate needs an fp32 gradient (Megatron's main_grad), got " +
+              g.grad.describe());
+  check_tensor(g.grad, name, g.grad.dtype, shape, device, 16);
+}
+
+// Separate gate and up gradients come from one GEMM over [d_g, d_u] (its output split in two): both or
+// neither, with one dtype and one mode.
+void check_gate_up_pair(const WeightGrad& gate, const WeightGrad& up, const char* gate_name, const char* up_name) {
+  require(gate.grad.empty() == up.grad.empty(),
+          std::string(up_name) + ": must be given exactly when " + gate_name + " is (one GEMM computes both), got " +
+              up.grad.describe() + " with " + gate.grad.describe());
+  if (gate.grad.empty()) return;
+  require(gate.grad.dtype == up.grad.dtype && gate.mode == up.mode,
+          std::string(up_name) + ": must have " + gate_name + "'s dtype and mode (one GEMM computes both), got " +
+              up.grad.describe() + (up.mode == GradMode::kAccumulate ? " accumulated" : " written") + " vs " +
+              gate.grad.describe() + (gate.mode == GradMode::kAccumulate ? " accumulated" : " written"));
+}
+
+void check_weight_grads(const MoeWeightGrads& g, const MoeWeights& w, const MoeShape& s, int device) {
+  const int64_t e = s.local_experts(), h = s.hidden, i = s.intermediate;
+  if (w.expert_up.empty()) {
+    check_weight_grad(g.expert_gate, "weight_grads.expert_gate (fused gate and up)", {e, 2 * i, h}, device);
+    require(g.expert_up.grad.empty(), "weight_grads.expert_up: must be empty with fused gate/up weights (the "
+                                      "gradient of weights.expert_gate [E_local, 2I, H] holds both), got " +
+                                          g.expert_up.grad.describe());
+  } else {
+    check_weight_grad(g.expert_gate, "weight_grads.expert_gate", {e, i, h}, device);
+    check_weight_grad(g.expert_up, "weight_grads.expert_up", {e, i, h}, device);
+    check_gate_up_pair(g.expert_gate, g.expert_up, "weight_grads.expert_gate", "weight_grads.expert_up");
+  }
+  check_weight_grad(g.expert_down, "weight_grads.expert_down", {e, h, i}, device);
+  if (s.shared_expert) {
+    check_weight_grad(g.shared_gate, "weight_grads.shared_gate", {i, h}, device);
+    check_weight_grad(g.shared_up, "weight_grads.shared_up", {i, h}, device);
+    check_gate_up_pair(g.shared_gate, g.shared_up, "weight_grads.shared_gate", "weight_grads.shared_up");
+    check_weight_grad(g.shared_down, "weight_grads.shared_down", {h, i}, device);
+  } else {
+    for (const auto& [grad, name] : {std::pair{&g.shared_gate, "weight_grads.shared_gate"},
+                                     std::pair{&g.shared_up, "weight_grads.shared_up"},
+                                     std::pair{&g.shared_down, "weight_grads.shared_down"}})
+      require(grad->grad.empty(),
+              std::string(name) + ": must be empty without a shared expert, got " + grad->grad.describe());
+  }
+}
+
+}  // namespace
+
+void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device) {
+  const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden;
+  check_tensor(b.x, "x", DType::kBFloat16, {t, h}, device, 16);
+  const DType index_dtype = b.topk_idx.dtype == DType::kInt64 ? DType::kInt64 : DType::kInt32;
+  check_tensor(b.topk_idx, "topk_idx", index_dtype, {t, k}, device, index_dtype == DType::kInt64 ? 8 : 4);
+  check_tensor(b.router_weights, "router_weights", DType::kFloat32, {t, k}, device, 4);
+  require(b.weights != nullptr, "weights: must not be null");
+  check_weights(*b.weights, s, device);
+  check_tensor(b.d_out, "d_out", DType::kBFloat16, {t, h}, device, 16);
+  check_tensor(b.d_x, "d_x", DType::kBFloat16, {t, h}, device, 16);
+  check_tensor(b.d_router_weights, "d_router_weights", DType::kFloat32, {t, k}, device, 4);
+  require(b.weight_grads != nullptr, "weight_grads: must not be null (leave a WeightGrad empty to skip it)");
+  check_weight_grads(*b.weight_grads, *b.weights, s, device);
 }
 
 void check_layer_inputs(const RankForward& f, const MoeShape& s, int device) {

@@ -1,5 +1,6 @@
 #include "tests/common/moe_harness.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -33,6 +34,37 @@ reference::LayerShape reference_shape(const MoeShape& s) {
   r.shared_expert = s.shared_expert;
   r.swiglu_limit = s.swiglu_limit;
   return r;
+}
+
+MoeShape scaled_model_shape(const reference::ModelShape& m, int ep, int tokens) {
+  const int hidden = m.hidden % 256 == 0 ? 512 : 576;
+  const int intermediate = m.intermediate % 128 != 0 ? 192 : m.intermediate * 512 / m.hidden >= 256 ? 256 : 128;
+  return moe_shape(ep, tokens, m.top_k, m.num_experts / 8, hidden, intermediate, m.shared_expert);
+}
+
+std::vector<float> random_d_out(const MoeShape& shape, uint64_t seed) {
+  std::vector<float> d_out =
+      reference::random_normal<float>(int64_t(shape.ep_size) * shape.num_tokens * shape.hidden, seed);
+  for (float& v : d_out) v = round_to_bf16(v);
+  return d_out;
+}
+
+const char* grad_tensor_name(GradTensor which) {
+  switch (which) {
+    case GradTensor::kExpertGate: return "weight_grads.expert_gate";
+    case GradTensor::kExpertUp: return "weight_grads.expert_up";
+    case GradTensor::kExpertDown: return "weight_grads.expert_down";
+    case GradTensor::kSharedGate: return "weight_grads.shared_gate";
+    case GradTensor::kSharedUp: return "weight_grads.shared_up";
+    case GradTensor::kSharedDown: return "weight_grads.shared_down";
+  }
+  return "unknown gradient";
+}
+
+GradSetups all_grads(DType dtype, GradMode mode) {
+  static_assert(kNumGradTensors == 6, "one entry per weight gradient");
+  const GradSetup one{dtype, mode, true};
+  return {one, one, one, one, one, one};
 }
 
 namespace {
@@ -149,7 +181,8 @@ std::string check_provenance(const LayerData& data, int rank, const std::vector<
   return "";
 }
 
-// Device buffers of one local rank: inputs, weights, output, and its forward context.
+// Device buffers of one local rank: inputs, weights, output, and its forward context; the backward's
+// d_out and gradients once used.
 struct MoeHarness::RankBuffers {
   int device = 0;
   std::vector<void*> allocations;
@@ -158,6 +191,9 @@ struct MoeHarness::RankBuffers {
   void *shared_gate = nullptr, *shared_up = nullptr, *shared_down = nullptr;
   MoeWeights weights;
   ForwardContext context;
+  void *d_out = nullptr, *d_x = nullptr, *d_rw = nullptr;
+  std::array<void*, kNumGradTensors> grads{};  // null: not computed
+  MoeWeightGrads weight_grads;
 
   void* alloc(int64_t bytes) {
     void* p = nullptr;
@@ -165,9 +201,28 @@ struct MoeHarness::RankBuffers {
     allocations.push_back(p);
     return p;
   }
+  void free_grads() {
+    for (void*& p : grads) {
+      if (p != nullptr) cudaFree(p);
+      p = nullptr;
+    }
+    weight_grads = MoeWeightGrads{};
+  }
+  WeightGrad& grad(GradTensor which) {
+    switch (which) {
+      case GradTensor::kExpertGate: return weight_grads.expert_gate;
+      case GradTensor::kExpertUp: return weight_grads.expert_up;
+      case GradTensor::kExpertDown: return weight_grads.expert_down;
+      case GradTensor::kSharedGate: return weight_grads.shared_gate;
+      case GradTensor::kSharedUp: return weight_grads.shared_up;
+      case GradTensor::kSharedDown: break;
+    }
+    return weight_grads.shared_down;
+  }
   ~RankBuffers() {
     DeviceGuard guard(device);
     context = ForwardContext();
+    free_grads();
     for (void* p : allocations) cudaFree(p);
   }
 };
@@ -298,6 +353,7 @@ void MoeHarness::use_fused_gate_up(const LayerData& data) {
     b.weights.expert_gate = TensorRef(fused, DType::kBFloat16, {e, 2 * i, h});
     b.weights.expert_up = TensorRef();
   }
+  if (!backward_args_.empty()) set_grads(grad_setups_);  // the gradients follow the weights' layout
 }
 
 void MoeHarness::fill_hashed(uint64_t seed, int range, float weight_scale, float x_scale) {
@@ -395,6 +451,236 @@ StatusReport MoeHarness::status(int rank) { return workspace_->read_status(rank,
 void MoeHarness::reset_status() {
   for (const RankForward& f : args_) workspace_->reset_status(f.rank, f.stream);
   synchronize();
+}
+
+void MoeHarness::check_status() {
+  for (const RankForward& f : args_) {
+    const StatusReport report = status(f.rank);
+    if (!report.ok())
+      throw std::runtime_error("rank " + std::to_string(f.rank) + ": " +
+                               report.describe(shape_.num_tokens, shape_.top_k, shape_.num_experts));
+  }
+}
+
+namespace {
+
+int64_t tensor_bytes(const TensorRef& t) {
+  int64_t count = 1;
+  for (int d = 0; d < t.ndim; ++d) count *= t.shape[d];
+  return count * (t.dtype == DType::kFloat32 || t.dtype == DType::kInt32 ? 4 : t.dtype == DType::kInt64 ? 8 : 2);
+}
+
+}  // namespace
+
+void MoeHarness::ensure_backward() {
+  if (!backward_args_.empty()) return;
+  const int64_t t = shape_.num_tokens, k = shape_.top_k, h = shape_.hidden;
+  for (const RankForward& f : args_) {
+    RankBuffers& b = *buffers_[f.rank];
+    DeviceGuard guard(b.device);
+    b.d_out = b.alloc(t * h * 2);
+    b.d_x = b.alloc(t * h * 2);
+    b.d_rw = b.alloc(t * k * 4);
+    MOK_CHECK_CUDA(cudaMemset(b.d_out, 0, t * h * 2));
+    RankBackward a;
+    a.rank = f.rank;
+    a.d_out = TensorRef(b.d_out, DType::kBFloat16, {t, h});
+    a.d_x = TensorRef(b.d_x, DType::kBFloat16, {t, h});
+    a.d_router_weights = TensorRef(b.d_rw, DType::kFloat32, {t, k});
+    a.weight_grads = &b.weight_grads;
+    backward_args_.push_back(a);
+  }
+  set_grads(grad_setups_);
+}
+
+void MoeHarness::upload_d_out(const std::vector<float>& d_out) {
+  ensure_backward();
+  const int64_t t = shape_.num_tokens, h = shape_.hidden;
+  if (int64_t(d_out.size()) != int64_t(shape_.ep_size) * t * h)
+    throw std::invalid_argument("upload_d_out: expected ep_size * T * H values");
+  for (const RankForward& f : args_) {
+    DeviceGuard guard(buffers_[f.rank]->device);
+    copy_bf16(buffers_[f.rank]->d_out, d_out.data() + f.rank * t * h, t * h);
+  }
+}
+
+void MoeHarness::set_grads(const GradSetups& setups) {
+  ensure_backward();  // (re-enters here once, with the defaults)
+  synchronize();
+  grad_setups_ = setups;
+  const int64_t e = shape_.local_experts(), h = shape_.hidden, i = shape_.intermediate;
+  for (const RankForward& f : args_) {
+    RankBuffers& b = *buffers_[f.rank];
+    DeviceGuard guard(b.device);
+    b.free_grads();
+    const bool fused = b.weights.expert_up.empty();
+    for (int n = 0; n < kNumGradTensors; ++n) {
+      const GradTensor which = static_cast<GradTensor>(n);
+      const bool shared = which >= GradTensor::kSharedGate;
+      if (!setups[n].compute || (shared && !shape_.shared_expert) || (fused && which == GradTensor::kExpertUp))
+        continue;
+      const DType dtype = setups[n].dtype;
+      TensorRef ref;  // the parameter's shape
+      switch (which) {
+        case GradTensor::kExpertGate: ref = TensorRef(nullptr, dtype, {e, fused ? 2 * i : i, h}); break;
+        case GradTensor::kExpertUp: ref = TensorRef(nullptr, dtype, {e, i, h}); break;
+        case GradTensor::kExpertDown: ref = TensorRef(nullptr, dtype, {e, h, i}); break;
+        case GradTensor::kSharedGate:
+        case GradTensor::kSharedUp: ref = TensorRef(nullptr, dtype, {i, h}); break;
+        case GradTensor::kSharedDown: ref = TensorRef(nullptr, dtype, {h, i}); break;
+      }
+      const int64_t bytes = tensor_bytes(ref);
+      MOK_CHECK_CUDA(cudaMalloc(&b.grads[n], bytes));
+      MOK_CHECK_CUDA(cudaMemset(b.grads[n], 0, bytes));
+      ref.data = b.grads[n];
+      b.grad(which) = WeightGrad{ref, setups[n].mode};
+    }
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  }
+}
+
+void MoeHarness::poison_grads() {
+  ensure_backward();
+  synchronize();
+  for (const RankBackward& a : backward_args_) {
+    RankBuffers& b = *buffers_[a.rank];
+    DeviceGuard guard(b.device);
+    MOK_CHECK_CUDA(cudaMemset(b.d_x, 0xff, tensor_bytes(a.d_x)));
+    MOK_CHECK_CUDA(cudaMemset(b.d_rw, 0xff, tensor_bytes(a.d_router_weights)));
+    for (int n = 0; n < kNumGradTensors; ++n) {
+      const WeightGrad& g = b.grad(static_cast<GradTensor>(n));
+      if (!g.grad.empty() && g.mode == GradMode::kWrite)
+        MOK_CHECK_CUDA(cudaMemset(g.grad.mutable_data(), 0xff, tensor_bytes(g.grad)));
+    }
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());  // landed before a non-blocking stream reads the buffers
+  }
+}
+
+void MoeHarness::zero_weight_grads() {
+  ensure_backward();
+  synchronize();
+  for (const RankBackward& a : backward_args_) {
+    RankBuffers& b = *buffers_[a.rank];
+    DeviceGuard guard(b.device);
+    for (int n = 0; n < kNumGradTensors; ++n) {
+      const WeightGrad& g = b.grad(static_cast<GradTensor>(n));
+      if (!g.grad.empty()) MOK_CHECK_CUDA(cudaMemset(g.grad.mutable_data(), 0, tensor_bytes(g.grad)));
+    }
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  }
+}
+
+const std::vector<RankBackward>& MoeHarness::all_backward_args() {
+  ensure_backward();
+  for (size_t n = 0; n < args_.size(); ++n) {
+    const RankForward& f = args_[n];
+    RankBackward& a = backward_args_[n];
+    a.x = f.x;
+    a.topk_idx = f.topk_idx;
+    a.router_weights = f.router_weights;
+    a.weights = f.weights;
+    a.context = f.context;
+    a.stream = f.stream;
+  }
+  return backward_args_;
+}
+
+void MoeHarness::backward() {
+  const std::vector<RankBackward>& args = all_backward_args();
+  poison_grads();
+  workspace_->backward(args);
+}
+
+std::vector<uint16_t> MoeHarness::d_x_bits(int rank) {
+  ensure_backward();
+  synchronize();
+  std::vector<uint16_t> bits(int64_t(shape_.num_tokens) * shape_.hidden);
+  DeviceGuard guard(buffers_.at(rank)->device);
+  MOK_CHECK_CUDA(cudaMemcpy(bits.data(), buffers_[rank]->d_x, bits.size() * 2, cudaMemcpyDeviceToHost));
+  return bits;
+}
+
+std::vector<float> MoeHarness::d_router_weights(int rank) {
+  ensure_backward();
+  synchronize();
+  std::vector<float> values(int64_t(shape_.num_tokens) * shape_.top_k);
+  DeviceGuard guard(buffers_.at(rank)->device);
+  MOK_CHECK_CUDA(cudaMemcpy(values.data(), buffers_[rank]->d_rw, values.size() * 4, cudaMemcpyDeviceToHost));
+  return values;
+}
+
+std::vector<float> MoeHarness::weight_grad(int rank, GradTensor which) {
+  ensure_backward();
+  synchronize();
+  RankBuffers& b = *buffers_.at(rank);
+  const bool fused = b.weights.expert_up.empty();
+  const bool from_fused = fused && (which == GradTensor::kExpertGate || which == GradTensor::kExpertUp);
+  const WeightGrad& g = b.grad(from_fused ? GradTensor::kExpertGate : which);
+  if (g.grad.empty()) return {};
+  const int64_t bytes = tensor_bytes(g.grad);
+  std::vector<uint8_t> raw(bytes);
+  DeviceGuard guard(b.device);
+  MOK_CHECK_CUDA(cudaMemcpy(raw.data(), g.grad.data, bytes, cudaMemcpyDeviceToHost));
+  const bool fp32 = g.grad.dtype == DType::kFloat32;
+  const int64_t count = bytes / (fp32 ? 4 : 2);
+  auto value = [&](int64_t n) {
+    if (fp32) {
+      float v;
+      std::memcpy(&v, raw.data() + n * 4, 4);
+      return v;
+    }
+    uint16_t bits;
+    std::memcpy(&bits, raw.data() + n * 2, 2);
+    return from_bf16_bits(bits);
+  };
+  std::vector<float> values;
+  if (!from_fused) {
+    values.resize(count);
+    for (int64_t n = 0; n < count; ++n) values[n] = value(n);
+    return values;
+  }
+  // [E, 2I, H]: each expert's gate rows, then its up rows.
+  const int64_t e = shape_.local_experts(), expert = int64_t(shape_.intermediate) * shape_.hidden;
+  const int64_t half = which == GradTensor::kExpertGate ? 0 : expert;
+  values.resize(e * expert);
+  for (int64_t x = 0; x < e; ++x)
+    for (int64_t n = 0; n < expert; ++n) values[x * expert + n] = value(x * 2 * expert + half + n);
+  return values;
+}
+
+std::vector<std::pair<std::string, std::vector<uint8_t>>> MoeHarness::raw_grads(int rank) {
+  ensure_backward();
+  synchronize();
+  RankBuffers& b = *buffers_.at(rank);
+  DeviceGuard guard(b.device);
+  std::vector<std::pair<std::string, std::vector<uint8_t>>> out;
+  auto add = [&](const std::string& name, const TensorRef& t) {
+    std::vector<uint8_t> bytes(tensor_bytes(t));
+    MOK_CHECK_CUDA(cudaMemcpy(bytes.data(), t.data, bytes.size(), cudaMemcpyDeviceToHost));
+    out.emplace_back(name, std::move(bytes));
+  };
+  const RankBackward& a = backward_args_.at(std::find_if(args_.begin(), args_.end(),
+                                                         [&](const RankForward& f) { return f.rank == rank; }) -
+                                            args_.begin());
+  add("d_x", a.d_x);
+  add("d_router_weights", a.d_router_weights);
+  for (int n = 0; n < kNumGradTensors; ++n) {
+    const WeightGrad& g = b.grad(static_cast<GradTensor>(n));
+    if (!g.grad.empty()) add(grad_tensor_name(static_cast<GradTensor>(n)), g.grad);
+  }
+  return out;
+}
+
+std::vector<uint16_t> MoeHarness::context_bits(const ForwardContext& ctx) {
+  synchronize();
+  DeviceGuard guard(group_.device(ctx.rank()));
+  const int64_t ring = ctx.ring_rows(), h = shape_.hidden, i = shape_.intermediate;
+  const int64_t pt = workspace_->padded_tokens();
+  std::vector<uint16_t> bits(ring * h + ring * i + pt * i);
+  MOK_CHECK_CUDA(cudaMemcpy(bits.data(), ctx.expert_rows(), ring * h * 2, cudaMemcpyDeviceToHost));
+  MOK_CHECK_CUDA(cudaMemcpy(bits.data() + ring * h, ctx.hidden(), ring * i * 2, cudaMemcpyDeviceToHost));
+  MOK_CHECK_CUDA(cudaMemcpy(bits.data() + ring * (h + i), ctx.shared_hidden(), pt * i * 2, cudaMemcpyDeviceToHost));
+  return bits;
 }
 
 std::string BudgetResult::describe(int hidden) const {

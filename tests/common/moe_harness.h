@@ -1,16 +1,19 @@
-// Drives the unfused MoE forward for every local rank of a peer group from host data (tests and the main
-// program): uploads each rank's slice of a global problem, runs MoeWorkspace::forward and reads back.
+// Drives the MoE layer for every local rank of a peer group from host data (tests and the main program):
+// uploads each rank's slice of a global problem, runs MoeWorkspace::forward (and backward) and reads back.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
 #include "mok/moe.h"
 #include "reference/moe_reference.h"
+#include "reference/routing_gen.h"
 #include "tests/common/moe_check.h"
 
 namespace mok::testing {
@@ -25,6 +28,10 @@ struct LayerData {
 MoeShape moe_shape(int ep_size, int num_tokens, int top_k, int num_experts, int hidden, int intermediate,
                    bool shared_expert = true);
 reference::LayerShape reference_shape(const MoeShape& shape);
+// A model shape (reference/routing_gen.h) scaled down for the CPU reference: experts / 8, hidden 512 (576
+// when the model's H is not a multiple of 256, keeping a partial last n-block) and intermediate scaled like
+// the model's I / H (192 when the model's I is not a multiple of 128).
+MoeShape scaled_model_shape(const reference::ModelShape& model, int ep_size, int num_tokens);
 
 // x ~ N(0, 1); weights ~ N(0, 1 / fan_in); routing: softmax top-k of N(0, 1) logits, with a Zipf-like
 // expert bias when skew > 0 (reference/routing_gen.h); a fraction of the routes masked with -1. Rounded
@@ -40,6 +47,24 @@ LayerData random_layer(const MoeShape& shape, uint64_t seed, double skew = 0, do
 LayerData provenance_layer(const MoeShape& shape, uint64_t seed, double masked_fraction, int hot_slot);
 // Empty when rank `rank`'s output is exactly what provenance_layer encodes; else the first mismatch.
 std::string check_provenance(const LayerData& data, int rank, const std::vector<uint16_t>& out);
+
+// d_out of every global token [N, H]: N(0, 1) values rounded to bf16.
+std::vector<float> random_d_out(const MoeShape& shape, uint64_t seed);
+
+// The six weight gradients, in MoeWeightGrads order.
+enum class GradTensor : int { kExpertGate = 0, kExpertUp, kExpertDown, kSharedGate, kSharedUp, kSharedDown };
+inline constexpr int kNumGradTensors = 6;
+const char* grad_tensor_name(GradTensor which);
+
+// How the harness makes one weight gradient: its dtype (bf16 or fp32) and mode; `compute` false leaves it
+// empty (not computed).
+struct GradSetup {
+  DType dtype = DType::kFloat32;
+  GradMode mode = GradMode::kWrite;
+  bool compute = true;
+};
+using GradSetups = std::array<GradSetup, kNumGradTensors>;
+GradSetups all_grads(DType dtype, GradMode mode);
 
 class MoeHarness {
  public:
@@ -77,6 +102,35 @@ class MoeHarness {
   CheckRank check_rank(int rank) const;
   CheckShared check_shared(int rank) const;
 
+  // Backward (MoeOptions::backward, the default). Gradient buffers are allocated on first use.
+  // Copies each local rank's slice of the global d_out [N, H] (values exactly bf16) to its GPU.
+  void upload_d_out(const std::vector<float>& d_out);
+  // (Re)allocates every rank's weight gradients as `setups` says, laid out as the current weights (fused
+  // gate/up after use_fused_gate_up: expert_gate's gradient [E_local, 2I, H], expert_up's empty), zero-
+  // filled. Until called: all fp32, written.
+  void set_grads(const GradSetups& setups);
+  // Fills every gradient the next backward writes (d_x, d_router_weights, written weight gradients) with
+  // NaN bits (0xff bytes); accumulated ones keep their values. Synchronous.
+  void poison_grads();
+  void zero_weight_grads();  // synchronous
+  // poison_grads, then MoeWorkspace::backward of every local rank (with the forward's arguments of
+  // all_args(), so a context swapped there is the one used). Asynchronous.
+  void backward();
+  // Every local rank's backward arguments as backward() passes them (rank order).
+  const std::vector<RankBackward>& all_backward_args();
+  std::vector<uint16_t> d_x_bits(int rank);          // synchronizes
+  std::vector<float> d_router_weights(int rank);     // synchronizes
+  // The rank's gradient of `which` as fp32 values in the reference's layout (gate and up apart even when
+  // fused); empty when not computed. Synchronizes.
+  std::vector<float> weight_grad(int rank, GradTensor which);
+  // The rank's gradient outputs as raw bytes by name (d_x, d_router_weights, then each computed weight
+  // gradient), for bitwise comparisons. Synchronizes.
+  std::vector<std::pair<std::string, std::vector<uint8_t>>> raw_grads(int rank);
+  // What a context keeps, as bf16 bits: expert rows [ring, H], hidden [ring, I], shared hidden [padded T, I].
+  std::vector<uint16_t> context_bits(const ForwardContext& context);  // synchronizes
+  // Throws std::runtime_error with the report when a local rank's status word records an error.
+  void check_status();
+
   MoeWorkspace& workspace() { return *workspace_; }
   const PeerGroup& group() const { return group_; }
   RankForward& args(int rank);
@@ -90,8 +144,11 @@ class MoeHarness {
   MoeShape shape_;
   std::unique_ptr<MoeWorkspace> workspace_;
   std::vector<cudaStream_t> streams_;
+  void ensure_backward();
   std::vector<std::unique_ptr<RankBuffers>> buffers_;  // [ep_size], null for non-local ranks
   std::vector<RankForward> args_;                      // local ranks
+  std::vector<RankBackward> backward_args_;            // local ranks, once ensure_backward ran
+  GradSetups grad_setups_ = all_grads(DType::kFloat32, GradMode::kWrite);
 };
 
 // Largest |gpu - ref| / (2^-6 * (|ref| + rms(ref)) + extra[n]) over a rank's output, and where it is; NaN

@@ -6,6 +6,7 @@
 // run, so an unwritten output never passes. Rows with their own shape or options (T edge cases, a capacity too
 // small, zero tokens) get their own workspace and the same "bad call, next good call" sequence.
 // The status word is sticky until reset_status: every expected error is followed by a reset of every rank.
+// The backward's rows (BackwardBadInputs) follow the same pattern on the gradients.
 // At the end each test prints one line per row ("case | path | expected | observed | next call") and fails on
 // any row whose outcome or next call differs from the table.
 // MOK_TEST_WAIT_TIMEOUT_S overrides the spin-wait timeout of the shared workspace (default 0.5 s; raise it under
@@ -572,16 +573,319 @@ class BadInputMatrix {
   std::vector<Row> rows_;
 };
 
-void run_matrix(ForwardPath path) {
-  BadInputMatrix matrix(path);
-  matrix.run();
+// The backward's rows (docs/bad_inputs.md, "Backward"). One workspace (EP=2 virtual ranks, T=100, k=4, E=16,
+// H=256, I=128, fp32 written weight gradients) holds a good forward's contexts; each rejected call is a backward
+// with one edited argument of rank 1: it must throw naming the argument, leave every gradient output poisoned
+// (NaN bits) and the status clean, and the next good backward must give a fresh workspace's bits. Rows with
+// their own options (an inference-only workspace, a capacity too small) get their own workspace.
+class BackwardBadInputs {
+ public:
+  using Grads = std::vector<std::vector<std::pair<std::string, std::vector<uint8_t>>>>;  // [rank][tensor]
+
+  BackwardBadInputs()
+      : shape_(moe_shape(2, 100, 4, 16, 256, 128)),
+        good_(testing::random_layer(shape_, 8, 0, 0.05)),
+        d_out_(testing::random_d_out(shape_, 9)) {
+    options_.schedule.wait_timeout_s = wait_timeout_s();
+    fresh_ = fresh_grads(options_, good_);
+    ws_ = std::make_unique<MoeHarness>(PeerGroup::virtual_ranks(2), shape_, options_);
+    ws_->upload(good_);
+    ws_->upload_d_out(d_out_);
+    ws_->forward();
+    ws_->synchronize();
+  }
+
+  const std::vector<Row>& rows() const { return rows_; }
+
+  void run() {
+    rejected_calls();
+    peer_that_never_arrives();  // last on the shared workspace: a late peer brings the counters back in step
+    inference_only_workspace();
+    capacity_too_small();
+  }
+
+ private:
+  Grads grads(MoeHarness& h) {
+    Grads all;
+    for (const RankForward& f : h.all_args()) all.push_back(h.raw_grads(f.rank));
+    return all;
+  }
+
+  // A fresh workspace's forward and backward of `data`.
+  Grads fresh_grads(const MoeOptions& options, const LayerData& data) {
+    MoeHarness fresh(PeerGroup::virtual_ranks(2), shape_, options);
+    fresh.upload(data);
+    fresh.upload_d_out(d_out_);
+    fresh.forward();
+    fresh.backward();
+    fresh.check_status();  // throws on a status error
+    return grads(fresh);
+  }
+
+  static std::string difference(const Grads& got, const Grads& want) {
+    for (size_t r = 0; r < want.size(); ++r)
+      for (size_t n = 0; n < want[r].size(); ++n)
+        if (got.at(r).at(n).second != want[r][n].second)
+          return "rank " + std::to_string(r) + " " + want[r][n].first + " differs";
+    return "";
+  }
+
+  std::string status_errors(MoeHarness& h) {
+    std::string text;
+    for (const RankForward& f : h.all_args()) {
+      const StatusReport r = h.status(f.rank);
+      if (!r.ok()) text += "rank " + std::to_string(f.rank) + ": " + r.describe(shape_.num_tokens, shape_.top_k, shape_.num_experts) + "; ";
+    }
+    return text;
+  }
+
+  void reset_status(MoeHarness& h) {
+    for (const RankForward& f : h.all_args()) h.workspace().reset_status(f.rank, f.stream);
+    h.synchronize();
+  }
+
+  // Every gradient output still holds the poison (every byte 0xff: no accumulated gradient here).
+  bool grads_untouched(MoeHarness& h) {
+    for (const auto& rank : grads(h))
+      for (const auto& tensor : rank)
+        for (uint8_t byte : tensor.second)
+          if (byte != 0xff) return false;
+    return true;
+  }
+
+  // The next good backward on `h` (its contexts hold a good forward), bitwise against `fresh`.
+  std::string good_backward(MoeHarness& h, const Grads& fresh) {
+    h.backward();
+    const std::string errors = status_errors(h);
+    if (!errors.empty()) return "FAIL status: " + errors;
+    const std::string diff = difference(grads(h), fresh);
+    return diff.empty() ? "bitwise == fresh" : "FAIL " + diff;
+  }
+
+  void record(const std::string& name, const std::string& expected, bool outcome_ok, const std::string& observed,
+              const std::string& next) {
+    const bool next_ok = next.rfind("bitwise ==", 0) == 0 || next == "-";
+    rows_.push_back({name, "backward", expected, observed, next, outcome_ok && next_ok});
+  }
+
+  using Edit = std::function<void(RankBackward&, MoeWeights&, MoeWeightGrads&)>;
+
+  // A backward with one edited argument of rank 1: std::invalid_argument naming it, nothing issued (gradients
+  // still poisoned, status clean), then the next good backward.
+  void rejected_case(const std::string& name, const std::string& needle, const Edit& edit) {
+    ws_->poison_grads();
+    std::vector<RankBackward> args = ws_->all_backward_args();
+    MoeWeights w = *args[1].weights;
+    MoeWeightGrads g = *args[1].weight_grads;
+    edit(args[1], w, g);
+    args[1].weights = &w;
+    if (args[1].weight_grads != nullptr) args[1].weight_grads = &g;
+    auto [ok, observed] = expect_invalid_argument([&] { ws_->workspace().backward(args); }, needle);
+    const std::string errors = status_errors(*ws_);
+    if (!errors.empty()) ok = false, observed += "; status: " + errors;
+    if (!grads_untouched(*ws_)) ok = false, observed += "; a gradient was written";
+    reset_status(*ws_);
+    record(name, "std::invalid_argument naming " + needle + "; nothing issued", ok, observed,
+           good_backward(*ws_, fresh_));
+  }
+
+  void rejected_calls() {
+    const int64_t t = shape_.num_tokens, h = shape_.hidden, i = shape_.intermediate, e = shape_.local_experts();
+    auto offset = [](const void* p, int bytes) { return static_cast<const char*>(p) + bytes; };
+    rejected_case("d_out [T, H + 64]", "MoeWorkspace::backward: rank 1: d_out: expected bf16 [100, 256]",
+                  [](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.d_out.shape[1] = 320; });
+    rejected_case("d_out fp32", "d_out: expected bf16 [100, 256], got fp32 [100, 256]",
+                  [](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.d_out.dtype = DType::kFloat32; });
+    rejected_case("d_out + 2 bytes", "d_out: data must be 16-byte aligned",
+                  [&](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.d_out.data = offset(b.d_out.data, 2); });
+    rejected_case("d_x [T - 1, H]", "d_x: expected bf16 [100, 256]",
+                  [](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.d_x.shape[0] = 99; });
+    rejected_case("d_router_weights bf16", "d_router_weights: expected fp32 [100, 4]",
+                  [](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.d_router_weights.dtype = DType::kBFloat16; });
+    rejected_case("x [T, H / 2] (the forward's input)", "x: expected bf16 [100, 256]",
+                  [](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.x.shape[1] = 128; });
+    rejected_case("weights.expert_down [E, I, H]", "weights.expert_down: expected bf16 [8, 256, 128]",
+                  [&](RankBackward&, MoeWeights& w, MoeWeightGrads&) { w.expert_down.shape[1] = i, w.expert_down.shape[2] = h; });
+    void* pinned = nullptr;
+    MOK_CHECK_CUDA(cudaMallocHost(&pinned, e * h * i * 4));
+    rejected_case("d_router_weights in pinned host memory", "d_router_weights: must be device memory",
+                  [&](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.d_router_weights.data = pinned; });
+    rejected_case("weight_grads.expert_down in pinned host memory", "weight_grads.expert_down: must be device memory",
+                  [&](RankBackward&, MoeWeights&, MoeWeightGrads& g) { g.expert_down.grad.data = pinned; });
+    rejected_case("context null", "context: must be a ForwardContext made by this workspace's make_context(1)",
+                  [](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.context = nullptr; });
+    rejected_case("rank 0's context for rank 1", "context: must be a ForwardContext made by this workspace's make_context(1)",
+                  [&](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.context = ws_->args(0).context; });
+    {
+      MoeHarness other(PeerGroup::virtual_ranks(2), shape_, options_);  // same shape, another workspace
+      rejected_case("a context of another workspace (same shape)",
+                    "context: must be a ForwardContext made by this workspace's make_context(1)",
+                    [&](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.context = other.args(1).context; });
+      MoeOptions inference = options_;
+      inference.backward = false;
+      MoeHarness plain(PeerGroup::virtual_ranks(2), shape_, inference);
+      rejected_case("a context of a workspace built with backward = false",
+                    "context: must be a ForwardContext made by this workspace's make_context(1)",
+                    [&](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.context = plain.args(1).context; });
+    }
+    rejected_case("rank 5", "rank 5", [](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.rank = 5; });
+    rejected_case("weight_grads null", "weight_grads: must not be null",
+                  [](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.weight_grads = nullptr; });
+    rejected_case("weight_grads.expert_down [E, I, H]", "weight_grads.expert_down: expected fp32 [8, 256, 128]",
+                  [&](RankBackward&, MoeWeights&, MoeWeightGrads& g) { g.expert_down.grad.shape[1] = i, g.expert_down.grad.shape[2] = h; });
+    rejected_case("weight_grads.shared_down int32", "weight_grads.shared_down: expected a bf16 or fp32 gradient",
+                  [](RankBackward&, MoeWeights&, MoeWeightGrads& g) { g.shared_down.grad.dtype = DType::kInt32; });
+    rejected_case("weight_grads.expert_gate accumulated into bf16",
+                  "weight_grads.expert_gate: GradMode::kAccumulate needs an fp32 gradient",
+                  [](RankBackward&, MoeWeights&, MoeWeightGrads& g) {
+                    for (WeightGrad* x : {&g.expert_gate, &g.expert_up}) x->grad.dtype = DType::kBFloat16, x->mode = GradMode::kAccumulate;
+                  });
+    rejected_case("weight_grads.shared_down mode 7", "weight_grads.shared_down: mode must be",
+                  [](RankBackward&, MoeWeights&, MoeWeightGrads& g) { g.shared_down.mode = static_cast<GradMode>(7); });
+    rejected_case("weight_grads.expert_up empty, expert_gate given (separate weights)",
+                  "weight_grads.expert_up: must be given exactly when weight_grads.expert_gate is",
+                  [](RankBackward&, MoeWeights&, MoeWeightGrads& g) { g.expert_up = WeightGrad{}; });
+    rejected_case("weight_grads.shared_up accumulated, shared_gate written",
+                  "weight_grads.shared_up: must have weight_grads.shared_gate's dtype and mode",
+                  [](RankBackward&, MoeWeights&, MoeWeightGrads& g) { g.shared_up.mode = GradMode::kAccumulate; });
+    rejected_case("fused [E, 2I, H] gate/up weights, separate gradients",
+                  "weight_grads.expert_gate (fused gate and up): expected fp32 [8, 256, 256]",
+                  [&](RankBackward&, MoeWeights& w, MoeWeightGrads&) {
+                    w.expert_gate.shape[1] = 2 * i;  // a [E, 2I, H] view (validation reads the shape only)
+                    w.expert_up = TensorRef();
+                  });
+    rejected_case("weight_grads.shared_gate + 4 bytes", "weight_grads.shared_gate: data must be 16-byte aligned",
+                  [&](RankBackward&, MoeWeights&, MoeWeightGrads& g) { g.shared_gate.grad.data = offset(g.shared_gate.grad.data, 4); });
+    MOK_CHECK_CUDA(cudaFreeHost(pinned));
+    (void)t;
+
+    // recompute_forward_context validates like the backward.
+    std::vector<RankForward> args = ws_->all_args();
+    args[1].x.shape[0] = 0;
+    auto [ok, observed] = expect_invalid_argument([&] { ws_->workspace().recompute_forward_context(args); },
+                                                  "MoeWorkspace::recompute_forward_context: rank 1: x: expected bf16 [100, 256]");
+    const std::string errors = status_errors(*ws_);
+    if (!errors.empty()) ok = false, observed += "; status: " + errors;
+    reset_status(*ws_);
+    record("recompute_forward_context with x [0, H]", "std::invalid_argument naming x; nothing issued", ok, observed,
+           good_backward(*ws_, fresh_));
+  }
+
+  // Rank 1 never calls backward (its calls come after the timeout: a late peer); rank 0 reports the barrier it
+  // gave up on, in bounded time; reset, then the next good backward.
+  void peer_that_never_arrives() {
+    ws_->poison_grads();
+    std::vector<RankBackward> args = ws_->all_backward_args();
+    const auto start = std::chrono::steady_clock::now();
+    ws_->workspace().backward({&args[0], 1});
+    const StatusReport s = ws_->status(0);  // synchronizes
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const bool ok = (s.raw.error_bits & kStatusWaitTimeout) && s.raw.timeout_rank == 0 &&
+                    s.raw.timeout_role == static_cast<int32_t>(Role::kBarrier) &&
+                    s.raw.timeout_counter == static_cast<int32_t>(CounterId::kBarrierArrived) &&
+                    s.raw.timeout_index == 1 && seconds < 10 * options_.schedule.wait_timeout_s + 10;
+    char observed[400];
+    std::snprintf(observed, sizeof(observed), "%s (%.2f s)",
+                  s.describe(shape_.num_tokens, shape_.top_k, shape_.num_experts).c_str(), seconds);
+    ws_->workspace().backward({&args[1], 1});  // the late peer
+    ws_->synchronize();
+    reset_status(*ws_);
+    record("a peer that never calls backward", "status kStatusWaitTimeout on rank 0 naming the wait (rank 0, EP "
+           "barrier, barrier arrived[1]), bounded time; gradients unspecified", ok, observed,
+           good_backward(*ws_, fresh_));
+  }
+
+  // MoeOptions::backward = false: backward and recompute_forward_context throw naming the option; the forward is
+  // unchanged (bitwise the backward workspace's out).
+  void inference_only_workspace() {
+    MoeOptions inference = options_;
+    inference.backward = false;
+    MoeHarness plain(PeerGroup::virtual_ranks(2), shape_, inference);
+    plain.upload(good_);
+    plain.upload_d_out(d_out_);
+    plain.forward();
+    bool ok = plain.workspace().backward_bytes() == 0;
+    std::string observed;
+    {
+      auto [thrown, text] = expect_invalid_argument([&] { plain.workspace().backward(plain.all_backward_args()); },
+                                                    "MoeOptions.backward = false");
+      ok = ok && thrown;
+      observed = text;
+    }
+    {
+      auto [thrown, text] = expect_invalid_argument(
+          [&] { plain.workspace().recompute_forward_context(plain.all_args()); }, "MoeOptions.backward = false");
+      ok = ok && thrown;
+      observed += "; " + text;
+    }
+    const std::string errors = status_errors(plain);
+    if (!errors.empty()) ok = false, observed += "; status: " + errors;
+    std::string next = "bitwise == backward workspace's out";
+    plain.forward();
+    ws_->upload(good_);
+    ws_->forward();
+    for (int r = 0; r < 2; ++r)
+      if (plain.out_bits(r) != ws_->out_bits(r)) next = "FAIL rank " + std::to_string(r) + " out differs";
+    record("backward / recompute on a workspace built with MoeOptions.backward = false",
+           "std::invalid_argument naming MoeOptions.backward; nothing issued; forward unchanged", ok, observed, next);
+  }
+
+  // Capacity 128 rows: the forward's and backward's schedule is empty (0 rows); the backward issues normally,
+  // its barriers stay in step (no timeout), nothing is written out of bounds (memcheck); gradients unspecified.
+  // Then a routing that fits gives a fresh workspace's bits.
+  void capacity_too_small() {
+    MoeOptions tight = options_;
+    tight.schedule.capacity_rows = 128;
+    MoeHarness h(PeerGroup::virtual_ranks(2), shape_, tight);
+    h.upload(good_);
+    h.upload_d_out(d_out_);
+    h.forward();
+    h.backward();
+    bool ok = true;
+    std::string observed;
+    for (int r = 0; r < 2; ++r) {
+      const StatusReport s = h.status(r);
+      ok = ok && s.raw.error_bits == kStatusCapacityOverflow;
+      if (r == 0) observed = s.describe(shape_.num_tokens, shape_.top_k, shape_.num_experts);
+    }
+    reset_status(h);
+    LayerData fits = good_;  // as the forward's row: 32 rows per expert of experts 0 and 8
+    for (int64_t g = 0; g < int64_t(fits.inputs.topk_idx.size()); ++g) {
+      const int64_t token = (g / shape_.top_k) % shape_.num_tokens;
+      fits.inputs.topk_idx[g] = g % shape_.top_k == 0 && token < 32 ? (token % 2 == 0 ? 0 : 8) : -1;
+    }
+    const Grads fresh = fresh_grads(tight, fits);
+    h.upload(fits);
+    h.forward();
+    record("capacity too small (capacity_rows 128), forward + backward",
+           "status kStatusCapacityOverflow only (the backward's barriers stay in step); no write out of bounds "
+           "(memcheck); gradients unspecified",
+           ok, observed, good_backward(h, fresh));
+  }
+
+  MoeShape shape_;
+  MoeOptions options_;
+  LayerData good_;
+  std::vector<float> d_out_;
+  Grads fresh_;
+  std::unique_ptr<MoeHarness> ws_;
+  std::vector<Row> rows_;
+};
+
+void print_rows(const std::vector<Row>& rows) {
   std::printf("case | path | expected | observed | next call\n");
-  for (const Row& row : matrix.rows()) {
+  for (const Row& row : rows) {
     std::printf("%s | %s | %s | %s | %s%s\n", row.name.c_str(), row.path.c_str(), row.expected.c_str(),
                 row.observed.c_str(), row.next.c_str(), row.pass ? "" : "   <-- MISMATCH");
     EXPECT_TRUE(row.pass) << row.name << " (" << row.path << "): expected " << row.expected << "; observed "
                           << row.observed << "; next call: " << row.next;
   }
+}
+
+void run_matrix(ForwardPath path) {
+  BadInputMatrix matrix(path);
+  matrix.run();
+  print_rows(matrix.rows());
 }
 
 TEST(BadInputsTest, FusedPath) {
@@ -592,6 +896,13 @@ TEST(BadInputsTest, FusedPath) {
 TEST(BadInputsTest, UnfusedPath) {
   MOK_REQUIRE_GPUS(1);
   run_matrix(ForwardPath::kUnfused);
+}
+
+TEST(BadInputsTest, Backward) {
+  MOK_REQUIRE_GPUS(1);
+  BackwardBadInputs matrix;
+  matrix.run();
+  print_rows(matrix.rows());
 }
 
 }  // namespace

@@ -33,13 +33,7 @@ using testing::LayerData;
 using testing::MoeHarness;
 using testing::moe_shape;
 
-// The four model shapes with experts / 8, hidden 512 and intermediate scaled like the model's I / H.
-MoeShape scaled_model_shape(const reference::ModelShape& m, int ep, int tokens) {
-  // A model whose H or I is not a multiple of the GEMM tiles (gpt-oss: 2880) keeps a partial last n-block.
-  const int hidden = m.hidden % 256 == 0 ? 512 : 576;
-  const int intermediate = m.intermediate % 128 != 0 ? 192 : m.intermediate * 512 / m.hidden >= 256 ? 256 : 128;
-  return moe_shape(ep, tokens, m.top_k, m.num_experts / 8, hidden, intermediate, m.shared_expert);
-}
+using testing::scaled_model_shape;  // the model shapes with experts / 8, hidden 512, I scaled like I / H
 
 // GPU output of every rank against the CPU reference; returns the worst budget ratio.
 double check_against_reference(MoeHarness& harness, const LayerData& data, const std::string& label) {

@@ -8,6 +8,9 @@
 //       out[t, c] = bf16( s[t, c] + sum_{j = 0..k-1, id valid} rw[t, j] * combined[t * k + j, c] )
 //       s = shared expert output (0 without one); fp32 arithmetic, j ascending: bitwise deterministic.
 //       Masked routes (-1) and invalid ids (reported by the schedule) are skipped; their rows are never read.
+//       The backward's d_x is the same sum with rw = 1 (router_weights null; fma(1, y, acc) rounds like
+//       acc + y), s = the shared expert's d_x partial, combined = the pushed d_x_route rows; it also writes
+//       route_out[t, j] = route_values[t * k + j] (the pushed d_rw) at valid routes and 0 elsewhere.
 //
 // Roles: push is one warp per row (copy_row_warp over NVLink); the epilogue is one thread per 8 columns.
 // Sync: every pushing thread fences at system scope before its kernel exits, so the barrier arrive that
@@ -48,9 +51,11 @@ struct EpilogueTraits {
 struct EpilogueParams {
   const uint4* combined;       // bf16 [T * k, H], this rank's combine buffer
   const uint4* shared_out;     // bf16 [padded T, H], or nullptr without a shared expert
-  const float* router_weights; // [T, k]
+  const float* router_weights; // [T, k]; nullptr: every weight is 1
   const void* topk_idx;        // int32 or int64 [T, k]
   uint4* out;                  // bf16 [T, H]
+  const float* route_values;   // fp32 [T * k] read at valid routes, or nullptr (then route_out is too)
+  float* route_out;            // fp32 [T, k]: route_values at valid routes, 0 at masked and invalid ones
   int num_tokens;
   int top_k;
   int num_experts;
@@ -58,10 +63,21 @@ struct EpilogueParams {
 };
 
 template <typename Index>
+__device__ __forceinline__ bool is_valid_route(const Index* topk, int64_t route, int num_experts) {
+  const int64_t id = static_cast<int64_t>(topk[route]);
+  return id >= 0 && id < num_experts;
+}
+
+template <typename Index>
 __global__ void __launch_bounds__(EpilogueTraits::kThreads) combine_epilogue_kernel(EpilogueParams p) {
   const int64_t total = int64_t(p.num_tokens) * p.row_vectors;
   const Index* topk = static_cast<const Index*>(p.topk_idx);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  if (p.route_out != nullptr) {
+    for (int64_t route = first; route < int64_t(p.num_tokens) * p.top_k; route += stride)
+      p.route_out[route] = is_valid_route(topk, route, p.num_experts) ? p.route_values[route] : 0.f;
+  }
+  for (int64_t i = first; i < total; i += stride) {
     const int64_t token = i / p.row_vectors;
     const int64_t vector = i % p.row_vectors;
     float acc[EpilogueTraits::kColumns];
@@ -80,9 +96,8 @@ __global__ void __launch_bounds__(EpilogueTraits::kThreads) combine_epilogue_ker
     }
     for (int j = 0; j < p.top_k; ++j) {
       const int64_t route = token * p.top_k + j;
-      const int64_t id = static_cast<int64_t>(topk[route]);
-      if (id < 0 || id >= p.num_experts) continue;
-      const float rw = p.router_weights[route];
+      if (!is_valid_route(topk, route, p.num_experts)) continue;
+      const float rw = p.router_weights != nullptr ? p.router_weights[route] : 1.f;
       const uint4 y = p.combined[route * p.row_vectors + vector];
       const __nv_bfloat162* y2 = reinterpret_cast<const __nv_bfloat162*>(&y);
 #pragma unroll

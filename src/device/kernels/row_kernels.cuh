@@ -1,8 +1,9 @@
 // The unfused path's row kernels (the fused path runs the same row operations in its communication CTAs):
 //
 //   pull_rows_kernel  every scheduled row of the expert-major buffer = its token's row on the source rank,
-//                     zeros for padding rows; rows at or above scheduled_rows are not touched (no GEMM
-//                     reads them; 0 rows after a capacity overflow)
+//                     zeros for padding rows; rows at or above scheduled_rows (or row_limit:
+//                     recompute_forward_context pulls only the context's kept rows) are not touched (no
+//                     GEMM reads them; 0 rows after a capacity overflow)
 //   push_rows_kernel  every scheduled row with a route = into its (token, slot) row of the source rank's
 //                     combine buffer
 // Roles: one warp per row, the grid's warps striding over rows.
@@ -30,13 +31,15 @@ struct PullParams {
   uint4* dst;                  // bf16 [capacity, H], this rank's expert-major rows
   const int32_t* row_route;    // [capacity]
   const int32_t* scheduled_rows;
+  int64_t row_limit;           // rows at or above it are not pulled (the capacity: all scheduled rows)
   int num_tokens;
   int top_k;
   int row_vectors;             // H * 2 / 16
 };
 
 __global__ void __launch_bounds__(PullTraits::kThreads) pull_rows_kernel(PullParams p) {
-  device::for_each_row_by_warp(*p.scheduled_rows, [&](int64_t row, int lane) {
+  const int64_t rows = *p.scheduled_rows < p.row_limit ? int64_t(*p.scheduled_rows) : p.row_limit;
+  device::for_each_row_by_warp(rows, [&](int64_t row, int lane) {
     dispatch::pull_row(p.x, p.dst + row * p.row_vectors, p.row_route[row], p.num_tokens, p.top_k, p.row_vectors, lane);
   });
 }

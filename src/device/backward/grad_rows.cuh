@@ -1,0 +1,122 @@
+// The backward's row movements, one scheduled row by one warp: the reverse of the forward's communication
+// (pull on the expert's rank in the dispatch direction, push into the token's rank in the combine
+// direction; docs/design.md, "Backward"). Used by the unfused stage kernels in
+// src/device/kernels/backward_row_kernels.cuh.
+//
+//   pull_grad_row (expert rank, after the barrier that published every rank's x, d_out and router weights)
+//       row_route[row] = (src, token, slot), rw = rw_src[token * k + slot]:
+//       d_out_rows[row] = d_out_src[token]                      (peer read)
+//       dy_rows[row]    = bf16(rw * d_out_src[token])           one fp32 product and one rounding per element
+//       row_weight[row] = rw
+//       x_rows[row]     = kept_x_rows[row] when row < kept_rows (the context's copy), else x_src[token]
+//                         (only when x_rows is set: a context that keeps every row is read in place)
+//       padding rows (route -1): zeros, row_weight 0
+//   push_grad_row (expert rank, after the gate/up dgrad)
+//       combined_src[token * k + slot, :] = d_x_rows[row, :]   (peer write: the forward's combine rows)
+//       d_rw_src[token * k + slot]        = sum over n-blocks nb = 0, 1, ... of row_partials[row, nb]
+//       nothing for padding rows
+// Lanes move 16-byte vectors (8 bf16), kRowCopyUnroll of them in flight per lane, as copy_row_warp.
+// Determinism: every destination row and value has one writer; the d_rw sum has one fixed order in fp32.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "mok/peer_group.h"
+#include "src/device/combine/push_rows.cuh"
+#include "src/device/common/row_copy.cuh"
+#include "src/device/dispatch/pull_rows.cuh"
+#include "src/device/schedule/placement.h"
+
+namespace mok::backward {
+
+// Where a scheduled row's inputs live.
+struct GradPullSources {
+  PeerPointers x;               // every rank's symmetric x, bf16 [padded T, H]
+  PeerPointers d_out;           // every rank's symmetric d_out, bf16 [padded T, H]
+  PeerPointers router_weights;  // every rank's symmetric router weights, fp32 [T * k]
+  const uint4* kept_x_rows;     // the context's x rows, bf16 [kept_rows, H] (schedule rows [0, kept_rows))
+  int64_t kept_rows;
+};
+
+// One scheduled row's outputs on this rank.
+struct GradPullRow {
+  uint4* x;            // bf16 [H], or null (the GEMMs read the context's rows)
+  uint4* d_out;        // bf16 [H]
+  uint4* dy;           // bf16 [H]
+  float* row_weight;   // one fp32
+};
+
+// Where a scheduled row's results go.
+struct GradPushDestinations {
+  PeerPointers combined;  // every rank's symmetric combine buffer, bf16 [T * k, H]: the d_x_route rows
+  PeerPointers d_rw;      // every rank's symmetric d_rw, fp32 [T * k]
+};
+
+// bf16(scale * v) of the 8 bf16 in a 16-byte vector: one fp32 product (no contraction) and one rounding each.
+__device__ __forceinline__ uint4 scale_bf16x8(const uint4& v, float scale) {
+  const __nv_bfloat162* in = reinterpret_cast<const __nv_bfloat162*>(&v);
+  uint4 out;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float2 f = __bfloat1622float2(in[c]);
+    o[c] = __floats2bfloat162_rn(__fmul_rn(scale, f.x), __fmul_rn(scale, f.y));
+  }
+  return out;
+}
+
+__device__ __forceinline__ void pull_grad_row(const GradPullSources& src, const GradPullRow& dst, int64_t row,
+                                              int32_t route, int num_tokens, int top_k, int row_vectors, int lane) {
+  if (route < 0) {
+    if (dst.x != nullptr) device::zero_row_warp(dst.x, row_vectors, lane);
+    device::zero_row_warp(dst.d_out, row_vectors, lane);
+    device::zero_row_warp(dst.dy, row_vectors, lane);
+    if (lane == 0) *dst.row_weight = 0.f;
+    return;
+  }
+  const schedule::RouteCoords c = schedule::route_coords(route, num_tokens, top_k);
+  // Every lane reads the same word (one transaction); each needs the weight for its own vectors.
+  const float rw = static_cast<const float*>(src.router_weights.base[c.src])[int64_t(c.token) * top_k + c.slot];
+  if (lane == 0) *dst.row_weight = rw;
+  if (dst.x != nullptr) {
+    const uint4* x_src = row < src.kept_rows ? src.kept_x_rows + row * row_vectors
+                                             : dispatch::source_row(src.x, route, num_tokens, top_k, row_vectors);
+    device::copy_row_warp(x_src, dst.x, row_vectors, lane);
+  }
+  const uint4* __restrict__ d_out_src = dispatch::source_row(src.d_out, route, num_tokens, top_k, row_vectors);
+  for (int base = 0; base < row_vectors; base += 32 * device::kRowCopyUnroll) {
+    uint4 v[device::kRowCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < device::kRowCopyUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < row_vectors) v[u] = d_out_src[i];
+    }
+#pragma unroll
+    for (int u = 0; u < device::kRowCopyUnroll; ++u) {
+      const int i = base + u * 32 + lane;
+      if (i < row_vectors) {
+        dst.d_out[i] = v[u];
+        dst.dy[i] = scale_bf16x8(v[u], rw);
+      }
+    }
+  }
+}
+
+// d_x_row and partials (n_blocks fp32) of a scheduled row, to the token's rank.
+__device__ __forceinline__ void push_grad_row(const GradPushDestinations& dst, const uint4* d_x_row,
+                                              const float* partials, int n_blocks, int32_t route, int num_tokens,
+                                              int top_k, int row_vectors, int lane) {
+  if (route < 0) return;
+  device::copy_row_warp(d_x_row, combine::destination_row(dst.combined, route, num_tokens, top_k, row_vectors),
+                        row_vectors, lane);
+  if (lane == 0) {
+    float d_rw = partials[0];
+    for (int nb = 1; nb < n_blocks; ++nb) d_rw = __fadd_rn(d_rw, partials[nb]);
+    const schedule::RouteCoords c = schedule::route_coords(route, num_tokens, top_k);
+    static_cast<float*>(dst.d_rw.base[c.src])[int64_t(c.token) * top_k + c.slot] = d_rw;
+  }
+}
+
+}  // namespace mok::backward

@@ -1,0 +1,449 @@
+// MoeWorkspace's backward and recompute_forward_context (include/mok/moe.h; docs/design.md, "Backward"):
+// stage kernels one after another (the unfused twin of a backward megakernel to come). The row kernels live
+// in src/device/kernels/backward_row_kernels.cuh, the token-side epilogue is the forward's
+// (src/device/combine/push_rows.cuh); the GEMMs go through mok::expert_gemm and mok::weight_grad_gemm.
+//
+// Phases over the ranks of a call (every rank's kernels of one phase before any rank's next one, the order
+// virtual ranks need; sync in docs/sync_protocol.md, "Backward"):
+//   publish   x, d_out, router weights -> symmetric buffers; barrier arrive; the shared expert's backward
+//   experts   barrier wait; pull rows; g/u recompute; down dgrad (+ SwiGLU backward, d_rw partials); gate/up
+//             dgrad; push d_x_route rows and d_rw; barrier arrive; the routed weight gradients
+//   epilogue  barrier wait; d_x = shared dx + sum_j d_x_route_j; d_router_weights
+#include "mok/moe.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "mok/expert_gemm.h"
+#include "mok/weight_grad_gemm.h"
+#include "src/device/combine/push_rows.cuh"
+#include "src/device/kernels/backward_row_kernels.cuh"
+#include "src/device/schedule/placement.h"
+#include "src/host/check.h"
+#include "src/host/device_guard.h"
+#include "src/host/moe_args.h"
+#include "src/host/moe_state.h"
+
+namespace mok {
+using detail::carve;
+using detail::DeviceGuard;
+using detail::kBf16Bytes;
+using detail::kFloatBytes;
+using detail::require;
+using detail::row_kernel_ctas;
+
+namespace {
+
+// The rows one MLP's backward GEMMs run over: the routed experts' schedule (capacity rows) or the shared
+// expert's one-expert schedule (the rank's padded tokens).
+struct GemmRows {
+  int local_experts;
+  const int32_t* expert_counts;
+  const int32_t* expert_row_offsets;
+  const int32_t* scheduled_rows;
+  int64_t rows_allocated;
+};
+
+// One MLP's backward over `rows` (all buffers [rows_allocated, ...], bf16 unless noted):
+//   recompute    g | u -> gate_up and h -> hidden from x                      (kSwiGLU + gate_up_out)
+//   down dgrad   d_hu = d_out · W_down, d_h = row_weight * d_hu; d_g | d_u -> d_gate_up; d_rw partials
+//   gate/up      d_x = [d_g, d_u] · [W_gate; W_up]                           (kStore, B read MN-major)
+//   wgrad down   dW_down_e = sum dyᵀ h                                        (weight_grad_gemm)
+//   wgrad g/u    dW_gate/up_e = sum d_{g,u}ᵀ x
+struct MlpBackward {
+  GemmRows rows;
+  const void* x;              // [rows, H]
+  const void* d_out;          // [rows, H]: the down dgrad's A, unscaled
+  const void* dy;             // [rows, H]: the down weight gradient's A (row_weight * d_out, rounded)
+  const float* row_weight;    // fp32 [rows], or null: 1 (the shared expert)
+  const void* gate;           // [E, I, H], or gate and up fused [E, 2I, H] when `up` is null
+  const void* up;             // [E, I, H] or null
+  const void* down;           // [E, H, I]
+  void* hidden;               // [rows, I]
+  void* gate_up;              // [rows, 2I]
+  void* d_gate_up;            // [rows, 2I]
+  float* row_partials;        // fp32 [rows, n_blocks]
+  void* d_x;                  // [rows, H]
+  const WeightGrad* grad_gate;  // grad_up null or empty: fused (gate holds both), or none wanted
+  const WeightGrad* grad_up;
+  const WeightGrad* grad_down;
+  int32_t* tickets;           // five, detail::BackwardStep order
+};
+
+ExpertGemmArgs gemm_over(const GemmRows& rows, const MoeOptions& options, int32_t* ticket) {
+  ExpertGemmArgs a;
+  a.a_rows = rows.rows_allocated;
+  a.local_experts = rows.local_experts;
+  a.expert_counts = rows.expert_counts;
+  a.expert_row_offsets = rows.expert_row_offsets;
+  a.scheduled_rows = rows.scheduled_rows;
+  a.tile_m = options.schedule.tile_m;
+  a.ticket = ticket;
+  return a;
+}
+
+// The recompute and the two dgrads, in stream order.
+void issue_dgrads(const MoeShape& shape, const MoeOptions& options, const MlpBackward& m, cudaStream_t stream) {
+  ExpertGemmArgs recompute = gemm_over(m.rows, options, m.tickets + detail::kRecompute);
+  recompute.epilogue = GemmEpilogue::kSwiGLU;
+  recompute.a = m.x;
+  recompute.k = shape.hidden;
+  recompute.b = m.gate;
+  recompute.b_up = m.up;
+  recompute.n = shape.intermediate;
+  recompute.swiglu_limit = shape.swiglu_limit;
+  recompute.out = m.hidden;
+  recompute.gate_up_out = m.gate_up;
+  expert_gemm(recompute, stream);
+
+  ExpertGemmArgs down = gemm_over(m.rows, options, m.tickets + detail::kDownDgrad);
+  down.epilogue = GemmEpilogue::kSwiGLUBackward;
+  down.a = m.d_out;
+  down.k = shape.hidden;
+  down.b = m.down;  // [E, H, I] = [E, k, n]: n contiguous
+  down.b_major = OperandMajor::kMN;
+  down.n = shape.intermediate;
+  down.row_scale = m.row_weight;
+  down.swiglu_limit = shape.swiglu_limit;
+  down.gate_up = m.gate_up;
+  down.out = m.d_gate_up;
+  down.row_partials = m.row_partials;
+  expert_gemm(down, stream);
+
+  ExpertGemmArgs gate_up = gemm_over(m.rows, options, m.tickets + detail::kGateUpDgrad);
+  gate_up.epilogue = GemmEpilogue::kStore;
+  gate_up.a = m.d_gate_up;
+  gate_up.k = 2 * shape.intermediate;
+  gate_up.b = m.gate;   // fused [E, 2I, H] = [E, k, n]; separate: K = gate [E, I, H] then up
+  gate_up.b_up = m.up;
+  gate_up.b_major = OperandMajor::kMN;
+  gate_up.n = shape.hidden;
+  gate_up.out = m.d_x;
+  expert_gemm(gate_up, stream);
+}
+
+GradOutput grad_output(const WeightGrad& g) {
+  if (g.mode == GradMode::kAccumulate) return GradOutput::kAccumulateFloat32;
+  return g.grad.dtype == DType::kFloat32 ? GradOutput::kFloat32 : GradOutput::kBFloat16;
+}
+
+// out_e [m, n] = sum_r a[r, m] b[r, n] over each expert's rows; rows [m_split, m) into `split` when set
+// (validated: same dtype and mode as `out`). Nothing when `out` is empty.
+void weight_grad(const GemmRows& rows, const MoeOptions& options, const void* a, int m, const void* b, int n,
+                 const WeightGrad& out, const WeightGrad* split, int m_split, int32_t* ticket, cudaStream_t stream) {
+  if (out.grad.empty()) return;
+  WeightGradArgs w;
+  w.a = a;
+  w.b = b;
+  w.rows_allocated = rows.rows_allocated;
+  w.m = m;
+  w.n = n;
+  w.local_experts = rows.local_experts;
+  w.expert_row_offsets = rows.expert_row_offsets;
+  w.scheduled_rows = rows.scheduled_rows;
+  w.tile_m = options.schedule.tile_m;
+  w.output = grad_output(out);
+  w.out = out.grad.mutable_data();
+  if (split != nullptr && !split->grad.empty()) {
+    w.out_split = split->grad.mutable_data();
+    w.m_split = m_split;
+  }
+  w.ticket = ticket;
+  weight_grad_gemm(w, stream);
+}
+
+void issue_weight_grads(const MoeShape& shape, const MoeOptions& options, const MlpBackward& m, cudaStream_t stream) {
+  const int h = shape.hidden, i = shape.intermediate;
+  weight_grad(m.rows, options, m.dy, h, m.hidden, i, *m.grad_down, nullptr, 0, m.tickets + detail::kDownWgrad, stream);
+  weight_grad(m.rows, options, m.d_gate_up, 2 * i, m.x, h, *m.grad_gate, m.grad_up, i,
+              m.tickets + detail::kGateUpWgrad, stream);
+}
+
+}  // namespace
+
+// Buffers (docs/design.md, "Backward"): symmetric d_out, router weights and d_rw, and per rank one
+// allocation of scratch (MoeWorkspace::BackwardScratch).
+void MoeWorkspace::allocate_backward() {
+  const int64_t t = shape_.num_tokens, k = shape_.top_k, h = shape_.hidden, i = shape_.intermediate;
+  const int64_t pt = padded_tokens_, cap = capacity_rows();
+  // Zero-filled by allocate: the padding rows [T, padded T) stay zero (publish copies T rows), so the shared
+  // expert's GEMMs, which read whole padded tiles, see zeros there (x_ likewise).
+  d_out_ = group_.allocate(pt * h * kBf16Bytes);
+  rw_ = group_.allocate(t * k * kFloatBytes);
+  d_rw_ = group_.allocate(t * k * kFloatBytes);
+  const int n_blocks = gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, shape_.intermediate);
+  const bool copies_x = ring_rows_ < cap;  // the context keeps only rows [0, ring)
+  auto size = [](int64_t bytes) { return schedule::round_up(bytes, 256); };
+  int64_t bytes = (copies_x ? size(cap * h * kBf16Bytes) : 0) + 2 * size(cap * h * kBf16Bytes) +
+                  size(cap * kFloatBytes) + size(cap * i * kBf16Bytes) + 2 * size(cap * 2 * i * kBf16Bytes) +
+                  size(cap * n_blocks * kFloatBytes) + size(sizeof(int32_t));
+  if (shape_.shared_expert)
+    bytes += 2 * size(pt * 2 * i * kBf16Bytes) + size(pt * i * kBf16Bytes) + size(pt * h * kBf16Bytes) +
+             size(pt * n_blocks * kFloatBytes);
+  backward_bytes_ = int64_t(d_out_.bytes()) + int64_t(rw_.bytes()) + int64_t(d_rw_.bytes()) + bytes;
+  for (int r : group_.local_ranks()) {
+    BackwardScratch& w = ranks_[r].backward;
+    DeviceGuard guard(ranks_[r].device);
+    MOK_CHECK_CUDA(cudaMalloc(&w.allocation, bytes));
+    // Zero once: rows no GEMM writes yet are finite (the weight-gradient GEMMs sum whole padded segments).
+    MOK_CHECK_CUDA(cudaMemset(w.allocation, 0, bytes));
+    w.bytes = bytes;
+    w.n_blocks = n_blocks;
+    char* cursor = static_cast<char*>(w.allocation);
+    w.x_rows = copies_x ? carve<char>(cursor, cap * h * kBf16Bytes) : nullptr;
+    w.d_out_rows = carve<char>(cursor, cap * h * kBf16Bytes);
+    w.dy_rows = carve<char>(cursor, cap * h * kBf16Bytes);
+    w.row_weight = carve<float>(cursor, cap);
+    w.hidden = carve<char>(cursor, cap * i * kBf16Bytes);
+    w.gate_up = carve<char>(cursor, cap * 2 * i * kBf16Bytes);
+    w.d_gate_up = carve<char>(cursor, cap * 2 * i * kBf16Bytes);
+    w.row_partials = carve<float>(cursor, cap * n_blocks);
+    w.kept_rows = carve<int32_t>(cursor, 1);
+    if (shape_.shared_expert) {
+      w.shared_gate_up = carve<char>(cursor, pt * 2 * i * kBf16Bytes);
+      w.shared_d_gate_up = carve<char>(cursor, pt * 2 * i * kBf16Bytes);
+      w.shared_hidden = carve<char>(cursor, pt * i * kBf16Bytes);
+      w.shared_dx = carve<char>(cursor, pt * h * kBf16Bytes);
+      w.shared_row_partials = carve<float>(cursor, pt * n_blocks);
+    }
+    if (cursor - static_cast<char*>(w.allocation) != bytes)
+      throw std::logic_error("MoeWorkspace: backward scratch layout and size disagree");
+  }
+  for (int r : group_.local_ranks()) {
+    DeviceGuard guard(ranks_[r].device);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  }
+}
+
+void MoeWorkspace::validate_backward(const RankBackward& b) const {
+  const std::string where = "rank " + std::to_string(b.rank) + ": ";
+  try {
+    require(options_.backward, "the workspace was built with MoeOptions.backward = false (an inference-only "
+                               "workspace has no backward buffers)");
+    const RankState& s = state(b.rank);
+    require(b.context != nullptr && b.context->owner_ == this && b.context->rank() == b.rank,
+            "context: must be a ForwardContext made by this workspace's make_context(" + std::to_string(b.rank) +
+                ") and filled by its forward (or recompute_forward_context)");
+    detail::check_backward_inputs(b, shape_, s.device);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("MoeWorkspace::backward: " + where + e.what());
+  }
+}
+
+void MoeWorkspace::validate_recompute(const RankForward& f) const {
+  const std::string where = "rank " + std::to_string(f.rank) + ": ";
+  try {
+    require(options_.backward, "the workspace was built with MoeOptions.backward = false (an inference-only "
+                               "workspace has no backward buffers)");
+    const RankState& s = state(f.rank);
+    require(f.context != nullptr && f.context->owner_ == this && f.context->rank() == f.rank,
+            "context: must be a ForwardContext made by this workspace's make_context(" + std::to_string(f.rank) + ")");
+    detail::check_recompute_inputs(f, shape_, s.device);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument("MoeWorkspace::recompute_forward_context: " + where + e.what());
+  }
+}
+
+// Every argument of every rank is checked before anything is issued (see issue_call).
+void MoeWorkspace::backward(std::span<const RankBackward> ranks) {
+  for (const RankBackward& b : ranks) validate_backward(b);
+  for (const RankBackward& b : ranks) begin_call(b.rank, b.stream);
+  for (const RankBackward& b : ranks) backward_publish(b);
+  for (const RankBackward& b : ranks) backward_experts(b);
+  for (const RankBackward& b : ranks) backward_epilogue(b);
+  for (const RankBackward& b : ranks) end_call(b.rank, b.stream);
+}
+
+// Phase 1: x, d_out and the router weights into the symmetric buffers, "they are readable" to every peer,
+// then the shared expert's backward (local work while the peers catch up).
+void MoeWorkspace::backward_publish(const RankBackward& b) {
+  const RankState& s = state(b.rank);
+  DeviceGuard guard(s.device);
+  const int64_t t = shape_.num_tokens, h = shape_.hidden, k = shape_.top_k;
+  MOK_CHECK_CUDA(cudaMemcpyAsync(x_.on(b.rank), b.x.data, t * h * kBf16Bytes, cudaMemcpyDeviceToDevice, b.stream));
+  MOK_CHECK_CUDA(
+      cudaMemcpyAsync(d_out_.on(b.rank), b.d_out.data, t * h * kBf16Bytes, cudaMemcpyDeviceToDevice, b.stream));
+  MOK_CHECK_CUDA(cudaMemcpyAsync(rw_.on(b.rank), b.router_weights.data, t * k * kFloatBytes, cudaMemcpyDeviceToDevice,
+                                 b.stream));
+  barrier_arrive(b.rank, b.stream);
+  if (shape_.shared_expert) shared_backward(b);
+}
+
+// The shared expert on the rank's own tokens: one expert over the padded tokens, row weight 1, so its
+// down weight gradient's A is d_out itself; its d_x partial stays here for the epilogue.
+void MoeWorkspace::shared_backward(const RankBackward& b) {
+  const RankState& s = state(b.rank);
+  const BackwardScratch& w = s.backward;
+  const MoeWeights& weights = *b.weights;
+  const MoeWeightGrads& grads = *b.weight_grads;
+  const MlpBackward m{.rows = {.local_experts = 1,
+                               .expert_counts = s.shared_schedule->counts,
+                               .expert_row_offsets = s.shared_schedule->row_offsets,
+                               .scheduled_rows = s.shared_schedule->scheduled_rows,
+                               .rows_allocated = padded_tokens_},
+                      .x = x_.on(b.rank),
+                      .d_out = d_out_.on(b.rank),
+                      .dy = d_out_.on(b.rank),
+                      .row_weight = nullptr,
+                      .gate = weights.shared_gate.data,
+                      .up = weights.shared_up.data,
+                      .down = weights.shared_down.data,
+                      .hidden = w.shared_hidden,
+                      .gate_up = w.shared_gate_up,
+                      .d_gate_up = w.shared_d_gate_up,
+                      .row_partials = w.shared_row_partials,
+                      .d_x = w.shared_dx,
+                      .grad_gate = &grads.shared_gate,
+                      .grad_up = &grads.shared_up,
+                      .grad_down = &grads.shared_down,
+                      .tickets = s.tickets + detail::kBackwardShared};
+  issue_dgrads(shape_, options_, m, b.stream);
+  issue_weight_grads(shape_, options_, m, b.stream);
+}
+
+// Phase 2: wait for every rank's published tensors, pull the scheduled rows, the routed experts' dgrads,
+// push d_x_route rows and d_rw home, "your rows are written" to every peer; then the routed weight
+// gradients (local, after the arrive: peers need not wait for them).
+void MoeWorkspace::backward_experts(const RankBackward& b) {
+  const RankState& s = state(b.rank);
+  const BackwardScratch& w = s.backward;
+  DeviceGuard guard(s.device);
+  const ForwardContext& ctx = *b.context;
+  const ScheduleView& v = ctx.schedule_;
+  const int row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16);
+  barrier_wait(b.rank, b.stream);
+
+  // A context that keeps every row (ring = capacity) is read in place; otherwise the x rows are gathered:
+  // the kept ones from the context, the others pulled again from their source ranks.
+  const void* x_rows = w.x_rows != nullptr ? w.x_rows : ctx.expert_rows_;
+  const kernels::GradPullParams pull{
+      .src = {.x = x_.peers(b.rank),
+              .d_out = d_out_.peers(b.rank),
+              .router_weights = rw_.peers(b.rank),
+              .kept_x_rows = static_cast<const uint4*>(ctx.expert_rows_),
+              .kept_rows = ctx.ring_rows_},
+      .x_rows = static_cast<uint4*>(w.x_rows),
+      .d_out_rows = static_cast<uint4*>(w.d_out_rows),
+      .dy_rows = static_cast<uint4*>(w.dy_rows),
+      .row_weight = w.row_weight,
+      .row_route = v.row_route,
+      .scheduled_rows = v.scheduled_rows,
+      .num_tokens = shape_.num_tokens,
+      .top_k = shape_.top_k,
+      .row_vectors = row_vectors};
+  kernels::pull_grad_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::GradRowTraits::kWarps, s.num_sms),
+                                   kernels::GradRowTraits::kThreads, 0, b.stream>>>(pull);
+  MOK_CHECK_CUDA(cudaGetLastError());
+
+  const MoeWeights& weights = *b.weights;
+  const MoeWeightGrads& grads = *b.weight_grads;
+  const MlpBackward m{.rows = {.local_experts = shape_.local_experts(),
+                               .expert_counts = v.expert_counts,
+                               .expert_row_offsets = v.expert_row_offsets,
+                               .scheduled_rows = v.scheduled_rows,
+                               .rows_allocated = capacity_rows()},
+                      .x = x_rows,
+                      .d_out = w.d_out_rows,
+                      .dy = w.dy_rows,
+                      .row_weight = w.row_weight,
+                      .gate = weights.expert_gate.data,
+                      .up = weights.expert_up.data,  // null: gate and up fused in expert_gate
+                      .down = weights.expert_down.data,
+                      .hidden = w.hidden,
+                      .gate_up = w.gate_up,
+                      .d_gate_up = w.d_gate_up,
+                      .row_partials = w.row_partials,
+                      .d_x = w.d_x_rows(),
+                      .grad_gate = &grads.expert_gate,
+                      .grad_up = &grads.expert_up,
+                      .grad_down = &grads.expert_down,
+                      .tickets = s.tickets + detail::kBackwardExpert};
+  issue_dgrads(shape_, options_, m, b.stream);
+
+  const kernels::GradPushParams push{.dst = {.combined = combined_.peers(b.rank), .d_rw = d_rw_.peers(b.rank)},
+                                     .d_x_rows = static_cast<const uint4*>(w.d_x_rows()),
+                                     .row_partials = w.row_partials,
+                                     .n_blocks = w.n_blocks,
+                                     .row_route = v.row_route,
+                                     .scheduled_rows = v.scheduled_rows,
+                                     .num_tokens = shape_.num_tokens,
+                                     .top_k = shape_.top_k,
+                                     .row_vectors = row_vectors};
+  kernels::push_grad_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::GradRowTraits::kWarps, s.num_sms),
+                                   kernels::GradRowTraits::kThreads, 0, b.stream>>>(push);
+  MOK_CHECK_CUDA(cudaGetLastError());
+  barrier_arrive(b.rank, b.stream);
+
+  issue_weight_grads(shape_, options_, m, b.stream);
+}
+
+// Phase 3: wait for every expert rank's rows, then d_x = shared dx + sum_j d_x_route_j (fp32, j ascending,
+// one rounding) and d_router_weights = the pushed d_rw (0 at masked and invalid routes).
+void MoeWorkspace::backward_epilogue(const RankBackward& b) {
+  const RankState& s = state(b.rank);
+  DeviceGuard guard(s.device);
+  barrier_wait(b.rank, b.stream);
+  const combine::EpilogueParams p{
+      .combined = static_cast<const uint4*>(combined_.on(b.rank)),
+      .shared_out = shape_.shared_expert ? static_cast<const uint4*>(s.backward.shared_dx) : nullptr,
+      .router_weights = nullptr,  // the d_x_route rows carry rw already (d_h = rw * d_hu)
+      .topk_idx = b.topk_idx.data,
+      .out = static_cast<uint4*>(b.d_x.mutable_data()),
+      .route_values = static_cast<const float*>(d_rw_.on(b.rank)),
+      .route_out = static_cast<float*>(b.d_router_weights.mutable_data()),
+      .num_tokens = shape_.num_tokens,
+      .top_k = shape_.top_k,
+      .num_experts = shape_.num_experts,
+      .row_vectors = static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns)};
+  detail::launch_combine_epilogue(p, b.topk_idx.dtype, s.num_sms, b.stream);
+}
+
+// recompute_forward_context: the forward's publish, dispatch and gate/up GEMMs into the context, without
+// the down GEMMs and the combine. Two barriers like every call: the second says "done pulling your x".
+void MoeWorkspace::recompute_forward_context(std::span<const RankForward> ranks) {
+  for (const RankForward& f : ranks) validate_recompute(f);
+  for (const RankForward& f : ranks) begin_call(f.rank, f.stream);
+  for (const RankForward& f : ranks) recompute_publish(f);
+  for (const RankForward& f : ranks) recompute_rows(f);
+  for (const RankForward& f : ranks) recompute_finish(f);
+  for (const RankForward& f : ranks) end_call(f.rank, f.stream);
+}
+
+// x into the symmetric buffer, barrier arrive, the shared expert's hidden rows into the context.
+void MoeWorkspace::recompute_publish(const RankForward& f) {
+  const RankState& s = state(f.rank);
+  DeviceGuard guard(s.device);
+  MOK_CHECK_CUDA(cudaMemcpyAsync(x_.on(f.rank), f.x.data, int64_t(shape_.num_tokens) * shape_.hidden * kBf16Bytes,
+                                 cudaMemcpyDeviceToDevice, f.stream));
+  barrier_arrive(f.rank, f.stream);
+  if (!shape_.shared_expert) return;
+  ExpertGemmArgs gate_up, down;  // the forward's shared gate/up GEMM: the same bits in shared_hidden
+  shared_gemms(f, gate_up, down);
+  expert_gemm(gate_up, f.stream);
+}
+
+// Barrier wait, pull the rows the context keeps (schedule rows [0, ring)), barrier arrive, then their
+// hidden rows by the forward's gate/up GEMM (row r's value does not depend on the rows around it).
+void MoeWorkspace::recompute_rows(const RankForward& f) {
+  const RankState& s = state(f.rank);
+  DeviceGuard guard(s.device);
+  const ScheduleView& v = f.context->schedule_;
+  barrier_wait(f.rank, f.stream);
+  pull_rows(f, ring_rows_);
+  barrier_arrive(f.rank, f.stream);
+
+  ExpertGemmArgs gate_up, down;
+  routed_gemms(f, gate_up, down);  // A = the context's rows [ring, H], out = its hidden rows
+  if (ring_rows_ < capacity_rows()) {
+    // The GEMM's tasks end at its row count: the kept rows (ring is a multiple of 128, so of any tile).
+    kernels::kept_rows_kernel<<<1, 32, 0, f.stream>>>(v.scheduled_rows, static_cast<int32_t>(ring_rows_),
+                                                      s.backward.kept_rows);
+    MOK_CHECK_CUDA(cudaGetLastError());
+    gate_up.scheduled_rows = s.backward.kept_rows;
+  }
+  expert_gemm(gate_up, f.stream);
+}
+
+void MoeWorkspace::recompute_finish(const RankForward& f) { barrier_wait(f.rank, f.stream); }
+
+}  // namespace mok

@@ -1,0 +1,692 @@
+// The MoE backward (MoeWorkspace::backward and recompute_forward_context, include/mok/moe.h) on one GPU,
+// virtual ranks for EP = 1, 2, 4, 8:
+//   - every gradient (d_x, d_router_weights, the six weight gradients) against the CPU reference
+//     (reference::backward: float storage, double accumulation) for the model shapes scaled down, within
+//     the budgets of check_gradients
+//   - router weight 0 routes (d_rw correct, no d_x contribution: bitwise the masked call's d_x), masked
+//     routes (d_rw exactly 0), skewed routing with empty experts (their gradients exactly 0), every route on
+//     one rank's experts, clamped SwiGLU, no shared expert, fused and separate gate/up weights (bitwise
+//     equal), int64 ids, top_k 1
+//   - GradMode: bf16 writes are the fp32 writes rounded, bitwise; fp32 accumulation over two micro-batches
+//     is bitwise (0 + g1) + g2 of the written fp32 gradients; mixed modes in one call
+//   - recompute_forward_context gives the forward's context bits (both forward paths, a ring of 128 rows);
+//     backward bitwise equal over contexts of both paths, rings, tile heights, capacities and reruns;
+//     a captured CUDA graph of forward + backward replays to the eager bits
+// Outputs are poisoned with NaN bits before every backward (MoeHarness::poison_grads): nothing unwritten
+// passes, and NaN is infinitely far from any reference value. The bad-input rows of the backward are in
+// test_bad_inputs.cpp. Full-size shapes against an fp32 GPU check on sampled rows and tiles are not built
+// (issue 14 lists them; optional in this wave).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "mok/moe.h"
+#include "reference/moe_reference.h"
+#include "reference/routing_gen.h"
+#include "src/host/check.h"
+#include "tests/common/bf16.h"
+#include "tests/common/device_fill.h"
+#include "tests/common/gpu_env.h"
+#include "tests/common/moe_harness.h"
+
+namespace mok {
+namespace {
+
+using testing::GradSetups;
+using testing::GradTensor;
+using testing::kNumGradTensors;
+using testing::LayerData;
+using testing::MoeHarness;
+using testing::moe_shape;
+
+// Error budgets, per element. The reference stores fp32 where the GPU stores bf16 (relative rounding 2^-9
+// each): the recomputed g and u (the SwiGLU backward reads them rounded), h, dy = rw * d_out, d_g and d_u,
+// each route's d_x partial, the shared expert's d_x partial and d_x itself; bf16 gradients once more. Sums
+// are fp32 (GEMM accumulators, d_rw's n-block partials, the d_x epilogue); their errors are far below these.
+// d_x and d_router_weights: |gpu - ref| <= kRelative * (|ref| + rms(ref)) over a rank's tensor (+ the d_x
+// term below).
+constexpr double kRelative = 0x1p-6;
+// d_x sums the shared partial and the route partials after each was rounded: where they cancel, their
+// roundings and their own dgrad errors (from the bf16 g, u, d_g, d_u) are the error: a few 2^-9 of each.
+constexpr double kPartialsRelative = 0x1p-7;
+// Weight gradients sum R rows of products whose factors carry a few 2^-9 of relative error each (d_g, d_u
+// from the bf16 g, u and their own rounding; dy, h rounded): the error is about 2^-8.7 of the element's
+// natural scale, and the worst of 10^6 - 10^7 elements lies 5-6 of those out. That scale is structured
+// (rows and columns of d_g, x, dy, h differ in size), so the budget is
+// kWeightRelative * (|ref| + rms_row(m) * rms_column(n) / rms), per expert. An expert without rows must give
+// exactly zero (its budget is zero).
+// tools/backward_rounding_sim.py emulates these roundings on the CPU: on the scaled model shapes it gives worst
+// ratios of 0.50-0.66 (d_x), 0.50-0.62 (d_rw) and 0.21-0.54 (weights) of these budgets; 2^-6 of one rms per
+// expert would give 0.9-1.8 for the routed weights.
+constexpr double kWeightRelative = 0x1p-5;
+
+struct Worst {
+  double ratio = 0;
+  int64_t index = -1;
+  double got = 0, want = 0;
+};
+
+// Largest |got - want| / budget[n]; a zero budget needs exact equality, NaN (or any non-finite value) is
+// infinitely far.
+Worst worst_ratio(const float* got, const float* want, const std::vector<double>& budgets) {
+  const int64_t count = static_cast<int64_t>(budgets.size());
+  Worst worst;
+  for (int64_t n = 0; n < count; ++n) {
+    const double budget = budgets[n];
+    const double error = std::fabs(double(got[n]) - want[n]);
+    double ratio = 0;
+    if (!std::isfinite(got[n]))
+      ratio = std::numeric_limits<double>::infinity();
+    else if (budget > 0)
+      ratio = error / budget;
+    else if (error > 0)
+      ratio = std::numeric_limits<double>::infinity();
+    if (worst.index < 0 || ratio > worst.ratio) worst = {ratio, n, got[n], want[n]};
+  }
+  return worst;
+}
+
+double rms(const float* v, int64_t count) {
+  double squares = 0;
+  for (int64_t n = 0; n < count; ++n) squares += double(v[n]) * v[n];
+  return std::sqrt(squares / std::max<int64_t>(count, 1));
+}
+
+// Budget kRelative * (|want| + rms(want)) + extra[n].
+Worst compare(const float* got, const float* want, int64_t count, const float* extra = nullptr) {
+  const double floor = rms(want, count);
+  std::vector<double> budgets(count);
+  for (int64_t n = 0; n < count; ++n)
+    budgets[n] = kRelative * (std::fabs(want[n]) + floor) + (extra != nullptr ? extra[n] : 0.0);
+  return worst_ratio(got, want, budgets);
+}
+
+// One expert's weight gradient [rows, cols]: budget kWeightRelative * (|want| + rms_row * rms_col / rms).
+Worst compare_weight_grad(const float* got, const float* want, int64_t rows, int64_t cols) {
+  std::vector<double> row_squares(rows, 0.0), col_squares(cols, 0.0);
+  double squares = 0;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t n = 0; n < cols; ++n) {
+      const double v = double(want[m * cols + n]) * want[m * cols + n];
+      row_squares[m] += v, col_squares[n] += v, squares += v;
+    }
+  std::vector<double> budgets(rows * cols);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t n = 0; n < cols; ++n) {
+      // rms_row * rms_col / rms = sqrt(row_squares / cols * col_squares / rows) / sqrt(squares / (rows cols))
+      const double floor = squares > 0 ? std::sqrt(row_squares[m] * col_squares[n] / squares) : 0.0;
+      budgets[m * cols + n] = kWeightRelative * (std::fabs(want[m * cols + n]) + floor);
+    }
+  return worst_ratio(got, want, budgets);
+}
+
+std::vector<float> bf16_values(const std::vector<uint16_t>& bits) {
+  std::vector<float> v(bits.size());
+  for (size_t n = 0; n < bits.size(); ++n) v[n] = testing::from_bf16_bits(bits[n]);
+  return v;
+}
+
+// The shared expert's gradients of one rank's own tokens (each rank's shared weights see its tokens only;
+// the caller all-reduces them): the reference on that rank's slice alone, every route masked.
+reference::LayerGrads<float> shared_reference(const LayerData& data, const std::vector<float>& d_out, int rank) {
+  const reference::LayerShape& g = data.shape;
+  const int64_t t = g.tokens_per_rank, h = g.hidden, k = g.top_k;
+  reference::LayerShape one = g;
+  one.num_ranks = 1;
+  reference::LayerInputs<float> inputs;
+  inputs.x.assign(data.inputs.x.begin() + rank * t * h, data.inputs.x.begin() + (rank + 1) * t * h);
+  inputs.topk_idx.assign(t * k, -1);
+  inputs.router_weights.assign(t * k, 0.f);
+  const std::vector<float> rank_d_out(d_out.begin() + rank * t * h, d_out.begin() + (rank + 1) * t * h);
+  return reference::backward(one, data.params, inputs, rank_d_out);
+}
+
+// Every gradient of every rank against the CPU reference; returns the worst budget ratio. `label` names the
+// case (shape, seed) in every failure.
+double check_gradients(MoeHarness& harness, const LayerData& data, const std::vector<float>& d_out,
+                       const std::string& label) {
+  const reference::LayerShape& s = data.shape;
+  const reference::LayerGrads<float> ref = reference::backward(s, data.params, data.inputs, d_out);
+  const int64_t t = s.tokens_per_rank, h = s.hidden, i = s.intermediate, k = s.top_k;
+  const int64_t e_local = s.local_experts(), expert = h * i;
+  double worst_all = 0;
+  auto report = [&](const Worst& w, const std::string& what, const std::string& where) {
+    EXPECT_LE(w.ratio, 1.0) << label << ", " << what << ": worst |gpu - ref| / budget " << w.ratio << " at " << where
+                            << " (gpu " << w.got << ", ref " << w.want << ")";
+    worst_all = std::max(worst_all, w.ratio);
+  };
+  for (int r = 0; r < s.num_ranks; ++r) {
+    const std::string rank = "rank " + std::to_string(r);
+    // d_x, with the partials' term.
+    std::vector<float> extra(t * h);
+    for (int64_t n = 0; n < t; ++n) {
+      const int64_t token = r * t + n;
+      for (int64_t c = 0; c < h; ++c) {
+        double sum = std::fabs(ref.route_d_x[(s.num_tokens() * k + token) * h + c]);
+        for (int64_t j = 0; j < k; ++j) sum += std::fabs(ref.route_d_x[(token * k + j) * h + c]);
+        extra[n * h + c] = static_cast<float>(kPartialsRelative * sum);
+      }
+    }
+    const std::vector<float> d_x = bf16_values(harness.d_x_bits(r));
+    const Worst wx = compare(d_x.data(), ref.d_x.data() + r * t * h, t * h, extra.data());
+    report(wx, rank + " d_x", "token " + std::to_string(wx.index / h) + ", column " + std::to_string(wx.index % h));
+    // d_router_weights: within budget, and exactly +0 at masked routes.
+    const std::vector<float> d_rw = harness.d_router_weights(r);
+    const Worst wr = compare(d_rw.data(), ref.d_router_weights.data() + r * t * k, t * k);
+    report(wr, rank + " d_router_weights",
+           "token " + std::to_string(wr.index / k) + ", slot " + std::to_string(wr.index % k));
+    for (int64_t q = 0; q < t * k; ++q) {
+      const int32_t id = data.inputs.topk_idx[r * t * k + q];
+      if (id >= 0 && id < s.num_experts) continue;
+      uint32_t bits = 0;
+      std::memcpy(&bits, &d_rw[q], 4);
+      if (bits == 0) continue;
+      ADD_FAILURE() << label << ", " << rank << " d_router_weights at the masked route (token " << q / k << ", slot "
+                    << q % k << ") must be exactly 0, got " << d_rw[q] << " (first such route)";
+      worst_all = std::numeric_limits<double>::infinity();
+      break;
+    }
+    // Routed weight gradients, expert by expert (a rank's experts are global experts r * E_local + e).
+    const std::pair<GradTensor, const std::vector<float>*> routed[] = {
+        {GradTensor::kExpertGate, &ref.d_expert_gate},
+        {GradTensor::kExpertUp, &ref.d_expert_up},
+        {GradTensor::kExpertDown, &ref.d_expert_down}};
+    for (const auto& [which, want] : routed) {
+      const std::vector<float> got = harness.weight_grad(r, which);
+      if (got.empty()) continue;
+      const int64_t rows = which == GradTensor::kExpertDown ? h : i, cols = expert / rows;
+      for (int64_t e = 0; e < e_local; ++e) {
+        const Worst w =
+            compare_weight_grad(got.data() + e * expert, want->data() + (r * e_local + e) * expert, rows, cols);
+        report(w, rank + " " + testing::grad_tensor_name(which) + " expert " + std::to_string(r * e_local + e),
+               "row " + std::to_string(w.index / cols) + ", column " + std::to_string(w.index % cols));
+      }
+    }
+    if (!s.shared_expert) continue;
+    const reference::LayerGrads<float> shared = shared_reference(data, d_out, r);
+    const std::pair<GradTensor, const std::vector<float>*> own[] = {
+        {GradTensor::kSharedGate, &shared.d_shared_gate},
+        {GradTensor::kSharedUp, &shared.d_shared_up},
+        {GradTensor::kSharedDown, &shared.d_shared_down}};
+    for (const auto& [which, want] : own) {
+      const std::vector<float> got = harness.weight_grad(r, which);
+      if (got.empty()) continue;
+      const int64_t cols = which == GradTensor::kSharedDown ? i : h;
+      const Worst w = compare_weight_grad(got.data(), want->data(), expert / cols, cols);
+      report(w, rank + " " + testing::grad_tensor_name(which),
+             "row " + std::to_string(w.index / cols) + ", column " + std::to_string(w.index % cols));
+    }
+  }
+  return worst_all;
+}
+
+// Forward then backward of `data` with `d_out` on `harness`; throws on a status error.
+void forward_backward(MoeHarness& harness, const LayerData& data, const std::vector<float>& d_out,
+                      DType index_dtype = DType::kInt32) {
+  harness.upload(data, index_dtype);
+  harness.upload_d_out(d_out);
+  harness.forward();
+  harness.backward();
+  harness.check_status();
+}
+
+using RawGrads = std::vector<std::vector<std::pair<std::string, std::vector<uint8_t>>>>;  // [rank][tensor]
+
+RawGrads raw_grads(MoeHarness& harness) {
+  RawGrads all;
+  for (const RankForward& f : harness.all_args()) all.push_back(harness.raw_grads(f.rank));
+  return all;
+}
+
+// "" when bitwise equal, else the first differing tensor, rank and byte.
+std::string first_difference(const RawGrads& got, const RawGrads& want) {
+  if (got.size() != want.size()) return "different rank counts";
+  for (size_t r = 0; r < want.size(); ++r) {
+    if (got[r].size() != want[r].size()) return "rank " + std::to_string(r) + ": different gradient sets";
+    for (size_t n = 0; n < want[r].size(); ++n) {
+      const auto& [name, bytes] = want[r][n];
+      if (got[r][n].first != name || got[r][n].second.size() != bytes.size())
+        return "rank " + std::to_string(r) + ": " + name + " differs in shape";
+      for (size_t b = 0; b < bytes.size(); ++b)
+        if (got[r][n].second[b] != bytes[b])
+          return "rank " + std::to_string(r) + " " + name + ": byte " + std::to_string(b) + " differs";
+    }
+  }
+  return "";
+}
+
+std::string describe(const MoeShape& s) {
+  return "EP " + std::to_string(s.ep_size) + " T " + std::to_string(s.num_tokens) + " k " + std::to_string(s.top_k) +
+         " E " + std::to_string(s.num_experts) + " H " + std::to_string(s.hidden) + " I " +
+         std::to_string(s.intermediate) + (s.shared_expert ? " shared" : " no-shared") +
+         (s.swiglu_limit > 0 ? " L " + std::to_string(s.swiglu_limit) : "");
+}
+
+TEST(MoeBackwardTest, ScaledModelShapesMatchCpuReference) {
+  MOK_REQUIRE_GPUS(1);
+  const bool reduced = testing::reduced_sizes();
+  const std::vector<int> eps = reduced ? std::vector<int>{1, 2} : std::vector<int>{1, 2, 4, 8};
+  const int tokens = reduced ? 64 : 160;
+  std::printf("shape            EP  tokens  context  worst error / budget\n");
+  uint64_t seed = 200;
+  int shapes = 0;
+  for (const auto& m : reference::model_shapes()) {
+    if (reduced && ++shapes > 2) break;
+    for (int ep : eps) {
+      const MoeShape shape = testing::scaled_model_shape(m, ep, tokens);
+      const LayerData data = testing::random_layer(shape, ++seed, 0, ep == 4 ? 0.05 : 0);
+      const std::vector<float> d_out = testing::random_d_out(shape, seed + 5000);
+      MoeOptions options;  // the unfused forward's context at EP 2, the fused one's elsewhere
+      options.path = ep == 2 ? ForwardPath::kUnfused : ForwardPath::kFused;
+      MoeHarness harness(PeerGroup::virtual_ranks(ep), shape, options);
+      forward_backward(harness, data, d_out, ep == 2 ? DType::kInt64 : DType::kInt32);
+      const std::string label = m.name + " (" + describe(shape) + "), seed " + std::to_string(seed);
+      const double worst = check_gradients(harness, data, d_out, label);
+      std::printf("%-16s %2d %7d  %-7s  %.3f\n", m.name.c_str(), ep, tokens, ep == 2 ? "unfused" : "fused", worst);
+    }
+  }
+}
+
+// Router weight 0 on some routes: their d_rw is still right (d_rw = <d_hu, h> is unscaled) and they add
+// nothing to d_x, so d_x is bitwise the d_x of the same call with those routes masked. Masked routes get
+// d_rw exactly 0. With and without a shared expert (without one, a token whose every weight is 0 gets d_x
+// exactly +0).
+TEST(MoeBackwardTest, RouterWeightZeroAndMaskedRoutes) {
+  MOK_REQUIRE_GPUS(1);
+  for (bool shared : {true, false}) {
+    const MoeShape shape = moe_shape(2, 128, 4, 16, 256, 128, shared);
+    const uint64_t seed = shared ? 301 : 302;
+    LayerData data = testing::random_layer(shape, seed, 0, 0.1);
+    const int64_t k = shape.top_k, tokens = int64_t(shape.ep_size) * shape.num_tokens;
+    int zero_routes = 0;
+    for (int64_t n = 0; n < tokens; ++n)
+      for (int64_t j = 0; j < k; ++j)
+        if (n % 7 == 0 || (n % 3 == 0 && j == 1)) {
+          data.inputs.router_weights[n * k + j] = 0.f;
+          zero_routes += data.inputs.topk_idx[n * k + j] >= 0;
+        }
+    ASSERT_GT(zero_routes, 0);
+    const std::vector<float> d_out = testing::random_d_out(shape, seed + 5000);
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+    forward_backward(harness, data, d_out);
+    const std::string label = "rw = 0 (" + describe(shape) + "), seed " + std::to_string(seed);
+    std::printf("%s: worst error / budget %.3f\n", label.c_str(), check_gradients(harness, data, d_out, label));
+    std::vector<std::vector<uint16_t>> d_x;
+    for (int r = 0; r < 2; ++r) d_x.push_back(harness.d_x_bits(r));
+
+    LayerData masked = data;
+    for (size_t q = 0; q < masked.inputs.topk_idx.size(); ++q)
+      if (masked.inputs.router_weights[q] == 0.f) masked.inputs.topk_idx[q] = -1;
+    forward_backward(harness, masked, d_out);
+    for (int r = 0; r < 2; ++r) {
+      const std::vector<uint16_t> want = harness.d_x_bits(r);
+      for (size_t n = 0; n < want.size(); ++n)
+        ASSERT_EQ(d_x[r][n], want[n]) << label << ": rank " << r << " d_x token " << n / shape.hidden << " column "
+                                      << n % shape.hidden << " differs from the call with the rw = 0 routes masked";
+    }
+  }
+}
+
+// Zipf-skewed routing (several experts get no rows: their gradients must be exactly zero), and every route
+// on rank 0's experts (ranks 1..3 receive nothing), EP 4.
+TEST(MoeBackwardTest, SkewedRoutingAndEmptyExperts) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(4, 200, 6, 32, 256, 128);
+  {
+    const LayerData data = testing::random_layer(shape, 311, 3.0, 0.1);
+    std::vector<int> rows(shape.num_experts, 0);
+    for (int32_t id : data.inputs.topk_idx)
+      if (id >= 0) ++rows[id];
+    ASSERT_GT(std::count(rows.begin(), rows.end(), 0), 0) << "the skewed routing left no expert empty";
+    const std::vector<float> d_out = testing::random_d_out(shape, 5311);
+    MoeHarness harness(PeerGroup::virtual_ranks(4), shape);
+    forward_backward(harness, data, d_out);
+    std::printf("skewed: worst error / budget %.3f\n",
+                check_gradients(harness, data, d_out, "skewed (" + describe(shape) + "), seed 311"));
+  }
+  {
+    LayerData data = testing::random_layer(shape, 312);
+    for (size_t q = 0; q < data.inputs.topk_idx.size(); ++q)
+      data.inputs.topk_idx[q] = static_cast<int32_t>(q % shape.top_k);  // experts 0..5 live on rank 0
+    const std::vector<float> d_out = testing::random_d_out(shape, 5312);
+    MoeHarness harness(PeerGroup::virtual_ranks(4), shape);
+    forward_backward(harness, data, d_out);
+    std::printf("all to rank 0: worst error / budget %.3f\n",
+                check_gradients(harness, data, d_out, "all to rank 0 (" + describe(shape) + "), seed 312"));
+  }
+}
+
+// Clamped SwiGLU needs integer data: the SwiGLU backward masks on the stored bf16 g and u ([g < L],
+// [-L < u < L]), the reference on its fp32 ones, so a g within a rounding of L would flip the mask in one of
+// them. With x in [-2, 2] and weights in [-2, 2] / 64 every g and u is a multiple of 1/64, exact in bf16 (for
+// |g| < 4, all but never), and L = 0.3 lies between two such values: both masks agree. About a quarter of
+// the g and half of the u are clamped.
+LayerData integer_layer(const MoeShape& shape, uint64_t seed) {
+  LayerData data = testing::random_layer(shape, seed);
+  int64_t index = 0;
+  auto fill = [&](std::vector<float>& v, float scale) {
+    for (float& x : v) x = scale * static_cast<float>(testing::hashed_int(seed, index++, -2, 2));
+  };
+  fill(data.inputs.x, 1.f);
+  for (auto* w : {&data.params.expert_gate, &data.params.expert_up, &data.params.expert_down, &data.params.shared_gate,
+                  &data.params.shared_up, &data.params.shared_down})
+    fill(*w, 1.f / 64);
+  return data;
+}
+
+// Clamped SwiGLU without a shared expert; fused [E, 2I, H] gate/up weights give the separate weights' bits
+// (every gradient); int64 ids; top_k 1 with a shared expert (its partial and the one route's may cancel).
+TEST(MoeBackwardTest, ClampedSwiGLUFusedAndSeparateGateUp) {
+  MOK_REQUIRE_GPUS(1);
+  struct Case {
+    MoeShape shape;
+    bool integer;
+  };
+  MoeShape clamped = moe_shape(2, 128, 4, 16, 256, 128, false);
+  clamped.swiglu_limit = 0.3f;
+  const std::vector<Case> cases = {{clamped, true}, {moe_shape(2, 200, 1, 16, 512, 256), false}};
+  uint64_t seed = 320;
+  for (const Case& c : cases) {
+    const LayerData data = c.integer ? integer_layer(c.shape, ++seed) : testing::random_layer(c.shape, ++seed);
+    const std::vector<float> d_out = testing::random_d_out(c.shape, seed + 5000);
+    const std::string label = describe(c.shape) + ", seed " + std::to_string(seed);
+    MoeHarness harness(PeerGroup::virtual_ranks(2), c.shape);
+    forward_backward(harness, data, d_out, DType::kInt64);
+    std::printf("%s, separate gate/up: worst error / budget %.3f\n", label.c_str(),
+                check_gradients(harness, data, d_out, label + ", separate gate/up"));
+    std::vector<std::vector<float>> separate;
+    for (int r = 0; r < 2; ++r)
+      for (int n = 0; n < kNumGradTensors; ++n) separate.push_back(harness.weight_grad(r, GradTensor(n)));
+    std::vector<std::vector<uint16_t>> d_x;
+    std::vector<std::vector<float>> d_rw;
+    for (int r = 0; r < 2; ++r) d_x.push_back(harness.d_x_bits(r)), d_rw.push_back(harness.d_router_weights(r));
+
+    harness.use_fused_gate_up(data);
+    forward_backward(harness, data, d_out, DType::kInt64);
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_EQ(harness.d_x_bits(r), d_x[r]) << label << ": fused gate/up d_x differs from separate, rank " << r;
+      const std::vector<float> rw = harness.d_router_weights(r);
+      ASSERT_EQ(std::memcmp(rw.data(), d_rw[r].data(), rw.size() * 4), 0) << label << ": d_router_weights, rank " << r;
+      for (int n = 0; n < kNumGradTensors; ++n) {
+        const std::vector<float> got = harness.weight_grad(r, GradTensor(n));
+        const std::vector<float>& want = separate[r * kNumGradTensors + n];
+        ASSERT_EQ(got.size(), want.size()) << label << ": " << testing::grad_tensor_name(GradTensor(n));
+        ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size() * 4), 0)
+            << label << ": fused gate/up " << testing::grad_tensor_name(GradTensor(n)) << " differs, rank " << r;
+      }
+    }
+  }
+}
+
+uint32_t float_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return bits;
+}
+
+// bf16 writes are the fp32 writes rounded once; fp32 accumulation of two micro-batches into zeroed buffers is
+// bitwise (0 + g1) + g2 of the written fp32 gradients (what kAccumulate computes: one fp32 addition per
+// element and call); d_x and d_router_weights do not depend on the gradients' modes; mixed modes in one call.
+TEST(MoeBackwardTest, GradModesWriteBf16Fp32AndAccumulate) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(2, 160, 4, 16, 256, 128);
+  const LayerData first = testing::random_layer(shape, 331, 0, 0.05);
+  LayerData second = testing::random_layer(shape, 332, 1.0, 0.05);
+  second.params = first.params;  // two micro-batches of one model
+  const std::vector<float> d_out_first = testing::random_d_out(shape, 5331), d_out_second = testing::random_d_out(shape, 5332);
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+  using Grads = std::vector<std::vector<float>>;  // [rank * kNumGradTensors + tensor]
+  auto grads = [&] {
+    Grads g;
+    for (int r = 0; r < 2; ++r)
+      for (int n = 0; n < kNumGradTensors; ++n) g.push_back(harness.weight_grad(r, GradTensor(n)));
+    return g;
+  };
+  auto token_grads = [&] {
+    std::vector<std::vector<uint8_t>> t;
+    for (int r = 0; r < 2; ++r) {
+      auto raw = harness.raw_grads(r);
+      t.push_back(raw[0].second);
+      t.push_back(raw[1].second);
+    }
+    return t;
+  };
+  // fp32 writes of both micro-batches.
+  harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
+  forward_backward(harness, first, d_out_first);
+  check_gradients(harness, first, d_out_first, "fp32 write, micro-batch 1, seed 331");
+  const Grads g1 = grads();
+  const auto tokens1 = token_grads();
+  forward_backward(harness, second, d_out_second);
+  check_gradients(harness, second, d_out_second, "fp32 write, micro-batch 2, seed 332");
+  const Grads g2 = grads();
+
+  // bf16 writes: the fp32 values rounded once.
+  harness.set_grads(testing::all_grads(DType::kBFloat16, GradMode::kWrite));
+  forward_backward(harness, first, d_out_first);
+  const Grads b1 = grads();
+  for (size_t n = 0; n < g1.size(); ++n) {
+    ASSERT_EQ(b1[n].size(), g1[n].size());
+    for (size_t x = 0; x < g1[n].size(); ++x)
+      ASSERT_EQ(float_bits(b1[n][x]), float_bits(testing::round_to_bf16(g1[n][x])))
+          << "bf16 write, rank " << n / kNumGradTensors << " " << testing::grad_tensor_name(GradTensor(n % kNumGradTensors))
+          << " element " << x << ": " << b1[n][x] << " vs fp32 " << g1[n][x];
+  }
+  EXPECT_EQ(token_grads(), tokens1) << "d_x / d_router_weights depend on the weight gradients' dtype";
+
+  // Accumulation: zero, micro-batch 1, micro-batch 2.
+  harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kAccumulate));
+  harness.zero_weight_grads();
+  forward_backward(harness, first, d_out_first);
+  EXPECT_EQ(token_grads(), tokens1) << "d_x / d_router_weights depend on the weight gradients' mode";
+  forward_backward(harness, second, d_out_second);
+  const Grads acc = grads();
+  for (size_t n = 0; n < g1.size(); ++n) {
+    ASSERT_EQ(acc[n].size(), g1[n].size());
+    for (size_t x = 0; x < g1[n].size(); ++x) {
+      volatile float want = 0.f + g1[n][x];  // the GPU's two fp32 additions, in its order
+      want = want + g2[n][x];
+      ASSERT_EQ(float_bits(acc[n][x]), float_bits(want))
+          << "accumulate, rank " << n / kNumGradTensors << " "
+          << testing::grad_tensor_name(GradTensor(n % kNumGradTensors)) << " element " << x << ": " << acc[n][x]
+          << " vs (0 + " << g1[n][x] << ") + " << g2[n][x];
+    }
+  }
+
+  // Mixed in one call: down bf16 written, routed gate/up fp32 accumulated (onto zeros), shared gate/up fp32
+  // written, shared down not computed.
+  GradSetups mixed = testing::all_grads(DType::kFloat32, GradMode::kWrite);
+  mixed[int(GradTensor::kExpertDown)].dtype = DType::kBFloat16;
+  mixed[int(GradTensor::kExpertGate)].mode = GradMode::kAccumulate;
+  mixed[int(GradTensor::kExpertUp)].mode = GradMode::kAccumulate;
+  mixed[int(GradTensor::kSharedDown)].compute = false;
+  harness.set_grads(mixed);  // zero-filled
+  forward_backward(harness, first, d_out_first);
+  const Grads m1 = grads();
+  for (size_t n = 0; n < g1.size(); ++n) {
+    const GradTensor which = GradTensor(n % kNumGradTensors);
+    if (which == GradTensor::kSharedDown) {
+      EXPECT_TRUE(m1[n].empty());
+      continue;
+    }
+    ASSERT_EQ(m1[n].size(), g1[n].size());
+    for (size_t x = 0; x < g1[n].size(); ++x) {
+      const float want = which == GradTensor::kExpertDown ? testing::round_to_bf16(g1[n][x])
+                         : (which == GradTensor::kExpertGate || which == GradTensor::kExpertUp) ? 0.f + g1[n][x]
+                                                                                                 : g1[n][x];
+      ASSERT_EQ(float_bits(m1[n][x]), float_bits(want))
+          << "mixed modes, rank " << n / kNumGradTensors << " " << testing::grad_tensor_name(which) << " element "
+          << x;
+    }
+  }
+  EXPECT_EQ(token_grads(), tokens1);
+}
+
+// recompute_forward_context into fresh contexts gives the forward's context bits: x rows, hidden rows and the
+// shared expert's hidden rows, after either forward path and with a ring of 128 rows (the context keeps the
+// first macrobatch only); the backward of the recomputed contexts equals the backward of the forward's.
+TEST(MoeBackwardTest, RecomputeGivesTheForwardContextBits) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(2, 200, 4, 16, 256, 128);
+  const LayerData data = testing::random_layer(shape, 341, 1.0, 0.05);
+  const std::vector<float> d_out = testing::random_d_out(shape, 5341);
+  struct Case {
+    const char* name;
+    ForwardPath path;
+    int64_t macrobatch_rows;
+  };
+  for (const Case& c : {Case{"fused", ForwardPath::kFused, 0}, Case{"unfused", ForwardPath::kUnfused, 0},
+                        Case{"fused, ring 128", ForwardPath::kFused, 128}}) {
+    MoeOptions options;
+    options.path = c.path;
+    options.fused.macrobatch_rows = c.macrobatch_rows;
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape, options);
+    forward_backward(harness, data, d_out);
+    if (c.macrobatch_rows > 0) {
+      ASSERT_LT(harness.workspace().ring_rows(), harness.workspace().capacity_rows());
+    }
+    const RawGrads want = raw_grads(harness);
+    std::vector<std::vector<uint16_t>> kept;
+    for (int r = 0; r < 2; ++r) kept.push_back(harness.context_bits(*harness.args(r).context));
+
+    std::vector<ForwardContext> fresh;
+    std::vector<ForwardContext*> forward_contexts;
+    for (int r = 0; r < 2; ++r) {
+      fresh.push_back(harness.workspace().make_context(r));
+      forward_contexts.push_back(harness.args(r).context);
+    }
+    std::vector<RankForward> args = harness.all_args();
+    for (int r = 0; r < 2; ++r) args[r].context = &fresh[r];
+    harness.workspace().build_schedule(args);
+    harness.workspace().recompute_forward_context(args);
+    harness.check_status();
+    for (int r = 0; r < 2; ++r) {
+      const std::vector<uint16_t> got = harness.context_bits(fresh[r]);
+      ASSERT_EQ(got.size(), kept[r].size());
+      for (size_t n = 0; n < got.size(); ++n)
+        ASSERT_EQ(got[n], kept[r][n]) << c.name << ": recomputed context of rank " << r << " differs at bf16 element "
+                                      << n << " (expert rows [ring, H], then hidden [ring, I], then shared hidden)";
+    }
+    for (int r = 0; r < 2; ++r) harness.args(r).context = &fresh[r];
+    harness.backward();
+    harness.check_status();
+    EXPECT_EQ(first_difference(raw_grads(harness), want), "") << c.name << ": backward of the recomputed context";
+    harness.synchronize();  // `fresh` dies before the harness
+    for (int r = 0; r < 2; ++r) harness.args(r).context = forward_contexts[r];
+  }
+}
+
+// The gradients do not depend on which forward path made the context, on the ring (rows beyond it are
+// pulled again), the tile height or the capacity, nor on the run: bitwise.
+TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesAndReruns) {
+  MOK_REQUIRE_GPUS(1);
+  const bool reduced = testing::reduced_sizes();
+  const MoeShape shape = moe_shape(4, reduced ? 96 : 300, 8, 64, 512, 256);
+  const LayerData data = testing::random_layer(shape, 351, 1.0, 0.02);
+  const std::vector<float> d_out = testing::random_d_out(shape, 5351);
+  MoeHarness base(PeerGroup::virtual_ranks(4), shape);
+  forward_backward(base, data, d_out);
+  check_gradients(base, data, d_out, "base (" + describe(shape) + "), seed 351");
+  const RawGrads want = raw_grads(base);
+  for (int run = 1; run < 3; ++run) {
+    base.backward();
+    base.check_status();
+    ASSERT_EQ(first_difference(raw_grads(base), want), "") << "backward rerun " << run;
+  }
+  struct Variant {
+    const char* name;
+    MoeOptions options;
+  };
+  std::vector<Variant> variants(5);
+  variants[0].name = "unfused forward";
+  variants[0].options.path = ForwardPath::kUnfused;
+  variants[1].name = "fused forward, ring 128";
+  variants[1].options.fused.macrobatch_rows = 128;
+  variants[2].name = "fused forward, ring 512";
+  variants[2].options.fused.macrobatch_rows = 512;
+  variants[3].name = "tile_m 128";
+  variants[3].options.schedule.tile_m = 128;
+  // Below the worst case (10624 rows at T = 300, 4096 at T = 96), enough for this routing.
+  variants[4].name = "capacity below the worst case";
+  variants[4].options.schedule.capacity_rows = reduced ? 3072 : 5120;
+  for (const Variant& v : variants) {
+    MoeHarness harness(PeerGroup::virtual_ranks(4), shape, v.options);
+    forward_backward(harness, data, d_out);
+    EXPECT_EQ(first_difference(raw_grads(harness), want), "") << v.name;
+  }
+}
+
+// forward + backward captured in one CUDA graph (virtual ranks: one stream) replays to the eager bits, and
+// reads its inputs at replay (alternating inputs give alternating results).
+TEST(MoeBackwardTest, CudaGraphReplayOfForwardAndBackward) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(2, 256, 4, 16, 256, 128);
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+  const LayerData data = testing::random_layer(shape, 361), other = testing::random_layer(shape, 362);
+  const std::vector<float> d_out = testing::random_d_out(shape, 5361), d_out_other = testing::random_d_out(shape, 5362);
+  forward_backward(harness, data, d_out);
+  const RawGrads eager = raw_grads(harness);
+
+  cudaStream_t stream = harness.stream(0);
+  const std::vector<RankBackward> backward_args = harness.all_backward_args();
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  MOK_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  harness.workspace().forward(harness.all_args());
+  harness.workspace().backward(backward_args);
+  MOK_CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  MOK_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 4; ++replay) {
+    const bool first = replay % 2 == 0;
+    harness.upload(first ? data : other);
+    harness.upload_d_out(first ? d_out : d_out_other);
+    harness.poison_outputs();
+    harness.poison_grads();
+    MOK_CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    harness.check_status();
+    const RawGrads got = raw_grads(harness);
+    if (first) {
+      ASSERT_EQ(first_difference(got, eager), "") << "replay " << replay;
+    } else {
+      ASSERT_NE(first_difference(got, eager), "") << "replay " << replay << " ignored its new inputs";
+    }
+  }
+  // The odd replays against the CPU reference too.
+  harness.upload(other);
+  harness.upload_d_out(d_out_other);
+  harness.poison_grads();
+  MOK_CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  harness.check_status();
+  check_gradients(harness, other, d_out_other, "graph replay, seed 362");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+// What the backward keeps per layer and per rank, printed for the record (docs/design.md, "Backward").
+TEST(MoeBackwardTest, ContextAndBackwardBytes) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(2, 256, 4, 16, 256, 128);
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+  const MoeWorkspace& ws = harness.workspace();
+  const int64_t h = shape.hidden, i = shape.intermediate, cap = ws.capacity_rows(), pt = ws.padded_tokens();
+  const int64_t context = harness.args(0).context->bytes();
+  EXPECT_GE(context, cap * (h + i) * 2 + pt * i * 2);
+  EXPECT_GE(ws.backward_bytes(), cap * (2 * h + 5 * i) * 2 + pt * h * 2);
+  MoeOptions inference;
+  inference.backward = false;
+  MoeHarness plain(PeerGroup::virtual_ranks(2), shape, inference);
+  EXPECT_EQ(plain.workspace().backward_bytes(), 0);
+  std::printf("%s: context %lld bytes per layer and rank, backward buffers %lld bytes per rank (capacity %lld rows)\n",
+              describe(shape).c_str(), static_cast<long long>(context), static_cast<long long>(ws.backward_bytes()),
+              static_cast<long long>(cap));
+}
+
+}  // namespace
+}  // namespace mok
