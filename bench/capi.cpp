@@ -44,6 +44,63 @@ struct BenchLayer {
   }
 };
 
+mok::DType index_dtype(int topk_dtype) {
+  if (topk_dtype != 0 && topk_dtype != 1)
+    throw std::invalid_argument("topk_dtype: must be 0 (int32) or 1 (int64), got " + std::to_string(topk_dtype));
+  return topk_dtype == 1 ? mok::DType::kInt64 : mok::DType::kInt32;
+}
+
+// The layer's weights from the caller's pointers (separate gate and up; no shared tensors without a shared
+// expert), as mok_bench_layer_forward builds them.
+mok::MoeWeights layer_weights(const mok::MoeShape& s, const void* expert_gate, const void* expert_up,
+                              const void* expert_down, const void* shared_gate, const void* shared_up,
+                              const void* shared_down) {
+  using mok::DType;
+  using mok::TensorRef;
+  const int64_t h = s.hidden, i = s.intermediate, e = s.local_experts();
+  mok::MoeWeights w;
+  w.expert_gate = TensorRef(expert_gate, DType::kBFloat16, {e, i, h});
+  w.expert_up = TensorRef(expert_up, DType::kBFloat16, {e, i, h});
+  w.expert_down = TensorRef(expert_down, DType::kBFloat16, {e, h, i});
+  if (s.shared_expert) {
+    w.shared_gate = TensorRef(shared_gate, DType::kBFloat16, {i, h});
+    w.shared_up = TensorRef(shared_up, DType::kBFloat16, {i, h});
+    w.shared_down = TensorRef(shared_down, DType::kBFloat16, {h, i});
+  }
+  return w;
+}
+
+// mok_bench_layer_backward's gradient arrays: kNumGrads entries in MoeWeightGrads' order.
+constexpr int kNumGrads = 6;
+constexpr const char* kGradNames[kNumGrads] = {"expert_gate", "expert_up", "expert_down",
+                                               "shared_gate", "shared_up", "shared_down"};
+
+// Checks the codes of every entry (dtype 0 bf16, 1 fp32; mode 0 GradMode::kWrite, 1 kAccumulate), so a bad one is
+// rejected before anything else is looked at.
+void check_grad_codes(void* const* grads, const int32_t* dtypes, const int32_t* modes) {
+  if (grads == nullptr || dtypes == nullptr || modes == nullptr)
+    throw std::invalid_argument("grads, grad_dtypes, grad_modes: must each point to " + std::to_string(kNumGrads) +
+                                " entries");
+  for (int n = 0; n < kNumGrads; ++n) {
+    if (dtypes[n] != 0 && dtypes[n] != 1)
+      throw std::invalid_argument(std::string(kGradNames[n]) + ": grad dtype must be 0 (bf16) or 1 (fp32), got " +
+                                  std::to_string(dtypes[n]));
+    if (modes[n] != 0 && modes[n] != 1)
+      throw std::invalid_argument(std::string(kGradNames[n]) + ": grad mode must be 0 (write) or 1 (accumulate), got " +
+                                  std::to_string(modes[n]));
+  }
+}
+
+// Entry n of the checked arrays as a WeightGrad of `shape`; a null pointer leaves it empty (not computed).
+mok::WeightGrad weight_grad(void* const* grads, const int32_t* dtypes, const int32_t* modes, int n,
+                            std::initializer_list<int64_t> shape) {
+  mok::WeightGrad g;
+  if (grads[n] == nullptr) return g;
+  g.grad = mok::TensorRef(grads[n], dtypes[n] == 1 ? mok::DType::kFloat32 : mok::DType::kBFloat16, shape);
+  g.mode = modes[n] == 1 ? mok::GradMode::kAccumulate : mok::GradMode::kWrite;
+  return g;
+}
+
 }  // namespace
 
 extern "C" {
@@ -140,6 +197,68 @@ int mok_bench_layer_forward(void* handle, const void* x, const void* topk_idx, i
     return 0;
   } catch (const std::exception& e) {
     return report(e, error, error_len);
+  }
+}
+
+// The backward of the layer's last forward (the context that forward filled), asynchronous on `stream`. The
+// forward's arguments again (x, ids, router weights, weights as in mok_bench_layer_forward), d_out bf16 [T, H];
+// writes d_x bf16 [T, H] and d_router_weights fp32 [T, k]. grads, grad_dtypes and grad_modes hold 6 entries
+// each, in MoeWeightGrads' order (expert gate, up, down, shared gate, up, down; the shared three are ignored
+// without a shared expert): a gradient of the weight's shape, null for not computed; dtype 0 bf16, 1 fp32;
+// mode 0 GradMode::kWrite, 1 GradMode::kAccumulate (fp32 += this call's gradient).
+int mok_bench_layer_backward(void* handle, const void* x, const void* topk_idx, int topk_dtype,
+                             const float* router_weights, const void* expert_gate, const void* expert_up,
+                             const void* expert_down, const void* shared_gate, const void* shared_up,
+                             const void* shared_down, const void* d_out, void* d_x, float* d_router_weights,
+                             void* const* grads, const int32_t* grad_dtypes, const int32_t* grad_modes, void* stream,
+                             char* error, int error_len) {
+  try {
+    const mok::DType ids = index_dtype(topk_dtype);
+    check_grad_codes(grads, grad_dtypes, grad_modes);
+    auto* layer = static_cast<BenchLayer*>(handle);
+    const mok::MoeShape& s = layer->workspace->shape();
+    const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden, i = s.intermediate, e = s.local_experts();
+    using mok::DType;
+    using mok::TensorRef;
+    const mok::MoeWeights w =
+        layer_weights(s, expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down);
+    mok::MoeWeightGrads g;
+    g.expert_gate = weight_grad(grads, grad_dtypes, grad_modes, 0, {e, i, h});
+    g.expert_up = weight_grad(grads, grad_dtypes, grad_modes, 1, {e, i, h});
+    g.expert_down = weight_grad(grads, grad_dtypes, grad_modes, 2, {e, h, i});
+    if (s.shared_expert) {
+      g.shared_gate = weight_grad(grads, grad_dtypes, grad_modes, 3, {i, h});
+      g.shared_up = weight_grad(grads, grad_dtypes, grad_modes, 4, {i, h});
+      g.shared_down = weight_grad(grads, grad_dtypes, grad_modes, 5, {h, i});
+    }
+    mok::RankBackward b;
+    b.rank = layer->rank;
+    b.x = TensorRef(x, DType::kBFloat16, {t, h});
+    b.topk_idx = TensorRef(topk_idx, ids, {t, k});
+    b.router_weights = TensorRef(router_weights, DType::kFloat32, {t, k});
+    b.weights = &w;
+    b.context = &layer->context;
+    b.d_out = TensorRef(d_out, DType::kBFloat16, {t, h});
+    b.d_x = TensorRef(d_x, DType::kBFloat16, {t, h});
+    b.d_router_weights = TensorRef(d_router_weights, DType::kFloat32, {t, k});
+    b.weight_grads = &g;
+    b.stream = static_cast<cudaStream_t>(stream);
+    layer->workspace->backward({&b, 1});
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+// Device bytes of the layer's forward context (ForwardContext::bytes()): what a training step keeps per layer
+// from its forward to its backward. -1 with the message in `error` on failure.
+int64_t mok_bench_layer_context_bytes(void* handle, char* error, int error_len) {
+  try {
+    const auto* layer = static_cast<const BenchLayer*>(handle);
+    return layer->context.bytes();
+  } catch (const std::exception& e) {
+    report(e, error, error_len);
+    return -1;
   }
 }
 

@@ -1,7 +1,7 @@
 """ctypes declarations of bench/capi.cpp's C entry points: the one place Python spells their signatures
 (bench/layer_bench.py, bench/gemm_bench.py and tests/python/test_capi_bad_inputs.py load the library here).
-Every entry point but destroy and comm_ctas returns 0, or 1 (NULL for create) with a NUL-terminated message
-in its `error` buffer."""
+Every entry point but destroy, comm_ctas and context_bytes returns 0, or 1 (NULL for create) with a
+NUL-terminated message in its `error` buffer (context_bytes: the bytes, or -1 with the message)."""
 import ctypes
 
 _p, _i32, _i64, _f32, _f64, _s = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_double,
@@ -14,6 +14,11 @@ SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
     # handle, x, topk_idx, topk_dtype (0 int32, 1 int64), router_weights, expert_gate, expert_up, expert_down,
     # shared_gate, shared_up, shared_down, out, stream, error, error_len
     "mok_bench_layer_forward": ([_p, _p, _p, _i32] + [_p] * 9 + [_s, _i32], _i32),
+    # handle, x, topk_idx, topk_dtype, router_weights, the six weights as in forward, d_out, d_x, d_router_weights,
+    # grads, grad_dtypes, grad_modes (GRADS entries each: void*[], int32[], int32[]), stream, error, error_len
+    "mok_bench_layer_backward": ([_p, _p, _p, _i32] + [_p] * 14 + [_s, _i32], _i32),
+    # handle, source (int* out: 1 from ForwardContext::bytes(), 0 from make_context's layout), error, error_len
+    "mok_bench_layer_context_bytes": ([_p, _s, _i32], _i64),
     "mok_bench_layer_reset_status": ([_p, _p, _s, _i32], _i32),
     "mok_bench_layer_check_status": ([_p, _p, _s, _i32], _i32),
     "mok_bench_layer_write_timeline": ([_p, _p, _s, _s, _i32], _i32),
@@ -29,6 +34,21 @@ SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
     "mok_bench_weight_grad_gemm": ([_p, _p, _i64, _i32, _i32, _i32, _p, _p, _i32, _i32, _p, _p, _i32, _p, _p, _s, _i32],
                                    _i32),
 }
+
+
+# mok_bench_layer_backward's gradient arrays, in MoeWeightGrads' order (and mok_bench_layer_forward's weights')
+GRADS = ("expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up", "shared_down")
+GRAD_DTYPES = {"bf16": 0, "fp32": 1}  # a gradient's dtype code
+GRAD_MODES = {"write": 0, "accumulate": 1}  # mok::GradMode
+
+
+def grad_arrays(grads, dtypes, modes):
+    """mok_bench_layer_backward's three arrays from dicts keyed by GRADS: grads a tensor (or None: not
+    computed), dtypes 'bf16'/'fp32' and modes 'write'/'accumulate' (entries of None grads are ignored)."""
+    pointers = (ctypes.c_void_p * len(GRADS))(*[0 if grads.get(n) is None else grads[n].data_ptr() for n in GRADS])
+    dtype_codes = (ctypes.c_int32 * len(GRADS))(*[GRAD_DTYPES[dtypes.get(n, "bf16")] for n in GRADS])
+    mode_codes = (ctypes.c_int32 * len(GRADS))(*[GRAD_MODES[modes.get(n, "write")] for n in GRADS])
+    return pointers, dtype_codes, mode_codes
 
 
 def load(lib_path):

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds the library and runs the main program on the local GPU(s) (README's first command): the MoE
-# forward-layer benchmark, ours vs the torchtitan-style PyTorch baseline, at EP=1 and, with two or more
-# GPUs, at EP = the number of GPUs (one process per GPU). Installs PyTorch (pip) when it is missing.
+# layer benchmark, forward and forward + backward (bench/layer_bench.py's default; --no-backward for the
+# forward alone), ours vs the torchtitan-style PyTorch baseline (under autograd for the backward), at EP=1
+# and, with two or more GPUs, at EP = the number of GPUs (one process per GPU). Installs PyTorch (pip) when
+# it is missing.
 #   tools/run_main.sh [bench/layer_bench.py arguments, e.g. --shapes Kimi-K2.7 --iters 20]
 set -euo pipefail
 cd "$(dirname "$0")/.."

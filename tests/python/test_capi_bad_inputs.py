@@ -19,7 +19,7 @@ import ctypes  # noqa: E402
 import os  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-from capi import load  # noqa: E402  (the C entry points' declarations)
+from capi import GRADS, grad_arrays, load  # noqa: E402  (the C entry points' declarations)
 
 E, H, I, K, T = 16, 256, 128, 4, 100
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
@@ -303,6 +303,44 @@ class Matrix:
         record("expert_gemm with null operands", self.path, "error (no crash)", rc == 1 and len(message()) > 0,
                message() if rc else "no error", self.next_call())
 
+    def backward_arguments(self):
+        """mok_bench_layer_backward's own argument checks (and context_bytes): an error naming the
+        argument before anything is issued (outputs stay poisoned), then a good forward on the same layer."""
+        g = self.good
+        d_out = torch.randn(T, H, dtype=torch.bfloat16, device="cuda")
+        d_x = poisoned(T)
+        d_rw = torch.full((T, K), float("nan"), device="cuda")
+        grads = {n: torch.full_like(g[n], float("nan")) for n in GRADS}
+        self.layer.run(g)  # a context to read
+
+        def call(topk_dtype=0, dtypes=None, modes=None, null_arrays=False):
+            arrays = grad_arrays(grads, {}, {})
+            if dtypes is not None:
+                arrays = (arrays[0], (ctypes.c_int32 * len(GRADS))(*dtypes), arrays[2])
+            if modes is not None:
+                arrays = (arrays[0], arrays[1], (ctypes.c_int32 * len(GRADS))(*modes))
+            if null_arrays:
+                arrays = (None, None, None)
+            rc = self.lib.mok_bench_layer_backward(
+                self.layer.handle, g["x"].data_ptr(), g["topk_idx"].data_ptr(), topk_dtype,
+                *[g[n].data_ptr() for n in ("router_weights",) + GRADS], d_out.data_ptr(), d_x.data_ptr(),
+                d_rw.data_ptr(), *arrays, self.layer.stream, ERROR, len(ERROR))
+            torch.cuda.synchronize()
+            untouched = bool(torch.isnan(d_x.float()).all() and torch.isnan(d_rw).all()
+                             and all(torch.isnan(t.float()).all() for t in grads.values()))
+            return rc, message() if rc else "no error", untouched
+
+        cases = [("backward topk_dtype 7", dict(topk_dtype=7), "topk_dtype"),
+                 ("backward grad dtype 5 (expert_down)", dict(dtypes=[0, 0, 5, 0, 0, 0]), "expert_down: grad dtype"),
+                 ("backward grad mode 3 (shared_up)", dict(modes=[0, 0, 0, 0, 3, 0]), "shared_up: grad mode"),
+                 ("backward null gradient arrays", dict(null_arrays=True), "grads, grad_dtypes, grad_modes")]
+        for name, kwargs, needle in cases:
+            rc, text, untouched = call(**kwargs)
+            record(name, self.path, f"error naming the argument ({needle}), outputs untouched",
+                   rc == 1 and needle in text and untouched, text, self.next_call())
+        size = self.lib.mok_bench_layer_context_bytes(self.layer.handle, ERROR, len(ERROR))
+        record("context_bytes", self.path, "bytes > 0", size > 0, f"{size} bytes" if size >= 0 else message(), "-")
+
     def run(self):
         self.bad_ids()
         self.nonfinite()
@@ -311,6 +349,7 @@ class Matrix:
         self.tokens()
         self.capacity()
         self.other_entry_points()
+        self.backward_arguments()
         self.layer.close()
 
 
