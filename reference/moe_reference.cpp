@@ -122,6 +122,12 @@ void add_scaled(double* out, const A* a, double s, int64_t count) {
   for (int64_t c = 0; c < count; ++c) out[c] += s * static_cast<double>(a[c]);
 }
 
+// out[c] += |s| * |a[c]|: the magnitude twin of add_scaled.
+template <typename A>
+void add_scaled_abs(double* out, const A* a, double s, int64_t count) {
+  for (int64_t c = 0; c < count; ++c) out[c] += std::fabs(s * static_cast<double>(a[c]));
+}
+
 // out[b * cols + c] += sum_r w[r * cols + c] * s[b * rows + r], r ascending: the transposed matrix
 // [cols, rows] times num_vecs vectors of length rows.
 template <typename T>
@@ -425,7 +431,7 @@ ForwardTrace<T> forward(const LayerShape& shape, const LayerParams<T>& params, c
 
 template <typename T>
 LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, const LayerInputs<T>& inputs,
-                       const std::vector<T>& d_out, int num_threads) {
+                       const std::vector<T>& d_out, int num_threads, bool magnitudes) {
   validate_arguments(shape, params, inputs);
   const int64_t num_tokens = shape.num_tokens();
   check_size("d_out", d_out.size(), "N*H", num_tokens * shape.hidden);
@@ -443,6 +449,12 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
   grads.d_expert_gate.assign(expert_size * shape.num_experts, T(0));
   grads.d_expert_up.assign(expert_size * shape.num_experts, T(0));
   grads.d_expert_down.assign(expert_size * shape.num_experts, T(0));
+  if (magnitudes) {
+    for (auto* m : {&grads.magnitude_shared_gate, &grads.magnitude_shared_up, &grads.magnitude_shared_down})
+      m->assign(expert_size, T(0));
+    for (auto* m : {&grads.magnitude_expert_gate, &grads.magnitude_expert_up, &grads.magnitude_expert_down})
+      m->assign(expert_size * shape.num_experts, T(0));
+  }
 
   // Per-route storage (slot RoutePlan::storage_idx), filled by phase 1, read by phases 2 and 3.
   const int64_t num_slots = num_tokens * (top_k + 1);
@@ -554,6 +566,7 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
     const int64_t cols = unit.tensor == Tensor::kDown ? inter_size : hidden_size;
     const int64_t num_rows = unit.row_end - unit.row_begin;
     std::vector<double> acc(num_rows * cols, 0.0);
+    std::vector<double> acc_abs(magnitudes ? num_rows * cols : 0, 0.0);
     for (const Route& route : plan.group_routes[unit.group_idx]) {
       const int64_t slot = RoutePlan::storage_idx(route, shape);
       if (unit.tensor == Tensor::kDown) {
@@ -564,6 +577,7 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
         for (int64_t r = 0; r < num_rows; ++r) {
           const double d_y = rounded<T>(rw * static_cast<double>(d_out_row[unit.row_begin + r]));
           add_scaled(acc.data() + r * cols, hidden_row, d_y, cols);
+          if (magnitudes) add_scaled_abs(acc_abs.data() + r * cols, hidden_row, d_y, cols);
         }
       } else {
         // d_W_gate[i, :] += dg[i] * x_route (d_W_up alike with du)
@@ -571,6 +585,7 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
         const T* x_row = inputs.x.data() + route.token_idx * hidden_size;
         for (int64_t r = 0; r < num_rows; ++r) {
           add_scaled(acc.data() + r * cols, x_row, d_act[unit.row_begin + r], cols);
+          if (magnitudes) add_scaled_abs(acc_abs.data() + r * cols, x_row, d_act[unit.row_begin + r], cols);
         }
       }
     }
@@ -582,6 +597,15 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
     }
     T* dst_rows = dst->data() + group_offset + unit.row_begin * cols;
     for (int64_t idx = 0; idx < num_rows * cols; ++idx) dst_rows[idx] = static_cast<T>(acc[idx]);
+    if (!magnitudes) return;
+    std::vector<T>* magnitude = nullptr;
+    switch (unit.tensor) {
+      case Tensor::kGate: magnitude = is_shared ? &grads.magnitude_shared_gate : &grads.magnitude_expert_gate; break;
+      case Tensor::kUp: magnitude = is_shared ? &grads.magnitude_shared_up : &grads.magnitude_expert_up; break;
+      case Tensor::kDown: magnitude = is_shared ? &grads.magnitude_shared_down : &grads.magnitude_expert_down; break;
+    }
+    T* magnitude_rows = magnitude->data() + group_offset + unit.row_begin * cols;
+    for (int64_t idx = 0; idx < num_rows * cols; ++idx) magnitude_rows[idx] = static_cast<T>(acc_abs[idx]);
   });
   grads.route_d_x = std::move(route_d_x);
   return grads;
@@ -645,7 +669,7 @@ template void validate_arguments<float>(const LayerShape&, const LayerParams<flo
 template ForwardTrace<float> forward<float>(const LayerShape&, const LayerParams<float>&, const LayerInputs<float>&,
                                          int);
 template LayerGrads<float> backward<float>(const LayerShape&, const LayerParams<float>&, const LayerInputs<float>&,
-                                       const std::vector<float>&, int);
+                                       const std::vector<float>&, int, bool);
 template LayerParams<float> random_params<float>(const LayerShape&, uint64_t, double);
 template LayerInputs<float> random_inputs<float>(const LayerShape&, uint64_t);
 template std::vector<float> random_normal<float>(int64_t, uint64_t, double);
@@ -654,7 +678,7 @@ template void validate_arguments<double>(const LayerShape&, const LayerParams<do
 template ForwardTrace<double> forward<double>(const LayerShape&, const LayerParams<double>&, const LayerInputs<double>&,
                                          int);
 template LayerGrads<double> backward<double>(const LayerShape&, const LayerParams<double>&, const LayerInputs<double>&,
-                                       const std::vector<double>&, int);
+                                       const std::vector<double>&, int, bool);
 template LayerParams<double> random_params<double>(const LayerShape&, uint64_t, double);
 template LayerInputs<double> random_inputs<double>(const LayerShape&, uint64_t);
 template std::vector<double> random_normal<double>(int64_t, uint64_t, double);

@@ -92,6 +92,11 @@ struct LayerGrads {
   // d_x's sum (tests size their error budgets by them). [N * (k + 1), H]: routed route (n, j) at n * k + j,
   // the shared expert's of token n at N * k + n; zeros for masked routes and without a shared expert.
   std::vector<T> route_d_x;
+  // Not gradients: sum over the terms of each weight gradient element of |term| (|dy| |h|, |dg| |x|, |du| |x|),
+  // the scale of its rounding error where the terms cancel (tests size their budgets by them). Parameter
+  // shapes like the gradients; filled only when backward() is asked for them, else empty.
+  std::vector<T> magnitude_shared_gate, magnitude_shared_up, magnitude_shared_down;
+  std::vector<T> magnitude_expert_gate, magnitude_expert_up, magnitude_expert_down;
 
   // Every gradient with its name, in declaration order: tests compare gradients field by field with it.
   std::vector<std::pair<const char*, const std::vector<T>*>> named() const {
@@ -118,7 +123,7 @@ ForwardTrace<T> forward(const LayerShape& shape, const LayerParams<T>& params, c
 
 template <typename T>
 LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, const LayerInputs<T>& inputs,
-                       const std::vector<T>& d_out /* [N, H] */, int num_threads = 0);
+                       const std::vector<T>& d_out /* [N, H] */, int num_threads = 0, bool magnitudes = false);
 
 // Deterministic random data (own generator: same values on every platform).
 // Weights ~ normal(0, scale); shared weights are empty when shape.shared_expert is false.
