@@ -100,6 +100,8 @@ class MoE(torch.nn.Module):
             if p is not None:
                 p.allreduce = ep_size == 1  # Megatron's marker: expert-parallel weights are not all-reduced over EP
         self.reset_parameters()
+        if group is not None and device.type == "cuda":
+            self._broadcast_replicated(group)
 
         self._workspace = workspace
         self._context = context
@@ -119,6 +121,24 @@ class MoE(torch.nn.Module):
                     p.uniform_(-bound, bound)
             if self.router is not None:
                 self.router.reset_parameters()
+
+    def _broadcast_replicated(self, group) -> None:
+        """EP > 1: the router and the shared expert are replicated, so every rank starts from the group's rank 0
+        values (the routed experts differ by rank). Their gradients are the rank's tokens' only: all-reduce
+        them over the group (data parallelism) before the optimizer step."""
+        import torch.distributed as dist
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for p in (self.router.weight if self.router is not None else None, self.shared_gate, self.shared_up,
+                      self.shared_down):
+                if p is not None:
+                    dist.broadcast(p, src=src, group=group)
+
+    def replicated_parameters(self):
+        """The parameters every rank of the EP group holds whole (router, shared expert): with EP > 1 their
+        gradients need an all-reduce over the group; the routed experts' do not (each rank holds its own)."""
+        return [p for p in (self.router.weight if self.router is not None else None, self.shared_gate,
+                            self.shared_up, self.shared_down) if p is not None]
 
     def weights(self) -> Weights:
         """The parameters as the functional API's mok.Weights (views of the parameters, no copies)."""

@@ -208,9 +208,12 @@ def _backward_outputs(x, router_weights, weights, grad_mask, fp32_grads, main_gr
     return outs
 
 
-def _check_backward_allowed(ws, ctx, op: str) -> None:
+def _check_training(ws, op: str) -> None:
     if not ws.config.backward:
         raise RuntimeError(f"mok::{op}: the workspace was made with Config(backward=False) (inference only)")
+
+
+def _check_written(ctx, op: str) -> None:
     if not ctx.written:
         raise RuntimeError(f"mok::{op}: the forward context holds no forward of its current schedule (run "
                            "mok.forward, or mok.recompute_forward_context after mok.build_schedule, with it first)")
@@ -235,14 +238,13 @@ def backward_op(workspace: int, context: int, d_out: torch.Tensor, x: torch.Tens
     weights = [expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down]
     accumulated = targets.main_grads(grad_mask) if targets is not None else None
     stream = _stream(x)
+    _check_training(ws, "backward")
     if recompute:
-        if not ws.config.backward:
-            _check_backward_allowed(ws, ctx, "backward")
         ws._native.build_schedule(topk_idx, ctx._native, stream)
         ctx.mark_scheduled()
         ws._native.recompute_forward_context(x, weights, ctx._native, stream)
         ctx.mark_written()
-    _check_backward_allowed(ws, ctx, "backward")
+    _check_written(ctx, "backward")
 
     def make(i, like, dtype):
         return targets.dummy(i) if targets is not None else torch.empty_like(like, dtype=dtype)
@@ -283,7 +285,8 @@ def backward_into_op(workspace: int, context: int, d_out: torch.Tensor, x: torch
     """(d_x, d_router_weights); each given grad_* is written (bf16 or fp32), or with accumulate added to (fp32)."""
     ws = _lookup(_workspaces, workspace, "workspace", "backward_into")
     ctx = _lookup(_contexts, context, "forward context", "backward_into")
-    _check_backward_allowed(ws, ctx, "backward_into")
+    _check_training(ws, "backward_into")
+    _check_written(ctx, "backward_into")
     d_x, d_router_weights = torch.empty_like(x), torch.empty_like(router_weights)
     ws._native.backward(d_out, x, topk_idx, router_weights,
                         [expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down], d_x,
@@ -308,8 +311,7 @@ def recompute_op(workspace: int, context: int, x: torch.Tensor, expert_gate: tor
     """Rebuilds the context's activations from x and the weights, on the schedule already in it."""
     ws = _lookup(_workspaces, workspace, "workspace", "recompute_forward_context")
     ctx = _lookup(_contexts, context, "forward context", "recompute_forward_context")
-    if not ws.config.backward:
-        raise RuntimeError("mok::recompute_forward_context: the workspace was made with Config(backward=False)")
+    _check_training(ws, "recompute_forward_context")
     if not ctx.scheduled:
         raise RuntimeError("mok::recompute_forward_context: the forward context holds no schedule (run mok.forward "
                            "or mok.build_schedule with it first)")
