@@ -123,8 +123,10 @@ class Weights:
         raise TypeError(f"{name}: expected a mok.Weights or a dict, got {type(grads).__name__}")
 
     def tensors(self) -> tuple:
-        """The six tensors (None where absent) in field order, the C++ API's (MoeWeights)."""
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        """The six tensors (None where absent) in field order, the C++ API's (MoeWeights). Spelled out rather
+        than through dataclasses.fields, so torch.compile traces it as plain attribute reads."""
+        return (self.expert_gate, self.expert_up, self.expert_down, self.shared_gate, self.shared_up,
+                self.shared_down)
 
 
 @dataclasses.dataclass(frozen=True)

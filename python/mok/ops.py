@@ -68,6 +68,12 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _plain(*tensors):
+    """The tensors as the extension takes them: detached (the same memory; a tensor that requires grad refuses
+    __dlpack__, and the kernels of these ops see the caller's tensors as they are), None kept."""
+    return [None if t is None else t.detach() for t in tensors]
+
+
 class MainGradTargets:
     """The parameters (in weight order, None where absent) whose fp32 .main_grad a backward accumulates into:
     Megatron's fused weight-gradient accumulation. Made by mok.MoE(main_grad=True)."""
@@ -131,8 +137,8 @@ def forward_op(workspace: int, context: int, schedule_ready: bool, x: torch.Tens
     ws = _lookup(_workspaces, workspace, "workspace", "forward")
     ctx = _lookup(_contexts, context, "forward context", "forward")
     out = torch.empty_like(x)
-    ws._native.forward(x, topk_idx, router_weights, expert_gate, expert_up, expert_down, shared_gate, shared_up,
-                       shared_down, out, ctx._native, _stream(x), schedule_ready)
+    ws._native.forward(*_plain(x, topk_idx, router_weights, expert_gate, expert_up, expert_down, shared_gate,
+                               shared_up, shared_down), out, ctx._native, _stream(x), schedule_ready)
     ctx.mark_written()
     return out
 
@@ -242,7 +248,7 @@ def backward_op(workspace: int, context: int, d_out: torch.Tensor, x: torch.Tens
     if recompute:
         ws._native.build_schedule(topk_idx, ctx._native, stream)
         ctx.mark_scheduled()
-        ws._native.recompute_forward_context(x, weights, ctx._native, stream)
+        ws._native.recompute_forward_context(x.detach(), _plain(*weights), ctx._native, stream)
         ctx.mark_written()
     _check_written(ctx, "backward")
 
@@ -254,8 +260,8 @@ def backward_op(workspace: int, context: int, d_out: torch.Tensor, x: torch.Tens
         grads = accumulated
     else:
         grads = [g if g.numel() else None for g in outs[2:]]
-    ws._native.backward(d_out, x, topk_idx, router_weights, weights, outs[0], outs[1], grads, targets is not None,
-                        ctx._native, stream)
+    ws._native.backward(*_plain(d_out, x, topk_idx, router_weights), _plain(*weights), outs[0], outs[1],
+                        _plain(*grads), targets is not None, ctx._native, stream)
     if targets is not None:
         targets.mark_added(grad_mask)
     return outs
@@ -288,10 +294,10 @@ def backward_into_op(workspace: int, context: int, d_out: torch.Tensor, x: torch
     _check_training(ws, "backward_into")
     _check_written(ctx, "backward_into")
     d_x, d_router_weights = torch.empty_like(x), torch.empty_like(router_weights)
-    ws._native.backward(d_out, x, topk_idx, router_weights,
-                        [expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down], d_x,
-                        d_router_weights, [grad_expert_gate, grad_expert_up, grad_expert_down, grad_shared_gate,
-                                           grad_shared_up, grad_shared_down], accumulate, ctx._native, _stream(x))
+    ws._native.backward(*_plain(d_out, x, topk_idx, router_weights),
+                        _plain(expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down), d_x,
+                        d_router_weights, _plain(grad_expert_gate, grad_expert_up, grad_expert_down, grad_shared_gate,
+                                                 grad_shared_up, grad_shared_down), accumulate, ctx._native, _stream(x))
     return d_x, d_router_weights
 
 
@@ -315,8 +321,8 @@ def recompute_op(workspace: int, context: int, x: torch.Tensor, expert_gate: tor
     if not ctx.scheduled:
         raise RuntimeError("mok::recompute_forward_context: the forward context holds no schedule (run mok.forward "
                            "or mok.build_schedule with it first)")
-    ws._native.recompute_forward_context(x, [expert_gate, expert_up, expert_down, shared_gate, shared_up,
-                                             shared_down], ctx._native, _stream(x))
+    ws._native.recompute_forward_context(x.detach(), _plain(expert_gate, expert_up, expert_down, shared_gate,
+                                                            shared_up, shared_down), ctx._native, _stream(x))
     ctx.mark_written()
 
 
