@@ -117,3 +117,11 @@ def check_weight_grads(shape: LayerShape, device: torch.device, weights: Weights
         elif grad is not None:
             letters, extents = dims[field]
             check_tensor(f"{name}.{field}", grad, dtypes, letters, extents, device)
+    # Separate gate and up gradients come from one GEMM whose output splits at row I.
+    for gate, up in (("expert_gate", "expert_up"), ("shared_gate", "shared_up")):
+        if gate in dims and up in dims:
+            g, u = getattr(grads, gate), getattr(grads, up)
+            if (g is None) != (u is None) or (g is not None and g.dtype != u.dtype):
+                raise ValueError(f"{name}.{gate}, {name}.{up}: both or neither, of one dtype (one GEMM computes "
+                                 f"them), got {_describe(g) if g is not None else None} and "
+                                 f"{_describe(u) if u is not None else None}")

@@ -37,6 +37,17 @@ _contexts: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDiction
 _main_grad_targets: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 
 ALL_WEIGHTS = (1 << len(WEIGHT_NAMES)) - 1  # grad_mask: every weight's gradient
+# Separate gate and up gradients come from one GEMM (its output split at row I): both or neither, so a mask
+# asking for one of a pair asks for both (expert_gate/expert_up: bits 0, 1; shared_gate/shared_up: bits 3, 4).
+_GATE_UP_PAIRS = (0b000011, 0b011000)
+
+
+def with_partners(grad_mask: int, weights) -> int:
+    """grad_mask plus the other half of each separate gate/up pair it asks for half of."""
+    for pair in _GATE_UP_PAIRS:
+        if grad_mask & pair and all(weights[i] is not None for i in range(len(weights)) if pair >> i & 1):
+            grad_mask |= pair
+    return grad_mask
 
 
 def _register(table, obj) -> int:
@@ -90,15 +101,20 @@ class MainGradTargets:
         return None: their .grad stays None."""
         mask = 0
         for i, p in enumerate(self.params):
-            if p is not None and grad_mask >> i & 1 and hasattr(p, "grad_added_to_main_grad"):
+            if p is not None and grad_mask >> i & 1 and p.requires_grad and hasattr(p, "grad_added_to_main_grad"):
                 mask |= 1 << i
         return mask
 
     def main_grads(self, grad_mask: int) -> List[Optional[torch.Tensor]]:
-        """Each asked-for parameter's .main_grad, checked (fp32, the parameter's shape, contiguous, its device)."""
+        """Each asked-for parameter's .main_grad, checked (fp32, the parameter's shape, contiguous, its device).
+        A frozen parameter asked for only as the other half of a gate/up pair gets fp32 zeros to add into,
+        thrown away: its main_grad stays as it is."""
         grads: List[Optional[torch.Tensor]] = [None] * len(WEIGHT_NAMES)
         for i, p in enumerate(self.params):
             if p is None or not grad_mask >> i & 1:
+                continue
+            if not p.requires_grad:
+                grads[i] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 continue
             main_grad = getattr(p, "main_grad", None)
             if main_grad is None:
@@ -112,7 +128,7 @@ class MainGradTargets:
     def mark_added(self, grad_mask: int) -> None:
         """Megatron's flag: this parameter's gradient is in main_grad already (only where the attribute exists)."""
         for i, p in enumerate(self.params):
-            if p is not None and grad_mask >> i & 1 and hasattr(p, "grad_added_to_main_grad"):
+            if p is not None and grad_mask >> i & 1 and p.requires_grad and hasattr(p, "grad_added_to_main_grad"):
                 p.grad_added_to_main_grad = True
 
     def dummy(self, i: int) -> torch.Tensor:
@@ -167,10 +183,11 @@ def _forward_backward(ctx, d_out):
     workspace, context, main_grads, recompute = ctx.mok_handles
     x, topk_idx, router_weights, *weights = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    grad_mask = 0
+    needed = 0
     for i, w in enumerate(weights):
         if w is not None and needs[6 + i]:
-            grad_mask |= 1 << i
+            needed |= 1 << i
+    grad_mask = with_partners(needed, weights)  # computed: the needed ones and their gate/up partners
     if ctx.mok_generation is not None and not recompute:
         layer_ctx = _lookup(_contexts, context, "forward context", "backward")
         if layer_ctx.generation != ctx.mok_generation:
@@ -180,12 +197,12 @@ def _forward_backward(ctx, d_out):
                                "(ws.make_context()), or use recompute=True")
     dummy_mask = 0
     if main_grads:
-        dummy_mask = _lookup(_main_grad_targets, main_grads, "main-gradient targets", "backward").dummy_mask(grad_mask)
+        dummy_mask = _lookup(_main_grad_targets, main_grads, "main-gradient targets", "backward").dummy_mask(needed)
     grads = torch.ops.mok.backward(workspace, context, d_out.contiguous(), x, topk_idx, router_weights, *weights,
                                    grad_mask, False, main_grads, dummy_mask, recompute)
     weight_grads = []
     for i in range(len(weights)):
-        returned = grad_mask >> i & 1 and (not main_grads or dummy_mask >> i & 1)
+        returned = needed >> i & 1 and (not main_grads or dummy_mask >> i & 1)
         weight_grads.append(grads[2 + i] if returned else None)
     return (None, None, None, grads[0] if needs[3] else None, None, grads[1] if needs[5] else None, *weight_grads,
             None, None)
@@ -233,7 +250,8 @@ def backward_op(workspace: int, context: int, d_out: torch.Tensor, x: torch.Tens
                 dummy_mask: int, recompute: bool) -> List[torch.Tensor]:
     """[d_x bf16 [T, H], d_router_weights fp32 [T, k], then the six weight gradients] of the forward in `context`.
 
-    grad_mask: bit i asks for weight i's gradient; an unasked or absent one is an empty tensor. Written in the
+    grad_mask: bit i asks for weight i's gradient (separate gate and up: both or neither, see with_partners); an
+    unasked or absent one is an empty tensor. Written in the
     weight's dtype (bf16), or fp32 with fp32_grads; with main_grads (a MainGradTargets handle) instead added into
     the parameters' fp32 .main_grad, and the output is Megatron's dummy where dummy_mask has bit i, else empty.
     recompute: first rebuild the context from topk_idx, x and the weights (build_schedule and

@@ -309,6 +309,14 @@ BAD_BACKWARD = {  # case: (function of (d_out, x, idx, rw, w) -> (args, kwargs),
                              "grads, main_grads: pass one of them"),
     "grad_dtype": (lambda d, x, i, r, w: ((d, x, i, r, w), {"grad_dtype": torch.float16}), ValueError,
                    "grad_dtype: expected torch.bfloat16 or torch.float32"),
+    "gate without up": (lambda d, x, i, r, w: ((d, x, i, r, w), {"grads": {"expert_gate": _meta_grad("expert_gate")}}),
+                        ValueError, r"grads.expert_gate, grads.expert_up: both or neither, of one dtype"),
+    "shared up without gate": (lambda d, x, i, r, w: ((d, x, i, r, w), {"main_grads": {
+        "shared_up": _meta_grad("shared_up", torch.float32)}}), ValueError,
+        r"main_grads.shared_gate, main_grads.shared_up: both or neither"),
+    "gate and up dtypes": (lambda d, x, i, r, w: ((d, x, i, r, w), {"grads": {
+        "shared_gate": _meta_grad("shared_gate"), "shared_up": _meta_grad("shared_up", torch.float32)}}),
+        ValueError, r"grads.shared_gate, grads.shared_up: both or neither, of one dtype .*bf16.*float32"),
 }
 
 
@@ -439,6 +447,22 @@ def test_autograd_on_meta_only_where_asked():
     out.float().sum().backward()
     assert x.grad is None and w.expert_gate.grad is None
     assert rw.grad.shape == (256, 2) and w.expert_down.grad.shape == (8, 128, 64)
+
+
+def test_autograd_computes_a_gate_up_pair_together():
+    """Separate gate and up gradients come from one GEMM: asking for one computes both (the op's outputs), and
+    autograd hands over only the asked one."""
+    ws = meta_workspace()
+    x, idx, rw, w = meta_args()
+    _requires_grad(w.expert_gate, w.shared_up)
+    out, _ = mok.forward(ws, x, idx, rw, w)
+    out.float().sum().backward()
+    assert w.expert_gate.grad.shape == (8, 64, 128) and w.shared_up.grad.shape == (64, 128)
+    assert w.expert_up.grad is None and w.shared_gate.grad is None and w.expert_down.grad is None
+    assert mok.ops.with_partners(0b000001, w.tensors()) == 0b000011
+    assert mok.ops.with_partners(0b010100, w.tensors()) == 0b011100
+    fused = meta_args(fused_gate_up=True)[3]
+    assert mok.ops.with_partners(0b000001, fused.tensors()) == 0b000001
 
 
 def test_autograd_refuses_a_context_overwritten_before_the_backward():
