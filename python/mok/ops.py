@@ -18,8 +18,9 @@ and bools, and under torch.compile the handles are constants of the graph.
 What the compiler does not see. forward writes the context and backward reads it; backward with main_grads
 adds into parameters' .main_grad tensors found through the handle. None of that is in the schemas, so the ops
 look pure: the order between them comes from data (autograd runs a layer's backward after its forward, and a
-backward's outputs feed the gradients), and mok::recompute_forward_context, which returns nothing, is marked as
-having side effects so that no dead-code elimination drops it.
+backward's outputs feed the gradients), and mok::recompute_forward_context (which returns nothing) and
+mok::backward (which may add into main_grad with no output used) are marked as having side effects, so that no
+dead-code elimination drops them.
 """
 from __future__ import annotations
 
@@ -349,6 +350,9 @@ def _recompute_fake(workspace, context, x, expert_gate, expert_up, expert_down, 
     return None
 
 
-# Its only effect is on the context: keep it in traced graphs although nothing uses its (absent) output.
+# Effects outside their outputs: recompute_forward_context's only effect is on the context, and a backward with
+# main_grads adds into .main_grad, also when autograd uses none of its outputs (no dummy gradients, x and the
+# router weights frozen). Keep both in traced graphs (no dead-code elimination).
 if hasattr(torch.fx.node, "has_side_effect"):
     torch.fx.node.has_side_effect(torch.ops.mok.recompute_forward_context.default)
+    torch.fx.node.has_side_effect(torch.ops.mok.backward.default)
