@@ -1,23 +1,29 @@
-"""MoK for Hopper from Python: the fused mixture-of-experts layer's forward pass on torch tensors.
+"""MoK for Hopper from Python: the fused mixture-of-experts layer's forward and backward passes on torch tensors.
 
     import mok
     ws = mok.get_workspace(mok.Config(), None, T, H, I, top_k, E)
-    out, ctx = mok.forward(ws, x, topk_idx, router_weights, mok.Weights(gate, up, down, s_gate, s_up, s_down))
+    w = mok.Weights(gate, up, down, s_gate, s_up, s_down)
+    out, ctx = mok.forward(ws, x, topk_idx, router_weights, w)                  # differentiable (autograd)
+    d_x, d_rw, grads = mok.backward(ws, d_out, x, topk_idx, router_weights, w, ctx)
     mok.check_status(ws)
 
-The backward pass is not built yet (issue 14): backward, recompute_forward_context and main_grads raise
-NotImplementedError, and so does autograd through forward.
+    moe = mok.MoE(hidden=H, intermediate=I, num_experts=E, top_k=top_k)         # nn.Module, router inside
+    moe(x).float().sum().backward()
+
+The ops are torch.library custom ops with fake implementations (torch.compile(fullgraph=True) traces forward
+and backward) that never synchronize with the host (CUDA graphs capture a whole training step).
 """
 import torch  # noqa: F401  (first: its CUDA runtime and NCCL are the ones the extension then binds to)
 
-from . import ops  # noqa: F401  (registers torch.ops.mok.forward)
+from . import ops  # noqa: F401  (registers the torch.ops.mok custom ops)
 from .config import Config, LayerShape, Status, Weights
 from .layer import (ForwardContext, Workspace, backward, build_schedule, check_status, forward, get_workspace,
                     main_grads, recompute_forward_context)
+from .module import MoE
 
 __all__ = ["Config", "LayerShape", "Status", "Weights", "ForwardContext", "Workspace", "get_workspace",
            "build_schedule", "forward", "check_status", "backward", "recompute_forward_context", "main_grads",
-           "nccl_versions"]
+           "MoE", "nccl_versions"]
 __version__ = "0.1.0"
 
 

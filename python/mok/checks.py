@@ -1,5 +1,5 @@
-"""Argument checks of the forward pass, made before anything touches the GPU, with messages that name the
-argument: "x: expected a contiguous bf16 tensor on cuda:0 of shape [T, H] = [2048, 1024], got ...".
+"""Argument checks of the forward and backward passes, made before anything touches the GPU, with messages that
+name the argument: "x: expected a contiguous bf16 tensor on cuda:0 of shape [T, H] = [2048, 1024], got ...".
 
 They run on real, meta and fake tensors (torch.compile traces them on fake ones); the 16-byte alignment of the
 data pointer is checked only on real tensors (the extension checks it again when it runs).
@@ -11,6 +11,9 @@ from typing import Optional, Sequence
 import torch
 
 from .config import LayerShape, Weights
+
+# The six weights in the C++ API's order (MoeWeights); mok.Weights has the same fields.
+WEIGHT_NAMES = ("expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up", "shared_down")
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "float32", torch.int32: "int32", torch.int64: "int64"}
 
@@ -53,24 +56,72 @@ def _check_absent(name: str, t, why: str) -> None:
 def check_forward_args(shape: LayerShape, device: torch.device, x, topk_idx, router_weights,
                        weights: Optional[Weights]) -> None:
     """The checks of mok.forward (weights None: those of mok.build_schedule, topk_idx only)."""
-    t, k, h, i, e = shape.num_tokens, shape.top_k, shape.hidden, shape.intermediate, shape.local_experts
-    bf16 = (torch.bfloat16,)
+    t, k = shape.num_tokens, shape.top_k
     check_tensor("topk_idx", topk_idx, (torch.int32, torch.int64), "T, k", (t, k), device)
     if weights is None:
         return
-    check_tensor("x", x, bf16, "T, H", (t, h), device)
+    check_x(shape, device, x)
     check_tensor("router_weights", router_weights, (torch.float32,), "T, k", (t, k), device)
-    if weights.expert_up is None:
-        check_tensor("expert_gate", weights.expert_gate, bf16, "E_local, 2I, H (gate and up fused: expert_up is None)",
-                     (e, 2 * i, h), device)
+    check_weights(shape, device, weights)
+
+
+def check_x(shape: LayerShape, device: torch.device, x, name: str = "x") -> None:
+    check_tensor(name, x, (torch.bfloat16,), "T, H", (shape.num_tokens, shape.hidden), device)
+
+
+def weight_dims(shape: LayerShape, fused_gate_up: bool):
+    """{weight name: (dims in letters, shape)} of one rank's weights; the shared ones only with a shared expert."""
+    e, h, i = shape.local_experts, shape.hidden, shape.intermediate
+    dims = {}
+    if fused_gate_up:
+        dims["expert_gate"] = ("E_local, 2I, H (gate and up fused: expert_up is None)", (e, 2 * i, h))
     else:
-        check_tensor("expert_gate", weights.expert_gate, bf16, "E_local, I, H", (e, i, h), device)
-        check_tensor("expert_up", weights.expert_up, bf16, "E_local, I, H", (e, i, h), device)
-    check_tensor("expert_down", weights.expert_down, bf16, "E_local, H, I", (e, h, i), device)
+        dims["expert_gate"] = ("E_local, I, H", (e, i, h))
+        dims["expert_up"] = ("E_local, I, H", (e, i, h))
+    dims["expert_down"] = ("E_local, H, I", (e, h, i))
     if shape.shared_expert:
-        check_tensor("shared_gate", weights.shared_gate, bf16, "I, H", (i, h), device)
-        check_tensor("shared_up", weights.shared_up, bf16, "I, H", (i, h), device)
-        check_tensor("shared_down", weights.shared_down, bf16, "H, I", (h, i), device)
-    else:
+        dims["shared_gate"] = ("I, H", (i, h))
+        dims["shared_up"] = ("I, H", (i, h))
+        dims["shared_down"] = ("H, I", (h, i))
+    return dims
+
+
+def check_weights(shape: LayerShape, device: torch.device, weights: Weights) -> None:
+    dims = weight_dims(shape, weights.expert_up is None)
+    for name, (letters, extents) in dims.items():
+        check_tensor(name, getattr(weights, name), (torch.bfloat16,), letters, extents, device)
+    if not shape.shared_expert:
         for name in ("shared_gate", "shared_up", "shared_down"):
             _check_absent(name, getattr(weights, name), "the workspace was made with shared_expert=False")
+
+
+def check_backward_args(shape: LayerShape, device: torch.device, d_out, x, topk_idx, router_weights,
+                        weights: Weights) -> None:
+    """The checks of mok.backward's inputs: those of mok.forward, and d_out bf16 [T, H]."""
+    check_forward_args(shape, device, x, topk_idx, router_weights, weights)
+    check_x(shape, device, d_out, "d_out")
+
+
+def check_weight_grads(shape: LayerShape, device: torch.device, weights: Weights, grads: Weights, name: str,
+                       accumulate: bool) -> None:
+    """grads (mok.backward's grads or main_grads): for each weight None (that gradient is not computed) or a
+    contiguous tensor of the weight's shape, bf16 or fp32 (accumulate: fp32 only); None for absent weights."""
+    dims = weight_dims(shape, weights.expert_up is None)
+    dtypes = (torch.float32,) if accumulate else (torch.float32, torch.bfloat16)
+    for field in WEIGHT_NAMES:
+        grad = getattr(grads, field)
+        if field not in dims:
+            why = ("gate and up are fused: expert_gate's gradient holds both" if field == "expert_up"
+                   else "the workspace was made with shared_expert=False")
+            _check_absent(f"{name}.{field}", grad, why)
+        elif grad is not None:
+            letters, extents = dims[field]
+            check_tensor(f"{name}.{field}", grad, dtypes, letters, extents, device)
+    # Separate gate and up gradients come from one GEMM whose output splits at row I.
+    for gate, up in (("expert_gate", "expert_up"), ("shared_gate", "shared_up")):
+        if gate in dims and up in dims:
+            g, u = getattr(grads, gate), getattr(grads, up)
+            if (g is None) != (u is None) or (g is not None and g.dtype != u.dtype):
+                raise ValueError(f"{name}.{gate}, {name}.{up}: both or neither, of one dtype (one GEMM computes "
+                                 f"them), got {_describe(g) if g is not None else None} and "
+                                 f"{_describe(u) if u is not None else None}")

@@ -1,4 +1,5 @@
-"""The plain data of the Python API: options (Config), the layer's shape, one rank's weights, a status report.
+"""The plain data of the Python API: options (Config), the layer's shape, one rank's weights (or their gradients),
+a status report.
 
 Defaults are those of the C++ API (include/mok/moe.h, include/mok/routing.h); the C++ side validates every
 value again and is authoritative (std::invalid_argument -> ValueError naming the field).
@@ -24,6 +25,8 @@ class Config:
     tile_m           each expert's rows are padded to a multiple of this (64 or 128)
     wait_timeout_s   spin-waits give up after this long and report through the status word
     path             "fused" (one persistent megakernel) or "unfused" (its stage-by-stage twin)
+    backward         allocate the backward's buffers (False: an inference-only workspace; backward and
+                     recompute_forward_context raise)
     """
 
     comm_ctas: int = 0
@@ -33,6 +36,7 @@ class Config:
     tile_m: int = 64
     wait_timeout_s: float = 10.0
     path: str = "fused"
+    backward: bool = True
 
     def __post_init__(self):
         for name in ("comm_ctas", "minibatch_rows", "macrobatch_rows", "capacity_rows", "tile_m"):
@@ -43,6 +47,8 @@ class Config:
             raise ValueError(f"Config.wait_timeout_s: expected a positive number of seconds, got {self.wait_timeout_s!r}")
         if self.path not in PATHS:
             raise ValueError(f"Config.path: expected one of {sorted(PATHS)}, got {self.path!r}")
+        if not isinstance(self.backward, bool):
+            raise ValueError(f"Config.backward: expected a bool, got {self.backward!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +84,7 @@ class LayerShape:
 class Weights:
     """One rank's weights, bf16 CUDA tensors, contiguous. expert_gate is [E_local, I, H]; or gate and up fused,
     [E_local, 2I, H] (rows 0..I-1 gate, I..2I-1 up), with expert_up None. The shared tensors are None without a
-    shared expert."""
+    shared expert. mok.backward returns the weights' gradients in the same structure."""
 
     expert_gate: torch.Tensor
     expert_up: Optional[torch.Tensor]
@@ -101,6 +107,26 @@ class Weights:
                 raise TypeError("weights: expert_gate and expert_down are required")
             return Weights(**{"expert_up": None, **weights})
         raise TypeError(f"weights: expected a mok.Weights or a dict, got {type(weights).__name__}")
+
+    @staticmethod
+    def of_grads(grads, name: str) -> "Weights":
+        """Gradient tensors (mok.backward's grads or main_grads) from a Weights or a dict with some of its keys;
+        a missing key or None: that gradient is not computed."""
+        if isinstance(grads, Weights):
+            return grads
+        if isinstance(grads, dict):
+            names = [f.name for f in dataclasses.fields(Weights)]
+            unknown = sorted(set(grads) - set(names))
+            if unknown:
+                raise TypeError(f"{name}: unknown keys {unknown}; expected some of {sorted(names)}")
+            return Weights(**{n: grads.get(n) for n in names})
+        raise TypeError(f"{name}: expected a mok.Weights or a dict, got {type(grads).__name__}")
+
+    def tensors(self) -> tuple:
+        """The six tensors (None where absent) in field order, the C++ API's (MoeWeights). Spelled out rather
+        than through dataclasses.fields, so torch.compile traces it as plain attribute reads."""
+        return (self.expert_gate, self.expert_up, self.expert_down, self.shared_gate, self.shared_up,
+                self.shared_down)
 
 
 @dataclasses.dataclass(frozen=True)

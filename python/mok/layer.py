@@ -1,8 +1,13 @@
-"""The functional API: get_workspace, build_schedule, forward, the status word.
+"""The functional API: get_workspace, build_schedule, forward, backward, recompute_forward_context, the status
+word.
 
     ws = mok.get_workspace(mok.Config(), group, T, H, I, top_k, E)   # collective for EP > 1
     out, ctx = mok.forward(ws, x, topk_idx, router_weights, weights)  # on torch's current stream
+    d_x, d_rw, grads = mok.backward(ws, d_out, x, topk_idx, router_weights, weights, ctx)
     mok.check_status(ws)                                              # where you synchronize anyway
+
+Autograd: mok.forward is differentiable (the custom op's autograd formula calls the backward), for x,
+router_weights and every weight that requires grad.
 
 A workspace on device "meta" has no memory and runs nothing: forward returns empty meta outputs (for shape
 tracing, and the tests that run without a GPU).
@@ -14,7 +19,8 @@ from typing import Optional, Tuple
 import torch
 
 from . import ops
-from .checks import check_forward_args
+from .checks import (WEIGHT_NAMES, check_backward_args, check_forward_args, check_weight_grads, check_weights,
+                     check_x)
 from .config import PATHS, Config, LayerShape, Status, Weights
 
 
@@ -32,12 +38,29 @@ def _cuda_stream(device: torch.device) -> int:
 
 class ForwardContext:
     """What one layer's forward leaves for its backward on this rank (schedule, expert-side activations). One per
-    layer, reused step after step; made by Workspace.make_context."""
+    layer, reused step after step; made by Workspace.make_context.
+
+    scheduled / written: whether it holds a schedule (forward, build_schedule) / the activations of that
+    schedule (forward, recompute_forward_context); generation counts the calls that changed it. The ops set
+    them when they run (the autograd formula compares generations in eager mode: a backward whose context was
+    overwritten by a later forward raises)."""
 
     def __init__(self, workspace: "Workspace", native):
         self.workspace = workspace
         self._native = native
         self.handle = ops.register_context(self)
+        self.scheduled = False
+        self.written = False
+        self.generation = 0
+
+    def mark_scheduled(self) -> None:
+        """A new schedule: the activations are those of the previous one until a forward or recompute."""
+        self.scheduled, self.written = True, False
+        self.generation += 1
+
+    def mark_written(self) -> None:
+        self.scheduled = self.written = True
+        self.generation += 1
 
     @property
     def ring_rows(self) -> int:
@@ -129,7 +152,7 @@ def get_workspace(config: Config, group, num_local_tokens: int, hidden: int, int
     native = ext.Workspace(device.index, ep_size, rank, nccl_id, shape.num_tokens, shape.hidden, shape.intermediate,
                            shape.top_k, shape.num_experts, shape.shared_expert, shape.swiglu_limit, PATHS[config.path],
                            config.comm_ctas, config.minibatch_rows, config.macrobatch_rows, config.capacity_rows,
-                           config.tile_m, float(config.wait_timeout_s))
+                           config.tile_m, float(config.wait_timeout_s), config.backward)
     return Workspace(shape, config, device, rank, native)
 
 
@@ -158,10 +181,11 @@ def build_schedule(ws: Workspace, topk_idx: torch.Tensor, ctx: ForwardContext) -
     if ws.is_meta:
         return
     ws._native.build_schedule(topk_idx, ctx._native, _cuda_stream(ws.device))
+    ctx.mark_scheduled()
 
 
 def forward(ws: Workspace, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: torch.Tensor, weights,
-            ctx: Optional[ForwardContext] = None, *, schedule_ready: bool = False
+            ctx: Optional[ForwardContext] = None, *, schedule_ready: bool = False, recompute: bool = False
             ) -> Tuple[torch.Tensor, ForwardContext]:
     """out[t] = shared(x[t]) + sum_j router_weights[t, j] * expert_{topk_idx[t, j]}(x[t]), on this rank.
 
@@ -170,7 +194,13 @@ def forward(ws: Workspace, x: torch.Tensor, topk_idx: torch.Tensor, router_weigh
     under torch.compile and CUDA-graph capture pass one made outside). schedule_ready: ctx holds the schedule
     of these topk_idx from build_schedule. Returns (out bf16 [T, H], ctx). Asynchronous on torch's current
     stream, collective over the EP group; data-dependent errors (bad expert ids, capacity overflow) go to the
-    status word: check_status(ws) where you synchronize anyway (out is unspecified after an error)."""
+    status word: check_status(ws) where you synchronize anyway (out is unspecified after an error).
+
+    Differentiable: autograd's backward of out is mok.backward's (gradients of x, router_weights and the weights
+    that require grad, bf16). The context must still hold this forward when it runs (one context per forward in
+    flight), unless recompute=True: then the backward rebuilds the context first (build_schedule and
+    recompute_forward_context from the saved inputs), so layers may share one context (activation
+    checkpointing of the expert-side activations)."""
     _check_workspace(ws)
     weights = Weights.of(weights)
     check_forward_args(ws.shape, ws.device, x, topk_idx, router_weights, weights)
@@ -181,9 +211,78 @@ def forward(ws: Workspace, x: torch.Tensor, topk_idx: torch.Tensor, router_weigh
         ctx = ws.make_context()
     _check_context(ws, ctx)
     out = torch.ops.mok.forward(ws.handle, ctx.handle, bool(schedule_ready), x, topk_idx, router_weights,
-                                weights.expert_gate, weights.expert_up, weights.expert_down, weights.shared_gate,
-                                weights.shared_up, weights.shared_down)
+                                *weights.tensors(), 0, bool(recompute))
     return out, ctx
+
+
+def layer_forward(ws: Workspace, ctx: ForwardContext, x, topk_idx, router_weights, weights: Weights,
+                  main_grads: int, recompute: bool) -> torch.Tensor:
+    """mok.forward for mok.MoE: the context given, and its backward accumulating into the parameters' main_grad
+    (main_grads: a MainGradTargets handle, 0 for none)."""
+    check_forward_args(ws.shape, ws.device, x, topk_idx, router_weights, weights)
+    _check_context(ws, ctx)
+    return torch.ops.mok.forward(ws.handle, ctx.handle, False, x, topk_idx, router_weights, *weights.tensors(),
+                                 main_grads, recompute)
+
+
+def backward(ws: Workspace, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
+             router_weights: torch.Tensor, weights, ctx: ForwardContext, *, grads=None, main_grads=None,
+             grad_dtype: torch.dtype = torch.bfloat16) -> Tuple[torch.Tensor, torch.Tensor, Weights]:
+    """The gradients of the forward that filled ctx, for d_out = dL/d(out): (d_x bf16 [T, H], d_router_weights
+    fp32 [T, k], weight_grads: a mok.Weights of the weights' gradients).
+
+    x, topk_idx, router_weights, weights: the forward's. Where the weight gradients go (one of):
+      default      new tensors of the weights' shapes in grad_dtype (bf16 like the weights, or torch.float32);
+      grads=       your tensors (a mok.Weights or a dict; bf16 or fp32, the weights' shapes), written;
+      main_grads=  your fp32 tensors, accumulated in place: main_grad += this call's gradient (Megatron's
+                   main_grad over micro-batches; mok.main_grads(weights) makes zeros).
+    With grads or main_grads, a None entry (or missing key) skips that gradient; weight_grads is what was given.
+    d_router_weights[t, j] = <d_out[t], expert_j(x[t])> (0 for masked routes), exact also where the router weight
+    is 0. Asynchronous on torch's current stream, collective over the EP group, deterministic bit for bit."""
+    _check_workspace(ws)
+    weights = Weights.of(weights)
+    check_backward_args(ws.shape, ws.device, d_out, x, topk_idx, router_weights, weights)
+    _check_context(ws, ctx)
+    if not ws.config.backward:
+        raise ValueError("ws: made with Config(backward=False) (inference only): no backward")
+    if grads is not None and main_grads is not None:
+        raise ValueError("grads, main_grads: pass one of them (written or accumulated), not both")
+    if grads is None and main_grads is None:
+        if grad_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
+        outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, topk_idx, router_weights, *weights.tensors(),
+                                      ops.ALL_WEIGHTS, grad_dtype == torch.float32, 0, 0, False)
+        present = [w is not None for w in weights.tensors()]
+        return outs[0], outs[1], Weights(*[g if p else None for g, p in zip(outs[2:], present)])
+    accumulate = main_grads is not None
+    name = "main_grads" if accumulate else "grads"
+    buffers = Weights.of_grads(main_grads if accumulate else grads, name)
+    check_weight_grads(ws.shape, ws.device, weights, buffers, name, accumulate)
+    d_x, d_router_weights = torch.ops.mok.backward_into(ws.handle, ctx.handle, d_out, x, topk_idx, router_weights,
+                                                        *weights.tensors(), *buffers.tensors(), accumulate)
+    return d_x, d_router_weights, buffers
+
+
+def recompute_forward_context(ws: Workspace, x: torch.Tensor, weights, ctx: ForwardContext) -> ForwardContext:
+    """Rebuilds ctx's expert-side activations from x and the weights on the schedule already in ctx (that of its
+    last forward, or of mok.build_schedule), without computing out: activation checkpointing. The bits equal the
+    forward's. Asynchronous on torch's current stream, collective over the EP group. Returns ctx."""
+    _check_workspace(ws)
+    weights = Weights.of(weights)
+    check_x(ws.shape, ws.device, x)
+    check_weights(ws.shape, ws.device, weights)
+    _check_context(ws, ctx)
+    if not ws.config.backward:
+        raise ValueError("ws: made with Config(backward=False) (inference only): no recompute_forward_context")
+    torch.ops.mok.recompute_forward_context(ws.handle, ctx.handle, x, *weights.tensors())
+    return ctx
+
+
+def main_grads(weights) -> Weights:
+    """fp32 zeros shaped like the weights (None where a weight is absent): mok.backward's main_grads."""
+    weights = Weights.of(weights)
+    return Weights(*[None if w is None else torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                     for w in weights.tensors()])
 
 
 def check_status(ws: Workspace) -> None:
@@ -191,16 +290,3 @@ def check_status(ws: Workspace) -> None:
     status = ws.read_status()
     if not status.ok:
         raise RuntimeError(f"mok: the GPU reported: {status.message} (status bits {status.error_bits:#x})")
-
-
-def _missing(name):
-    def fn(*args, **kwargs):
-        raise NotImplementedError(f"mok.{name}: {ops.BACKWARD_MISSING}")
-    fn.__name__ = name
-    fn.__doc__ = f"Not available yet: {ops.BACKWARD_MISSING}."
-    return fn
-
-
-backward = _missing("backward")
-recompute_forward_context = _missing("recompute_forward_context")
-main_grads = _missing("main_grads")

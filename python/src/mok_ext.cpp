@@ -1,4 +1,4 @@
-// mok._mok: the C++ API of include/mok/moe.h for Python (nanobind), the forward pass only.
+// mok._mok: the C++ API of include/mok/moe.h for Python (nanobind): forward, backward, recompute.
 //
 // Tensors arrive as DLPack views of the caller's (torch) tensors: no copies, no ownership taken. Each call
 // checks what it reads (CUDA device of the workspace, dtype, C-contiguity, 16-byte alignment) and names the
@@ -10,8 +10,12 @@
 //   ws = _mok.Workspace(device, ep_size, rank, nccl_id or None, shape..., options...)
 //   ctx = ws.make_context()
 //   ws.forward(x, topk_idx, router_weights, weights..., out, ctx, stream, schedule_ready)
+//   ws.backward(d_out, x, topk_idx, router_weights, [6 weights], d_x, d_router_weights, [6 grads], accumulate,
+//               ctx, stream)                          weights and grads in MoeWeights order, None where absent
+//   ws.recompute_forward_context(x, [6 weights], ctx, stream)
 //   ok, bits, message = ws.read_status(stream)
 #include <cstdint>
+#include <array>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -22,6 +26,7 @@
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -98,12 +103,42 @@ mok::TensorRef optional_ref(const OptionalArray& a, const char* name, int device
   return a ? tensor_ref(*a, name, device) : mok::TensorRef();
 }
 
+// The six weights (or their gradients) in MoeWeights order: expert_gate, expert_up, expert_down, shared_gate,
+// shared_up, shared_down; None where absent (expert_up with fused gate/up weights, the shared ones without a
+// shared expert, a gradient not asked for).
+constexpr int kNumWeights = 6;
+using WeightArrays = std::array<OptionalArray, kNumWeights>;
+constexpr std::array<const char*, kNumWeights> kWeightNames = {"expert_gate", "expert_up",  "expert_down",
+                                                               "shared_gate", "shared_up", "shared_down"};
+
+mok::MoeWeights weights_of(const WeightArrays& a, int device) {
+  mok::MoeWeights w;
+  mok::TensorRef* refs[kNumWeights] = {&w.expert_gate, &w.expert_up, &w.expert_down,
+                                       &w.shared_gate, &w.shared_up, &w.shared_down};
+  for (int i = 0; i < kNumWeights; ++i) *refs[i] = optional_ref(a[i], kWeightNames[i], device);
+  return w;
+}
+
+// grads[i] (named "<prefix>.<weight>") as the i-th gradient, written or accumulated.
+mok::MoeWeightGrads weight_grads_of(const WeightArrays& grads, bool accumulate, const char* prefix, int device) {
+  mok::MoeWeightGrads g;
+  mok::WeightGrad* refs[kNumWeights] = {&g.expert_gate, &g.expert_up, &g.expert_down,
+                                        &g.shared_gate, &g.shared_up, &g.shared_down};
+  for (int i = 0; i < kNumWeights; ++i) {
+    const std::string name = std::string(prefix) + "." + kWeightNames[i];
+    refs[i]->grad = optional_ref(grads[i], name.c_str(), device);
+    refs[i]->mode = accumulate ? mok::GradMode::kAccumulate : mok::GradMode::kWrite;
+  }
+  return g;
+}
+
 cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
 class Context {
  public:
   explicit Context(mok::ForwardContext context) : context_(std::move(context)) {}
   mok::ForwardContext& get() { return context_; }
+  const mok::ForwardContext& get() const { return context_; }
   int64_t ring_rows() const { return context_.ring_rows(); }
 
  private:
@@ -168,13 +203,8 @@ class Workspace {
                const OptionalArray& shared_up, const OptionalArray& shared_down, const Array& out,
                Context& context, uintptr_t stream, bool schedule_ready) {
     DeviceGuard guard(device_);
-    mok::MoeWeights w;
-    w.expert_gate = tensor_ref(expert_gate, "expert_gate", device_);
-    w.expert_up = optional_ref(expert_up, "expert_up", device_);
-    w.expert_down = tensor_ref(expert_down, "expert_down", device_);
-    w.shared_gate = optional_ref(shared_gate, "shared_gate", device_);
-    w.shared_up = optional_ref(shared_up, "shared_up", device_);
-    w.shared_down = optional_ref(shared_down, "shared_down", device_);
+    const mok::MoeWeights w =
+        weights_of({expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down}, device_);
     mok::RankForward f;
     f.rank = rank_;
     f.x = tensor_ref(x, "x", device_);
@@ -189,6 +219,43 @@ class Workspace {
     } else {
       workspace_->forward({&f, 1});
     }
+  }
+
+  // d_x, d_router_weights and the weight gradients of the forward that filled `context` (MoeWorkspace::backward).
+  // grads[i] None: that gradient is not computed; accumulate: every given gradient is fp32 and added to
+  // (GradMode::kAccumulate), else written in its dtype (bf16 or fp32).
+  void backward(const Array& d_out, const Array& x, const Array& topk_idx, const Array& router_weights,
+                const WeightArrays& weights, const Array& d_x, const Array& d_router_weights, const WeightArrays& grads,
+                bool accumulate, const Context& context, uintptr_t stream) {
+    DeviceGuard guard(device_);
+    const mok::MoeWeights w = weights_of(weights, device_);
+    const mok::MoeWeightGrads g = weight_grads_of(grads, accumulate, accumulate ? "main_grads" : "grads", device_);
+    mok::RankBackward b;
+    b.rank = rank_;
+    b.x = tensor_ref(x, "x", device_);
+    b.topk_idx = tensor_ref(topk_idx, "topk_idx", device_, /*allow_int64=*/true);
+    b.router_weights = tensor_ref(router_weights, "router_weights", device_);
+    b.weights = &w;
+    b.context = &context.get();
+    b.d_out = tensor_ref(d_out, "d_out", device_);
+    b.d_x = tensor_ref(d_x, "d_x", device_);
+    b.d_router_weights = tensor_ref(d_router_weights, "d_router_weights", device_);
+    b.weight_grads = &g;
+    b.stream = as_stream(stream);
+    workspace_->backward({&b, 1});
+  }
+
+  // Rebuilds the context's activations from x and the weights on the schedule already in it.
+  void recompute_forward_context(const Array& x, const WeightArrays& weights, Context& context, uintptr_t stream) {
+    DeviceGuard guard(device_);
+    const mok::MoeWeights w = weights_of(weights, device_);
+    mok::RankForward f;
+    f.rank = rank_;
+    f.x = tensor_ref(x, "x", device_);
+    f.weights = &w;
+    f.context = &context.get();
+    f.stream = as_stream(stream);
+    workspace_->recompute_forward_context({&f, 1});
   }
 
   // (ok, error bits, one line per error). Synchronizes `stream`.
@@ -236,7 +303,7 @@ std::tuple<int, int> nccl_versions() {
 }  // namespace
 
 NB_MODULE(_mok, m) {
-  m.doc() = "MoK for Hopper: the C++ forward API (private back end of the mok package)";
+  m.doc() = "MoK for Hopper: the C++ API, forward and backward (private back end of the mok package)";
   m.def("nccl_unique_id", &nccl_unique_id, "A new ncclUniqueId (128 bytes) for rank 0 to broadcast");
   m.def("nccl_versions", &nccl_versions, "(compiled NCCL_VERSION_CODE, ncclGetVersion of the loaded library)");
 
@@ -248,7 +315,7 @@ NB_MODULE(_mok, m) {
           [](Workspace* self, int device, int ep_size, int rank, std::optional<nb::bytes> nccl_id, int num_tokens,
              int hidden, int intermediate, int top_k, int num_experts, bool shared_expert, float swiglu_limit,
              int path, int comm_ctas, int minibatch_rows, int64_t macrobatch_rows, int64_t capacity_rows, int tile_m,
-             double wait_timeout_s) {
+             double wait_timeout_s, bool backward) {
             mok::MoeShape shape;
             shape.ep_size = ep_size;
             shape.num_tokens = num_tokens;
@@ -267,19 +334,25 @@ NB_MODULE(_mok, m) {
             options.fused.comm_ctas = comm_ctas;
             options.fused.minibatch_rows = minibatch_rows;
             options.fused.macrobatch_rows = macrobatch_rows;
+            options.backward = backward;
             new (self) Workspace(device, ep_size, rank, std::move(nccl_id), shape, options);
           },
           nb::arg("device"), nb::arg("ep_size"), nb::arg("rank"), nb::arg("nccl_id").none(), nb::arg("num_tokens"),
           nb::arg("hidden"), nb::arg("intermediate"), nb::arg("top_k"), nb::arg("num_experts"),
           nb::arg("shared_expert"), nb::arg("swiglu_limit"), nb::arg("path"), nb::arg("comm_ctas"),
           nb::arg("minibatch_rows"), nb::arg("macrobatch_rows"), nb::arg("capacity_rows"), nb::arg("tile_m"),
-          nb::arg("wait_timeout_s"))
+          nb::arg("wait_timeout_s"), nb::arg("backward") = true)
       .def("make_context", &Workspace::make_context, nb::keep_alive<0, 1>())
       .def("build_schedule", &Workspace::build_schedule, nb::arg("topk_idx"), nb::arg("context"), nb::arg("stream"))
       .def("forward", &Workspace::forward, nb::arg("x"), nb::arg("topk_idx"), nb::arg("router_weights"),
            nb::arg("expert_gate"), nb::arg("expert_up").none(), nb::arg("expert_down"), nb::arg("shared_gate").none(),
            nb::arg("shared_up").none(), nb::arg("shared_down").none(), nb::arg("out"), nb::arg("context"),
            nb::arg("stream"), nb::arg("schedule_ready"))
+      .def("backward", &Workspace::backward, nb::arg("d_out"), nb::arg("x"), nb::arg("topk_idx"),
+           nb::arg("router_weights"), nb::arg("weights"), nb::arg("d_x"), nb::arg("d_router_weights"), nb::arg("grads"),
+           nb::arg("accumulate"), nb::arg("context"), nb::arg("stream"))
+      .def("recompute_forward_context", &Workspace::recompute_forward_context, nb::arg("x"), nb::arg("weights"),
+           nb::arg("context"), nb::arg("stream"))
       .def("read_status", &Workspace::read_status, nb::arg("stream"))
       .def("reset_status", &Workspace::reset_status, nb::arg("stream"))
       .def_prop_ro("rank", &Workspace::rank)

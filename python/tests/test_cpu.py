@@ -1,6 +1,6 @@
-"""Tests that run without a GPU: the package and its extension load, defaults, argument checks (they fire
-before any CUDA call), fake/meta shapes of the custom op, torch.compile(fullgraph=True) tracing, and the
-NotImplementedError of the backward pass (issue 14)."""
+"""Tests that run without a GPU: the package and its extension load, defaults, argument checks of forward,
+backward and recompute (they fire before any CUDA call), fake/meta shapes of the custom ops, autograd and
+mok.MoE on meta tensors, torch.compile(fullgraph=True) tracing of forward and backward."""
 import dataclasses
 import shutil
 import subprocess
@@ -43,12 +43,12 @@ def test_extension_exports_only_its_init():
 
 def test_config_defaults_are_the_cpp_defaults():
     c = mok.Config()
-    assert (c.comm_ctas, c.minibatch_rows, c.macrobatch_rows, c.capacity_rows, c.tile_m, c.wait_timeout_s, c.path) \
-        == (0, 4096, 0, 0, 64, 10.0, "fused")
+    assert (c.comm_ctas, c.minibatch_rows, c.macrobatch_rows, c.capacity_rows, c.tile_m, c.wait_timeout_s, c.path,
+            c.backward) == (0, 4096, 0, 0, 64, 10.0, "fused", True)
 
 
 @pytest.mark.parametrize("field, value", [("path", "megakernel"), ("comm_ctas", -2), ("tile_m", 1.5),
-                                          ("wait_timeout_s", 0), ("minibatch_rows", True)])
+                                          ("wait_timeout_s", 0), ("minibatch_rows", True), ("backward", 1)])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"Config.{field}"):
         mok.Config(**{field: value})
@@ -222,18 +222,6 @@ def test_compile_without_a_context_says_so():
         torch.compile(layer, fullgraph=True, backend="eager")(x, idx, rw)
 
 
-def test_backward_is_not_built_yet():
-    for fn in (mok.backward, mok.recompute_forward_context, mok.main_grads):
-        with pytest.raises(NotImplementedError, match=r"backward pass is not built yet \(issue 14\)"):
-            fn()
-    ws = meta_workspace()
-    x, idx, rw, w = meta_args()
-    x.requires_grad_(True)
-    out, _ = mok.forward(ws, x, idx, rw, w)
-    with pytest.raises(NotImplementedError, match=r"issue 14"):
-        out.float().sum().backward()
-
-
 def test_cpp_errors_become_python_exceptions():
     from conftest import hopper_skip_reason
     if torch.cuda.is_available():
@@ -242,3 +230,386 @@ def test_cpp_errors_become_python_exceptions():
     with pytest.raises(RuntimeError, match="cuda"):
         _mok.Workspace(0, 1, 0, None, 256, 128, 64, 2, 8, True, 0.0, 0, 0, 4096, 0, 0, 64, 10.0)
     assert hopper_skip_reason() is not None  # the process is alive
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backward, recompute, autograd and mok.MoE on meta tensors (shapes and checks; the GPU tests check the values)
+
+GRAD_SHAPES = {"expert_gate": (8, 64, 128), "expert_up": (8, 64, 128), "expert_down": (8, 128, 64),
+               "shared_gate": (64, 128), "shared_up": (64, 128), "shared_down": (128, 64)}
+
+
+def meta_backward_args(shared_expert=True, fused_gate_up=False):
+    x, idx, rw, w = meta_args(shared_expert, fused_gate_up)
+    return torch.empty_like(x), x, idx, rw, w
+
+
+def test_backward_on_meta_returns_the_gradient_shapes():
+    ws = meta_workspace()
+    d_out, x, idx, rw, w = meta_backward_args()
+    _, ctx = mok.forward(ws, x, idx, rw, w)
+    for dtype in (torch.bfloat16, torch.float32):
+        d_x, d_rw, grads = mok.backward(ws, d_out, x, idx, rw, w, ctx, grad_dtype=dtype)
+        assert (d_x.shape, d_x.dtype, d_rw.shape, d_rw.dtype) == ((256, 128), torch.bfloat16, (256, 2), torch.float32)
+        assert isinstance(grads, mok.Weights)
+        for name, shape in GRAD_SHAPES.items():
+            g = getattr(grads, name)
+            assert (tuple(g.shape), g.dtype, g.device.type) == (shape, dtype, "meta"), name
+
+
+def test_backward_fused_gate_up_and_no_shared_expert_on_meta():
+    ws = meta_workspace(shared_expert=False)
+    d_out, x, idx, rw, w = meta_backward_args(shared_expert=False, fused_gate_up=True)
+    _, ctx = mok.forward(ws, x, idx, rw, w)
+    _, _, grads = mok.backward(ws, d_out, x, idx, rw, w, ctx)
+    assert grads.expert_gate.shape == (8, 128, 128) and grads.expert_down.shape == (8, 128, 64)
+    assert grads.expert_up is None and grads.shared_gate is None and grads.shared_up is None
+    assert grads.shared_down is None
+
+
+def test_backward_into_buffers_and_main_grads_on_meta():
+    ws = meta_workspace()
+    d_out, x, idx, rw, w = meta_backward_args()
+    _, ctx = mok.forward(ws, x, idx, rw, w)
+    main = mok.main_grads(w)
+    assert all(g.dtype == torch.float32 and tuple(g.shape) == GRAD_SHAPES[n]
+               for n, g in dataclasses.asdict(main).items())
+    d_x, d_rw, grads = mok.backward(ws, d_out, x, idx, rw, w, ctx, main_grads=main)
+    assert grads is main and d_x.shape == (256, 128) and d_rw.shape == (256, 2)
+    only_down = {"expert_down": torch.empty(8, 128, 64, dtype=torch.bfloat16, device="meta")}
+    _, _, grads = mok.backward(ws, d_out, x, idx, rw, w, ctx, grads=only_down)
+    assert grads.expert_down is only_down["expert_down"] and grads.expert_gate is None
+    assert mok.main_grads(meta_args(shared_expert=False, fused_gate_up=True)[3]).expert_up is None
+
+
+def _meta_grad(name, dtype=torch.bfloat16):
+    return torch.empty(GRAD_SHAPES[name], dtype=dtype, device="meta")
+
+
+BAD_BACKWARD = {  # case: (function of (d_out, x, idx, rw, w) -> (args, kwargs), exception, pattern)
+    "d_out shape": (lambda d, x, i, r, w: ((d[:100], x, i, r, w), {}), ValueError,
+                    r"d_out: expected a contiguous bf16 tensor on meta of shape \[T, H\] = \[256, 128\], got .*\[100, 128\]"),
+    "d_out dtype": (lambda d, x, i, r, w: ((d.float(), x, i, r, w), {}), ValueError, r"d_out: .* got a float32"),
+    "d_out non-contiguous": (lambda d, x, i, r, w: ((torch.empty(128, 256, dtype=torch.bfloat16, device="meta").t(),
+                                                     x, i, r, w), {}), ValueError, "d_out: .*non-contiguous"),
+    "d_out not a tensor": (lambda d, x, i, r, w: ((None, x, i, r, w), {}), TypeError, "d_out: .* got NoneType"),
+    "x shape": (lambda d, x, i, r, w: ((d, x[:8], i, r, w), {}), ValueError, r"x: .*\[8, 128\]"),
+    "router dtype": (lambda d, x, i, r, w: ((d, x, i, r.double(), w), {}), ValueError, "router_weights: .*float64"),
+    "grads dtype": (lambda d, x, i, r, w: ((d, x, i, r, w), {"grads": {"expert_gate": _meta_grad("expert_gate",
+                                                                                                 torch.float16)}}),
+                    ValueError, r"grads.expert_gate: expected a contiguous float32 or bf16 tensor .*float16"),
+    "grads shape": (lambda d, x, i, r, w: ((d, x, i, r, w), {"grads": {"expert_down": _meta_grad("expert_gate")}}),
+                    ValueError, r"grads.expert_down: .*\[E_local, H, I\] = \[8, 128, 64\]"),
+    "grads key": (lambda d, x, i, r, w: ((d, x, i, r, w), {"grads": {"gate": None}}), TypeError,
+                  r"grads: unknown keys \['gate'\]"),
+    "grads type": (lambda d, x, i, r, w: ((d, x, i, r, w), {"grads": [None]}), TypeError, "grads: expected"),
+    "main_grads bf16": (lambda d, x, i, r, w: ((d, x, i, r, w), {"main_grads": {"shared_up": _meta_grad("shared_up")}}),
+                        ValueError, r"main_grads.shared_up: expected a contiguous float32 tensor .* got a bf16"),
+    "grads and main_grads": (lambda d, x, i, r, w: ((d, x, i, r, w), {"grads": {}, "main_grads": {}}), ValueError,
+                             "grads, main_grads: pass one of them"),
+    "grad_dtype": (lambda d, x, i, r, w: ((d, x, i, r, w), {"grad_dtype": torch.float16}), ValueError,
+                   "grad_dtype: expected torch.bfloat16 or torch.float32"),
+    "gate without up": (lambda d, x, i, r, w: ((d, x, i, r, w), {"grads": {"expert_gate": _meta_grad("expert_gate")}}),
+                        ValueError, r"grads.expert_gate, grads.expert_up: both or neither, of one dtype"),
+    "shared up without gate": (lambda d, x, i, r, w: ((d, x, i, r, w), {"main_grads": {
+        "shared_up": _meta_grad("shared_up", torch.float32)}}), ValueError,
+        r"main_grads.shared_gate, main_grads.shared_up: both or neither"),
+    "gate and up dtypes": (lambda d, x, i, r, w: ((d, x, i, r, w), {"grads": {
+        "shared_gate": _meta_grad("shared_gate"), "shared_up": _meta_grad("shared_up", torch.float32)}}),
+        ValueError, r"grads.shared_gate, grads.shared_up: both or neither, of one dtype .*bf16.*float32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BACKWARD))
+def test_backward_rejects(case):
+    change, exception, pattern = BAD_BACKWARD[case]
+    ws = meta_workspace()
+    d_out, x, idx, rw, w = meta_backward_args()
+    _, ctx = mok.forward(ws, x, idx, rw, w)
+    args, kwargs = change(d_out, x, idx, rw, w)
+    with pytest.raises(exception, match=pattern):
+        mok.backward(ws, *args, ctx, **kwargs)
+
+
+def test_backward_rejects_gradients_of_absent_weights():
+    ws = meta_workspace(shared_expert=False)
+    d_out, x, idx, rw, w = meta_backward_args(shared_expert=False, fused_gate_up=True)
+    _, ctx = mok.forward(ws, x, idx, rw, w)
+    with pytest.raises(ValueError, match="grads.expert_up: expected None .*gate and up are fused"):
+        mok.backward(ws, d_out, x, idx, rw, w, ctx, grads={"expert_up": _meta_grad("expert_up")})
+    with pytest.raises(ValueError, match="main_grads.shared_down: expected None .*shared_expert=False"):
+        mok.backward(ws, d_out, x, idx, rw, w, ctx, main_grads={"shared_down": _meta_grad("shared_down", torch.float32)})
+
+
+def test_backward_and_recompute_check_the_context_and_the_workspace():
+    d_out, x, idx, rw, w = meta_backward_args()
+    ws = meta_workspace()
+    other = meta_workspace().make_context()
+    with pytest.raises(ValueError, match="ctx: made by another workspace"):
+        mok.backward(ws, d_out, x, idx, rw, w, other)
+    with pytest.raises(TypeError, match="ctx: expected a mok.ForwardContext"):
+        mok.backward(ws, d_out, x, idx, rw, w, None)
+    with pytest.raises(ValueError, match="ctx: made by another workspace"):
+        mok.recompute_forward_context(ws, x, w, other)
+    with pytest.raises(TypeError, match="ws: expected a mok.Workspace"):
+        mok.backward(None, d_out, x, idx, rw, w, other)
+    inference = meta_workspace(backward=False)
+    _, ctx = mok.forward(inference, x, idx, rw, w)
+    with pytest.raises(ValueError, match=r"Config\(backward=False\)"):
+        mok.backward(inference, d_out, x, idx, rw, w, ctx)
+    with pytest.raises(ValueError, match=r"Config\(backward=False\)"):
+        mok.recompute_forward_context(inference, x, w, ctx)
+
+
+def test_recompute_forward_context_checks():
+    ws = meta_workspace()
+    _, x, idx, rw, w = meta_backward_args()
+    _, ctx = mok.forward(ws, x, idx, rw, w)
+    assert mok.recompute_forward_context(ws, x, w, ctx) is ctx
+    with pytest.raises(ValueError, match=r"x: .*\[T, H\] = \[256, 128\]"):
+        mok.recompute_forward_context(ws, x[:3], w, ctx)
+    with pytest.raises(ValueError, match="expert_down"):
+        mok.recompute_forward_context(ws, x, dataclasses.replace(w, expert_down=w.expert_gate), ctx)
+
+
+def test_backward_rejects_the_wrong_device_before_any_cuda_call():
+    ws = mok.Workspace(SHAPE, mok.Config(), torch.device("cuda", 0), 0, None)  # no native state
+    x, idx, rw = make_inputs(SHAPE, "cpu")
+    w = make_weights(SHAPE, "cpu")
+    ctx = mok.ForwardContext(ws, None)
+    d_out = torch.zeros_like(x)
+    with pytest.raises(ValueError, match=r"topk_idx: expected a contiguous int32 or int64 tensor on cuda:0 .* on cpu"):
+        mok.backward(ws, d_out, x, idx, rw, w, ctx)
+    with pytest.raises(ValueError, match=r"x: expected a contiguous bf16 tensor on cuda:0 .* on cpu"):
+        mok.recompute_forward_context(ws, x, w, ctx)
+
+
+def test_fake_tensor_mode_shapes_of_the_backward_ops():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    ws = meta_workspace()
+    ctx = ws.make_context()
+    with FakeTensorMode():
+        x, idx, rw = make_inputs(SHAPE, "cpu")
+        w = make_weights(SHAPE, "cpu").tensors()
+        d_out = torch.empty_like(x)
+        # grad_mask 0b000101: expert_gate and expert_down, fp32
+        outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, idx, rw, *w, 0b000101, True, 0, 0, False)
+        assert all(isinstance(t, FakeTensor) for t in outs)
+        assert [(tuple(t.shape), t.dtype) for t in outs] == [
+            ((256, 128), torch.bfloat16), ((256, 2), torch.float32), ((8, 64, 128), torch.float32), ((0,), torch.bfloat16),
+            ((8, 128, 64), torch.float32), ((0,), torch.bfloat16), ((0,), torch.bfloat16), ((0,), torch.bfloat16)]
+        # main gradients: the weights in dummy_mask (0b100000: shared_down) get a dummy of the weight's dtype
+        outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, idx, rw, *w, 0b111111, True, 7, 0b100000, True)
+        assert [tuple(t.shape) for t in outs[2:]] == [(0,)] * 5 + [(128, 64)] and outs[7].dtype == torch.bfloat16
+        grads = [torch.empty(GRAD_SHAPES[n], dtype=torch.float32) for n in GRAD_SHAPES]
+        d_x, d_rw = torch.ops.mok.backward_into(ws.handle, ctx.handle, d_out, x, idx, rw, *w, *grads, True)
+        assert (d_x.shape, d_rw.shape) == ((256, 128), (256, 2))
+        assert torch.ops.mok.recompute_forward_context(ws.handle, ctx.handle, x, *w) is None
+
+
+def test_opcheck_backward_ops_on_meta():
+    ws = meta_workspace()
+    d_out, x, idx, rw, w = meta_backward_args()
+    _, ctx = mok.forward(ws, x, idx, rw, w)
+    tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    base = (ws.handle, ctx.handle, d_out, x, idx, rw, *w.tensors())
+    torch.library.opcheck(torch.ops.mok.backward.default, (*base, 0b111111, False, 0, 0, False), test_utils=tests)
+    grads = tuple(torch.empty(s, dtype=torch.float32, device="meta") for s in GRAD_SHAPES.values())
+    torch.library.opcheck(torch.ops.mok.backward_into.default, (*base, *grads, True), test_utils=tests)
+    torch.library.opcheck(torch.ops.mok.recompute_forward_context.default,
+                          (ws.handle, ctx.handle, x, *w.tensors()), test_utils=tests)
+
+
+def _requires_grad(*tensors):
+    for t in tensors:
+        if t is not None:
+            t.requires_grad_(True)
+
+
+def test_autograd_on_meta_gives_every_gradient():
+    ws = meta_workspace()
+    x, idx, rw, w = meta_args()
+    _requires_grad(x, rw, *w.tensors())
+    out, _ = mok.forward(ws, x, idx, rw, w)
+    out.float().sum().backward()
+    assert (x.grad.shape, x.grad.dtype, rw.grad.shape, rw.grad.dtype) == ((256, 128), torch.bfloat16, (256, 2),
+                                                                          torch.float32)
+    for name, shape in GRAD_SHAPES.items():
+        g = getattr(w, name).grad
+        assert (tuple(g.shape), g.dtype) == (shape, torch.bfloat16), name
+
+
+def test_autograd_on_meta_only_where_asked():
+    ws = meta_workspace(shared_expert=False)
+    x, idx, rw, w = meta_args(shared_expert=False, fused_gate_up=True)
+    _requires_grad(rw, w.expert_down)  # x, expert_gate frozen
+    out, _ = mok.forward(ws, x, idx, rw, w)
+    out.float().sum().backward()
+    assert x.grad is None and w.expert_gate.grad is None
+    assert rw.grad.shape == (256, 2) and w.expert_down.grad.shape == (8, 128, 64)
+
+
+def test_autograd_computes_a_gate_up_pair_together():
+    """Separate gate and up gradients come from one GEMM: asking for one computes both (the op's outputs), and
+    autograd hands over only the asked one."""
+    ws = meta_workspace()
+    x, idx, rw, w = meta_args()
+    _requires_grad(w.expert_gate, w.shared_up)
+    out, _ = mok.forward(ws, x, idx, rw, w)
+    out.float().sum().backward()
+    assert w.expert_gate.grad.shape == (8, 64, 128) and w.shared_up.grad.shape == (64, 128)
+    assert w.expert_up.grad is None and w.shared_gate.grad is None and w.expert_down.grad is None
+    assert mok.ops.with_partners(0b000001, w.tensors()) == 0b000011
+    assert mok.ops.with_partners(0b010100, w.tensors()) == 0b011100
+    fused = meta_args(fused_gate_up=True)[3]
+    assert mok.ops.with_partners(0b000001, fused.tensors()) == 0b000001
+
+
+def test_autograd_refuses_a_context_overwritten_before_the_backward():
+    """Eager mode: a second forward on the context between a forward and its backward makes the backward raise
+    (the meta ops run no kernels; mark_written stands for the second forward's write)."""
+    ws = meta_workspace()
+    x, idx, rw, w = meta_args()
+    _requires_grad(x)
+    for recompute in (False, True):
+        out, ctx = mok.forward(ws, x, idx, rw, w, recompute=recompute)
+        ctx.mark_written()
+        if recompute:  # the backward rebuilds the context: allowed
+            out.float().sum().backward()
+        else:
+            with pytest.raises(RuntimeError, match="forward context was overwritten by a later forward"):
+                out.float().sum().backward()
+
+
+def meta_module(**kw):
+    return mok.MoE(SHAPE.hidden, SHAPE.intermediate, SHAPE.num_experts, SHAPE.top_k, device="meta", **kw)
+
+
+def test_module_parameters_and_gradients_on_meta():
+    moe = meta_module()
+    names = {n: tuple(p.shape) for n, p in moe.named_parameters()}
+    assert names == {"router.weight": (8, 128), **GRAD_SHAPES}, names
+    assert all(p.dtype == torch.bfloat16 for p in moe.parameters())
+    x = torch.empty(4, 64, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    y = moe(x)
+    assert (y.shape, y.dtype) == ((4, 64, 128), torch.bfloat16)
+    y.float().sum().backward()
+    assert x.grad.shape == (4, 64, 128)
+    for n, p in moe.named_parameters():
+        assert p.grad is not None and p.grad.shape == p.shape, n
+    assert moe.workspace.shape.num_tokens == 256 and "top_k=2" in repr(moe)
+
+
+def test_module_variants_on_meta():
+    moe = meta_module(fused_gate_up=True, shared_expert=False, router=False, swiglu_limit=7.0)
+    assert {n for n, _ in moe.named_parameters()} == {"expert_gate", "expert_down"}
+    assert moe.expert_gate.shape == (8, 128, 128)
+    x, idx, rw = make_inputs(SHAPE, "meta")
+    assert moe(x, idx, rw).shape == (256, 128)
+    with pytest.raises(TypeError, match="forward needs topk_idx and router_weights"):
+        moe(x)
+    with pytest.raises(TypeError, match="pass both"):
+        moe(x, idx)
+    with pytest.raises(ValueError, match="x: 128 tokens, the layer's workspace is for 256"):
+        moe(x[:128], idx[:128], rw[:128])
+    with pytest.raises(ValueError, match=r"x: expected \[..., H\] with H = 128"):
+        moe(x[:, :64])
+
+
+def test_module_shares_a_workspace():
+    ws = meta_workspace()
+    a = meta_module(workspace=ws)
+    b = meta_module(workspace=ws, recompute=True, context=ws.make_context())
+    assert a.workspace is ws and b.workspace is ws
+    with pytest.raises(ValueError, match=r"workspace: made for .* this layer is"):
+        mok.MoE(SHAPE.hidden, 128, SHAPE.num_experts, SHAPE.top_k, workspace=ws)
+    with pytest.raises(ValueError, match="context: must be made by the workspace"):
+        meta_module(workspace=ws, context=meta_workspace().make_context())
+
+
+def test_module_main_grad_convention_on_meta():
+    """main_grad=True: weights with Megatron's grad_added_to_main_grad attribute get a dummy gradient (the meta
+    op does not run, so main_grad itself is untouched here), the others none; the router's goes through autograd."""
+    moe = meta_module(main_grad=True)
+    moe.allocate_main_grads()
+    assert moe.expert_gate.main_grad.dtype == torch.float32 and moe.router.weight.__dict__.get("main_grad") is None
+    moe.expert_down.grad_added_to_main_grad = False
+    x = torch.empty(256, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    moe(x).float().sum().backward()
+    assert moe.expert_down.grad is not None and moe.expert_down.grad.shape == moe.expert_down.shape
+    for name in ("expert_gate", "expert_up", "shared_gate", "shared_up", "shared_down"):
+        assert getattr(moe, name).grad is None, name
+    assert moe.router.weight.grad is not None and x.grad is not None
+
+
+def _aot_graphs():
+    """A torch.compile backend (AOTAutograd, eager kernels) that keeps the forward and backward graphs."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+
+    def compiler(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler), graphs
+
+
+def _targets(gm):
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_compile_fullgraph_traces_forward_and_backward():
+    ws = meta_workspace()
+    ctx = ws.make_context()
+    x, idx, rw, w = meta_args()
+    _requires_grad(x, rw, *w.tensors())
+
+    def loss(x, rw):
+        out, _ = mok.forward(ws, x, idx, rw, w, ctx)
+        return (out.float() * 2).sum()
+
+    torch._dynamo.reset()
+    backend, graphs = _aot_graphs()
+    torch.compile(loss, fullgraph=True, backend=backend)(x, rw).backward()
+    assert len(graphs) == 2, graphs
+    assert "mok.forward.default" in _targets(graphs[0]) and "mok.backward.default" in _targets(graphs[1])
+    assert x.grad.shape == (256, 128) and rw.grad.shape == (256, 2) and w.shared_up.grad.shape == (64, 128)
+
+
+def test_compile_fullgraph_module_with_its_router():
+    moe = meta_module()
+    moe.prepare(256)
+    x = torch.empty(256, 128, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    torch._dynamo.reset()
+    backend, graphs = _aot_graphs()
+    torch.compile(moe, fullgraph=True, backend=backend)(x).float().sum().backward()
+    assert "mok.backward.default" in _targets(graphs[-1])
+    assert moe.router.weight.grad.shape == (8, 128) and moe.expert_down.grad.shape == (8, 128, 64)
+
+
+def test_compile_keeps_recompute_forward_context():
+    ws = meta_workspace()
+    x, idx, rw, w = meta_args()
+    _, ctx = mok.forward(ws, x, idx, rw, w)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def fn(x):
+        mok.recompute_forward_context(ws, x, w, ctx)
+        return x * 2
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend=backend)(x)
+    assert any("recompute_forward_context" in t for t in _targets(graphs[0])), _targets(graphs[0])
+
+
+def test_module_under_compile_needs_its_workspace_first():
+    moe = meta_module()
+    x = torch.empty(256, 128, dtype=torch.bfloat16, device="meta")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"module.prepare\(num_tokens\)"):
+        torch.compile(moe, fullgraph=True, backend="eager")(x)

@@ -1,6 +1,6 @@
 """Tests on a CUDA Hopper GPU (marker gpu; skipped with the reason elsewhere), EP = 1 on GPU 0: forward
 against a float64 PyTorch reference, bitwise determinism and independence of the knobs, CUDA-graph capture,
-torch.compile(fullgraph=True), bad inputs through the Python API."""
+torch.compile(fullgraph=True), bad inputs through the Python API. The backward's tests are in test_autograd.py."""
 import dataclasses
 
 import pytest
@@ -270,13 +270,3 @@ def test_wrong_shapes_raise_and_the_process_goes_on():
     good, _ = mok.forward(ws, x, idx, rw, w, ctx)
     mok.check_status(ws)
     assert relative_error(good, reference(shape, x, idx, rw, w)) < TOLERANCE
-
-
-def test_autograd_says_backward_is_missing():
-    shape = SHAPES["shared"]
-    ws = workspace(shape)
-    x, idx, rw = make_inputs(shape, "cuda", seed=17)
-    w = make_weights(shape, "cuda", seed=18)
-    out, _ = mok.forward(ws, x.requires_grad_(True), idx, rw, w)
-    with pytest.raises(NotImplementedError, match=r"issue 14"):
-        out.float().sum().backward()

@@ -1,0 +1,412 @@
+#!/usr/bin/env python3
+"""Trains a small mixture-of-experts transformer with mok.MoE as its FFN, next to the same model written in
+plain PyTorch, and checks that the two learn alike and that ours is reproducible bit for bit.
+
+    python3 examples/train_moe.py [--steps 300] [--layers 4] [--out DIR]           # 1 GPU, EP = 1
+    torchrun --nproc-per-node N examples/train_moe.py [...]                        # EP = N (N GPUs)
+
+The task (generated, the same for every run): token sequences of an order-2 Markov chain over a vocabulary of
+64, next = TABLE[previous, current] with probability 0.8 and uniform otherwise; the model must attend to the
+previous token and memorize the 4096-entry table (the loss falls from ln 64 = 4.16 towards the chain's entropy,
+1.31 nats). The model: token and position embeddings, --layers blocks of (RMSNorm, causal self-attention,
+RMSNorm, MoE FFN: router + top-k routed SwiGLU experts + a shared expert), RMSNorm, LM head; bf16 parameters,
+fp32 master weights in AdamW. Runs:
+  ours, twice   the FFN is mok.MoE (EP over all processes, one workspace shared by the layers);
+  torch         the same model and initial values, the FFN a reference MoE in torch ops (sort by expert,
+                one matmul per expert, fp32 combine; every rank holds every expert).
+Checks (exit status 1 if one fails): the two runs of ours give bitwise equal losses and final parameters; ours
+and torch start at the same loss (within 0.02) and end within 5 % (mean of the last 10 % of the steps), and both
+learned (that mean below 80 % of the first loss). Prints a loss table and tokens/s of each run; writes
+DIR/losses.csv and, with matplotlib, DIR/loss_curves.png. With EP = N each rank trains on its own batch;
+replicated parameters' gradients are averaged over the ranks, the routed experts' divided by N (the loss is the
+mean over ranks). The whole example is deterministic: ops with atomics are avoided (the embedding is a one-hot
+matmul) and torch's deterministic algorithms are asked for.
+"""
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before torch loads it)
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import mok  # noqa: E402
+
+VOCAB = 64
+FOLLOW_TABLE = 0.8  # probability that the next token is TABLE[previous, current]
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--out", default="train_moe_out", help="folder for losses.csv and loss_curves.png")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step per rank")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--main-grad", action="store_true",
+                   help="ours accumulates its expert weight gradients into fp32 param.main_grad (Megatron's way)")
+    return p.parse_args()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def make_data(steps, batch, seq, seed, rank, device):
+    """int64 [steps, batch, seq + 1] token sequences of the order-2 chain (inputs [:, :, :-1], targets [:, :, 1:]);
+    the table is the same on every rank, the sequences are the rank's own."""
+    table_gen = torch.Generator(device="cpu").manual_seed(seed)
+    table = torch.randint(0, VOCAB, (VOCAB, VOCAB), generator=table_gen).to(device)
+    gen = torch.Generator(device="cpu").manual_seed(seed * 1000 + 17 + rank)
+    n = steps * batch
+    tokens = torch.empty(n, seq + 1, dtype=torch.int64)
+    tokens[:, :2] = torch.randint(0, VOCAB, (n, 2), generator=gen)
+    follow = torch.rand(n, seq + 1, generator=gen) < FOLLOW_TABLE
+    noise = torch.randint(0, VOCAB, (n, seq + 1), generator=gen)
+    tokens, follow, noise = tokens.to(device), follow.to(device), noise.to(device)
+    for t in range(2, seq + 1):
+        tokens[:, t] = torch.where(follow[:, t], table[tokens[:, t - 2], tokens[:, t - 1]], noise[:, t])
+    return tokens.view(steps, batch, seq + 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model (shared by both runs; only the FFN differs)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim, device):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim, dtype=torch.bfloat16, device=device))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden, heads, ffn, device):
+        super().__init__()
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        self.heads = heads
+        self.norm1, self.norm2 = RMSNorm(hidden, device), RMSNorm(hidden, device)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False, **bf16)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False, **bf16)
+        self.ffn = ffn
+
+    def attention(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(h // self.heads)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(-1).to(x.dtype)
+        return self.proj((probs @ v).transpose(1, 2).reshape(b, s, h))
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.ffn(self.norm2(x))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, args, ffns, device):
+        super().__init__()
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        self.embed = torch.nn.Parameter(torch.randn(VOCAB, args.hidden, **bf16) * 0.5)
+        self.position = torch.nn.Parameter(torch.randn(args.seq, args.hidden, **bf16) * 0.1)
+        self.blocks = torch.nn.ModuleList(Block(args.hidden, args.heads, ffn, device) for ffn in ffns)
+        self.norm = RMSNorm(args.hidden, device)
+        self.head = torch.nn.Linear(args.hidden, VOCAB, bias=False, **bf16)
+
+    def forward(self, tokens):
+        # One-hot matmul instead of an embedding lookup: its backward is a matmul, not an atomic scatter.
+        x = F.one_hot(tokens, VOCAB).to(self.embed.dtype) @ self.embed + self.position
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class TorchMoE(torch.nn.Module):
+    """The reference FFN in torch ops, with mok.MoE's parameters (names and shapes, all experts) and router."""
+
+    def __init__(self, args, device):
+        super().__init__()
+        e, h, i = args.experts, args.hidden, args.intermediate
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        self.top_k = args.top_k
+        self.router = torch.nn.Linear(h, e, bias=False, **bf16)
+        for name, shape in (("expert_gate", (e, i, h)), ("expert_up", (e, i, h)), ("expert_down", (e, h, i)),
+                            ("shared_gate", (i, h)), ("shared_up", (i, h)), ("shared_down", (h, i))):
+            bound = 1.0 / math.sqrt(shape[-1])
+            setattr(self, name, torch.nn.Parameter(torch.empty(shape, **bf16).uniform_(-bound, bound)))
+
+    @staticmethod
+    def mlp(rows, gate, up, down):
+        hidden = (F.silu((rows @ gate.T).float()) * (rows @ up.T).float()).to(rows.dtype)
+        return hidden @ down.T
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        t, k = tokens.shape[0], self.top_k
+        logits = F.linear(tokens.float(), self.router.weight.float())
+        router_weights, topk_idx = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+        order = topk_idx.flatten().argsort(stable=True)  # routes sorted by expert, token order inside
+        counts = torch.bincount(topk_idx.flatten(), minlength=self.expert_gate.shape[0]).tolist()  # one host sync
+        rows = tokens[order // k]
+        outputs, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                outputs.append(self.mlp(rows[start:start + count], self.expert_gate[e], self.expert_up[e],
+                                        self.expert_down[e]))
+            start += count
+        routed = torch.cat(outputs)[order.argsort()].view(t, k, -1)  # back to (token, slot) order
+        out = self.mlp(tokens, self.shared_gate, self.shared_up, self.shared_down).float()
+        out = out + (router_weights.unsqueeze(-1) * routed.float()).sum(1)
+        return out.to(x.dtype).view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training
+
+
+class MixedPrecisionAdamW:
+    """AdamW on fp32 master copies of bf16 parameters: the gradient (param.main_grad if the parameter has one,
+    else param.grad; zeros if none) is read into the master's, the step runs in fp32, the bf16 parameter is
+    rounded from the master."""
+
+    def __init__(self, params, lr):
+        self.params = list(params)
+        self.master = [p.detach().float().clone() for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.master, lr=lr, betas=(0.9, 0.95), weight_decay=0.01, foreach=True)
+
+    def step(self, lr):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for p, m in zip(self.params, self.master):
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            m.grad = torch.zeros_like(m) if g is None else g.float().clone()
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.zero_()
+
+
+def learning_rate(args, step):
+    warmup = 10
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup))))
+
+
+class Dist:
+    """This process's place: EP = 1 without torchrun, else one rank per GPU of an NCCL group."""
+
+    def __init__(self):
+        self.size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        self.device = torch.device("cuda", local)
+        self.group = None
+        if self.size > 1:
+            import torch.distributed as dist
+            dist.init_process_group("nccl", device_id=self.device)
+            self.group = dist.group.WORLD
+
+    def mean(self, t):
+        if self.size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(t)
+            t.div_(self.size)
+        return t
+
+    def print(self, *a):
+        if self.rank == 0:
+            print(*a, flush=True)
+
+
+def initial_state(args, device):
+    """The initial parameters, the same on every rank: the torch model's (all experts)."""
+    torch.manual_seed(args.seed)
+    return Model(args, [TorchMoE(args, device) for _ in range(args.layers)], device).state_dict()
+
+
+def build(kind, args, env, state):
+    """(model, its routed-expert parameters) for 'ours' or 'torch', loaded with the initial state."""
+    if kind == "torch":
+        model = Model(args, [TorchMoE(args, env.device) for _ in range(args.layers)], env.device)
+        model.load_state_dict(state)
+        return model, []
+    tokens = args.batch * args.seq
+    ws = mok.get_workspace(mok.Config(), env.group, tokens, args.hidden, args.intermediate, args.top_k, args.experts)
+    ffns = [mok.MoE(args.hidden, args.intermediate, args.experts, args.top_k, workspace=ws, group=env.group,
+                    main_grad=args.main_grad) for _ in range(args.layers)]
+    model = Model(args, ffns, env.device)
+    local = args.experts // env.size
+    mine = {}
+    for name, value in state.items():
+        if name.split(".")[-1] in ("expert_gate", "expert_up", "expert_down"):
+            value = value[env.rank * local:(env.rank + 1) * local]  # this rank's experts
+        mine[name] = value
+    model.load_state_dict(mine)
+    experts = [p for ffn in ffns for p in (ffn.expert_gate, ffn.expert_up, ffn.expert_down)]
+    if args.main_grad:
+        for ffn in ffns:
+            ffn.allocate_main_grads()
+    return model, experts
+
+
+def train(kind, args, env, state, data):
+    """Losses [steps] (fp32, mean over ranks), tokens/s after the first 10 steps, the final parameters."""
+    model, experts = build(kind, args, env, state)
+    expert_ids = {id(p) for p in experts}
+    optimizer = MixedPrecisionAdamW(model.parameters(), args.lr)
+    losses = torch.zeros(args.steps, device=env.device)
+    timed_from = min(10, args.steps - 1)
+    for step in range(args.steps):
+        if step == timed_from:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        batch = data[step]
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().view(-1, VOCAB), batch[:, 1:].reshape(-1))
+        loss.backward()
+        if env.size > 1:  # the loss is the mean over ranks: average replicated gradients, scale the experts'
+            for p in model.parameters():
+                g = getattr(p, "main_grad", None)
+                g = p.grad if g is None else g
+                if g is None:
+                    continue
+                if id(p) in expert_ids:
+                    g.div_(env.size)
+                else:
+                    env.mean(g)
+        optimizer.step(learning_rate(args, step))
+        optimizer.zero_grad()
+        losses[step] = env.mean(loss.detach().clone())
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens_per_s = (args.steps - timed_from) * args.batch * args.seq * env.size / elapsed
+    if kind == "ours":
+        for ffn in (b.ffn for b in model.blocks):
+            mok.check_status(ffn.workspace)
+    params = [p.detach().clone() for p in model.parameters()]
+    return losses.cpu(), tokens_per_s, params
+
+
+def moving_average(values, window):
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def report(args, env, runs):
+    """Prints the table and the checks; writes the CSV and the PNG. Returns the failed checks."""
+    ours1, ours2, ref = (runs[k][0].tolist() for k in ("ours run 1", "ours run 2", "torch"))
+    steps = len(ours1)
+    env.print(f"\n{'step':>6} {'ours run 1':>12} {'ours run 2':>12} {'torch':>12} {'ours - torch':>13}")
+    for s in sorted(set(list(range(0, steps, max(1, steps // 15))) + [steps - 1])):
+        env.print(f"{s:>6} {ours1[s]:>12.5f} {ours2[s]:>12.5f} {ref[s]:>12.5f} {ours1[s] - ref[s]:>+13.5f}")
+    env.print(f"\n{'run':<12} {'tokens/s':>12}")
+    for name, (_, tokens_per_s, _) in runs.items():
+        env.print(f"{name:<12} {tokens_per_s:>12,.0f}")
+    tail = max(1, steps // 10)
+    mean_ours, mean_ref = sum(ours1[-tail:]) / tail, sum(ref[-tail:]) / tail
+    smooth_gap = max(abs(a - b) for a, b in zip(moving_average(ours1, 20), moving_average(ref, 20)))
+    failures = []
+    bitwise = torch.equal(runs["ours run 1"][0], runs["ours run 2"][0])
+    params_equal = all(torch.equal(a, b) for a, b in zip(runs["ours run 1"][2], runs["ours run 2"][2]))
+    checks = [
+        (bitwise, "ours, two runs: losses bitwise equal"),
+        (params_equal, "ours, two runs: final parameters bitwise equal"),
+        (abs(ours1[0] - ref[0]) < 0.02, f"first loss: ours {ours1[0]:.5f}, torch {ref[0]:.5f} (within 0.02)"),
+        (abs(mean_ours - mean_ref) < 0.05 * mean_ref,
+         f"last {tail} steps' mean: ours {mean_ours:.4f}, torch {mean_ref:.4f} (within 5 %)"),
+        (mean_ours < 0.8 * ours1[0] and mean_ref < 0.8 * ref[0], "both learned (last mean < 80 % of the first loss)"),
+    ]
+    env.print(f"\nlargest gap of the 20-step moving averages: {smooth_gap:.4f}")
+    for ok, what in checks:
+        env.print(f"{'PASS' if ok else 'FAIL'}  {what}")
+        if not ok:
+            failures.append(what)
+    if env.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "losses.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "ours_run_1", "ours_run_2", "torch"])
+            w.writerows([s, a, b, c] for s, (a, b, c) in enumerate(zip(ours1, ours2, ref)))
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print(f"matplotlib is missing (python3 -m pip install matplotlib): no PNG; the losses are in "
+                  f"{args.out}/losses.csv")
+        else:
+            fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+            ax.plot(ref, label="plain PyTorch MoE", color="#e6550d", linewidth=1)
+            ax.plot(ours1, label="mok.MoE, run 1", color="#3182bd", linewidth=1)
+            ax.plot(ours2, label="mok.MoE, run 2 (bitwise equal)" if bitwise else "mok.MoE, run 2", color="#08306b",
+                    linewidth=1, linestyle=(0, (4, 4)))
+            ax.set(xlabel="step", ylabel="cross-entropy (nats)",
+                   title=f"{args.layers}-layer MoE transformer, EP = {env.size}, E = {args.experts}, k = {args.top_k}")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            path = os.path.join(args.out, "loss_curves.png")
+            fig.savefig(path)
+            print(f"loss curves: {path}")
+    return failures
+
+
+def main():
+    args = parse_args()
+    env = Dist()
+    if args.experts % env.size:
+        raise SystemExit(f"--experts {args.experts} is not a multiple of the {env.size} processes")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    env.print(f"train_moe: {args.layers} layers, H {args.hidden}, I {args.intermediate}, E {args.experts}, "
+              f"k {args.top_k}, {args.batch} x {args.seq} tokens per step per rank, EP = {env.size}, "
+              f"{args.steps} steps{', main_grad' if args.main_grad else ''}")
+    data = make_data(args.steps, args.batch, args.seq, args.seed, env.rank, env.device)
+    state = initial_state(args, env.device)
+    runs = {}
+    for name, kind in (("ours run 1", "ours"), ("ours run 2", "ours"), ("torch", "torch")):
+        t0 = time.perf_counter()
+        runs[name] = train(kind, args, env, state, data)
+        env.print(f"{name}: {args.steps} steps in {time.perf_counter() - t0:.1f} s, final loss "
+                  f"{runs[name][0][-1].item():.4f}")
+    failures = report(args, env, runs)
+    if env.size > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    if failures:
+        env.print(f"\n{len(failures)} check(s) failed")
+        sys.exit(1)
+    env.print("\nall checks passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""mok.MoE: the layer as a torch.nn.Module, router inside (or the caller's routing), trained through autograd.
+
+    moe = mok.MoE(hidden=1024, intermediate=512, num_experts=64, top_k=4)   # EP = 1 on the current GPU
+    y = moe(x)                       # x [..., H] bf16; the router picks topk_idx and router_weights
+    y = moe(x, topk_idx, router_weights)                     # or the caller's routing
+    y.float().square().mean().backward()                     # gradients of x, router and every weight
+
+Parameters (bf16): router.weight [E, H] (with router=True), expert_gate [E_local, I, H] and expert_up
+[E_local, I, H] (or expert_gate [E_local, 2I, H] with fused_gate_up=True: rows 0..I-1 gate, I..2I-1 up),
+expert_down [E_local, H, I], and with a shared expert shared_gate [I, H], shared_up [I, H], shared_down [H, I].
+
+Megatron's convention (main_grad=True): the backward adds the six expert and shared weights' gradients into
+param.main_grad (fp32, made by Megatron's DDP or by allocate_main_grads()) inside the layer's kernels, the
+way Megatron's gradient_accumulation_fusion does (megatron/core/tensor_parallel/layers.py,
+LinearWithGradAccumulationAndAsyncCommunication.backward): a parameter that has the attribute
+grad_added_to_main_grad (Megatron's DDP sets it to False before each step) gets it set to True and autograd
+gets a dummy gradient of the parameter's shape (zeros if param.zero_out_wgrad, else uninitialized), which
+Megatron's gradient hook does not add and replaces by param.grad = None; a parameter without the attribute gets
+no gradient (param.grad stays None). The router's gradient goes through autograd as usual (param.grad).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import ops
+from .config import Config, Weights
+from .layer import Workspace, get_workspace, layer_forward
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class MoE(torch.nn.Module):
+    """A mixture-of-experts layer: out[t] = shared(x[t]) + sum_j rw[t, j] * expert_{idx[t, j]}(x[t]).
+
+    hidden, intermediate, num_experts (global), top_k: the layer's shape (H and I multiples of 64).
+    shared_expert: one shared expert of width `intermediate`. fused_gate_up: one [E_local, 2I, H] gate/up weight.
+    router: True: a bias-free linear router inside, logits in fp32, router_weights = top-k of softmax(logits)
+      (renormalized to sum 1 with normalize_router_weights); False: forward needs topk_idx and router_weights.
+    swiglu_limit: > 0 clamps SwiGLU (gate <= L, -L <= up <= L).
+    config: mok.Config of the workspace; group: a torch.distributed group for EP = its size (None: EP = 1);
+      the module holds its rank's num_experts / EP experts, the router and shared expert whole (replicated).
+    num_tokens: tokens per forward call on this rank; the workspace is made at construction when given, else
+      at the first forward (outside torch.compile / CUDA-graph capture). workspace: a mok.Workspace of this
+      shape to share with other layers (then config, group and num_tokens come from it).
+    main_grad: Megatron's fused weight-gradient accumulation (module docstring). recompute: the backward
+      rebuilds the forward context from the saved inputs first, so that one context can serve several layers
+      or forwards in flight (context=): activation checkpointing of the expert-side activations.
+    context: a mok.ForwardContext of the workspace to use (shared between layers with recompute=True).
+    device: where the parameters live (None: the current CUDA device; "meta": shapes only, no GPU).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, shared_expert: bool = True,
+                 fused_gate_up: bool = False, router: bool = True, normalize_router_weights: bool = False,
+                 swiglu_limit: float = 0.0, config: Optional[Config] = None, group=None,
+                 num_tokens: Optional[int] = None, workspace: Optional[Workspace] = None, main_grad: bool = False,
+                 recompute: bool = False, context=None, device=None):
+        super().__init__()
+        if workspace is not None:
+            if not isinstance(workspace, Workspace):
+                raise TypeError(f"workspace: expected a mok.Workspace, got {type(workspace).__name__}")
+            s = workspace.shape
+            want = (hidden, intermediate, num_experts, top_k, bool(shared_expert), float(swiglu_limit))
+            got = (s.hidden, s.intermediate, s.num_experts, s.top_k, s.shared_expert, s.swiglu_limit)
+            if want != got:
+                raise ValueError("workspace: made for (hidden, intermediate, num_experts, top_k, shared_expert, "
+                                 f"swiglu_limit) = {got}, this layer is {want}")
+            ep_size, device = s.ep_size, workspace.device
+        else:
+            ep_size = 1 if group is None else torch.distributed.get_world_size(group)
+            if device is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        if num_experts % ep_size != 0:
+            raise ValueError(f"num_experts: {num_experts} is not a multiple of the EP size {ep_size}")
+        self.hidden, self.intermediate, self.num_experts, self.top_k = hidden, intermediate, num_experts, top_k
+        self.local_experts = num_experts // ep_size
+        self.shared_expert, self.fused_gate_up = bool(shared_expert), bool(fused_gate_up)
+        self.normalize_router_weights = bool(normalize_router_weights)
+        self.swiglu_limit = float(swiglu_limit)
+        self.config = config if config is not None else Config()
+        self.group = group
+        self.main_grad, self.recompute = bool(main_grad), bool(recompute)
+
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        e, h, i = self.local_experts, hidden, intermediate
+        self.router = torch.nn.Linear(h, num_experts, bias=False, **bf16) if router else None
+        param = torch.nn.Parameter
+        self.expert_gate = param(torch.empty(e, 2 * i if fused_gate_up else i, h, **bf16))
+        self.expert_up = None if fused_gate_up else param(torch.empty(e, i, h, **bf16))
+        self.expert_down = param(torch.empty(e, h, i, **bf16))
+        self.shared_gate = param(torch.empty(i, h, **bf16)) if shared_expert else None
+        self.shared_up = param(torch.empty(i, h, **bf16)) if shared_expert else None
+        self.shared_down = param(torch.empty(h, i, **bf16)) if shared_expert else None
+        for p in (self.expert_gate, self.expert_up, self.expert_down):
+            if p is not None:
+                p.allreduce = ep_size == 1  # Megatron's marker: expert-parallel weights are not all-reduced over EP
+        self.reset_parameters()
+        if group is not None and device.type == "cuda":
+            self._broadcast_replicated(group)
+
+        self._workspace = workspace
+        self._context = context
+        if context is not None and (workspace is None or context.workspace is not workspace):
+            raise ValueError("context: must be made by the workspace passed as workspace= (ws.make_context())")
+        self._targets = ops.MainGradTargets(self.weights().tensors()) if self.main_grad else None
+        if workspace is None and num_tokens is not None:
+            self.prepare(num_tokens)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialization for each expert's projections: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+        with torch.no_grad():
+            for name in ("expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up", "shared_down"):
+                p = getattr(self, name)
+                if p is not None:
+                    bound = 1.0 / math.sqrt(p.shape[-1])
+                    p.uniform_(-bound, bound)
+            if self.router is not None:
+                self.router.reset_parameters()
+
+    def _broadcast_replicated(self, group) -> None:
+        """EP > 1: the router and the shared expert are replicated, so every rank starts from the group's rank 0
+        values (the routed experts differ by rank). Their gradients are the rank's tokens' only: all-reduce
+        them over the group (data parallelism) before the optimizer step."""
+        import torch.distributed as dist
+        src = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for p in (self.router.weight if self.router is not None else None, self.shared_gate, self.shared_up,
+                      self.shared_down):
+                if p is not None:
+                    dist.broadcast(p, src=src, group=group)
+
+    def replicated_parameters(self):
+        """The parameters every rank of the EP group holds whole (router, shared expert): with EP > 1 their
+        gradients need an all-reduce over the group; the routed experts' do not (each rank holds its own)."""
+        return [p for p in (self.router.weight if self.router is not None else None, self.shared_gate,
+                            self.shared_up, self.shared_down) if p is not None]
+
+    def weights(self) -> Weights:
+        """The parameters as the functional API's mok.Weights (views of the parameters, no copies)."""
+        return Weights(self.expert_gate, self.expert_up, self.expert_down, self.shared_gate, self.shared_up,
+                       self.shared_down)
+
+    @property
+    def workspace(self) -> Optional[Workspace]:
+        return self._workspace
+
+    def prepare(self, num_tokens: int) -> None:
+        """Makes the workspace (collective with EP > 1) and the forward context for num_tokens tokens per call,
+        if not made yet. Call it before torch.compile or CUDA-graph capture when no forward ran eagerly yet."""
+        if self._workspace is None:
+            self._workspace = get_workspace(self.config, self.group, num_tokens, self.hidden, self.intermediate,
+                                            self.top_k, self.num_experts, shared_expert=self.shared_expert,
+                                            swiglu_limit=self.swiglu_limit, device=self.expert_gate.device)
+        elif self._workspace.shape.num_tokens != num_tokens:
+            raise ValueError(f"x: {num_tokens} tokens, the layer's workspace is for "
+                             f"{self._workspace.shape.num_tokens} tokens per call")
+        if self._context is None:
+            self._context = self._workspace.make_context()
+
+    def allocate_main_grads(self) -> None:
+        """param.main_grad = fp32 zeros for the six expert and shared weights that have none (main_grad=True
+        without Megatron's DDP, which makes them itself)."""
+        for p in self.weights().tensors():
+            if p is not None and getattr(p, "main_grad", None) is None:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+    def route(self, x: torch.Tensor):
+        """(topk_idx int64 [T, k], router_weights fp32 [T, k]) of the router for tokens x [T, H]: the top k of
+        softmax(x W_router^T) computed in fp32, renormalized with normalize_router_weights."""
+        if self.router is None:
+            raise TypeError("mok.MoE(router=False): forward needs topk_idx and router_weights")
+        logits = torch.nn.functional.linear(x.float(), self.router.weight.float())
+        router_weights, topk_idx = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+        if self.normalize_router_weights:
+            router_weights = router_weights / router_weights.sum(dim=-1, keepdim=True)
+        return topk_idx, router_weights.contiguous()
+
+    def forward(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
+                router_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [..., H] bf16 (the tokens of this rank); topk_idx and router_weights [T, k] (T = x.numel() // H) or
+        None for the router's. Returns out with x's shape."""
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"x: expected [..., H] with H = {self.hidden}, got shape {list(x.shape)}")
+        tokens = x.reshape(-1, self.hidden)
+        if (topk_idx is None) != (router_weights is None):
+            raise TypeError("topk_idx, router_weights: pass both (the caller's routing) or neither (the router's)")
+        if topk_idx is None:
+            topk_idx, router_weights = self.route(tokens)
+        if self._workspace is None or self._context is None:
+            if torch.compiler.is_compiling() or _capturing():
+                raise RuntimeError("mok.MoE: the workspace is made at the first forward, which cannot be under "
+                                   "torch.compile or CUDA-graph capture: call module.prepare(num_tokens) (or run "
+                                   "one forward) first")
+            self.prepare(tokens.shape[0])
+        elif tokens.shape[0] != self._workspace.shape.num_tokens:
+            raise ValueError(f"x: {tokens.shape[0]} tokens, the layer's workspace is for "
+                             f"{self._workspace.shape.num_tokens} tokens per call")
+        out = layer_forward(self._workspace, self._context, tokens.contiguous(), topk_idx, router_weights,
+                            self.weights(), self._targets.handle if self._targets is not None else 0,
+                            self.recompute)
+        return out.view(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "
+                f"local_experts={self.local_experts}, top_k={self.top_k}, shared_expert={self.shared_expert}, "
+                f"fused_gate_up={self.fused_gate_up}, router={self.router is not None}, "
+                f"swiglu_limit={self.swiglu_limit}, main_grad={self.main_grad}, recompute={self.recompute}")
