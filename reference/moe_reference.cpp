@@ -461,6 +461,11 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
   std::vector<double> route_hidden(num_slots * inter_size);  // h
   std::vector<double> route_d_gate(num_slots * inter_size);  // dg
   std::vector<double> route_d_up(num_slots * inter_size);    // du
+  // With magnitudes: the error scales of dg and du for the weight gradients' budgets. The GPU reads g and u
+  // rounded to bf16, and silu' changes sign (g ~ -1.28), so dg's error scales with |dh u| (|silu'(g)| +
+  // |g silu''(g)|), not with |dg|; du's with |dh| (|silu(g)| + |g silu'(g)|).
+  std::vector<double> route_d_gate_scale(magnitudes ? num_slots * inter_size : 0);
+  std::vector<double> route_d_up_scale(magnitudes ? num_slots * inter_size : 0);
   std::vector<T> route_d_x(num_slots * hidden_size);         // W_gate^T dg + W_up^T du
 
   // Phase 1: per route, recompute the forward, then d_rw, dh, dg, du and the d_x partial.
@@ -509,6 +514,14 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
       const double s = sigmoid(g_c);
       d_gate[idx] = gate_passes ? rounded<T>(dh * u_c * (s * (1.0 + g_c * (1.0 - s)))) : 0.0;
       d_up[idx] = up_passes ? rounded<T>(dh * (g_c * s)) : 0.0;
+      if (magnitudes) {
+        const double silu_1 = s * (1.0 + g_c * (1.0 - s));                  // silu'(g_c)
+        const double silu_2 = s * (1.0 - s) * (2.0 + g_c * (1.0 - 2.0 * s));  // silu''(g_c)
+        const int64_t slot = RoutePlan::storage_idx(routes[idx / inter_size], shape);
+        const int64_t at = slot * inter_size + idx % inter_size;
+        route_d_gate_scale[at] = std::fabs(dh * u_c) * (std::fabs(silu_1) + std::fabs(g_c * silu_2));
+        route_d_up_scale[at] = std::fabs(dh) * (std::fabs(g_c * s) + std::fabs(g_c * silu_1));
+      }
     }
 
     // d_x partial = W_gate^T dg + W_up^T du (one accumulator: gate rows, then up rows).
@@ -585,7 +598,11 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
         const T* x_row = inputs.x.data() + route.token_idx * hidden_size;
         for (int64_t r = 0; r < num_rows; ++r) {
           add_scaled(acc.data() + r * cols, x_row, d_act[unit.row_begin + r], cols);
-          if (magnitudes) add_scaled_abs(acc_abs.data() + r * cols, x_row, d_act[unit.row_begin + r], cols);
+          if (magnitudes) {
+            const double* scale = (unit.tensor == Tensor::kGate ? route_d_gate_scale : route_d_up_scale).data() +
+                                  slot * inter_size;
+            add_scaled_abs(acc_abs.data() + r * cols, x_row, scale[unit.row_begin + r], cols);
+          }
         }
       }
     }

@@ -92,9 +92,11 @@ struct LayerGrads {
   // d_x's sum (tests size their error budgets by them). [N * (k + 1), H]: routed route (n, j) at n * k + j,
   // the shared expert's of token n at N * k + n; zeros for masked routes and without a shared expert.
   std::vector<T> route_d_x;
-  // Not gradients: sum over the terms of each weight gradient element of |term| (|dy| |h|, |dg| |x|, |du| |x|),
-  // the scale of its rounding error where the terms cancel (tests size their budgets by them). Parameter
-  // shapes like the gradients; filled only when backward() is asked for them, else empty.
+  // Not gradients: the scale of each weight gradient element's rounding error where its terms cancel (tests
+  // size their budgets by them): the sum over its terms of |dy| |h| (down), |x| |dh u_c| (|silu'(g_c)| +
+  // |g_c silu''(g_c)|) (gate: dg's sensitivity to g rounded to bf16, since silu' crosses zero) and
+  // |x| |dh| (|silu(g_c)| + |g_c silu'(g_c)|) (up). Parameter shapes like the gradients; filled only when
+  // backward() is asked for them, else empty.
   std::vector<T> magnitude_shared_gate, magnitude_shared_up, magnitude_shared_down;
   std::vector<T> magnitude_expert_gate, magnitude_expert_up, magnitude_expert_down;
 

@@ -106,6 +106,10 @@ struct MoeOptions {
   FusedOptions fused;
   bool backward = true;      // allocate the backward's buffers (false: an inference-only workspace, whose
                              // backward and recompute_forward_context throw)
+  bool keep_gate_up = true;  // the forward keeps each row's raw g and u (bf16, 2I per row) in the context,
+                             // so the backward needs no gate/up recompute when the context holds every row;
+                             // false: the backward recomputes them from the kept x rows (docs/design.md,
+                             // "Saved and recomputed", has the measured time and memory of both)
 };
 
 // One rank's weights, bf16.
@@ -157,6 +161,9 @@ class ForwardContext {
   const void* expert_rows() const { return expert_rows_; }  // bf16 [ring_rows, H]: x rows in expert-major order
   const void* hidden() const { return hidden_; }            // bf16 [ring_rows, I]: silu(gate) * up of each row
   const void* shared_hidden() const { return shared_hidden_; }  // bf16 [padded T, I]
+  // MoeOptions::keep_gate_up (else null): the raw g (columns [0, I)) and u ([I, 2I)) of each kept row.
+  const void* gate_up() const { return gate_up_; }                 // bf16 [ring_rows, 2I]
+  const void* shared_gate_up() const { return shared_gate_up_; }   // bf16 [padded T, 2I]; null without shared
   // Device memory the context holds (schedule and activations): what one layer keeps for its backward.
   int64_t bytes() const { return bytes_; }
 
@@ -174,6 +181,8 @@ class ForwardContext {
   void* expert_rows_ = nullptr;
   void* hidden_ = nullptr;
   void* shared_hidden_ = nullptr;
+  void* gate_up_ = nullptr;
+  void* shared_gate_up_ = nullptr;
 };
 
 // One rank's arguments of a forward call.
@@ -282,6 +291,9 @@ class MoeWorkspace {
   // Device memory per rank that the backward's buffers take (symmetric d_out, router weights and d_rw,
   // and the per-rank scratch; docs/design.md, "Backward"); 0 without MoeOptions::backward.
   int64_t backward_bytes() const { return backward_bytes_; }
+  // Whether the backward recomputes the routed rows' g, u and h: unless the forward kept g and u
+  // (MoeOptions::keep_gate_up) and the context holds every row (ring = capacity).
+  bool recomputes_gate_up() const { return !options_.keep_gate_up || ring_rows_ < capacity_rows(); }
 
  private:
   struct RankState;

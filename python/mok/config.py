@@ -27,6 +27,8 @@ class Config:
     path             "fused" (one persistent megakernel) or "unfused" (its stage-by-stage twin)
     backward         allocate the backward's buffers (False: an inference-only workspace; backward and
                      recompute_forward_context raise)
+    keep_gate_up     the forward keeps each row's g and u (2 * intermediate bf16 per row) in the context, so the
+                     backward skips their recompute (False: recomputed; same bits, less memory, slower)
     """
 
     comm_ctas: int = 0
@@ -37,6 +39,7 @@ class Config:
     wait_timeout_s: float = 10.0
     path: str = "fused"
     backward: bool = True
+    keep_gate_up: bool = True
 
     def __post_init__(self):
         for name in ("comm_ctas", "minibatch_rows", "macrobatch_rows", "capacity_rows", "tile_m"):
@@ -47,8 +50,9 @@ class Config:
             raise ValueError(f"Config.wait_timeout_s: expected a positive number of seconds, got {self.wait_timeout_s!r}")
         if self.path not in PATHS:
             raise ValueError(f"Config.path: expected one of {sorted(PATHS)}, got {self.path!r}")
-        if not isinstance(self.backward, bool):
-            raise ValueError(f"Config.backward: expected a bool, got {self.backward!r}")
+        for name in ("backward", "keep_gate_up"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Config.{name}: expected a bool, got {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)

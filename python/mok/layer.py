@@ -152,7 +152,8 @@ def get_workspace(config: Config, group, num_local_tokens: int, hidden: int, int
     native = ext.Workspace(device.index, ep_size, rank, nccl_id, shape.num_tokens, shape.hidden, shape.intermediate,
                            shape.top_k, shape.num_experts, shape.shared_expert, shape.swiglu_limit, PATHS[config.path],
                            config.comm_ctas, config.minibatch_rows, config.macrobatch_rows, config.capacity_rows,
-                           config.tile_m, float(config.wait_timeout_s), config.backward)
+                           config.tile_m, float(config.wait_timeout_s), config.backward,
+                           config.keep_gate_up)
     return Workspace(shape, config, device, rank, native)
 
 

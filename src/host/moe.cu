@@ -61,6 +61,7 @@ MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
       {"MoeOptions.fused.minibatch_rows", options.fused.minibatch_rows},
       {"MoeOptions.fused.macrobatch_rows", options.fused.macrobatch_rows},
       {"MoeOptions.fused.timeline_records", options.fused.timeline_records},
+      {"MoeOptions.keep_gate_up", options.keep_gate_up},
       {"MoeOptions.backward", options.backward},
   };
   constexpr size_t kFields = sizeof(fields) / sizeof(fields[0]);
@@ -98,6 +99,8 @@ ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
     expert_rows_ = other.expert_rows_;
     hidden_ = other.hidden_;
     shared_hidden_ = other.shared_hidden_;
+    gate_up_ = other.gate_up_;
+    shared_gate_up_ = other.shared_gate_up_;
     other.allocation_ = nullptr;
     other.rank_ = -1;
   }
@@ -151,7 +154,7 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     DeviceGuard guard(s.device);
     MOK_CHECK_CUDA(cudaDeviceGetAttribute(&s.num_sms, cudaDevAttrMultiProcessorCount, s.device));
     if (options_.path == ForwardPath::kFused) {  // also prepares the kernel on this device
-      const int ctas = detail::fused_grid_ctas(shape_, s.device);
+      const int ctas = detail::fused_grid_ctas(shape_, options_.keep_gate_up, s.device);
       grid_ctas_ = grid_ctas_ == 0 ? ctas : std::min(grid_ctas_, ctas);
       const int cluster_n = detail::fused_cluster_n(shape_.hidden, shape_.intermediate);
       require(fused.comm_ctas % cluster_n == 0 && fused.comm_ctas <= grid_ctas_ - cluster_n,
@@ -204,10 +207,14 @@ ForwardContext MoeWorkspace::make_context(int rank) const {
   const RankState& s = state(rank);
   DeviceGuard guard(s.device);
   const int64_t h = shape_.hidden, i = shape_.intermediate;
+  const bool keep = options_.keep_gate_up;
+  const bool shared_keep = keep && shape_.shared_expert;
   const int64_t bytes = schedule::round_up(schedule_.schedule_elements() * 4, 256) +
                         schedule::round_up(ring_rows_ * h * kBf16Bytes, 256) +
                         schedule::round_up(ring_rows_ * i * kBf16Bytes, 256) +
-                        schedule::round_up(padded_tokens_ * i * kBf16Bytes, 256);
+                        schedule::round_up(padded_tokens_ * i * kBf16Bytes, 256) +
+                        (keep ? schedule::round_up(ring_rows_ * 2 * i * kBf16Bytes, 256) : 0) +
+                        (shared_keep ? schedule::round_up(padded_tokens_ * 2 * i * kBf16Bytes, 256) : 0);
   ForwardContext ctx;
   ctx.owner_ = this;
   ctx.rank_ = rank;
@@ -222,6 +229,8 @@ ForwardContext MoeWorkspace::make_context(int rank) const {
   ctx.expert_rows_ = carve<char>(cursor, ring_rows_ * h * kBf16Bytes);
   ctx.hidden_ = carve<char>(cursor, ring_rows_ * i * kBf16Bytes);
   ctx.shared_hidden_ = carve<char>(cursor, padded_tokens_ * i * kBf16Bytes);
+  if (keep) ctx.gate_up_ = carve<char>(cursor, ring_rows_ * 2 * i * kBf16Bytes);
+  if (shared_keep) ctx.shared_gate_up_ = carve<char>(cursor, padded_tokens_ * 2 * i * kBf16Bytes);
   ctx.schedule_ = schedule_.view(rank, ctx.schedule_buffer_);
   MOK_CHECK_CUDA(cudaDeviceSynchronize());
   return ctx;
@@ -399,6 +408,7 @@ struct MlpGemms {  // the two GEMM launches of an MLP over the rows of a schedul
   const int32_t* expert_row_offsets;
   const int32_t* scheduled_rows;
   void* hidden;
+  void* gate_up;     // optional: the raw g | u of every row (MoeOptions::keep_gate_up)
   void* out;
   int32_t* tickets;  // two: gate/up, down
 };
@@ -421,6 +431,7 @@ void mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& 
   gate_up.tile_m = options.schedule.tile_m;
   gate_up.swiglu_limit = shape.swiglu_limit;
   gate_up.out = m.hidden;
+  gate_up.gate_up_out = m.gate_up;
   gate_up.ticket = m.tickets;
 
   down = gate_up;
@@ -432,6 +443,7 @@ void mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& 
   down.n = shape.hidden;
   down.swiglu_limit = 0;
   down.out = m.out;
+  down.gate_up_out = nullptr;
   down.ticket = m.tickets + 1;
 }
 
@@ -452,6 +464,7 @@ void MoeWorkspace::routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .expert_row_offsets = ctx.schedule_.expert_row_offsets,
             .scheduled_rows = ctx.schedule_.scheduled_rows,
             .hidden = ctx.hidden_,
+            .gate_up = ctx.gate_up_,
             .out = s.y,
             .tickets = s.tickets + detail::kExpertGateUp},
            gate_up, down);
@@ -471,6 +484,7 @@ void MoeWorkspace::shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .expert_row_offsets = s.shared_schedule->row_offsets,
             .scheduled_rows = s.shared_schedule->scheduled_rows,
             .hidden = f.context->shared_hidden_,
+            .gate_up = f.context->shared_gate_up_,
             .out = s.shared_out,
             .tickets = s.tickets + detail::kSharedGateUp},
            gate_up, down);

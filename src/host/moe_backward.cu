@@ -59,6 +59,8 @@ struct MlpBackward {
   const void* gate;           // [E, I, H], or gate and up fused [E, 2I, H] when `up` is null
   const void* up;             // [E, I, H] or null
   const void* down;           // [E, H, I]
+  bool recompute;             // g | u and h are recomputed into gate_up and hidden; else read from there (kept
+                              // by the forward: MoeOptions::keep_gate_up and a context holding every row)
   void* hidden;               // [rows, I]
   void* gate_up;              // [rows, 2I]
   void* d_gate_up;            // [rows, 2I]
@@ -82,19 +84,21 @@ ExpertGemmArgs gemm_over(const GemmRows& rows, const MoeOptions& options, int32_
   return a;
 }
 
-// The recompute and the two dgrads, in stream order.
+// The recompute (unless the forward kept g | u) and the two dgrads, in stream order.
 void issue_dgrads(const MoeShape& shape, const MoeOptions& options, const MlpBackward& m, cudaStream_t stream) {
-  ExpertGemmArgs recompute = gemm_over(m.rows, options, m.tickets + detail::kRecompute);
-  recompute.epilogue = GemmEpilogue::kSwiGLU;
-  recompute.a = m.x;
-  recompute.k = shape.hidden;
-  recompute.b = m.gate;
-  recompute.b_up = m.up;
-  recompute.n = shape.intermediate;
-  recompute.swiglu_limit = shape.swiglu_limit;
-  recompute.out = m.hidden;
-  recompute.gate_up_out = m.gate_up;
-  expert_gemm(recompute, stream);
+  if (m.recompute) {
+    ExpertGemmArgs recompute = gemm_over(m.rows, options, m.tickets + detail::kRecompute);
+    recompute.epilogue = GemmEpilogue::kSwiGLU;
+    recompute.a = m.x;
+    recompute.k = shape.hidden;
+    recompute.b = m.gate;
+    recompute.b_up = m.up;
+    recompute.n = shape.intermediate;
+    recompute.swiglu_limit = shape.swiglu_limit;
+    recompute.out = m.hidden;
+    recompute.gate_up_out = m.gate_up;
+    expert_gemm(recompute, stream);
+  }
 
   ExpertGemmArgs down = gemm_over(m.rows, options, m.tickets + detail::kDownDgrad);
   down.epilogue = GemmEpilogue::kSwiGLUBackward;
@@ -173,13 +177,16 @@ void MoeWorkspace::allocate_backward() {
   d_rw_ = group_.allocate(t * k * kFloatBytes);
   const int n_blocks = gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, shape_.intermediate);
   const bool copies_x = ring_rows_ < cap;  // the context keeps only rows [0, ring)
+  const bool recomputes = recomputes_gate_up();
+  const bool shared_recomputes = !options_.keep_gate_up;
   auto size = [](int64_t bytes) { return schedule::round_up(bytes, 256); };
   int64_t bytes = (copies_x ? size(cap * h * kBf16Bytes) : 0) + 2 * size(cap * h * kBf16Bytes) +
-                  size(cap * kFloatBytes) + size(cap * i * kBf16Bytes) + 2 * size(cap * 2 * i * kBf16Bytes) +
-                  size(cap * n_blocks * kFloatBytes) + size(sizeof(int32_t));
+                  size(cap * kFloatBytes) + size(cap * 2 * i * kBf16Bytes) + size(cap * n_blocks * kFloatBytes) +
+                  size(sizeof(int32_t)) +
+                  (recomputes ? size(cap * i * kBf16Bytes) + size(cap * 2 * i * kBf16Bytes) : 0);
   if (shape_.shared_expert)
-    bytes += 2 * size(pt * 2 * i * kBf16Bytes) + size(pt * i * kBf16Bytes) + size(pt * h * kBf16Bytes) +
-             size(pt * n_blocks * kFloatBytes);
+    bytes += size(pt * 2 * i * kBf16Bytes) + size(pt * h * kBf16Bytes) + size(pt * n_blocks * kFloatBytes) +
+             (shared_recomputes ? size(pt * 2 * i * kBf16Bytes) + size(pt * i * kBf16Bytes) : 0);
   backward_bytes_ = int64_t(d_out_.bytes()) + int64_t(rw_.bytes()) + int64_t(d_rw_.bytes()) + bytes;
   for (int r : group_.local_ranks()) {
     BackwardScratch& w = ranks_[r].backward;
@@ -194,15 +201,19 @@ void MoeWorkspace::allocate_backward() {
     w.d_out_rows = carve<char>(cursor, cap * h * kBf16Bytes);
     w.dy_rows = carve<char>(cursor, cap * h * kBf16Bytes);
     w.row_weight = carve<float>(cursor, cap);
-    w.hidden = carve<char>(cursor, cap * i * kBf16Bytes);
-    w.gate_up = carve<char>(cursor, cap * 2 * i * kBf16Bytes);
+    if (recomputes) {
+      w.hidden = carve<char>(cursor, cap * i * kBf16Bytes);
+      w.gate_up = carve<char>(cursor, cap * 2 * i * kBf16Bytes);
+    }
     w.d_gate_up = carve<char>(cursor, cap * 2 * i * kBf16Bytes);
     w.row_partials = carve<float>(cursor, cap * n_blocks);
     w.kept_rows = carve<int32_t>(cursor, 1);
     if (shape_.shared_expert) {
-      w.shared_gate_up = carve<char>(cursor, pt * 2 * i * kBf16Bytes);
+      if (shared_recomputes) {
+        w.shared_gate_up = carve<char>(cursor, pt * 2 * i * kBf16Bytes);
+        w.shared_hidden = carve<char>(cursor, pt * i * kBf16Bytes);
+      }
       w.shared_d_gate_up = carve<char>(cursor, pt * 2 * i * kBf16Bytes);
-      w.shared_hidden = carve<char>(cursor, pt * i * kBf16Bytes);
       w.shared_dx = carve<char>(cursor, pt * h * kBf16Bytes);
       w.shared_row_partials = carve<float>(cursor, pt * n_blocks);
     }
@@ -288,8 +299,9 @@ void MoeWorkspace::shared_backward(const RankBackward& b) {
                       .gate = weights.shared_gate.data,
                       .up = weights.shared_up.data,
                       .down = weights.shared_down.data,
-                      .hidden = w.shared_hidden,
-                      .gate_up = w.shared_gate_up,
+                      .recompute = !options_.keep_gate_up,
+                      .hidden = options_.keep_gate_up ? b.context->shared_hidden_ : w.shared_hidden,
+                      .gate_up = options_.keep_gate_up ? b.context->shared_gate_up_ : w.shared_gate_up,
                       .d_gate_up = w.shared_d_gate_up,
                       .row_partials = w.shared_row_partials,
                       .d_x = w.shared_dx,
@@ -349,8 +361,9 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
                       .gate = weights.expert_gate.data,
                       .up = weights.expert_up.data,  // null: gate and up fused in expert_gate
                       .down = weights.expert_down.data,
-                      .hidden = w.hidden,
-                      .gate_up = w.gate_up,
+                      .recompute = recomputes_gate_up(),
+                      .hidden = recomputes_gate_up() ? w.hidden : ctx.hidden_,
+                      .gate_up = recomputes_gate_up() ? w.gate_up : ctx.gate_up_,
                       .d_gate_up = w.d_gate_up,
                       .row_partials = w.row_partials,
                       .d_x = w.d_x_rows(),

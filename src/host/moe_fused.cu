@@ -13,22 +13,23 @@
 namespace mok::detail {
 namespace {
 
-// The megakernel's gate/up and down GEMMs: the standalone GEMM's tiles (src/host/gemm_params.h).
-template <int kClusterN>
-using GateUpTraits = SwiGLUTraits<kClusterN>;
+// The megakernel's gate/up and down GEMMs: the standalone GEMM's tiles (src/host/gemm_params.h). kKeepGateUp:
+// the gate/up epilogue also writes the raw g and u into the context (MoeOptions::keep_gate_up).
+template <int kClusterN, bool kKeepGateUp = false>
+using GateUpTraits = ExpertGemmTraits<KMajorMainloop, gemm::SwiGLUEpilogue<kKeepGateUp>, kClusterN>;
 template <int kClusterN>
 using DownTraits = StoreTraits<kClusterN>;
 
-template <int kClusterN>
+template <int kClusterN, bool kKeepGateUp>
 auto kernel_of() {
-  using T = GateUpTraits<kClusterN>;
+  using T = GateUpTraits<kClusterN, kKeepGateUp>;
   using Params = megakernel::ForwardParams<decltype(make_gemm_params<T>(ExpertGemmArgs{}))>;
   return megakernel::forward_kernel<T, DownTraits<kClusterN>, Params>;
 }
 
-template <int kClusterN>
+template <int kClusterN, bool kKeepGateUp>
 cudaLaunchConfig_t launch_config(int grid_ctas, cudaStream_t stream, cudaLaunchAttribute* cluster_attr) {
-  using T = GateUpTraits<kClusterN>;
+  using T = GateUpTraits<kClusterN, kKeepGateUp>;
   cluster_attr->id = cudaLaunchAttributeClusterDimension;
   cluster_attr->val.clusterDim.x = kClusterN;
   cluster_attr->val.clusterDim.y = 1;
@@ -43,10 +44,10 @@ cudaLaunchConfig_t launch_config(int grid_ctas, cudaStream_t stream, cudaLaunchA
   return config;
 }
 
-template <int kClusterN>
+template <int kClusterN, bool kKeepGateUp>
 int grid_ctas(int device) {
   DeviceGuard guard(device);
-  using T = GateUpTraits<kClusterN>;
+  using T = GateUpTraits<kClusterN, kKeepGateUp>;
   int num_sms = 0, max_smem = 0;
   MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
   MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
@@ -54,19 +55,19 @@ int grid_ctas(int device) {
   if (smem_bytes > max_smem)
     throw std::runtime_error("forward megakernel: needs " + std::to_string(smem_bytes) +
                              " bytes of shared memory per CTA, the device allows " + std::to_string(max_smem));
-  auto kernel = kernel_of<kClusterN>();
+  auto kernel = kernel_of<kClusterN, kKeepGateUp>();
   MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   cudaLaunchAttribute cluster_attr;
-  cudaLaunchConfig_t config = launch_config<kClusterN>(num_sms - num_sms % kClusterN, nullptr, &cluster_attr);
+  cudaLaunchConfig_t config = launch_config<kClusterN, kKeepGateUp>(num_sms - num_sms % kClusterN, nullptr, &cluster_attr);
   int max_clusters = 0;
   MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
   if (max_clusters < 2) throw std::runtime_error("forward megakernel: fewer than two clusters fit on the device");
   return max_clusters * kClusterN;
 }
 
-template <int kClusterN>
+template <int kClusterN, bool kKeepGateUp>
 void launch(const FusedForwardArgs& a, cudaStream_t stream) {
-  using T = GateUpTraits<kClusterN>;
+  using T = GateUpTraits<kClusterN, kKeepGateUp>;
   using TDown = DownTraits<kClusterN>;
   using GemmP = decltype(make_gemm_params<T>(ExpertGemmArgs{}));
   namespace forward = megakernel::forward;
@@ -103,8 +104,8 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
   if (a.timeline != nullptr)
     MOK_CHECK_CUDA(cudaMemsetAsync(a.timeline, 0, fused_timeline_words(ctas, a.timeline_capacity) * 8, stream));
   cudaLaunchAttribute cluster_attr;
-  const cudaLaunchConfig_t config = launch_config<kClusterN>(ctas, stream, &cluster_attr);
-  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel_of<kClusterN>(), p));
+  const cudaLaunchConfig_t config = launch_config<kClusterN, kKeepGateUp>(ctas, stream, &cluster_attr);
+  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel_of<kClusterN, kKeepGateUp>(), p));
 }
 
 }  // namespace
@@ -115,8 +116,10 @@ int fused_cluster_n(int hidden, int intermediate) {
   return pairs ? 2 : 1;
 }
 
-int fused_grid_ctas(const MoeShape& shape, int device) {
-  return fused_cluster_n(shape.hidden, shape.intermediate) == 2 ? grid_ctas<2>(device) : grid_ctas<1>(device);
+int fused_grid_ctas(const MoeShape& shape, bool keep_gate_up, int device) {
+  if (fused_cluster_n(shape.hidden, shape.intermediate) == 2)
+    return keep_gate_up ? grid_ctas<2, true>(device) : grid_ctas<2, false>(device);
+  return keep_gate_up ? grid_ctas<1, true>(device) : grid_ctas<1, false>(device);
 }
 
 int64_t fused_counter_words(int64_t capacity_units, int64_t shared_units) {
@@ -128,10 +131,11 @@ int64_t fused_timeline_words(int grid_ctas, int capacity) {
 }
 
 void launch_fused_forward(const FusedForwardArgs& args, cudaStream_t stream) {
+  const bool keep = args.expert_gate_up.gate_up_out != nullptr;  // MoeOptions::keep_gate_up
   if (fused_cluster_n(args.hidden, args.intermediate) == 2)
-    launch<2>(args, stream);
+    keep ? launch<2, true>(args, stream) : launch<2, false>(args, stream);
   else
-    launch<1>(args, stream);
+    keep ? launch<1, true>(args, stream) : launch<1, false>(args, stream);
 }
 
 }  // namespace mok::detail

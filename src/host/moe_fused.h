@@ -45,7 +45,7 @@ struct FusedForwardArgs {
 int fused_cluster_n(int hidden, int intermediate);
 // CTAs of the persistent launch on `device`: as many clusters as fit at once, one CTA per SM. Also sets
 // the kernel's shared-memory attribute on the device: call it for every device before launching there.
-int fused_grid_ctas(const MoeShape& shape, int device);
+int fused_grid_ctas(const MoeShape& shape, bool keep_gate_up, int device);
 int64_t fused_counter_words(int64_t capacity_units, int64_t shared_units);
 int64_t fused_timeline_words(int grid_ctas, int capacity);
 

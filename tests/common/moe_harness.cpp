@@ -676,10 +676,19 @@ std::vector<uint16_t> MoeHarness::context_bits(const ForwardContext& ctx) {
   DeviceGuard guard(group_.device(ctx.rank()));
   const int64_t ring = ctx.ring_rows(), h = shape_.hidden, i = shape_.intermediate;
   const int64_t pt = workspace_->padded_tokens();
-  std::vector<uint16_t> bits(ring * h + ring * i + pt * i);
-  MOK_CHECK_CUDA(cudaMemcpy(bits.data(), ctx.expert_rows(), ring * h * 2, cudaMemcpyDeviceToHost));
-  MOK_CHECK_CUDA(cudaMemcpy(bits.data() + ring * h, ctx.hidden(), ring * i * 2, cudaMemcpyDeviceToHost));
-  MOK_CHECK_CUDA(cudaMemcpy(bits.data() + ring * (h + i), ctx.shared_hidden(), pt * i * 2, cudaMemcpyDeviceToHost));
+  const int64_t kept = ctx.gate_up() != nullptr ? ring * 2 * i : 0;
+  const int64_t shared_kept = ctx.shared_gate_up() != nullptr ? pt * 2 * i : 0;
+  std::vector<uint16_t> bits(ring * h + ring * i + pt * i + kept + shared_kept);
+  uint16_t* at = bits.data();
+  auto copy = [&](const void* src, int64_t count) {
+    MOK_CHECK_CUDA(cudaMemcpy(at, src, count * 2, cudaMemcpyDeviceToHost));
+    at += count;
+  };
+  copy(ctx.expert_rows(), ring * h);
+  copy(ctx.hidden(), ring * i);
+  copy(ctx.shared_hidden(), pt * i);
+  if (kept > 0) copy(ctx.gate_up(), kept);
+  if (shared_kept > 0) copy(ctx.shared_gate_up(), shared_kept);
   return bits;
 }
 

@@ -560,7 +560,8 @@ TEST(MoeBackwardTest, RecomputeGivesTheForwardContextBits) {
       ASSERT_EQ(got.size(), kept[r].size());
       for (size_t n = 0; n < got.size(); ++n)
         ASSERT_EQ(got[n], kept[r][n]) << c.name << ": recomputed context of rank " << r << " differs at bf16 element "
-                                      << n << " (expert rows [ring, H], then hidden [ring, I], then shared hidden)";
+                                      << n << " (expert rows [ring, H], hidden [ring, I], shared hidden, kept g/u "
+                                      << "[ring, 2I], kept shared g/u)";
     }
     for (int r = 0; r < 2; ++r) harness.args(r).context = &fresh[r];
     harness.backward();
@@ -573,7 +574,7 @@ TEST(MoeBackwardTest, RecomputeGivesTheForwardContextBits) {
 
 // The gradients do not depend on which forward path made the context, on the ring (rows beyond it are
 // pulled again), the tile height or the capacity, nor on the run: bitwise.
-TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesAndReruns) {
+TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateUpAndReruns) {
   MOK_REQUIRE_GPUS(1);
   const bool reduced = testing::reduced_sizes();
   const MoeShape shape = moe_shape(4, reduced ? 96 : 300, 8, 64, 512, 256);
@@ -592,7 +593,7 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesAndReruns
     const char* name;
     MoeOptions options;
   };
-  std::vector<Variant> variants(5);
+  std::vector<Variant> variants(7);
   variants[0].name = "unfused forward";
   variants[0].options.path = ForwardPath::kUnfused;
   variants[1].name = "fused forward, ring 128";
@@ -604,6 +605,12 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesAndReruns
   // Below the worst case (10624 rows at T = 300, 4096 at T = 96), enough for this routing.
   variants[4].name = "capacity below the worst case";
   variants[4].options.schedule.capacity_rows = reduced ? 3072 : 5120;
+  // The default keeps g and u from the forward; recomputing them in the backward gives the same bits.
+  variants[5].name = "g/u recomputed (keep_gate_up false), fused forward";
+  variants[5].options.keep_gate_up = false;
+  variants[6].name = "g/u recomputed (keep_gate_up false), unfused forward";
+  variants[6].options.keep_gate_up = false;
+  variants[6].options.path = ForwardPath::kUnfused;
   for (const Variant& v : variants) {
     MoeHarness harness(PeerGroup::virtual_ranks(4), shape, v.options);
     forward_backward(harness, data, d_out);
