@@ -668,19 +668,27 @@ TEST(MoeBackwardTest, CudaGraphReplayOfForwardAndBackward) {
 TEST(MoeBackwardTest, ContextAndBackwardBytes) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = moe_shape(2, 256, 4, 16, 256, 128);
-  MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
-  const MoeWorkspace& ws = harness.workspace();
-  const int64_t h = shape.hidden, i = shape.intermediate, cap = ws.capacity_rows(), pt = ws.padded_tokens();
-  const int64_t context = harness.args(0).context->bytes();
-  EXPECT_GE(context, cap * (h + i) * 2 + pt * i * 2);
-  EXPECT_GE(ws.backward_bytes(), cap * (2 * h + 5 * i) * 2 + pt * h * 2);
+  for (const bool keep : {true, false}) {
+    MoeOptions options;
+    options.keep_gate_up = keep;
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape, options);
+    const MoeWorkspace& ws = harness.workspace();
+    const int64_t h = shape.hidden, i = shape.intermediate, cap = ws.capacity_rows(), pt = ws.padded_tokens();
+    const int64_t context = harness.args(0).context->bytes();
+    // The context: x rows and h of every row and the shared h, plus g | u of both when kept. The backward's
+    // scratch: d_out rows, dy rows, d_g | d_u, the shared d_x, plus the recomputed h and g | u when not kept.
+    EXPECT_GE(context, cap * (h + i + (keep ? 2 * i : 0)) * 2 + pt * (i + (keep ? 2 * i : 0)) * 2);
+    EXPECT_GE(ws.backward_bytes(), cap * (2 * h + 2 * i + (keep ? 0 : 3 * i)) * 2 + pt * h * 2);
+    EXPECT_EQ(ws.recomputes_gate_up(), !keep);
+    std::printf("%s, keep_gate_up %d: context %lld bytes per layer and rank, backward buffers %lld bytes per rank "
+                "(capacity %lld rows)\n",
+                describe(shape).c_str(), keep, static_cast<long long>(context),
+                static_cast<long long>(ws.backward_bytes()), static_cast<long long>(cap));
+  }
   MoeOptions inference;
   inference.backward = false;
   MoeHarness plain(PeerGroup::virtual_ranks(2), shape, inference);
   EXPECT_EQ(plain.workspace().backward_bytes(), 0);
-  std::printf("%s: context %lld bytes per layer and rank, backward buffers %lld bytes per rank (capacity %lld rows)\n",
-              describe(shape).c_str(), static_cast<long long>(context), static_cast<long long>(ws.backward_bytes()),
-              static_cast<long long>(cap));
 }
 
 }  // namespace
