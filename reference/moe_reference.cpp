@@ -606,23 +606,28 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
         }
       }
     }
-    std::vector<T>* dst = nullptr;
-    switch (unit.tensor) {
-      case Tensor::kGate: dst = is_shared ? &grads.d_shared_gate : &grads.d_expert_gate; break;
-      case Tensor::kUp: dst = is_shared ? &grads.d_shared_up : &grads.d_expert_up; break;
-      case Tensor::kDown: dst = is_shared ? &grads.d_shared_down : &grads.d_expert_down; break;
-    }
-    T* dst_rows = dst->data() + group_offset + unit.row_begin * cols;
-    for (int64_t idx = 0; idx < num_rows * cols; ++idx) dst_rows[idx] = static_cast<T>(acc[idx]);
-    if (!magnitudes) return;
-    std::vector<T>* magnitude = nullptr;
-    switch (unit.tensor) {
-      case Tensor::kGate: magnitude = is_shared ? &grads.magnitude_shared_gate : &grads.magnitude_expert_gate; break;
-      case Tensor::kUp: magnitude = is_shared ? &grads.magnitude_shared_up : &grads.magnitude_expert_up; break;
-      case Tensor::kDown: magnitude = is_shared ? &grads.magnitude_shared_down : &grads.magnitude_expert_down; break;
-    }
-    T* magnitude_rows = magnitude->data() + group_offset + unit.row_begin * cols;
-    for (int64_t idx = 0; idx < num_rows * cols; ++idx) magnitude_rows[idx] = static_cast<T>(acc_abs[idx]);
+    // The unit's rows of the gradient (and of its magnitudes) of the unit's tensor, shared or routed.
+    const auto store = [&](bool magnitude, const std::vector<double>& values) {
+      std::vector<T>* dst = nullptr;
+      switch (unit.tensor) {
+        case Tensor::kGate:
+          dst = magnitude ? (is_shared ? &grads.magnitude_shared_gate : &grads.magnitude_expert_gate)
+                          : (is_shared ? &grads.d_shared_gate : &grads.d_expert_gate);
+          break;
+        case Tensor::kUp:
+          dst = magnitude ? (is_shared ? &grads.magnitude_shared_up : &grads.magnitude_expert_up)
+                          : (is_shared ? &grads.d_shared_up : &grads.d_expert_up);
+          break;
+        case Tensor::kDown:
+          dst = magnitude ? (is_shared ? &grads.magnitude_shared_down : &grads.magnitude_expert_down)
+                          : (is_shared ? &grads.d_shared_down : &grads.d_expert_down);
+          break;
+      }
+      T* rows = dst->data() + group_offset + unit.row_begin * cols;
+      for (int64_t idx = 0; idx < num_rows * cols; ++idx) rows[idx] = static_cast<T>(values[idx]);
+    };
+    store(false, acc);
+    if (magnitudes) store(true, acc_abs);
   });
   grads.route_d_x = std::move(route_d_x);
   return grads;
