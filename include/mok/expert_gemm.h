@@ -61,6 +61,7 @@ struct ExpertGemmArgs {
   float* row_partials = nullptr;  // kSwiGLUBackward: fp32 [a_rows, gemm_n_blocks(kSwiGLUBackward, n)]
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);
                                 // 0: choose_cluster_n
+  int32_t first_row = 0;        // rows below it are not computed (their outputs untouched): a multiple of 128
   int32_t* ticket = nullptr;    // one int32 of device memory, zeroed by the call on its stream: the task
                                 // ticket (one per GEMM in flight at a time)
   void* trace = nullptr;        // optional uint64 [tasks, CTAs per cluster, 4], zeroed by the caller: per

@@ -291,8 +291,8 @@ class MoeWorkspace {
   // Device memory per rank that the backward's buffers take (symmetric d_out, router weights and d_rw,
   // and the per-rank scratch; docs/design.md, "Backward"); 0 without MoeOptions::backward.
   int64_t backward_bytes() const { return backward_bytes_; }
-  // Whether the backward recomputes the routed rows' g, u and h: unless the forward kept g and u
-  // (MoeOptions::keep_gate_up) and the context holds every row (ring = capacity).
+  // Whether the backward recomputes routed rows' g, u and h: all rows without MoeOptions::keep_gate_up; with
+  // it, the rows past a fused forward's ring when the ring is below the capacity (the kept ones are copied).
   bool recomputes_gate_up() const { return !options_.keep_gate_up || ring_rows_ < capacity_rows(); }
 
  private:

@@ -127,6 +127,8 @@ void validate(const ExpertGemmArgs& args) {
   require(args.a_rows > 0 && args.a_rows % args.tile_m == 0, "a_rows must be a positive multiple of tile_m");
   require(args.expert_counts != nullptr && args.expert_row_offsets != nullptr && args.scheduled_rows != nullptr,
           "schedule pointers (expert_counts, expert_row_offsets, scheduled_rows) must be set");
+  require(args.first_row >= 0 && args.first_row % 128 == 0 && args.first_row <= args.a_rows,
+          "first_row must be a multiple of 128 in [0, a_rows], got " + std::to_string(args.first_row));
   require(args.ticket != nullptr, "ticket must point to an int32 of device memory");
 }
 

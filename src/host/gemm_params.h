@@ -100,6 +100,7 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
   p.expert_counts = args.expert_counts;
   p.expert_row_offsets = args.expert_row_offsets;
   p.scheduled_rows = args.scheduled_rows;
+  p.first_row = args.first_row;
   p.row_scale = args.row_scale;
   p.swiglu_limit = args.swiglu_limit;
   p.out_cols = out_cols;

@@ -61,6 +61,8 @@ struct MlpBackward {
   const void* down;           // [E, H, I]
   bool recompute;             // g | u and h are recomputed into gate_up and hidden; else read from there (kept
                               // by the forward: MoeOptions::keep_gate_up and a context holding every row)
+  int32_t recompute_from;     // first recomputed row (a multiple of 128): the rows below it were copied from
+                              // the context's kept g | u and h
   void* hidden;               // [rows, I]
   void* gate_up;              // [rows, 2I]
   void* d_gate_up;            // [rows, 2I]
@@ -97,6 +99,7 @@ void issue_dgrads(const MoeShape& shape, const MoeOptions& options, const MlpBac
     recompute.swiglu_limit = shape.swiglu_limit;
     recompute.out = m.hidden;
     recompute.gate_up_out = m.gate_up;
+    recompute.first_row = m.recompute_from;
     expert_gemm(recompute, stream);
   }
 
@@ -300,6 +303,7 @@ void MoeWorkspace::shared_backward(const RankBackward& b) {
                       .up = weights.shared_up.data,
                       .down = weights.shared_down.data,
                       .recompute = !options_.keep_gate_up,
+                      .recompute_from = 0,
                       .hidden = options_.keep_gate_up ? b.context->shared_hidden_ : w.shared_hidden,
                       .gate_up = options_.keep_gate_up ? b.context->shared_gate_up_ : w.shared_gate_up,
                       .d_gate_up = w.shared_d_gate_up,
@@ -347,6 +351,17 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
                                    kernels::GradRowTraits::kThreads, 0, b.stream>>>(pull);
   MOK_CHECK_CUDA(cudaGetLastError());
 
+  // A fused forward's small ring kept g | u and h of rows [0, ring): copied into the scratch, only the rows
+  // past the ring are recomputed (the same bits: row r of a GEMM depends on row r alone).
+  int32_t kept_from_context = 0;
+  if (recomputes_gate_up() && options_.keep_gate_up) {
+    const int64_t i = shape_.intermediate;
+    MOK_CHECK_CUDA(cudaMemcpyAsync(w.gate_up, ctx.gate_up_, ring_rows_ * 2 * i * kBf16Bytes, cudaMemcpyDeviceToDevice,
+                                   b.stream));
+    MOK_CHECK_CUDA(
+        cudaMemcpyAsync(w.hidden, ctx.hidden_, ring_rows_ * i * kBf16Bytes, cudaMemcpyDeviceToDevice, b.stream));
+    kept_from_context = static_cast<int32_t>(ring_rows_);
+  }
   const MoeWeights& weights = *b.weights;
   const MoeWeightGrads& grads = *b.weight_grads;
   const MlpBackward m{.rows = {.local_experts = shape_.local_experts(),
@@ -362,6 +377,7 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
                       .up = weights.expert_up.data,  // null: gate and up fused in expert_gate
                       .down = weights.expert_down.data,
                       .recompute = recomputes_gate_up(),
+                      .recompute_from = kept_from_context,
                       .hidden = recomputes_gate_up() ? w.hidden : ctx.hidden_,
                       .gate_up = recomputes_gate_up() ? w.gate_up : ctx.gate_up_,
                       .d_gate_up = w.d_gate_up,

@@ -154,7 +154,7 @@ double cpu_dot_mn(const std::vector<uint16_t>& a, int64_t row, const std::vector
 
 double sigmoid(double x) { return x >= 0 ? 1 / (1 + std::exp(-x)) : std::exp(x) / (1 + std::exp(x)); }
 
-TEST(ExpertGemmTest, StoreIsBitwiseExactForEdgeRowCounts) {
+TEST(ExpertGemmTest, StoreIsBitwiseExactForEdgeRowCountsAndFirstRow) {
   MOK_REQUIRE_GPUS(1);
   const std::vector<int32_t> expert_counts = {0, 1, 63, 129, 3000, 0, 128, 7};
   const int k = 512, n = 512;
@@ -181,6 +181,22 @@ TEST(ExpertGemmTest, StoreIsBitwiseExactForEdgeRowCounts) {
     expert_gemm(args, nullptr);
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
     ASSERT_EQ(d_out.download(), out) << "cluster_n 2 differs from cluster_n 1, seed " << seed;
+    // first_row (the backward's recompute of the rows past a kept ring): rows below it stay untouched, the
+    // others get the full run's bits, also where first_row cuts a segment (expert 4's 3000 rows).
+    for (const int32_t first_row : {128, 1024, 3072}) {
+      d_out.upload(std::vector<uint16_t>(d_out.count, kPoison));
+      ExpertGemmArgs from = args;
+      from.first_row = first_row;
+      expert_gemm(from, nullptr);
+      MOK_CHECK_CUDA(cudaDeviceSynchronize());
+      const auto part = d_out.download();
+      for (int64_t idx = 0; idx < int64_t(part.size()); ++idx) {
+        const uint16_t want = idx / n < first_row ? kPoison : out[idx];
+        ASSERT_EQ(part[idx], want) << "first_row " << first_row << ": row " << idx / n << ", column " << idx % n
+                                   << (idx / n < first_row ? " written below first_row" : " differs from the full run")
+                                   << ", seed " << seed;
+      }
+    }
     for (int64_t row = 0; row < fx.seg.rows; ++row) {
       if (!fx.seg.is_real(row)) continue;
       const int e = fx.seg.expert_of(row);

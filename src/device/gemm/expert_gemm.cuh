@@ -191,6 +191,7 @@ struct GemmParams {
   const int32_t* expert_counts = {};
   const int32_t* expert_row_offsets = {};
   const int32_t* scheduled_rows = {};
+  int32_t first_row = {};  // rows below it get no tasks (a multiple of 128: the tiles stay aligned)
   const float* row_scale = {};  // nullable
   float swiglu_limit = {};      // 0: plain SwiGLU
   int64_t out_cols = {};
@@ -213,6 +214,7 @@ struct TaskWalker {
   int32_t expert = -1;
   int32_t segment_begin = 0;  // row_offsets[expert]
   int32_t segment_end = 0;    // row_offsets[expert + 1]
+  int32_t tiles_begin = 0;    // max(segment_begin, first_row): where the expert's tiles start
   int32_t m_tiles = 0;        // m-tiles of the expert
   int32_t slot_begin = 0;     // the expert's first slot
   int32_t slot_end = 0;       // one past its last
@@ -230,14 +232,15 @@ struct TaskWalker {
       }
       segment_begin = segment_end;
       segment_end = min(p.expert_row_offsets[expert + 1], scheduled_rows);
-      m_tiles = (segment_end - segment_begin + Traits::kBlockM - 1) / Traits::kBlockM;
+      tiles_begin = max(segment_begin, p.first_row);
+      m_tiles = tiles_begin < segment_end ? (segment_end - tiles_begin + Traits::kBlockM - 1) / Traits::kBlockM : 0;
       slot_begin = slot_end;
       slot_end += m_tiles * num_groups;
     }
     const int32_t local = slot - slot_begin;
     t.expert = expert;
     t.n_block = local / m_tiles;
-    t.row = segment_begin + (local % m_tiles) * Traits::kBlockM;
+    t.row = tiles_begin + (local % m_tiles) * Traits::kBlockM;
     t.buffer_row = t.row;
     t.rows = min(segment_end - t.row, Traits::kBlockM);
     return true;
