@@ -106,6 +106,12 @@ struct MoeOptions {
   FusedOptions fused;
   bool backward = true;      // allocate the backward's buffers (false: an inference-only workspace, whose
                              // backward and recompute_forward_context throw)
+  // Device bytes one layer's ForwardContext may hold on a rank (fused path, macrobatch_rows 0): the ring is
+  // the largest multiple of 128 rows, at most the capacity, whose context fits (the backward recomputes the
+  // rows past it; at EP > 1 the worst-case capacity is EP * T * k rows, which balanced routing never fills).
+  // 0: no budget (the ring is the capacity). Too small for 128 rows: std::invalid_argument naming it. The
+  // unfused path keeps every row and ignores it.
+  int64_t context_budget_bytes = int64_t{4} << 30;
   bool keep_gate_up = true;  // the forward keeps each row's raw g and u (bf16, 2I per row) in the context,
                              // so the backward needs no gate/up recompute when the context holds every row;
                              // false: the backward recomputes them from the kept x rows (docs/design.md,

@@ -29,6 +29,9 @@ class Config:
                      recompute_forward_context raise)
     keep_gate_up     the forward keeps each row's g and u (2 * intermediate bf16 per row) in the context, so the
                      backward skips their recompute (False: recomputed; same bits, less memory, slower)
+    context_budget_bytes  fused path with macrobatch_rows 0: device bytes one layer's context may hold; the
+                     ring is the largest multiple of 128 rows that fits, the backward recomputes the rest
+                     (0: no budget)
     """
 
     comm_ctas: int = 0
@@ -40,9 +43,10 @@ class Config:
     path: str = "fused"
     backward: bool = True
     keep_gate_up: bool = True
+    context_budget_bytes: int = 4 << 30
 
     def __post_init__(self):
-        for name in ("comm_ctas", "minibatch_rows", "macrobatch_rows", "capacity_rows", "tile_m"):
+        for name in ("comm_ctas", "minibatch_rows", "macrobatch_rows", "capacity_rows", "tile_m", "context_budget_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Config.{name}: expected a non-negative int, got {value!r}")

@@ -315,7 +315,7 @@ NB_MODULE(_mok, m) {
           [](Workspace* self, int device, int ep_size, int rank, std::optional<nb::bytes> nccl_id, int num_tokens,
              int hidden, int intermediate, int top_k, int num_experts, bool shared_expert, float swiglu_limit,
              int path, int comm_ctas, int minibatch_rows, int64_t macrobatch_rows, int64_t capacity_rows, int tile_m,
-             double wait_timeout_s, bool backward, bool keep_gate_up) {
+             double wait_timeout_s, bool backward, bool keep_gate_up, int64_t context_budget_bytes) {
             mok::MoeShape shape;
             shape.ep_size = ep_size;
             shape.num_tokens = num_tokens;
@@ -336,13 +336,15 @@ NB_MODULE(_mok, m) {
             options.fused.macrobatch_rows = macrobatch_rows;
             options.backward = backward;
             options.keep_gate_up = keep_gate_up;
+            options.context_budget_bytes = context_budget_bytes;
             new (self) Workspace(device, ep_size, rank, std::move(nccl_id), shape, options);
           },
           nb::arg("device"), nb::arg("ep_size"), nb::arg("rank"), nb::arg("nccl_id").none(), nb::arg("num_tokens"),
           nb::arg("hidden"), nb::arg("intermediate"), nb::arg("top_k"), nb::arg("num_experts"),
           nb::arg("shared_expert"), nb::arg("swiglu_limit"), nb::arg("path"), nb::arg("comm_ctas"),
           nb::arg("minibatch_rows"), nb::arg("macrobatch_rows"), nb::arg("capacity_rows"), nb::arg("tile_m"),
-          nb::arg("wait_timeout_s"), nb::arg("backward") = true, nb::arg("keep_gate_up") = true)
+          nb::arg("wait_timeout_s"), nb::arg("backward") = true, nb::arg("keep_gate_up") = true,
+          nb::arg("context_budget_bytes") = mok::MoeOptions{}.context_budget_bytes)
       .def("make_context", &Workspace::make_context, nb::keep_alive<0, 1>())
       .def("build_schedule", &Workspace::build_schedule, nb::arg("topk_idx"), nb::arg("context"), nb::arg("stream"))
       .def("forward", &Workspace::forward, nb::arg("x"), nb::arg("topk_idx"), nb::arg("router_weights"),

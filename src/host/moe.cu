@@ -62,6 +62,7 @@ MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
       {"MoeOptions.fused.macrobatch_rows", options.fused.macrobatch_rows},
       {"MoeOptions.fused.timeline_records", options.fused.timeline_records},
       {"MoeOptions.keep_gate_up", options.keep_gate_up},
+      {"MoeOptions.context_budget_bytes", options.context_budget_bytes},
       {"MoeOptions.backward", options.backward},
   };
   constexpr size_t kFields = sizeof(fields) / sizeof(fields[0]);
@@ -138,7 +139,8 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
               std::to_string(fused.minibatch_rows));
   require(fused.comm_ctas >= 0, "MoeOptions.fused.comm_ctas must be >= 0 (0: the producer warps copy)");
   require(fused.timeline_records >= 0, "MoeOptions.fused.timeline_records must be >= 0");
-  ring_rows_ = fused.macrobatch_rows > 0 ? std::min<int64_t>(fused.macrobatch_rows, capacity_rows()) : capacity_rows();
+  ring_rows_ = detail::choose_ring_rows(shape_, options_, capacity_rows(), schedule_.schedule_elements(),
+                                        padded_tokens_);
   require(options_.path == ForwardPath::kFused || ring_rows_ == capacity_rows(),
           "MoeOptions.fused.macrobatch_rows below the capacity needs ForwardPath::kFused (the unfused path holds "
           "every row at once)");
@@ -209,12 +211,8 @@ ForwardContext MoeWorkspace::make_context(int rank) const {
   const int64_t h = shape_.hidden, i = shape_.intermediate;
   const bool keep = options_.keep_gate_up;
   const bool shared_keep = keep && shape_.shared_expert;
-  const int64_t bytes = schedule::round_up(schedule_.schedule_elements() * 4, 256) +
-                        schedule::round_up(ring_rows_ * h * kBf16Bytes, 256) +
-                        schedule::round_up(ring_rows_ * i * kBf16Bytes, 256) +
-                        schedule::round_up(padded_tokens_ * i * kBf16Bytes, 256) +
-                        (keep ? schedule::round_up(ring_rows_ * 2 * i * kBf16Bytes, 256) : 0) +
-                        (shared_keep ? schedule::round_up(padded_tokens_ * 2 * i * kBf16Bytes, 256) : 0);
+  const int64_t bytes =
+      detail::context_bytes(shape_, keep, schedule_.schedule_elements(), ring_rows_, padded_tokens_);
   ForwardContext ctx;
   ctx.owner_ = this;
   ctx.rank_ = rank;
@@ -231,6 +229,8 @@ ForwardContext MoeWorkspace::make_context(int rank) const {
   ctx.shared_hidden_ = carve<char>(cursor, padded_tokens_ * i * kBf16Bytes);
   if (keep) ctx.gate_up_ = carve<char>(cursor, ring_rows_ * 2 * i * kBf16Bytes);
   if (shared_keep) ctx.shared_gate_up_ = carve<char>(cursor, padded_tokens_ * 2 * i * kBf16Bytes);
+  if (cursor - static_cast<char*>(ctx.allocation_) != bytes)
+    throw std::logic_error("MoeWorkspace: context layout and detail::context_bytes disagree");
   ctx.schedule_ = schedule_.view(rank, ctx.schedule_buffer_);
   MOK_CHECK_CUDA(cudaDeviceSynchronize());
   return ctx;

@@ -1,5 +1,6 @@
 // Host-side argument types and validation of the MoE layer (include/mok/moe.h): every error names the
 // argument and says what was expected and what was given.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -186,6 +187,38 @@ void check_layer_inputs(const RankForward& f, const MoeShape& s, int device) {
   check_tensor(f.out, "out", DType::kBFloat16, {t, h}, device, 16);
   require(f.weights != nullptr, "weights: must not be null");
   check_weights(*f.weights, s, device);
+}
+
+}  // namespace detail
+namespace detail {
+
+int64_t context_bytes(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
+                      int64_t padded_tokens) {
+  constexpr int64_t kBf16Bytes = 2;
+  const auto buffer = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  const int64_t h = s.hidden, i = s.intermediate;
+  const bool shared_keep = keep_gate_up && s.shared_expert;
+  return buffer(schedule_elements * 4) + buffer(ring_rows * h * kBf16Bytes) + buffer(ring_rows * i * kBf16Bytes) +
+         buffer(padded_tokens * i * kBf16Bytes) + (keep_gate_up ? buffer(ring_rows * 2 * i * kBf16Bytes) : 0) +
+         (shared_keep ? buffer(padded_tokens * 2 * i * kBf16Bytes) : 0);
+}
+
+int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t capacity_rows,
+                         int64_t schedule_elements, int64_t padded_tokens) {
+  const int64_t budget = options.context_budget_bytes;
+  require(budget >= 0, "MoeOptions.context_budget_bytes must be >= 0 (0: no budget), got " + std::to_string(budget));
+  if (options.fused.macrobatch_rows > 0) return std::min<int64_t>(options.fused.macrobatch_rows, capacity_rows);
+  if (options.path != ForwardPath::kFused || budget == 0) return capacity_rows;
+  const auto bytes = [&](int64_t rows) {
+    return context_bytes(s, options.keep_gate_up, schedule_elements, rows, padded_tokens);
+  };
+  if (bytes(capacity_rows) <= budget) return capacity_rows;
+  const int64_t per_row = (int64_t(s.hidden) + s.intermediate + (options.keep_gate_up ? 2 * s.intermediate : 0)) * 2;
+  int64_t ring = std::min<int64_t>((budget - bytes(0)) / per_row / 128 * 128, capacity_rows / 128 * 128);
+  while (ring > 0 && bytes(ring) > budget) ring -= 128;  // the 256-byte rounding of each buffer
+  require(ring >= 128, "MoeOptions.context_budget_bytes " + std::to_string(budget) + " leaves no 128-row ring: one " +
+                           "needs " + std::to_string(bytes(128)) + " bytes for this shape");
+  return ring;
 }
 
 }  // namespace detail

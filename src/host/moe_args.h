@@ -17,4 +17,15 @@ void check_recompute_inputs(const RankForward& f, const MoeShape& s, int device)
 // separate gate and up gradients both or neither, of one dtype and mode).
 void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device);
 
+// Device bytes of one ForwardContext (what MoeWorkspace::make_context allocates): the schedule, the kept x
+// rows, h (and g | u with keep_gate_up) of `ring_rows` rows and the shared expert's h (and g | u) of
+// `padded_tokens` rows, each buffer rounded up to 256 bytes.
+int64_t context_bytes(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
+                      int64_t padded_tokens);
+// The workspace's ring: MoeOptions::fused.macrobatch_rows when set, else the capacity, limited on the fused
+// path by MoeOptions::context_budget_bytes (the largest multiple of 128 rows that fits). Throws
+// std::invalid_argument naming the option when the budget leaves no 128 rows.
+int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t capacity_rows,
+                         int64_t schedule_elements, int64_t padded_tokens);
+
 }  // namespace mok::detail
