@@ -36,6 +36,13 @@ struct ScheduleOptions {
 // Rows needed when every route of every rank lands on one rank, plus the worst padding: never overflows.
 int64_t worst_case_capacity_rows(const RoutingShape& shape, int tile_m);
 
+// A capacity sized by the expected load instead of the worst case: the rows a rank receives when the routing
+// is balanced (T * k: each of the EP ranks sends T * k routes, spread over all of them) times load_factor
+// (>= 1: headroom for imbalance), plus the worst padding, rounded up to tile_m and capped at the worst case.
+// For ScheduleOptions::capacity_rows; a step whose routing needs more rows reports kStatusCapacityOverflow in
+// the status word (its outputs are then unspecified). Throws std::invalid_argument for load_factor < 1.
+int64_t expected_load_capacity_rows(const RoutingShape& shape, int tile_m, double load_factor);
+
 // Capacity actually used by a schedule for these options.
 int64_t resolved_capacity_rows(const RoutingShape& shape, const ScheduleOptions& options);
 

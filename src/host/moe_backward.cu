@@ -6,8 +6,9 @@
 // Phases over the ranks of a call (every rank's kernels of one phase before any rank's next one, the order
 // virtual ranks need; sync in docs/sync_protocol.md, "Backward"):
 //   publish   x, d_out, router weights -> symmetric buffers; barrier arrive; the shared expert's backward
-//   experts   barrier wait; pull rows; g/u recompute; down dgrad (+ SwiGLU backward, d_rw partials); gate/up
-//             dgrad; push d_x_route rows and d_rw; barrier arrive; the routed weight gradients
+//   experts   barrier wait; pull rows; g/u recompute (rows the context does not keep); down dgrad (+ SwiGLU
+//             backward, d_rw partials); gate/up dgrad; push d_x_route rows and d_rw; barrier arrive; the
+//             routed weight gradients
 //   epilogue  barrier wait; d_x = shared dx + sum_j d_x_route_j; d_router_weights
 #include "mok/moe.h"
 

@@ -1,6 +1,8 @@
 // Validation and sizing of the routing problem (include/mok/routing.h).
 #include "mok/routing.h"
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -36,6 +38,13 @@ void ScheduleOptions::validate(const RoutingShape& shape) const {
 
 int64_t worst_case_capacity_rows(const RoutingShape& shape, int tile_m) {
   return schedule::round_up(shape.total_routes() + int64_t(shape.local_experts()) * (tile_m - 1), tile_m);
+}
+
+int64_t expected_load_capacity_rows(const RoutingShape& shape, int tile_m, double load_factor) {
+  require(load_factor >= 1, "expected_load_capacity_rows: load_factor must be >= 1, got " + std::to_string(load_factor));
+  const double balanced = double(shape.num_tokens) * shape.top_k * load_factor;
+  const int64_t rows = static_cast<int64_t>(std::ceil(balanced)) + int64_t(shape.local_experts()) * (tile_m - 1);
+  return std::min(schedule::round_up(rows, tile_m), worst_case_capacity_rows(shape, tile_m));
 }
 
 int64_t resolved_capacity_rows(const RoutingShape& shape, const ScheduleOptions& options) {

@@ -185,6 +185,33 @@ TEST(ScheduleCpuTest, CapacityOverflowPlacesNothingAndReports) {
   expect_twin_matches_oracle(shape, 128, ids, 11, needed - 1);
 }
 
+// A capacity from the expected load (expected_load_capacity_rows): balanced routings at EP = 8 fit in
+// 1.25x the balanced rows; all of every rank's routes to one rank's experts overflow, and the status says
+// how many rows were needed; the capacity never exceeds the worst case and rejects factors below 1.
+TEST(ScheduleCpuTest, ExpectedLoadCapacityFitsBalancedRoutingAndReportsSkew) {
+  RoutingShape shape{8, 2048, 8, 64};
+  const int tile_m = 64;
+  const int64_t capacity = expected_load_capacity_rows(shape, tile_m, 1.25);
+  const int64_t worst = worst_case_capacity_rows(shape, tile_m);
+  EXPECT_EQ(capacity % tile_m, 0);
+  EXPECT_GE(capacity, int64_t(1.25 * shape.num_tokens * shape.top_k));
+  EXPECT_LT(capacity, worst / 4);
+  EXPECT_EQ(expected_load_capacity_rows(shape, tile_m, 100.0), worst);
+  EXPECT_THROW(expected_load_capacity_rows(shape, tile_m, 0.5), std::invalid_argument);
+  ScheduleOptions options;
+  options.capacity_rows = capacity;
+  const auto ids = balanced_ids(shape, 0.0, 21);
+  for (int rank = 0; rank < shape.ep_size; ++rank)
+    EXPECT_TRUE(build_schedule_host(shape, options, rank, ids).status.ok()) << describe(shape, tile_m, 21, rank);
+  std::vector<int32_t> skewed(shape.total_routes());
+  for (int64_t g = 0; g < shape.total_routes(); ++g) skewed[g] = int32_t(g % shape.top_k);  // rank 0's experts
+  const HostSchedule over = build_schedule_host(shape, options, 0, skewed);
+  EXPECT_EQ(over.status.raw.error_bits, kStatusCapacityOverflow);
+  EXPECT_EQ(over.status.raw.rows_capacity, capacity);
+  EXPECT_GT(over.status.raw.rows_needed, capacity);
+  EXPECT_EQ(over.scheduled_rows, 0);
+}
+
 // StatusReport::describe: every error on its own line, in the text format the tests and logs rely on.
 TEST(ScheduleCpuTest, StatusDescribesEveryError) {
   StatusReport report;
