@@ -17,8 +17,8 @@ void require(bool condition, const std::string& message) {
   if (!condition) throw std::invalid_argument("expert_gemm: " + message);
 }
 
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-using detail::aligned16;
 using detail::ExpertGemmTraits;
 using detail::KMajorMainloop;
 using detail::MNMajorMainloop;
@@ -43,8 +43,15 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   p.trace = static_cast<uint64_t*>(args.trace);
   MOK_CHECK_CUDA(cudaMemsetAsync(args.ticket, 0, sizeof(int32_t), stream));
 
+  int device = 0, num_sms = 0, max_smem = 0;
+  MOK_CHECK_CUDA(cudaGetDevice(&device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (T::kSharedBytes > max_smem)
+    throw std::runtime_error("expert_gemm: tile config needs " + std::to_string(T::kSharedBytes) +
+                             " bytes of shared memory, device allows " + std::to_string(max_smem));
   auto kernel = gemm::expert_gemm_kernel<T, decltype(p)>;
-  const int num_sms = detail::prepare_persistent_kernel(kernel, T::kSharedBytes, "expert_gemm");
+  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSharedBytes));
   cudaLaunchAttribute cluster_attr;
   cluster_attr.id = cudaLaunchAttributeClusterDimension;
   cluster_attr.val.clusterDim.x = T::kClusterN;

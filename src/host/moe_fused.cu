@@ -48,9 +48,15 @@ template <int kClusterN, bool kKeepGateUp>
 int grid_ctas(int device) {
   DeviceGuard guard(device);
   using T = GateUpTraits<kClusterN, kKeepGateUp>;
+  int num_sms = 0, max_smem = 0;
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int smem_bytes = static_cast<int>(sizeof(megakernel::ForwardSharedStorage<T>));
+  if (smem_bytes > max_smem)
+    throw std::runtime_error("forward megakernel: needs " + std::to_string(smem_bytes) +
+                             " bytes of shared memory per CTA, the device allows " + std::to_string(max_smem));
   auto kernel = kernel_of<kClusterN, kKeepGateUp>();
-  const int num_sms = prepare_persistent_kernel(kernel, static_cast<int>(sizeof(megakernel::ForwardSharedStorage<T>)),
-                                                "forward megakernel");
+  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   cudaLaunchAttribute cluster_attr;
   cudaLaunchConfig_t config = launch_config<kClusterN, kKeepGateUp>(num_sms - num_sms % kClusterN, nullptr, &cluster_attr);
   int max_clusters = 0;

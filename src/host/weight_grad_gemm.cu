@@ -18,7 +18,7 @@ void require(bool condition, const std::string& message) {
   if (!condition) throw std::invalid_argument("weight_grad_gemm: " + message);
 }
 
-using detail::aligned16;
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 template <class Traits>
 void launch(const WeightGradArgs& args, cudaStream_t stream) {
@@ -27,8 +27,15 @@ void launch(const WeightGradArgs& args, cudaStream_t stream) {
   p.ticket = args.ticket;
   MOK_CHECK_CUDA(cudaMemsetAsync(args.ticket, 0, sizeof(int32_t), stream));
 
+  int device = 0, num_sms = 0, max_smem = 0;
+  MOK_CHECK_CUDA(cudaGetDevice(&device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (T::kSharedBytes > max_smem)
+    throw std::runtime_error("weight_grad_gemm: tile config needs " + std::to_string(T::kSharedBytes) +
+                             " bytes of shared memory, device allows " + std::to_string(max_smem));
   auto kernel = gemm::weight_grad_gemm_kernel<T, decltype(p)>;
-  const int num_sms = detail::prepare_persistent_kernel(kernel, T::kSharedBytes, "weight_grad_gemm");
+  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSharedBytes));
   cudaLaunchConfig_t config{};
   // Persistent: one CTA per SM (the shared memory allows no second one), no more CTAs than tasks.
   config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(num_sms, p.num_tasks)));

@@ -366,17 +366,10 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
   return true;
 }
 
-// How the accumulators start: the first wgmma overwrites them (K > 0 always: the expert GEMMs), or they are
-// cleared and every wgmma adds (K may be 0: the weight-gradient GEMM's expert without rows gets a zero tile;
-// overwriting plus a zero fill on that path made ptxas spill there).
-enum class AccumulatorStart { kFirstWgmmaOverwrites, kCleared };
-
 // The mainloop of an active warpgroup: accum = its rows of A · B over K, one wgmma batch (one stage) in
-// flight; a stage is released once the batch after it issued and the batch that read it retired. Used by
-// the expert GEMM and the weight-gradient GEMM (weight_grad_gemm.cuh), whose traits name the same members.
+// flight; a stage is released once the batch after it issued and the batch that read it retired.
 // (The FP8 seam of the mainloop policy: per-k-block promotion with scales would go here.)
-template <class Traits, AccumulatorStart kStart = AccumulatorStart::kFirstWgmmaOverwrites, class ThreadMma,
-          class Accum>
+template <class Traits, class ThreadMma, class Accum>
 __device__ __forceinline__ void mainloop(int num_k_blocks, typename Traits::SharedStorage& smem,
                                          typename Traits::Pipeline& pipeline,
                                          typename Traits::PipelineState& read_state, typename Traits::TiledMma& mma,
@@ -390,12 +383,7 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, typename Traits::Shar
   Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
   Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
   typename T::PipelineState release_state = read_state;
-  if constexpr (kStart == AccumulatorStart::kCleared) {
-    clear(accum);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  } else {
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-  }
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     consumer_wait_bounded(pipeline, read_state, bound);
     const int stage = read_state.index();
@@ -404,7 +392,7 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, typename Traits::Shar
     CUTE_UNROLL
     for (int k = 0; k < size<2>(t_r_a); ++k) {
       cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
-      if constexpr (kStart == AccumulatorStart::kFirstWgmmaOverwrites) mma.accumulate_ = GMMA::ScaleOut::One;
+      mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
     warpgroup_wait<1>();

@@ -322,7 +322,13 @@ __device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTil
   using namespace cute;
   using T = Traits;
   typename T::TiledMma mma;
+  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
+  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
   auto thread_mma = mma.get_thread_slice(consumer_idx);
+  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
+  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
+  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
+  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
   Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
 
   const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
@@ -339,11 +345,36 @@ __device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTil
     return;
   }
 
-  // The expert GEMM's mainloop (expert_gemm.cuh), accumulators cleared first: an expert without rows gets a
-  // zero tile.
-  mainloop<T, AccumulatorStart::kCleared>(k_blocks, smem, pipeline, read_state, mma, thread_mma, accum, bound);
-  if constexpr (T::kOutput == GradOutput::kAccumulateFloat32) {
-    if (k_blocks == 0) return;  // no rows: adds nothing, out stays as it is
+  // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
+  // and the batch that read it retired. The accumulators start at zero and every wgmma adds to them: an
+  // expert without rows gets a zero tile (the alternative, the first wgmma overwriting and a zero fill on
+  // the no-rows path, made ptxas spill the 168 registers the kernel has at launch).
+  typename T::PipelineState release_state = read_state;
+  clear(accum);
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  for (int k_block = 0; k_block < k_blocks; ++k_block) {
+    consumer_wait_bounded(pipeline, read_state, bound);
+    const int stage = read_state.index();
+    warpgroup_fence_operand(accum);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(t_r_a); ++k) cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(accum);
+    if (k_block > 0) {
+      pipeline.consumer_release(release_state);
+      ++release_state;
+    }
+    ++read_state;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accum);
+  if (k_blocks > 0) {
+    pipeline.consumer_release(release_state);
+    ++release_state;
+  } else if constexpr (T::kOutput == GradOutput::kAccumulateFloat32) {
+    return;  // no rows: adds nothing, out stays as it is
   }
 
   // Epilogue. Why the wait: the previous tile's stores read the boxes we overwrite now; the barrier tells
