@@ -850,6 +850,11 @@ TEST(ExpertGemmTest, ValidationNamesTheArgument) {
   args.a_rows = 128;
   EXPECT_NE(message().find("schedule pointers"), std::string::npos);
   args.expert_counts = args.expert_row_offsets = args.scheduled_rows = reinterpret_cast<const int32_t*>(buffer);
+  for (const int32_t first_row : {-128, 64, 256}) {  // negative, not a multiple of 128, past a_rows
+    args.first_row = first_row;
+    EXPECT_NE(message().find("first_row must be"), std::string::npos) << "first_row " << first_row;
+  }
+  args.first_row = 128;
   EXPECT_NE(message().find("ticket must"), std::string::npos);
   args.b = buffer + 1;
   EXPECT_NE(message().find("b must be"), std::string::npos);
