@@ -84,12 +84,14 @@ struct MoeWorkspace::BackwardScratch {
                                 // with the d_x_route rows (the down dgrad, their last reader, is done)
   void* dy_rows = nullptr;      // bf16 [capacity, H]: bf16(rw * d_out), the down weight gradient's A
   float* row_weight = nullptr;  // fp32 [capacity]: each row's router weight (0 for padding)
-  void* hidden = nullptr;       // bf16 [capacity, I]: recomputed h (the forward's bits)
-  void* gate_up = nullptr;      // bf16 [capacity, 2I]: recomputed g | u
+  void* hidden = nullptr;       // bf16 [capacity, I]: recomputed h (the forward's bits); null when the backward
+                                // reads the context's (MoeWorkspace::recomputes_gate_up)
+  void* gate_up = nullptr;      // bf16 [capacity, 2I]: recomputed g | u (the kept rows copied); null likewise
   void* d_gate_up = nullptr;    // bf16 [capacity, 2I]: d_g | d_u
   float* row_partials = nullptr;  // fp32 [capacity, n_blocks]: d_rw partial sums per n-block
   int32_t* kept_rows = nullptr;   // [1]: min(scheduled rows, ring), recompute_forward_context's row count
-  // Shared expert, [padded T, ...]; null without one
+  // Shared expert, [padded T, ...]; null without one (shared_gate_up and shared_hidden also with
+  // MoeOptions::keep_gate_up: the context's are read)
   void* shared_gate_up = nullptr;     // bf16 [padded T, 2I]
   void* shared_d_gate_up = nullptr;   // bf16 [padded T, 2I]
   void* shared_hidden = nullptr;      // bf16 [padded T, I]
