@@ -119,12 +119,12 @@ int mok_bench_nccl_unique_id(void* out, char* error, int error_len) {
 
 // Collective over the ranks for ep_size > 1 (NCCL communicator from the unique id, symmetric windows).
 // fused: 1 for ForwardPath::kFused (comm_ctas, minibatch_rows and timeline_records as in FusedOptions;
-// minibatch_rows 0 keeps the default), 0 for the unfused path. capacity_rows and wait_timeout_s as in
-// ScheduleOptions (0 keeps the default).
+// minibatch_rows 0 keeps the default), 0 for the unfused path. capacity_rows, load_factor and wait_timeout_s
+// as in ScheduleOptions (0 keeps the default).
 void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, int device, int num_tokens, int top_k,
                              int num_experts, int hidden, int intermediate, int shared_expert, int fused,
                              int comm_ctas, int minibatch_rows, int timeline_records, int64_t capacity_rows,
-                             double wait_timeout_s, char* error, int error_len) {
+                             double load_factor, double wait_timeout_s, char* error, int error_len) {
   try {
     auto layer = std::make_unique<BenchLayer>();
     layer->rank = rank;
@@ -152,6 +152,7 @@ void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, 
     if (minibatch_rows > 0) options.fused.minibatch_rows = minibatch_rows;
     options.fused.timeline_records = timeline_records;
     options.schedule.capacity_rows = capacity_rows;
+    if (load_factor != 0) options.schedule.load_factor = load_factor;
     if (wait_timeout_s > 0) options.schedule.wait_timeout_s = wait_timeout_s;
     layer->workspace = std::make_unique<mok::MoeWorkspace>(*layer->group, shape, options);
     layer->context = layer->workspace->make_context(rank);

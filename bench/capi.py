@@ -9,8 +9,8 @@ _p, _i32, _i64, _f32, _f64, _s = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
 SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
     "mok_bench_nccl_unique_id": ([_p, _s, _i32], _i32),
     # nccl_unique_id, ep_size, rank, device, num_tokens, top_k, num_experts, hidden, intermediate, shared_expert,
-    # fused, comm_ctas, minibatch_rows, timeline_records, capacity_rows, wait_timeout_s, error, error_len
-    "mok_bench_layer_create": ([_p] + [_i32] * 13 + [_i64, _f64, _s, _i32], _p),
+    # fused, comm_ctas, minibatch_rows, timeline_records, capacity_rows, load_factor, wait_timeout_s, error, error_len
+    "mok_bench_layer_create": ([_p] + [_i32] * 13 + [_i64, _f64, _f64, _s, _i32], _p),
     # handle, x, topk_idx, topk_dtype (0 int32, 1 int64), router_weights, expert_gate, expert_up, expert_down,
     # shared_gate, shared_up, shared_down, out, stream, error, error_len
     "mok_bench_layer_forward": ([_p, _p, _p, _i32] + [_p] * 9 + [_s, _i32], _i32),

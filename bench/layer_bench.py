@@ -52,6 +52,7 @@ several shapes the two tables again at the end.
 Usage: python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/layer_bench.py   (EP=2)
        python3 bench/layer_bench.py                                                            (EP=1)
          [--lib build/bench/libmok_bench_capi.so] [--tokens 8192] [--iters 20] [--shapes A,B] [--skew 0]
+         [--load-factor F]
          [--backward | --no-backward] [--grad-mode bf16|fp32|accumulate] [--experts-fraction auto|F]
          [--only fused|unfused|base|fused-train|unfused-train|base-train|fused-bwd|unfused-bwd]
          [--check-only] [--breakdown] [--seed 0] [--comm-ctas N] [--minibatch ROWS] [--timeline DIR]
@@ -227,7 +228,7 @@ def baseline_forward(x, topk_idx, router_weights, expert_gate, expert_up, expert
 
 
 def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, shared, fused, comm_ctas=0, minibatch=0,
-                 timeline_records=0):
+                 timeline_records=0, load_factor=0.0):
     """Collective: every rank calls it at the same time. Rank 0's NCCL unique id goes to the others."""
     uid = None
     if ep > 1:
@@ -239,8 +240,8 @@ def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, share
         dist.broadcast(shared_id, src=0)
         uid = (ctypes.c_uint8 * 128)(*shared_id.tolist())
     layer = lib.mok_bench_layer_create(uid, ep, rank, torch.cuda.current_device(), tokens, top_k, num_experts, hidden,
-                                       inter, int(shared), int(fused), comm_ctas, minibatch, timeline_records, 0, 0.0,
-                                       ERROR, len(ERROR))
+                                       inter, int(shared), int(fused), comm_ctas, minibatch, timeline_records, 0,
+                                       load_factor, 0.0, ERROR, len(ERROR))
     if not layer:
         raise RuntimeError(ERROR.value.decode(errors="replace"))
     return layer
@@ -443,7 +444,7 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shar
             if not args.only or only_path == path:
                 layers[path] = create_layer(lib, ep, rank, tokens, top_k, experts, hidden, inter, shared,
                                             path == "fused", args.comm_ctas, args.minibatch,
-                                            8192 if args.timeline and path == "fused" else 0)
+                                            8192 if args.timeline and path == "fused" else 0, args.load_factor)
 
     def destroy_layers():
         torch.cuda.synchronize()
@@ -725,6 +726,10 @@ def main():
     parser.add_argument("--iters", type=int, default=20, help="timed calls per function (median)")
     parser.add_argument("--shapes", default="", help="comma-separated names (default: all)")
     parser.add_argument("--skew", type=float, default=0.0, help="routing skew s: bias -s*log(1+perm(e))")
+    parser.add_argument("--load-factor", type=float, default=0.0,
+                        help="ScheduleOptions.load_factor (0: the library's, 2): each rank holds load_factor * T * k "
+                        "expert rows; with --skew at EP > 2 raise it (EP: the worst case) or the status check "
+                        "reports a capacity overflow")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
                         help="also time and check forward + backward (default on)")

@@ -27,7 +27,14 @@ struct RoutingShape {
 struct ScheduleOptions {
   int tile_m = 64;            // each expert's rows are padded up to a multiple of this. The GEMM takes 64 or
                               // 128; 64 never costs it more work (docs/perf_notes.md, round 3)
-  int64_t capacity_rows = 0;  // expert-major rows a rank can hold; 0 selects worst_case_capacity_rows()
+  // Expert-major rows a rank can hold (its context, backward scratch and megakernel counters are sized by
+  // them). 0 selects expected_load_capacity_rows(shape, tile_m, load_factor); > 0 overrides load_factor.
+  int64_t capacity_rows = 0;
+  // Headroom of the default capacity over the rows balanced routing brings a rank (T * k), >= 1. A step whose
+  // routing needs more rows on a rank reports kStatusCapacityOverflow (rows needed and held) in the status
+  // word and computes nothing (its outputs are unspecified). load_factor >= ep_size gives the worst case
+  // (worst_case_capacity_rows: never overflows); at EP <= 2 the default 2 is the worst case already.
+  double load_factor = 2.0;
   double wait_timeout_s = 10; // spin-waits give up after this long and report through the status word
   // Throws std::invalid_argument naming the offending field.
   void validate(const RoutingShape& shape) const;
@@ -43,7 +50,8 @@ int64_t worst_case_capacity_rows(const RoutingShape& shape, int tile_m);
 // the status word (its outputs are then unspecified). Throws std::invalid_argument for load_factor < 1.
 int64_t expected_load_capacity_rows(const RoutingShape& shape, int tile_m, double load_factor);
 
-// Capacity actually used by a schedule for these options.
+// Capacity actually used by a schedule for these options: capacity_rows when > 0, else
+// expected_load_capacity_rows(shape, tile_m, load_factor).
 int64_t resolved_capacity_rows(const RoutingShape& shape, const ScheduleOptions& options);
 
 }  // namespace mok

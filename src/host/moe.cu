@@ -44,6 +44,9 @@ MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
   }
   int32_t limit_bits = 0;
   std::memcpy(&limit_bits, &shape.swiglu_limit, sizeof(limit_bits));
+  int64_t load_factor_bits = 0;  // it sizes the default capacity, as capacity_rows does
+  static_assert(sizeof(load_factor_bits) == sizeof(options.schedule.load_factor));
+  std::memcpy(&load_factor_bits, &options.schedule.load_factor, sizeof(load_factor_bits));
   const std::pair<const char*, int64_t> fields[] = {
       {"validation", error.empty() ? 1 : 0},
       {"MoeShape.ep_size", shape.ep_size},
@@ -56,6 +59,7 @@ MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
       {"MoeShape.swiglu_limit (bits)", limit_bits},
       {"MoeOptions.schedule.tile_m", options.schedule.tile_m},
       {"MoeOptions.schedule.capacity_rows", options.schedule.capacity_rows},
+      {"MoeOptions.schedule.load_factor (bits)", load_factor_bits},
       {"MoeOptions.path", static_cast<int64_t>(options.path)},
       {"MoeOptions.fused.comm_ctas", options.fused.comm_ctas},
       {"MoeOptions.fused.minibatch_rows", options.fused.minibatch_rows},

@@ -31,6 +31,9 @@ void RoutingShape::validate() const {
 void ScheduleOptions::validate(const RoutingShape& shape) const {
   require(tile_m >= 1 && tile_m <= 1024, "ScheduleOptions.tile_m must be in [1, 1024], got " + std::to_string(tile_m));
   require(capacity_rows >= 0, "ScheduleOptions.capacity_rows must be >= 0, got " + std::to_string(capacity_rows));
+  // Also rejects NaN. Checked before resolved_capacity_rows, which would throw with another function's name.
+  require(load_factor >= 1, "ScheduleOptions.load_factor must be >= 1 (ep_size or more: the worst case), got " +
+                                std::to_string(load_factor));
   require(resolved_capacity_rows(shape, *this) < std::numeric_limits<int32_t>::max() / 2,
           "ScheduleOptions.capacity_rows too large for int32 row indices");
   require(wait_timeout_s > 0, "ScheduleOptions.wait_timeout_s must be > 0");
@@ -42,13 +45,15 @@ int64_t worst_case_capacity_rows(const RoutingShape& shape, int tile_m) {
 
 int64_t expected_load_capacity_rows(const RoutingShape& shape, int tile_m, double load_factor) {
   require(load_factor >= 1, "expected_load_capacity_rows: load_factor must be >= 1, got " + std::to_string(load_factor));
+  if (load_factor >= shape.ep_size) return worst_case_capacity_rows(shape, tile_m);  // (also for an infinite one)
   const double balanced = double(shape.num_tokens) * shape.top_k * load_factor;
   const int64_t rows = static_cast<int64_t>(std::ceil(balanced)) + int64_t(shape.local_experts()) * (tile_m - 1);
   return std::min(schedule::round_up(rows, tile_m), worst_case_capacity_rows(shape, tile_m));
 }
 
 int64_t resolved_capacity_rows(const RoutingShape& shape, const ScheduleOptions& options) {
-  return options.capacity_rows > 0 ? options.capacity_rows : worst_case_capacity_rows(shape, options.tile_m);
+  return options.capacity_rows > 0 ? options.capacity_rows
+                                   : expected_load_capacity_rows(shape, options.tile_m, options.load_factor);
 }
 
 }  // namespace mok

@@ -85,9 +85,9 @@ std::string StatusReport::describe(int num_tokens, int top_k, int num_experts) c
            bad_expert_id(), num_experts, route, token_global / num_tokens, token_global % num_tokens, route % top_k);
   }
   if (raw.error_bits & kStatusCapacityOverflow)
-    append(out, "capacity overflow: the schedule needs %" PRId64 " rows, capacity is %" PRId64
-                " (raise ScheduleOptions.capacity_rows)\n",
-           raw.rows_needed, raw.rows_capacity);
+    append(out, "capacity overflow: the routing needed %" PRId64 " expert rows on a rank, the workspace holds %" PRId64
+                " (raise ScheduleOptions.load_factor or set capacity_rows >= %" PRId64 ")\n",
+           raw.rows_needed, raw.rows_capacity, raw.rows_needed);
   if (raw.error_bits & kStatusWaitTimeout) {
     append(out, "spin-wait timed out on rank %d, SM %d, role %s, counter %s[%d]: awaited >= %" PRIu64 ", saw %" PRIu64 "\n",
            raw.timeout_rank, raw.timeout_sm, role_name(raw.timeout_role), counter_name(raw.timeout_counter),

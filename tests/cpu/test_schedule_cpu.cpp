@@ -1,6 +1,7 @@
 // CPU tests of the schedule: the CPU twin of the GPU kernels (build_schedule_host) against an independent
 // oracle written from the specification, for random, skewed and adversarial routings.
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <sstream>
 #include <vector>
@@ -78,11 +79,12 @@ std::string describe(const RoutingShape& s, int tile_m, uint64_t seed, int rank)
   return out.str();
 }
 
+// capacity 0: the worst case (placement under any skew; the default capacity is tested on its own below).
 void expect_twin_matches_oracle(const RoutingShape& shape, int tile_m, const std::vector<int32_t>& gathered,
                                 uint64_t seed, int64_t capacity = 0) {
   ScheduleOptions options;
   options.tile_m = tile_m;
-  options.capacity_rows = capacity;
+  options.capacity_rows = capacity > 0 ? capacity : worst_case_capacity_rows(shape, tile_m);
   for (int rank = 0; rank < shape.ep_size; ++rank) {
     const HostSchedule twin = build_schedule_host(shape, options, rank, gathered);
     const HostSchedule oracle =
@@ -181,7 +183,9 @@ TEST(ScheduleCpuTest, CapacityOverflowPlacesNothingAndReports) {
   EXPECT_EQ(over.scheduled_rows, 0);
   EXPECT_EQ(int64_t(over.row_route.size()), needed - 1);
   EXPECT_TRUE(std::all_of(over.row_route.begin(), over.row_route.end(), [](int32_t r) { return r == -1; }));
-  EXPECT_NE(over.status.describe(1000, 4, 16).find("needs " + std::to_string(needed) + " rows"), std::string::npos);
+  const std::string text = over.status.describe(1000, 4, 16);
+  EXPECT_NE(text.find("needed " + std::to_string(needed) + " expert rows"), std::string::npos) << text;
+  EXPECT_NE(text.find("capacity_rows >= " + std::to_string(needed)), std::string::npos) << text;
   expect_twin_matches_oracle(shape, 128, ids, 11, needed - 1);
 }
 
@@ -231,7 +235,8 @@ TEST(ScheduleCpuTest, StatusDescribesEveryError) {
   report.raw.abandoned_waits = 12;
   EXPECT_EQ(report.describe(100, 2, 8),
             "expert id -5 out of range [-1, 8) at route 301 (src rank 1, token 50, slot 1)\n"
-            "capacity overflow: the schedule needs 4096 rows, capacity is 1024 (raise ScheduleOptions.capacity_rows)\n"
+            "capacity overflow: the routing needed 4096 expert rows on a rank, the workspace holds 1024 (raise "
+            "ScheduleOptions.load_factor or set capacity_rows >= 4096)\n"
             "spin-wait timed out on rank 1, SM 17, role GEMM consumer, counter pipeline full[3]: awaited >= 1, saw 0\n"
             "12 later waits gave up at once (abort set)");
   report.raw.error_bits = kStatusWaitTimeout;
@@ -268,17 +273,92 @@ TEST(ScheduleCpuTest, ValidationNamesTheField) {
   EXPECT_NE(message([] { RoutingShape{1, 10, 0, 8}.validate(); }).find("top_k"), std::string::npos);
   EXPECT_NE(message([] { ScheduleOptions o; o.tile_m = 0; o.validate(RoutingShape{1, 10, 2, 8}); }).find("tile_m"),
             std::string::npos);
+  for (const double bad : {0.0, 0.999, -2.0, std::nan("")}) {
+    const std::string text = message([bad] {
+      ScheduleOptions o;
+      o.load_factor = bad;
+      o.validate(RoutingShape{4, 10, 2, 8});
+    });
+    EXPECT_NE(text.find("ScheduleOptions.load_factor"), std::string::npos) << bad << ": " << text;
+    EXPECT_NE(message([bad] {
+                ScheduleOptions o;
+                o.load_factor = bad;
+                build_schedule_host(RoutingShape{4, 10, 2, 8}, o, 0, std::vector<int32_t>(80, 0));
+              }).find("ScheduleOptions.load_factor"),
+              std::string::npos)
+        << bad;
+  }
+  EXPECT_EQ(message([] {
+              ScheduleOptions o;
+              o.load_factor = 1;  // the smallest: the balanced rows, no headroom
+              o.validate(RoutingShape{4, 10, 2, 8});
+              return 0;
+            }),
+            "no throw");
   EXPECT_NE(message([] { build_schedule_host(RoutingShape{1, 10, 2, 8}, {}, 0, std::vector<int32_t>(3)); })
                 .find("gathered_topk"),
             std::string::npos);
 }
 
 TEST(ScheduleCpuTest, WorstCaseCapacityNeverOverflows) {
-  RoutingShape shape{2, 333, 3, 6};
-  std::vector<int32_t> ids(shape.total_routes(), 0);  // every route of both ranks to expert 0, duplicates too
-  const HostSchedule s = build_schedule_host(shape, {}, 0, ids);
-  EXPECT_TRUE(s.status.ok()) << s.status.describe(333, 3, 6);
-  EXPECT_EQ(s.expert_counts[0], 2 * 333 * 3);
+  for (const int ep : {2, 8}) {
+    RoutingShape shape{ep, 333, 3, 8};
+    std::vector<int32_t> ids(shape.total_routes(), 0);  // every route of every rank to expert 0, duplicates too
+    ScheduleOptions worst;
+    worst.capacity_rows = worst_case_capacity_rows(shape, worst.tile_m);
+    ScheduleOptions factor_ep;  // load_factor >= ep_size: the worst case
+    factor_ep.load_factor = ep;
+    for (const ScheduleOptions& options : {worst, factor_ep}) {
+      const HostSchedule s = build_schedule_host(shape, options, 0, ids);
+      EXPECT_TRUE(s.status.ok()) << "ep " << ep << ": " << s.status.describe(333, 3, 8);
+      EXPECT_EQ(s.expert_counts[0], ep * 333 * 3) << "ep " << ep;
+    }
+  }
+}
+
+// The default capacity (capacity_rows 0) is expected_load_capacity_rows(shape, tile_m, load_factor = 2):
+// the worst case at EP 1 and 2, load_factor * T * k + the worst padding above; an explicit capacity_rows
+// overrides it. At EP 8 all routes to one rank overflow it, and the report says how to fix it.
+TEST(ScheduleCpuTest, DefaultCapacityIsTwiceTheExpectedLoad) {
+  for (const int tile_m : {64, 128}) {
+    for (const int ep : {1, 2, 4, 8}) {
+      const RoutingShape shape{ep, 8192, 8, 384};
+      ScheduleOptions options;
+      options.tile_m = tile_m;
+      EXPECT_EQ(options.load_factor, 2.0);
+      const int64_t worst = worst_case_capacity_rows(shape, tile_m);
+      const int64_t want = std::min<int64_t>(
+          worst, schedule::round_up(2 * int64_t(8192) * 8 + int64_t(shape.local_experts()) * (tile_m - 1), tile_m));
+      const std::string at = "ep " + std::to_string(ep) + " tile_m " + std::to_string(tile_m);
+      EXPECT_EQ(resolved_capacity_rows(shape, options), want) << at;
+      EXPECT_EQ(resolved_capacity_rows(shape, options), expected_load_capacity_rows(shape, tile_m, 2.0)) << at;
+      if (ep <= 2) {
+        EXPECT_EQ(resolved_capacity_rows(shape, options), worst) << at;
+      } else {
+        EXPECT_LT(resolved_capacity_rows(shape, options), worst) << at;
+      }
+      options.load_factor = ep;
+      EXPECT_EQ(resolved_capacity_rows(shape, options), worst) << at;
+      options.load_factor = 1e300;  // far past ep_size: still the worst case, no overflow of the arithmetic
+      EXPECT_EQ(resolved_capacity_rows(shape, options), worst) << at;
+      options.load_factor = 1.5;
+      options.capacity_rows = 4096;  // explicit: overrides load_factor
+      EXPECT_EQ(resolved_capacity_rows(shape, options), 4096) << at;
+    }
+  }
+  const RoutingShape shape{8, 2048, 8, 64};
+  std::vector<int32_t> skewed(shape.total_routes());
+  for (int64_t g = 0; g < shape.total_routes(); ++g) skewed[g] = int32_t(g % shape.top_k);  // rank 0's experts
+  const HostSchedule over = build_schedule_host(shape, {}, 0, skewed);
+  ASSERT_EQ(over.status.raw.error_bits, kStatusCapacityOverflow);
+  EXPECT_EQ(over.status.raw.rows_capacity, expected_load_capacity_rows(shape, 64, 2.0));
+  EXPECT_EQ(over.status.raw.rows_needed, 8 * 2048 * 8);  // 8 experts of 16384 rows each: no padding
+  const std::string text = over.status.describe(2048, 8, 64);
+  EXPECT_NE(text.find("ScheduleOptions.load_factor"), std::string::npos) << text;
+  EXPECT_NE(text.find("capacity_rows >= 131072"), std::string::npos) << text;
+  ScheduleOptions worst;
+  worst.load_factor = 8;
+  EXPECT_TRUE(build_schedule_host(shape, worst, 0, skewed).status.ok());
 }
 
 }  // namespace
