@@ -96,7 +96,9 @@ struct FusedOptions {
                                 // model shapes)
   int minibatch_rows = 4096;    // rows whose gate/up tiles are ordered before their down tiles; multiple of 128
   int64_t macrobatch_rows = 0;  // rows of the expert-side ring buffers (the context keeps the first
-                                // macrobatch); multiple of 128; 0: the schedule's capacity (no reuse)
+                                // macrobatch, the backward replays the others); multiple of 128, at most the
+                                // capacity is used. 0: the balanced share of rows, within
+                                // MoeOptions::context_budget_bytes (see there)
   int timeline_records = 0;     // > 0: record up to this many tasks per CTA (MoeWorkspace::read_timeline)
 };
 
@@ -106,11 +108,14 @@ struct MoeOptions {
   FusedOptions fused;
   bool backward = true;      // allocate the backward's buffers (false: an inference-only workspace, whose
                              // backward and recompute_forward_context throw)
-  // Device bytes one layer's ForwardContext may hold on a rank (fused path, macrobatch_rows 0): the ring is
-  // the largest multiple of 128 rows, at most the capacity, whose context fits (the backward recomputes the
-  // rows past it; at EP > 1 the worst-case capacity is EP * T * k rows, which balanced routing never fills).
-  // 0: no budget (the ring is the capacity). Too small for 128 rows: std::invalid_argument naming it. The
-  // unfused path keeps every row and ignores it.
+  // The default ring (fused path, macrobatch_rows 0) keeps the balanced share of rows: the capacity at load
+  // factor 1 (expected_load_capacity_rows(shape, tile_m, 1): T * k plus the worst padding) rounded down to a
+  // multiple of 128 (at least 128; the whole capacity when that is within the share, as at EP = 1), whatever
+  // the EP size and ScheduleOptions::load_factor; the rows imbalanced routing schedules past it are replayed
+  // by the backward (recomputed from x). This budget then bounds it: device bytes one layer's ForwardContext
+  // may hold on a rank; the ring is the largest multiple of 128 rows of the share whose context fits. 0: no
+  // budget (the ring is the share). Too small for 128 rows: std::invalid_argument naming it. The unfused path
+  // keeps every row of the capacity and ignores both.
   int64_t context_budget_bytes = int64_t{4} << 30;
   bool keep_gate_up = true;  // the forward keeps each row's raw g and u (bf16, 2I per row) in the context,
                              // so the backward needs no gate/up recompute when the context holds every row;
@@ -161,8 +166,9 @@ class ForwardContext {
 
   int rank() const { return rank_; }
   const ScheduleView& schedule() const { return schedule_; }
-  // The expert-side rows of the first macrobatch: schedule rows [0, ring_rows) (all of them unless
-  // MoeOptions::fused.macrobatch_rows is below the capacity; the backward recomputes the others).
+  // The expert-side rows of the first macrobatch: schedule rows [0, ring_rows) (MoeWorkspace::ring_rows():
+  // all of them on the unfused path; on the fused path the balanced share or fused.macrobatch_rows; the
+  // backward recomputes the others).
   int64_t ring_rows() const { return ring_rows_; }
   const void* expert_rows() const { return expert_rows_; }  // bf16 [ring_rows, H]: x rows in expert-major order
   const void* hidden() const { return hidden_; }            // bf16 [ring_rows, I]: silu(gate) * up of each row

@@ -208,13 +208,20 @@ int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t c
   const int64_t budget = options.context_budget_bytes;
   require(budget >= 0, "MoeOptions.context_budget_bytes must be >= 0 (0: no budget), got " + std::to_string(budget));
   if (options.fused.macrobatch_rows > 0) return std::min<int64_t>(options.fused.macrobatch_rows, capacity_rows);
-  if (options.path != ForwardPath::kFused || budget == 0) return capacity_rows;
+  if (options.path != ForwardPath::kFused) return capacity_rows;
+  // The balanced share: the rows balanced routing brings a rank (load factor 1, with the worst padding),
+  // rounded down to the megakernel's 128-row units. A capacity within it is kept whole (EP = 1: the default
+  // capacity is the share); above it (EP > 1: the load factor's headroom for imbalance) the ring stops at the
+  // share, and the rows an imbalanced step schedules past it are replayed by the backward.
+  const int64_t balanced = expected_load_capacity_rows(s.routing(), options.schedule.tile_m, 1.0);
+  const int64_t limit =
+      balanced >= capacity_rows ? capacity_rows : std::min(capacity_rows, std::max<int64_t>(128, balanced / 128 * 128));
   const auto bytes = [&](int64_t rows) {
     return context_bytes(s, options.keep_gate_up, schedule_elements, rows, padded_tokens);
   };
-  if (bytes(capacity_rows) <= budget) return capacity_rows;
+  if (budget == 0 || bytes(limit) <= budget) return limit;
   const int64_t per_row = (int64_t(s.hidden) + s.intermediate + (options.keep_gate_up ? 2 * s.intermediate : 0)) * 2;
-  int64_t ring = std::min<int64_t>((budget - bytes(0)) / per_row / 128 * 128, capacity_rows / 128 * 128);
+  int64_t ring = std::min<int64_t>((budget - bytes(0)) / per_row / 128 * 128, limit / 128 * 128);
   while (ring > 0 && bytes(ring) > budget) ring -= 128;  // the 256-byte rounding of each buffer
   require(ring >= 128, "MoeOptions.context_budget_bytes " + std::to_string(budget) + " leaves no 128-row ring: one " +
                            "needs " + std::to_string(bytes(128)) + " bytes for this shape");

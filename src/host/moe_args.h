@@ -22,9 +22,15 @@ void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device)
 // `padded_tokens` rows, each buffer rounded up to 256 bytes.
 int64_t context_bytes(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
                       int64_t padded_tokens);
-// The workspace's ring: MoeOptions::fused.macrobatch_rows when set, else the capacity, limited on the fused
-// path by MoeOptions::context_budget_bytes (the largest multiple of 128 rows that fits). Throws
-// std::invalid_argument naming the option when the budget leaves no 128 rows.
+// The workspace's ring (the rows a fused forward's context keeps; the backward replays the rows past it):
+//   MoeOptions::fused.macrobatch_rows > 0   that, at most the capacity
+//   the unfused path                         the capacity (it holds every row at once)
+//   the fused path, macrobatch_rows 0        the balanced share, min(capacity, expected_load_capacity_rows(
+//                                            shape, tile_m, 1) rounded down to 128, at least 128) -- the whole
+//                                            capacity when that is within the share (EP = 1 by default) --,
+//                                            then the largest multiple of 128 rows of it whose context fits
+//                                            MoeOptions::context_budget_bytes (0: no budget)
+// Throws std::invalid_argument naming the option when the budget leaves no 128 rows.
 int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t capacity_rows,
                          int64_t schedule_elements, int64_t padded_tokens);
 

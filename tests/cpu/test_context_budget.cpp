@@ -1,15 +1,19 @@
-// The forward context's memory budget (MoeOptions::context_budget_bytes): the ring the workspace chooses
-// (detail::choose_ring_rows) and the bytes of the context it then allocates (detail::context_bytes), on the
-// host, for the model shapes at EP = 1 and at EP = 8 with the worst-case capacity.
+// The forward context's memory: the ring the workspace chooses (detail::choose_ring_rows: the balanced share
+// of rows, within MoeOptions::context_budget_bytes) and the bytes of the context it then allocates
+// (detail::context_bytes), on the host, for the model shapes at EP = 1 and EP = 8, with the default capacity
+// (ScheduleOptions::load_factor) and the worst case.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
 #include "mok/moe.h"
 #include "mok/routing.h"
+#include "reference/routing_gen.h"
 #include "src/host/moe_args.h"
 
 namespace mok {
@@ -43,49 +47,114 @@ int64_t bytes(const MoeShape& s, const MoeOptions& o, int64_t rows) {
   return detail::context_bytes(s, o.keep_gate_up, kScheduleElements, rows, kPaddedTokens);
 }
 
-TEST(ContextBudget, RingIsTheLargestMultipleOf128ThatFits) {
+// The balanced share of rows the default ring keeps: expected_load_capacity_rows at load factor 1 rounded
+// down to 128 (written out here from its definition: T * k + E_local * (tile_m - 1), rounded up to tile_m).
+int64_t balanced_share(const MoeShape& s, int tile_m) {
+  const int64_t rows = int64_t(s.num_tokens) * s.top_k + int64_t(s.local_experts()) * (tile_m - 1);
+  return (rows + tile_m - 1) / tile_m * tile_m / 128 * 128;
+}
+
+std::vector<Case> model_cases(int ep) {
+  std::vector<Case> cases;
+  for (const reference::ModelShape& m : reference::model_shapes())
+    cases.push_back({m.name.c_str(), shape_of(ep, m.num_experts, m.hidden, m.intermediate, m.top_k, m.shared_expert)});
+  return cases;
+}
+
+TEST(ContextBudget, RingIsTheLargestMultipleOf128OfTheShareThatFits) {
   for (const int ep : {1, 8}) {
-    for (const Case& c : {Case{"Kimi-K2.7", shape_of(ep, 384, 7168, 2048, 8, true)},
-                          Case{"DeepSeek-V4-Pro", shape_of(ep, 384, 7168, 3072, 6, true)},
-                          Case{"gpt-oss-120b", shape_of(ep, 128, 2880, 2880, 4, false)}}) {
-      const int64_t capacity = worst_case_capacity_rows(c.shape.routing(), 64);
-      for (const bool keep : {true, false}) {
-        for (const int64_t budget : {int64_t{1} << 30, int64_t{4} << 30, int64_t{64} << 30}) {
-          MoeOptions o;
-          o.keep_gate_up = keep;
-          o.context_budget_bytes = budget;
-          const int64_t r = ring(c.shape, o, capacity);
-          const std::string at = std::string(c.name) + " EP " + std::to_string(ep) + " keep " + std::to_string(keep) +
-                                 " budget " + std::to_string(budget) + ": ring " + std::to_string(r);
-          if (r == capacity) {
+    for (const Case& c : model_cases(ep)) {
+      // The worst case (an explicit capacity_rows) and the default capacity give the same ring.
+      for (const int64_t capacity : {worst_case_capacity_rows(c.shape.routing(), 64),
+                                     resolved_capacity_rows(c.shape.routing(), ScheduleOptions{})}) {
+        const int64_t share = std::min(capacity, balanced_share(c.shape, 64));
+        for (const bool keep : {true, false}) {
+          for (const int64_t budget : {int64_t{1} << 30, int64_t{4} << 30, int64_t{64} << 30}) {
+            MoeOptions o;
+            o.keep_gate_up = keep;
+            o.context_budget_bytes = budget;
+            const int64_t r = ring(c.shape, o, capacity);
+            const std::string at = std::string(c.name) + " EP " + std::to_string(ep) + " capacity " +
+                                   std::to_string(capacity) + " keep " + std::to_string(keep) + " budget " +
+                                   std::to_string(budget) + ": ring " + std::to_string(r);
             EXPECT_LE(bytes(c.shape, o, r), budget) << at;
-            continue;
+            if (r == share) continue;
+            EXPECT_EQ(r % 128, 0) << at;
+            EXPECT_GE(r, 128) << at;
+            EXPECT_LT(r, share) << at;
+            EXPECT_GT(bytes(c.shape, o, r + 128), budget) << at << " (not the largest)";
           }
-          EXPECT_EQ(r % 128, 0) << at;
-          EXPECT_GE(r, 128) << at;
-          EXPECT_LT(r, capacity) << at;
-          EXPECT_LE(bytes(c.shape, o, r), budget) << at;
-          EXPECT_GT(bytes(c.shape, o, r + 128), budget) << at << " (not the largest)";
         }
       }
     }
   }
 }
 
-TEST(ContextBudget, DefaultBoundsTheWorstCaseCapacityOnly) {
-  // At EP = 1 (capacity = T * k) the default 4 GiB holds every row of every model shape; at EP = 8 the
-  // worst case (8 T k rows) would not fit and the ring is cut.
+// EP = 1: the default capacity is the worst case (T * k + padding, a multiple of 128 for every model shape)
+// and the default ring is all of it, as before the balanced-share rule: no replay.
+TEST(ContextBudget, DefaultRingAtEp1IsTheWholeCapacity) {
   const MoeOptions o;
-  const MoeShape kimi1 = shape_of(1, 384, 7168, 2048, 8, true), kimi8 = shape_of(8, 384, 7168, 2048, 8, true);
-  const int64_t cap1 = worst_case_capacity_rows(kimi1.routing(), 64), cap8 = worst_case_capacity_rows(kimi8.routing(), 64);
-  EXPECT_EQ(ring(kimi1, o, cap1), cap1);
-  const int64_t r8 = ring(kimi8, o, cap8);
-  EXPECT_LT(r8, cap8);
-  EXPECT_LE(bytes(kimi8, o, r8), o.context_budget_bytes);
-  std::printf("Kimi-K2.7 EP 8: capacity %lld rows, context %.2f GiB unbounded, default budget: ring %lld rows, "
-              "%.2f GiB\n",
-              static_cast<long long>(cap8), bytes(kimi8, o, cap8) / double(1 << 30), static_cast<long long>(r8),
-              bytes(kimi8, o, r8) / double(1 << 30));
+  for (const Case& c : model_cases(1)) {
+    const int64_t capacity = resolved_capacity_rows(c.shape.routing(), o.schedule);
+    EXPECT_EQ(capacity, worst_case_capacity_rows(c.shape.routing(), o.schedule.tile_m)) << c.name;
+    EXPECT_EQ(capacity % 128, 0) << c.name;
+    EXPECT_EQ(ring(c.shape, o, capacity), capacity / 128 * 128) << c.name;
+    EXPECT_EQ(ring(c.shape, o, capacity), capacity) << c.name;
+    std::printf("%-16s EP 1: capacity %lld rows, ring %lld rows, context %.2f GiB\n", c.name,
+                static_cast<long long>(capacity), static_cast<long long>(ring(c.shape, o, capacity)),
+                bytes(c.shape, o, ring(c.shape, o, capacity)) / double(1 << 30));
+  }
+}
+
+// EP = 8: the default capacity is twice the balanced rows and the default ring their share at load factor 1
+// (the rows past it, from imbalance, are replayed), whatever the load factor or an explicit worst case; the
+// context is a fraction of what the worst case would keep (13.2 GiB for Kimi-K2.7).
+TEST(ContextBudget, DefaultRingAtEp8IsTheBalancedShare) {
+  for (const Case& c : model_cases(8)) {
+    MoeOptions o;
+    const RoutingShape routing = c.shape.routing();
+    const int64_t capacity = resolved_capacity_rows(routing, o.schedule);
+    const int64_t worst = worst_case_capacity_rows(routing, 64);
+    EXPECT_EQ(capacity, expected_load_capacity_rows(routing, 64, 2.0)) << c.name;
+    const int64_t want = (expected_load_capacity_rows(routing, 64, 1.0) / 128) * 128;
+    EXPECT_EQ(want, balanced_share(c.shape, 64)) << c.name;
+    const int64_t r = ring(c.shape, o, capacity);
+    EXPECT_EQ(r, want) << c.name;
+    EXPECT_LT(r, capacity) << c.name;
+    EXPECT_GE(r, int64_t(c.shape.num_tokens) * c.shape.top_k) << c.name << ": below the balanced rows";
+    EXPECT_EQ(ring(c.shape, o, worst), want) << c.name << ": worst-case capacity";
+    for (const double factor : {1.0, 1.25, 4.0, 8.0}) {
+      ScheduleOptions s;
+      s.load_factor = factor;
+      const int64_t cap = resolved_capacity_rows(routing, s);
+      // Load factor 1: the capacity is the balanced rows themselves, kept whole (a multiple of 128 or not).
+      EXPECT_EQ(ring(c.shape, o, cap), factor == 1.0 ? cap : want) << c.name << " load factor " << factor;
+    }
+    const double gib = double(1 << 30);
+    std::printf("%-16s EP 8: capacity %lld rows (worst case %lld), ring %lld rows, context %.2f GiB "
+                "(worst-case ring %.2f GiB)\n",
+                c.name, static_cast<long long>(capacity), static_cast<long long>(worst), static_cast<long long>(r),
+                bytes(c.shape, o, r) / gib, bytes(c.shape, o, worst) / gib);
+    if (std::string(c.name) == "Kimi-K2.7") {
+      EXPECT_GT(bytes(c.shape, o, worst), int64_t{13} << 30);  // what the old default kept
+      EXPECT_LT(bytes(c.shape, o, r), int64_t{2} << 30);
+    }
+  }
+}
+
+// A capacity within the balanced rows (load factor 1, or an explicit one below them) is kept whole, a
+// multiple of 128 or not; one above them gets the share; the 128-row floor never exceeds the capacity.
+// Qwen3.5-397B at EP 8: the balanced rows (85952) are not a multiple of 128.
+TEST(ContextBudget, CapacityWithinTheBalancedRowsIsKeptWhole) {
+  const MoeShape s = shape_of(8, 512, 4096, 1024, 10, true);
+  const MoeOptions o;
+  const int64_t balanced = expected_load_capacity_rows(s.routing(), 64, 1.0);
+  ASSERT_EQ(balanced % 128, 64);
+  ASSERT_EQ(balanced_share(s, 64), balanced - 64);
+  for (const int64_t capacity : {int64_t{64}, int64_t{128}, int64_t{4096 + 64}, balanced})
+    EXPECT_EQ(ring(s, o, capacity), capacity) << "capacity " << capacity;
+  for (const int64_t capacity : {balanced + 64, balanced + 1024})
+    EXPECT_EQ(ring(s, o, capacity), balanced - 64) << "capacity " << capacity;
 }
 
 TEST(ContextBudget, ExplicitRingUnfusedPathAndNoBudget) {
@@ -94,12 +163,14 @@ TEST(ContextBudget, ExplicitRingUnfusedPathAndNoBudget) {
   MoeOptions o;
   o.fused.macrobatch_rows = 1024;
   EXPECT_EQ(ring(s, o, capacity), 1024);  // an explicit ring wins
+  o.fused.macrobatch_rows = 1 << 30;
+  EXPECT_EQ(ring(s, o, capacity), capacity);  // ... up to the whole capacity
   o.fused.macrobatch_rows = 0;
   o.path = ForwardPath::kUnfused;
   EXPECT_EQ(ring(s, o, capacity), capacity);  // the unfused path holds every row
   o.path = ForwardPath::kFused;
   o.context_budget_bytes = 0;
-  EXPECT_EQ(ring(s, o, capacity), capacity);
+  EXPECT_EQ(ring(s, o, capacity), balanced_share(s, 64));  // no budget: the share
 }
 
 TEST(ContextBudget, BadBudgetsNameTheOption) {
