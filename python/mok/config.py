@@ -20,8 +20,14 @@ class Config:
 
     comm_ctas        fused path: CTAs that only copy rows (0: every CTA computes, idle warps copy)
     minibatch_rows   fused path: rows whose gate/up tiles are ordered before their down tiles (multiple of 128)
-    macrobatch_rows  fused path: rows of the expert-side ring buffers (multiple of 128; 0: the capacity)
-    capacity_rows    expert-major rows a rank can hold (0: the worst case, which never overflows)
+    macrobatch_rows  fused path: rows of the expert-side ring buffers, the rows the context keeps (multiple of
+                     128; 0: the balanced share, num_tokens * top_k plus padding, within context_budget_bytes);
+                     the backward recomputes the rows past it
+    capacity_rows    expert-major rows a rank can hold (0: from load_factor); overrides load_factor
+    load_factor      with capacity_rows 0, a rank holds load_factor * num_tokens * top_k expert rows (plus
+                     padding): the balanced load with headroom for imbalance (>= 1; >= the EP size: the worst
+                     case, which never overflows). A step that needs more reports a capacity overflow
+                     (check_status says by how much; its outputs are unspecified)
     tile_m           each expert's rows are padded to a multiple of this (64 or 128)
     wait_timeout_s   spin-waits give up after this long and report through the status word
     path             "fused" (one persistent megakernel) or "unfused" (its stage-by-stage twin)
@@ -30,14 +36,15 @@ class Config:
     keep_gate_up     the forward keeps each row's g and u (2 * intermediate bf16 per row) in the context, so the
                      backward skips their recompute (False: recomputed; same bits, less memory, slower)
     context_budget_bytes  fused path with macrobatch_rows 0: device bytes one layer's context may hold; the
-                     ring is the largest multiple of 128 rows that fits, the backward recomputes the rest
-                     (0: no budget)
+                     ring is the largest multiple of 128 rows of the balanced share that fits, the backward
+                     recomputes the rest (0: no budget)
     """
 
     comm_ctas: int = 0
     minibatch_rows: int = 4096
     macrobatch_rows: int = 0
     capacity_rows: int = 0
+    load_factor: float = 2.0
     tile_m: int = 64
     wait_timeout_s: float = 10.0
     path: str = "fused"
@@ -50,6 +57,10 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Config.{name}: expected a non-negative int, got {value!r}")
+        if isinstance(self.load_factor, bool) or not isinstance(self.load_factor, (int, float)) \
+                or not self.load_factor >= 1:
+            raise ValueError(f"Config.load_factor: expected a number >= 1 (the EP size or more: the worst case), "
+                             f"got {self.load_factor!r}")
         if not isinstance(self.wait_timeout_s, (int, float)) or not self.wait_timeout_s > 0:
             raise ValueError(f"Config.wait_timeout_s: expected a positive number of seconds, got {self.wait_timeout_s!r}")
         if self.path not in PATHS:

@@ -315,7 +315,8 @@ NB_MODULE(_mok, m) {
           [](Workspace* self, int device, int ep_size, int rank, std::optional<nb::bytes> nccl_id, int num_tokens,
              int hidden, int intermediate, int top_k, int num_experts, bool shared_expert, float swiglu_limit,
              int path, int comm_ctas, int minibatch_rows, int64_t macrobatch_rows, int64_t capacity_rows, int tile_m,
-             double wait_timeout_s, bool backward, bool keep_gate_up, int64_t context_budget_bytes) {
+             double wait_timeout_s, bool backward, bool keep_gate_up, int64_t context_budget_bytes,
+             double load_factor) {
             mok::MoeShape shape;
             shape.ep_size = ep_size;
             shape.num_tokens = num_tokens;
@@ -328,6 +329,7 @@ NB_MODULE(_mok, m) {
             mok::MoeOptions options;
             options.schedule.tile_m = tile_m;
             options.schedule.capacity_rows = capacity_rows;
+            options.schedule.load_factor = load_factor;
             options.schedule.wait_timeout_s = wait_timeout_s;
             if (path != 0 && path != 1) throw std::invalid_argument("path: 0 (fused) or 1 (unfused)");
             options.path = static_cast<mok::ForwardPath>(path);
@@ -344,7 +346,8 @@ NB_MODULE(_mok, m) {
           nb::arg("shared_expert"), nb::arg("swiglu_limit"), nb::arg("path"), nb::arg("comm_ctas"),
           nb::arg("minibatch_rows"), nb::arg("macrobatch_rows"), nb::arg("capacity_rows"), nb::arg("tile_m"),
           nb::arg("wait_timeout_s"), nb::arg("backward") = true, nb::arg("keep_gate_up") = true,
-          nb::arg("context_budget_bytes") = mok::MoeOptions{}.context_budget_bytes)
+          nb::arg("context_budget_bytes") = mok::MoeOptions{}.context_budget_bytes,
+          nb::arg("load_factor") = mok::ScheduleOptions{}.load_factor)
       .def("make_context", &Workspace::make_context, nb::keep_alive<0, 1>())
       .def("build_schedule", &Workspace::build_schedule, nb::arg("topk_idx"), nb::arg("context"), nb::arg("stream"))
       .def("forward", &Workspace::forward, nb::arg("x"), nb::arg("topk_idx"), nb::arg("router_weights"),

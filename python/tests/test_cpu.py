@@ -45,6 +45,17 @@ def test_config_defaults_are_the_cpp_defaults():
     c = mok.Config()
     assert (c.comm_ctas, c.minibatch_rows, c.macrobatch_rows, c.capacity_rows, c.tile_m, c.wait_timeout_s, c.path,
             c.backward, c.keep_gate_up, c.context_budget_bytes) == (0, 4096, 0, 0, 64, 10.0, "fused", True, True, 4 << 30)
+    assert c.load_factor == 2.0 and isinstance(c.load_factor, float)
+
+
+def test_config_load_factor():
+    """load_factor: any number >= 1 (an int too; inf: the worst case), passed to the native workspace's
+    ScheduleOptions (test_gpu.py checks the capacity it gives)."""
+    for value in (1, 1.0, 1.5, 8, float("inf")):
+        assert mok.Config(load_factor=value).load_factor == value
+    for value in (0.999, 0, -1.0, float("nan"), True, "2", None):
+        with pytest.raises(ValueError, match="Config.load_factor"):
+            mok.Config(load_factor=value)
 
 
 @pytest.mark.parametrize("field, value", [("path", "megakernel"), ("comm_ctas", -2), ("tile_m", 1.5),

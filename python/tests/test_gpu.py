@@ -234,7 +234,7 @@ def test_capacity_overflow_reports():
     x, idx, rw = make_inputs(shape, "cuda", seed=13)
     w = make_weights(shape, "cuda", seed=14)
     _, ctx = mok.forward(ws, x, idx, rw, w)
-    with pytest.raises(RuntimeError, match="capacity"):
+    with pytest.raises(RuntimeError, match=r"capacity overflow: .* holds 128 \(raise ScheduleOptions.load_factor"):
         mok.check_status(ws)
     # After the reset, a routing that fits the 128 rows (32 routes to expert 0) is correct on the same workspace.
     ws.reset_status()
@@ -243,6 +243,20 @@ def test_capacity_overflow_reports():
     out, _ = mok.forward(ws, x, fits, rw, w, ctx)
     mok.check_status(ws)
     assert relative_error(out, reference(shape, x, fits, rw, w)) < TOLERANCE
+
+
+def test_load_factor_reaches_the_native_workspace():
+    """Config.load_factor is passed to ScheduleOptions: past the Python check (bypassed here), the C++
+    validation names it; at EP = 1 any valid factor gives the worst-case capacity (T * k + padding)."""
+    shape = SHAPES["shared"]
+    bad = mok.Config()
+    object.__setattr__(bad, "load_factor", 0.5)  # a frozen dataclass: skip __post_init__'s check
+    with pytest.raises(ValueError, match="ScheduleOptions.load_factor"):
+        mok.get_workspace(bad, None, shape.num_tokens, shape.hidden, shape.intermediate, shape.top_k,
+                          shape.num_experts)
+    worst = workspace(shape).capacity_rows
+    assert worst == -(-(shape.num_tokens * shape.top_k + shape.num_experts * 63) // 64) * 64
+    assert workspace(shape, load_factor=1.0).capacity_rows == worst
 
 
 def test_wrong_shapes_raise_and_the_process_goes_on():
