@@ -62,6 +62,7 @@ Result run(mok::PeerGroup group, const mok::reference::ModelShape& model, const 
   using namespace mok;
   const RoutingShape shape{group.size(), args.tokens, model.top_k, model.num_experts};
   ScheduleOptions options;
+  options.load_factor = shape.ep_size;  // the worst case: every route placed whatever --skew (no overflow)
   testing::ScheduleHarness harness(std::move(group), shape, options);
   const auto ids =
       reference::random_topk_per_rank(shape.ep_size, shape.num_tokens, shape.top_k, shape.num_experts, args.skew, 42);

@@ -5,15 +5,14 @@
 //   mok_soak [--calls N] [--shape NAME | E,H,I,k] [--tokens T] [--ep R] [--seed S] [--check-every C]
 //            [--leak-mib M]
 //
-// EP = R virtual ranks on GPU 0 (PeerGroup::virtual_ranks), the fused path, weights and x from the GPU
-// hash filler (integers, exact in bf16). Call c routes with mode c % 3: balanced (uniform distinct experts,
-// 1/64 of the routes masked), Zipf-skewed (expert popularity ~ 1 / rank over a seed-shuffled order) or one
-// hot expert (every token's first slot). Every call: its status word must be ok. Every C-th call (and the
-// last): its outputs (poisoned with one NaN pattern before) must equal, byte for byte, those of an immediate
-// rerun of the same inputs (poisoned with another NaN pattern), with no NaN left. Device memory free
-// (cudaMemGetInfo) after the warm-up and after the last call must not differ by more than M MiB (default
-// 0), nor before the workspace exists and after it is freed by more than M + 2 MiB. Prints time per call
-// (CUDA events: median, p99, max) and one verdict line.
+// EP = R virtual ranks on GPU 0 (PeerGroup::virtual_ranks), the fused path with the worst-case capacity (load_factor =
+// R), weights and x from the GPU hash filler (integers, exact in bf16). Call c routes with mode c % 3: balanced
+// (uniform distinct experts, 1/64 of the routes masked), Zipf-skewed (expert popularity ~ 1 / rank over a seed-shuffled
+// order) or one hot expert (every token's first slot). Every call: its status word must be ok. Every C-th call (and the
+// last): its outputs (poisoned with one NaN pattern before) must equal, byte for byte, those of an immediate rerun of
+// the same inputs (poisoned with another NaN pattern), with no NaN left. Device memory free (cudaMemGetInfo) after the
+// warm-up and after the last call must not differ by more than M MiB (default 0), nor before the workspace exists and
+// after it is freed by more than M + 2 MiB. Prints time per call (CUDA events: median, p99, max) and one verdict line.
 // Exit 0 pass, 1 fail (mismatch, error status, leak, exception), 2 bad arguments, 77 no Hopper GPU.
 #include <algorithm>
 #include <cmath>
@@ -272,7 +271,11 @@ int run(const Args& args, const mok::reference::ModelShape& model, const mok::Mo
   std::vector<float> times_ms;
   int failures = 0, checks = 0, calls_done = 0;
   {
-    mok::testing::MoeHarness harness(mok::PeerGroup::virtual_ranks(args.ep), shape);
+    // The worst-case capacity (load_factor = EP): one-hot calls send every token's first slot to one expert,
+    // more than the default's twice the balanced rows on its rank at EP > 2.
+    mok::MoeOptions options;
+    options.schedule.load_factor = args.ep;
+    mok::testing::MoeHarness harness(mok::PeerGroup::virtual_ranks(args.ep), shape, options);
     // x in [-2, 2] / 2, weights in [-2, 2] / 64 (as the full-size tests): outputs of order one, no overflow.
     harness.fill_hashed(args.seed * 1000 + 7, 2, 1.f / 64, 0.5f);
     Soak soak{args, shape, harness, {}, int64_t(args.tokens) * model.hidden};

@@ -12,6 +12,9 @@
 //   - recompute_forward_context gives the forward's context bits (both forward paths, a ring of 128 rows);
 //     backward bitwise equal over contexts of both paths, rings, tile heights, capacities and reruns;
 //     a captured CUDA graph of forward + backward replays to the eager bits
+//   - ring replay is the tested default: the fused cases run a 256-row ring below their scheduled rows (the
+//     backward replays the rest, asserted each time); the library's default ring (the balanced share) and the
+//     whole context are held bitwise to it
 // Outputs are poisoned with NaN bits before every backward (MoeHarness::poison_grads): nothing unwritten
 // passes, and NaN is infinitely far from any reference value. The bad-input rows of the backward are in
 // test_bad_inputs.cpp. Full-size shapes against an fp32 GPU check on sampled rows and tiles are not built
@@ -31,7 +34,9 @@
 #include "mok/moe.h"
 #include "reference/moe_reference.h"
 #include "reference/routing_gen.h"
+#include "src/device/schedule/placement.h"
 #include "src/host/check.h"
+#include "src/host/moe_args.h"
 #include "tests/common/bf16.h"
 #include "tests/common/device_fill.h"
 #include "tests/common/gpu_env.h"
@@ -225,6 +230,43 @@ void forward_backward(MoeHarness& harness, const LayerData& data, const std::vec
   harness.check_status();
 }
 
+// Ring replay, the tested default: most tests below run the fused forward with a ring of kReplayRing rows
+// (replay_options), below every rank's scheduled rows, so the context keeps schedule rows [0, 256) and the
+// backward replays the others (pulls their x rows again and recomputes g, u and h): the path a step takes
+// past the default ring (the balanced share) whenever its routing is imbalanced. expect_replay checks that
+// the replay happened, so a test cannot silently stop covering it. The default ring itself (macrobatch_rows
+// 0) is the base of BitwiseEqualAcross..., checked against the CPU reference; the whole context (ring =
+// capacity, nothing replayed) is one of its bitwise variants, and EP 1's default in ScaledModelShapes.
+constexpr int64_t kReplayRing = 256;
+
+// Fused: the kReplayRing ring. Unfused: the library's defaults (that path holds every row; it rejects a ring
+// below the capacity).
+MoeOptions replay_options(ForwardPath path = ForwardPath::kFused) {
+  MoeOptions options;
+  options.path = path;
+  if (path == ForwardPath::kFused) options.fused.macrobatch_rows = kReplayRing;
+  return options;
+}
+
+// The largest scheduled row count over the local ranks' contexts (synchronizes).
+int64_t most_scheduled_rows(MoeHarness& harness) {
+  harness.synchronize();
+  int64_t most = 0;
+  for (const RankForward& f : harness.all_args()) {
+    int32_t rows = 0;
+    MOK_CHECK_CUDA(cudaMemcpy(&rows, f.context->schedule().scheduled_rows, sizeof(rows), cudaMemcpyDeviceToHost));
+    most = std::max<int64_t>(most, rows);
+  }
+  return most;
+}
+
+// After forward_backward: some rank scheduled more rows than the context kept, so its backward replayed them.
+void expect_replay(MoeHarness& harness, const std::string& label) {
+  const int64_t ring = harness.workspace().ring_rows(), most = most_scheduled_rows(harness);
+  EXPECT_LT(ring, most) << label << ": the context kept every scheduled row (ring " << ring << ", at most " << most
+                        << " rows on a rank); the backward replayed nothing";
+}
+
 using RawGrads = std::vector<std::vector<std::pair<std::string, std::vector<uint8_t>>>>;  // [rank][tensor]
 
 RawGrads raw_grads(MoeHarness& harness) {
@@ -262,7 +304,7 @@ TEST(MoeBackwardTest, ScaledModelShapesMatchCpuReference) {
   const bool reduced = testing::reduced_sizes();
   const std::vector<int> eps = reduced ? std::vector<int>{1, 2} : std::vector<int>{1, 2, 4, 8};
   const int tokens = reduced ? 64 : 160;
-  std::printf("shape            EP  tokens  context  worst error / budget\n");
+  std::printf("shape            EP  tokens  context              worst error / budget\n");
   uint64_t seed = 200;
   int shapes = 0;
   for (const auto& m : reference::model_shapes()) {
@@ -271,13 +313,21 @@ TEST(MoeBackwardTest, ScaledModelShapesMatchCpuReference) {
       const MoeShape shape = testing::scaled_model_shape(m, ep, tokens);
       const LayerData data = testing::random_layer(shape, ++seed, 0, ep == 4 ? 0.05 : 0);
       const std::vector<float> d_out = testing::random_d_out(shape, seed + 5000);
-      MoeOptions options;  // the unfused forward's context at EP 2, the fused one's elsewhere
-      options.path = ep == 2 ? ForwardPath::kUnfused : ForwardPath::kFused;
+      // The unfused forward's context at EP 2; the fused one's with the defaults at EP 1 (the whole capacity:
+      // nothing replayed), with the replay ring at EP 4 and 8.
+      const MoeOptions options = ep == 1   ? MoeOptions{}
+                                 : ep == 2 ? replay_options(ForwardPath::kUnfused)
+                                           : replay_options();
+      const char* context = ep == 1 ? "fused, whole" : ep == 2 ? "unfused" : "fused, ring 256";
       MoeHarness harness(PeerGroup::virtual_ranks(ep), shape, options);
       forward_backward(harness, data, d_out, ep == 2 ? DType::kInt64 : DType::kInt32);
-      const std::string label = m.name + " (" + describe(shape) + "), seed " + std::to_string(seed);
+      const std::string label = m.name + " (" + describe(shape) + ", " + context + "), seed " + std::to_string(seed);
+      if (ep == 1) {
+        EXPECT_EQ(harness.workspace().ring_rows(), harness.workspace().capacity_rows()) << label;
+      }
+      if (ep >= 4) expect_replay(harness, label);
       const double worst = check_gradients(harness, data, d_out, label);
-      std::printf("%-16s %2d %7d  %-7s  %.3f\n", m.name.c_str(), ep, tokens, ep == 2 ? "unfused" : "fused", worst);
+      std::printf("%-16s %2d %7d  %-19s  %.3f\n", m.name.c_str(), ep, tokens, context, worst);
     }
   }
 }
@@ -302,9 +352,10 @@ TEST(MoeBackwardTest, RouterWeightZeroAndMaskedRoutes) {
         }
     ASSERT_GT(zero_routes, 0);
     const std::vector<float> d_out = testing::random_d_out(shape, seed + 5000);
-    MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape, replay_options());
     forward_backward(harness, data, d_out);
     const std::string label = "rw = 0 (" + describe(shape) + "), seed " + std::to_string(seed);
+    expect_replay(harness, label);
     std::printf("%s: worst error / budget %.3f\n", label.c_str(), check_gradients(harness, data, d_out, label));
     std::vector<std::vector<uint16_t>> d_x;
     for (int r = 0; r < 2; ++r) d_x.push_back(harness.d_x_bits(r));
@@ -323,10 +374,13 @@ TEST(MoeBackwardTest, RouterWeightZeroAndMaskedRoutes) {
 }
 
 // Zipf-skewed routing (several experts get no rows: their gradients must be exactly zero), and every route
-// on rank 0's experts (ranks 1..3 receive nothing), EP 4.
+// on rank 0's experts (ranks 1..3 receive nothing), EP 4. Both need more rows on a rank than the default
+// capacity (twice the balanced rows): they run with the worst case (load_factor = ep_size), and the replay ring.
 TEST(MoeBackwardTest, SkewedRoutingAndEmptyExperts) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = moe_shape(4, 200, 6, 32, 256, 128);
+  MoeOptions options = replay_options();
+  options.schedule.load_factor = shape.ep_size;
   {
     const LayerData data = testing::random_layer(shape, 311, 3.0, 0.1);
     std::vector<int> rows(shape.num_experts, 0);
@@ -334,8 +388,9 @@ TEST(MoeBackwardTest, SkewedRoutingAndEmptyExperts) {
       if (id >= 0) ++rows[id];
     ASSERT_GT(std::count(rows.begin(), rows.end(), 0), 0) << "the skewed routing left no expert empty";
     const std::vector<float> d_out = testing::random_d_out(shape, 5311);
-    MoeHarness harness(PeerGroup::virtual_ranks(4), shape);
+    MoeHarness harness(PeerGroup::virtual_ranks(4), shape, options);
     forward_backward(harness, data, d_out);
+    expect_replay(harness, "skewed, seed 311");
     std::printf("skewed: worst error / budget %.3f\n",
                 check_gradients(harness, data, d_out, "skewed (" + describe(shape) + "), seed 311"));
   }
@@ -344,8 +399,9 @@ TEST(MoeBackwardTest, SkewedRoutingAndEmptyExperts) {
     for (size_t q = 0; q < data.inputs.topk_idx.size(); ++q)
       data.inputs.topk_idx[q] = static_cast<int32_t>(q % shape.top_k);  // experts 0..5 live on rank 0
     const std::vector<float> d_out = testing::random_d_out(shape, 5312);
-    MoeHarness harness(PeerGroup::virtual_ranks(4), shape);
+    MoeHarness harness(PeerGroup::virtual_ranks(4), shape, options);
     forward_backward(harness, data, d_out);
+    expect_replay(harness, "all to rank 0, seed 312");
     std::printf("all to rank 0: worst error / budget %.3f\n",
                 check_gradients(harness, data, d_out, "all to rank 0 (" + describe(shape) + "), seed 312"));
   }
@@ -385,8 +441,9 @@ TEST(MoeBackwardTest, ClampedSwiGLUFusedAndSeparateGateUp) {
     const LayerData data = c.integer ? integer_layer(c.shape, ++seed) : testing::random_layer(c.shape, ++seed);
     const std::vector<float> d_out = testing::random_d_out(c.shape, seed + 5000);
     const std::string label = describe(c.shape) + ", seed " + std::to_string(seed);
-    MoeHarness harness(PeerGroup::virtual_ranks(2), c.shape);
+    MoeHarness harness(PeerGroup::virtual_ranks(2), c.shape, replay_options());
     forward_backward(harness, data, d_out, DType::kInt64);
+    expect_replay(harness, label);
     std::printf("%s, separate gate/up: worst error / budget %.3f\n", label.c_str(),
                 check_gradients(harness, data, d_out, label + ", separate gate/up"));
     std::vector<std::vector<float>> separate;
@@ -429,7 +486,7 @@ TEST(MoeBackwardTest, GradModesWriteBf16Fp32AndAccumulate) {
   LayerData second = testing::random_layer(shape, 332, 1.0, 0.05);
   second.params = first.params;  // two micro-batches of one model
   const std::vector<float> d_out_first = testing::random_d_out(shape, 5331), d_out_second = testing::random_d_out(shape, 5332);
-  MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape, replay_options());
   using Grads = std::vector<std::vector<float>>;  // [rank * kNumGradTensors + tensor]
   auto grads = [&] {
     Grads g;
@@ -449,6 +506,7 @@ TEST(MoeBackwardTest, GradModesWriteBf16Fp32AndAccumulate) {
   // fp32 writes of both micro-batches.
   harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
   forward_backward(harness, first, d_out_first);
+  expect_replay(harness, "fp32 write, micro-batch 1, seed 331");
   check_gradients(harness, first, d_out_first, "fp32 write, micro-batch 1, seed 331");
   const Grads g1 = grads();
   const auto tokens1 = token_grads();
@@ -539,6 +597,7 @@ TEST(MoeBackwardTest, RecomputeGivesTheForwardContextBits) {
     forward_backward(harness, data, d_out);
     if (c.macrobatch_rows > 0) {
       ASSERT_LT(harness.workspace().ring_rows(), harness.workspace().capacity_rows());
+      expect_replay(harness, c.name);
     }
     const RawGrads want = raw_grads(harness);
     std::vector<std::vector<uint16_t>> kept;
@@ -573,7 +632,8 @@ TEST(MoeBackwardTest, RecomputeGivesTheForwardContextBits) {
 }
 
 // The gradients do not depend on which forward path made the context, on the ring (rows beyond it are
-// pulled again), the tile height or the capacity, nor on the run: bitwise.
+// pulled again), the tile height or the capacity, nor on the run: bitwise. The base is the library's
+// defaults (capacity at load factor 2, the ring the balanced share), against the CPU reference.
 TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateUpAndReruns) {
   MOK_REQUIRE_GPUS(1);
   const bool reduced = testing::reduced_sizes();
@@ -582,6 +642,8 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
   const std::vector<float> d_out = testing::random_d_out(shape, 5351);
   MoeHarness base(PeerGroup::virtual_ranks(4), shape);
   forward_backward(base, data, d_out);
+  ASSERT_EQ(base.workspace().capacity_rows(), expected_load_capacity_rows(shape.routing(), 64, 2.0));
+  ASSERT_EQ(base.workspace().ring_rows(), expected_load_capacity_rows(shape.routing(), 64, 1.0) / 128 * 128);
   check_gradients(base, data, d_out, "base (" + describe(shape) + "), seed 351");
   const RawGrads want = raw_grads(base);
   for (int run = 1; run < 3; ++run) {
@@ -593,7 +655,7 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
     const char* name;
     MoeOptions options;
   };
-  std::vector<Variant> variants(7);
+  std::vector<Variant> variants(9);
   variants[0].name = "unfused forward";
   variants[0].options.path = ForwardPath::kUnfused;
   variants[1].name = "fused forward, ring 128";
@@ -602,7 +664,8 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
   variants[2].options.fused.macrobatch_rows = 512;
   variants[3].name = "tile_m 128";
   variants[3].options.schedule.tile_m = 128;
-  // Below the worst case (10624 rows at T = 300, 4096 at T = 96), enough for this routing.
+  // Below the default (5824 rows at T = 300, 2560 at T = 96) at T = 300, above it at T = 96, and below the
+  // worst case (10624, 4096); enough for this routing (at most about 3300 and 1600 rows on a rank).
   variants[4].name = "capacity below the worst case";
   variants[4].options.schedule.capacity_rows = reduced ? 3072 : 5120;
   // The default keeps g and u from the forward; recomputing them in the backward gives the same bits.
@@ -611,10 +674,21 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
   variants[6].name = "g/u recomputed (keep_gate_up false), unfused forward";
   variants[6].options.keep_gate_up = false;
   variants[6].options.path = ForwardPath::kUnfused;
+  // The whole context: every row of the (worst-case) capacity kept, nothing replayed.
+  variants[7].name = "whole context (ring = worst-case capacity)";
+  variants[7].options.schedule.load_factor = shape.ep_size;
+  variants[7].options.fused.macrobatch_rows = int64_t{1} << 30;
+  variants[8].name = "fused forward, ring 256 (replay)";
+  variants[8].options = replay_options();
   for (const Variant& v : variants) {
     MoeHarness harness(PeerGroup::virtual_ranks(4), shape, v.options);
     forward_backward(harness, data, d_out);
     EXPECT_EQ(first_difference(raw_grads(harness), want), "") << v.name;
+    const MoeWorkspace& ws = harness.workspace();
+    if (v.options.path == ForwardPath::kUnfused || v.options.fused.macrobatch_rows > ws.capacity_rows()) {
+      EXPECT_EQ(ws.ring_rows(), ws.capacity_rows()) << v.name;
+    }
+    if (v.options.fused.macrobatch_rows > 0 && v.options.fused.macrobatch_rows <= 512) expect_replay(harness, v.name);
   }
 }
 
@@ -623,10 +697,11 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
 TEST(MoeBackwardTest, CudaGraphReplayOfForwardAndBackward) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = moe_shape(2, 256, 4, 16, 256, 128);
-  MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape, replay_options());
   const LayerData data = testing::random_layer(shape, 361), other = testing::random_layer(shape, 362);
   const std::vector<float> d_out = testing::random_d_out(shape, 5361), d_out_other = testing::random_d_out(shape, 5362);
   forward_backward(harness, data, d_out);
+  expect_replay(harness, "graph, eager, seed 361");
   const RawGrads eager = raw_grads(harness);
 
   cudaStream_t stream = harness.stream(0);
@@ -664,26 +739,41 @@ TEST(MoeBackwardTest, CudaGraphReplayOfForwardAndBackward) {
   cudaGraphDestroy(graph);
 }
 
-// What the backward keeps per layer and per rank, printed for the record (docs/design.md, "Backward").
+// What the backward keeps per layer and per rank, printed for the record (docs/design.md, "Backward"): with
+// the defaults (at EP 2 the capacity is the worst case, the ring the balanced share below it), and with the
+// whole context (ring = capacity).
 TEST(MoeBackwardTest, ContextAndBackwardBytes) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = moe_shape(2, 256, 4, 16, 256, 128);
-  for (const bool keep : {true, false}) {
-    MoeOptions options;
-    options.keep_gate_up = keep;
-    MoeHarness harness(PeerGroup::virtual_ranks(2), shape, options);
-    const MoeWorkspace& ws = harness.workspace();
-    const int64_t h = shape.hidden, i = shape.intermediate, cap = ws.capacity_rows(), pt = ws.padded_tokens();
-    const int64_t context = harness.args(0).context->bytes();
-    // The context: x rows and h of every row and the shared h, plus g | u of both when kept. The backward's
-    // scratch: d_out rows, dy rows, d_g | d_u, the shared d_x, plus the recomputed h and g | u when not kept.
-    EXPECT_GE(context, cap * (h + i + (keep ? 2 * i : 0)) * 2 + pt * (i + (keep ? 2 * i : 0)) * 2);
-    EXPECT_GE(ws.backward_bytes(), cap * (2 * h + 2 * i + (keep ? 0 : 3 * i)) * 2 + pt * h * 2);
-    EXPECT_EQ(ws.recomputes_gate_up(), !keep);
-    std::printf("%s, keep_gate_up %d: context %lld bytes per layer and rank, backward buffers %lld bytes per rank "
-                "(capacity %lld rows)\n",
-                describe(shape).c_str(), keep, static_cast<long long>(context),
-                static_cast<long long>(ws.backward_bytes()), static_cast<long long>(cap));
+  for (const bool whole : {false, true}) {
+    for (const bool keep : {true, false}) {
+      MoeOptions options;
+      options.keep_gate_up = keep;
+      if (whole) options.fused.macrobatch_rows = int64_t{1} << 30;
+      MoeHarness harness(PeerGroup::virtual_ranks(2), shape, options);
+      const MoeWorkspace& ws = harness.workspace();
+      const int64_t h = shape.hidden, i = shape.intermediate, cap = ws.capacity_rows(), pt = ws.padded_tokens();
+      const int64_t ring = ws.ring_rows(), context = harness.args(0).context->bytes();
+      EXPECT_EQ(cap, worst_case_capacity_rows(shape.routing(), 64));
+      EXPECT_EQ(ring, whole ? cap : expected_load_capacity_rows(shape.routing(), 64, 1.0) / 128 * 128);
+      EXPECT_EQ(harness.args(0).context->ring_rows(), ring);
+      // The context: x rows and h of the ring's rows and the shared h, plus g | u of both when kept. The
+      // backward's scratch: d_out rows, dy rows, d_g | d_u of every row of the capacity, the shared d_x, plus
+      // the recomputed h and g | u when not kept or the ring is below the capacity.
+      const bool recomputes = !keep || ring < cap;
+      EXPECT_GE(context, ring * (h + i + (keep ? 2 * i : 0)) * 2 + pt * (i + (keep ? 2 * i : 0)) * 2);
+      const int64_t schedule_elements =
+          schedule::ScheduleLayout::make(2, shape.local_experts(), shape.routing().routes_per_rank(), cap)
+              .total_elements;
+      EXPECT_EQ(context, detail::context_bytes(shape, keep, schedule_elements, ring, pt));  // the ring's rows only
+      EXPECT_GE(ws.backward_bytes(), cap * (2 * h + 2 * i + (recomputes ? 3 * i : 0)) * 2 + pt * h * 2);
+      EXPECT_EQ(ws.recomputes_gate_up(), recomputes);
+      std::printf("%s, keep_gate_up %d, %s: context %lld bytes per layer and rank (ring %lld rows), backward "
+                  "buffers %lld bytes per rank (capacity %lld rows)\n",
+                  describe(shape).c_str(), keep, whole ? "whole context" : "default ring",
+                  static_cast<long long>(context), static_cast<long long>(ring),
+                  static_cast<long long>(ws.backward_bytes()), static_cast<long long>(cap));
+    }
   }
   MoeOptions inference;
   inference.backward = false;

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -52,6 +53,11 @@ double check_against_reference(MoeHarness& harness, const LayerData& data, const
   }
   double worst = 0;
   for (int r = 0; r < data.shape.num_ranks; ++r) {
+    // An error (a capacity overflow above all) leaves `out` unspecified: fail on it, never compare it.
+    const StatusReport report = harness.status(r);
+    EXPECT_TRUE(report.ok()) << label << " rank " << r << ": "
+                             << report.describe(data.shape.tokens_per_rank, data.shape.top_k, data.shape.num_experts);
+    if (!report.ok()) return std::numeric_limits<double>::infinity();
     const auto out = harness.out_bits(r);
     const auto result =
         testing::compare_within_budget(out, ref.out.data() + r * per_rank, per_rank, extra.data() + r * per_rank);
@@ -86,18 +92,23 @@ TEST(MoeForwardTest, ScaledModelShapesMatchCpuReference) {
   }
 }
 
+// Skewed routings at EP 4 need more than the default capacity (twice the balanced rows) on a rank: they run
+// with the worst case (ScheduleOptions::load_factor = ep_size). The default ring (the balanced share) is
+// below their busiest rank's rows, so the fused forward reuses it (macrobatches).
 TEST(MoeForwardTest, SkewedRoutingEmptyExpertsAndClampedSwiGLU) {
   MOK_REQUIRE_GPUS(1);
   MoeShape shape = moe_shape(4, 200, 6, 32, 256, 128);
-  {  // Zipf-skewed routing: several experts get no rows
-    MoeHarness harness(PeerGroup::virtual_ranks(4), shape);
+  MoeOptions worst_case;
+  worst_case.schedule.load_factor = shape.ep_size;
+  {  // Zipf-skewed routing: several experts get no rows (the busiest rank: about 1.5x the balanced rows)
+    MoeHarness harness(PeerGroup::virtual_ranks(4), shape, worst_case);
     const LayerData data = testing::random_layer(shape, 11, 3.0, 0.1);
     harness.upload(data);
     harness.forward();
     check_against_reference(harness, data, "skewed");
   }
-  {  // every route to rank 0's experts: ranks 1..3 have no rows at all
-    MoeHarness harness(PeerGroup::virtual_ranks(4), shape);
+  {  // every route to rank 0's experts: ranks 1..3 have no rows at all; rank 0 needs 4x the balanced rows
+    MoeHarness harness(PeerGroup::virtual_ranks(4), shape, worst_case);
     LayerData data = testing::random_layer(shape, 12);
     for (size_t q = 0; q < data.inputs.topk_idx.size(); ++q)
       data.inputs.topk_idx[q] = static_cast<int32_t>(q % shape.top_k);  // experts 0..5 live on rank 0
@@ -175,6 +186,8 @@ std::vector<std::vector<uint16_t>> run_outputs(const PeerGroup& group, const Moe
   return harness.run_checked(runs);
 }
 
+// The base runs the default capacity (load factor 2: 5824 rows; the mildly skewed routing needs at most about
+// 3100 on a rank) and the default ring (the balanced share).
 TEST(MoeForwardTest, BitwiseEqualAcrossRerunsTileHeightsAndCapacities) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = moe_shape(4, 300, 8, 64, 512, 256);
@@ -186,8 +199,11 @@ TEST(MoeForwardTest, BitwiseEqualAcrossRerunsTileHeightsAndCapacities) {
   MoeOptions tall;
   tall.schedule.tile_m = 128;
   MoeOptions tight;
-  tight.schedule.capacity_rows = 5120;  // half the worst case (10624 rows), enough for this routing
-  for (const MoeOptions& options : {tall, tight}) {
+  tight.schedule.capacity_rows = 5120;  // below the default and half the worst case (10624 rows): enough here
+  MoeOptions worst;
+  worst.schedule.capacity_rows = worst_case_capacity_rows(shape.routing(), worst.schedule.tile_m);
+  worst.fused.macrobatch_rows = int64_t{1} << 30;  // and the whole context: the ring is the capacity
+  for (const MoeOptions& options : {tall, tight, worst}) {
     const auto other = run_outputs(group, shape, options, data);
     for (int r = 0; r < 4; ++r)
       ASSERT_EQ(other[r], base[r]) << "tile_m " << options.schedule.tile_m << ", capacity "
@@ -338,6 +354,47 @@ TEST(MoeForwardTest, BadExpertIdAndCapacityOverflowReachTheStatusWord) {
     const StatusReport report = harness.status(0);
     ASSERT_TRUE(report.raw.error_bits & kStatusCapacityOverflow) << report.describe(128, 4, 16);
     std::printf("overflow report: %s\n", report.describe(128, 4, 16).c_str());
+  }
+}
+
+// A default workspace at EP 4 (capacity from the expected load: twice the balanced T * k rows plus padding)
+// with every route on rank 0's experts, which needs 4x: rank 0 reports the overflow (rows needed > rows held,
+// the message says to raise ScheduleOptions.load_factor or capacity_rows), no rank hangs or reports anything
+// else, and after reset_status a balanced routing on the same workspace matches the CPU reference. Both paths.
+TEST(MoeForwardTest, DefaultCapacityOverflowsOnSkewAndRecovers) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(4, 128, 4, 16, 256, 128);
+  for (ForwardPath path : {ForwardPath::kFused, ForwardPath::kUnfused}) {
+    const std::string name = path == ForwardPath::kFused ? "fused" : "unfused";
+    MoeOptions options;  // capacity_rows 0, load_factor 2
+    options.path = path;
+    MoeHarness harness(PeerGroup::virtual_ranks(4), shape, options);
+    const int64_t capacity = harness.workspace().capacity_rows();
+    ASSERT_EQ(capacity, expected_load_capacity_rows(shape.routing(), 64, 2.0)) << name;
+    ASSERT_LT(capacity, worst_case_capacity_rows(shape.routing(), 64)) << name;
+    LayerData skewed = testing::random_layer(shape, 63);
+    for (size_t q = 0; q < skewed.inputs.topk_idx.size(); ++q)
+      skewed.inputs.topk_idx[q] = static_cast<int32_t>(q % shape.top_k);  // experts 0..3, all on rank 0
+    harness.upload(skewed);
+    harness.forward();
+    const StatusReport report = harness.status(0);
+    const std::string text = report.describe(128, 4, 16);
+    std::printf("%s, default capacity %lld rows, all routes to rank 0: %s\n", name.c_str(),
+                static_cast<long long>(capacity), text.c_str());
+    ASSERT_EQ(report.raw.error_bits, kStatusCapacityOverflow) << name << ": " << text;
+    EXPECT_EQ(report.raw.rows_capacity, capacity) << name;
+    EXPECT_EQ(report.raw.rows_needed, 4 * 128 * 4) << name;  // 4 experts of 512 rows (multiples of 64)
+    EXPECT_GT(report.raw.rows_needed, report.raw.rows_capacity) << name;
+    EXPECT_NE(text.find("ScheduleOptions.load_factor"), std::string::npos) << name << ": " << text;
+    EXPECT_NE(text.find("capacity_rows >= 2048"), std::string::npos) << name << ": " << text;
+    for (int r = 1; r < 4; ++r)  // no rows there: nothing to overflow, nothing to wait for in vain
+      EXPECT_TRUE(harness.status(r).ok()) << name << " rank " << r << ": " << harness.status(r).describe(128, 4, 16);
+
+    harness.reset_status();
+    const LayerData balanced = testing::random_layer(shape, 64, 0, 0.05);
+    harness.upload(balanced);
+    harness.forward();
+    check_against_reference(harness, balanced, name + ", balanced routing after the overflow and a reset, seed 64");
   }
 }
 

@@ -1,7 +1,8 @@
 // The fused forward (the megakernel, src/device/megakernel) on one GPU, virtual ranks:
 //   - bitwise equal to its unfused twin, outputs and the context's resident rows, across communication-CTA
-//     counts, minibatch sizes and macrobatch (ring) sizes down to rings of 128 rows that force reuse, for a
-//     shape with CTA pairs (cluster 2) and one without, with and without a shared expert, clamped SwiGLU
+//     counts, minibatch sizes and macrobatch (ring) sizes (the default: the balanced share of rows; the whole
+//     capacity; rings down to 128 rows that force reuse), for a shape with CTA pairs (cluster 2) and one
+//     without, with and without a shared expert, clamped SwiGLU
 //   - the timeline: one record per task, GEMM tiles counted against the task order walked on the host;
 //     Chrome-trace JSON with one event per record
 //   - a dependency that does not arrive in time is reported through the status word (rank, SM, role,
@@ -42,6 +43,7 @@ std::vector<T> download(const void* src, int64_t count) {
 struct Result {
   std::vector<std::vector<uint16_t>> out, expert_rows, hidden;
   std::vector<int32_t> scheduled_rows;
+  int64_t ring_rows = 0, capacity_rows = 0;
 };
 
 Result run(const MoeShape& shape, const MoeOptions& options, const LayerData& data, int64_t kept_rows) {
@@ -49,6 +51,8 @@ Result run(const MoeShape& shape, const MoeOptions& options, const LayerData& da
   harness.upload(data);
   Result result;
   result.out = harness.run_checked(1);
+  result.ring_rows = harness.workspace().ring_rows();
+  result.capacity_rows = harness.workspace().capacity_rows();
   for (int r = 0; r < shape.ep_size; ++r) {
     const ForwardContext& ctx = *harness.args(r).context;
     const int32_t scheduled = download<int32_t>(ctx.schedule().scheduled_rows, 1)[0];
@@ -88,6 +92,9 @@ TEST(MoeFusedTest, BitwiseEqualToUnfusedAcrossCommMinibatchAndMacrobatch) {
   const std::vector<int> comms = reduced ? std::vector<int>{0, 2} : std::vector<int>{0, 2, 12, 40};
   const std::vector<int> minibatches = reduced ? std::vector<int>{128} : std::vector<int>{128, 384, 4096};
   const std::vector<int64_t> macrobatches = reduced ? std::vector<int64_t>{0, 128} : std::vector<int64_t>{0, 128, 512};
+  // Macrobatch 0 is the default ring (the balanced share of rows, below the capacity at EP > 1); one more
+  // setting keeps the whole context (ring = capacity).
+  constexpr int64_t kWholeContext = int64_t{1} << 30;
   std::vector<FusedOptions> settings;
   for (int comm : comms)
     for (int minibatch : minibatches)
@@ -98,6 +105,8 @@ TEST(MoeFusedTest, BitwiseEqualToUnfusedAcrossCommMinibatchAndMacrobatch) {
         f.macrobatch_rows = macrobatch;
         settings.push_back(f);
       }
+  settings.push_back(FusedOptions{});
+  settings.back().macrobatch_rows = kWholeContext;
   int compared = 0;
   for (const ShapeCase& c : cases) {
     const LayerData data = testing::random_layer(c.shape, 40 + compared, c.skew, 0.02);
@@ -110,13 +119,26 @@ TEST(MoeFusedTest, BitwiseEqualToUnfusedAcrossCommMinibatchAndMacrobatch) {
       const Result got = run(c.shape, options, data, 1 << 30);
       const std::string label = "H " + std::to_string(c.shape.hidden) + ", I " + std::to_string(c.shape.intermediate) +
                                 ", EP " + std::to_string(c.shape.ep_size) + ": " + describe(f);
+      ASSERT_EQ(want.ring_rows, want.capacity_rows) << label << ": the unfused path keeps every row";
+      ASSERT_EQ(got.capacity_rows, want.capacity_rows) << label;
+      // The ring: the macrobatch, at most the capacity; by default the balanced share (T * k + padding at load
+      // factor 1, rounded down to 128 rows), below the capacity at EP > 1.
+      const int64_t share = expected_load_capacity_rows(c.shape.routing(), 64, 1.0) / 128 * 128;
+      ASSERT_EQ(got.ring_rows, f.macrobatch_rows > 0 ? std::min(f.macrobatch_rows, got.capacity_rows) : share)
+          << label;
+      if (f.macrobatch_rows == kWholeContext) {
+        ASSERT_EQ(got.ring_rows, got.capacity_rows) << label;
+      }
+      // A ring of 128 rows is below the busiest rank's scheduled rows here: the forward reuses it (macrobatches).
+      if (f.macrobatch_rows == 128) {
+        ASSERT_LT(got.ring_rows, *std::max_element(got.scheduled_rows.begin(), got.scheduled_rows.end()))
+            << label << ": no ring reuse";
+      }
       for (int r = 0; r < c.shape.ep_size; ++r) {
         ASSERT_EQ(got.scheduled_rows[r], want.scheduled_rows[r]) << label;
         ASSERT_EQ(got.out[r], want.out[r]) << label << ", rank " << r << ": output differs";
-        // The fused context keeps the first macrobatch's rows; they equal the unfused context's.
-        const size_t rows = got.expert_rows[r].size() / c.shape.hidden;
-        ASSERT_EQ(rows, std::min<size_t>(f.macrobatch_rows > 0 ? f.macrobatch_rows : 1 << 30, got.scheduled_rows[r]))
-            << label;
+        // The fused context keeps the first macrobatch's rows (run() downloads min(ring, scheduled) of them);
+        // they equal the unfused context's.
         ASSERT_TRUE(std::equal(got.expert_rows[r].begin(), got.expert_rows[r].end(), want.expert_rows[r].begin()))
             << label << ", rank " << r << ": context expert rows differ";
         ASSERT_TRUE(std::equal(got.hidden[r].begin(), got.hidden[r].end(), want.hidden[r].begin()))
