@@ -55,6 +55,9 @@ def parse_args():
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--load-factor", type=float, default=0,
+                   help="mok.Config.load_factor (0: the EP size, the worst case, which never overflows: no balance "
+                   "loss keeps this router's load even)")
     p.add_argument("--main-grad", action="store_true",
                    help="ours accumulates its expert weight gradients into fp32 param.main_grad (Megatron's way)")
     return p.parse_args()
@@ -256,7 +259,8 @@ def build(kind, args, env, state):
         model.load_state_dict(state)
         return model, []
     tokens = args.batch * args.seq
-    ws = mok.get_workspace(mok.Config(), env.group, tokens, args.hidden, args.intermediate, args.top_k, args.experts)
+    config = mok.Config(load_factor=args.load_factor or float(env.size))
+    ws = mok.get_workspace(config, env.group, tokens, args.hidden, args.intermediate, args.top_k, args.experts)
     ffns = [mok.MoE(args.hidden, args.intermediate, args.experts, args.top_k, workspace=ws, group=env.group,
                     main_grad=args.main_grad) for _ in range(args.layers)]
     model = Model(args, ffns, env.device)
