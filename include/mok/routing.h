@@ -31,9 +31,10 @@ struct ScheduleOptions {
   // them). 0 selects expected_load_capacity_rows(shape, tile_m, load_factor); > 0 overrides load_factor.
   int64_t capacity_rows = 0;
   // Headroom of the default capacity over the rows balanced routing brings a rank (T * k), >= 1. A step whose
-  // routing needs more rows on a rank reports kStatusCapacityOverflow (rows needed and held) in the status
-  // word and computes nothing (its outputs are unspecified). load_factor >= ep_size gives the worst case
-  // (worst_case_capacity_rows: never overflows); at EP <= 2 the default 2 is the worst case already.
+  // routing needs more rows on a rank reports kStatusCapacityOverflow (rows needed and held) in that rank's
+  // status word and schedules no rows there (the step's outputs are unspecified; after reset_status the next
+  // step runs normally). load_factor >= ep_size gives the worst case (worst_case_capacity_rows: never
+  // overflows); at EP <= 2 the default 2 is the worst case already.
   double load_factor = 2.0;
   double wait_timeout_s = 10; // spin-waits give up after this long and report through the status word
   // Throws std::invalid_argument naming the offending field.
@@ -46,8 +47,9 @@ int64_t worst_case_capacity_rows(const RoutingShape& shape, int tile_m);
 // A capacity sized by the expected load instead of the worst case: the rows a rank receives when the routing
 // is balanced (T * k: each of the EP ranks sends T * k routes, spread over all of them) times load_factor
 // (>= 1: headroom for imbalance), plus the worst padding, rounded up to tile_m and capped at the worst case.
-// For ScheduleOptions::capacity_rows; a step whose routing needs more rows reports kStatusCapacityOverflow in
-// the status word (its outputs are then unspecified). Throws std::invalid_argument for load_factor < 1.
+// The default capacity (ScheduleOptions::capacity_rows 0); a step whose routing needs more rows reports
+// kStatusCapacityOverflow in the status word (its outputs are then unspecified). load_factor >= ep_size: the
+// worst case. Throws std::invalid_argument for load_factor < 1.
 int64_t expected_load_capacity_rows(const RoutingShape& shape, int tile_m, double load_factor);
 
 // Capacity actually used by a schedule for these options: capacity_rows when > 0, else
