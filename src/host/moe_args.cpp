@@ -214,8 +214,8 @@ int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t c
   // capacity is the share); above it (EP > 1: the load factor's headroom for imbalance) the ring stops at the
   // share, and the rows an imbalanced step schedules past it are replayed by the backward.
   const int64_t balanced = expected_load_capacity_rows(s.routing(), options.schedule.tile_m, 1.0);
-  const int64_t limit =
-      balanced >= capacity_rows ? capacity_rows : std::min(capacity_rows, std::max<int64_t>(128, balanced / 128 * 128));
+  const int64_t share = std::max<int64_t>(128, balanced / 128 * 128);
+  const int64_t limit = balanced >= capacity_rows ? capacity_rows : std::min(capacity_rows, share);
   const auto bytes = [&](int64_t rows) {
     return context_bytes(s, options.keep_gate_up, schedule_elements, rows, padded_tokens);
   };
