@@ -52,7 +52,7 @@ auto make_weight_grad_params(const WeightGradArgs& args) {
   // Without out_split no row reaches it (m_split = m); the descriptor only has to be a valid one.
   auto tma_out_split = split ? make_store(args.out_split, args.m - args.m_split) : tma_out;
 
-  gemm::WeightGradParams<decltype(tma_a), decltype(tma_out)> p{tma_a, tma_b, tma_out, tma_out_split};
+  typename T::Params p{tma_a, tma_b, tma_out, tma_out_split};  // the traits name the TMA copies' types
   p.rows = rows;
   p.m = args.m;
   p.n = args.n;
