@@ -329,7 +329,7 @@ __device__ __forceinline__ void store_staged_rows(const Params& p, const Tma& tm
 // columns are a contiguous range of values. The byte of a column within its 128-byte box row is a
 // compile-time part (the 8-column group) plus a part of the lane with disjoint bits, and the swizzle (XOR
 // with row % 8 = (t % 32) / 4 in bits [4, 7)) is a per-thread constant: each write is a register base plus
-// an immediate offset (`pass` is a constant of the unrolled pass loop).
+// an immediate offset (`pass` is a compile-time constant once inlined: store_grad_pass's kPass).
 template <class Traits, class Accum>
 __device__ __forceinline__ void write_staging(const Accum& accum, int pass, uint8_t (*boxes)[Traits::kStoreBoxBytes],
                                               int thread) {
