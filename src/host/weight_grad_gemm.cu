@@ -1,5 +1,6 @@
 // Host side of the weight-gradient GEMM: argument validation, output-mode dispatch and the launch of the
-// persistent kernel in src/device/gemm/weight_grad_gemm.cuh (parameters: src/host/weight_grad_params.h).
+// persistent kernel in src/device/gemm/weight_grad_gemm.cuh (parameters: src/host/weight_grad_params.h);
+// with the tests also the megakernel's configuration run standalone (src/host/weight_grad_in_gemm_layout.h).
 #include "mok/weight_grad_gemm.h"
 
 #include <algorithm>
@@ -8,7 +9,9 @@
 #include <string>
 
 #include "src/device/gemm/weight_grad_gemm.cuh"
+#include "src/device/gemm/weight_grad_in_gemm_layout.cuh"
 #include "src/host/check.h"
+#include "src/host/weight_grad_in_gemm_layout.h"
 #include "src/host/weight_grad_params.h"
 
 namespace mok {
@@ -20,34 +23,46 @@ void require(bool condition, const std::string& message) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Output tiles of a call (every output mode and configuration has the 128 x 256 tile).
+int64_t num_tiles(const WeightGradArgs& args) {
+  using Tile = detail::WeightGradConfig<GradOutput::kBFloat16>;
+  return int64_t(args.local_experts) * ((args.m + Tile::kBlockM - 1) / Tile::kBlockM) *
+         ((args.n + Tile::kBlockN - 1) / Tile::kBlockN);
+}
+
+// Zeroes the ticket, then launches `kernel` persistently: one CTA per SM (the shared memory allows no
+// second one), no more CTAs than tiles.
+template <class Kernel, class Params>
+void launch_persistent(Kernel kernel, const Params& p, int threads, int shared_bytes, int64_t tiles,
+                       int32_t* ticket, cudaStream_t stream) {
+  MOK_CHECK_CUDA(cudaMemsetAsync(ticket, 0, sizeof(int32_t), stream));
+  int device = 0, num_sms = 0, max_smem = 0;
+  MOK_CHECK_CUDA(cudaGetDevice(&device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (shared_bytes > max_smem)
+    throw std::runtime_error("weight_grad_gemm: tile config needs " + std::to_string(shared_bytes) +
+                             " bytes of shared memory, device allows " + std::to_string(max_smem));
+  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(num_sms, tiles)));
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p));
+}
+
 template <class Traits>
 void launch(const WeightGradArgs& args, cudaStream_t stream) {
   using T = Traits;
   auto p = detail::make_weight_grad_params<T>(args);
   p.ticket = args.ticket;
-  MOK_CHECK_CUDA(cudaMemsetAsync(args.ticket, 0, sizeof(int32_t), stream));
-
-  int device = 0, num_sms = 0, max_smem = 0;
-  MOK_CHECK_CUDA(cudaGetDevice(&device));
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (T::kSharedBytes > max_smem)
-    throw std::runtime_error("weight_grad_gemm: tile config needs " + std::to_string(T::kSharedBytes) +
-                             " bytes of shared memory, device allows " + std::to_string(max_smem));
-  auto kernel = gemm::weight_grad_gemm_kernel<T, decltype(p)>;
-  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSharedBytes));
-  cudaLaunchConfig_t config{};
-  // Persistent: one CTA per SM (the shared memory allows no second one), no more CTAs than tasks.
-  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(num_sms, p.num_tasks)));
-  config.blockDim = dim3(T::kThreads);
-  config.dynamicSmemBytes = T::kSharedBytes;
-  config.stream = stream;
-  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p));
+  launch_persistent(gemm::weight_grad_gemm_kernel<T, decltype(p)>, p, T::kThreads, T::kSharedBytes, p.num_tasks,
+                    args.ticket, stream);
 }
 
-}  // namespace
-
-void validate(const WeightGradArgs& args) {
+// Every field but the ticket.
+void validate_operands(const WeightGradArgs& args) {
   require(args.a != nullptr && aligned16(args.a), "a must be a non-null, 16-byte aligned bf16 buffer");
   require(args.b != nullptr && aligned16(args.b), "b must be a non-null, 16-byte aligned bf16 buffer");
   require(args.tile_m == 64 || args.tile_m == 128, "tile_m must be 64 or 128, got " + std::to_string(args.tile_m));
@@ -76,10 +91,16 @@ void validate(const WeightGradArgs& args) {
   // TMA coordinates and task slots are int32.
   require(int64_t(args.local_experts) * args.m <= INT32_MAX,
           "local_experts * m must fit int32 (output rows), got " + std::to_string(int64_t(args.local_experts) * args.m));
-  using Tile = detail::WeightGradConfig<GradOutput::kBFloat16>;  // every output mode has the same tile
-  const int64_t tasks = int64_t(args.local_experts) * ((args.m + Tile::kBlockM - 1) / Tile::kBlockM) *
-                        ((args.n + Tile::kBlockN - 1) / Tile::kBlockN);
+  const int64_t tasks = num_tiles(args);
   require(tasks <= (int64_t(1) << 30), "too many output tiles (local_experts * m-blocks * n-blocks): " + std::to_string(tasks));
+}
+
+}  // namespace
+
+void detail::validate_weight_grad_operands(const WeightGradArgs& args) { validate_operands(args); }
+
+void validate(const WeightGradArgs& args) {
+  validate_operands(args);
   require(args.ticket != nullptr, "ticket must point to an int32 of device memory");
 }
 
@@ -97,5 +118,15 @@ void weight_grad_gemm(const WeightGradArgs& args, cudaStream_t stream) {
       break;
   }
 }
+
+#if defined(MOK_TEST_ENTRIES)
+void detail::weight_grad_gemm_in_gemm_layout(const WeightGradArgs& args, cudaStream_t stream) {
+  validate(args);
+  using T = gemm::WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>;  // every mode: the same threads and bytes
+  const gemm::AnyWeightGradParams p = detail::make_any_weight_grad_params(args);
+  launch_persistent(gemm::any_mode_weight_grad_gemm_kernel<gemm::AnyWeightGradParams>, p, T::kThreads,
+                    T::kSharedBytes, num_tiles(args), args.ticket, stream);
+}
+#endif
 
 }  // namespace mok

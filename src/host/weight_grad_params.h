@@ -1,13 +1,18 @@
 // Host side of the weight-gradient GEMM's kernel parameters: the tile configurations and the TMA
 // descriptors of src/device/gemm/weight_grad_gemm.cuh, built from WeightGradArgs. Shared by the standalone
-// launch (src/host/weight_grad_gemm.cu) and, later, the backward megakernel's, so both run the same tiles.
+// launch (src/host/weight_grad_gemm.cu) and the backward megakernel's, so both run the same tiles: the
+// megakernel's in the expert GEMM's layout (src/device/gemm/weight_grad_in_gemm_layout.cuh), each GEMM's
+// output mode a run-time value (make_any_weight_grad_params).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "mok/weight_grad_gemm.h"
 #include "src/device/gemm/weight_grad_gemm.cuh"
+#include "src/device/gemm/weight_grad_in_gemm_layout.cuh"
+#include "src/host/gemm_params.h"
 
 namespace mok::detail {
 
@@ -52,7 +57,7 @@ auto make_weight_grad_params(const WeightGradArgs& args) {
   // Without out_split no row reaches it (m_split = m); the descriptor only has to be a valid one.
   auto tma_out_split = split ? make_store(args.out_split, args.m - args.m_split) : tma_out;
 
-  gemm::WeightGradParams<decltype(tma_a), decltype(tma_out)> p{tma_a, tma_b, tma_out, tma_out_split};
+  typename T::Params p{tma_a, tma_b, tma_out, tma_out_split};  // the traits name the TMA copies' types
   p.rows = rows;
   p.m = args.m;
   p.n = args.n;
@@ -64,6 +69,50 @@ auto make_weight_grad_params(const WeightGradArgs& args) {
   p.expert_row_offsets = args.expert_row_offsets;
   p.scheduled_rows = args.scheduled_rows;
   return p;
+}
+
+// The megakernel's weight-gradient tiles run in the shared memory and pipeline of its expert GEMM tiles
+// (MN-major B: the backward's dgrads; every ExpertGemmTraits shares this layout), with and without clusters.
+template <GradOutput kOutput, int kClusterN>
+inline constexpr bool kGradTilesFitGemmLayout =
+    gemm::same_stage_layout<gemm::WeightGradTraitsInGemmLayout<kOutput>,
+                            ExpertGemmTraits<MNMajorMainloop, gemm::StoreEpilogue, kClusterN>>();
+static_assert(kGradTilesFitGemmLayout<GradOutput::kBFloat16, 1> && kGradTilesFitGemmLayout<GradOutput::kBFloat16, 2> &&
+                  kGradTilesFitGemmLayout<GradOutput::kFloat32, 1> && kGradTilesFitGemmLayout<GradOutput::kFloat32, 2> &&
+                  kGradTilesFitGemmLayout<GradOutput::kAccumulateFloat32, 1> &&
+                  kGradTilesFitGemmLayout<GradOutput::kAccumulateFloat32, 2>,
+              "weight-gradient stages, staging and barriers at the expert GEMM's offsets");
+static_assert(gemm::WeightGradTraitsInGemmLayout<GradOutput::kFloat32>::kBlockM == WeightGradConfig<GradOutput::kFloat32>::kBlockM &&
+                  gemm::WeightGradTraitsInGemmLayout<GradOutput::kFloat32>::kBlockN == WeightGradConfig<GradOutput::kFloat32>::kBlockN,
+              "the same tiles as the standalone launch (validate() counts them)");
+
+// validate() but for the ticket (src/host/weight_grad_gemm.cu): the megakernel takes no slots from it.
+void validate_weight_grad_operands(const WeightGradArgs& args);
+
+// One weight-gradient GEMM of the megakernel, its output mode args.output: validated as the standalone
+// launch validates (but for the ticket), then the mode's parameters in the megakernel's configuration. The
+// ticket is args.ticket, possibly null (only the standalone loop over these parameters takes slots).
+inline gemm::AnyWeightGradParams make_any_weight_grad_params(const WeightGradArgs& args) {
+  validate_weight_grad_operands(args);
+  gemm::AnyWeightGradParams any;
+  any.output = args.output;
+  auto store = [&](auto params) {
+    static_assert(sizeof(params) <= sizeof(any.storage) && std::is_trivially_copyable_v<decltype(params)>);
+    params.ticket = args.ticket;
+    std::memcpy(any.storage, &params, sizeof(params));
+  };
+  switch (args.output) {
+    case GradOutput::kBFloat16:
+      store(make_weight_grad_params<gemm::WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>>(args));
+      break;
+    case GradOutput::kFloat32:
+      store(make_weight_grad_params<gemm::WeightGradTraitsInGemmLayout<GradOutput::kFloat32>>(args));
+      break;
+    case GradOutput::kAccumulateFloat32:
+      store(make_weight_grad_params<gemm::WeightGradTraitsInGemmLayout<GradOutput::kAccumulateFloat32>>(args));
+      break;
+  }
+  return any;
 }
 
 }  // namespace mok::detail

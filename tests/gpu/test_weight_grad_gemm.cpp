@@ -5,6 +5,8 @@
 // Random normal inputs are checked within a stated budget. Every output buffer is NaN-poisoned before a
 // run (accumulate: holds the start values) and followed by a guard region that must stay untouched; rows
 // of a and b past the schedule are NaN, so reading one shows. Validation cases need no GPU.
+// The backward megakernel's configuration of the tiles (src/device/gemm/weight_grad_in_gemm_layout.cuh),
+// launched standalone through a test entry, must give the standalone configuration's bits.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -18,6 +20,7 @@
 
 #include "mok/weight_grad_gemm.h"
 #include "src/host/check.h"
+#include "src/host/weight_grad_in_gemm_layout.h"
 #include "tests/common/bf16.h"
 #include "tests/common/device_array.h"
 #include "tests/common/device_fill.h"
@@ -157,9 +160,14 @@ struct Outputs {
   std::string guard_error;         // "" when both guards are intact
 };
 
-// Runs weight_grad_gemm `calls` times on one pair of output buffers. Accumulate: they start as `start`
-// ([E, m, n]); the write modes: NaN.
-Outputs run_gpu(const Problem& p, GradOutput output, int calls = 1, const std::vector<float>* start = nullptr) {
+// A launch of the weight-gradient GEMM: mok::weight_grad_gemm (the standalone configuration) or
+// detail::weight_grad_gemm_in_gemm_layout (the megakernel's, standalone).
+using Launcher = void (*)(const WeightGradArgs&, cudaStream_t);
+
+// Runs `launch` `calls` times on one pair of output buffers. Accumulate: they start as `start` ([E, m, n]);
+// the write modes: NaN.
+Outputs run_gpu(const Problem& p, GradOutput output, int calls = 1, const std::vector<float>* start = nullptr,
+                Launcher launch = weight_grad_gemm) {
   const Case& c = p.c;
   const size_t elem = output == GradOutput::kBFloat16 ? 2 : 4;
   const int split = c.m_split > 0 ? c.m_split : c.m;
@@ -200,7 +208,7 @@ Outputs run_gpu(const Problem& p, GradOutput output, int calls = 1, const std::v
     args.m_split = c.m_split;
   }
   args.ticket = d_ticket.ptr;
-  for (int call = 0; call < calls; ++call) weight_grad_gemm(args, nullptr);
+  for (int call = 0; call < calls; ++call) launch(args, nullptr);
   MOK_CHECK_CUDA(cudaDeviceSynchronize());
 
   Outputs result;
@@ -445,7 +453,98 @@ TEST(WeightGradGemmTest, RandomNormalInputsWithinBudget) {
             "");
 }
 
-// validate() names the offending field; weight_grad_gemm() validates before touching the GPU.
+// "" when `got` holds exactly the bits of `want` (both runs of one problem and mode) and no NaN, else the
+// first differing (or NaN) element. bf16 values are compared as the floats they convert to exactly, so equal
+// floats mean equal bf16 bits.
+std::string check_bitwise(const Problem& p, GradOutput output, const Outputs& got, const Outputs& want) {
+  const std::string where = std::string(mode_name(output)) + ", " + p.c.describe();
+  if (!got.guard_error.empty()) return where + ": megakernel configuration: " + got.guard_error;
+  if (!want.guard_error.empty()) return where + ": standalone configuration: " + want.guard_error;
+  for (size_t x = 0; x < want.values.size(); ++x) {
+    uint32_t got_bits, want_bits;
+    std::memcpy(&got_bits, &got.values[x], 4);
+    std::memcpy(&want_bits, &want.values[x], 4);
+    if (got_bits != want_bits || std::isnan(got.values[x]))
+      return mismatch(p, output, x, got.values[x], want.values[x]) + " (megakernel configuration vs standalone)";
+  }
+  return {};
+}
+
+// Both configurations on one problem, every mode (accumulate once and twice from the same start): the
+// megakernel's bitwise the standalone's and, on integer inputs, exactly the reference.
+void expect_gemm_layout_bitwise(const Case& c) {
+  const Problem p = make_problem(c);
+  const Reference ref = c.integer_values ? reference(p, false) : Reference{};
+  const std::vector<float> start = start_values(p);
+  for (GradOutput output : {GradOutput::kBFloat16, GradOutput::kFloat32, GradOutput::kAccumulateFloat32}) {
+    const bool accumulate = output == GradOutput::kAccumulateFloat32;
+    for (int calls = 1; calls <= (accumulate ? 2 : 1); ++calls) {
+      const std::vector<float>* s = accumulate ? &start : nullptr;
+      const Outputs standalone = run_gpu(p, output, calls, s, weight_grad_gemm);
+      const Outputs in_layout = run_gpu(p, output, calls, s, detail::weight_grad_gemm_in_gemm_layout);
+      EXPECT_EQ(check_bitwise(p, output, in_layout, standalone), "") << calls << " call(s)";
+      if (c.integer_values) {
+        EXPECT_EQ(check_exact(p, ref, output, in_layout, calls, &start), "") << calls << " call(s)";
+      }
+    }
+  }
+}
+
+// The megakernel's configuration: kBlockK 64 and 4 stages (the expert GEMM's), 16 KB of staging per consumer
+// warpgroup in passes (bf16: 2 of 128 columns, fp32: 4 of 64), the output mode read at run time from
+// AnyWeightGradParams. Bitwise, not within a budget: both configurations run each tile as the same sequence
+// of wgmma 64x256x16 over the segment's rows in ascending 16-row steps into accumulators that start at zero
+// (the stage depth, 32 or 64 rows, only groups those instructions into batches); the passes only change
+// where a value is staged; each value is rounded (or added) once either way.
+// n covers every partial last n-block: 64 columns (576; fp32 skips 3 passes, bf16 stores 1 box of its first
+// pass), 128 (384), 192 (448; bf16's second pass stores 1 box), none (512); m 320 a partial last m-block
+// (the second warpgroup idle); empty experts; out_split through a tile (192) and on a boundary (256); a
+// schedule cut to nothing (scheduled_rows 0: zeros written, nothing added).
+TEST(WeightGradGemmTest, GemmLayoutConfigurationIsBitwiseTheStandalone) {
+  MOK_REQUIRE_GPUS(1);
+  struct Shape {
+    int m, n, m_split, tile_m;
+    int32_t scheduled_rows;
+  };
+  uint64_t seed = 200;
+  for (const Shape& s : {Shape{320, 576, 0, 64, -1}, Shape{320, 384, 192, 128, -1}, Shape{192, 448, 0, 128, -1},
+                         Shape{512, 512, 256, 64, -1}, Shape{64, 64, 0, 64, -1}, Shape{192, 448, 64, 64, 0}}) {
+    Case c;
+    c.counts = kSkewedCounts;
+    c.m = s.m;
+    c.n = s.n;
+    c.m_split = s.m_split;
+    c.tile_m = s.tile_m;
+    c.scheduled_rows = s.scheduled_rows;
+    c.seed = seed++;
+    expect_gemm_layout_bitwise(c);
+  }
+}
+
+// Random normal inputs (every bit of the accumulation matters) and more tiles than SMs (CTAs come back to
+// the ticket, so the pipeline state and the staging waits carry across tiles of both kinds of pass).
+TEST(WeightGradGemmTest, GemmLayoutConfigurationIsBitwiseOnRandomInputs) {
+  MOK_REQUIRE_GPUS(1);
+  Case c;
+  c.m = 576;  // 4.5 m-blocks
+  c.n = 704;  // 2.75 n-blocks: 3 x 5 tiles an expert, 24 experts: 360 tiles
+  c.m_split = 320;
+  c.integer_values = false;
+  c.seed = 210;
+  std::mt19937 rng(210);
+  const int experts = testing::reduced_sizes() ? 6 : 24;  // fewer under compute-sanitizer
+  for (int e = 0; e < experts; ++e) c.counts.push_back(e % 7 == 3 ? 0 : std::uniform_int_distribution<int>(1, 300)(rng));
+  expect_gemm_layout_bitwise(c);
+  // And within the budget of the reference (the standalone configuration's own check, for the record).
+  const Problem p = make_problem(c);
+  const Reference ref = reference(p, true);
+  EXPECT_EQ(check_budget(p, ref, GradOutput::kFloat32,
+                         run_gpu(p, GradOutput::kFloat32, 1, nullptr, detail::weight_grad_gemm_in_gemm_layout)),
+            "");
+}
+
+// validate() names the offending field; weight_grad_gemm() (and the megakernel configuration's test entry)
+// validates before touching the GPU.
 TEST(WeightGradValidationTest, NamesTheOffendingField) {
   alignas(16) static uint16_t buffer[64];
   static int32_t device_ints[4];
@@ -507,6 +606,7 @@ TEST(WeightGradValidationTest, NamesTheOffendingField) {
     }
     EXPECT_EQ(message.rfind(expected, 0), 0u) << "expected \"" << expected << "...\", got \"" << message << "\"";
     EXPECT_THROW(weight_grad_gemm(args, nullptr), std::invalid_argument) << bad.field;
+    EXPECT_THROW(detail::weight_grad_gemm_in_gemm_layout(args, nullptr), std::invalid_argument) << bad.field;
   }
 }
 

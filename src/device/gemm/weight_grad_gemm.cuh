@@ -12,7 +12,8 @@
 // nothing). Slots come from an atomic ticket in order expert by expert (an expert's a and b rows, a few MB,
 // stay in L2 while its tiles run), n-blocks fastest.
 //
-// Roles (one CTA = 1 producer warpgroup + 2 consumer warpgroups, no cluster):
+// Roles (one CTA = 1 producer warpgroup + 2 consumer warpgroups; no cluster here, the backward megakernel's
+// clusters: weight_grad_in_gemm_layout.cuh):
 //   producer   one thread takes slots (TaskRing), decodes them (GradTaskWalker) and publishes the task to
 //              the consumers, then per k-block issues the TMA loads of the stage: kBlockM/64 boxes of a
 //              (kBlockK rows x 64 m-columns) and kBlockN/64 boxes of b, straight from the row-major buffers
@@ -26,9 +27,13 @@
 // Epilogue: registers -> shared-memory boxes (64 rows x 128 bytes, the TMA's 128-byte swizzle) -> TMA
 // stores, or TMA reduce-adds for kAccumulateFloat32. Why through shared memory: with K of a few hundred
 // rows a tile's fp32 output (128 KB) costs as much time as its mainloop, so it must drain while the next
-// tile computes. The whole tile is staged (no passes), the warpgroup's first thread issues the stores and
-// goes on; only the next tile's epilogue waits until they have read the boxes. Stores from registers would
-// keep the warpgroup (and the tensor cores) waiting until the memory system took every value. The
+// tile computes. The tile is staged in passes of kStagingColumns columns: the standalone kernel stages the
+// whole tile in one pass, its warpgroup's first thread issues the stores and goes on, and only the next
+// tile's epilogue waits until they have read the boxes. The backward megakernel's configuration
+// (weight_grad_in_gemm_layout.cuh) has only the expert GEMM's 16 KB per warpgroup: 2 passes (bf16) or 4
+// (fp32), each pass first waiting until the previous pass's stores have read the boxes (as the expert
+// GEMM's TileStager). Stores from registers would keep the warpgroup (and the tensor cores) waiting until
+// the memory system took every value. The
 // fragment-order writes are conflict-free: a warp's bf16x2 writes fill one 128-byte wavefront, its
 // float2 writes two (8 rows x 4 lanes; the swizzle spreads the 8 rows over all banks). Each box row is one
 // full 128-byte line of the output.
@@ -49,21 +54,24 @@
 //
 // The unit of work is a GradTileTask: load_grad_tile() on the producer side and compute_grad_tile() on
 // the consumer side, each advancing a pipeline state that persists across tasks, so a persistent loop
-// (weight_grad_gemm_kernel below, later the backward megakernel) can interleave them with other work.
+// (weight_grad_gemm_kernel below, the backward megakernel) can interleave them with other work. They take
+// only the pipeline object, not its cluster shape: the megakernel runs them on the expert GEMM's pipeline
+// and shared memory (weight_grad_in_gemm_layout.cuh: the configuration, the cluster argument, AnyWeightGradParams).
 //
 // Shared memory (kBlockM 128, kBlockN 256): stages of A (kBlockK x 256 bytes) and B (kBlockK x 512 bytes)
-// | staging, one box row per consumer warpgroup (kBlockN columns: bf16 32 KB, fp32 64 KB) | pipeline
-// barriers | task ring. bf16: 3 stages of 64 rows + 64 KB = 208 KB; fp32: 4 stages of 32 rows + 128 KB =
-// 224 KB (src/host/weight_grad_params.h says why).
+// | staging, one pass of boxes per consumer warpgroup (the standalone kernel: kBlockN columns, bf16 32 KB,
+// fp32 64 KB) | pipeline barriers | task ring. bf16: 3 stages of 64 rows + 64 KB = 208 KB; fp32: 4 stages of
+// 32 rows + 128 KB = 224 KB (src/host/weight_grad_params.h says why).
 // Sync (docs/sync_protocol.md, "the weight-gradient GEMM"): PipelineTmaAsync full/empty per stage; the
-// task ring; per warpgroup a named barrier around the staging writes and cp.async.bulk.wait_group.read
-// before the boxes are written again.
+// task ring; per warpgroup a named barrier around each pass's staging writes and
+// cp.async.bulk.wait_group.read before the boxes are written again (next pass or tile).
 // Determinism: each output element is one fixed-order K reduction (ascending rows) by one thread of one
 // CTA; no value atomics; the result does not depend on which CTA takes which slot.
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include <cuda_bf16.h>
 
@@ -74,6 +82,7 @@
 #include "mok/weight_grad_gemm.h"
 #include "src/device/common/sync.cuh"
 #include "src/device/gemm/expert_gemm.cuh"
+#include "src/device/gemm/gemm_epilogue.cuh"
 #include "src/device/gemm/task_ring.cuh"
 
 namespace mok::gemm {
@@ -85,9 +94,41 @@ struct GradTileTask {
   int32_t n_block;    // gradient columns [n_block * kBlockN, + kBlockN)
   int32_t row_begin;  // first schedule row of the expert's segment (the K offset)
   int32_t k_blocks;   // kBlockK-row k-blocks of the segment; 0: the expert has no rows
+
+  // When a cluster of kClusterN CTAs runs one task (the backward megakernel's, in clusters of the expert
+  // GEMM's): n_block is the cluster's group of n-blocks; CTA cta_rank computes n-block kClusterN * n_block +
+  // cta_rank, of the same expert, m-block and rows (so both CTAs run the same k-blocks: see
+  // weight_grad_in_gemm_layout.cuh).
+  template <int kClusterN>
+  __device__ __forceinline__ GradTileTask for_cta(int cta_rank) const {
+    GradTileTask t = *this;
+    t.n_block = n_block * kClusterN + cta_rank;
+    return t;
+  }
 };
 
-template <GradOutput kOutput_, int kBlockN_, int kBlockK_, int kStages_>
+// Kernel parameters; the TMA copies are built on the host (src/host/weight_grad_params.h).
+template <class TmaLoad, class TmaStore>
+struct WeightGradParams {
+  TmaLoad tma_a;            // a [rows, m] as (m, rows), m contiguous; boxes of 64 columns x 64 rows
+  TmaLoad tma_b;            // b [rows, n] as (n, rows)
+  TmaStore tma_out;         // out as [E_local * rows_out, n]; boxes of 64 rows x 128 bytes
+  TmaStore tma_out_split;   // out_split as [E_local * (m - m_split), n]; tma_out's copy when there is none
+  int64_t rows = {};        // rows allocated in a and b
+  int m = {};
+  int n = {};
+  int m_split = {};         // rows [0, m_split) go to out, the rest to out_split; m without out_split
+  int local_experts = {};
+  int num_m_blocks = {};    // the last one may be partial (m % kBlockM != 0)
+  int num_n_blocks = {};
+  int32_t num_tasks = {};   // local_experts * num_m_blocks * num_n_blocks
+  const int32_t* expert_row_offsets = {};
+  const int32_t* scheduled_rows = {};
+  int32_t* ticket = {};     // zeroed before the launch; each CTA takes its next slot from it
+};
+
+// kStagingColumns_: output columns staged per epilogue pass (kBlockN: the whole tile in one pass).
+template <GradOutput kOutput_, int kBlockN_, int kBlockK_, int kStages_, int kStagingColumns_ = kBlockN_>
 struct WeightGradTraits {
   using Element = cutlass::bfloat16_t;
   static constexpr GradOutput kOutput = kOutput_;
@@ -137,16 +178,35 @@ struct WeightGradTraits {
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
 
-  // Staging: per consumer warpgroup its 64 rows x kBlockN columns, as store boxes of 64 rows x 128 bytes
-  // (bf16: 64 columns, fp32: 32) in the TMA's 128-byte swizzle.
+  // Staging: per consumer warpgroup its 64 rows x kStagingColumns columns of one pass (kStagingPasses a
+  // tile), as store boxes of 64 rows x 128 bytes (bf16: 64 columns, fp32: 32) in the TMA's 128-byte swizzle.
+  static constexpr int kStagingColumns = kStagingColumns_;
+  static_assert(kBlockN % kStagingColumns == 0, "whole staging passes");
+  static constexpr int kStagingPasses = kBlockN / kStagingColumns;
   static constexpr int kStoreBoxRowBytes = 128;
   static constexpr int kStoreBoxColumns = kStoreBoxRowBytes / static_cast<int>(sizeof(OutElement));
-  static constexpr int kStoreBoxes = kBlockN / kStoreBoxColumns;  // per warpgroup
+  static constexpr int kStoreBoxes = kStagingColumns / kStoreBoxColumns;  // per warpgroup and pass
   static constexpr int kStoreBoxBytes = 64 * kStoreBoxRowBytes;
-  static_assert(kBlockN % kStoreBoxColumns == 0, "whole store boxes");
+  static_assert(kStagingColumns % kStoreBoxColumns == 0, "whole store boxes");
   using SmemLayoutStoreBox = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<OutElement>{}, cute::make_shape(cute::Int<64>{}, cute::Int<kStoreBoxColumns>{})));
   static_assert(cute::cosize_v<SmemLayoutStoreBox> * sizeof(OutElement) == kStoreBoxBytes, "one box");
+
+  // The kernel parameters' types (the TMA copies src/host/weight_grad_params.h builds, of these exact
+  // tensor types), named here so that one kernel can hold any output mode's (AnyWeightGradParams).
+  using TmaLoad = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<const Element*>(nullptr)),
+                        cute::make_shape(int64_t{}, int64_t{}), cute::make_stride(cute::_1{}, int64_t{})),
+      SmemLayoutLoadBox{}));
+  using TmaStoreOp = std::conditional_t<kOutput == GradOutput::kAccumulateFloat32, cute::SM90_TMA_REDUCE_ADD,
+                                        cute::SM90_TMA_STORE>;
+  using TmaStore = decltype(cute::make_tma_copy(
+      TmaStoreOp{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<OutElement*>(nullptr)), cute::make_shape(int64_t{}, int64_t{}),
+                        cute::make_stride(int64_t{}, cute::_1{})),
+      SmemLayoutStoreBox{}));
+  using Params = WeightGradParams<TmaLoad, TmaStore>;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
@@ -158,28 +218,10 @@ struct WeightGradTraits {
   };
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
 
-  // Named barriers (CUTLASS ids, offset past the reserved ones) around consumer warpgroup w's staging.
+  // Named barriers (CUTLASS ids, offset past the reserved ones) around consumer warpgroup w's staging:
+  // kStagingBarrier + w, the ids the expert GEMM's epilogue (TileStager: 1 + w) uses for the same 128
+  // threads, so the two kinds of tile can share one kernel without a barrier of their own.
   static constexpr int kStagingBarrier = 1;
-};
-
-// Kernel parameters; the TMA copies are built on the host (src/host/weight_grad_params.h).
-template <class TmaLoad, class TmaStore>
-struct WeightGradParams {
-  TmaLoad tma_a;            // a [rows, m] as (m, rows), m contiguous; boxes of 64 columns x 64 rows
-  TmaLoad tma_b;            // b [rows, n] as (n, rows)
-  TmaStore tma_out;         // out as [E_local * rows_out, n]; boxes of 64 rows x 128 bytes
-  TmaStore tma_out_split;   // out_split as [E_local * (m - m_split), n]; tma_out's copy when there is none
-  int64_t rows = {};        // rows allocated in a and b
-  int m = {};
-  int n = {};
-  int m_split = {};         // rows [0, m_split) go to out, the rest to out_split; m without out_split
-  int local_experts = {};
-  int num_m_blocks = {};    // the last one may be partial (m % kBlockM != 0)
-  int num_n_blocks = {};
-  int32_t num_tasks = {};   // local_experts * num_m_blocks * num_n_blocks
-  const int32_t* expert_row_offsets = {};
-  const int32_t* scheduled_rows = {};
-  int32_t* ticket = {};     // zeroed before the launch; each CTA takes its next slot from it
 };
 
 // Slot -> task, for one thread that visits increasing slots (the producer): the expert's K range is read
@@ -256,9 +298,9 @@ __device__ __forceinline__ bool load_grad_tile(const Params& p, const GradTileTa
   return true;
 }
 
-// Stores (or reduce-adds) consumer warpgroup `warpgroup`'s staged boxes to `tma`'s tensor of `out_rows`
-// rows, from row `row` on, skipping the boxes past n. Called by the warpgroup's first thread.
-template <class Traits, class Params, class Tma>
+// Stores (or reduce-adds) consumer warpgroup `warpgroup`'s staged boxes of pass kPass to `tma`'s tensor of
+// `out_rows` rows, from row `row` on, skipping the boxes past n. Called by the warpgroup's first thread.
+template <class Traits, int kPass, class Params, class Tma>
 __device__ __forceinline__ void store_staged_rows(const Params& p, const Tma& tma, int64_t out_rows, int64_t row,
                                                   int n_block, typename Traits::SharedStorage& smem, int warpgroup) {
   using namespace cute;
@@ -266,7 +308,8 @@ __device__ __forceinline__ void store_staged_rows(const Params& p, const Tma& tm
   using OutElement = typename T::OutElement;
   Tensor m_out = tma.get_tma_tensor(make_shape(out_rows, int64_t(p.n)));
   const int box_row = static_cast<int>(row / 64);
-  const int first_col = n_block * T::kBlockN;
+  int first_col = n_block * T::kBlockN;
+  if constexpr (kPass > 0) first_col += kPass * T::kStagingColumns;
   CUTE_UNROLL
   for (int box = 0; box < T::kStoreBoxes; ++box) {
     if (first_col + box * T::kStoreBoxColumns >= p.n) break;  // a partial last n-block
@@ -279,14 +322,17 @@ __device__ __forceinline__ void store_staged_rows(const Params& p, const Tma& tm
   }
 }
 
-// Writes a consumer warpgroup's accumulators into its staging boxes (rounded to OutElement), in the TMA's
-// 128-byte swizzle. The wgmma accumulator layout (CuTe's CLayout_64xN): value i of thread t of the
-// warpgroup holds row 16 * (t / 32) + (t % 32) / 4 + 8 * ((i / 2) % 2) and column 2 * (t % 4) + i % 2 +
-// 8 * (i / 4). The byte of a column within its 128-byte box row is a compile-time part (the 8-column
-// group) plus a part of the lane with disjoint bits, and the swizzle (XOR with row % 8 = (t % 32) / 4 in
-// bits [4, 7)) is a per-thread constant: each write is a register base plus an immediate offset.
+// Writes the accumulators of pass `pass` (columns [pass * kStagingColumns, + kStagingColumns) of the tile)
+// of a consumer warpgroup into its staging boxes (rounded to OutElement), in the TMA's 128-byte swizzle.
+// The wgmma accumulator layout (CuTe's CLayout_64xN): value i of thread t of the warpgroup holds row
+// 16 * (t / 32) + (t % 32) / 4 + 8 * ((i / 2) % 2) and column 2 * (t % 4) + i % 2 + 8 * (i / 4), so a pass's
+// columns are a contiguous range of values. The byte of a column within its 128-byte box row is a
+// compile-time part (the 8-column group) plus a part of the lane with disjoint bits, and the swizzle (XOR
+// with row % 8 = (t % 32) / 4 in bits [4, 7)) is a per-thread constant: each write is a register base plus
+// an immediate offset (`pass` is a compile-time constant once inlined: store_grad_pass's kPass).
 template <class Traits, class Accum>
-__device__ __forceinline__ void write_staging(const Accum& accum, uint8_t (*boxes)[Traits::kStoreBoxBytes], int thread) {
+__device__ __forceinline__ void write_staging(const Accum& accum, int pass, uint8_t (*boxes)[Traits::kStoreBoxBytes],
+                                              int thread) {
   using T = Traits;
   constexpr int kBytes = int(sizeof(typename T::OutElement));
   constexpr int kGroupsPerBox = T::kStoreBoxColumns / 8;  // 8-column groups per 128-byte box row
@@ -296,10 +342,13 @@ __device__ __forceinline__ void write_staging(const Accum& accum, uint8_t (*boxe
   uint8_t* base = &boxes[0][0] + row * T::kStoreBoxRowBytes;
   constexpr int kValues = decltype(cute::size(accum))::value;
   static_assert(kValues == 64 * T::kBlockN / 128, "a warpgroup's 64 x kBlockN accumulators, 128 threads");
+  constexpr int kPassValues = kValues / T::kStagingPasses;
+  static_assert(kPassValues % 4 == 0, "a pass covers whole 8-column groups");
   CUTE_UNROLL
-  for (int i = 0; i < kValues; i += 2) {
-    const int group = i / 4;  // 8-column group
-    const int half = (i / 2) % 2;  // rows row and row + 8
+  for (int v = 0; v < kPassValues; v += 2) {
+    const int i = pass * kPassValues + v;
+    const int group = v / 4;  // 8-column group of the pass
+    const int half = (v / 2) % 2;  // rows row and row + 8
     const int offset = (group / kGroupsPerBox) * T::kStoreBoxBytes + half * 8 * T::kStoreBoxRowBytes +
                        (((group % kGroupsPerBox) * 8 * kBytes) ^ lane_bytes);
     if constexpr (T::kOutput == GradOutput::kBFloat16)
@@ -309,16 +358,61 @@ __device__ __forceinline__ void write_staging(const Accum& accum, uint8_t (*boxe
   }
 }
 
+// Epilogue pass kPass of a consumer warpgroup (all its 128 threads call it; `thread` is the index among
+// them, store_leader thread 0): its columns [kPass * kStagingColumns, + kStagingColumns) of the tile
+// through the staging boxes to the output (first_row: the warpgroup's first gradient row). A pass whose
+// columns all lie past n (a partial last n-block) is skipped: warpgroup-uniform, as p.n and the task are.
+// signal: see compute_grad_tile.
+template <class Traits, int kPass, class Params, class Accum>
+__device__ __forceinline__ void store_grad_pass(const Params& p, const GradTileTask& task, const Accum& accum,
+                                                typename Traits::SharedStorage& smem, int warpgroup, int first_row,
+                                                int thread, bool store_leader, RowsDoneSignal* signal) {
+  using namespace cute;
+  using T = Traits;
+  if constexpr (kPass > 0) {
+    if (task.n_block * T::kBlockN + kPass * T::kStagingColumns >= p.n) return;
+  }
+  // Why the wait: the previous pass's (or tile's) stores read the boxes we overwrite now; the barrier tells
+  // the whole warpgroup. A previous expert GEMM tile's late count goes out here (its stores are written by
+  // now; flush() waits for them).
+  if (store_leader) {
+    if (kPass == 0 && signal != nullptr && signal->pending != nullptr)
+      signal->flush();
+    else
+      tma_store_wait<0>();
+  }
+  cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
+  write_staging<T>(accum, kPass, smem.staging[warpgroup], thread);
+  // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
+  tma_store_fence();
+  cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
+  if (store_leader) {
+    const int64_t expert = task.expert;
+    if (first_row < p.m_split)
+      store_staged_rows<T, kPass>(p, p.tma_out, int64_t(p.local_experts) * p.m_split,
+                                  expert * p.m_split + first_row, task.n_block, smem, warpgroup);
+    else
+      store_staged_rows<T, kPass>(p, p.tma_out_split, int64_t(p.local_experts) * (p.m - p.m_split),
+                                  expert * (p.m - p.m_split) + (first_row - p.m_split), task.n_block, smem,
+                                  warpgroup);
+    tma_store_arrive();
+  }
+}
+
 // Consumer side of one tile: mainloop over the expert's k-blocks, then the epilogue. All consumer threads
 // call this; consumer_idx is the thread's index among the consumer warpgroups. Branches around wgmma are
 // on values broadcast with __shfl_sync (ptxas serializes every wgmma of the kernel, warning C7518, unless
 // it sees them warp-uniform).
+// signal (nullable; the megakernel's, the calling thread's own): the late completion count an expert GEMM
+// tile of this warpgroup left pending (RowsDoneSignal). It goes out before this tile blocks on its first
+// stage (whoever we wait for may wait for that count: not adding it could deadlock) or at the epilogue.
 template <class Traits, class Params>
 __device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTileTask& task,
                                                   typename Traits::SharedStorage& smem,
                                                   typename Traits::Pipeline& pipeline,
                                                   typename Traits::PipelineState& read_state, int consumer_idx,
-                                                  const device::HandoffBound& bound = {}) {
+                                                  const device::HandoffBound& bound = {},
+                                                  RowsDoneSignal* signal = nullptr) {
   using namespace cute;
   using T = Traits;
   typename T::TiledMma mma;
@@ -335,6 +429,9 @@ __device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTil
   const int k_blocks = __shfl_sync(0xffffffff, task.k_blocks, 0);
   const int first_row = __shfl_sync(0xffffffff, task.m_block, 0) * T::kBlockM + warpgroup * 64;  // of the gradient
   const bool store_leader = consumer_idx % 128 == 0;
+  if (signal != nullptr && store_leader && signal->pending != nullptr && k_blocks > 0 &&
+      pipeline.consumer_try_wait(read_state) == cutlass::BarrierStatus::WaitAgain)
+    signal->flush();  // about to block on the first stage
   if (first_row >= p.m) {
     // Rows past m (a partial last m-block): the other warpgroup computes the tile alone.
     for (int k_block = 0; k_block < k_blocks; ++k_block) {
@@ -377,24 +474,14 @@ __device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTil
     return;  // no rows: adds nothing, out stays as it is
   }
 
-  // Epilogue. Why the wait: the previous tile's stores read the boxes we overwrite now; the barrier tells
-  // the whole warpgroup.
-  if (store_leader) tma_store_wait<0>();
-  cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
-  write_staging<T>(accum, smem.staging[warpgroup], consumer_idx % 128);
-  // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
-  tma_store_fence();
-  cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
-  if (store_leader) {
-    const int64_t expert = task.expert;
-    if (first_row < p.m_split)
-      store_staged_rows<T>(p, p.tma_out, int64_t(p.local_experts) * p.m_split, expert * p.m_split + first_row,
-                           task.n_block, smem, warpgroup);
-    else
-      store_staged_rows<T>(p, p.tma_out_split, int64_t(p.local_experts) * (p.m - p.m_split),
-                           expert * (p.m - p.m_split) + (first_row - p.m_split), task.n_block, smem, warpgroup);
-    tma_store_arrive();
-  }
+  // Epilogue, pass by pass (kStagingPasses; the standalone kernel's one pass is the whole tile). Each pass
+  // index is a compile-time constant: with one pass this compiles to the SASS of an epilogue without passes
+  // (a run-time pass index, even a constant one after inlining, moved the store leader's column arithmetic
+  // out of the uniform registers).
+  [&]<int... kPass>(std::integer_sequence<int, kPass...>) {
+    (store_grad_pass<T, kPass>(p, task, accum, smem, warpgroup, first_row, consumer_idx % 128, store_leader, signal),
+     ...);
+  }(std::make_integer_sequence<int, T::kStagingPasses>{});
 }
 
 enum class WeightGradRole : int { kProducer = 0, kConsumer = 1 };
