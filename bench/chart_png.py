@@ -35,6 +35,8 @@ TABLES = (("fwd", "forward"), ("f+b", "forward + backward (the baseline under au
 AXIS_LABEL = "TFLOP/s per GPU"
 SPEEDUP_NOTE = "N.NNx: baseline time / ours fused"
 RENDERERS = ("auto", "matplotlib", "builtin")
+NOT_MEASURED = "not measured"  # written in a shape's slot where the table has no value for any of its bars
+NOT_MEASURED_AT = 0.05  # of the axis' height
 
 # Layout in pixels, both renderers (matplotlib: a figure of WIDTH_PX / DPI inches, axes placed at these boxes).
 DPI = 100
@@ -179,6 +181,8 @@ def _draw_matplotlib(shapes, panels, top, step, path, title):
             if bars:
                 ax.bar(*zip(*bars), width=bar_width(), align="edge", color=colour, linewidth=0)
         for i, (bars, speedup) in enumerate(zip(panel.values, panel.speedups)):
+            if all(v is None for v in bars):
+                ax.text(i + 0.5, top * NOT_MEASURED_AT, NOT_MEASURED, ha="center", va="bottom", color=AXIS_COLOUR)
             if speedup is not None and bars[0] is not None:
                 ax.text(i + bar_left(0) + bar_width() / 2, bars[0], speedup_text(speedup), ha="center",
                         va="bottom", fontsize=9)
@@ -226,6 +230,9 @@ def _draw_builtin_panel(canvas, panel_idx, panel, shapes, top, step):
             x0 = left + (i + bar_left(series_idx)) * slot_px
             y0 = min(y_of(value), bottom - 1) if value > 0 else bottom  # a bar above 0 shows at least one pixel
             canvas.fill_rect(x0, y0, x0 + bar_width() * slot_px, bottom, SERIES[series_idx][2])
+        if all(v is None for v in bars):
+            canvas.text(left + (i + 0.5) * slot_px, y_of(top * NOT_MEASURED_AT) - text_height(LARGE_TEXT),
+                        NOT_MEASURED, AXIS_COLOUR, fit_scale(NOT_MEASURED, slot_px - 8, LARGE_TEXT), "centre")
         fused, speedup = bars[0], panel.speedups[i]
         if speedup is not None and fused is not None:
             text = speedup_text(speedup)

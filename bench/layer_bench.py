@@ -458,17 +458,23 @@ def write_results_json(path, run, records, failed):
 
 def write_outputs(args, run, records, failed):
     """--json and --chart (rank 0, after the tables); prints their paths. A chart with nothing to draw (no timed
-    rows: --check-only, --only) is a printed note, not a failure."""
+    rows: --check-only, --only) is a printed note, not a failure; so is a matplotlib that imports but fails (the
+    built-in renderer draws the chart then)."""
     if args.json:
         write_results_json(args.json, run, records, failed)
         print(f"json: {args.json}", flush=True)
-    if args.chart:
-        try:
-            os.makedirs(os.path.dirname(args.chart) or ".", exist_ok=True)
-            renderer = draw_layer_chart(records, args.chart, chart_title(run))
-            print(f"chart: {args.chart} ({renderer})", flush=True)
-        except ValueError as e:
-            print(f"chart: not drawn: {e}", flush=True)
+    if not args.chart:
+        return
+    os.makedirs(os.path.dirname(args.chart) or ".", exist_ok=True)
+    try:
+        renderer = draw_layer_chart(records, args.chart, chart_title(run))
+    except ValueError as e:
+        print(f"{e}; no PNG written", flush=True)
+        return
+    except Exception as e:  # noqa: BLE001 (matplotlib's own failure: the numbers are fine)
+        renderer = draw_layer_chart(records, args.chart, chart_title(run), "builtin")
+        renderer += f"; matplotlib failed: {type(e).__name__}: {str(e)[:120]}"
+    print(f"chart: {args.chart} ({renderer})", flush=True)
 
 
 def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shared):

@@ -2,13 +2,13 @@
 bench/chart_png.py (layer_bench.py's tables as a bar chart, built-in renderer and matplotlib), bench/layer_bench.py's
 --json rows against its printed table, and tools/timeline_png.py (a trace with task kinds it does not know).
 Fresh random values per run; the seed is in every failure message. matplotlib tests skip without matplotlib."""
+import argparse
 import importlib.util
 import io
 import json
 import math
 import random
 import sys
-import zlib
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -286,7 +286,7 @@ def last_digit(token):
     return 0.5 * 10 ** (-decimals + (int(exponent) if exponent else 0))
 
 
-def test_layer_bench_json_matches_its_table(tmp_path, seed):
+def test_layer_bench_json_matches_its_table(tmp_path, seed, monkeypatch):
     pytest.importorskip("torch", reason="layer_bench.py imports torch")
     import layer_bench
     rng = random.Random(seed)
@@ -320,13 +320,36 @@ def test_layer_bench_json_matches_its_table(tmp_path, seed):
     for record, key in zip(records, ("unfused", "fb_unfused")):  # the chart's unfused bar, as the others' TF
         assert math.isclose(record["unfused_TF"] * times[key], record["fused_TF"] * times[key.replace("unfused",
                                                                                                        "fused")])
-    path = tmp_path / "out" / "layer_bench.json"
-    layer_bench.write_results_json(str(path), {"ep": 2}, records, [])
-    loaded = json.loads(path.read_text())
-    assert loaded["rows"] == records and loaded["columns"]["f+b"] == layer_bench.TRAIN_COLUMNS
-    chart = tmp_path / "out" / "chart.png"
-    assert chart_png.draw_layer_chart(loaded, chart, chart_png.chart_title(loaded["run"]), "builtin") == "builtin"
-    assert png_canvas.png_size(chart) == chart_png.chart_size(2)
+    # main()'s outputs: the JSON of exactly these records, the chart drawn from them, both paths printed
+    out = tmp_path / "out"
+    args = argparse.Namespace(json=str(out / "layer_bench.json"), chart=str(out / "chart.png"))
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        layer_bench.write_outputs(args, {"ep": 2, "gpu": "NVIDIA H200"}, records, ["a failure"])
+    loaded = json.loads((out / "layer_bench.json").read_text())
+    assert loaded["rows"] == records and loaded["failed"] == ["a failure"]
+    assert loaded["columns"] == {"fwd": layer_bench.FORWARD_COLUMNS, "f+b": layer_bench.TRAIN_COLUMNS}
+    assert png_canvas.png_size(out / "chart.png") == chart_png.chart_size(2)
+    assert f"json: {args.json}" in printed.getvalue() and f"chart: {args.chart} (" in printed.getvalue()
+    redrawn = tmp_path / "redrawn.png"  # the JSON alone draws the same chart
+    assert chart_png.draw_layer_chart(loaded, redrawn, chart_png.chart_title(loaded["run"]), "builtin") == "builtin"
+    assert png_canvas.png_size(redrawn) == chart_png.chart_size(2)
+    def failing_matplotlib(results, path, title, renderer="auto"):
+        chart_png.chart_panels(results)  # bad results fail first, as in draw_layer_chart
+        if renderer != "builtin":
+            raise RuntimeError("no fonts")
+        return chart_png.draw_layer_chart(results, path, title, renderer)
+
+    monkeypatch.setattr(layer_bench, "draw_layer_chart", failing_matplotlib)
+    (out / "chart.png").unlink()
+    with redirect_stdout(printed):  # matplotlib imports but fails: the built-in renderer draws it
+        layer_bench.write_outputs(argparse.Namespace(json="", chart=str(out / "chart.png")), {}, records, [])
+    assert png_canvas.png_size(out / "chart.png") == chart_png.chart_size(2)
+    assert "(builtin; matplotlib failed: RuntimeError: no fonts)" in printed.getvalue()
+    with redirect_stdout(printed):  # no rows (--only, or every shape failed): a note, no chart
+        layer_bench.write_outputs(argparse.Namespace(json="", chart=str(tmp_path / "none.png")), {}, [], [])
+    assert "chart: no rows to draw (empty results); no PNG written" in printed.getvalue()
+    assert not (tmp_path / "none.png").exists()
 
 
 # ---- tools/timeline_png.py
@@ -378,12 +401,10 @@ def test_timeline_builtin_png(tmp_path, seed, capsys):
     width, height, pixels = png_canvas.read_png(out)
     assert (width, height) == timeline.builtin_size(1, colours), f"seed {seed}"
     runs = colour_runs(width, height, pixels)
-    legend_top = timeline.PANEL_PX
-    bars = {}  # kind: rectangles of its colour inside the panel
-    for name, colour in colours.items():
-        rects = [r for r in rectangles(runs.get(png_canvas.parse_colour(colour), [])) if r[1] < legend_top]
-        assert rects, f"seed {seed}: no bar of {name} ({colour})"
-        bars[name] = rects
+    for name, colour in colours.items():  # in the panel, and a swatch in the legend below it
+        rows = {y for y, _, _ in runs.get(png_canvas.parse_colour(colour), [])}
+        assert rows and min(rows) < timeline.PANEL_PX <= max(rows), \
+            f"seed {seed}: {name} ({colour}) in rows {sorted(rows)}"
     # at the middle of each task's time, a quarter of the CTA's row above its middle: the GEMM task's colour;
     # a quarter below: the copy task's (two tasks of a CTA run at the same time, one on each track)
     start = min(e["ts"] for e in tasks)
@@ -391,12 +412,24 @@ def test_timeline_builtin_png(tmp_path, seed, capsys):
     top, bottom = timeline.PLOT_TOP_PX, timeline.PANEL_PX - timeline.PLOT_BOTTOM_PX
     left, right = timeline.PLOT_LEFT_PX, width - timeline.PLOT_RIGHT_PX
     row = (bottom - top) / 4
+
+    def x_of(us):
+        return round(left + (us - start) / span * (right - left))
+
+    def covered(e, us):  # a task on e's track runs at time us
+        return any(o["tid"] == e["tid"] and o["ts"] <= us <= o["ts"] + o["dur"] for o in tasks)
+
     for e in tasks:
-        x = round(left + (e["ts"] + e["dur"] / 2 - start) / span * (right - left))
         y = round(top + (e["args"]["cta"] + 0.5 + (0.25 if timeline.is_copy(e) else -0.25)) * row)
-        got = tuple(pixels[3 * (y * width + x):3 * (y * width + x) + 3])
-        assert got == png_canvas.parse_colour(colours[e["name"]]), \
-            f"seed {seed}: CTA {e['args']['cta']} {e['name']} at ts {e['ts']:.1f}: pixel ({x}, {y}) is {got}"
+        colour = png_canvas.parse_colour(colours[e["name"]])
+        where = f"seed {seed}: CTA {e['args']['cta']} {e['name']} from {e['ts']:.1f} us"
+        x = x_of(e["ts"] + e["dur"] / 2)
+        assert tuple(pixels[3 * (y * width + x):3 * (y * width + x) + 3]) == colour, f"{where}: not at ({x}, {y})"
+        for x, us in ((x_of(e["ts"]) - 3, e["ts"] - 3 * span / (right - left)),  # just before it, just after it
+                      (x_of(e["ts"] + e["dur"]) + 3, e["ts"] + e["dur"] + 3 * span / (right - left))):
+            if left < x < right and not covered(e, us):
+                assert tuple(pixels[3 * (y * width + x):3 * (y * width + x) + 3]) != colour, \
+                    f"{where}: its colour at ({x}, {y}), outside its time"
 
 
 def test_timeline_matplotlib_png(tmp_path, seed):
