@@ -833,7 +833,8 @@ def main():
         run = dict(commit=commit or None, gpu=torch.cuda.get_device_name(), ep=ep, tokens_per_rank=args.tokens,
                    iters=args.iters, skew=args.skew, backward=args.backward, grad_mode=args.grad_mode,
                    forward_tolerance=TOLERANCE, grad_tolerance=GRAD_TOLERANCE, seed=args.seed,
-                   comm_ctas=args.comm_ctas, minibatch=args.minibatch, check_only=args.check_only)
+                   comm_ctas=args.comm_ctas, minibatch=args.minibatch, load_factor=args.load_factor,
+                   check_only=args.check_only)
         what = "forward and forward + backward" if args.backward else "forward"
         budgets = f", gradients {args.grad_mode}, budgets fwd {TOLERANCE} bwd {GRAD_TOLERANCE}" * args.backward
         print(f"MoE layer benchmark ({what}), commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, EP={ep}, "
