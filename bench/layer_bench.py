@@ -48,7 +48,11 @@ baseline's routed-only forward; otherwise a note says why it is skipped.
 --timeline DIR also records the fused kernel's tasks and writes DIR/timeline_<shape>_ep<EP>_rank<r>.json
 (Chrome trace; tools/timeline_png.py draws it); the records cost one store per task.
 Output: rows tagged "fwd" (forward table) and "f+b" (forward + backward table) as each shape finishes; with
-several shapes the two tables again at the end.
+several shapes the two tables again at the end. --json PATH also writes the run and those rows, every column by its
+header's name, unrounded (see write_results_json); --chart PATH draws them as a PNG bar chart (bench/chart_png.py:
+per shape ours fused and unfused, the baseline and the dense ceiling in TFLOP/s, forward and forward + backward;
+matplotlib when it imports, else a built-in renderer). Both are written by rank 0 after the tables, their paths
+printed last.
 Usage: python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/layer_bench.py   (EP=2)
        python3 bench/layer_bench.py                                                            (EP=1)
          [--lib build/bench/libmok_bench_capi.so] [--tokens 8192] [--iters 20] [--shapes A,B] [--skew 0]
@@ -56,9 +60,11 @@ Usage: python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/la
          [--backward | --no-backward] [--grad-mode bf16|fp32|accumulate] [--experts-fraction auto|F]
          [--only fused|unfused|base|fused-train|unfused-train|base-train|fused-bwd|unfused-bwd]
          [--check-only] [--breakdown] [--seed 0] [--comm-ctas N] [--minibatch ROWS] [--timeline DIR]
+         [--json PATH] [--chart PATH]
 """
 import argparse
 import ctypes
+import json
 import os
 import re
 import subprocess
@@ -71,6 +77,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from capi import GRADS, grad_arrays, load  # noqa: E402
+from chart_png import chart_title, draw_layer_chart  # noqa: E402
 from gemm_bench import SHAPES, TORCH_GROUP_ALIGN, median, timed_turns  # noqa: E402
 
 TOLERANCE = 2e-2  # forward: relative Frobenius error, bf16 level
@@ -422,10 +429,52 @@ TRAIN_HEADER = (f"f+b {'shape':20s} {'EP':>2s} {'ctx_MiB':>8s} {'fb_fused':>9s} 
                 f"{'bwd_unfused':>11s} {'fb_base':>8s} {'fused_TF':>8s} {'base_TF':>8s} {'dense_TF':>8s} "
                 f"{'bwd_TF':>7s} {'fused/base':>10s} {'fused/dense':>11s} {'unfused/base':>12s} {'dx_err':>8s} "
                 f"{'drw_err':>8s} {'dw_err':>8s} {'bitwise':>7s}")
+FORWARD_COLUMNS = FORWARD_HEADER.split()[1:]  # the names of a row's cells, as printed (--json's keys)
+TRAIN_COLUMNS = TRAIN_HEADER.split()[1:]
 
 
 def ratio(a, b):
     return a and b and a / b
+
+
+def table_record(table, columns, leading, cells, bitwise, unfused_tf):
+    """A printed row as {column: value}: the leading cells (shape, EP[, comm]), the formatted cells' values, the
+    bitwise cell (True, False, None for "-"); plus table and unfused_TF (not printed: the chart's unfused bar)."""
+    values = leading + [value for value, _, _ in cells] + [bitwise]
+    assert len(values) == len(columns), f"{table}: {len(values)} cells for {len(columns)} columns"
+    return dict(table=table, **dict(zip(columns, values)), unfused_TF=unfused_tf)
+
+
+def write_results_json(path, run, records, failed):
+    """{"run": the header line's conditions, "columns": each table's printed column names, "rows": the printed rows
+    as table_record makes them, in print order, "failed": the failed checks}. Non-finite floats are written as
+    Python's json writes them (NaN, Infinity)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(run=run, columns={"fwd": FORWARD_COLUMNS, "f+b": TRAIN_COLUMNS}, rows=records, failed=failed),
+                  f, indent=1)
+        f.write("\n")
+
+
+def write_outputs(args, run, records, failed):
+    """--json and --chart (rank 0, after the tables); prints their paths. A chart with nothing to draw (no timed
+    rows: --check-only, --only) is a printed note, not a failure; so is a matplotlib that imports but fails (the
+    built-in renderer draws the chart then)."""
+    if args.json:
+        write_results_json(args.json, run, records, failed)
+        print(f"json: {args.json}", flush=True)
+    if not args.chart:
+        return
+    os.makedirs(os.path.dirname(args.chart) or ".", exist_ok=True)
+    try:
+        renderer = draw_layer_chart(records, args.chart, chart_title(run))
+    except ValueError as e:
+        print(f"{e}; no PNG written", flush=True)
+        return
+    except Exception as e:  # noqa: BLE001 (matplotlib's own failure: the numbers are fine)
+        renderer = draw_layer_chart(records, args.chart, chart_title(run), "builtin")
+        renderer += f"; matplotlib failed: {type(e).__name__}: {str(e)[:120]}"
+    print(f"chart: {args.chart} ({renderer})", flush=True)
 
 
 def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shared):
@@ -621,8 +670,9 @@ class ShapeResult:
                                                                "fb_unfused", "fb_base", "fb_dense", "bwd_fused",
                                                                "bwd_unfused")}
 
-    def rows(self, rows_out):
-        """Prints the shape's table rows (appended to rows_out), its notes and its kernel breakdown."""
+    def rows(self, rows_out, records_out):
+        """Prints the shape's table rows (appended to rows_out, and as {column: value} to records_out: the printed
+        cells unrounded, None for "-", plus unfused_TF, the chart's), its notes and its kernel breakdown."""
         t, tf, fwd, bwd, label = self.times, self.tflops(), self.fwd, self.bwd, self.label
         same = "-" if fwd["bitwise"] is None else ("yes" if fwd["bitwise"] else "NO")
         cells = [(t.get("fused"), 9, ".2f"), (t.get("unfused"), 10, ".2f"), (t.get("base"), 9, ".2f"),
@@ -631,6 +681,8 @@ class ShapeResult:
                  (ratio(t.get("base"), t.get("unfused")), 13, ".2f"), (fwd["relerr"], 9, ".1e")]
         rows_out.append(f"fwd {label:20s} {self.ep:2d} {self.comm_ctas:5d} {format_cells(cells)} {same:>8s}")
         print(rows_out[-1], flush=True)
+        records_out.append(table_record("fwd", FORWARD_COLUMNS, [label, self.ep, self.comm_ctas], cells,
+                                        fwd["bitwise"], tf.get("unfused")))
         if self.backward:
             same = "-" if bwd["bitwise"] is None else ("yes" if bwd["bitwise"] else "NO")
             cells = [(self.ctx_mib, 8, ".1f"), (t.get("fb_fused"), 9, ".2f"), (t.get("fb_unfused"), 10, ".2f"),
@@ -642,6 +694,8 @@ class ShapeResult:
                      (bwd["drw"], 8, ".1e"), (bwd["dw"], 8, ".1e")]
             rows_out.append(f"f+b {label:20s} {self.ep:2d} {format_cells(cells)} {same:>7s}")
             print(rows_out[-1], flush=True)
+            records_out.append(table_record("f+b", TRAIN_COLUMNS, [label, self.ep], cells, bwd["bitwise"],
+                                            tf.get("fb_unfused")))
         notes = list(self.notes)
         if self.liger is not None:
             ms, err, why = self.liger
@@ -745,6 +799,8 @@ def main():
                         help="fused path: CTAs given to communication (default 0: the producer warps copy)")
     parser.add_argument("--minibatch", type=int, default=0, help="fused path: minibatch rows (0: default)")
     parser.add_argument("--timeline", default="", help="directory for the fused kernel's Chrome-trace timelines")
+    parser.add_argument("--json", default="", help="also write the run and its table rows to this JSON file")
+    parser.add_argument("--chart", default="", help="also draw the tables as a PNG bar chart at this path")
     args = parser.parse_args()
     if "-" in args.only and not args.backward:
         parser.error(f"--only {args.only} needs --backward")
@@ -770,9 +826,15 @@ def main():
     if unknown:
         raise SystemExit(f"unknown shapes {unknown}; known: {names}")
 
+    run = {}
     if rank == 0:
         commit = os.environ.get("MOK_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        run = dict(commit=commit or None, gpu=torch.cuda.get_device_name(), ep=ep, tokens_per_rank=args.tokens,
+                   iters=args.iters, skew=args.skew, backward=args.backward, grad_mode=args.grad_mode,
+                   forward_tolerance=TOLERANCE, grad_tolerance=GRAD_TOLERANCE, seed=args.seed,
+                   comm_ctas=args.comm_ctas, minibatch=args.minibatch, load_factor=args.load_factor,
+                   check_only=args.check_only)
         what = "forward and forward + backward" if args.backward else "forward"
         budgets = f", gradients {args.grad_mode}, budgets fwd {TOLERANCE} bwd {GRAD_TOLERANCE}" * args.backward
         print(f"MoE layer benchmark ({what}), commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, EP={ep}, "
@@ -781,7 +843,7 @@ def main():
         print(FORWARD_HEADER, flush=True)
         if args.backward:
             print(TRAIN_HEADER + "   (fb = fwd+bwd ms, bwd = backward alone ms; TF = TFLOP/s)", flush=True)
-    failed, rows = [], []
+    failed, rows, records = [], [], []
     for name, num_experts, hidden, inter, top_k, shared in SHAPES:
         if name not in wanted:
             continue
@@ -789,7 +851,7 @@ def main():
         try:
             result = run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shared)
             if rank == 0 and not args.only:
-                result.rows(rows)
+                result.rows(rows, records)
             failed += result.failures()
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             if ep > 1:
@@ -802,6 +864,8 @@ def main():
         print(TRAIN_HEADER + "\n" + "\n".join(r for r in rows if r.startswith("f+b")), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+    if rank == 0:
+        write_outputs(args, run, records, failed)
     if failed:
         if rank == 0:
             print(f"FAILED (an error above its budget, NaN, paths not bitwise equal, or a failed call): "

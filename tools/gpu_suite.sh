@@ -4,7 +4,8 @@
 # Environment: MOK_SUITE_TESTS=regex (only these tests), MOK_SUITE_MAIN=0 (skip mok_bench),
 #              MOK_SUITE_GEMM_BENCH=0 (skip bench/gemm_bench.py), MOK_SUITE_TIMEOUT=s (per test, 300),
 #              MOK_SUITE_LAYER_BENCH=0 (skip tools/run_main.sh, the layer benchmark; MOK_SUITE_LAYER_ARGS
-#              are its arguments, MOK_SUITE_LAYER_TIMEOUT its limit in seconds), MOK_SUITE_DISPATCH_BENCH=0
+#              are its arguments, MOK_SUITE_LAYER_TIMEOUT its limit in seconds; its layer_bench_ep<EP>.json
+#              and .png chart go to the logs' folder), MOK_SUITE_DISPATCH_BENCH=0
 #              (skip build-gpu/bench/dispatch_bench, run with two or more GPUs; MOK_SUITE_DISPATCH_ARGS),
 #              MOK_SUITE_SOAK=0 (skip build-gpu/bench/mok_soak; MOK_SUITE_SOAK_ARGS are its arguments).
 #   compute-sanitizer: MOK_SUITE_SANITIZERS=0 skips all of it. memcheck runs every GPU test binary of the
@@ -95,7 +96,8 @@ fi
 
 [ "${MOK_SUITE_MAIN:-1}" = 1 ] && { build-gpu/bench/mok_bench >"$out/bench.log" 2>&1 || status=1; }
 if [ "${MOK_SUITE_LAYER_BENCH:-1}" = 1 ]; then
-  MOK_BUILD_DIR=build-gpu timeout "${MOK_SUITE_LAYER_TIMEOUT:-400}" tools/run_main.sh ${MOK_SUITE_LAYER_ARGS:-} \
+  MOK_BUILD_DIR=build-gpu MOK_RESULTS_DIR="$out" timeout "${MOK_SUITE_LAYER_TIMEOUT:-400}" tools/run_main.sh \
+    ${MOK_SUITE_LAYER_ARGS:-} \
     >"$out/layer_bench.log" 2>&1 || status=1
 fi
 gpus=$(nvidia-smi -L | wc -l)

@@ -3,7 +3,9 @@
 # layer benchmark, forward and forward + backward (bench/layer_bench.py's default; --no-backward for the
 # forward alone), ours vs the torchtitan-style PyTorch baseline (under autograd for the backward), at EP=1
 # and, with two or more GPUs, at EP = the number of GPUs (one process per GPU). Installs PyTorch (pip) when
-# it is missing.
+# it is missing. Besides the tables it writes, per EP, the rows as JSON and a PNG bar chart of them
+# (bench/chart_png.py; matplotlib when it imports, else a built-in renderer) into $MOK_RESULTS_DIR
+# (default bench/results, git-ignored): layer_bench_ep<EP>.json and layer_bench_ep<EP>.png.
 #   tools/run_main.sh [bench/layer_bench.py arguments, e.g. --shapes Kimi-K2.7 --iters 20]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +22,11 @@ if [ "$gpus" -lt 1 ]; then
   echo "run_main: no CUDA GPU visible; the benchmark needs a Hopper GPU" >&2
   exit 1
 fi
-python3 bench/layer_bench.py --lib "$lib" "$@"
+results="${MOK_RESULTS_DIR:-bench/results}"
+# --json and --chart before "$@": a caller's own wins (argparse keeps the last).
+python3 bench/layer_bench.py --lib "$lib" --json "$results/layer_bench_ep1.json" \
+  --chart "$results/layer_bench_ep1.png" "$@"
 if [ "$gpus" -ge 2 ]; then
-  python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" bench/layer_bench.py --lib "$lib" "$@"
+  python3 -m torch.distributed.run --standalone --nproc-per-node="$gpus" bench/layer_bench.py --lib "$lib" \
+    --json "$results/layer_bench_ep$gpus.json" --chart "$results/layer_bench_ep$gpus.png" "$@"
 fi
