@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Draws the fused forward's timeline (Chrome-trace JSON from MoeWorkspace::read_timeline / chrome_trace_json, e.g.
-bench/layer_bench.py --timeline DIR) as a PNG: one row per CTA, its GEMM tiles in the upper half and its row copies
-in the lower half, one bar per task, coloured by task kind; one panel per file (rank). Also prints, per file, the
-kernel's span and, per role, how much of the span its CTAs spent in tasks (a copy task's span includes its wait for
-its rows: a combine waits for the down tiles).
+"""Draws a fused forward's or backward's timeline (Chrome-trace JSON from MoeWorkspace::read_timeline /
+chrome_trace_json, e.g. bench/layer_bench.py --timeline DIR) as a PNG: one row per CTA, its GEMM tiles in the upper
+half and its row copies in the lower half, one bar per task, coloured by task kind; one panel per file (rank). Also
+prints, per file, the kernel's span and, per role, how much of the span its CTAs spent in tasks (a copy task's span
+includes its wait for its rows: a combine waits for the down tiles).
 
 Usage: tools/timeline_png.py TIMELINE.json [MORE.json ...] -o timeline.png   (needs matplotlib)
 """
@@ -11,9 +11,15 @@ import argparse
 import json
 import sys
 
+# Names as src/host/timeline.cpp's task_kind_name writes them.
 COLOURS = {"shared gate/up": "#9ecae1", "shared down": "#3182bd", "expert gate/up": "#a1d99b",
-           "expert down": "#31a354", "dispatch": "#fdae6b", "combine": "#e6550d"}
-COMM = ("dispatch", "combine")
+           "expert down": "#31a354", "dispatch": "#fdae6b", "combine": "#e6550d",
+           "shared recompute": "#c6dbef", "shared down dgrad": "#6baed6", "shared gate/up dgrad": "#2171b5",
+           "shared down wgrad": "#bcbddc", "shared gate/up wgrad": "#807dba",
+           "expert recompute": "#c7e9c0", "expert down dgrad": "#74c476", "expert gate/up dgrad": "#238b45",
+           "expert down wgrad": "#fcbba1", "expert gate/up wgrad": "#cb181d",
+           "pull grad": "#fdae6b", "push grad": "#e6550d"}
+COMM = ("dispatch", "combine", "pull grad", "push grad")
 
 
 def load(path):
