@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Draws a fused kernel's timeline (Chrome-trace JSON from MoeWorkspace::read_timeline / chrome_trace_json, e.g.
-bench/layer_bench.py --timeline DIR) as a PNG: one row per CTA, its GEMM tiles in the upper half and its row copies
-in the lower half, one bar per task, coloured by task kind; one panel per file (rank). Also prints, per file, the
-kernel's span and, per role, how much of the span its CTAs spent in tasks (a copy task's span includes its wait for
-its rows: a combine waits for the down tiles).
+"""Draws a fused forward's or backward's timeline (Chrome-trace JSON from MoeWorkspace::read_timeline /
+chrome_trace_json, e.g. bench/layer_bench.py --timeline DIR) as a PNG: one row per CTA, its GEMM tiles in the upper
+half and its row copies in the lower half, one bar per task, coloured by task kind; one panel per file (rank). Also
+prints, per file, the kernel's span and, per role, how much of the span its CTAs spent in tasks (a copy task's span
+includes its wait for its rows: a combine waits for the down tiles).
 
 A task is a copy when its track id is odd (chrome_trace_json puts a CTA's copies on track 2 * CTA + 1; COMM names
 the copy kinds of traces without track ids). Kinds COLOURS does not name (the backward's: pull, recompute, dgrad,
@@ -20,9 +20,15 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from png_canvas import Canvas, fit_scale, nice_step, text_height, text_width  # noqa: E402
 
+# Names as src/host/timeline.cpp's task_kind_name writes them.
 COLOURS = {"shared gate/up": "#9ecae1", "shared down": "#3182bd", "expert gate/up": "#a1d99b",
-           "expert down": "#31a354", "dispatch": "#fdae6b", "combine": "#e6550d"}
-COMM = ("dispatch", "combine")
+           "expert down": "#31a354", "dispatch": "#fdae6b", "combine": "#e6550d",
+           "shared recompute": "#c6dbef", "shared down dgrad": "#6baed6", "shared gate/up dgrad": "#2171b5",
+           "shared down wgrad": "#bcbddc", "shared gate/up wgrad": "#807dba",
+           "expert recompute": "#c7e9c0", "expert down dgrad": "#74c476", "expert gate/up dgrad": "#238b45",
+           "expert down wgrad": "#fcbba1", "expert gate/up wgrad": "#cb181d",
+           "pull grad": "#fdae6b", "push grad": "#e6550d"}
+COMM = ("dispatch", "combine", "pull grad", "push grad")
 DEFAULT_PALETTE = ("#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#d62728", "#393b79",
                    "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#ad494a", "#c5b0d5", "#c49c94")
 RENDERERS = ("auto", "matplotlib", "builtin")

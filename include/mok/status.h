@@ -34,6 +34,8 @@ enum class Role : int32_t {
   kDispatch = 5,      // forward megakernel: a communication CTA pulling rows
   kCombine = 6,       // forward megakernel: a communication CTA pushing rows
   kGemmConsumer = 7,  // a GEMM consumer warpgroup (task ring, pipeline full barrier)
+  kPullGrad = 8,      // backward megakernel: a communication group pulling d_out rows
+  kPushGrad = 9,      // backward megakernel: a communication group pushing d_x rows and d_rw
 };
 
 // Which counter a spin-wait watched (reported with a timeout). Names match docs/sync_protocol.md.
@@ -51,6 +53,14 @@ enum class CounterId : int32_t {
   kTaskMail = 9,       // TaskRing::mail_full / mail_empty (rank-0 producer <-> rank-1 producer)
   kPipelineFull = 10,  // GEMM pipeline: consumers wait for a stage's TMA bytes
   kPipelineEmpty = 11, // GEMM pipeline: the producer waits for a stage's release
+  // The backward megakernel's per-64-row counters (docs/sync_protocol.md, "backward megakernel").
+  kRowsPulled = 12,
+  kGateUpReady = 13,
+  kDgradReady = 14,
+  kDxReady = 15,
+  kRowsPushed = 16,
+  kSharedGateUpReady = 17,
+  kSharedDgradReady = 18,
 };
 
 // Values of DeviceStatus::abort (bits).

@@ -20,6 +20,8 @@ const char* role_name(int32_t role) {
     case Role::kDispatch: return "megakernel dispatch";
     case Role::kCombine: return "megakernel combine";
     case Role::kGemmConsumer: return "GEMM consumer";
+    case Role::kPullGrad: return "megakernel gradient pull";
+    case Role::kPushGrad: return "megakernel gradient push";
   }
   return "unknown";
 }
@@ -38,6 +40,13 @@ const char* counter_name(int32_t counter) {
     case CounterId::kTaskMail: return "task mail";
     case CounterId::kPipelineFull: return "pipeline full";
     case CounterId::kPipelineEmpty: return "pipeline empty";
+    case CounterId::kRowsPulled: return "rows_pulled";
+    case CounterId::kGateUpReady: return "gate_up_ready";
+    case CounterId::kDgradReady: return "dgrad_ready";
+    case CounterId::kDxReady: return "dx_ready";
+    case CounterId::kRowsPushed: return "rows_pushed";
+    case CounterId::kSharedGateUpReady: return "shared_gate_up_ready";
+    case CounterId::kSharedDgradReady: return "shared_dgrad_ready";
   }
   return "unknown";
 }

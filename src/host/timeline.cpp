@@ -1,4 +1,4 @@
-// Chrome-trace JSON of a fused forward's task records (include/mok/timeline.h).
+// Chrome-trace JSON of a fused forward's (or backward's) task records (include/mok/timeline.h).
 #include "mok/timeline.h"
 
 #include <algorithm>
@@ -15,6 +15,18 @@ const char* task_kind_name(TaskKind kind) {
     case TaskKind::kExpertDown: return "expert down";
     case TaskKind::kDispatch: return "dispatch";
     case TaskKind::kCombine: return "combine";
+    case TaskKind::kSharedRecompute: return "shared recompute";
+    case TaskKind::kSharedDownDgrad: return "shared down dgrad";
+    case TaskKind::kSharedGateUpDgrad: return "shared gate/up dgrad";
+    case TaskKind::kSharedDownWgrad: return "shared down wgrad";
+    case TaskKind::kSharedGateUpWgrad: return "shared gate/up wgrad";
+    case TaskKind::kExpertRecompute: return "expert recompute";
+    case TaskKind::kExpertDownDgrad: return "expert down dgrad";
+    case TaskKind::kExpertGateUpDgrad: return "expert gate/up dgrad";
+    case TaskKind::kExpertDownWgrad: return "expert down wgrad";
+    case TaskKind::kExpertGateUpWgrad: return "expert gate/up wgrad";
+    case TaskKind::kPullGrad: return "pull grad";
+    case TaskKind::kPushGrad: return "push grad";
     case TaskKind::kNone: return "none";
   }
   return "unknown";
@@ -40,7 +52,7 @@ std::string chrome_trace_json(const std::vector<TaskRecord>& records, int rank) 
     }
   for (size_t i = 0; i < records.size(); ++i) {
     const TaskRecord& r = records[i];
-    const bool copy = r.kind == TaskKind::kDispatch || r.kind == TaskKind::kCombine;
+    const bool copy = is_copy_task(r.kind);
     std::snprintf(line, sizeof(line),
                   "{\"name\": \"%s\", \"ph\": \"X\", \"pid\": %d, \"tid\": %d, \"ts\": %.3f, \"dur\": %.3f, "
                   "\"args\": {\"cta\": %d, \"sm\": %d, \"row\": %d, \"rows\": %d, \"n_block\": %d, \"expert\": %d}}%s\n",

@@ -41,12 +41,13 @@ inline constexpr CounterDesc kCounters[kNumCounters] = {
     {CounterId::kSharedHiddenReady, CounterUnits::kShared,   kSharedGateUpGemm},
 };
 
+// (waits_kept = waits: the forward keeps no rows, recompute_from is 0)
 inline constexpr PhaseDesc kPhases[] = {
-    // kind                    GEMM               rows                   waits on            signals
-    {TaskKind::kSharedGateUp, kSharedGateUpGemm, PhaseRows::kShared,    kNoCounter,         kSharedHiddenReady},
-    {TaskKind::kSharedDown,   kSharedDownGemm,   PhaseRows::kShared,    kSharedHiddenReady, kNoCounter},
-    {TaskKind::kExpertGateUp, kExpertGateUpGemm, PhaseRows::kMinibatch, kRowsArrived,       kHiddenReady},
-    {TaskKind::kExpertDown,   kExpertDownGemm,   PhaseRows::kMinibatch, kHiddenReady,       kOutputReady},
+    // kind                    GEMM               rows                   waits on            kept rows           signals
+    {TaskKind::kSharedGateUp, kSharedGateUpGemm, PhaseRows::kShared,    kNoCounter,         kNoCounter,         kSharedHiddenReady},
+    {TaskKind::kSharedDown,   kSharedDownGemm,   PhaseRows::kShared,    kSharedHiddenReady, kSharedHiddenReady, kNoCounter},
+    {TaskKind::kExpertGateUp, kExpertGateUpGemm, PhaseRows::kMinibatch, kRowsArrived,       kRowsArrived,       kHiddenReady},
+    {TaskKind::kExpertDown,   kExpertDownGemm,   PhaseRows::kMinibatch, kHiddenReady,       kHiddenReady,       kOutputReady},
 };
 
 inline constexpr CommPhaseDesc kCommPhases[] = {
@@ -56,6 +57,7 @@ inline constexpr CommPhaseDesc kCommPhases[] = {
 };
 
 static_assert(tables_are_consistent(kPhases, kCommPhases, kCounters, kNumGemms), "the forward's tables disagree");
+static_assert(!uses_backward_rows(phase_table(kPhases)), "ComputeWalker (the forward kernel's) walks kShared and kMinibatch only");
 static_assert(kCounters[kRowsArrived].id == CounterId::kRowsArrived && kCounters[kHiddenReady].id == CounterId::kHiddenReady &&
                   kCounters[kOutputReady].id == CounterId::kOutputReady &&
                   kCounters[kRowsCombined].id == CounterId::kRowsCombined &&
@@ -72,7 +74,9 @@ inline TaskOrderShape task_order(const int32_t* expert_row_offsets, int local_ex
                    .shared_rows = shared_rows,
                    .ring_rows = ring_rows,
                    .minibatch_rows = minibatch_rows,
+                   .recompute_from = 0,
                    .gemm_groups = {},
+                   .gemm_m_blocks = {},  // no weight-gradient GEMMs
                    .phases = phase_table(kPhases),
                    .comm_phases = comm_phase_table(kCommPhases)};
   for (int g = 0; g < kNumGemms; ++g) s.gemm_groups[g] = n_blocks[g] / cluster_n;
