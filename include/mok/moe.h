@@ -50,6 +50,13 @@
 
 namespace mok {
 
+namespace detail {
+struct MlpBackwardGemms;  // src/host/moe_fused_backward.h
+}  // namespace detail
+namespace backward {
+struct GradPullSources;  // src/device/backward/grad_rows.cuh
+}  // namespace backward
+
 enum class DType : int32_t { kBFloat16 = 0, kFloat32 = 1, kInt32 = 2, kInt64 = 3 };
 
 // A dense, row-major tensor in device memory, owned by the caller. Validation reads dtype and shape.
@@ -333,7 +340,14 @@ class MoeWorkspace {
   void backward_publish(const RankBackward& b);
   void shared_backward(const RankBackward& b);
   void backward_experts(const RankBackward& b);
+  void backward_fused(const RankBackward& b);  // ForwardPath::kFused: both MLPs in one launch
   void backward_epilogue(const RankBackward& b);
+  // The shared (or routed) MLP's five backward GEMMs as both paths run them; the routed rows whose g | u
+  // are copied from the context (a small ring's) and that copy; where the pull reads rows from.
+  detail::MlpBackwardGemms mlp_backward_gemms(const RankBackward& b, bool shared) const;
+  int32_t kept_gate_up_rows() const;
+  void copy_kept_gate_up(const RankBackward& b) const;
+  backward::GradPullSources grad_pull_sources(const RankBackward& b) const;
   // recompute_forward_context's phases: publish x (and the shared expert's hidden rows); pull the kept
   // rows and recompute their hidden rows; the closing barrier.
   void recompute_publish(const RankForward& f);

@@ -20,6 +20,7 @@
 #include "src/host/device_guard.h"
 #include "src/host/moe_args.h"
 #include "src/host/moe_fused.h"
+#include "src/host/moe_fused_backward.h"
 #include "src/host/moe_state.h"
 
 namespace mok {
@@ -160,9 +161,13 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     DeviceGuard guard(s.device);
     MOK_CHECK_CUDA(cudaDeviceGetAttribute(&s.num_sms, cudaDevAttrMultiProcessorCount, s.device));
     if (options_.path == ForwardPath::kFused) {  // also prepares the kernel on this device
-      const int ctas = detail::fused_grid_ctas(shape_, options_.keep_gate_up, s.device);
-      grid_ctas_ = grid_ctas_ == 0 ? ctas : std::min(grid_ctas_, ctas);
+      // One grid for both megakernels (the timeline is sized by it): a backward cluster pair implies a
+      // forward one (its GEMMs' output tiles pair up only if the forward's do), so a multiple of the forward's
+      // cluster fits both.
       const int cluster_n = detail::fused_cluster_n(shape_.hidden, shape_.intermediate);
+      int ctas = detail::fused_grid_ctas(shape_, options_.keep_gate_up, s.device);
+      if (options_.backward) ctas = std::min(ctas, detail::fused_backward_grid_ctas(shape_, s.device)) / cluster_n * cluster_n;
+      grid_ctas_ = grid_ctas_ == 0 ? ctas : std::min(grid_ctas_, ctas);
       require(fused.comm_ctas % cluster_n == 0 && fused.comm_ctas <= grid_ctas_ - cluster_n,
               "MoeOptions.fused.comm_ctas must be a multiple of " + std::to_string(cluster_n) +
                   " (CTAs per cluster for this shape) leaving at least one compute cluster of the " +

@@ -23,6 +23,7 @@
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
 #include "src/host/moe_args.h"
+#include "src/host/moe_fused_backward.h"
 #include "src/host/moe_state.h"
 
 namespace mok {
@@ -60,8 +61,6 @@ struct MlpBackward {
   const void* gate;           // [E, I, H], or gate and up fused [E, 2I, H] when `up` is null
   const void* up;             // [E, I, H] or null
   const void* down;           // [E, H, I]
-  bool recompute;             // g | u and h are recomputed into gate_up and hidden; else read from there (kept
-                              // by the forward: MoeOptions::keep_gate_up and a context holding every row)
   int32_t recompute_from;     // first recomputed row (a multiple of 128): the rows below it were copied from
                               // the context's kept g | u and h
   void* hidden;               // [rows, I]
@@ -72,10 +71,9 @@ struct MlpBackward {
   const WeightGrad* grad_gate;  // grad_up null or empty: fused (gate holds both), or none wanted
   const WeightGrad* grad_up;
   const WeightGrad* grad_down;
-  int32_t* tickets;           // five, detail::BackwardStep order
 };
 
-ExpertGemmArgs gemm_over(const GemmRows& rows, const MoeOptions& options, int32_t* ticket) {
+ExpertGemmArgs gemm_over(const GemmRows& rows, const MoeOptions& options) {
   ExpertGemmArgs a;
   a.a_rows = rows.rows_allocated;
   a.local_experts = rows.local_experts;
@@ -83,51 +81,7 @@ ExpertGemmArgs gemm_over(const GemmRows& rows, const MoeOptions& options, int32_
   a.expert_row_offsets = rows.expert_row_offsets;
   a.scheduled_rows = rows.scheduled_rows;
   a.tile_m = options.schedule.tile_m;
-  a.ticket = ticket;
   return a;
-}
-
-// The recompute (unless the forward kept g | u) and the two dgrads, in stream order.
-void issue_dgrads(const MoeShape& shape, const MoeOptions& options, const MlpBackward& m, cudaStream_t stream) {
-  if (m.recompute) {
-    ExpertGemmArgs recompute = gemm_over(m.rows, options, m.tickets + detail::kRecompute);
-    recompute.epilogue = GemmEpilogue::kSwiGLU;
-    recompute.a = m.x;
-    recompute.k = shape.hidden;
-    recompute.b = m.gate;
-    recompute.b_up = m.up;
-    recompute.n = shape.intermediate;
-    recompute.swiglu_limit = shape.swiglu_limit;
-    recompute.out = m.hidden;
-    recompute.gate_up_out = m.gate_up;
-    recompute.first_row = m.recompute_from;
-    expert_gemm(recompute, stream);
-  }
-
-  ExpertGemmArgs down = gemm_over(m.rows, options, m.tickets + detail::kDownDgrad);
-  down.epilogue = GemmEpilogue::kSwiGLUBackward;
-  down.a = m.d_out;
-  down.k = shape.hidden;
-  down.b = m.down;  // [E, H, I] = [E, k, n]: n contiguous
-  down.b_major = OperandMajor::kMN;
-  down.n = shape.intermediate;
-  down.row_scale = m.row_weight;
-  down.swiglu_limit = shape.swiglu_limit;
-  down.gate_up = m.gate_up;
-  down.out = m.d_gate_up;
-  down.row_partials = m.row_partials;
-  expert_gemm(down, stream);
-
-  ExpertGemmArgs gate_up = gemm_over(m.rows, options, m.tickets + detail::kGateUpDgrad);
-  gate_up.epilogue = GemmEpilogue::kStore;
-  gate_up.a = m.d_gate_up;
-  gate_up.k = 2 * shape.intermediate;
-  gate_up.b = m.gate;   // fused [E, 2I, H] = [E, k, n]; separate: K = gate [E, I, H] then up
-  gate_up.b_up = m.up;
-  gate_up.b_major = OperandMajor::kMN;
-  gate_up.n = shape.hidden;
-  gate_up.out = m.d_x;
-  expert_gemm(gate_up, stream);
 }
 
 GradOutput grad_output(const WeightGrad& g) {
@@ -136,10 +90,9 @@ GradOutput grad_output(const WeightGrad& g) {
 }
 
 // out_e [m, n] = sum_r a[r, m] b[r, n] over each expert's rows; rows [m_split, m) into `split` when set
-// (validated: same dtype and mode as `out`). Nothing when `out` is empty.
-void weight_grad(const GemmRows& rows, const MoeOptions& options, const void* a, int m, const void* b, int n,
-                 const WeightGrad& out, const WeightGrad* split, int m_split, int32_t* ticket, cudaStream_t stream) {
-  if (out.grad.empty()) return;
+// (validated: same dtype and mode as `out`). `out` null when the gradient is empty (not wanted).
+WeightGradArgs weight_grad_args(const GemmRows& rows, const MoeOptions& options, const void* a, int m, const void* b,
+                                int n, const WeightGrad& out, const WeightGrad* split, int m_split) {
   WeightGradArgs w;
   w.a = a;
   w.b = b;
@@ -151,20 +104,83 @@ void weight_grad(const GemmRows& rows, const MoeOptions& options, const void* a,
   w.scheduled_rows = rows.scheduled_rows;
   w.tile_m = options.schedule.tile_m;
   w.output = grad_output(out);
+  if (out.grad.empty()) return w;
   w.out = out.grad.mutable_data();
   if (split != nullptr && !split->grad.empty()) {
     w.out_split = split->grad.mutable_data();
     w.m_split = m_split;
   }
-  w.ticket = ticket;
-  weight_grad_gemm(w, stream);
+  return w;
 }
 
-void issue_weight_grads(const MoeShape& shape, const MoeOptions& options, const MlpBackward& m, cudaStream_t stream) {
+// One MLP's five backward GEMMs, tickets left empty: the unfused path launches them one by one (issue_dgrads,
+// issue_weight_grads), the fused path as one kernel. The recompute is run only when the MLP recomputes.
+detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions& options, const MlpBackward& m) {
+  detail::MlpBackwardGemms g;
+  g.recompute = gemm_over(m.rows, options);
+  g.recompute.epilogue = GemmEpilogue::kSwiGLU;
+  g.recompute.a = m.x;
+  g.recompute.k = shape.hidden;
+  g.recompute.b = m.gate;
+  g.recompute.b_up = m.up;
+  g.recompute.n = shape.intermediate;
+  g.recompute.swiglu_limit = shape.swiglu_limit;
+  g.recompute.out = m.hidden;
+  g.recompute.gate_up_out = m.gate_up;
+  g.recompute.first_row = m.recompute_from;
+
+  g.down_dgrad = gemm_over(m.rows, options);
+  g.down_dgrad.epilogue = GemmEpilogue::kSwiGLUBackward;
+  g.down_dgrad.a = m.d_out;
+  g.down_dgrad.k = shape.hidden;
+  g.down_dgrad.b = m.down;  // [E, H, I] = [E, k, n]: n contiguous
+  g.down_dgrad.b_major = OperandMajor::kMN;
+  g.down_dgrad.n = shape.intermediate;
+  g.down_dgrad.row_scale = m.row_weight;
+  g.down_dgrad.swiglu_limit = shape.swiglu_limit;
+  g.down_dgrad.gate_up = m.gate_up;
+  g.down_dgrad.out = m.d_gate_up;
+  g.down_dgrad.row_partials = m.row_partials;
+
+  g.gate_up_dgrad = gemm_over(m.rows, options);
+  g.gate_up_dgrad.epilogue = GemmEpilogue::kStore;
+  g.gate_up_dgrad.a = m.d_gate_up;
+  g.gate_up_dgrad.k = 2 * shape.intermediate;
+  g.gate_up_dgrad.b = m.gate;  // fused [E, 2I, H] = [E, k, n]; separate: K = gate [E, I, H] then up
+  g.gate_up_dgrad.b_up = m.up;
+  g.gate_up_dgrad.b_major = OperandMajor::kMN;
+  g.gate_up_dgrad.n = shape.hidden;
+  g.gate_up_dgrad.out = m.d_x;
+
   const int h = shape.hidden, i = shape.intermediate;
-  weight_grad(m.rows, options, m.dy, h, m.hidden, i, *m.grad_down, nullptr, 0, m.tickets + detail::kDownWgrad, stream);
-  weight_grad(m.rows, options, m.d_gate_up, 2 * i, m.x, h, *m.grad_gate, m.grad_up, i,
-              m.tickets + detail::kGateUpWgrad, stream);
+  g.down_wgrad = weight_grad_args(m.rows, options, m.dy, h, m.hidden, i, *m.grad_down, nullptr, 0);
+  g.gate_up_wgrad = weight_grad_args(m.rows, options, m.d_gate_up, 2 * i, m.x, h, *m.grad_gate, m.grad_up, i);
+  return g;
+}
+
+// The unfused path: the recompute (unless the forward kept g | u) and the two dgrads, in stream order.
+// tickets: five, detail::BackwardStep order.
+void issue_dgrads(detail::MlpBackwardGemms g, bool recompute, int32_t* tickets, cudaStream_t stream) {
+  if (recompute) {
+    g.recompute.ticket = tickets + detail::kRecompute;
+    expert_gemm(g.recompute, stream);
+  }
+  g.down_dgrad.ticket = tickets + detail::kDownDgrad;
+  expert_gemm(g.down_dgrad, stream);
+  g.gate_up_dgrad.ticket = tickets + detail::kGateUpDgrad;
+  expert_gemm(g.gate_up_dgrad, stream);
+}
+
+// The unfused path: the wanted weight gradients.
+void issue_weight_grads(detail::MlpBackwardGemms g, int32_t* tickets, cudaStream_t stream) {
+  if (g.down_wgrad.out != nullptr) {
+    g.down_wgrad.ticket = tickets + detail::kDownWgrad;
+    weight_grad_gemm(g.down_wgrad, stream);
+  }
+  if (g.gate_up_wgrad.out != nullptr) {
+    g.gate_up_wgrad.ticket = tickets + detail::kGateUpWgrad;
+    weight_grad_gemm(g.gate_up_wgrad, stream);
+  }
 }
 
 }  // namespace
@@ -188,6 +204,9 @@ void MoeWorkspace::allocate_backward() {
                   size(cap * kFloatBytes) + size(cap * 2 * i * kBf16Bytes) + size(cap * n_blocks * kFloatBytes) +
                   size(sizeof(int32_t)) +
                   (recomputes ? size(cap * i * kBf16Bytes) + size(cap * 2 * i * kBf16Bytes) : 0);
+  const int64_t counter_words =
+      options_.path == ForwardPath::kFused ? detail::fused_backward_counter_words(cap / 64, pt / 64) : 0;
+  bytes += size(counter_words * 8);
   if (shape_.shared_expert)
     bytes += size(pt * 2 * i * kBf16Bytes) + size(pt * h * kBf16Bytes) + size(pt * n_blocks * kFloatBytes) +
              (shared_recomputes ? size(pt * 2 * i * kBf16Bytes) + size(pt * i * kBf16Bytes) : 0);
@@ -212,6 +231,7 @@ void MoeWorkspace::allocate_backward() {
     w.d_gate_up = carve<char>(cursor, cap * 2 * i * kBf16Bytes);
     w.row_partials = carve<float>(cursor, cap * n_blocks);
     w.kept_rows = carve<int32_t>(cursor, 1);
+    w.counters = carve<uint64_t>(cursor, counter_words);
     if (shape_.shared_expert) {
       if (shared_recomputes) {
         w.shared_gate_up = carve<char>(cursor, pt * 2 * i * kBf16Bytes);
@@ -281,47 +301,96 @@ void MoeWorkspace::backward_publish(const RankBackward& b) {
   MOK_CHECK_CUDA(cudaMemcpyAsync(rw_.on(b.rank), b.router_weights.data, t * k * kFloatBytes, cudaMemcpyDeviceToDevice,
                                  b.stream));
   barrier_arrive(b.rank, b.stream);
-  if (shape_.shared_expert) shared_backward(b);
+  if (shape_.shared_expert && options_.path == ForwardPath::kUnfused) shared_backward(b);
 }
 
 // The shared expert on the rank's own tokens: one expert over the padded tokens, row weight 1, so its
-// down weight gradient's A is d_out itself; its d_x partial stays here for the epilogue.
-void MoeWorkspace::shared_backward(const RankBackward& b) {
+// down weight gradient's A is d_out itself; its d_x partial stays here for the epilogue. The routed experts
+// over the schedule's rows, their x rows read from the context or (ring < capacity) gathered into the scratch.
+detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b, bool shared) const {
   const RankState& s = state(b.rank);
   const BackwardScratch& w = s.backward;
   const MoeWeights& weights = *b.weights;
   const MoeWeightGrads& grads = *b.weight_grads;
-  const MlpBackward m{.rows = {.local_experts = 1,
-                               .expert_counts = s.shared_schedule->counts,
-                               .expert_row_offsets = s.shared_schedule->row_offsets,
-                               .scheduled_rows = s.shared_schedule->scheduled_rows,
-                               .rows_allocated = padded_tokens_},
-                      .x = x_.on(b.rank),
-                      .d_out = d_out_.on(b.rank),
-                      .dy = d_out_.on(b.rank),
-                      .row_weight = nullptr,
-                      .gate = weights.shared_gate.data,
-                      .up = weights.shared_up.data,
-                      .down = weights.shared_down.data,
-                      .recompute = !options_.keep_gate_up,
-                      .recompute_from = 0,
-                      .hidden = options_.keep_gate_up ? b.context->shared_hidden_ : w.shared_hidden,
-                      .gate_up = options_.keep_gate_up ? b.context->shared_gate_up_ : w.shared_gate_up,
-                      .d_gate_up = w.shared_d_gate_up,
-                      .row_partials = w.shared_row_partials,
-                      .d_x = w.shared_dx,
-                      .grad_gate = &grads.shared_gate,
-                      .grad_up = &grads.shared_up,
-                      .grad_down = &grads.shared_down,
-                      .tickets = s.tickets + detail::kBackwardShared};
-  issue_dgrads(shape_, options_, m, b.stream);
-  issue_weight_grads(shape_, options_, m, b.stream);
+  const ForwardContext& ctx = *b.context;
+  if (shared) {
+    const bool kept = options_.keep_gate_up;
+    const MlpBackward m{.rows = {.local_experts = 1,
+                                 .expert_counts = s.shared_schedule->counts,
+                                 .expert_row_offsets = s.shared_schedule->row_offsets,
+                                 .scheduled_rows = s.shared_schedule->scheduled_rows,
+                                 .rows_allocated = padded_tokens_},
+                        .x = x_.on(b.rank),
+                        .d_out = d_out_.on(b.rank),
+                        .dy = d_out_.on(b.rank),
+                        .row_weight = nullptr,
+                        .gate = weights.shared_gate.data,
+                        .up = weights.shared_up.data,
+                        .down = weights.shared_down.data,
+                        .recompute_from = 0,
+                        .hidden = kept ? ctx.shared_hidden_ : w.shared_hidden,
+                        .gate_up = kept ? ctx.shared_gate_up_ : w.shared_gate_up,
+                        .d_gate_up = w.shared_d_gate_up,
+                        .row_partials = w.shared_row_partials,
+                        .d_x = w.shared_dx,
+                        .grad_gate = &grads.shared_gate,
+                        .grad_up = &grads.shared_up,
+                        .grad_down = &grads.shared_down};
+    return backward_gemms(shape_, options_, m);
+  }
+  const ScheduleView& v = ctx.schedule_;
+  const bool recompute = recomputes_gate_up();
+  const MlpBackward m{.rows = {.local_experts = shape_.local_experts(),
+                               .expert_counts = v.expert_counts,
+                               .expert_row_offsets = v.expert_row_offsets,
+                               .scheduled_rows = v.scheduled_rows,
+                               .rows_allocated = capacity_rows()},
+                      .x = w.x_rows != nullptr ? w.x_rows : ctx.expert_rows_,
+                      .d_out = w.d_out_rows,
+                      .dy = w.dy_rows,
+                      .row_weight = w.row_weight,
+                      .gate = weights.expert_gate.data,
+                      .up = weights.expert_up.data,  // null: gate and up fused in expert_gate
+                      .down = weights.expert_down.data,
+                      .recompute_from = kept_gate_up_rows(),
+                      .hidden = recompute ? w.hidden : ctx.hidden_,
+                      .gate_up = recompute ? w.gate_up : ctx.gate_up_,
+                      .d_gate_up = w.d_gate_up,
+                      .row_partials = w.row_partials,
+                      .d_x = w.d_x_rows(),
+                      .grad_gate = &grads.expert_gate,
+                      .grad_up = &grads.expert_up,
+                      .grad_down = &grads.expert_down};
+  return backward_gemms(shape_, options_, m);
+}
+
+// The routed rows whose g | u and h the backward copies from the context instead of recomputing: a fused
+// forward's small ring kept rows [0, ring) (the same bits: row r of a GEMM depends on row r alone).
+int32_t MoeWorkspace::kept_gate_up_rows() const {
+  return recomputes_gate_up() && options_.keep_gate_up ? static_cast<int32_t>(ring_rows_) : 0;
+}
+
+void MoeWorkspace::copy_kept_gate_up(const RankBackward& b) const {
+  if (kept_gate_up_rows() == 0) return;
+  const BackwardScratch& w = state(b.rank).backward;
+  const int64_t i = shape_.intermediate, rows = kept_gate_up_rows();
+  MOK_CHECK_CUDA(cudaMemcpyAsync(w.gate_up, b.context->gate_up_, rows * 2 * i * kBf16Bytes, cudaMemcpyDeviceToDevice,
+                                 b.stream));
+  MOK_CHECK_CUDA(cudaMemcpyAsync(w.hidden, b.context->hidden_, rows * i * kBf16Bytes, cudaMemcpyDeviceToDevice, b.stream));
+}
+
+void MoeWorkspace::shared_backward(const RankBackward& b) {
+  int32_t* tickets = state(b.rank).tickets + detail::kBackwardShared;
+  const detail::MlpBackwardGemms g = mlp_backward_gemms(b, true);
+  issue_dgrads(g, !options_.keep_gate_up, tickets, b.stream);
+  issue_weight_grads(g, tickets, b.stream);
 }
 
 // Phase 2: wait for every rank's published tensors, pull the scheduled rows, the routed experts' dgrads,
 // push d_x_route rows and d_rw home, "your rows are written" to every peer; then the routed weight
 // gradients (local, after the arrive: peers need not wait for them).
 void MoeWorkspace::backward_experts(const RankBackward& b) {
+  if (options_.path == ForwardPath::kFused) return backward_fused(b);
   const RankState& s = state(b.rank);
   const BackwardScratch& w = s.backward;
   DeviceGuard guard(s.device);
@@ -332,13 +401,8 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
 
   // A context that keeps every row (ring = capacity) is read in place; otherwise the x rows are gathered:
   // the kept ones from the context, the others pulled again from their source ranks.
-  const void* x_rows = w.x_rows != nullptr ? w.x_rows : ctx.expert_rows_;
   const kernels::GradPullParams pull{
-      .src = {.x = x_.peers(b.rank),
-              .d_out = d_out_.peers(b.rank),
-              .router_weights = rw_.peers(b.rank),
-              .kept_x_rows = static_cast<const uint4*>(ctx.expert_rows_),
-              .kept_rows = ctx.ring_rows_},
+      .src = grad_pull_sources(b),
       .x_rows = static_cast<uint4*>(w.x_rows),
       .d_out_rows = static_cast<uint4*>(w.d_out_rows),
       .dy_rows = static_cast<uint4*>(w.dy_rows),
@@ -352,43 +416,10 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
                                    kernels::GradRowTraits::kThreads, 0, b.stream>>>(pull);
   MOK_CHECK_CUDA(cudaGetLastError());
 
-  // A fused forward's small ring kept g | u and h of rows [0, ring): copied into the scratch, only the rows
-  // past the ring are recomputed (the same bits: row r of a GEMM depends on row r alone).
-  int32_t kept_from_context = 0;
-  if (recomputes_gate_up() && options_.keep_gate_up) {
-    const int64_t i = shape_.intermediate;
-    MOK_CHECK_CUDA(cudaMemcpyAsync(w.gate_up, ctx.gate_up_, ring_rows_ * 2 * i * kBf16Bytes, cudaMemcpyDeviceToDevice,
-                                   b.stream));
-    MOK_CHECK_CUDA(
-        cudaMemcpyAsync(w.hidden, ctx.hidden_, ring_rows_ * i * kBf16Bytes, cudaMemcpyDeviceToDevice, b.stream));
-    kept_from_context = static_cast<int32_t>(ring_rows_);
-  }
-  const MoeWeights& weights = *b.weights;
-  const MoeWeightGrads& grads = *b.weight_grads;
-  const MlpBackward m{.rows = {.local_experts = shape_.local_experts(),
-                               .expert_counts = v.expert_counts,
-                               .expert_row_offsets = v.expert_row_offsets,
-                               .scheduled_rows = v.scheduled_rows,
-                               .rows_allocated = capacity_rows()},
-                      .x = x_rows,
-                      .d_out = w.d_out_rows,
-                      .dy = w.dy_rows,
-                      .row_weight = w.row_weight,
-                      .gate = weights.expert_gate.data,
-                      .up = weights.expert_up.data,  // null: gate and up fused in expert_gate
-                      .down = weights.expert_down.data,
-                      .recompute = recomputes_gate_up(),
-                      .recompute_from = kept_from_context,
-                      .hidden = recomputes_gate_up() ? w.hidden : ctx.hidden_,
-                      .gate_up = recomputes_gate_up() ? w.gate_up : ctx.gate_up_,
-                      .d_gate_up = w.d_gate_up,
-                      .row_partials = w.row_partials,
-                      .d_x = w.d_x_rows(),
-                      .grad_gate = &grads.expert_gate,
-                      .grad_up = &grads.expert_up,
-                      .grad_down = &grads.expert_down,
-                      .tickets = s.tickets + detail::kBackwardExpert};
-  issue_dgrads(shape_, options_, m, b.stream);
+  copy_kept_gate_up(b);  // only the rows past them are recomputed
+  const detail::MlpBackwardGemms g = mlp_backward_gemms(b, false);
+  int32_t* tickets = s.tickets + detail::kBackwardExpert;
+  issue_dgrads(g, recomputes_gate_up(), tickets, b.stream);
 
   const kernels::GradPushParams push{.dst = {.combined = combined_.peers(b.rank), .d_rw = d_rw_.peers(b.rank)},
                                      .d_x_rows = static_cast<const uint4*>(w.d_x_rows()),
@@ -404,7 +435,62 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   MOK_CHECK_CUDA(cudaGetLastError());
   barrier_arrive(b.rank, b.stream);
 
-  issue_weight_grads(shape_, options_, m, b.stream);
+  issue_weight_grads(g, tickets, b.stream);
+}
+
+backward::GradPullSources MoeWorkspace::grad_pull_sources(const RankBackward& b) const {
+  return {.x = x_.peers(b.rank),
+          .d_out = d_out_.peers(b.rank),
+          .router_weights = rw_.peers(b.rank),
+          .kept_x_rows = static_cast<const uint4*>(b.context->expert_rows_),
+          .kept_rows = b.context->ring_rows_};
+}
+
+// Phase 2 of the fused path: the whole backward of both MLPs between the barriers as one persistent launch
+// (src/device/megakernel/backward_kernel.cuh); bitwise the unfused phases' results.
+void MoeWorkspace::backward_fused(const RankBackward& b) {
+  const RankState& s = state(b.rank);
+  const BackwardScratch& w = s.backward;
+  DeviceGuard guard(s.device);
+  const ScheduleView& v = b.context->schedule_;
+  barrier_wait(b.rank, b.stream);
+  copy_kept_gate_up(b);
+  detail::FusedBackwardArgs a{
+      .shared = shape_.shared_expert ? mlp_backward_gemms(b, true) : mlp_backward_gemms(b, false),
+      .routed = mlp_backward_gemms(b, false),
+      .shared_recompute = shape_.shared_expert && !options_.keep_gate_up,
+      .routed_recompute = recomputes_gate_up(),
+      .recompute_from = kept_gate_up_rows(),
+      .expert_row_offsets = v.expert_row_offsets,
+      .scheduled_rows = v.scheduled_rows,
+      .row_route = v.row_route,
+      .local_experts = shape_.local_experts(),
+      .shared_rows = shape_.shared_expert ? static_cast<int32_t>(padded_tokens_) : 0,
+      .capacity_rows = capacity_rows(),
+      .minibatch_rows = options_.fused.minibatch_rows,
+      .comm_ctas = options_.fused.comm_ctas,
+      .grid_ctas = grid_ctas_,
+      .pull = grad_pull_sources(b),
+      .x_rows = w.x_rows,
+      .d_out_rows = w.d_out_rows,
+      .dy_rows = w.dy_rows,
+      .row_weight = w.row_weight,
+      .push = {.combined = combined_.peers(b.rank), .d_rw = d_rw_.peers(b.rank)},
+      .row_partials = w.row_partials,
+      .n_blocks = w.n_blocks,
+      .num_tokens = shape_.num_tokens,
+      .top_k = shape_.top_k,
+      .hidden = shape_.hidden,
+      .intermediate = shape_.intermediate,
+      .counters = w.counters,
+      .tickets = s.tickets + detail::kBackwardExpert,
+      .rank = b.rank,
+      .status = schedule_.device_status(b.rank),
+      .timeout_ns = static_cast<uint64_t>(options_.schedule.wait_timeout_s * 1e9),
+      .timeline = s.timeline,
+      .timeline_capacity = options_.fused.timeline_records};
+  detail::launch_fused_backward(a, b.stream);
+  barrier_arrive(b.rank, b.stream);
 }
 
 // Phase 3: wait for every expert rank's rows, then d_x = shared dx + sum_j d_x_route_j (fp32, j ascending,

@@ -90,6 +90,7 @@ struct MoeWorkspace::BackwardScratch {
   void* d_gate_up = nullptr;    // bf16 [capacity, 2I]: d_g | d_u
   float* row_partials = nullptr;  // fp32 [capacity, n_blocks]: d_rw partial sums per n-block
   int32_t* kept_rows = nullptr;   // [1]: min(scheduled rows, ring), recompute_forward_context's row count
+  uint64_t* counters = nullptr;   // ForwardPath::kFused: the backward megakernel's (fused_backward_counter_words)
   // Shared expert, [padded T, ...]; null without one (shared_gate_up and shared_hidden also with
   // MoeOptions::keep_gate_up: the context's are read)
   void* shared_gate_up = nullptr;     // bf16 [padded T, 2I]

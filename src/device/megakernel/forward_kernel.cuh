@@ -36,6 +36,7 @@
 #include "src/device/gemm/expert_gemm.cuh"
 #include "src/device/megakernel/communication.cuh"
 #include "src/device/megakernel/forward_tasks.h"
+#include "src/device/megakernel/task_inputs.cuh"
 #include "src/device/megakernel/task_order.h"
 #include "src/device/megakernel/timeline.cuh"
 
@@ -80,23 +81,6 @@ struct ForwardSharedStorage {
   gemm::TaskRing<T::kTaskDepth, 4 * T::kConsumerWarpgroups, T::kClusterN, ComputeTask> tasks;
   CommSharedStorage<T> comm;
 };
-
-template <int kClusterN>
-__device__ __forceinline__ gemm::TileTask tile_of(const ComputeTask& t, int cta_rank) {
-  return gemm::TileTask{t.row, t.buffer_row, t.rows, t.n_group, t.expert}.template for_cta<kClusterN>(cta_rank);
-}
-
-// Producer thread: waits until every 64-row unit of the tile's A rows is complete in the phase's counter.
-template <class Params>
-__device__ __forceinline__ void wait_for_inputs(const Params& p, const PhaseDesc& phase, const ComputeTask& t) {
-  if (phase.waits == kNoCounter) return;  // shared gate/up: x was complete before the launch
-  const uint64_t* counter = p.counters.base[phase.waits];
-  for (int32_t unit = t.row / kUnitRows; unit * kUnitRows < t.row + t.rows; ++unit)
-    device::wait_at_least(counter + unit, p.counters.target[phase.waits],
-                          {p.rank, Role::kGemmProducer, p.counters.id[phase.waits], unit}, p.status, p.timeout_ns);
-  // Why: the TMA loads that follow read, through the async proxy, rows the acquire above made visible.
-  device::fence_proxy_async_global();
-}
 
 // Registers of the producer warpgroup after setmaxnreg: the GEMM's 48 leave too few for the task walker and
 // four GEMMs' descriptors (ptxas spilled); the consumers keep theirs.

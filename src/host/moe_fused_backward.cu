@@ -1,0 +1,202 @@
+// Host side of the backward megakernel: the descriptors of its ten GEMMs, its counters, the persistent grid.
+#include "src/host/moe_fused_backward.h"
+
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "src/device/megakernel/backward_kernel.cuh"
+#include "src/device/megakernel/timeline_record.h"
+#include "src/host/check.h"
+#include "src/host/device_guard.h"
+#include "src/host/gemm_params.h"
+#include "src/host/weight_grad_params.h"
+
+namespace mok::detail {
+namespace {
+
+namespace bwd = megakernel::backward;
+
+// The standalone GEMMs' tiles (src/host/gemm_params.h), so every tile is the unfused backward's.
+template <int kClusterN>
+using RecomputeTraits = ExpertGemmTraits<KMajorMainloop, gemm::SwiGLUEpilogue<true>, kClusterN>;
+template <int kClusterN>
+using DownDgradTraits = ExpertGemmTraits<MNMajorMainloop, gemm::SwiGLUBackwardEpilogue, kClusterN>;
+template <int kClusterN>
+using GateUpDgradTraits = ExpertGemmTraits<MNMajorMainloop, gemm::StoreEpilogue, kClusterN>;
+
+template <int kClusterN>
+using RecomputeGemm = decltype(make_gemm_params<RecomputeTraits<kClusterN>>(ExpertGemmArgs{}));
+template <int kClusterN>
+using DgradGemm = decltype(make_gemm_params<GateUpDgradTraits<kClusterN>>(ExpertGemmArgs{}));
+static_assert(std::is_same_v<DgradGemm<1>, decltype(make_gemm_params<DownDgradTraits<1>>(ExpertGemmArgs{}))>,
+              "both dgrads have one descriptor type (one mainloop policy)");
+template <int kClusterN>
+using Params = megakernel::BackwardParams<RecomputeGemm<kClusterN>, DgradGemm<kClusterN>, gemm::AnyWeightGradParams>;
+
+template <int kClusterN>
+auto kernel_of() {
+  return megakernel::backward_kernel<RecomputeTraits<kClusterN>, DownDgradTraits<kClusterN>,
+                                     GateUpDgradTraits<kClusterN>, Params<kClusterN>>;
+}
+
+template <int kClusterN>
+constexpr int shared_bytes() {
+  return static_cast<int>(sizeof(megakernel::BackwardSharedStorage<GateUpDgradTraits<kClusterN>>));
+}
+
+template <int kClusterN>
+cudaLaunchConfig_t launch_config(int grid_ctas, cudaStream_t stream, cudaLaunchAttribute* cluster_attr) {
+  cluster_attr->id = cudaLaunchAttributeClusterDimension;
+  cluster_attr->val.clusterDim.x = kClusterN;
+  cluster_attr->val.clusterDim.y = 1;
+  cluster_attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid_ctas);
+  config.blockDim = dim3(GateUpDgradTraits<kClusterN>::kThreads);
+  config.dynamicSmemBytes = shared_bytes<kClusterN>();
+  config.stream = stream;
+  config.attrs = cluster_attr;
+  config.numAttrs = 1;
+  return config;
+}
+
+template <int kClusterN>
+int grid_ctas(int device) {
+  DeviceGuard guard(device);
+  int num_sms = 0, max_smem = 0;
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (shared_bytes<kClusterN>() > max_smem)
+    throw std::runtime_error("backward megakernel: needs " + std::to_string(shared_bytes<kClusterN>()) +
+                             " bytes of shared memory per CTA, the device allows " + std::to_string(max_smem));
+  auto kernel = kernel_of<kClusterN>();
+  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes<kClusterN>()));
+  cudaLaunchAttribute cluster_attr;
+  cudaLaunchConfig_t config = launch_config<kClusterN>(num_sms - num_sms % kClusterN, nullptr, &cluster_attr);
+  int max_clusters = 0;
+  MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
+  if (max_clusters < 2) throw std::runtime_error("backward megakernel: fewer than two clusters fit on the device");
+  return max_clusters * kClusterN;
+}
+
+// n-blocks (output tiles of 256 or 128 columns) and, for weight gradients, m-blocks of 128 gradient rows of
+// each GEMM, by bwd::Gemm. A weight gradient that is not wanted has no m-blocks: no tiles.
+struct GemmBlocks {
+  int32_t n[bwd::kNumGemms];
+  int32_t m[bwd::kNumGemms];
+};
+
+using GradTraits = gemm::WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>;  // every mode's tile shape
+
+template <int kClusterN>
+GemmBlocks gemm_blocks(const FusedBackwardArgs& a) {
+  const int h = a.hidden, i = a.intermediate;
+  auto m_blocks = [](const WeightGradArgs& w) {
+    return w.out == nullptr ? 0 : (w.m + GradTraits::kBlockM - 1) / GradTraits::kBlockM;
+  };
+  auto grad_n_blocks = [](int n) { return (n + GradTraits::kBlockN - 1) / GradTraits::kBlockN; };
+  GemmBlocks b{};
+  for (const bool shared : {true, false}) {
+    const MlpBackwardGemms& g = shared ? a.shared : a.routed;
+    const auto at = [&](bwd::Gemm shared_gemm, bwd::Gemm routed_gemm) { return shared ? shared_gemm : routed_gemm; };
+    b.n[at(bwd::kSharedRecompute, bwd::kExpertRecompute)] = RecomputeTraits<kClusterN>::n_blocks(i);
+    b.n[at(bwd::kSharedDownDgrad, bwd::kExpertDownDgrad)] = DownDgradTraits<kClusterN>::n_blocks(i);
+    b.n[at(bwd::kSharedGateUpDgrad, bwd::kExpertGateUpDgrad)] = GateUpDgradTraits<kClusterN>::n_blocks(h);
+    b.n[at(bwd::kSharedDownWgrad, bwd::kExpertDownWgrad)] = grad_n_blocks(i);
+    b.n[at(bwd::kSharedGateUpWgrad, bwd::kExpertGateUpWgrad)] = grad_n_blocks(h);
+    b.m[at(bwd::kSharedDownWgrad, bwd::kExpertDownWgrad)] = m_blocks(g.down_wgrad);
+    b.m[at(bwd::kSharedGateUpWgrad, bwd::kExpertGateUpWgrad)] = m_blocks(g.gate_up_wgrad);
+  }
+  return b;
+}
+
+gemm::AnyWeightGradParams weight_grad_params(const WeightGradArgs& w) {
+  return w.out == nullptr ? gemm::AnyWeightGradParams{} : make_any_weight_grad_params(w);
+}
+
+template <int kClusterN>
+void launch(const FusedBackwardArgs& a, cudaStream_t stream) {
+  using TR = RecomputeTraits<kClusterN>;
+  using TD = DownDgradTraits<kClusterN>;
+  using TG = GateUpDgradTraits<kClusterN>;
+  const GemmBlocks blocks = gemm_blocks<kClusterN>(a);
+  const int64_t capacity_units = a.capacity_rows / 64, shared_units = a.shared_rows / 64;
+  for (const ExpertGemmArgs* g : {&a.shared.down_dgrad, &a.shared.gate_up_dgrad, &a.routed.down_dgrad,
+                                  &a.routed.gate_up_dgrad})
+    validate(*g);
+  if (a.shared_recompute) validate(a.shared.recompute);
+  if (a.routed_recompute) validate(a.routed.recompute);
+  Params<kClusterN> p{
+      .recompute = {make_gemm_params<TR>(a.shared_recompute ? a.shared.recompute : a.routed.recompute),
+                    make_gemm_params<TR>(a.routed_recompute ? a.routed.recompute : a.shared.recompute)},
+      .down_dgrad = {make_gemm_params<TD>(a.shared.down_dgrad), make_gemm_params<TD>(a.routed.down_dgrad)},
+      .gate_up_dgrad = {make_gemm_params<TG>(a.shared.gate_up_dgrad), make_gemm_params<TG>(a.routed.gate_up_dgrad)},
+      .down_wgrad = {weight_grad_params(a.shared.down_wgrad), weight_grad_params(a.routed.down_wgrad)},
+      .gate_up_wgrad = {weight_grad_params(a.shared.gate_up_wgrad), weight_grad_params(a.routed.gate_up_wgrad)},
+      .order = bwd::task_order(a.expert_row_offsets, a.local_experts, a.shared_rows,
+                               static_cast<int32_t>(a.capacity_rows), a.minibatch_rows, a.recompute_from, blocks.n,
+                               blocks.m, kClusterN, a.shared_recompute, a.routed_recompute),
+      .scheduled_rows = a.scheduled_rows,
+      .row_route = a.row_route,
+      .pull = a.pull,
+      .x_rows = static_cast<uint4*>(a.x_rows),
+      .d_out_rows = static_cast<uint4*>(a.d_out_rows),
+      .dy_rows = static_cast<uint4*>(a.dy_rows),
+      .row_weight = a.row_weight,
+      .push = a.push,
+      .d_x_rows = static_cast<const uint4*>(a.d_out_rows),
+      .row_partials = a.row_partials,
+      .n_blocks = a.n_blocks,
+      .num_tokens = a.num_tokens,
+      .top_k = a.top_k,
+      .row_vectors = a.hidden * 2 / 16,
+      .comm_ctas = a.comm_ctas,
+      .counters = megakernel::resolve_counters(bwd::kCounters, a.counters, capacity_units, shared_units, blocks.n),
+      .compute_ticket = a.tickets,
+      .comm_ticket = a.tickets + 1,
+      .rank = a.rank,
+      .status = a.status,
+      .timeout_ns = a.timeout_ns,
+      .timeline = {a.timeline, a.timeline_capacity}};
+  if (a.d_out_rows == nullptr || a.dy_rows == nullptr || a.row_weight == nullptr || a.row_partials == nullptr)
+    throw std::logic_error("backward megakernel: scratch buffers missing");
+
+  MOK_CHECK_CUDA(cudaMemsetAsync(a.counters, 0, fused_backward_counter_words(capacity_units, shared_units) * 8, stream));
+  MOK_CHECK_CUDA(cudaMemsetAsync(a.tickets, 0, 2 * sizeof(int32_t), stream));
+  if (a.timeline != nullptr)
+    MOK_CHECK_CUDA(cudaMemsetAsync(a.timeline, 0,
+                                   int64_t(a.grid_ctas) * megakernel::timeline_cta_words(a.timeline_capacity) * 8,
+                                   stream));
+  cudaLaunchAttribute cluster_attr;
+  const cudaLaunchConfig_t config = launch_config<kClusterN>(a.grid_ctas, stream, &cluster_attr);
+  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel_of<kClusterN>(), p));
+}
+
+}  // namespace
+
+int fused_backward_cluster_n(int hidden, int intermediate) {
+  const auto even = [](int blocks) { return blocks % 2 == 0; };
+  const auto grad_n_blocks = [](int n) { return (n + GradTraits::kBlockN - 1) / GradTraits::kBlockN; };
+  const bool pairs = even(RecomputeTraits<1>::n_blocks(intermediate)) &&
+                     even(DownDgradTraits<1>::n_blocks(intermediate)) && even(GateUpDgradTraits<1>::n_blocks(hidden)) &&
+                     even(grad_n_blocks(intermediate)) && even(grad_n_blocks(hidden));
+  return pairs ? 2 : 1;
+}
+
+int fused_backward_grid_ctas(const MoeShape& shape, int device) {
+  return fused_backward_cluster_n(shape.hidden, shape.intermediate) == 2 ? grid_ctas<2>(device) : grid_ctas<1>(device);
+}
+
+int64_t fused_backward_counter_words(int64_t capacity_units, int64_t shared_units) {
+  return megakernel::counter_words(bwd::kCounters, capacity_units, shared_units);
+}
+
+void launch_fused_backward(const FusedBackwardArgs& args, cudaStream_t stream) {
+  if (fused_backward_cluster_n(args.hidden, args.intermediate) == 2)
+    launch<2>(args, stream);
+  else
+    launch<1>(args, stream);
+}
+
+}  // namespace mok::detail

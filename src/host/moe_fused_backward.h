@@ -1,0 +1,67 @@
+// Launch of the backward megakernel (src/device/megakernel/backward_kernel.cuh) for one rank: descriptors,
+// counters, grid. Called by MoeWorkspace::backward (src/host/moe_backward.cu) for ForwardPath::kFused.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "mok/expert_gemm.h"
+#include "mok/moe.h"
+#include "mok/peer_group.h"
+#include "mok/status.h"
+#include "mok/weight_grad_gemm.h"
+#include "src/device/backward/grad_rows.cuh"
+
+namespace mok::detail {
+
+// One MLP's backward GEMMs as the unfused path would launch them (tickets unused). A weight gradient whose
+// `out` is null is not wanted: it gets no tiles. A GEMM whose MLP runs no such phase (no shared expert, no
+// recompute) is never read and may repeat another one's arguments.
+struct MlpBackwardGemms {
+  ExpertGemmArgs recompute, down_dgrad, gate_up_dgrad;
+  WeightGradArgs down_wgrad, gate_up_wgrad;
+};
+
+struct FusedBackwardArgs {
+  MlpBackwardGemms shared, routed;
+  bool shared_recompute = false;   // the shared expert's g | u are recomputed (MoeOptions::keep_gate_up false)
+  bool routed_recompute = false;   // routed rows [recompute_from, ...) are recomputed
+  int32_t recompute_from = 0;      // a multiple of 128; the rows below it were copied from the context
+  const int32_t* expert_row_offsets = nullptr;  // the routed schedule
+  const int32_t* scheduled_rows = nullptr;
+  const int32_t* row_route = nullptr;
+  int local_experts = 0;
+  int32_t shared_rows = 0;         // padded tokens, 0 without a shared expert
+  int64_t capacity_rows = 0;
+  int32_t minibatch_rows = 0;
+  int comm_ctas = 0;
+  int grid_ctas = 0;               // fused_backward_grid_ctas on this device
+  backward::GradPullSources pull;
+  void* x_rows = nullptr;          // null: the context keeps every row (the GEMMs read its rows)
+  void* d_out_rows = nullptr;      // also the d_x rows (the gate/up dgrad's output)
+  void* dy_rows = nullptr;
+  float* row_weight = nullptr;
+  backward::GradPushDestinations push;
+  const float* row_partials = nullptr;
+  int n_blocks = 0;                // the down dgrad's, d_rw partials per row
+  int num_tokens = 0, top_k = 0, hidden = 0, intermediate = 0;
+  uint64_t* counters = nullptr;    // fused_backward_counter_words(...) u64, zeroed by the launch
+  int32_t* tickets = nullptr;      // 2 int32, zeroed by the launch
+  int rank = 0;
+  DeviceStatus* status = nullptr;
+  uint64_t timeout_ns = 0;
+  uint64_t* timeline = nullptr;    // fused_timeline_words(grid_ctas, timeline_capacity) u64 or null
+  int timeline_capacity = 0;
+};
+
+// CTAs sharing an A tile: 2 when every backward GEMM's output tiles pair up, else 1.
+int fused_backward_cluster_n(int hidden, int intermediate);
+// CTAs of the persistent launch on `device` (sets the kernel's shared-memory attribute there, as
+// fused_grid_ctas does for the forward).
+int fused_backward_grid_ctas(const MoeShape& shape, int device);
+int64_t fused_backward_counter_words(int64_t capacity_units, int64_t shared_units);
+
+void launch_fused_backward(const FusedBackwardArgs& args, cudaStream_t stream);
+
+}  // namespace mok::detail
