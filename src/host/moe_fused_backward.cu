@@ -122,11 +122,15 @@ void launch(const FusedBackwardArgs& a, cudaStream_t stream) {
   using TG = GateUpDgradTraits<kClusterN>;
   const GemmBlocks blocks = gemm_blocks<kClusterN>(a);
   const int64_t capacity_units = a.capacity_rows / 64, shared_units = a.shared_rows / 64;
+  // The row GEMMs' arguments as the standalone GEMM checks them (their tickets are the kernel's own).
   for (const ExpertGemmArgs* g : {&a.shared.down_dgrad, &a.shared.gate_up_dgrad, &a.routed.down_dgrad,
-                                  &a.routed.gate_up_dgrad})
-    validate(*g);
-  if (a.shared_recompute) validate(a.shared.recompute);
-  if (a.routed_recompute) validate(a.routed.recompute);
+                                  &a.routed.gate_up_dgrad, a.shared_recompute ? &a.shared.recompute : nullptr,
+                                  a.routed_recompute ? &a.routed.recompute : nullptr}) {
+    if (g == nullptr) continue;
+    ExpertGemmArgs checked = *g;
+    checked.ticket = a.tickets;
+    validate(checked);
+  }
   Params<kClusterN> p{
       .recompute = {make_gemm_params<TR>(a.shared_recompute ? a.shared.recompute : a.routed.recompute),
                     make_gemm_params<TR>(a.routed_recompute ? a.routed.recompute : a.shared.recompute)},
