@@ -384,7 +384,8 @@ def test_timeline_colours_cover_unknown_kinds():
     assert [colours[k] for k in unknown[:len(timeline.DEFAULT_PALETTE)]] == list(timeline.DEFAULT_PALETTE)
     assert not set(timeline.DEFAULT_PALETTE) & set(timeline.COLOURS.values())
     assert timeline.is_copy({"name": "expert down", "tid": 7}) and not timeline.is_copy({"name": "pull", "tid": 6})
-    assert timeline.is_copy({"name": "combine"}) and not timeline.is_copy({"name": "pull grad"})  # no track id
+    assert timeline.is_copy({"name": "combine"}) and timeline.is_copy({"name": "pull grad"})  # no track id: COMM
+    assert not timeline.is_copy({"name": "expert down wgrad"})
 
 
 def test_timeline_builtin_png(tmp_path, seed, capsys):
