@@ -15,11 +15,6 @@ namespace mok::detail {
 // tiles, 4 stages, clusters of 1 or 2; the mainloop and epilogue policies vary.
 template <class Mainloop, class Epilogue, int kClusterN>
 using ExpertGemmTraits = gemm::GemmTraits<128, 256, 4, Mainloop, Epilogue, kClusterN>;
-// The backward megakernel's (src/host/moe_fused_backward.cu): 3 stages, and staging room for a whole bf16
-// weight-gradient tile (its tiles run in the same layout: weight_grad_in_gemm_layout.cuh), so those stage in
-// one pass instead of waiting between passes (docs/perf_notes.md, round 9).
-template <class Mainloop, class Epilogue, int kClusterN>
-using BackwardGemmTraits = gemm::GemmTraits<128, 256, 3, Mainloop, Epilogue, kClusterN, 4>;
 using KMajorMainloop = gemm::Bf16Mainloop<OperandMajor::kK>;
 using MNMajorMainloop = gemm::Bf16Mainloop<OperandMajor::kMN>;
 // The forward's two (K-major weights, no side outputs).

@@ -17,14 +17,13 @@ namespace {
 
 namespace bwd = megakernel::backward;
 
-// The standalone GEMMs' tiles (src/host/gemm_params.h: 128 x 256, the same k-blocks, so every output is the
-// unfused backward's bit for bit) with the backward's 3 stages and staging room for weight-gradient tiles.
+// The standalone GEMMs' tiles (src/host/gemm_params.h), so every tile is the unfused backward's.
 template <int kClusterN>
-using RecomputeTraits = BackwardGemmTraits<KMajorMainloop, gemm::SwiGLUEpilogue<true>, kClusterN>;
+using RecomputeTraits = ExpertGemmTraits<KMajorMainloop, gemm::SwiGLUEpilogue<true>, kClusterN>;
 template <int kClusterN>
-using DownDgradTraits = BackwardGemmTraits<MNMajorMainloop, gemm::SwiGLUBackwardEpilogue, kClusterN>;
+using DownDgradTraits = ExpertGemmTraits<MNMajorMainloop, gemm::SwiGLUBackwardEpilogue, kClusterN>;
 template <int kClusterN>
-using GateUpDgradTraits = BackwardGemmTraits<MNMajorMainloop, gemm::StoreEpilogue, kClusterN>;
+using GateUpDgradTraits = ExpertGemmTraits<MNMajorMainloop, gemm::StoreEpilogue, kClusterN>;
 
 template <int kClusterN>
 using RecomputeGemm = decltype(make_gemm_params<RecomputeTraits<kClusterN>>(ExpertGemmArgs{}));

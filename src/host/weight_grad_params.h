@@ -72,12 +72,11 @@ auto make_weight_grad_params(const WeightGradArgs& args) {
 }
 
 // The megakernel's weight-gradient tiles run in the shared memory and pipeline of its expert GEMM tiles
-// (BackwardGemmTraits; MN-major B: the dgrads, every mainloop and epilogue shares this layout), with and
-// without clusters.
+// (MN-major B: the backward's dgrads; every ExpertGemmTraits shares this layout), with and without clusters.
 template <GradOutput kOutput, int kClusterN>
 inline constexpr bool kGradTilesFitGemmLayout =
     gemm::same_stage_layout<gemm::WeightGradTraitsInGemmLayout<kOutput>,
-                            BackwardGemmTraits<MNMajorMainloop, gemm::StoreEpilogue, kClusterN>>();
+                            ExpertGemmTraits<MNMajorMainloop, gemm::StoreEpilogue, kClusterN>>();
 static_assert(kGradTilesFitGemmLayout<GradOutput::kBFloat16, 1> && kGradTilesFitGemmLayout<GradOutput::kBFloat16, 2> &&
                   kGradTilesFitGemmLayout<GradOutput::kFloat32, 1> && kGradTilesFitGemmLayout<GradOutput::kFloat32, 2> &&
                   kGradTilesFitGemmLayout<GradOutput::kAccumulateFloat32, 1> &&

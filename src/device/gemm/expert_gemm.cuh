@@ -89,11 +89,7 @@ struct Bf16Mainloop {
                                    cute::Step<cute::_2, cute::_1>{}))>;
 };
 
-// kStagingSlots_: the staging's boxes per consumer warpgroup (at least the epilogue's kStagingBoxes); more
-// make room in the layout for a kernel that also runs other tiles in it (the backward megakernel's
-// weight-gradient tiles stage a whole bf16 tile: 4 boxes).
-template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_,
-          int kStagingSlots_ = 2>
+template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_>
 struct GemmTraits {
   using Mainloop = Mainloop_;
   using Epilogue = Epilogue_;
@@ -158,15 +154,13 @@ struct GemmTraits {
   static constexpr int kStagingBoxes = 2;
   static constexpr int kStagingCols = kStagingBoxes * kBoxCols;
   static_assert(kOutCols % kStagingCols == 0, "whole staging passes");
-  static constexpr int kStagingSlots = kStagingSlots_;
-  static_assert(kStagingSlots >= kStagingBoxes, "room for one pass");
   using SmemLayoutOutBox =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<64>{}, cute::Int<kBoxCols>{})));
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
-    alignas(1024) Element staging[kConsumerWarpgroups][kStagingSlots][64 * kBoxCols];  // a pass: the first boxes
+    alignas(1024) Element staging[kConsumerWarpgroups][kStagingBoxes][64 * kBoxCols];  // one pass of columns
     typename Pipeline::SharedStorage pipeline;
     TaskRing<kTaskDepth, 4 * kConsumerWarpgroups, kClusterN> tasks;
   };

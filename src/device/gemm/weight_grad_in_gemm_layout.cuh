@@ -7,17 +7,17 @@
 // Why one pipeline fits both: with kBlockM 128, kBlockN 256, kBlockK 64 a weight-gradient stage is byte for
 // byte the expert GEMM's (A 128 x 64 bf16 = 16 KB, B 256 x 64 = 32 KB, 48 KB of transaction bytes); only
 // the swizzled layouts inside a stage differ (MN-major boxes of 64 columns x 64 rows instead of K-major rows
-// of 64 k), and each kind of tile reads the stage as it loaded it. The backward GEMM traits' 3 stages and
-// their PipelineTmaAsync<3> serve both; a stage's full/empty phases do not care which kind of tile used it
-// last. The staging is 32 KB per consumer warpgroup (4 boxes of 64 rows x 128 bytes; the row GEMMs' epilogues
-// use the first 2): a whole bf16 tile in one pass, as the standalone kernel stages it; fp32 (written or
-// reduce-added) in 2 passes of 128 columns, the second first waiting until the first's stores have read the
-// boxes (cp.async.bulk.wait_group.read 0).
+// of 64 k), and each kind of tile reads the stage as it loaded it. The expert GEMM's 4 stages and its
+// PipelineTmaAsync<4> serve both; a stage's full/empty phases do not care which kind of tile used it last.
+// What does not fit is the standalone kernel's whole-tile staging (bf16 64 KB, fp32 128 KB): here the
+// epilogue stages in passes through the expert GEMM's 16 KB per consumer warpgroup (2 boxes of 64 rows x
+// 128 bytes): bf16 2 passes of 128 columns, fp32 (written or reduce-added) 4 passes of 64 columns; each
+// pass first waits until the previous pass's stores have read the boxes (cp.async.bulk.wait_group.read 0).
 //
 // Shared memory, the expert GEMM's SharedStorage (same offsets and sizes, asserted where it is
 // reinterpreted, shared_storage_as, and against detail::ExpertGemmTraits in src/host/weight_grad_params.h):
-//   A stages 3 x 16 KB | B stages 3 x 32 KB | staging [2 warpgroups][4 boxes][8 KB] = 64 KB | pipeline
-//   barriers (PipelineTmaAsync<3>) | task ring (each traits' own, last; the megakernel has its own ring).
+//   A stages 4 x 16 KB | B stages 4 x 32 KB | staging [2 warpgroups][2 boxes][8 KB] = 32 KB | pipeline
+//   barriers (PipelineTmaAsync<4>) | task ring (each traits' own, last; the megakernel has its own ring).
 // Named barriers: the epilogue syncs each consumer warpgroup w on CUTLASS NamedBarrier id
 // WeightGradTraits::kStagingBarrier + w = 1 + w, the id the expert GEMM's epilogue (TileStager) uses for the
 // same 128 threads; the barrier is free between tiles of either kind. The store leader is thread 0 of the
@@ -37,7 +37,7 @@
 // n (an odd number of n-blocks) still runs its k-blocks (load boxes clamped to the last in-bounds box) and
 // stores nothing; a consumer warpgroup whose rows lie past m passes its stages back, in both CTAs alike.
 // load_grad_tile / compute_grad_tile take only the pipeline object and its states (the type,
-// PipelineTmaAsync<3>, does not depend on the cluster shape) and assume nothing about the cluster: TMA loads
+// PipelineTmaAsync<4>, does not depend on the cluster shape) and assume nothing about the cluster: TMA loads
 // without multicast address the CTA's own shared memory and barrier, the stores write global memory.
 //
 // Determinism: as weight_grad_gemm.cuh; the passes change where values are staged, not what they are.
@@ -59,15 +59,11 @@ namespace mok::gemm {
 
 constexpr int grad_output_bytes(GradOutput output) { return output == GradOutput::kBFloat16 ? 2 : 4; }
 
-// The megakernel's configuration: kBlockK 64, 3 stages, staging passes of 4 boxes of 128 bytes a row (the
-// backward megakernel's GemmTraits: 3 stages, kStagingSlots 4): bf16 in one pass of 256 columns, fp32 in two
-// of 128. (With the forward's 4 stages only 2 boxes fit, and the passes' waits cost the weight gradients
-// about a quarter of their speed: docs/perf_notes.md, round 9.)
-inline constexpr int kGemmLayoutStages = 3;
-inline constexpr int kGemmLayoutStagingBoxes = 4;  // the backward GemmTraits' kStagingSlots
+// The megakernel's configuration: kBlockK 64, 4 stages, staging passes of 2 boxes of 128 bytes a row.
+inline constexpr int kGemmLayoutStagingBoxes = 2;  // the expert GEMM's GemmTraits::kStagingBoxes
 template <GradOutput kOutput>
-using WeightGradTraitsInGemmLayout = WeightGradTraits<kOutput, 256, 64, kGemmLayoutStages,
-                                                      kGemmLayoutStagingBoxes * 128 / grad_output_bytes(kOutput)>;
+using WeightGradTraitsInGemmLayout =
+    WeightGradTraits<kOutput, 256, 64, 4, kGemmLayoutStagingBoxes * 128 / grad_output_bytes(kOutput)>;
 
 // True when traits A's tiles can run in traits B's shared memory and pipeline: the same pipeline type,
 // stage transaction bytes and consumer warpgroups, the stages, staging and pipeline barriers at the same
