@@ -30,14 +30,6 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* addr) {
   return v;
 }
 
-// Relaxed load at GPU scope (a strong read: with fence_acq_rel_gpu after it, an acquire of what it saw), for
-// checking many counters of one kernel at once before a single fence.
-__device__ __forceinline__ uint64_t load_relaxed_gpu(const uint64_t* addr) {
-  uint64_t v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(addr) : "memory");
-  return v;
-}
-
 // Release add at system scope: makes this thread's earlier writes (and, through the fence each writer
 // ran before the CTA barrier, its CTA's writes) visible to a peer GPU before the count moves.
 __device__ __forceinline__ void add_release_sys(uint64_t* addr, uint64_t value) {

@@ -40,11 +40,22 @@ struct TaskRing {
   // With a bound (the megakernel's): rank 0 hands out kStopSlot instead once the abort word is set, and
   // either rank returns kStopSlot when its mail hand-off gave up.
   __device__ int32_t take(int k, int cta_rank, int32_t* ticket, const device::HandoffBound& bound = {}) {
+    return share(k, cta_rank, cta_rank == 0 ? claim(ticket, bound) : 0, bound);
+  }
+
+  // take() in two steps, so that rank 0 can claim the next slot early (its atomic's latency then hides behind
+  // the current task's loads, as the standalone weight-gradient GEMM does) and share it when it gets there.
+  // claim: rank 0's slot from the ticket, or kStopSlot once the abort word is set.
+  __device__ int32_t claim(int32_t* ticket, const device::HandoffBound& bound = {}) {
+    return bound.status != nullptr && device::abort_bits(bound.status) != 0 ? kStopSlot : atomicAdd(ticket, 1);
+  }
+  // share: the cluster's k-th slot: rank 0 mails `claimed` to rank 1 and returns it; rank 1 returns the mail.
+  __device__ int32_t share(int k, int cta_rank, int32_t claimed, const device::HandoffBound& bound = {}) {
     const int q = k % kDepth;
     const uint32_t phase = (k / kDepth) & 1;
     int32_t s;
     if (cta_rank == 0) {
-      s = bound.status != nullptr && device::abort_bits(bound.status) != 0 ? kStopSlot : atomicAdd(ticket, 1);
+      s = claimed;
       if constexpr (kClusterN > 1) {
         if (!device::mbarrier_wait_bounded(&mail_empty[q], phase ^ 1, bound, Role::kGemmProducer, CounterId::kTaskMail, q))
           return kStopSlot;

@@ -171,14 +171,19 @@ __device__ __forceinline__ void run_backward_producer(const Params& p, BackwardS
   const device::HandoffBound bound{p.status, p.timeout_ns, p.rank};
   auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
   BackwardWalker walker(p.order, *p.scheduled_rows);
+  VerifiedUnits verified;
+  // Rank 0 claims each next slot before the current task's waits and loads: a weight-gradient tile of a few
+  // k-blocks takes about as long as an atomic's round trip, which would otherwise stall every task.
+  int32_t claimed = cta_rank == 0 ? smem.tasks.claim(p.compute_ticket, bound) : 0;
   for (int k = 0;; ++k) {
-    const int32_t slot = smem.tasks.take(k, cta_rank, p.compute_ticket, bound);
+    const int32_t slot = smem.tasks.share(k, cta_rank, claimed, bound);
     ComputeTask task;
     if (slot == gemm::kStopSlot || !walker.task_at(slot, task)) task.phase = kNoPhase;
     if (!smem.tasks.publish(k, task, bound)) break;
     if (task.phase == kNoPhase) break;
+    if (cta_rank == 0) claimed = smem.tasks.claim(p.compute_ticket, bound);
     const PhaseDesc& phase = p.order.phases.phase[task.phase];
-    wait_for_backward_inputs(p, phase, task);  // a failed wait still issues the tile (see forward_kernel.cuh)
+    wait_for_backward_inputs(p, phase, task, verified);  // a failed wait still issues the tile (see forward_kernel.cuh)
     const int mlp = mlp_of(phase.gemm);
     bool issued;
     switch (backward::gemm_kind(phase.gemm)) {

@@ -31,34 +31,36 @@ __device__ __forceinline__ void wait_for_inputs(const Params& p, const PhaseDesc
   device::fence_proxy_async_global();
 }
 
-// Producer thread of the backward megakernel: as wait_for_inputs, but a tile's units below the order's
-// recompute_from wait on the phase's waits_kept counter (counter_awaited), and a long run of units on one
-// counter (a weight-gradient tile waits for its expert's whole segment, up to thousands of rows) is checked
-// with relaxed loads, kBatch in flight, and one acquire fence, instead of one acquire round trip per unit;
-// a unit found short falls back to the bounded wait.
-template <class Params>
-__device__ __forceinline__ void wait_for_backward_inputs(const Params& p, const PhaseDesc& phase, const ComputeTask& t) {
-  constexpr int32_t kBatch = 4;
-  const int32_t first = t.row / kUnitRows, end = (t.row + t.rows + kUnitRows - 1) / kUnitRows;
-  for (int32_t unit = first; unit < end; unit += kBatch) {
-    uint64_t seen[kBatch];
-    int8_t counter[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      counter[j] = unit + j < end ? counter_awaited(phase, p.order, unit + j) : kNoCounter;
-      seen[j] = counter[j] == kNoCounter ? 0 : device::load_relaxed_gpu(p.counters.base[counter[j]] + unit + j);
-    }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int8_t c = counter[j];
-      if (c != kNoCounter && seen[j] < p.counters.target[c])
-        device::wait_at_least(p.counters.base[c] + unit + j, p.counters.target[c],
-                              {p.rank, Role::kGemmProducer, p.counters.id[c], unit + j}, p.status, p.timeout_ns);
-    }
+// The units a producer thread has already seen complete on one counter (counts only grow): the next task
+// over the same rows, e.g. an expert's next weight-gradient tile, waits for nothing.
+struct VerifiedUnits {
+  int8_t counter = kNoCounter;
+  int32_t first = 0, end = 0;
+  __device__ __forceinline__ bool covers(int8_t c, int32_t unit) const {
+    return c == counter && unit >= first && unit < end;
   }
-  // Why: the relaxed reads that saw complete counts become acquires with this fence; then the TMA loads that
-  // follow (async proxy) read rows those counts published.
-  device::fence_acq_rel_gpu();
+};
+
+// Producer thread of the backward megakernel: as wait_for_inputs, but a tile's units below the order's
+// recompute_from wait on the phase's waits_kept counter (counter_awaited), and units this thread already
+// saw complete (`verified`: a weight-gradient tile waits for its expert's whole segment, and an expert has
+// hundreds of such tiles) are not read again. The acquire and the proxy fence of the earlier wait precede
+// this task's loads in this thread's program order.
+template <class Params>
+__device__ __forceinline__ void wait_for_backward_inputs(const Params& p, const PhaseDesc& phase, const ComputeTask& t,
+                                                         VerifiedUnits& verified) {
+  const int32_t first = t.row / kUnitRows, end = (t.row + t.rows + kUnitRows - 1) / kUnitRows;
+  bool waited = false, complete = true;
+  for (int32_t unit = first; unit < end; ++unit) {
+    const int8_t c = counter_awaited(phase, p.order, unit);
+    if (c == kNoCounter || verified.covers(c, unit)) continue;
+    complete &= device::wait_at_least(p.counters.base[c] + unit, p.counters.target[c],
+                                      {p.rank, Role::kGemmProducer, p.counters.id[c], unit}, p.status, p.timeout_ns);
+    waited = true;
+  }
+  if (!waited) return;
+  if (complete && phase.waits == phase.waits_kept) verified = {phase.waits, first, end};
+  // Why: the TMA loads that follow read, through the async proxy, rows the acquires above made visible.
   device::fence_proxy_async_global();
 }
 
