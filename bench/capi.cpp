@@ -119,7 +119,8 @@ int mok_bench_nccl_unique_id(void* out, char* error, int error_len) {
 
 // Collective over the ranks for ep_size > 1 (NCCL communicator from the unique id, symmetric windows).
 // fused: 1 for ForwardPath::kFused (comm_ctas, minibatch_rows and timeline_records as in FusedOptions;
-// minibatch_rows 0 keeps the default), 0 for the unfused path. capacity_rows, load_factor and wait_timeout_s
+// minibatch_rows 0 keeps the default), 2 for kFused with FusedOptions::backward_megakernel, 0 for the
+// unfused path. capacity_rows, load_factor and wait_timeout_s
 // as in ScheduleOptions (0 keeps the default).
 void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, int device, int num_tokens, int top_k,
                              int num_experts, int hidden, int intermediate, int shared_expert, int fused,
@@ -151,6 +152,7 @@ void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, 
     options.fused.comm_ctas = comm_ctas;
     if (minibatch_rows > 0) options.fused.minibatch_rows = minibatch_rows;
     options.fused.timeline_records = timeline_records;
+    options.fused.backward_megakernel = fused == 2;
     options.schedule.capacity_rows = capacity_rows;
     if (load_factor != 0) options.schedule.load_factor = load_factor;
     if (wait_timeout_s > 0) options.schedule.wait_timeout_s = wait_timeout_s;

@@ -59,7 +59,7 @@ Usage: python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/la
          [--load-factor F]
          [--backward | --no-backward] [--grad-mode bf16|fp32|accumulate] [--experts-fraction auto|F]
          [--only fused|unfused|base|fused-train|unfused-train|base-train|fused-bwd|unfused-bwd]
-         [--check-only] [--breakdown] [--seed 0] [--comm-ctas N] [--minibatch ROWS] [--timeline DIR]
+         [--check-only] [--breakdown] [--seed 0] [--comm-ctas N] [--minibatch ROWS] [--timeline DIR] [--backward-megakernel]
          [--json PATH] [--chart PATH]
 """
 import argparse
@@ -236,7 +236,8 @@ def baseline_forward(x, topk_idx, router_weights, expert_gate, expert_up, expert
 
 def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, shared, fused, comm_ctas=0, minibatch=0,
                  timeline_records=0, load_factor=0.0):
-    """Collective: every rank calls it at the same time. Rank 0's NCCL unique id goes to the others."""
+    """Collective: every rank calls it at the same time. Rank 0's NCCL unique id goes to the others. fused: 0 the
+    unfused path, 1 the fused forward (its backward the stage kernels), 2 also the backward megakernel."""
     uid = None
     if ep > 1:
         uid = (ctypes.c_uint8 * 128)()
@@ -491,8 +492,9 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shar
     def create_layers(experts):
         for path in ("fused", "unfused"):
             if not args.only or only_path == path:
+                fused = (2 if args.backward_megakernel else 1) if path == "fused" else 0
                 layers[path] = create_layer(lib, ep, rank, tokens, top_k, experts, hidden, inter, shared,
-                                            path == "fused", args.comm_ctas, args.minibatch,
+                                            fused, args.comm_ctas, args.minibatch,
                                             8192 if args.timeline and path == "fused" else 0, args.load_factor)
 
     def destroy_layers():
@@ -795,6 +797,8 @@ def main():
                         "X-train = forward + backward, X-bwd = backward alone")
     parser.add_argument("--check-only", action="store_true", help="correctness checks only, no timing")
     parser.add_argument("--breakdown", action="store_true", help="also print our GPU time per kernel (torch.profiler)")
+    parser.add_argument("--backward-megakernel", action="store_true",
+                        help="the fused layer's backward as one persistent launch (FusedOptions::backward_megakernel)")
     parser.add_argument("--comm-ctas", type=int, default=0,
                         help="fused path: CTAs given to communication (default 0: the producer warps copy)")
     parser.add_argument("--minibatch", type=int, default=0, help="fused path: minibatch rows (0: default)")
@@ -837,6 +841,7 @@ def main():
                    check_only=args.check_only)
         what = "forward and forward + backward" if args.backward else "forward"
         budgets = f", gradients {args.grad_mode}, budgets fwd {TOLERANCE} bwd {GRAD_TOLERANCE}" * args.backward
+        budgets += ", fused backward: megakernel" * (args.backward and args.backward_megakernel)
         print(f"MoE layer benchmark ({what}), commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, EP={ep}, "
               f"{args.tokens} tokens/rank, median of {args.iters} (slowest rank), skew {args.skew}{budgets}",
               flush=True)

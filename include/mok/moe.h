@@ -107,6 +107,9 @@ struct FusedOptions {
                                 // capacity is used. 0: the balanced share of rows, within
                                 // MoeOptions::context_budget_bytes (see there)
   int timeline_records = 0;     // > 0: record up to this many tasks per CTA (MoeWorkspace::read_timeline)
+  bool backward_megakernel = false;  // the backward as one persistent launch per rank (backward_kernel.cuh),
+                                     // bitwise the default's stage kernels; false because it is slower on
+                                     // the H200 today (docs/perf_notes.md, round 9)
 };
 
 struct MoeOptions {
@@ -340,7 +343,10 @@ class MoeWorkspace {
   void backward_publish(const RankBackward& b);
   void shared_backward(const RankBackward& b);
   void backward_experts(const RankBackward& b);
-  void backward_fused(const RankBackward& b);  // ForwardPath::kFused: both MLPs in one launch
+  void backward_fused(const RankBackward& b);  // FusedOptions::backward_megakernel: both MLPs in one launch
+  bool backward_megakernel() const {
+    return options_.backward && options_.path == ForwardPath::kFused && options_.fused.backward_megakernel;
+  }
   void backward_epilogue(const RankBackward& b);
   // The shared (or routed) MLP's five backward GEMMs as both paths run them; the routed rows whose g | u
   // are copied from the context (a small ring's) and that copy; where the pull reads rows from.

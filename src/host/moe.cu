@@ -66,6 +66,7 @@ MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
       {"MoeOptions.fused.minibatch_rows", options.fused.minibatch_rows},
       {"MoeOptions.fused.macrobatch_rows", options.fused.macrobatch_rows},
       {"MoeOptions.fused.timeline_records", options.fused.timeline_records},
+      {"MoeOptions.fused.backward_megakernel", options.fused.backward_megakernel},
       {"MoeOptions.keep_gate_up", options.keep_gate_up},
       {"MoeOptions.context_budget_bytes", options.context_budget_bytes},
       {"MoeOptions.backward", options.backward},
@@ -166,7 +167,8 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
       // cluster fits both.
       const int cluster_n = detail::fused_cluster_n(shape_.hidden, shape_.intermediate);
       int ctas = detail::fused_grid_ctas(shape_, options_.keep_gate_up, s.device);
-      if (options_.backward) ctas = std::min(ctas, detail::fused_backward_grid_ctas(shape_, s.device)) / cluster_n * cluster_n;
+      if (backward_megakernel())
+        ctas = std::min(ctas, detail::fused_backward_grid_ctas(shape_, s.device)) / cluster_n * cluster_n;
       grid_ctas_ = grid_ctas_ == 0 ? ctas : std::min(grid_ctas_, ctas);
       require(fused.comm_ctas % cluster_n == 0 && fused.comm_ctas <= grid_ctas_ - cluster_n,
               "MoeOptions.fused.comm_ctas must be a multiple of " + std::to_string(cluster_n) +

@@ -205,7 +205,7 @@ void MoeWorkspace::allocate_backward() {
                   size(sizeof(int32_t)) +
                   (recomputes ? size(cap * i * kBf16Bytes) + size(cap * 2 * i * kBf16Bytes) : 0);
   const int64_t counter_words =
-      options_.path == ForwardPath::kFused ? detail::fused_backward_counter_words(cap / 64, pt / 64) : 0;
+      backward_megakernel() ? detail::fused_backward_counter_words(cap / 64, pt / 64) : 0;
   bytes += size(counter_words * 8);
   if (shape_.shared_expert)
     bytes += size(pt * 2 * i * kBf16Bytes) + size(pt * h * kBf16Bytes) + size(pt * n_blocks * kFloatBytes) +
@@ -301,7 +301,7 @@ void MoeWorkspace::backward_publish(const RankBackward& b) {
   MOK_CHECK_CUDA(cudaMemcpyAsync(rw_.on(b.rank), b.router_weights.data, t * k * kFloatBytes, cudaMemcpyDeviceToDevice,
                                  b.stream));
   barrier_arrive(b.rank, b.stream);
-  if (shape_.shared_expert && options_.path == ForwardPath::kUnfused) shared_backward(b);
+  if (shape_.shared_expert && !backward_megakernel()) shared_backward(b);
 }
 
 // The shared expert on the rank's own tokens: one expert over the padded tokens, row weight 1, so its
@@ -390,7 +390,7 @@ void MoeWorkspace::shared_backward(const RankBackward& b) {
 // push d_x_route rows and d_rw home, "your rows are written" to every peer; then the routed weight
 // gradients (local, after the arrive: peers need not wait for them).
 void MoeWorkspace::backward_experts(const RankBackward& b) {
-  if (options_.path == ForwardPath::kFused) return backward_fused(b);
+  if (backward_megakernel()) return backward_fused(b);
   const RankState& s = state(b.rank);
   const BackwardScratch& w = s.backward;
   DeviceGuard guard(s.device);

@@ -793,6 +793,7 @@ TEST(MoeBackwardTest, FusedBackwardEqualsUnfusedBitwise) {
       }
       for (const Variant& v : variants) {
         MoeOptions options = v.options;
+        options.fused.backward_megakernel = true;
         options.schedule.capacity_rows = unfused.schedule.capacity_rows;
         MoeHarness harness(PeerGroup::virtual_ranks(ep), shape, options);
         for (size_t n = 0; n < std::size(modes); ++n) {
