@@ -1,14 +1,12 @@
 // Host side of the forward megakernel: GEMM descriptors for the four GEMMs, counters, the persistent grid.
 #include "src/host/moe_fused.h"
 
-#include <stdexcept>
-#include <string>
 
 #include "src/device/megakernel/forward_kernel.cuh"
 #include "src/device/megakernel/timeline_record.h"
 #include "src/host/check.h"
-#include "src/host/device_guard.h"
 #include "src/host/gemm_params.h"
+#include "src/host/persistent_launch.h"
 
 namespace mok::detail {
 namespace {
@@ -28,41 +26,14 @@ auto kernel_of() {
 }
 
 template <int kClusterN, bool kKeepGateUp>
-cudaLaunchConfig_t launch_config(int grid_ctas, cudaStream_t stream, cudaLaunchAttribute* cluster_attr) {
-  using T = GateUpTraits<kClusterN, kKeepGateUp>;
-  cluster_attr->id = cudaLaunchAttributeClusterDimension;
-  cluster_attr->val.clusterDim.x = kClusterN;
-  cluster_attr->val.clusterDim.y = 1;
-  cluster_attr->val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid_ctas);
-  config.blockDim = dim3(T::kThreads);
-  config.dynamicSmemBytes = sizeof(megakernel::ForwardSharedStorage<T>);
-  config.stream = stream;
-  config.attrs = cluster_attr;
-  config.numAttrs = 1;
-  return config;
+constexpr int shared_bytes() {
+  return static_cast<int>(sizeof(megakernel::ForwardSharedStorage<GateUpTraits<kClusterN, kKeepGateUp>>));
 }
 
 template <int kClusterN, bool kKeepGateUp>
 int grid_ctas(int device) {
-  DeviceGuard guard(device);
-  using T = GateUpTraits<kClusterN, kKeepGateUp>;
-  int num_sms = 0, max_smem = 0;
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const int smem_bytes = static_cast<int>(sizeof(megakernel::ForwardSharedStorage<T>));
-  if (smem_bytes > max_smem)
-    throw std::runtime_error("forward megakernel: needs " + std::to_string(smem_bytes) +
-                             " bytes of shared memory per CTA, the device allows " + std::to_string(max_smem));
-  auto kernel = kernel_of<kClusterN, kKeepGateUp>();
-  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  cudaLaunchAttribute cluster_attr;
-  cudaLaunchConfig_t config = launch_config<kClusterN, kKeepGateUp>(num_sms - num_sms % kClusterN, nullptr, &cluster_attr);
-  int max_clusters = 0;
-  MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
-  if (max_clusters < 2) throw std::runtime_error("forward megakernel: fewer than two clusters fit on the device");
-  return max_clusters * kClusterN;
+  return persistent_grid_ctas(kernel_of<kClusterN, kKeepGateUp>(), GateUpTraits<kClusterN, kKeepGateUp>::kThreads,
+                              shared_bytes<kClusterN, kKeepGateUp>(), kClusterN, device, "forward megakernel");
 }
 
 template <int kClusterN, bool kKeepGateUp>
@@ -104,7 +75,8 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
   if (a.timeline != nullptr)
     MOK_CHECK_CUDA(cudaMemsetAsync(a.timeline, 0, fused_timeline_words(ctas, a.timeline_capacity) * 8, stream));
   cudaLaunchAttribute cluster_attr;
-  const cudaLaunchConfig_t config = launch_config<kClusterN, kKeepGateUp>(ctas, stream, &cluster_attr);
+  const cudaLaunchConfig_t config =
+      persistent_launch_config(ctas, T::kThreads, shared_bytes<kClusterN, kKeepGateUp>(), kClusterN, stream, &cluster_attr);
   MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel_of<kClusterN, kKeepGateUp>(), p));
 }
 

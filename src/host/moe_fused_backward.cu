@@ -2,14 +2,13 @@
 #include "src/host/moe_fused_backward.h"
 
 #include <stdexcept>
-#include <string>
 #include <type_traits>
 
 #include "src/device/megakernel/backward_kernel.cuh"
 #include "src/device/megakernel/timeline_record.h"
 #include "src/host/check.h"
-#include "src/host/device_guard.h"
 #include "src/host/gemm_params.h"
+#include "src/host/persistent_launch.h"
 #include "src/host/weight_grad_params.h"
 
 namespace mok::detail {
@@ -46,38 +45,9 @@ constexpr int shared_bytes() {
 }
 
 template <int kClusterN>
-cudaLaunchConfig_t launch_config(int grid_ctas, cudaStream_t stream, cudaLaunchAttribute* cluster_attr) {
-  cluster_attr->id = cudaLaunchAttributeClusterDimension;
-  cluster_attr->val.clusterDim.x = kClusterN;
-  cluster_attr->val.clusterDim.y = 1;
-  cluster_attr->val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(grid_ctas);
-  config.blockDim = dim3(GateUpDgradTraits<kClusterN>::kThreads);
-  config.dynamicSmemBytes = shared_bytes<kClusterN>();
-  config.stream = stream;
-  config.attrs = cluster_attr;
-  config.numAttrs = 1;
-  return config;
-}
-
-template <int kClusterN>
 int grid_ctas(int device) {
-  DeviceGuard guard(device);
-  int num_sms = 0, max_smem = 0;
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (shared_bytes<kClusterN>() > max_smem)
-    throw std::runtime_error("backward megakernel: needs " + std::to_string(shared_bytes<kClusterN>()) +
-                             " bytes of shared memory per CTA, the device allows " + std::to_string(max_smem));
-  auto kernel = kernel_of<kClusterN>();
-  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes<kClusterN>()));
-  cudaLaunchAttribute cluster_attr;
-  cudaLaunchConfig_t config = launch_config<kClusterN>(num_sms - num_sms % kClusterN, nullptr, &cluster_attr);
-  int max_clusters = 0;
-  MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
-  if (max_clusters < 2) throw std::runtime_error("backward megakernel: fewer than two clusters fit on the device");
-  return max_clusters * kClusterN;
+  return persistent_grid_ctas(kernel_of<kClusterN>(), GateUpDgradTraits<kClusterN>::kThreads, shared_bytes<kClusterN>(),
+                              kClusterN, device, "backward megakernel");
 }
 
 // n-blocks (output tiles of 256 or 128 columns) and, for weight gradients, m-blocks of 128 gradient rows of
@@ -173,7 +143,8 @@ void launch(const FusedBackwardArgs& a, cudaStream_t stream) {
                                    int64_t(a.grid_ctas) * megakernel::timeline_cta_words(a.timeline_capacity) * 8,
                                    stream));
   cudaLaunchAttribute cluster_attr;
-  const cudaLaunchConfig_t config = launch_config<kClusterN>(a.grid_ctas, stream, &cluster_attr);
+  const cudaLaunchConfig_t config = persistent_launch_config(a.grid_ctas, TG::kThreads, shared_bytes<kClusterN>(),
+                                                             kClusterN, stream, &cluster_attr);
   MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel_of<kClusterN>(), p));
 }
 

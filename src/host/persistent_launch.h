@@ -1,0 +1,56 @@
+// The launch of a persistent megakernel (the forward's, src/host/moe_fused.cu; the backward's,
+// src/host/moe_fused_backward.cu): one CTA per SM in clusters of cluster_n, as many as fit at once.
+// Include from .cu files only.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "src/host/check.h"
+#include "src/host/device_guard.h"
+
+namespace mok::detail {
+
+// The launch configuration of `grid_ctas` CTAs of `threads` threads and `smem_bytes` of dynamic shared memory in
+// clusters of cluster_n along x; `cluster_attr` holds the cluster attribute the configuration points to.
+inline cudaLaunchConfig_t persistent_launch_config(int grid_ctas, int threads, int smem_bytes, int cluster_n,
+                                                   cudaStream_t stream, cudaLaunchAttribute* cluster_attr) {
+  cluster_attr->id = cudaLaunchAttributeClusterDimension;
+  cluster_attr->val.clusterDim.x = cluster_n;
+  cluster_attr->val.clusterDim.y = 1;
+  cluster_attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid_ctas);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = cluster_attr;
+  config.numAttrs = 1;
+  return config;
+}
+
+// CTAs of the persistent launch of `kernel` on `device`: as many clusters as fit at once (at least two),
+// times cluster_n. Sets the kernel's shared-memory attribute on the device (call it before launching there).
+// `name` names the kernel in the errors.
+template <class Kernel>
+int persistent_grid_ctas(Kernel kernel, int threads, int smem_bytes, int cluster_n, int device, const char* name) {
+  DeviceGuard guard(device);
+  int num_sms = 0, max_smem = 0;
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (smem_bytes > max_smem)
+    throw std::runtime_error(std::string(name) + ": needs " + std::to_string(smem_bytes) +
+                             " bytes of shared memory per CTA, the device allows " + std::to_string(max_smem));
+  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  cudaLaunchAttribute cluster_attr;
+  cudaLaunchConfig_t config =
+      persistent_launch_config(num_sms - num_sms % cluster_n, threads, smem_bytes, cluster_n, nullptr, &cluster_attr);
+  int max_clusters = 0;
+  MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
+  if (max_clusters < 2) throw std::runtime_error(std::string(name) + ": fewer than two clusters fit on the device");
+  return max_clusters * cluster_n;
+}
+
+}  // namespace mok::detail
