@@ -740,10 +740,11 @@ TEST(MoeBackwardTest, CudaGraphReplayOfForwardAndBackward) {
 }
 
 // The backward megakernel (FusedOptions::backward_megakernel: one launch per rank) equals the unfused
-// backward bit for bit, for the scaled model shapes at EP 1, 2, 4 and 8 on virtual ranks with skewed routing (empty experts), in
-// every weight-gradient mode (written bf16, written fp32, accumulated over two calls), across the fused knobs:
-// communication in the producer warps or in two dedicated CTAs, minibatches of 128 rows, rings small enough
-// that the backward recomputes the rows past them, g/u recomputed for every row, and reruns.
+// backward bit for bit, for the scaled model shapes at EP 1, 2, 4 and 8 on virtual ranks with skewed routing
+// (empty experts), in every weight-gradient mode (written bf16, written fp32, accumulated over two calls),
+// across the fused knobs: communication in the producer warps or in two dedicated CTAs, minibatches of 128
+// rows, rings small enough that the backward recomputes the rows past them, g/u recomputed for every row, and
+// reruns.
 TEST(MoeBackwardTest, FusedBackwardEqualsUnfusedBitwise) {
   MOK_REQUIRE_GPUS(1);
   const bool reduced = testing::reduced_sizes();
