@@ -1,5 +1,6 @@
 // The backward megakernel: one persistent launch per rank for the whole backward between its two EP barriers
-// (the fused path's twin of the unfused backward in src/host/moe_backward.cu; docs/design.md, "Backward"):
+// (FusedOptions::backward_megakernel; the twin of the stage kernels in src/host/moe_backward.cu; docs/design.md,
+// "The backward megakernel"):
 //
 //   pull        d_out_rows[r] = d_out_src[token], dy_rows[r] = bf16(rw * d_out_src[token]), row_weight[r] = rw,
 //               x_rows[r] (when the context keeps fewer rows than the capacity)      (comm, from the token's rank)
@@ -23,8 +24,9 @@
 //                        counter per stored n-block. Weight-gradient tiles signal nothing (read after the launch).
 // With comm_ctas > 0 the first comm_ctas CTAs only copy rows (all their warps, warp copies).
 // Shared memory: the expert GEMM's SharedStorage (every tile kind's layout has its stage and staging offsets:
-// static_asserts here and in weight_grad_gemm.cuh), a ring of decoded tasks, the communication group's words.
-// Sync: docs/sync_protocol.md, "backward megakernel". Tasks are handed out in topological order.
+// static_asserts here and in weight_grad_in_gemm_layout.cuh), a ring of decoded tasks, the communication
+// group's words. Sync: docs/sync_protocol.md, "Inside the backward megakernel". Tasks are handed out in
+// topological order.
 // Determinism: every output element is one thread's fixed-order K reduction, the same tiles and k-block order
 // as the unfused stage kernels, whatever CTA, minibatch or placement runs it; copies are copies; d_rw is the
 // n-block partials summed in ascending order. The results are bitwise those of the unfused backward.
