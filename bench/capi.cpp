@@ -147,6 +147,9 @@ void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, 
     shape.hidden = hidden;
     shape.intermediate = intermediate;
     shape.shared_expert = shared_expert != 0;
+    if (fused < 0 || fused > 2)
+      throw std::invalid_argument("fused must be 0 (unfused), 1 (fused) or 2 (fused, backward megakernel), got " +
+                                  std::to_string(fused));
     mok::MoeOptions options;
     options.path = fused ? mok::ForwardPath::kFused : mok::ForwardPath::kUnfused;
     options.fused.comm_ctas = comm_ctas;

@@ -455,9 +455,10 @@ void MoeWorkspace::backward_fused(const RankBackward& b) {
   const ScheduleView& v = b.context->schedule_;
   barrier_wait(b.rank, b.stream);
   copy_kept_gate_up(b);
+  const detail::MlpBackwardGemms routed = mlp_backward_gemms(b, false);
   detail::FusedBackwardArgs a{
-      .shared = shape_.shared_expert ? mlp_backward_gemms(b, true) : mlp_backward_gemms(b, false),
-      .routed = mlp_backward_gemms(b, false),
+      .shared = shape_.shared_expert ? mlp_backward_gemms(b, true) : routed,  // no shared phases without one
+      .routed = routed,
       .shared_recompute = shape_.shared_expert && !options_.keep_gate_up,
       .routed_recompute = recomputes_gate_up(),
       .recompute_from = kept_gate_up_rows(),

@@ -582,11 +582,14 @@ class BackwardBadInputs {
  public:
   using Grads = std::vector<std::vector<std::pair<std::string, std::vector<uint8_t>>>>;  // [rank][tensor]
 
-  BackwardBadInputs()
+  // megakernel: a fused workspace whose backward is the backward megakernel (FusedOptions::backward_megakernel).
+  explicit BackwardBadInputs(bool megakernel)
       : shape_(moe_shape(2, 100, 4, 16, 256, 128)),
         good_(testing::random_layer(shape_, 8, 0, 0.05)),
-        d_out_(testing::random_d_out(shape_, 9)) {
+        d_out_(testing::random_d_out(shape_, 9)),
+        path_(megakernel ? "backward megakernel" : "backward") {
     options_.schedule.wait_timeout_s = wait_timeout_s();
+    options_.fused.backward_megakernel = megakernel;
     fresh_ = fresh_grads(options_, good_);
     ws_ = std::make_unique<MoeHarness>(PeerGroup::virtual_ranks(2), shape_, options_);
     ws_->upload(good_);
@@ -665,7 +668,7 @@ class BackwardBadInputs {
   void record(const std::string& name, const std::string& expected, bool outcome_ok, const std::string& observed,
               const std::string& next) {
     const bool next_ok = next.rfind("bitwise ==", 0) == 0 || next == "-";
-    rows_.push_back({name, "backward", expected, observed, next, outcome_ok && next_ok});
+    rows_.push_back({name, path_, expected, observed, next, outcome_ok && next_ok});
   }
 
   using Edit = std::function<void(RankBackward&, MoeWeights&, MoeWeightGrads&)>;
@@ -867,6 +870,7 @@ class BackwardBadInputs {
   MoeOptions options_;
   LayerData good_;
   std::vector<float> d_out_;
+  std::string path_;  // the table's path column
   Grads fresh_;
   std::unique_ptr<MoeHarness> ws_;
   std::vector<Row> rows_;
@@ -900,9 +904,11 @@ TEST(BadInputsTest, UnfusedPath) {
 
 TEST(BadInputsTest, Backward) {
   MOK_REQUIRE_GPUS(1);
-  BackwardBadInputs matrix;
-  matrix.run();
-  print_rows(matrix.rows());
+  for (const bool megakernel : {false, true}) {
+    BackwardBadInputs matrix(megakernel);
+    matrix.run();
+    print_rows(matrix.rows());
+  }
 }
 
 }  // namespace

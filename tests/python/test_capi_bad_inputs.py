@@ -295,6 +295,12 @@ class Matrix:
                not handle and "MoeShape.hidden" in message(), message() if not handle else "created", "-")
         if handle:
             self.lib.mok_bench_layer_destroy(handle)
+        handle = self.lib.mok_bench_layer_create(None, 1, 0, 0, T, K, E, H, I, 1, 3, 0, 0, 0, 0, 0.0, 0.0, ERROR,
+                                                 len(ERROR))
+        record("create with fused 3", self.path, "NULL, error naming fused", not handle and "fused" in message(),
+               message() if not handle else "created", self.next_call())
+        if handle:
+            self.lib.mok_bench_layer_destroy(handle)
         rc = self.lib.mok_bench_layer_write_timeline(self.layer.handle, self.layer.stream, b"/nonexistent/t.json",
                                                      ERROR, len(ERROR))
         record("write_timeline without records", self.path, "error naming timeline_records",
