@@ -35,6 +35,19 @@ __device__ __forceinline__ bool mbarrier_try_wait_cluster(uint64_t* bar, uint32_
   return done != 0;
 }
 
+// The same with acquire at CTA scope, for hand-offs between the threads of one CTA: a cluster-scope acquire
+// also invalidates the SM's L1 (CCTL.IVALL) at every successful wait, which the task ring's per-task
+// hand-offs do not need (docs/perf_notes.md, round 10).
+__device__ __forceinline__ bool mbarrier_try_wait_cta(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+      : "=r"(done)
+      : "r"(smem_address(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 // Waits until the phase of parity `parity` has completed, without a bound (the bulk-copy slot of a
 // communication CTA: its only partner is the copy engine). Hand-offs between threads go through
 // handoff_wait (src/device/common/sync.cuh) instead.

@@ -193,12 +193,19 @@ __device__ __forceinline__ bool handoff_wait_slow(TryWait try_wait, const Handof
   return true;
 }
 
-// A bounded mbarrier hand-off (cluster-scope acquire): the fast path is one try_wait, as before; false
-// when it gave up (see handoff_wait_slow).
+// Which threads' stores a hand-off's acquire must order: those of this CTA, or of the cluster's CTAs too
+// (a value a partner CTA stored into this CTA's shared memory before its release-arrive).
+enum class HandoffScope { kCta, kCluster };
+
+// A bounded mbarrier hand-off: the fast path is one try_wait; false when it gave up (see handoff_wait_slow).
+template <HandoffScope kScope = HandoffScope::kCluster>
 __device__ __forceinline__ bool mbarrier_wait_bounded(uint64_t* bar, uint32_t parity, const HandoffBound& bound,
                                                       Role role, CounterId counter, int32_t index) {
-  if (mbarrier_try_wait_cluster(bar, parity)) return true;
-  return handoff_wait_slow([&] { return mbarrier_try_wait_cluster(bar, parity); }, bound, role, counter, index);
+  const auto try_wait = [&] {
+    return kScope == HandoffScope::kCta ? mbarrier_try_wait_cta(bar, parity) : mbarrier_try_wait_cluster(bar, parity);
+  };
+  if (try_wait()) return true;
+  return handoff_wait_slow(try_wait, bound, role, counter, index);
 }
 
 }  // namespace mok::device

@@ -75,8 +75,8 @@ struct TaskRing {
   // entry to be free gave up.
   __device__ bool publish(int k, const Payload& value, const device::HandoffBound& bound = {}) {
     const int q = k % kDepth;
-    if (!device::mbarrier_wait_bounded(&empty[q], ((k / kDepth) & 1) ^ 1, bound, Role::kGemmProducer,
-                                       CounterId::kTaskRing, q))
+    if (!device::mbarrier_wait_bounded<device::HandoffScope::kCta>(&empty[q], ((k / kDepth) & 1) ^ 1, bound,
+                                                                   Role::kGemmProducer, CounterId::kTaskRing, q))
       return false;
     slot[q] = value;
     device::mbarrier_arrive(&full[q]);
@@ -102,8 +102,9 @@ struct TaskRing {
   // a warpgroup may disagree: a caller that runs warpgroup-wide work on the entry must agree first.
   __device__ bool consume(int k, Payload& value, const device::HandoffBound& bound) {
     const int q = k % kDepth;
-    const bool arrived = device::mbarrier_wait_bounded(&full[q], (k / kDepth) & 1, bound, Role::kGemmConsumer,
-                                                       CounterId::kTaskRing, q);
+    // CTA scope: the entry was stored by this CTA's producer thread (publish), not the partner's.
+    const bool arrived = device::mbarrier_wait_bounded<device::HandoffScope::kCta>(
+        &full[q], (k / kDepth) & 1, bound, Role::kGemmConsumer, CounterId::kTaskRing, q);
     // Why the shuffle: see compute_tile (ptxas must see branches around wgmma as warp-uniform).
     int32_t words[sizeof(Payload) / 4];
     const int32_t* entry = reinterpret_cast<const int32_t*>(&slot[q]);
