@@ -106,7 +106,8 @@ struct FusedOptions {
                                 // macrobatch, the backward replays the others); multiple of 128, at most the
                                 // capacity is used. 0: the balanced share of rows, within
                                 // MoeOptions::context_budget_bytes (see there)
-  int timeline_records = 0;     // > 0: record up to this many tasks per CTA (MoeWorkspace::read_timeline)
+  int timeline_records = 0;     // > 0: record up to this many GEMM tiles and as many copies per CTA
+                                // (MoeWorkspace::read_timeline)
   bool backward_megakernel = false;  // the backward as one persistent launch per rank (backward_kernel.cuh),
                                      // bitwise the default's stage kernels; false because it is slower on
                                      // the H200 today (docs/perf_notes.md, round 9)
@@ -300,8 +301,8 @@ class MoeWorkspace {
   // peer's next arrival must not land before the reset. Asynchronous on `stream` (a kernel and a memset,
   // CUDA-graph capturable).
   void reset_status(int rank, cudaStream_t stream);
-  // The task records of the rank's last fused forward (MoeOptions::fused.timeline_records > 0), in CTA
-  // order. Synchronizes `stream`.
+  // The task records of the rank's last megakernel launch, forward or backward (MoeOptions::fused.
+  // timeline_records > 0), in CTA order (per CTA its GEMM tiles, then its copies). Synchronizes `stream`.
   std::vector<TaskRecord> read_timeline(int rank, cudaStream_t stream) const;
 
   const MoeShape& shape() const { return shape_; }

@@ -390,16 +390,17 @@ std::vector<TaskRecord> MoeWorkspace::read_timeline(int rank, cudaStream_t strea
                                  "is 0, or the path is unfused)");
   DeviceGuard guard(s.device);
   const int capacity = options_.fused.timeline_records;
-  const int64_t cta_words = megakernel::timeline_cta_words(capacity);
-  std::vector<uint64_t> words(grid_ctas_ * cta_words);
+  std::vector<uint64_t> words(megakernel::timeline_words(grid_ctas_, capacity));
   MOK_CHECK_CUDA(cudaMemcpyAsync(words.data(), s.timeline, words.size() * 8, cudaMemcpyDeviceToHost, stream));
   MOK_CHECK_CUDA(cudaStreamSynchronize(stream));
   std::vector<TaskRecord> records;
   for (int cta = 0; cta < grid_ctas_; ++cta) {
-    const uint64_t* base = words.data() + cta * cta_words;
-    const int64_t count = std::min<int64_t>(static_cast<int64_t>(base[0]), capacity);
-    for (int64_t i = 0; i < count; ++i)
-      records.push_back(megakernel::decode_task_record(base + megakernel::timeline_record_offset(i)));
+    for (int track = 0; track < megakernel::kTimelineTracks; ++track) {
+      const uint64_t* base = words.data() + megakernel::timeline_block_offset(cta, track, capacity);
+      const int64_t count = std::min<int64_t>(static_cast<int64_t>(base[0]), capacity);
+      for (int64_t i = 0; i < count; ++i)
+        records.push_back(megakernel::decode_task_record(base + megakernel::timeline_record_offset(i)));
+    }
   }
   return records;
 }

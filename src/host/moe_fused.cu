@@ -99,7 +99,7 @@ int64_t fused_counter_words(int64_t capacity_units, int64_t shared_units) {
 }
 
 int64_t fused_timeline_words(int grid_ctas, int capacity) {
-  return int64_t(grid_ctas) * megakernel::timeline_cta_words(capacity);
+  return megakernel::timeline_words(grid_ctas, capacity);
 }
 
 void launch_fused_forward(const FusedForwardArgs& args, cudaStream_t stream) {

@@ -139,9 +139,8 @@ void launch(const FusedBackwardArgs& a, cudaStream_t stream) {
   MOK_CHECK_CUDA(cudaMemsetAsync(a.counters, 0, fused_backward_counter_words(capacity_units, shared_units) * 8, stream));
   MOK_CHECK_CUDA(cudaMemsetAsync(a.tickets, 0, 2 * sizeof(int32_t), stream));
   if (a.timeline != nullptr)
-    MOK_CHECK_CUDA(cudaMemsetAsync(a.timeline, 0,
-                                   int64_t(a.grid_ctas) * megakernel::timeline_cta_words(a.timeline_capacity) * 8,
-                                   stream));
+    MOK_CHECK_CUDA(
+        cudaMemsetAsync(a.timeline, 0, megakernel::timeline_words(a.grid_ctas, a.timeline_capacity) * 8, stream));
   cudaLaunchAttribute cluster_attr;
   const cudaLaunchConfig_t config = persistent_launch_config(a.grid_ctas, TG::kThreads, shared_bytes<kClusterN>(),
                                                              kClusterN, stream, &cluster_attr);

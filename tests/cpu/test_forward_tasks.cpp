@@ -465,8 +465,12 @@ TEST(ForwardTasksTest, TimelineRecordsRoundTripAtTheirLimits) {
   EXPECT_TRUE(truncated.rows == 64 && truncated.n_block == 5 && truncated.cta == 1 && truncated.sm == 2 &&
               truncated.kind == TaskKind::kDispatch && truncated.row == 3 && truncated.expert == 4)
       << describe(truncated);
-  EXPECT_EQ(timeline_record_offset(0), kTimelineRecordWords);  // word 0 of a CTA's block is its count
-  EXPECT_EQ(timeline_cta_words(5), 6 * kTimelineRecordWords);
+  EXPECT_EQ(timeline_record_offset(0), kTimelineRecordWords);  // word 0 of a track's block is its count
+  EXPECT_EQ(timeline_block_words(5), 6 * kTimelineRecordWords);
+  // Per CTA its GEMM track's block, then its copy track's.
+  EXPECT_EQ(timeline_block_offset(0, kCopyTrack, 5), 6 * kTimelineRecordWords);
+  EXPECT_EQ(timeline_block_offset(3, kGemmTrack, 5), 3 * 2 * 6 * kTimelineRecordWords);
+  EXPECT_EQ(timeline_words(3, 5), timeline_block_offset(3, kGemmTrack, 5));
 }
 
 // The timeline's Chrome trace: every record one complete event on its CTA's GEMM or copy track, times in

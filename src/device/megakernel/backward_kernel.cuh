@@ -228,7 +228,8 @@ template <class TRecompute, class TDown, class T, class Params>
 __device__ __forceinline__ void run_backward_consumer(const Params& p, BackwardSharedStorage<T>& smem, typename T::Pipeline& pipeline,
                                       int cta_rank) {
   cutlass::arch::warpgroup_reg_alloc<kBackwardConsumerRegisters<T>>();
-  const bool recorder = threadIdx.x == 128;
+  const bool recorder = threadIdx.x == 128 && p.timeline.enabled();
+  int32_t recorded = 0;  // the recorder's records
   gemm::RowsDoneSignal signal;
   typename T::PipelineState state;
   const device::HandoffBound bound{p.status, p.timeout_ns, p.rank};
@@ -277,8 +278,9 @@ __device__ __forceinline__ void run_backward_consumer(const Params& p, BackwardS
     // A weight-gradient tile is recorded by its m-block (as its row) and n-block; a row tile by its rows.
     const bool grad_tile = kind == backward::GemmKind::kWeightGrad;
     if (recorder)
-      p.timeline.record(phase.kind, start, device::global_timer_ns(), grad_tile ? task.m_block : task.row,
-                        grad_tile ? 0 : task.rows, task.n_group * T::kClusterN + cta_rank, task.expert);
+      p.timeline.record(kGemmTrack, recorded, phase.kind, start, device::global_timer_ns(),
+                        grad_tile ? task.m_block : task.row, grad_tile ? 0 : task.rows,
+                        task.n_group * T::kClusterN + cta_rank, task.expert);
   }
   if (threadIdx.x % 128 == 0) {
     signal.flush();

@@ -34,6 +34,7 @@
 #include "src/device/dispatch/pull_rows.cuh"
 #include "src/device/gemm/task_ring.cuh"
 #include "src/device/megakernel/task_order.h"
+#include "src/device/megakernel/timeline_record.h"
 
 namespace mok::megakernel {
 
@@ -66,6 +67,7 @@ template <class Params, class Sync, class CopyUnit>
 __device__ __forceinline__ void communication_loop(const Params& p, int32_t& task_word, bool leader, Sync sync,
                                                    CopyUnit copy_unit) {
   const int32_t scheduled_rows = *p.scheduled_rows;
+  int32_t recorded = 0;  // the leader's timeline records
   while (true) {
     // After a timeout (abort set) the group takes no more tasks.
     if (leader) task_word = device::abort_bits(p.status) != 0 ? gemm::kStopSlot : atomicAdd(p.comm_ticket, 1);
@@ -98,7 +100,8 @@ __device__ __forceinline__ void communication_loop(const Params& p, int32_t& tas
     if (leader) {
       device::fence_acq_rel_gpu();
       if (phase.signals != kNoCounter) device::add_release_gpu(p.counters.base[phase.signals] + task.unit, 1);
-      p.timeline.record(phase.kind, start, device::global_timer_ns(), task.unit * kUnitRows, kUnitRows, 0, 0);
+      p.timeline.record(kCopyTrack, recorded, phase.kind, start, device::global_timer_ns(), task.unit * kUnitRows,
+                        kUnitRows, 0, 0);
     }
   }
   // Why: the barrier arrive after this kernel publishes the pushes to peers; order them at system scope.

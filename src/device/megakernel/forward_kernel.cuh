@@ -125,7 +125,8 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
                              int cta_rank) {
   cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
   auto& down_smem = reinterpret_cast<typename TDown::SharedStorage&>(smem.gemm);
-  const bool recorder = threadIdx.x == 128;
+  const bool recorder = threadIdx.x == 128 && p.timeline.enabled();
+  int32_t recorded = 0;  // the recorder's records
   gemm::RowsDoneSignal signal;  // this warpgroup's late completion count (used by its store leader)
   typename T::PipelineState state;
   const device::HandoffBound bound{p.status, p.timeout_ns, p.rank};
@@ -156,7 +157,8 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
       gemm::compute_tile<TDown>(p.gemms[phase.gemm], tile, down_smem, pipeline, state, consumer_idx, rows_done,
                                 &signal, bound);
     if (recorder)
-      p.timeline.record(phase.kind, start, device::global_timer_ns(), tile.row, tile.rows, tile.n_block, task.expert);
+      p.timeline.record(kGemmTrack, recorded, phase.kind, start, device::global_timer_ns(), tile.row, tile.rows,
+                        tile.n_block, task.expert);
   }
   if (threadIdx.x % 128 == 0) {
     signal.flush();

@@ -1,9 +1,12 @@
 // The timeline's record format (FusedOptions::timeline_records): written by the megakernel's recorders
 // (timeline.cuh), read back by MoeWorkspace::read_timeline. Host + device code: the one definition of it.
 //
-// The buffer: per CTA a block of timeline_cta_words(capacity) u64. Word 0 counts the CTA's records (each
-// recorder adds 1 atomically; a count past the capacity means records were dropped), record i lies at
-// words timeline_record_offset(i) .. + kTimelineRecordWords. A record:
+// The buffer: per CTA kTimelineTracks blocks of timeline_block_words(capacity) u64, one per recorder: track 0
+// (kGemmTrack) the CTA's GEMM tiles, recorded by its first consumer thread, track 1 (kCopyTrack) its row
+// copies, recorded by the copy group's leader. Word 0 of a block counts its recorder's records (only that
+// thread stores it, so no atomic: a record costs the recorder no round trip; a count past the capacity
+// means records were dropped), record i lies at words timeline_record_offset(i) .. + kTimelineRecordWords.
+// A record:
 //   word 0  start ns (GPU global timer)       word 1  end ns
 //   word 2  kind | rows << 8 | SM << 16 | CTA << 32
 //   word 3  first row | n-block << 32 | expert << 48
@@ -20,7 +23,14 @@ namespace mok::megakernel {
 
 inline constexpr int kTimelineRecordWords = 4;
 
-MOK_HOST_DEVICE int64_t timeline_cta_words(int capacity) { return int64_t(capacity + 1) * kTimelineRecordWords; }
+enum TimelineTrack : int { kGemmTrack = 0, kCopyTrack = 1, kTimelineTracks = 2 };
+
+MOK_HOST_DEVICE int64_t timeline_block_words(int capacity) { return int64_t(capacity + 1) * kTimelineRecordWords; }
+MOK_HOST_DEVICE int64_t timeline_block_offset(int64_t cta, int track, int capacity) {
+  return (cta * kTimelineTracks + track) * timeline_block_words(capacity);
+}
+// The buffer's words for `ctas` CTAs.
+MOK_HOST_DEVICE int64_t timeline_words(int64_t ctas, int capacity) { return timeline_block_offset(ctas, 0, capacity); }
 MOK_HOST_DEVICE int64_t timeline_record_offset(int64_t index) { return (index + 1) * kTimelineRecordWords; }
 
 MOK_HOST_DEVICE void encode_task_record(const TaskRecord& r, uint64_t* words) {
