@@ -46,7 +46,9 @@ Optional: liger-kernel's LigerFusedMoEFunction (routed experts only, EP=1: [E, 2
 routing), forward + backward timed alone when it is importable and fits, its forward checked against the
 baseline's routed-only forward; otherwise a note says why it is skipped.
 --timeline DIR also records the fused kernel's tasks and writes DIR/timeline_<shape>_ep<EP>_rank<r>.json
-(Chrome trace; tools/timeline_png.py draws it); the records cost one store per task.
+(Chrome trace; tools/timeline_png.py draws it); the records cost one store per task. --breakdown prints our GPU time
+per kernel (torch.profiler) and, from the same records (so it turns them on too), the fused forward's phases and,
+with --backward-megakernel, the fused backward's: per task kind its tasks, CTA-ms and share of the CTAs' time.
 Output: rows tagged "fwd" (forward table) and "f+b" (forward + backward table) as each shape finishes; with
 several shapes the two tables again at the end. --json PATH also writes the run and those rows, every column by its
 header's name, unrounded (see write_results_json); --chart PATH draws them as a PNG bar chart (bench/chart_png.py:
@@ -69,6 +71,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -79,10 +82,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from capi import GRADS, grad_arrays, load  # noqa: E402
 from chart_png import chart_title, draw_layer_chart  # noqa: E402
 from gemm_bench import SHAPES, TORCH_GROUP_ALIGN, median, timed_turns  # noqa: E402
+from timeline_stats import load_events, phase_table  # noqa: E402
 
 TOLERANCE = 2e-2  # forward: relative Frobenius error, bf16 level
 GRAD_TOLERANCE = 3e-2  # backward: relative Frobenius error of d_x, d_rw and each expert's weight gradients
 ERROR = ctypes.create_string_buffer(1024)
+TIMELINE_RECORDS = 8192  # per CTA, with --timeline or --breakdown (later tasks are dropped; the breakdown says so)
 MARGIN_BYTES = 4 << 30  # CUDA context, cuBLAS workspaces, allocator slack, the checks' chunk temporaries
 CHUNK_ELEMENTS = 1 << 26  # elements per slice in the gradient comparisons (fp32 temporaries of 256 MB)
 GRAD_MODES = {  # --grad-mode: (our gradients' dtype, mok::GradMode)
@@ -333,6 +338,18 @@ def kernel_breakdown(fn, iters=5):
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
 
+def megakernel_phases(lib, layer, stream, what, name, ep, rank):
+    """--breakdown's per-phase lines of the megakernel the last call ran (its timeline records: the kernel_breakdown
+    call before this one ran it last), rank 0's."""
+    if rank != 0:
+        return []
+    torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"timeline_{name}_ep{ep}.json")
+        check(lib.mok_bench_layer_write_timeline(layer, stream, path.encode(), ERROR, len(ERROR)))
+        return phase_table(load_events(path), what, TIMELINE_RECORDS)
+
+
 def slices(*tensors):
     """The tensors cut along dim 0 into slices of about CHUNK_ELEMENTS (a 2-D tensor is one slice)."""
     if tensors[0].dim() < 3:
@@ -495,7 +512,8 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shar
                 fused = (2 if args.backward_megakernel else 1) if path == "fused" else 0
                 layers[path] = create_layer(lib, ep, rank, tokens, top_k, experts, hidden, inter, shared,
                                             fused, args.comm_ctas, args.minibatch,
-                                            8192 if args.timeline and path == "fused" else 0, args.load_factor)
+                                            TIMELINE_RECORDS if (args.timeline or args.breakdown) and path == "fused"
+                                            else 0, args.load_factor)
 
     def destroy_layers():
         torch.cuda.synchronize()
@@ -635,12 +653,16 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shar
             os.makedirs(args.timeline, exist_ok=True)
             path = os.path.join(args.timeline, f"timeline_{name}_ep{ep}_rank{rank}.json")
             check(lib.mok_bench_layer_write_timeline(layers["fused"], stream, path.encode(), ERROR, len(ERROR)))
-        breakdown = {}
+        breakdown, phases = {}, []
         if args.breakdown:
             for path in layers:
                 breakdown[f"{path} forward"] = kernel_breakdown(ours_forward(path))
+                if path == "fused":
+                    phases += megakernel_phases(lib, layers[path], stream, "fused forward", name, ep, rank)
                 if backward and not bwd["error"]:
                     breakdown[f"{path} backward"] = kernel_breakdown(ours_backward(path))
+                    if path == "fused" and args.backward_megakernel:
+                        phases += megakernel_phases(lib, layers[path], stream, "fused backward", name, ep, rank)
         comm_ctas = lib.mok_bench_layer_comm_ctas(layers["fused"]) if "fused" in layers else 0
 
         liger = None
@@ -654,7 +676,7 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shar
 
     return ShapeResult(label=label, ep=ep, tokens=tokens, top_k=top_k, hidden=hidden, inter=inter, shared=shared,
                        backward=backward, times=times, fwd=fwd, bwd=bwd, ctx_mib=ctx_mib, comm_ctas=comm_ctas,
-                       liger=liger, notes=notes, breakdown=breakdown)
+                       liger=liger, notes=notes, breakdown=breakdown, phases=phases)
 
 
 class ShapeResult:
@@ -717,6 +739,8 @@ class ShapeResult:
         for what, rows in self.breakdown.items():
             for kernel, ms in rows:
                 print(f"    {what:16s} {kernel:36s} {ms:7.3f} ms per call (rank 0)", flush=True)
+        for line in self.phases:
+            print(line, flush=True)
 
     def failures(self):
         """Texts of the checks that failed (an error above its budget or NaN, a bitwise difference, a failed

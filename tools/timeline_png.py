@@ -5,8 +5,8 @@ half and its row copies in the lower half, one bar per task, coloured by task ki
 prints, per file, the kernel's span and, per role, how much of the span its CTAs spent in tasks (a copy task's span
 includes its wait for its rows: a combine waits for the down tiles).
 
-A task is a copy when its track id is odd (chrome_trace_json puts a CTA's copies on track 2 * CTA + 1; COMM names
-the copy kinds of traces without track ids). Kinds COLOURS does not name (the backward's: pull, recompute, dgrad,
+Which tasks are copies, and the summary's sums: bench/timeline_stats.py (also layer_bench.py --breakdown's). Kinds
+COLOURS does not name (the backward's: pull, recompute, dgrad,
 push, weight gradients, ...) take DEFAULT_PALETTE's colours in sorted order. Renderers: matplotlib when it
 imports, else the built-in one (bench/png_canvas.py); --renderer picks one.
 
@@ -19,6 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from png_canvas import Canvas, fit_scale, nice_step, text_height, text_width  # noqa: E402
+from timeline_stats import is_copy, kind_stats, role_stats, span_us  # noqa: E402
+from timeline_stats import load_events as load  # noqa: E402
 
 # Names as src/host/timeline.cpp's task_kind_name writes them.
 COLOURS = {"shared gate/up": "#9ecae1", "shared down": "#3182bd", "expert gate/up": "#a1d99b",
@@ -28,7 +30,6 @@ COLOURS = {"shared gate/up": "#9ecae1", "shared down": "#3182bd", "expert gate/u
            "expert recompute": "#c7e9c0", "expert down dgrad": "#74c476", "expert gate/up dgrad": "#238b45",
            "expert down wgrad": "#fcbba1", "expert gate/up wgrad": "#cb181d",
            "pull grad": "#fdae6b", "push grad": "#e6550d"}
-COMM = ("dispatch", "combine", "pull grad", "push grad")
 DEFAULT_PALETTE = ("#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#d62728", "#393b79",
                    "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#ad494a", "#c5b0d5", "#c49c94")
 RENDERERS = ("auto", "matplotlib", "builtin")
@@ -47,19 +48,6 @@ TEXT_SCALE = 2
 TEXT_COLOUR, AXIS_COLOUR, GRID_COLOUR = "#000000", "#404040", "#e8e8e8"
 
 
-def load(path):
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]  # tasks, not track names
-    if not events:
-        raise SystemExit(f"{path}: no task records")
-    return events
-
-
-def is_copy(event):
-    """A row copy (communication), not a GEMM tile."""
-    return event["tid"] % 2 == 1 if "tid" in event else event["name"] in COMM
-
-
 def kind_colours(traces):
     """{kind: colour} of every kind in the traces: COLOURS' kinds in its order, then the others sorted, coloured
     from DEFAULT_PALETTE (cycled when there are more)."""
@@ -73,26 +61,18 @@ def kind_colours(traces):
 
 def summary(path, events, kinds):
     """Lines: span, busy fraction of communication and compute CTAs, time per kind."""
-    start = min(e["ts"] for e in events)
-    end = max(e["ts"] + e["dur"] for e in events)
+    start, end = span_us(events)
     span = end - start
     lines = [f"{path}: {len(events)} tasks, span {span / 1e3:.3f} ms"]
     for role, copies in (("communication", True), ("compute", False)):
-        mine = [e for e in events if is_copy(e) == copies]
-        ctas = {e["args"]["cta"] for e in mine}
-        if not ctas:
-            continue
-        busy = sum(e["dur"] for e in mine)
-        first = min(e["ts"] for e in mine)
-        last = max(e["ts"] + e["dur"] for e in mine)
-        lines.append(f"  {role:13s} {len(ctas):3d} CTAs, in tasks {100 * busy / (len(ctas) * span):5.1f}% of the span, "
-                     f"first task at {(first - start) / 1e3:.3f} ms, last ends at {(last - start) / 1e3:.3f} ms")
-    for name in kinds:
-        mine = [e for e in events if e["name"] == name]
-        if mine:
-            lines.append(f"  {name:20s} {len(mine):6d} tasks, {sum(e['dur'] for e in mine) / 1e3:9.3f} CTA-ms, "
-                         f"from {(min(e['ts'] for e in mine) - start) / 1e3:7.3f} to "
-                         f"{(max(e['ts'] + e['dur'] for e in mine) - start) / 1e3:7.3f} ms")
+        stats = role_stats(events, copies)
+        if stats is not None:
+            lines.append(f"  {role:13s} {stats['ctas']:3d} CTAs, in tasks "
+                         f"{100 * stats['busy_us'] / (stats['ctas'] * span):5.1f}% of the span, first task at "
+                         f"{stats['first_us'] / 1e3:.3f} ms, last ends at {stats['last_us'] / 1e3:.3f} ms")
+    for name, tasks, busy, _, first, last in kind_stats(events, kinds):
+        lines.append(f"  {name:20s} {tasks:6d} tasks, {busy / 1e3:9.3f} CTA-ms, from {first / 1e3:7.3f} to "
+                     f"{last / 1e3:7.3f} ms")
     return lines
 
 
