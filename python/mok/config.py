@@ -38,6 +38,8 @@ class Config:
     context_budget_bytes  fused path with macrobatch_rows 0: device bytes one layer's context may hold; the
                      ring is the largest multiple of 128 rows of the balanced share that fits, the backward
                      recomputes the rest (0: no budget)
+    backward_megakernel  fused path: the backward as one persistent launch per rank (the same bits as the
+                     default's stage kernels; off because it is slower on the H200 today: docs/perf_notes.md)
     """
 
     comm_ctas: int = 0
@@ -51,6 +53,7 @@ class Config:
     backward: bool = True
     keep_gate_up: bool = True
     context_budget_bytes: int = 4 << 30
+    backward_megakernel: bool = False
 
     def __post_init__(self):
         for name in ("comm_ctas", "minibatch_rows", "macrobatch_rows", "capacity_rows", "tile_m", "context_budget_bytes"):
@@ -65,7 +68,7 @@ class Config:
             raise ValueError(f"Config.wait_timeout_s: expected a positive number of seconds, got {self.wait_timeout_s!r}")
         if self.path not in PATHS:
             raise ValueError(f"Config.path: expected one of {sorted(PATHS)}, got {self.path!r}")
-        for name in ("backward", "keep_gate_up"):
+        for name in ("backward", "keep_gate_up", "backward_megakernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Config.{name}: expected a bool, got {getattr(self, name)!r}")
 

@@ -153,7 +153,8 @@ def get_workspace(config: Config, group, num_local_tokens: int, hidden: int, int
                            shape.top_k, shape.num_experts, shape.shared_expert, shape.swiglu_limit, PATHS[config.path],
                            config.comm_ctas, config.minibatch_rows, config.macrobatch_rows, config.capacity_rows,
                            config.tile_m, float(config.wait_timeout_s), config.backward,
-                           config.keep_gate_up, config.context_budget_bytes, float(config.load_factor))
+                           config.keep_gate_up, config.context_budget_bytes, float(config.load_factor),
+                           config.backward_megakernel)
     return Workspace(shape, config, device, rank, native)
 
 

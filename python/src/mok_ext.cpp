@@ -316,7 +316,7 @@ NB_MODULE(_mok, m) {
              int hidden, int intermediate, int top_k, int num_experts, bool shared_expert, float swiglu_limit,
              int path, int comm_ctas, int minibatch_rows, int64_t macrobatch_rows, int64_t capacity_rows, int tile_m,
              double wait_timeout_s, bool backward, bool keep_gate_up, int64_t context_budget_bytes,
-             double load_factor) {
+             double load_factor, bool backward_megakernel) {
             mok::MoeShape shape;
             shape.ep_size = ep_size;
             shape.num_tokens = num_tokens;
@@ -336,6 +336,7 @@ NB_MODULE(_mok, m) {
             options.fused.comm_ctas = comm_ctas;
             options.fused.minibatch_rows = minibatch_rows;
             options.fused.macrobatch_rows = macrobatch_rows;
+            options.fused.backward_megakernel = backward_megakernel;
             options.backward = backward;
             options.keep_gate_up = keep_gate_up;
             options.context_budget_bytes = context_budget_bytes;
@@ -347,7 +348,8 @@ NB_MODULE(_mok, m) {
           nb::arg("minibatch_rows"), nb::arg("macrobatch_rows"), nb::arg("capacity_rows"), nb::arg("tile_m"),
           nb::arg("wait_timeout_s"), nb::arg("backward") = true, nb::arg("keep_gate_up") = true,
           nb::arg("context_budget_bytes") = mok::MoeOptions{}.context_budget_bytes,
-          nb::arg("load_factor") = mok::ScheduleOptions{}.load_factor)
+          nb::arg("load_factor") = mok::ScheduleOptions{}.load_factor,
+          nb::arg("backward_megakernel") = mok::FusedOptions{}.backward_megakernel)
       .def("make_context", &Workspace::make_context, nb::keep_alive<0, 1>())
       .def("build_schedule", &Workspace::build_schedule, nb::arg("topk_idx"), nb::arg("context"), nb::arg("stream"))
       .def("forward", &Workspace::forward, nb::arg("x"), nb::arg("topk_idx"), nb::arg("router_weights"),

@@ -224,7 +224,8 @@ def test_backward_is_deterministic_and_independent_of_the_knobs():
     assert_same_bits(functional_grads(ws, x, idx, rw, w, d_out), base, "rerun")
     for config in (dict(path="unfused"), dict(comm_ctas=2), dict(minibatch_rows=128),
                    dict(macrobatch_rows=256, minibatch_rows=128), dict(macrobatch_rows=128, minibatch_rows=128),
-                   dict(tile_m=128)):
+                   dict(tile_m=128), dict(backward_megakernel=True),
+                   dict(backward_megakernel=True, macrobatch_rows=128, minibatch_rows=128, comm_ctas=2)):
         assert_same_bits(functional_grads(workspace(shape, **config), x, idx, rw, w, d_out), base, str(config))
 
 

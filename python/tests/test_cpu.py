@@ -44,7 +44,8 @@ def test_extension_exports_only_its_init():
 def test_config_defaults_are_the_cpp_defaults():
     c = mok.Config()
     assert (c.comm_ctas, c.minibatch_rows, c.macrobatch_rows, c.capacity_rows, c.tile_m, c.wait_timeout_s, c.path,
-            c.backward, c.keep_gate_up, c.context_budget_bytes) == (0, 4096, 0, 0, 64, 10.0, "fused", True, True, 4 << 30)
+            c.backward, c.keep_gate_up, c.context_budget_bytes, c.backward_megakernel) == \
+        (0, 4096, 0, 0, 64, 10.0, "fused", True, True, 4 << 30, False)
     assert c.load_factor == 2.0 and isinstance(c.load_factor, float)
 
 
@@ -60,7 +61,8 @@ def test_config_load_factor():
 
 @pytest.mark.parametrize("field, value", [("path", "megakernel"), ("comm_ctas", -2), ("tile_m", 1.5),
                                           ("wait_timeout_s", 0), ("minibatch_rows", True), ("backward", 1),
-                                          ("keep_gate_up", 1), ("context_budget_bytes", -1)])
+                                          ("keep_gate_up", 1), ("context_budget_bytes", -1),
+                                          ("backward_megakernel", "yes")])
 def test_config_rejects(field, value):
     with pytest.raises(ValueError, match=f"Config.{field}"):
         mok.Config(**{field: value})
