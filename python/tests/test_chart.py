@@ -1,6 +1,7 @@
 """CPU tests of the benchmark's pictures: bench/png_canvas.py (PNG writer and reader, bitmap font),
 bench/chart_png.py (layer_bench.py's tables as a bar chart, built-in renderer and matplotlib), bench/layer_bench.py's
---json rows against its printed table, and tools/timeline_png.py (a trace with task kinds it does not know).
+--json rows against its printed table, bench/timeline_stats.py (--breakdown's phase table) and tools/timeline_png.py
+(a trace with task kinds it does not know).
 Fresh random values per run; the seed is in every failure message. matplotlib tests skip without matplotlib."""
 import argparse
 import importlib.util
@@ -8,6 +9,7 @@ import io
 import json
 import math
 import random
+import re
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -18,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import chart_png  # noqa: E402
 import png_canvas  # noqa: E402
+import timeline_stats  # noqa: E402
 
 SHAPES = ["Kimi-K2.7", "GLM-5.2", "DeepSeek-V4-Pro E/2"]
 MATPLOTLIB_MISSING = "matplotlib is not installed (the built-in renderer is tested without it)"
@@ -298,10 +301,12 @@ def test_layer_bench_json_matches_its_table(tmp_path, seed, monkeypatch):
         times=times, fwd=dict(relerr=rng.uniform(1e-3, 1e-2), bitwise=True),
         bwd=dict(dx=rng.uniform(1e-3, 1e-2), drw=rng.uniform(1e-3, 1e-2), dw=rng.uniform(1e-3, 1e-2), worst="",
                  bitwise=False, error=None), ctx_mib=rng.uniform(10, 900), comm_ctas=4, liger=None, notes=[],
-        breakdown={})
+        breakdown={}, phases=["    fused backward   phase line"])
     lines, records = [], []
-    with redirect_stdout(io.StringIO()):
+    printed = io.StringIO()
+    with redirect_stdout(printed):
         result.rows(lines, records)
+    assert printed.getvalue().endswith("    fused backward   phase line\n"), "the phases are printed last"
     assert [r["table"] for r in records] == ["fwd", "f+b"]
     for line, record, columns in zip(lines, records, (layer_bench.FORWARD_COLUMNS, layer_bench.TRAIN_COLUMNS)):
         tokens = line.split()
@@ -441,3 +446,34 @@ def test_timeline_matplotlib_png(tmp_path, seed):
     with redirect_stdout(io.StringIO()):
         assert timeline.main([str(path), str(path), "-o", str(out)]) == 0
     assert png_canvas.png_size(out) == (16 * 110, 2 * 5 * 110), f"seed {seed}"  # figsize (16, 5 per trace), dpi 110
+
+
+# ---- bench/timeline_stats.py: layer_bench.py --breakdown's phase table
+
+def test_phase_table_sums_each_kind_per_role(seed):
+    """Every kind's tasks and CTA-ms are its events' (random durations), on the GEMM or copy role it ran in;
+    a CTA that filled its records gets the truncation note."""
+    rng = random.Random(seed)
+    events = fake_trace(seed)["traceEvents"][1:]
+    for e in events:
+        e["dur"] = rng.uniform(10, 400)
+    lines = timeline_stats.phase_table(events, "fused backward")
+    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
+    for copies, role in ((False, "GEMM"), (True, "copy")):
+        mine = [e for e in events if timeline_stats.is_copy(e) == copies]
+        ctas = len({e["args"]["cta"] for e in mine})
+        header = [i for i, line in enumerate(lines) if f" {role} CTAs {ctas:4d}, in tasks" in line]
+        assert len(header) == 1, f"seed {seed}: {role} header in {lines}"
+        for name in {e["name"] for e in mine}:
+            busy = sum(e["dur"] for e in mine if e["name"] == name)
+            tasks = sum(1 for e in mine if e["name"] == name)
+            pattern = rf"   {re.escape(name)} +\d+ tasks"
+            row = [line for line in lines[header[0]:] if re.search(pattern, line)][0].split()
+            at = row.index("tasks")
+            assert int(row[at - 1]) == tasks, f"seed {seed}: {name}: {row}"
+            assert abs(float(row[at + 1]) - busy / 1e3) <= 0.005, f"seed {seed}: {name}: {row}"
+            assert abs(float(row[at + 3].rstrip("%")) - 100 * busy / (ctas * span)) <= 0.05, f"seed {seed}: {row}"
+    assert not any("note" in line for line in lines)
+    per_cta = max(sum(1 for e in events if e["args"]["cta"] == c) for c in range(4))
+    assert "filled their" in timeline_stats.phase_table(events, "x", capacity=per_cta)[-1]
+    assert not any("filled" in line for line in timeline_stats.phase_table(events, "x", capacity=per_cta + 1))
