@@ -110,7 +110,7 @@ struct FusedOptions {
                                 // (MoeWorkspace::read_timeline)
   bool backward_megakernel = false;  // the backward as one persistent launch per rank (backward_kernel.cuh),
                                      // bitwise the default's stage kernels; false because it is slower on
-                                     // the H200 today (docs/perf_notes.md, round 9)
+                                     // the H200 today (docs/perf_notes.md, rounds 9-10)
 };
 
 struct MoeOptions {
