@@ -1,7 +1,7 @@
 // The backward megakernel's task order on the CPU, for tests/cpu/test_backward_tasks.cpp: test cases (a schedule
-// with its TaskOrderShape from backward::task_order), the walk of both orders, and the dependency simulation
-// (one compute worker and one communication group in ticket order, waiting on the counters as the kernels do,
-// plus the data-flow check against src/host/moe_backward.cu's stages).
+// with its TaskOrderShape from backward::task_order), the walk of both orders, and the dependency checks (the
+// simulation of tests/cpu/task_sim.h, waiting on the counters as the kernels do, plus the data-flow check
+// against src/host/moe_backward.cu's stages).
 #pragma once
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 #include "mok/timeline.h"
 #include "src/device/megakernel/backward_tasks.h"
 #include "src/device/megakernel/task_order.h"
+#include "tests/cpu/task_sim.h"
 
 namespace mok::megakernel::task_sim {
 
@@ -99,24 +100,7 @@ inline const PhaseDesc& phase_of(const Case& c, const ComputeTask& t) { return c
 inline const CommPhaseDesc& phase_of(const Case& c, const CommTask& t) { return c.shape.comm_phases.phase[t.phase]; }
 inline int32_t clipped(const Case& c, int32_t row) { return std::min(row, c.scheduled_rows); }
 
-struct Walked {
-  std::vector<ComputeTask> compute;  // in slot order
-  std::vector<CommTask> comm;
-};
-
-inline Walked walk(const Case& c) {
-  Walked w;
-  const TaskOrderShape s = c.order();
-  BackwardWalker walker(s, c.scheduled_rows);
-  ComputeTask t;
-  for (int32_t slot = 0; walker.task_at(slot, t); ++slot) w.compute.push_back(t);
-  for (int32_t slot = 0;; ++slot) {
-    const CommTask task = comm_task_at(s, c.scheduled_rows, slot);
-    if (task.phase == kNoPhase) break;
-    w.comm.push_back(task);
-  }
-  return w;
-}
+inline Walked walk(const Case& c) { return walk<BackwardWalker>(c.order(), c.scheduled_rows); }
 
 // The dependency checks of test_backward_tasks.cpp's comment, from the case's tables; "" when they hold, else the first violation.
 inline std::string dependency_error(const Case& c, const Walked& w) {
@@ -128,18 +112,18 @@ inline std::string dependency_error(const Case& c, const Walked& w) {
   auto word_of = [&](int8_t counter, int64_t unit) { return counters.base[counter] + unit - words.data(); };
   for (int32_t u = 0; u < c.preset_gate_up_units; ++u) words[word_of(bwd::kGateUpReady, u)] = counters.target[bwd::kGateUpReady];
 
-  struct Task {
-    std::vector<std::pair<int64_t, uint64_t>> waits = {}, adds = {};  // (word, target), (word, amount)
+  struct Task : SimTask {
     TaskKind kind = TaskKind::kNone;
     std::vector<int64_t> units = {};  // the units it reads: a tile's rows, a weight gradient's whole segment
-    std::string name = {};
   };
   std::vector<Task> tasks;
   for (size_t i = 0; i < w.compute.size(); ++i) {
     const ComputeTask& t = w.compute[i];
     const PhaseDesc& p = phase_of(c, t);
-    Task task{.kind = p.kind, .name = "compute slot " + std::to_string(i) + " (" + task_kind_name(p.kind) + ", row " +
-                                       std::to_string(t.row) + ", expert " + std::to_string(t.expert) + ")"};
+    Task task;
+    task.kind = p.kind;
+    task.name = "compute slot " + std::to_string(i) + " (" + task_kind_name(p.kind) + ", row " +
+                std::to_string(t.row) + ", expert " + std::to_string(t.expert) + ")";
     for (int32_t u = t.row / kUnitRows; u * kUnitRows < t.row + t.rows; ++u) {  // wait_for_inputs' loop
       const int8_t awaited = counter_awaited(p, s, u);
       if (awaited != kNoCounter) task.waits.push_back({word_of(awaited, u), counters.target[awaited]});
@@ -155,25 +139,21 @@ inline std::string dependency_error(const Case& c, const Walked& w) {
   for (size_t q = 0; q < w.comm.size(); ++q) {
     const CommTask& t = w.comm[q];
     const CommPhaseDesc& p = phase_of(c, t);
-    Task task{.kind = p.kind, .units = {t.unit},
-              .name = "comm slot " + std::to_string(q) + " (" + task_kind_name(p.kind) + ", unit " + std::to_string(t.unit) + ")"};
+    Task task;
+    task.kind = p.kind;
+    task.units = {t.unit};
+    task.name = "comm slot " + std::to_string(q) + " (" + task_kind_name(p.kind) + ", unit " + std::to_string(t.unit) + ")";
     const int64_t unit = p.wait_unit == CommWait::kRingPrevious ? t.unit + s.ring_rows / kUnitRows : t.unit;
     if (p.waits != kNoCounter && unit < units) task.waits.push_back({word_of(p.waits, unit), counters.target[p.waits]});
     if (p.signals != kNoCounter) task.adds.push_back({word_of(p.signals, t.unit), 1});
     tasks.push_back(task);
   }
 
-  // One worker per order, in ticket order; a task's ancestors are everything that added, before it ran, to
-  // the words it waited on (and their ancestors).
-  const size_t n = tasks.size(), bitset_words = (n + 63) / 64;
-  std::vector<std::vector<uint64_t>> ancestors(n), added_by(words.size(), std::vector<uint64_t>(bitset_words, 0));
+  // The simulation; before each weight-gradient tile runs, whether its segment's dgrad is complete.
+  const size_t n = tasks.size();
   std::string early;  // the first weight-gradient tile that started before its segment's dgrad was complete
-  auto ready = [&](const Task& t) {
-    for (const auto& [word, target] : t.waits)
-      if (words[word] < target) return false;
-    return true;
-  };
-  auto run = [&](size_t id) {
+  Ancestry ancestry;
+  const std::string deadlock = simulate(tasks, w.compute.size(), words, ancestry, [&](size_t id) {
     const Task& t = tasks[id];
     const bool routed_grad = t.kind == TaskKind::kExpertDownWgrad || t.kind == TaskKind::kExpertGateUpWgrad;
     if (early.empty() && (routed_grad || t.kind == TaskKind::kSharedDownWgrad || t.kind == TaskKind::kSharedGateUpWgrad)) {
@@ -182,25 +162,8 @@ inline std::string dependency_error(const Case& c, const Walked& w) {
         if (early.empty() && words[word_of(dgrad, u)] != counters.target[dgrad])
           early = t.name + " starts before unit " + std::to_string(u) + " of its segment is complete";
     }
-    std::vector<uint64_t> before(bitset_words, 0);
-    for (const auto& wait : t.waits)
-      for (size_t b = 0; b < bitset_words; ++b) before[b] |= added_by[wait.first][b];
-    ancestors[id] = before;
-    before[id / 64] |= 1ull << (id % 64);
-    for (const auto& [word, amount] : t.adds) {
-      words[word] += amount;
-      for (size_t b = 0; b < bitset_words; ++b) added_by[word][b] |= before[b];
-    }
-  };
-  size_t next_compute = 0, next_comm = w.compute.size();
-  while (next_compute < w.compute.size() || next_comm < n) {
-    bool progress = false;
-    while (next_compute < w.compute.size() && ready(tasks[next_compute])) run(next_compute++), progress = true;
-    while (next_comm < n && ready(tasks[next_comm])) run(next_comm++), progress = true;
-    if (!progress)
-      return "deadlock: " + (next_compute < w.compute.size() ? tasks[next_compute].name : std::string("no compute")) +
-             " and " + (next_comm < n ? tasks[next_comm].name : std::string("no comm")) + " wait forever";
-  }
+  });
+  if (!deadlock.empty()) return deadlock;
   if (!early.empty()) return early;
 
   // Final counter values: the target on every unit its signaller covers (and the preset ones), 0 elsewhere.
@@ -262,7 +225,7 @@ inline std::string dependency_error(const Case& c, const Walked& w) {
         if (found == writers.end())
           return t.name + " reads unit " + std::to_string(u) + " of " + task_kind_name(need) + ", which nothing writes";
         for (size_t writer : found->second)
-          if ((ancestors[id][writer / 64] >> (writer % 64) & 1) == 0)
+          if (!ancestry.ran_before(id, writer))
             return t.name + " may run before " + tasks[writer].name + " (unit " + std::to_string(u) + ")";
       }
     }

@@ -103,16 +103,7 @@ void check_coverage(const Case& c, const Walked& w) {
     }
   }
   ASSERT_EQ(int64_t(covered.size()), expected) << "some tile of some phase is never computed";
-
-  std::vector<std::vector<int32_t>> seen(s.comm_phases.count, std::vector<int32_t>(units, -1));
-  for (int32_t slot = 0; slot < int32_t(w.comm.size()); ++slot) {
-    const CommTask& t = w.comm[slot];
-    ASSERT_TRUE(t.phase >= 0 && t.phase < s.comm_phases.count) << "comm slot " << slot;
-    ASSERT_TRUE(t.unit >= 0 && t.unit < units) << "comm slot " << slot;
-    ASSERT_EQ(seen[t.phase][t.unit], -1) << "comm slot " << slot << ": unit " << t.unit << " twice";
-    seen[t.phase][t.unit] = slot;
-  }
-  ASSERT_EQ(w.comm.size(), size_t(s.comm_phases.count) * units) << "some unit is never pulled or pushed";
+  task_sim::check_comm_coverage(s, w, units, "some unit is never pulled or pushed");
 }
 
 // The compute and communication orders as documented (task_order.h, backward_tasks.h), as nested loops.

@@ -28,6 +28,7 @@
 #include "src/device/megakernel/forward_tasks.h"
 #include "src/device/megakernel/task_order.h"
 #include "src/device/megakernel/timeline_record.h"
+#include "tests/cpu/task_sim.h"
 
 namespace mok::megakernel {
 namespace {
@@ -96,24 +97,9 @@ const PhaseDesc& phase_of(const Case& c, const ComputeTask& t) { return c.shape.
 bool routed(const Case& c, const ComputeTask& t) { return phase_of(c, t).rows == PhaseRows::kMinibatch; }
 const CommPhaseDesc& phase_of(const Case& c, const CommTask& t) { return c.shape.comm_phases.phase[t.phase]; }
 
-struct Walked {
-  std::vector<ComputeTask> compute;  // in slot order
-  std::vector<CommTask> comm;
-};
+using task_sim::Walked;
 
-Walked walk(const Case& c) {
-  Walked w;
-  const TaskOrderShape s = c.order();
-  ComputeWalker walker(s, c.scheduled_rows);
-  ComputeTask t;
-  for (int32_t slot = 0; walker.task_at(slot, t); ++slot) w.compute.push_back(t);
-  for (int32_t slot = 0;; ++slot) {
-    const CommTask task = comm_task_at(s, c.scheduled_rows, slot);
-    if (task.phase == kNoPhase) break;
-    w.comm.push_back(task);
-  }
-  return w;
-}
+Walked walk(const Case& c) { return task_sim::walk<ComputeWalker>(c.order(), c.scheduled_rows); }
 
 void check_coverage(const Case& c, const Walked& w) {
   const TaskOrderShape& s = c.shape;
@@ -151,17 +137,8 @@ void check_coverage(const Case& c, const Walked& w) {
     expected += int64_t(s.phases.phase[i].rows == PhaseRows::kShared ? shared_units : units) *
                 s.gemm_groups[s.phases.phase[i].gemm];
   ASSERT_EQ(int64_t(covered.size()), expected) << "some (unit, n-block group) of some phase is never computed";
-
   // Every comm phase copies every unit once.
-  std::vector<std::vector<int32_t>> seen(s.comm_phases.count, std::vector<int32_t>(units, -1));
-  for (int32_t slot = 0; slot < int32_t(w.comm.size()); ++slot) {
-    const CommTask& t = w.comm[slot];
-    ASSERT_TRUE(t.phase >= 0 && t.phase < s.comm_phases.count) << "comm slot " << slot;
-    ASSERT_TRUE(t.unit >= 0 && t.unit < units) << "comm slot " << slot;
-    ASSERT_EQ(seen[t.phase][t.unit], -1) << "comm slot " << slot << ": unit " << t.unit << " twice";
-    seen[t.phase][t.unit] = slot;
-  }
-  ASSERT_EQ(w.comm.size(), size_t(s.comm_phases.count) * units) << "some unit is never copied";
+  task_sim::check_comm_coverage(s, w, units, "some unit is never copied");
 }
 
 // The compute and communication orders as documented (task_order.h), spelled as nested loops.
@@ -226,11 +203,8 @@ std::string dependency_error(const Case& c, const Walked& w) {
 
   // Tasks: compute slot i is task i, comm slot q is task compute.size() + q. Each waits on a list of counter
   // words (each at its counter's target) and adds to a list of words.
-  struct Task {
-    std::vector<std::pair<int64_t, uint64_t>> waits;  // (word, target)
-    std::vector<std::pair<int64_t, uint64_t>> adds;   // (word, amount)
-    std::vector<int64_t> ring_units;                  // units whose ring rows it touches
-    std::string name;
+  struct Task : task_sim::SimTask {
+    std::vector<int64_t> ring_units;  // units whose ring rows it touches
   };
   std::vector<Task> tasks;
   for (size_t i = 0; i < w.compute.size(); ++i) {
@@ -260,35 +234,11 @@ std::string dependency_error(const Case& c, const Walked& w) {
     tasks.push_back(task);
   }
 
-  // One worker per order, in ticket order. A task's ancestors (what happened before it, through the
-  // counters) are the union over the words it waited on of everything that added to them before.
-  const size_t n = tasks.size(), bitset_words = (n + 63) / 64;
-  std::vector<std::vector<uint64_t>> ancestors(n), added_by(words.size(), std::vector<uint64_t>(bitset_words, 0));
-  auto ready = [&](const Task& t) {
-    for (const auto& [word, target] : t.waits)
-      if (words[word] < target) return false;
-    return true;
-  };
-  auto run = [&](size_t id) {
-    std::vector<uint64_t> before(bitset_words, 0);
-    for (const auto& wait : tasks[id].waits)
-      for (size_t b = 0; b < bitset_words; ++b) before[b] |= added_by[wait.first][b];
-    ancestors[id] = before;
-    before[id / 64] |= 1ull << (id % 64);
-    for (const auto& [word, amount] : tasks[id].adds) {
-      words[word] += amount;
-      for (size_t b = 0; b < bitset_words; ++b) added_by[word][b] |= before[b];
-    }
-  };
-  size_t next_compute = 0, next_comm = w.compute.size();
-  while (next_compute < w.compute.size() || next_comm < n) {
-    bool progress = false;
-    while (next_compute < w.compute.size() && ready(tasks[next_compute])) run(next_compute++), progress = true;
-    while (next_comm < n && ready(tasks[next_comm])) run(next_comm++), progress = true;
-    if (!progress)
-      return "deadlock: " + (next_compute < w.compute.size() ? tasks[next_compute].name : std::string("no compute")) +
-             " and " + (next_comm < n ? tasks[next_comm].name : std::string("no comm")) + " wait forever";
-  }
+  // One worker per order, in ticket order (tests/cpu/task_sim.h).
+  const size_t n = tasks.size();
+  task_sim::Ancestry ancestry;
+  const std::string deadlock = task_sim::simulate(tasks, w.compute.size(), words, ancestry, [](size_t) {});
+  if (!deadlock.empty()) return deadlock;
 
   for (int i = 0; i < fwd::kNumCounters; ++i) {
     const int64_t in_use = c.counters[i].units == CounterUnits::kCapacity ? units : shared_units;
@@ -307,7 +257,7 @@ std::string dependency_error(const Case& c, const Walked& w) {
   for (int64_t u = 0; u + ring_units < units; ++u)
     for (size_t later : touching[u])
       for (size_t earlier : touching[u + ring_units])
-        if ((ancestors[later][earlier / 64] >> (earlier % 64) & 1) == 0)
+        if (!ancestry.ran_before(later, earlier))
           return "ring rows of unit " + std::to_string(u) + ": " + tasks[later].name + " may run before " +
                  tasks[earlier].name + " (unit " + std::to_string(u + ring_units) + ") is done with them";
   return "";
