@@ -451,9 +451,10 @@ def test_a_context_overwritten_before_its_backward_raises_and_the_next_step_is_c
     assert_same_bits(module_grads(moe, x1, d_out), want, "the step after the refused backward")
 
 
-def test_bad_inputs_through_backward_raise_and_the_next_call_is_correct():
+@pytest.mark.parametrize("megakernel", [False, True], ids=["stage-kernels", "backward-megakernel"])
+def test_bad_inputs_through_backward_raise_and_the_next_call_is_correct(megakernel):
     shape = SHAPES["shared"]
-    ws = workspace(shape)
+    ws = workspace(shape, backward_megakernel=megakernel)
     x, idx, rw, w, d_out = layer_case(shape, seed=91)
     _, ctx = mok.forward(ws, x, idx, rw, w)
     good = as_dict(*mok.backward(ws, d_out, x, idx, rw, w, ctx))
@@ -495,11 +496,13 @@ def test_bad_inputs_through_backward_raise_and_the_next_call_is_correct():
     assert_same_bits(again, good, "the backward after the refused calls")
 
 
-def test_nan_in_d_out_stays_in_its_token():
+@pytest.mark.parametrize("megakernel", [False, True], ids=["stage-kernels", "backward-megakernel"])
+def test_nan_in_d_out_stays_in_its_token(megakernel):
     """A NaN in one token's d_out reaches that token's d_x and d_router_weights and the weight gradients it
-    contributes to (the shared expert's, its experts'), nothing else; the next clean call is bitwise clean."""
+    contributes to (the shared expert's, its experts'), nothing else; the next clean call is bitwise clean.
+    Both backward paths."""
     shape = SHAPES["shared"]
-    ws = workspace(shape)
+    ws = workspace(shape, backward_megakernel=megakernel)
     x, idx, rw, w, d_out = layer_case(shape, seed=93)
     clean = functional_grads(ws, x, idx, rw, w, d_out)
     dirty_d_out = d_out.clone()
