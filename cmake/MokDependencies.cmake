@@ -1,7 +1,8 @@
 # Third-party dependencies, none of them committed:
-#   mok::cutlass  CUTLASS/CuTe 4.2 headers, from the PyPI wheel nvidia-cutlass==4.2.0.0 (fetched at configure
-#                 time into the build tree), or from MOK_CUTLASS_INCLUDE_DIR / MOK_DEPS_DIR/cutlass/include
-#                 where no registry is reachable (the GPU machine: tools/gpu_carry.sh prepares .deps/).
+#   mok::cutlass  CUTLASS/CuTe 4.2 headers, from the PyPI wheel nvidia-cutlass==4.2.0.0 (pip install .'s build
+#                 requirement, or fetched at configure time), copied into the build tree; or from
+#                 MOK_CUTLASS_INCLUDE_DIR / MOK_DEPS_DIR/cutlass/include where no registry is reachable (the
+#                 GPU machine: tools/gpu_carry.sh prepares .deps/). The order is below.
 #   mok::nccl     NCCL >= 2.28 (header + shared library), from the CUDA toolkit or the system.
 #   GTest         the system package (find_package), else a source tree in MOK_DEPS_DIR/googletest or
 #                 /usr/src/googletest built in-tree.
@@ -9,6 +10,13 @@ set(MOK_DEPS_DIR "${PROJECT_SOURCE_DIR}/.deps" CACHE PATH "Folder of carried dep
 set(MOK_CUTLASS_VERSION "4.2.0.0")
 
 # ---- CUTLASS / CuTe -------------------------------------------------------------------------------
+# The headers of the PyPI wheel nvidia-cutlass (its cutlass_library/source/include), first found of:
+#   1. MOK_CUTLASS_INCLUDE_DIR, or MOK_DEPS_DIR/cutlass/include (carried to a machine without a registry);
+#   2. a copy in this build tree from an earlier configure (_deps/cutlass-<version>/include);
+#   3. the nvidia-cutlass package of the Python that configures (pip install . declares it as a build
+#      requirement, so pip's isolated build environment has it): copied into the build tree, so the
+#      compiled files do not depend on a temporary environment's path;
+#   4. python -m pip download nvidia-cutlass==<version> (a plain cmake configure with pip and a registry).
 set(MOK_CUTLASS_INCLUDE_DIR "" CACHE PATH "CUTLASS include folder (holds cute/ and cutlass/)")
 if(NOT MOK_CUTLASS_INCLUDE_DIR)
   if(EXISTS "${MOK_DEPS_DIR}/cutlass/include/cute")
@@ -17,14 +25,39 @@ if(NOT MOK_CUTLASS_INCLUDE_DIR)
     set(_cutlass_root "${CMAKE_BINARY_DIR}/_deps/cutlass-${MOK_CUTLASS_VERSION}")
     if(NOT EXISTS "${_cutlass_root}/include/cute")
       find_package(Python3 REQUIRED COMPONENTS Interpreter)
-      message(STATUS "Fetching CUTLASS ${MOK_CUTLASS_VERSION} headers from PyPI")
+      # Located without importing it (its __init__ imports cuda-python and friends).
+      execute_process(
+        COMMAND ${Python3_EXECUTABLE} -c
+          "import importlib.metadata as m, importlib.util as u; s = u.find_spec('cutlass_library'); \
+print(m.version('nvidia-cutlass') + ';' + s.submodule_search_locations[0])"
+        OUTPUT_VARIABLE _cutlass_package OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc ERROR_QUIET)
+      list(LENGTH _cutlass_package _n)
+      if(_rc EQUAL 0 AND _n EQUAL 2)
+        list(GET _cutlass_package 0 _version)
+        list(GET _cutlass_package 1 _package_dir)
+        if(_version STREQUAL MOK_CUTLASS_VERSION AND EXISTS "${_package_dir}/source/include/cute/tensor.hpp")
+          message(STATUS "CUTLASS ${_version} headers from the Python package at ${_package_dir}")
+          file(COPY "${_package_dir}/source/include/" DESTINATION "${_cutlass_root}/include")
+        else()
+          message(STATUS "Python package nvidia-cutlass ${_version} at ${_package_dir} is not "
+                         "${MOK_CUTLASS_VERSION} with headers: not used")
+        endif()
+      endif()
+    endif()
+    if(NOT EXISTS "${_cutlass_root}/include/cute")
+      message(STATUS "Fetching CUTLASS ${MOK_CUTLASS_VERSION} headers from PyPI (pip download nvidia-cutlass)")
       execute_process(
         COMMAND ${Python3_EXECUTABLE} -m pip download --no-deps --quiet --disable-pip-version-check
                 nvidia-cutlass==${MOK_CUTLASS_VERSION} -d "${_cutlass_root}/wheel"
-        RESULT_VARIABLE _rc)
+        RESULT_VARIABLE _rc ERROR_VARIABLE _pip_error)
       if(NOT _rc EQUAL 0)
-        message(FATAL_ERROR "pip download nvidia-cutlass==${MOK_CUTLASS_VERSION} failed; set "
-                            "MOK_CUTLASS_INCLUDE_DIR to a CUTLASS include folder instead")
+        message(FATAL_ERROR "The CUTLASS ${MOK_CUTLASS_VERSION} headers were not found: ${Python3_EXECUTABLE} has no "
+                            "nvidia-cutlass==${MOK_CUTLASS_VERSION} package, and `${Python3_EXECUTABLE} -m pip download "
+                            "nvidia-cutlass==${MOK_CUTLASS_VERSION}` failed:\n${_pip_error}\n"
+                            "Either install the package into that Python (python3 -m pip install "
+                            "nvidia-cutlass==${MOK_CUTLASS_VERSION}), or point MOK_CUTLASS_INCLUDE_DIR at a CUTLASS "
+                            "${MOK_CUTLASS_VERSION} include folder (the one holding cute/ and cutlass/), or put one in "
+                            "MOK_DEPS_DIR/cutlass/include (tools/gpu_carry.sh does, for a machine without a registry).")
       endif()
       file(GLOB _wheel "${_cutlass_root}/wheel/nvidia_cutlass-*.whl")
       file(ARCHIVE_EXTRACT INPUT "${_wheel}" DESTINATION "${_cutlass_root}/unpacked"

@@ -59,6 +59,8 @@ class SymmetricAllocation {
   size_t bytes_ = 0;
 };
 
+// Each factory first checks that every device of the group is a Hopper GPU (sm_90, what the library is
+// compiled for): std::runtime_error "<factory>: mok needs an NVIDIA Hopper GPU (sm_90); found ..." otherwise.
 class PeerGroup {
  public:
   // ep_size ranks sharing one GPU.

@@ -31,3 +31,28 @@ inline void require(bool condition, const std::string& message) {
     if (mok_check_error_ != cudaSuccess)                                           \
       ::mok::detail::throw_cuda_error(mok_check_error_, #call, __FILE__, __LINE__); \
   } while (0)
+
+namespace mok::detail {
+
+// Throws std::runtime_error "mok needs an NVIDIA Hopper GPU (sm_90); found ..." unless `device` is a visible
+// sm_90 device: the library is compiled for sm_90a alone (its kernels would not load anywhere else). `who`
+// names the entry point. Called where a group of devices is made, before any allocation or launch.
+inline void require_hopper(int device, const char* who) {
+  const std::string prefix = std::string(who) + ": mok needs an NVIDIA Hopper GPU (sm_90); found ";
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) {
+    cudaGetLastError();  // a process without a driver stays usable
+    throw std::runtime_error(prefix + "no CUDA device (cudaGetDeviceCount: " + cudaGetErrorString(error) + ")");
+  }
+  if (device < 0 || device >= count)
+    throw std::runtime_error(prefix + "no device " + std::to_string(device) + " (" + std::to_string(count) +
+                             " visible)");
+  cudaDeviceProp prop{};
+  MOK_CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  if (prop.major != 9 || prop.minor != 0)
+    throw std::runtime_error(prefix + prop.name + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) +
+                             ") as device " + std::to_string(device));
+}
+
+}  // namespace mok::detail

@@ -73,6 +73,7 @@ PeerPointers SymmetricAllocation::peers(int rank) const {
 
 PeerGroup PeerGroup::virtual_ranks(int ep_size, int device) {
   check_ep_size(ep_size);
+  detail::require_hopper(device, "PeerGroup::virtual_ranks");
   PeerGroup group;
   group.devices_.assign(ep_size, device);
   group.is_virtual_ = true;
@@ -87,6 +88,7 @@ PeerGroup PeerGroup::device_peers(const std::vector<int>& devices) {
     if (device < 0 || device >= device_count)
       throw std::invalid_argument("PeerGroup::device_peers: device " + std::to_string(device) + " does not exist (" +
                                   std::to_string(device_count) + " visible)");
+  for (int device : devices) detail::require_hopper(device, "PeerGroup::device_peers");
   for (size_t a = 0; a < devices.size(); ++a) {
     DeviceGuard guard(devices[a]);
     for (size_t b = 0; b < devices.size(); ++b) {
@@ -123,6 +125,7 @@ PeerGroup PeerGroup::nccl(const std::vector<ncclComm_t>& comms) {
     check_nccl(ncclCommCount(comm, &count), "ncclCommCount");
     check_nccl(ncclCommUserRank(comm, &rank), "ncclCommUserRank");
     check_nccl(ncclCommCuDevice(comm, &device), "ncclCommCuDevice");
+    detail::require_hopper(device, "PeerGroup::nccl");
     if (count != ep_size)
       throw std::invalid_argument("PeerGroup::nccl: comms have different sizes (" + std::to_string(count) + " and " +
                                   std::to_string(ep_size) + ")");
