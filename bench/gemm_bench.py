@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Expert grouped-GEMM benchmark: ours vs torch._grouped_mm vs the dense bf16 GEMM ceiling, one run.
 
-For each model shape (DESIGN.md section 4) at 8192 tokens/rank and EP=2, rank 0's expert row counts come
-from a softmax top-k routing of random logits over 2 x 8192 tokens. Four GEMMs per shape:
+For each model shape (docs/design.md, "CPU reference") at 8192 tokens/rank and EP=2, rank 0's expert row counts
+come from a softmax top-k routing of random logits over 2 x 8192 tokens. Four GEMMs per shape:
   gate/up  [rows, H] x [E_local, 2I, H]^T -> ours with the fused SwiGLU epilogue (writes [rows, I]);
            torch._grouped_mm writes [rows, 2I] (no activation)
   down     [rows, I] x [E_local, H, I]^T -> [rows, H]

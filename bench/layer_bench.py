@@ -2,7 +2,7 @@
 """MoE layer benchmark, forward and forward + backward: ours (one call each through the C API; the fused
 megakernel forward path, and its unfused twin) vs a torchtitan-style PyTorch baseline, one run.
 
-The layer (DESIGN.md section 1), on each rank, T tokens, E global experts, E/EP of them local:
+The layer (docs/design.md), on each rank, T tokens, E global experts, E/EP of them local:
   out[t] = shared(x[t]) + sum_j rw[t,j] * expert_{idx[t,j]}(x[t]),   mlp(x) = W_down (silu(W_gate x) * (W_up x))
 Data per rank (seed + rank): x ~ randn, top-k of randn logits (with --skew s, expert e's logit gets
 -s * log(1 + perm(e)), perm a fixed random permutation), router weights = softmax over the k chosen logits,
@@ -18,10 +18,11 @@ Ours forward + backward: mok_bench_layer_forward then mok_bench_layer_backward (
 context the forward filled: d_x, d_router_weights and the six weight gradients; --grad-mode bf16 (default: the
 baseline's dtype) or fp32 written, or accumulated into fp32); backward alone: mok_bench_layer_backward again
 on the last forward's context.
-Measured (DESIGN.md section 4): per shape, the calls of one table take turns call by call after a warm-up (steady
-power state, see gemm_bench.time_ms): forward: fused, unfused, baseline; forward + backward: fused fwd+bwd,
-unfused fwd+bwd, fused bwd, unfused bwd, baseline fwd+bwd under autograd. Each call is timed with CUDA events on
-each rank, a call's time is the slowest rank's, reported: the median. Ours includes building its schedule.
+Measured (docs/perf_notes.md, "The forward + backward table"): per shape, the calls of one table take turns call
+by call after a warm-up (steady power state, see gemm_bench.time_ms): forward: fused, unfused, baseline; forward +
+backward: fused fwd+bwd, unfused fwd+bwd, fused bwd, unfused bwd, baseline fwd+bwd under autograd. Each call is
+timed with CUDA events on each rank, a call's time is the slowest rank's, reported: the median. Ours includes
+building its schedule.
 Dense ceilings (each timed alone, in its own steady state), M = T*(k+1) rows (T*k without a shared expert:
 gpt-oss-120b, Qwen3-30B-A3B): forward = torch.mm [M,H]x[H,2I] then [M,I]x[I,H]; forward + backward = those two
 and their four backward GEMMs (dgrad [M,H]x[H,I] and [M,2I]x[2I,H], wgrad [I,M]x[M,H] and [H,M]x[M,2I]): 3x the

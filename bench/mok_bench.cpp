@@ -1,6 +1,6 @@
-// mok_bench: the project's main program. Today it builds the token schedule for a model shape on the local
-// GPU(s), times it (CUDA events, median), and checks it exactly against the CPU twin. It grows into the
-// MoE-layer benchmark (DESIGN.md section 4).
+// mok_bench: the token schedule's benchmark. It builds the token schedule for a model shape on the local
+// GPU(s), times it (CUDA events, median), and checks it exactly against the CPU twin. The MoE-layer
+// benchmark is bench/layer_bench.py (protocol: docs/perf_notes.md).
 //
 //   mok_bench [--shape NAME] [--tokens T] [--skew S] [--iters N]
 //

@@ -1,7 +1,7 @@
 // CPU reference of the whole mixture-of-experts layer (forward and backward), global view over all EP
 // ranks. Used by the tests of every GPU stage and by the benchmark's correctness check.
 //
-// The layer (DESIGN.md section 1), for every global token n = rank * tokens_per_rank + t:
+// The layer (docs/design.md), for every global token n = rank * tokens_per_rank + t:
 //
 //   out[n]  = shared(x[n]) + sum_{j=0..k-1} rw[n,j] * expert_{e(n,j)}(x[n])     e(n,j) = -1: masked route
 //   mlp(x)  = W_down · h,   h = silu(g_c) ⊙ u_c,   g = W_gate · x,   u = W_up · x

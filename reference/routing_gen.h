@@ -1,5 +1,6 @@
 // Routings for tests and benchmarks: softmax top-k of random logits (balanced in expectation) and a skewed
-// variant whose expert popularity falls off like a Zipf law. Also the model shapes of DESIGN.md section 4.
+// variant whose expert popularity falls off like a Zipf law. Also the benchmarks' model shapes (docs/design.md,
+// "CPU reference").
 #pragma once
 
 #include <cstdint>
@@ -30,7 +31,7 @@ struct ModelShape {
   bool shared_expert = true;  // one shared expert of width `intermediate`
 };
 
-// DESIGN.md section 4's shapes, Kimi-K2.7, GLM-5.2, Qwen3.5-397B, DeepSeek-V4-Pro (one shared expert each),
+// The benchmarks' shapes: Kimi-K2.7, GLM-5.2, Qwen3.5-397B, DeepSeek-V4-Pro (one shared expert each),
 // then gpt-oss-120b (H = I = 2880: partial GEMM tiles) and Qwen3-30B-A3B, which have no shared expert.
 const std::vector<ModelShape>& model_shapes();
 // The shape of that name; throws std::out_of_range for an unknown one.

@@ -1,7 +1,7 @@
 // The MoE layer's forward pass and its public C++ API. No host synchronization anywhere (the whole
 // sequence can be captured in a CUDA graph); data-dependent errors go to the status word.
 //
-//   out[t] = shared(x[t]) + sum_j rw[t, j] * expert_{topk[t, j]}(x[t])       (DESIGN.md section 1)
+//   out[t] = shared(x[t]) + sum_j rw[t, j] * expert_{topk[t, j]}(x[t])       (docs/design.md)
 //
 //   PeerGroup group = PeerGroup::nccl({comm});                 // or device_peers / virtual_ranks
 //   MoeWorkspace ws(group, shape);                              // symmetric buffers; reusable across layers

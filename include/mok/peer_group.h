@@ -8,8 +8,8 @@
 //                  (load/store accessible) pointers. All ranks must be in one NVLink domain (one LSA team).
 //                  No multicast (NVLS) is used. A one-rank communicator gets plain device memory.
 //   device peers   one rank per GPU of this process, CUDA peer access enabled between them (tests).
-//   virtual ranks  all ranks on one GPU; their kernels run one after another (DESIGN.md section 2). Used to
-//                  test EP = 4, 8, ... on one GPU.
+//   virtual ranks  all ranks on one GPU; their kernels run one after another (docs/design.md, "The
+//                  communicator"). Used to test EP = 4, 8, ... on one GPU.
 // A process drives its *local* ranks: all of them for device peers and virtual ranks, the ranks of its
 // communicators for nccl (usually one).
 #pragma once
