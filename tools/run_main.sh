@@ -9,6 +9,20 @@
 #   tools/run_main.sh [bench/layer_bench.py arguments, e.g. --shapes Kimi-K2.7 --iters 20]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A Hopper GPU first, before minutes of building: the driver's view (nvidia-smi ships with it).
+need="run_main: mok needs an NVIDIA Hopper GPU (sm_90); found"
+if ! command -v nvidia-smi >/dev/null; then
+  echo "$need no NVIDIA driver (nvidia-smi is not on PATH)" >&2
+  exit 1
+fi
+if ! caps=$(nvidia-smi --query-gpu=compute_cap,name --format=csv,noheader 2>&1); then
+  echo "$need no usable GPU (nvidia-smi: $caps)" >&2
+  exit 1
+fi
+if ! grep -q "^9\.0," <<<"$caps"; then
+  echo "$need ${caps//$'\n'/; } (compute capability, name)" >&2
+  exit 1
+fi
 tools/build.sh --target mok_bench_capi
 lib="${MOK_BUILD_DIR:-build}/bench/libmok_bench_capi.so"
 # NVLink multicast stays off on the shared machines (never use NVLS/multimem).
