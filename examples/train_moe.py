@@ -17,7 +17,9 @@ fp32 master weights in AdamW. Runs:
 Checks (exit status 1 if one fails): the two runs of ours give bitwise equal losses and final parameters; ours
 and torch start at the same loss (within 0.02) and end within 5 % (mean of the last 10 % of the steps), and both
 learned (that mean below 80 % of the first loss). Prints a loss table and tokens/s of each run; writes
-DIR/losses.csv and, with matplotlib, DIR/loss_curves.png. With EP = N each rank trains on its own batch;
+DIR/losses.csv and DIR/loss_curves.png (drawn by matplotlib when it imports, else by the repository's built-in PNG
+renderer, bench/png_canvas.py). Needs an NVIDIA Hopper GPU per process (it says so and stops otherwise; --help
+works anywhere). With EP = N each rank trains on its own batch;
 replicated parameters' gradients are averaged over the ranks, the routed experts' divided by N (the loss is the
 mean over ranks). The whole example is deterministic: ops with atomics are avoided (the embedding is a one-hot
 matmul) and torch's deterministic algorithms are asked for.
@@ -41,26 +43,33 @@ VOCAB = 64
 FOLLOW_TABLE = 0.8  # probability that the next token is TABLE[previous, current]
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--layers", type=int, default=4)
+def make_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each run (the first 10 are not timed)")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks, each with its own MoE FFN")
     p.add_argument("--out", default="train_moe_out", help="folder for losses.csv and loss_curves.png")
     p.add_argument("--batch", type=int, default=16, help="sequences per step per rank")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence (batch * seq: mok.MoE's tokens per call)")
+    p.add_argument("--hidden", type=int, default=256, help="model width H (a multiple of 64)")
+    p.add_argument("--intermediate", type=int, default=256,
+                   help="width I of each expert and of the shared expert (a multiple of 64)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (must divide --hidden)")
+    p.add_argument("--experts", type=int, default=8, help="routed experts E (a multiple of the number of processes)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate (10 warm-up steps, then cosine "
+                   "down to a tenth)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the data and of the initial parameters")
     p.add_argument("--load-factor", type=float, default=0,
                    help="mok.Config.load_factor (0: the EP size, the worst case, which never overflows: no balance "
                    "loss keeps this router's load even)")
     p.add_argument("--main-grad", action="store_true",
                    help="ours accumulates its expert weight gradients into fp32 param.main_grad (Megatron's way)")
-    return p.parse_args()
+    return p
+
+
+def parse_args(argv=None):
+    return make_parser().parse_args(argv)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,8 +235,8 @@ class Dist:
         self.size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        self.device = torch.device("cuda", local)
+        self.device = mok.require_hopper(local)  # before any CUDA call: "mok needs an NVIDIA Hopper GPU ..."
+        torch.cuda.set_device(self.device)
         self.group = None
         if self.size > 1:
             import torch.distributed as dist
@@ -361,33 +370,163 @@ def report(args, env, runs):
             w = csv.writer(f)
             w.writerow(["step", "ours_run_1", "ours_run_2", "torch"])
             w.writerows([s, a, b, c] for s, (a, b, c) in enumerate(zip(ours1, ours2, ref)))
+        path = os.path.join(args.out, "loss_curves.png")
+        curves = [("plain PyTorch MoE", ref, "#e6550d", False), ("mok.MoE, run 1", ours1, "#3182bd", False),
+                  ("mok.MoE, run 2 (bitwise equal)" if bitwise else "mok.MoE, run 2", ours2, "#08306b", True)]
+        title = f"{args.layers}-layer MoE transformer, EP = {env.size}, E = {args.experts}, k = {args.top_k}"
+        renderer = plot_losses(path, curves, title)
+        print(f"loss curves: {path} (drawn by {renderer})")
+    return failures
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loss curves' PNG: matplotlib when it imports, else the repository's built-in renderer (bench/png_canvas.py,
+# as bench/chart_png.py and tools/timeline_png.py fall back to it), the same picture and pixel size.
+
+PLOT_WIDTH_PX, PLOT_HEIGHT_PX, PLOT_DPI = 960, 540, 120
+RENDERERS = ("auto", "matplotlib", "builtin")
+
+
+def plot_losses(path, curves, title, renderer="auto"):
+    """Draws the loss curves to the PNG `path`; returns the renderer that drew it ("matplotlib" or "builtin").
+    curves: (label, losses per step, colour "#rrggbb", dashed) each; renderer: auto (matplotlib when it imports),
+    matplotlib or builtin."""
+    if renderer not in RENDERERS:
+        raise ValueError(f"renderer: expected one of {RENDERERS}, got {renderer!r}")
+    if renderer != "builtin":
         try:
             import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
         except ImportError:
-            print(f"matplotlib is missing (python3 -m pip install matplotlib): no PNG; the losses are in "
-                  f"{args.out}/losses.csv")
+            if renderer == "matplotlib":
+                raise
         else:
-            fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-            ax.plot(ref, label="plain PyTorch MoE", color="#e6550d", linewidth=1)
-            ax.plot(ours1, label="mok.MoE, run 1", color="#3182bd", linewidth=1)
-            ax.plot(ours2, label="mok.MoE, run 2 (bitwise equal)" if bitwise else "mok.MoE, run 2", color="#08306b",
-                    linewidth=1, linestyle=(0, (4, 4)))
-            ax.set(xlabel="step", ylabel="cross-entropy (nats)",
-                   title=f"{args.layers}-layer MoE transformer, EP = {env.size}, E = {args.experts}, k = {args.top_k}")
-            ax.grid(alpha=0.3)
-            ax.legend()
-            fig.tight_layout()
-            path = os.path.join(args.out, "loss_curves.png")
-            fig.savefig(path)
-            print(f"loss curves: {path}")
-    return failures
+            matplotlib.use("Agg")
+            _plot_matplotlib(path, curves, title)
+            return "matplotlib"
+    _plot_builtin(path, curves, title)
+    return "builtin"
+
+
+def _plot_matplotlib(path, curves, title):
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(PLOT_WIDTH_PX / PLOT_DPI, PLOT_HEIGHT_PX / PLOT_DPI), dpi=PLOT_DPI)
+    for label, losses, colour, dashed in curves:
+        ax.plot(losses, label=label, color=colour, linewidth=1, linestyle=(0, (4, 4)) if dashed else "solid")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _png_canvas():
+    """bench/png_canvas.py of this repository (found relative to this file)."""
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import png_canvas
+    return png_canvas
+
+
+# The built-in renderer's layout in pixels.
+PLOT_LEFT_PX, PLOT_RIGHT_PX, PLOT_TOP_PX, PLOT_BOTTOM_PX = 90, 24, 64, 60
+LINE_PX, DASH_PX, GAP_PX = 2, 8, 6
+TEXT_SCALE = 2
+TEXT_COLOUR, AXIS_COLOUR, GRID_COLOUR = "#000000", "#404040", "#e0e0e0"
+
+
+def _axis(low, high, targets):
+    """(first tick, step, last tick) covering [low, high] with about `targets` intervals."""
+    pc = _png_canvas()
+    step = pc.nice_step(max(high - low, 1e-9), targets)
+    return math.floor(low / step) * step, step, math.ceil(high / step) * step
+
+
+def _plot_builtin(path, curves, title):
+    pc = _png_canvas()
+    canvas = pc.Canvas(PLOT_WIDTH_PX, PLOT_HEIGHT_PX)
+    left, top = PLOT_LEFT_PX, PLOT_TOP_PX
+    right, bottom = PLOT_WIDTH_PX - PLOT_RIGHT_PX, PLOT_HEIGHT_PX - PLOT_BOTTOM_PX
+    text_px = pc.text_height(TEXT_SCALE)
+    scale = pc.fit_scale(title, PLOT_WIDTH_PX - 16, TEXT_SCALE)
+    canvas.text(PLOT_WIDTH_PX / 2, 10, title, TEXT_COLOUR, scale, "centre")
+    canvas.text(left, top - text_px - 8, "cross-entropy (nats)", TEXT_COLOUR, TEXT_SCALE)
+    finite = [v for _, losses, _, _ in curves for v in losses if math.isfinite(v)]
+    steps = max((len(losses) for _, losses, _, _ in curves), default=1)
+    low, high = min(finite, default=0.0), max(finite, default=1.0)
+    if high - low < 1e-6 * max(1.0, abs(high)):  # one value: an axis of one around it
+        low, high = low - 0.5, high + 0.5
+    y_low, y_step, y_high = _axis(low, high, 6)
+    x_low, x_step, x_high = _axis(0, max(steps - 1, 1), 8)
+
+    def x_of(step):
+        return left + (step - x_low) / (x_high - x_low) * (right - left)
+
+    def y_of(value):
+        return bottom - (value - y_low) / (y_high - y_low) * (bottom - top)
+
+    for i in range(round((y_high - y_low) / y_step) + 1):
+        value = y_low + i * y_step
+        y = round(y_of(value))
+        canvas.hline(left, right, y, GRID_COLOUR)
+        canvas.text(left - 8, y - text_px / 2, f"{value:g}", TEXT_COLOUR, TEXT_SCALE, "right")
+    for i in range(round((x_high - x_low) / x_step) + 1):
+        value = x_low + i * x_step
+        x = round(x_of(value))
+        canvas.vline(x, top, bottom, GRID_COLOUR)
+        canvas.text(x, bottom + 8, f"{value:g}", TEXT_COLOUR, TEXT_SCALE, "centre")
+    canvas.text((left + right) / 2, bottom + 16 + text_px, "step", TEXT_COLOUR, TEXT_SCALE, "centre")
+    canvas.vline(left, top, bottom + 1, AXIS_COLOUR)
+    canvas.hline(left, right, bottom, AXIS_COLOUR)
+    for _, losses, colour, dashed in curves:
+        points = [(x_of(s), y_of(v)) if math.isfinite(v) else None for s, v in enumerate(losses)]
+        _polyline(canvas, points, colour, dashed)
+    _legend(canvas, pc, curves, right - 12, top + 12)
+    canvas.save(path)
+
+
+def _polyline(canvas, points, colour, dashed):
+    """Straight segments between consecutive points (None: a gap, e.g. a NaN loss), LINE_PX thick; dashed: DASH_PX
+    drawn, GAP_PX left out, along the line's length."""
+    travelled = 0.0
+    for a, b in zip(points, points[1:]):
+        if a is None or b is None:
+            continue
+        length = math.hypot(b[0] - a[0], b[1] - a[1])
+        dots = max(1, math.ceil(length))
+        for i in range(dots + 1):
+            if dashed and (travelled + length * i / dots) % (DASH_PX + GAP_PX) >= DASH_PX:
+                continue
+            x, y = a[0] + (b[0] - a[0]) * i / dots, a[1] + (b[1] - a[1]) * i / dots
+            canvas.fill_rect(round(x - LINE_PX / 2), round(y - LINE_PX / 2), round(x - LINE_PX / 2) + LINE_PX,
+                             round(y - LINE_PX / 2) + LINE_PX, colour)
+        travelled += length
+
+
+def _legend(canvas, pc, curves, right, top):
+    """A box in the plot's top-right corner: a line swatch and the label of each curve."""
+    swatch, gap, pad = 28, 8, 8
+    row = pc.text_height(TEXT_SCALE) + 8
+    width = swatch + gap + max(pc.text_width(label, TEXT_SCALE) for label, _, _, _ in curves) + 2 * pad
+    left = right - width
+    canvas.fill_rect(left, top, right, top + len(curves) * row + 2 * pad, "#ffffff")
+    canvas.outline_rect(left, top, right, top + len(curves) * row + 2 * pad, GRID_COLOUR)
+    for i, (label, _, colour, dashed) in enumerate(curves):
+        y = top + pad + i * row + row / 2
+        _polyline(canvas, [(left + pad, y), (left + pad + swatch, y)], colour, dashed)
+        canvas.text(left + pad + swatch + gap, y - pc.text_height(TEXT_SCALE) / 2, label, TEXT_COLOUR,
+                    TEXT_SCALE)
 
 
 def main():
     args = parse_args()
-    env = Dist()
+    try:
+        env = Dist()
+    except RuntimeError as e:
+        if not str(e).startswith(mok.device.HOPPER_REQUIRED):
+            raise
+        raise SystemExit(f"train_moe: {e}") from None
     if args.experts % env.size:
         raise SystemExit(f"--experts {args.experts} is not a multiple of the {env.size} processes")
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -10,6 +10,10 @@
     moe = mok.MoE(hidden=H, intermediate=I, num_experts=E, top_k=top_k)         # nn.Module, router inside
     moe(x).float().sum().backward()
 
+mok.require_hopper(device=None) checks that a device is an NVIDIA Hopper GPU (sm_90), the only one the extension
+runs on (RuntimeError "mok needs an NVIDIA Hopper GPU (sm_90); found ..." otherwise); get_workspace and MoE call it
+before anything touches CUDA.
+
 The ops are torch.library custom ops with fake implementations (torch.compile(fullgraph=True) traces forward
 and backward) that never synchronize with the host (CUDA graphs capture a whole training step).
 """
@@ -17,13 +21,14 @@ import torch  # noqa: F401  (first: its CUDA runtime and NCCL are the ones the e
 
 from . import ops  # noqa: F401  (registers the torch.ops.mok custom ops)
 from .config import Config, LayerShape, Status, Weights
+from .device import require_hopper
 from .layer import (ForwardContext, Workspace, backward, build_schedule, check_status, forward, get_workspace,
                     main_grads, recompute_forward_context)
 from .module import MoE
 
 __all__ = ["Config", "LayerShape", "Status", "Weights", "ForwardContext", "Workspace", "get_workspace",
            "build_schedule", "forward", "check_status", "backward", "recompute_forward_context", "main_grads",
-           "MoE", "nccl_versions"]
+           "MoE", "require_hopper", "nccl_versions"]
 __version__ = "0.1.0"
 
 

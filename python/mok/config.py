@@ -7,11 +7,19 @@ value again and is authoritative (std::invalid_argument -> ValueError naming the
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
 
+from . import arguments
+from .arguments import INT32_MAX, INT64_MAX
+
 PATHS = {"fused": 0, "unfused": 1}
+MAX_EP_SIZE = 72  # kMaxEpSize, include/mok/routing.h
+MAX_ROWS = 2**30 - 1  # std::numeric_limits<int32_t>::max() / 2: routes and expert rows (int32 on the GPU)
+CHUNK_ROUTES = 1024  # schedule::kChunkRoutes, src/device/schedule/placement.h
+MAX_WAIT_TIMEOUT_S = 24 * 3600  # kMaxWaitTimeoutS, include/mok/routing.h: a day (integer nanoseconds on the GPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,14 +30,16 @@ class Config:
     minibatch_rows   fused path: rows whose gate/up tiles are ordered before their down tiles (multiple of 128)
     macrobatch_rows  fused path: rows of the expert-side ring buffers, the rows the context keeps (multiple of
                      128; 0: the balanced share, num_tokens * top_k plus padding, within context_budget_bytes);
-                     the backward recomputes the rows past it
-    capacity_rows    expert-major rows a rank can hold (0: from load_factor); overrides load_factor
+                     the backward recomputes the rows past it (the unfused path: 0 or at least the capacity)
+    capacity_rows    expert-major rows a rank can hold (0: from load_factor; else a multiple of tile_m below
+                     2^30); overrides load_factor
     load_factor      with capacity_rows 0, a rank holds load_factor * num_tokens * top_k expert rows (plus
                      padding): the balanced load with headroom for imbalance (>= 1; >= the EP size: the worst
                      case, which never overflows). A step that needs more reports a capacity overflow
                      (check_status says by how much; its outputs are unspecified)
     tile_m           each expert's rows are padded to a multiple of this (64 or 128)
-    wait_timeout_s   spin-waits give up after this long and report through the status word
+    wait_timeout_s   spin-waits give up after this long (seconds, finite, in (0, 86400]) and report through the
+                     status word
     path             "fused" (one persistent megakernel) or "unfused" (its stage-by-stage twin)
     backward         allocate the backward's buffers (False: an inference-only workspace; backward and
                      recompute_forward_context raise)
@@ -39,7 +49,11 @@ class Config:
                      ring is the largest multiple of 128 rows of the balanced share that fits, the backward
                      recomputes the rest (0: no budget)
     backward_megakernel  fused path: the backward as one persistent launch per rank (the same bits as the
-                     default's stage kernels; off because it is slower on the H200 today: docs/perf_notes.md)
+                     default's stage kernels; off because it is slower on the H200 today: docs/perf_notes.md);
+                     True needs path="fused" and backward=True
+
+    Every field is checked when a Config is made (TypeError for a value of the wrong type, bool included where
+    an int is expected; ValueError for a wrong value), naming it: "Config.tile_m: expected 64 or 128, got 100".
     """
 
     comm_ctas: int = 0
@@ -56,21 +70,35 @@ class Config:
     backward_megakernel: bool = False
 
     def __post_init__(self):
-        for name in ("comm_ctas", "minibatch_rows", "macrobatch_rows", "capacity_rows", "tile_m", "context_budget_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Config.{name}: expected a non-negative int, got {value!r}")
-        if isinstance(self.load_factor, bool) or not isinstance(self.load_factor, (int, float)) \
-                or not self.load_factor >= 1:
-            raise ValueError(f"Config.load_factor: expected a number >= 1 (the EP size or more: the worst case), "
-                             f"got {self.load_factor!r}")
-        if not isinstance(self.wait_timeout_s, (int, float)) or not self.wait_timeout_s > 0:
-            raise ValueError(f"Config.wait_timeout_s: expected a positive number of seconds, got {self.wait_timeout_s!r}")
+        # The C++ rules (MoeWorkspace's constructor, src/host/moe.cu; ScheduleOptions::validate,
+        # src/host/routing.cpp), checked here so that a bad option fails in Python naming Config's field.
+        def check_int(name, expected, ok, maximum=INT32_MAX):
+            arguments.check_int(f"Config.{name}", getattr(self, name), expected, ok, maximum)
+
+        check_int("comm_ctas", "a non-negative int", lambda v: v >= 0)
+        check_int("minibatch_rows", "a positive multiple of 128", lambda v: v > 0 and v % 128 == 0)
+        check_int("macrobatch_rows", "0 (the balanced share) or a positive multiple of 128",
+                  lambda v: v >= 0 and v % 128 == 0, INT64_MAX)
+        check_int("tile_m", "64 or 128", lambda v: v in (64, 128))
+        check_int("capacity_rows", f"0 (from load_factor) or a positive multiple of tile_m = {self.tile_m} below "
+                  f"2^30 (int32 row indices)", lambda v: v >= 0 and v % self.tile_m == 0 and v < MAX_ROWS, INT64_MAX)
+        check_int("context_budget_bytes", "a non-negative int", lambda v: v >= 0, INT64_MAX)
+        arguments.check_number("Config.load_factor", self.load_factor,
+                               "a number >= 1 (the EP size or more: the worst case)", lambda v: v >= 1)
+        arguments.check_number("Config.wait_timeout_s", self.wait_timeout_s,
+                               f"a finite number of seconds in (0, {MAX_WAIT_TIMEOUT_S}] (the spin-waits' timeout, "
+                               "an integer count of nanoseconds on the GPU)",
+                               lambda v: 0 < v <= MAX_WAIT_TIMEOUT_S)
+        if not isinstance(self.path, str):
+            raise TypeError(f"Config.path: expected one of {sorted(PATHS)}, got {arguments.describe(self.path)}")
         if self.path not in PATHS:
             raise ValueError(f"Config.path: expected one of {sorted(PATHS)}, got {self.path!r}")
         for name in ("backward", "keep_gate_up", "backward_megakernel"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Config.{name}: expected a bool, got {getattr(self, name)!r}")
+            arguments.check_bool(f"Config.{name}", getattr(self, name))
+        if self.backward_megakernel and (self.path != "fused" or not self.backward):
+            raise ValueError("Config.backward_megakernel: expected False unless path='fused' and backward=True (the "
+                             f"backward megakernel is the fused path's backward), got True with path={self.path!r}, "
+                             f"backward={self.backward}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,18 +116,68 @@ class LayerShape:
     swiglu_limit: float = 0.0
 
     def __post_init__(self):
+        # The C++ rules (RoutingShape::validate, src/host/routing.cpp; MoeShape::validate, src/host/moe_args.cpp).
+        check_int = arguments.check_int
+        ep_size = check_int("ep_size", self.ep_size, f"the EP group's size, an int in [1, {MAX_EP_SIZE}]",
+                            lambda v: 1 <= v <= MAX_EP_SIZE)
+        check_int("num_tokens", self.num_tokens, "a positive int (tokens per rank)", lambda v: v > 0)
+        num_experts = check_int("num_experts", self.num_experts, f"a positive multiple of the EP size {ep_size}",
+                                lambda v: v > 0 and v % ep_size == 0)
+        check_int("top_k", self.top_k, f"a positive int <= num_experts = {num_experts}",
+                  lambda v: 0 < v <= num_experts)
+        for name in ("hidden", "intermediate"):  # the GEMMs' K step and output store box
+            check_int(name, getattr(self, name), "a positive multiple of 64", lambda v: v > 0 and v % 64 == 0)
+        arguments.check_bool("shared_expert", self.shared_expert)
+        arguments.check_number("swiglu_limit", self.swiglu_limit, "a finite number >= 0 (0: plain SwiGLU; a float32)",
+                               lambda v: 0 <= v <= arguments.FLOAT32_MAX)
+        routes = ep_size * self.num_tokens * self.top_k
+        if routes >= MAX_ROWS:  # route ids and row indices are int32 on the GPU
+            raise ValueError(f"num_tokens: expected ep_size * num_tokens * top_k below 2^30 (int32 route ids), got "
+                             f"{ep_size} * {self.num_tokens} * {self.top_k} = {routes}")
+        if (num_experts // ep_size) * CHUNK_ROUTES > INT32_MAX:
+            raise ValueError(f"num_experts: expected at most {INT32_MAX // CHUNK_ROUTES} experts per rank (int32 "
+                             f"schedule offsets), got {num_experts // ep_size}")
         for name in ("ep_size", "num_tokens", "top_k", "num_experts", "hidden", "intermediate"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if self.num_experts % self.ep_size != 0:
-            raise ValueError(f"num_experts: {self.num_experts} is not a multiple of the EP size {self.ep_size}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k: {self.top_k} is more than num_experts = {self.num_experts}")
+            object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints as ints
+        object.__setattr__(self, "swiglu_limit", float(self.swiglu_limit))
 
     @property
     def local_experts(self) -> int:
         return self.num_experts // self.ep_size
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def capacity_rows(shape: LayerShape, config: Config) -> int:
+    """The expert rows a rank holds: Config.capacity_rows, or from load_factor (resolved_capacity_rows,
+    src/host/routing.cpp): the worst case (every route to one rank, each local expert's rows padded to tile_m)
+    when load_factor >= the EP size, else load_factor * num_tokens * top_k plus padding, at most the worst case."""
+    if config.capacity_rows > 0:
+        return config.capacity_rows
+    tile_m, local = config.tile_m, shape.local_experts
+    worst = _round_up(shape.ep_size * shape.num_tokens * shape.top_k + local * (tile_m - 1), tile_m)
+    if config.load_factor >= shape.ep_size:
+        return worst
+    rows = math.ceil(shape.num_tokens * shape.top_k * config.load_factor) + local * (tile_m - 1)
+    return min(_round_up(rows, tile_m), worst)
+
+
+def check_config_for_shape(config: Config, shape: LayerShape) -> None:
+    """The rules that tie the options to the shape (MoeWorkspace's constructor, ScheduleOptions::validate): the
+    capacity fits int32 row indices; the unfused path keeps every row (macrobatch_rows 0 or >= the capacity).
+    Skipped for a load_factor below 1 (a Config past its own check: the C++ API refuses it, naming it)."""
+    if not config.load_factor >= 1:
+        return
+    rows = capacity_rows(shape, config)
+    if rows >= MAX_ROWS:
+        raise ValueError(f"Config.capacity_rows: the capacity for this shape is {rows} rows, expected below 2^30 "
+                         "(int32 row indices): lower load_factor or set capacity_rows")
+    if config.path != "fused" and 0 < config.macrobatch_rows < rows:
+        raise ValueError(f"Config.macrobatch_rows: expected 0 or at least the capacity ({rows} rows for this shape) "
+                         f"with path={config.path!r} (only the fused path keeps fewer rows), got "
+                         f"{config.macrobatch_rows}")
 
 
 @dataclasses.dataclass
@@ -118,37 +196,48 @@ class Weights:
     @staticmethod
     def of(weights) -> "Weights":
         """A Weights from a Weights or a dict with the same keys (expert_up and shared_* may be missing)."""
-        if isinstance(weights, Weights):
-            return weights
         if isinstance(weights, dict):
             names = {f.name for f in dataclasses.fields(Weights)}
-            unknown = sorted(set(weights) - names)
+            unknown = sorted(set(weights) - names, key=str)
             if unknown:
                 raise TypeError(f"weights: unknown keys {unknown}; expected some of {sorted(names)}")
             if "expert_gate" not in weights or "expert_down" not in weights:
                 raise TypeError("weights: expert_gate and expert_down are required")
-            return Weights(**{"expert_up": None, **weights})
-        raise TypeError(f"weights: expected a mok.Weights or a dict, got {type(weights).__name__}")
+            weights = Weights(**{"expert_up": None, **weights})
+        if not isinstance(weights, Weights):
+            raise TypeError(f"weights: expected a mok.Weights or a dict, got {type(weights).__name__}")
+        for name, value in zip(_WEIGHT_FIELDS, weights.tensors()):
+            required = name in ("expert_gate", "expert_down")
+            if not isinstance(value, torch.Tensor) and (required or value is not None):
+                raise TypeError(f"weights.{name}: expected a torch.Tensor{'' if required else ' or None'}, got "
+                                f"{type(value).__name__}")
+        return weights
 
     @staticmethod
     def of_grads(grads, name: str) -> "Weights":
         """Gradient tensors (mok.backward's grads or main_grads) from a Weights or a dict with some of its keys;
         a missing key or None: that gradient is not computed."""
-        if isinstance(grads, Weights):
-            return grads
         if isinstance(grads, dict):
             names = [f.name for f in dataclasses.fields(Weights)]
-            unknown = sorted(set(grads) - set(names))
+            unknown = sorted(set(grads) - set(names), key=str)
             if unknown:
                 raise TypeError(f"{name}: unknown keys {unknown}; expected some of {sorted(names)}")
-            return Weights(**{n: grads.get(n) for n in names})
-        raise TypeError(f"{name}: expected a mok.Weights or a dict, got {type(grads).__name__}")
+            grads = Weights(**{n: grads.get(n) for n in names})
+        if not isinstance(grads, Weights):
+            raise TypeError(f"{name}: expected a mok.Weights or a dict, got {type(grads).__name__}")
+        for field, value in zip(_WEIGHT_FIELDS, grads.tensors()):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name}.{field}: expected a torch.Tensor or None, got {type(value).__name__}")
+        return grads
 
     def tensors(self) -> tuple:
         """The six tensors (None where absent) in field order, the C++ API's (MoeWeights). Spelled out rather
         than through dataclasses.fields, so torch.compile traces it as plain attribute reads."""
         return (self.expert_gate, self.expert_up, self.expert_down, self.shared_gate, self.shared_up,
                 self.shared_down)
+
+
+_WEIGHT_FIELDS = tuple(f.name for f in dataclasses.fields(Weights))
 
 
 @dataclasses.dataclass(frozen=True)

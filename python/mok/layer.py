@@ -18,10 +18,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import ops
+from . import arguments, ops
 from .checks import (WEIGHT_NAMES, check_backward_args, check_forward_args, check_weight_grads, check_weights,
                      check_x)
-from .config import PATHS, Config, LayerShape, Status, Weights
+from .config import PATHS, Config, LayerShape, Status, Weights, check_config_for_shape
+from .device import check_layer_device, layer_device
 
 
 def _native_module():
@@ -113,11 +114,29 @@ class Workspace:
         return self._native.comm_ctas if not self.is_meta else self.config.comm_ctas
 
 
-def _group_rank_size(group) -> Tuple[int, int]:
+def check_group(group, name: str = "group"):
+    """group if it is None (EP = 1) or a torch.distributed ProcessGroup; TypeError naming `name` otherwise."""
     if group is None:
+        return group
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise TypeError(f"{name}: torch.distributed is not available in this PyTorch build, so there is no process "
+                        f"group: pass None (EP = 1), got {type(group).__name__}")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name}: expected a torch.distributed.ProcessGroup (None: EP = 1), got "
+                        f"{type(group).__name__}")
+    return group
+
+
+def _group_rank_size(group) -> Tuple[int, int]:
+    if check_group(group) is None:
         return 0, 1
     import torch.distributed as dist
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the group (every rank of the EP group calls "
+                         "get_workspace with it)")
+    return rank, size
 
 
 def get_workspace(config: Config, group, num_local_tokens: int, hidden: int, intermediate: int, top_k: int,
@@ -126,22 +145,24 @@ def get_workspace(config: Config, group, num_local_tokens: int, hidden: int, int
     """A workspace for a layer of this shape. group: None for EP = 1 on `device`; a torch.distributed
     ProcessGroup of one process per GPU for EP = its size (collective: every rank calls it; rank 0 makes an
     NCCL unique id and broadcasts it over the group, and the library gets its own NCCL communicator).
-    device: None for torch's current CUDA device; "meta" for a workspace without memory (shapes only)."""
+    device: None for torch's current CUDA device (an int, a str or a torch.device); "meta" for a workspace
+    without memory (shapes only).
+
+    Every argument is checked first, in Python (TypeError / ValueError naming it: the shape rules of the C++ API,
+    e.g. hidden and intermediate positive multiples of 64, top_k <= num_experts); then, for a CUDA device, that
+    it is a Hopper GPU (RuntimeError "mok needs an NVIDIA Hopper GPU (sm_90); found ..."), before any CUDA call."""
     if not isinstance(config, Config):
         raise TypeError(f"config: expected a mok.Config, got {type(config).__name__}")
     rank, ep_size = _group_rank_size(group)
+    arguments.check_int("num_local_tokens", num_local_tokens, "a positive int (tokens per rank)", lambda v: v > 0)
     shape = LayerShape(ep_size=ep_size, num_tokens=num_local_tokens, top_k=top_k, num_experts=num_experts,
-                       hidden=hidden, intermediate=intermediate, shared_expert=bool(shared_expert),
-                       swiglu_limit=float(swiglu_limit))
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    device = torch.device(device)
+                       hidden=hidden, intermediate=intermediate, shared_expert=shared_expert,
+                       swiglu_limit=swiglu_limit)
+    device = check_layer_device(device)
+    check_config_for_shape(config, shape)
+    device = layer_device(device)  # a Hopper GPU (or meta): before anything touches CUDA
     if device.type == "meta":
         return Workspace(shape, config, device, rank, None)
-    if device.type != "cuda":
-        raise ValueError(f"device: expected a CUDA device (or meta), got {device}")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     ext = _native_module()
     nccl_id = None
     if ep_size > 1:
@@ -204,6 +225,11 @@ def forward(ws: Workspace, x: torch.Tensor, topk_idx: torch.Tensor, router_weigh
     recompute_forward_context from the saved inputs), so layers may share one context (activation
     checkpointing of the expert-side activations)."""
     _check_workspace(ws)
+    arguments.check_bool("schedule_ready", schedule_ready)
+    arguments.check_bool("recompute", recompute)
+    if schedule_ready and ctx is None:
+        raise ValueError("schedule_ready: True needs ctx, the context that mok.build_schedule filled (ctx=None makes "
+                         "a new context, which holds no schedule)")
     weights = Weights.of(weights)
     check_forward_args(ws.shape, ws.device, x, topk_idx, router_weights, weights)
     if ctx is None:
@@ -247,11 +273,18 @@ def backward(ws: Workspace, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torc
     _check_context(ws, ctx)
     if not ws.config.backward:
         raise ValueError("ws: made with Config(backward=False) (inference only): no backward")
+    grad_dtypes = "torch.bfloat16 or torch.float32 (the dtype of new gradient tensors)"
+    if not isinstance(grad_dtype, torch.dtype):
+        raise TypeError(f"grad_dtype: expected {grad_dtypes}, got {arguments.describe(grad_dtype)}")
+    if grad_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"grad_dtype: expected {grad_dtypes}, got {grad_dtype}")
     if grads is not None and main_grads is not None:
         raise ValueError("grads, main_grads: pass one of them (written or accumulated), not both")
+    if grad_dtype != torch.bfloat16 and (grads is not None or main_grads is not None):
+        given = "grads" if grads is not None else "main_grads"
+        raise ValueError(f"grad_dtype: expected the default torch.bfloat16 with {given}= (the gradients go to the "
+                         f"given tensors, in their dtypes), got {grad_dtype}")
     if grads is None and main_grads is None:
-        if grad_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"grad_dtype: expected torch.bfloat16 or torch.float32, got {grad_dtype}")
         outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, topk_idx, router_weights, *weights.tensors(),
                                       ops.ALL_WEIGHTS, grad_dtype == torch.float32, 0, 0, False)
         present = [w is not None for w in weights.tensors()]

@@ -25,9 +25,16 @@ from typing import Optional
 
 import torch
 
-from . import ops
-from .config import Config, Weights
-from .layer import Workspace, get_workspace, layer_forward
+from . import arguments, ops
+from .arguments import check_type
+from .config import Config, LayerShape, Weights
+from .device import check_layer_device, layer_device
+from .layer import ForwardContext, Workspace, check_group, get_workspace, layer_forward
+
+
+def _same_device(given: torch.device, actual: torch.device) -> bool:
+    """given (as passed: "cuda" without an index means the current device) names the device `actual`."""
+    return given.type == actual.type and given.index in (None, actual.index)
 
 
 def _capturing() -> bool:
@@ -46,12 +53,17 @@ class MoE(torch.nn.Module):
       the module holds its rank's num_experts / EP experts, the router and shared expert whole (replicated).
     num_tokens: tokens per forward call on this rank; the workspace is made at construction when given, else
       at the first forward (outside torch.compile / CUDA-graph capture). workspace: a mok.Workspace of this
-      shape to share with other layers (then config, group and num_tokens come from it).
+      shape to share with other layers (then config, num_tokens and device come from it: leave them None or
+      pass the workspace's; group must be the workspace's EP group, None for EP = 1).
     main_grad: Megatron's fused weight-gradient accumulation (module docstring). recompute: the backward
       rebuilds the forward context from the saved inputs first, so that one context can serve several layers
       or forwards in flight (context=): activation checkpointing of the expert-side activations.
     context: a mok.ForwardContext of the workspace to use (shared between layers with recompute=True).
-    device: where the parameters live (None: the current CUDA device; "meta": shapes only, no GPU).
+    device: where the parameters live (None: the current CUDA device; an int, a str or a torch.device;
+      "meta": shapes only, no GPU).
+
+    Every argument is checked before anything else (TypeError / ValueError naming it; bools must be bools), then
+    the CUDA device: RuntimeError "mok needs an NVIDIA Hopper GPU (sm_90); found ..." before any parameter is made.
     """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *, shared_expert: bool = True,
@@ -60,35 +72,56 @@ class MoE(torch.nn.Module):
                  num_tokens: Optional[int] = None, workspace: Optional[Workspace] = None, main_grad: bool = False,
                  recompute: bool = False, context=None, device=None):
         super().__init__()
+        check_bool = arguments.check_bool
+        for name, value in (("shared_expert", shared_expert), ("fused_gate_up", fused_gate_up), ("router", router),
+                            ("normalize_router_weights", normalize_router_weights), ("main_grad", main_grad),
+                            ("recompute", recompute)):
+            check_bool(name, value)
+        if normalize_router_weights and not router:
+            raise ValueError("normalize_router_weights: expected False with router=False (the caller's "
+                             "router_weights are used as given), got True")
+        check_type("config", config, Config, "a mok.Config (None: the defaults)", allow_none=True)
+        check_group(group)
+        if num_tokens is not None:
+            arguments.check_int("num_tokens", num_tokens, "a positive int (tokens per forward call on this rank)",
+                                lambda v: v > 0)
+        check_type("workspace", workspace, Workspace, "a mok.Workspace (mok.get_workspace)", allow_none=True)
+        check_type("context", context, ForwardContext, "a mok.ForwardContext (workspace.make_context())",
+                   allow_none=True)
+        if context is not None and (workspace is None or context.workspace is not workspace):
+            raise ValueError("context: must be made by the workspace passed as workspace= (ws.make_context())")
+        device = check_layer_device(device)
         if workspace is not None:
-            if not isinstance(workspace, Workspace):
-                raise TypeError(f"workspace: expected a mok.Workspace, got {type(workspace).__name__}")
+            ep_size = workspace.shape.ep_size
+            self._check_workspace(workspace, config, group, num_tokens, device)
+        else:
+            ep_size = 1 if group is None else torch.distributed.get_world_size(group)
+        # The shape's rules (those of get_workspace: LayerShape's checks, named after this constructor's arguments).
+        LayerShape(ep_size=ep_size, num_tokens=num_tokens or 1, top_k=top_k, num_experts=num_experts, hidden=hidden,
+                   intermediate=intermediate, shared_expert=shared_expert, swiglu_limit=swiglu_limit)
+        if workspace is not None:
             s = workspace.shape
-            want = (hidden, intermediate, num_experts, top_k, bool(shared_expert), float(swiglu_limit))
+            want = (hidden, intermediate, num_experts, top_k, shared_expert, float(swiglu_limit))
             got = (s.hidden, s.intermediate, s.num_experts, s.top_k, s.shared_expert, s.swiglu_limit)
             if want != got:
                 raise ValueError("workspace: made for (hidden, intermediate, num_experts, top_k, shared_expert, "
                                  f"swiglu_limit) = {got}, this layer is {want}")
-            ep_size, device = s.ep_size, workspace.device
+            device = workspace.device
         else:
-            ep_size = 1 if group is None else torch.distributed.get_world_size(group)
-            if device is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-        device = torch.device(device)
-        if num_experts % ep_size != 0:
-            raise ValueError(f"num_experts: {num_experts} is not a multiple of the EP size {ep_size}")
-        self.hidden, self.intermediate, self.num_experts, self.top_k = hidden, intermediate, num_experts, top_k
-        self.local_experts = num_experts // ep_size
-        self.shared_expert, self.fused_gate_up = bool(shared_expert), bool(fused_gate_up)
-        self.normalize_router_weights = bool(normalize_router_weights)
+            device = layer_device(device)  # a Hopper GPU (or meta): before the parameters are made
+        self.hidden, self.intermediate = int(hidden), int(intermediate)
+        self.num_experts, self.top_k = int(num_experts), int(top_k)
+        self.local_experts = self.num_experts // ep_size
+        self.shared_expert, self.fused_gate_up = shared_expert, fused_gate_up
+        self.normalize_router_weights = normalize_router_weights
         self.swiglu_limit = float(swiglu_limit)
-        self.config = config if config is not None else Config()
+        self.config = workspace.config if workspace is not None else config if config is not None else Config()
         self.group = group
-        self.main_grad, self.recompute = bool(main_grad), bool(recompute)
+        self.main_grad, self.recompute = main_grad, recompute
 
         bf16 = dict(dtype=torch.bfloat16, device=device)
-        e, h, i = self.local_experts, hidden, intermediate
-        self.router = torch.nn.Linear(h, num_experts, bias=False, **bf16) if router else None
+        e, h, i = self.local_experts, self.hidden, self.intermediate
+        self.router = torch.nn.Linear(h, self.num_experts, bias=False, **bf16) if router else None
         param = torch.nn.Parameter
         self.expert_gate = param(torch.empty(e, 2 * i if fused_gate_up else i, h, **bf16))
         self.expert_up = None if fused_gate_up else param(torch.empty(e, i, h, **bf16))
@@ -105,11 +138,28 @@ class MoE(torch.nn.Module):
 
         self._workspace = workspace
         self._context = context
-        if context is not None and (workspace is None or context.workspace is not workspace):
-            raise ValueError("context: must be made by the workspace passed as workspace= (ws.make_context())")
         self._targets = ops.MainGradTargets(self.weights().tensors()) if self.main_grad else None
         if workspace is None and num_tokens is not None:
             self.prepare(num_tokens)
+
+    @staticmethod
+    def _check_workspace(workspace: Workspace, config, group, num_tokens, device) -> None:
+        """workspace= with the arguments it decides: config, num_tokens and device None or the workspace's; group
+        the one of its EP group (its size; None only for EP = 1)."""
+        if config is not None and config != workspace.config:
+            raise ValueError(f"config: expected None or the workspace's {workspace.config} (a layer runs with its "
+                             f"workspace's options), got {config}")
+        if num_tokens is not None and num_tokens != workspace.shape.num_tokens:
+            raise ValueError(f"num_tokens: expected None or the workspace's {workspace.shape.num_tokens} tokens per "
+                             f"call, got {num_tokens}")
+        if device is not None and not _same_device(device, workspace.device):
+            raise ValueError(f"device: expected None or the workspace's {workspace.device}, got {device}")
+        ep_size = workspace.shape.ep_size
+        group_size = 1 if group is None else torch.distributed.get_world_size(group)
+        if group_size != ep_size:
+            raise ValueError(f"group: expected the workspace's EP group, of {ep_size} processes (None only for "
+                             f"EP = 1; it broadcasts the router and the shared expert), got "
+                             f"{'None' if group is None else f'a group of {group_size}'}")
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialization for each expert's projections: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
@@ -152,6 +202,8 @@ class MoE(torch.nn.Module):
     def prepare(self, num_tokens: int) -> None:
         """Makes the workspace (collective with EP > 1) and the forward context for num_tokens tokens per call,
         if not made yet. Call it before torch.compile or CUDA-graph capture when no forward ran eagerly yet."""
+        arguments.check_int("num_tokens", num_tokens, "a positive int (tokens per forward call on this rank)",
+                            lambda v: v > 0)
         if self._workspace is None:
             self._workspace = get_workspace(self.config, self.group, num_tokens, self.hidden, self.intermediate,
                                             self.top_k, self.num_experts, shared_expert=self.shared_expert,
@@ -184,7 +236,9 @@ class MoE(torch.nn.Module):
                 router_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [..., H] bf16 (the tokens of this rank); topk_idx and router_weights [T, k] (T = x.numel() // H) or
         None for the router's. Returns out with x's shape."""
-        if x.shape[-1] != self.hidden:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a bf16 tensor [..., H] with H = {self.hidden}, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.hidden:
             raise ValueError(f"x: expected [..., H] with H = {self.hidden}, got shape {list(x.shape)}")
         tokens = x.reshape(-1, self.hidden)
         if (topk_idx is None) != (router_weights is None):

@@ -7,13 +7,10 @@ import mok
 
 
 def hopper_skip_reason():
-    """None when a CUDA Hopper GPU (sm_90) is usable, else why not."""
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible to PyTorch (torch.cuda.is_available() is False)"
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return f"GPU 0 is sm_{major}{minor}, the library is built for Hopper (sm_90a)"
-    return None
+    """None when torch's current CUDA device is a Hopper GPU (sm_90), else why not: mok.require_hopper's message
+    (mok/device.py, the check get_workspace and mok.MoE make)."""
+    problem = mok.device.hopper_problem()
+    return None if problem is None else mok.device.HOPPER_REQUIRED + problem
 
 
 def pytest_collection_modifyitems(config, items):

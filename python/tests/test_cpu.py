@@ -54,17 +54,23 @@ def test_config_load_factor():
     ScheduleOptions (test_gpu.py checks the capacity it gives)."""
     for value in (1, 1.0, 1.5, 8, float("inf")):
         assert mok.Config(load_factor=value).load_factor == value
-    for value in (0.999, 0, -1.0, float("nan"), True, "2", None):
+    for value in (0.999, 0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="Config.load_factor"):
+            mok.Config(load_factor=value)
+    for value in (True, "2", None):  # not a number: TypeError
+        with pytest.raises(TypeError, match="Config.load_factor"):
             mok.Config(load_factor=value)
 
 
-@pytest.mark.parametrize("field, value", [("path", "megakernel"), ("comm_ctas", -2), ("tile_m", 1.5),
-                                          ("wait_timeout_s", 0), ("minibatch_rows", True), ("backward", 1),
-                                          ("keep_gate_up", 1), ("context_budget_bytes", -1),
-                                          ("backward_megakernel", "yes")])
-def test_config_rejects(field, value):
-    with pytest.raises(ValueError, match=f"Config.{field}"):
+@pytest.mark.parametrize("field, value, exception", [
+    ("path", "megakernel", ValueError), ("comm_ctas", -2, ValueError), ("tile_m", 1.5, TypeError),
+    ("wait_timeout_s", 0, ValueError), ("minibatch_rows", True, TypeError), ("backward", 1, TypeError),
+    ("keep_gate_up", 1, TypeError), ("context_budget_bytes", -1, ValueError),
+    ("backward_megakernel", "yes", TypeError)])
+def test_config_rejects(field, value, exception):
+    """A wrong value: ValueError; a value of the wrong type (bool for an int, int for a bool): TypeError.
+    test_args.py has the whole table of bad constructor arguments (docs/bad_inputs.md)."""
+    with pytest.raises(exception, match=f"Config.{field}"):
         mok.Config(**{field: value})
 
 

@@ -279,7 +279,8 @@ def test_wrong_shapes_raise_and_the_process_goes_on():
         flat = torch.empty(x.numel() + 8, dtype=torch.bfloat16, device="cuda")
         ws._native.forward(flat[1:1 + x.numel()].view(x.shape), idx, rw, w.expert_gate, w.expert_up, w.expert_down,
                            w.shared_gate, w.shared_up, w.shared_down, out, ctx._native, stream, False)
-    with pytest.raises(ValueError, match="MoeShape.hidden"):  # the C++ validation: not a multiple of 64
+    # Not a multiple of 64: the C++ rule (MoeShape::validate), checked in Python first (test_args.py has them all).
+    with pytest.raises(ValueError, match="hidden: expected a positive multiple of 64, got 100"):
         mok.get_workspace(mok.Config(), None, 64, 100, 64, 2, 8)
     good, _ = mok.forward(ws, x, idx, rw, w, ctx)
     mok.check_status(ws)
