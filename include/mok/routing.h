@@ -24,6 +24,9 @@ struct RoutingShape {
   void validate() const;
 };
 
+// The longest spin-wait timeout (a day): the kernels count it in integer nanoseconds.
+inline constexpr double kMaxWaitTimeoutS = 24 * 3600;
+
 struct ScheduleOptions {
   int tile_m = 64;            // each expert's rows are padded up to a multiple of this. The GEMM takes 64 or
                               // 128; 64 never costs it more work (docs/perf_notes.md, round 3)
@@ -36,7 +39,8 @@ struct ScheduleOptions {
   // step runs normally). load_factor >= ep_size gives the worst case (worst_case_capacity_rows: never
   // overflows); at EP <= 2 the default 2 is the worst case already.
   double load_factor = 2.0;
-  double wait_timeout_s = 10; // spin-waits give up after this long and report through the status word
+  // Spin-waits give up after this long and report through the status word: finite, in (0, kMaxWaitTimeoutS].
+  double wait_timeout_s = 10;
   // Throws std::invalid_argument naming the offending field.
   void validate(const RoutingShape& shape) const;
 };

@@ -36,7 +36,10 @@ void ScheduleOptions::validate(const RoutingShape& shape) const {
                                 std::to_string(load_factor));
   require(resolved_capacity_rows(shape, *this) < std::numeric_limits<int32_t>::max() / 2,
           "ScheduleOptions.capacity_rows too large for int32 row indices");
-  require(wait_timeout_s > 0, "ScheduleOptions.wait_timeout_s must be > 0");
+  // Also rejects NaN and infinity (the kernels get it as an integer count of nanoseconds).
+  require(wait_timeout_s > 0 && wait_timeout_s <= kMaxWaitTimeoutS,
+          "ScheduleOptions.wait_timeout_s must be a finite number of seconds in (0, " +
+              std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " + std::to_string(wait_timeout_s));
 }
 
 int64_t worst_case_capacity_rows(const RoutingShape& shape, int tile_m) {

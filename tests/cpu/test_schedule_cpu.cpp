@@ -288,6 +288,25 @@ TEST(ScheduleCpuTest, ValidationNamesTheField) {
               std::string::npos)
         << bad;
   }
+  // The timeout reaches the kernels as integer nanoseconds: non-finite, non-positive or over a day is refused.
+  for (const double bad : {0.0, -1.0, std::nan(""), HUGE_VAL, kMaxWaitTimeoutS * 2, 1e300}) {
+    const std::string text = message([bad] {
+      ScheduleOptions o;
+      o.wait_timeout_s = bad;
+      o.validate(RoutingShape{1, 10, 2, 8});
+    });
+    EXPECT_NE(text.find("ScheduleOptions.wait_timeout_s"), std::string::npos) << bad << ": " << text;
+  }
+  for (const double good : {1e-6, 10.0, kMaxWaitTimeoutS}) {
+    EXPECT_EQ(message([good] {
+                ScheduleOptions o;
+                o.wait_timeout_s = good;
+                o.validate(RoutingShape{1, 10, 2, 8});
+                return 0;
+              }),
+              "no throw")
+        << good;
+  }
   EXPECT_EQ(message([] {
               ScheduleOptions o;
               o.load_factor = 1;  // the smallest: the balanced rows, no headroom
