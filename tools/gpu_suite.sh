@@ -7,7 +7,9 @@
 #              are its arguments, MOK_SUITE_LAYER_TIMEOUT its limit in seconds; its layer_bench_ep<EP>.json
 #              and .png chart go to the logs' folder), MOK_SUITE_DISPATCH_BENCH=0
 #              (skip build-gpu/bench/dispatch_bench, run with two or more GPUs; MOK_SUITE_DISPATCH_ARGS),
-#              MOK_SUITE_SOAK=0 (skip build-gpu/bench/mok_soak; MOK_SUITE_SOAK_ARGS are its arguments).
+#              MOK_SUITE_SOAK=0 (skip build-gpu/bench/mok_soak; MOK_SUITE_SOAK_ARGS are its arguments),
+#              MOK_SUITE_PYTEST=0 (skip pip install + pytest: tools/run_python_tests.sh), MOK_SUITE_EXAMPLE=0
+#              (skip examples/train_moe.py; MOK_SUITE_EXAMPLE_ARGS are its arguments).
 #   compute-sanitizer: MOK_SUITE_SANITIZERS=0 skips all of it. memcheck runs every GPU test binary of the
 #              labels (MOK_SANITIZER_TESTS=regex picks binaries, MOK_MEMCHECK_FILTER is their gtest filter)
 #              with MOK_TEST_REDUCED=1 (full-size cases skip, big sweeps shrink); racecheck and synccheck
@@ -107,6 +109,22 @@ fi
 if [ "${MOK_SUITE_GEMM_BENCH:-1}" = 1 ]; then
   PYTHONUNBUFFERED=1 python3 bench/gemm_bench.py --lib build-gpu/bench/libmok_bench_capi.so >"$out/gemm_bench.log" 2>&1 || status=1
 fi
+# The Python package: pip install (no registry here: --no-build-isolation with the carried .deps) and pytest;
+# then the training example (README's command; MOK_SUITE_EXAMPLE_ARGS, e.g. "--steps 100").
+pytest_line=skipped
+if [ "${MOK_SUITE_PYTEST:-1}" = 1 ]; then
+  MOK_BUILD_DIR=build-gpu timeout 900 tools/run_python_tests.sh >"$out/pytest.log" 2>&1 || status=1
+  pytest_line=$(grep -E "^=+ .*(passed|failed|error).* =+$" "$out/pytest.log" | tail -n 1)
+  [ -n "$pytest_line" ] || pytest_line="FAILED before pytest (pytest.log)"
+fi
+example_line=skipped
+if [ "${MOK_SUITE_EXAMPLE:-1}" = 1 ]; then
+  example_rc=0
+  PYTHONUNBUFFERED=1 timeout 600 python3 examples/train_moe.py --out "$out/train_moe" ${MOK_SUITE_EXAMPLE_ARGS:-} \
+    >"$out/train_moe.log" 2>&1 || example_rc=$?
+  example_line="exit $example_rc (train_moe.log)"
+  [ "$example_rc" = 0 ] || status=1
+fi
 
 echo
 echo "== test output (tables) =="
@@ -125,10 +143,13 @@ for n in $(grep -oE "^ *Start +[0-9]+" "$out/ctest.log" | awk '{print $2}'); do
 done
 printf "%s\n" ${sanitizer_lines[@]+"${sanitizer_lines[@]}"}
 printf "%-34s %s\n" "mok_soak" "$soak"
+printf "%-34s %s\n" "pytest" "$pytest_line"
+printf "%-34s %s\n" "examples/train_moe.py" "$example_line"
 grep -E "tests passed|tests failed" "$out/ctest.log"
 echo
 [ -f "$out/bench.log" ] && cat "$out/bench.log"
 [ -f "$out/gemm_bench.log" ] && { echo; cat "$out/gemm_bench.log"; }
 [ -f "$out/dispatch_bench.log" ] && { echo; cat "$out/dispatch_bench.log"; }
 [ -f "$out/layer_bench.log" ] && { echo; grep -vE "^(\*|Setting OMP|-- |\[|ninja)" "$out/layer_bench.log"; }
+[ -f "$out/train_moe.log" ] && { echo; tail -n 25 "$out/train_moe.log"; }
 exit $status
