@@ -76,7 +76,8 @@ struct TensorRef {
 
 struct MoeShape {
   int ep_size = 1;
-  int num_tokens = 0;    // T per rank (the same on every rank)
+  int num_tokens = 0;    // the most tokens one call passes on a rank: each call may pass any T in
+                         // [0, num_tokens] (x [T, H], ...), and the ranks of one call different ones
   int top_k = 0;
   int num_experts = 0;   // E, global; expert e lives on rank e / local_experts()
   int hidden = 0;        // H: a multiple of 64 (fastest as a multiple of 256, the down GEMM's output tile)
@@ -189,6 +190,8 @@ class ForwardContext {
   const void* shared_gate_up() const { return shared_gate_up_; }   // bf16 [padded T, 2I]; null without shared
   // Device memory the context holds (schedule and activations): what one layer keeps for its backward.
   int64_t bytes() const { return bytes_; }
+  // The token count T of the call that built its schedule (-1 before any); its backward must pass the same.
+  int num_tokens() const { return num_tokens_; }
 
  private:
   friend class MoeWorkspace;
@@ -198,6 +201,7 @@ class ForwardContext {
   int device_ = 0;
   void* allocation_ = nullptr;
   int64_t bytes_ = 0;
+  int num_tokens_ = -1;
   int32_t* schedule_buffer_ = nullptr;
   ScheduleView schedule_;
   int64_t ring_rows_ = 0;
@@ -208,7 +212,11 @@ class ForwardContext {
   void* shared_gate_up_ = nullptr;
 };
 
-// One rank's arguments of a forward call.
+// One rank's arguments of a forward call. T, the call's token count on this rank, is topk_idx's first
+// extent: any value in [0, MoeShape::num_tokens] (0: the rank sends no tokens, its experts still serve the
+// peers'; x and out may then be empty tensors with a null pointer). Every tensor of the call agrees on it.
+// The results of the T tokens are bitwise those of a workspace made for exactly T (EP = 1, or the same T
+// on every rank); the workspace's buffers and the kernels' grids stay sized by num_tokens.
 struct RankForward {
   int rank = 0;                // a local rank of the workspace's group
   TensorRef x;                 // bf16 [T, H]
@@ -220,8 +228,8 @@ struct RankForward {
   cudaStream_t stream = nullptr;
 };
 
-// One rank's arguments of a backward call: the forward's inputs and context, the output's gradient, and
-// where the gradients go. Every gradient is written (or accumulated) in full; masked routes get
+// One rank's arguments of a backward call: the forward's inputs and context (the forward's T tokens), the
+// output's gradient, and where the gradients go. Every gradient is written (or accumulated) in full; masked routes get
 // d_router_weights 0 and contribute nothing to d_x.
 struct RankBackward {
   int rank = 0;
@@ -366,6 +374,10 @@ class MoeWorkspace {
   void barrier_wait(int rank, cudaStream_t stream) const;
   // Pulls schedule rows [0, min(scheduled rows, row_limit)) of f's context from their source ranks' x.
   void pull_rows(const RankForward& f, int64_t row_limit) const;
+  // Copies a call's `tokens` rows [tokens, H] (bf16) into the rank's symmetric `dst` [padded T, H] and zeroes
+  // rows [tokens, padded T): rows past a call's tokens read as zeros (the shared expert's GEMMs read whole
+  // padded tiles, and its weight gradients sum over them). Asynchronous on `stream`.
+  void publish_token_rows(void* dst, const void* src, int64_t tokens, cudaStream_t stream) const;
   const RankState& state(int rank) const;
   void begin_call(int rank, cudaStream_t stream) const;  // waits for the rank's previous call (other stream)
   void end_call(int rank, cudaStream_t stream) const;    // records this call's event

@@ -55,9 +55,10 @@ class ScheduleWorkspace {
   ScheduleWorkspace(const ScheduleWorkspace&) = delete;
   ScheduleWorkspace& operator=(const ScheduleWorkspace&) = delete;
 
-  // Pushes `rank`'s ids [num_tokens][top_k] (device memory on the rank's GPU) into every peer's gather
-  // buffer and raises its arrival counters. Asynchronous on `stream`.
-  void gather_topk(int rank, const void* topk, IndexType index_type, cudaStream_t stream);
+  // Pushes `rank`'s ids [tokens][top_k] (device memory on the rank's GPU; tokens in [0, num_tokens], -1 for
+  // num_tokens; topk may be null when 0) into every peer's gather buffer, -1 (masked) for the routes of
+  // tokens [tokens, num_tokens), and raises its arrival counters. Asynchronous on `stream`.
+  void gather_topk(int rank, const void* topk, IndexType index_type, cudaStream_t stream, int tokens = -1);
   // Waits (on the GPU) for every rank's ids, then counts, prefix-sums and places, into `schedule`
   // (schedule_elements() int32 on the rank's GPU, e.g. a forward context's) or, when null, the workspace's
   // own buffers. Reports into the rank's status word (sticky: see reset_status). Asynchronous.

@@ -53,20 +53,36 @@ def _check_absent(name: str, t, why: str) -> None:
         raise ValueError(f"{name}: expected None ({why}), got {_describe(t) if isinstance(t, torch.Tensor) else t!r}")
 
 
+def call_tokens(shape: LayerShape, name: str, t) -> int:
+    """T of a call: the first extent of `t` (a tensor [T, ...]), which may be anything in [0, num_tokens] (the
+    workspace's maximum per call); ValueError naming `name` past it. Not a tensor: num_tokens (check_tensor
+    then says what is wrong)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 1:
+        return shape.num_tokens
+    tokens = t.shape[0]
+    if tokens > shape.num_tokens:
+        raise ValueError(f"{name}: {tokens} tokens, but the workspace takes at most num_tokens = {shape.num_tokens} "
+                         "per call (make it for the largest token count of a call)")
+    return tokens
+
+
 def check_forward_args(shape: LayerShape, device: torch.device, x, topk_idx, router_weights,
                        weights: Optional[Weights]) -> None:
-    """The checks of mok.forward (weights None: those of mok.build_schedule, topk_idx only)."""
-    t, k = shape.num_tokens, shape.top_k
+    """The checks of mok.forward (weights None: those of mok.build_schedule, topk_idx only). T, the call's
+    tokens, is topk_idx's first extent (at most the workspace's num_tokens); x and router_weights agree."""
+    t, k = call_tokens(shape, "topk_idx", topk_idx), shape.top_k
     check_tensor("topk_idx", topk_idx, (torch.int32, torch.int64), "T, k", (t, k), device)
     if weights is None:
         return
-    check_x(shape, device, x)
+    check_x(shape, device, x, tokens=t)
     check_tensor("router_weights", router_weights, (torch.float32,), "T, k", (t, k), device)
     check_weights(shape, device, weights)
 
 
-def check_x(shape: LayerShape, device: torch.device, x, name: str = "x") -> None:
-    check_tensor(name, x, (torch.bfloat16,), "T, H", (shape.num_tokens, shape.hidden), device)
+def check_x(shape: LayerShape, device: torch.device, x, name: str = "x", tokens: Optional[int] = None) -> None:
+    """x (or d_out) bf16 [T, H]: T = tokens, or x's own first extent (at most num_tokens)."""
+    t = call_tokens(shape, name, x) if tokens is None else tokens
+    check_tensor(name, x, (torch.bfloat16,), "T, H", (t, shape.hidden), device)
 
 
 def weight_dims(shape: LayerShape, fused_gate_up: bool):
@@ -99,7 +115,7 @@ def check_backward_args(shape: LayerShape, device: torch.device, d_out, x, topk_
                         weights: Weights) -> None:
     """The checks of mok.backward's inputs: those of mok.forward, and d_out bf16 [T, H]."""
     check_forward_args(shape, device, x, topk_idx, router_weights, weights)
-    check_x(shape, device, d_out, "d_out")
+    check_x(shape, device, d_out, "d_out", tokens=topk_idx.shape[0])
 
 
 def check_weight_grads(shape: LayerShape, device: torch.device, weights: Weights, grads: Weights, name: str,

@@ -51,8 +51,9 @@ class MoE(torch.nn.Module):
     swiglu_limit: > 0 clamps SwiGLU (gate <= L, -L <= up <= L).
     config: mok.Config of the workspace; group: a torch.distributed group for EP = its size (None: EP = 1);
       the module holds its rank's num_experts / EP experts, the router and shared expert whole (replicated).
-    num_tokens: tokens per forward call on this rank; the workspace is made at construction when given, else
-      at the first forward (outside torch.compile / CUDA-graph capture). workspace: a mok.Workspace of this
+    num_tokens: the most tokens a forward call passes on this rank (each call may pass any count up to it,
+      0 included, and the ranks of a step different ones); the workspace is made at construction when given,
+      else at the first forward, for that call's count (outside torch.compile / CUDA-graph capture). workspace: a mok.Workspace of this
       shape to share with other layers (then config, num_tokens and device come from it: leave them None or
       pass the workspace's; group must be the workspace's EP group, None for EP = 1).
     main_grad: Megatron's fused weight-gradient accumulation (module docstring). recompute: the backward
@@ -200,17 +201,18 @@ class MoE(torch.nn.Module):
         return self._workspace
 
     def prepare(self, num_tokens: int) -> None:
-        """Makes the workspace (collective with EP > 1) and the forward context for num_tokens tokens per call,
-        if not made yet. Call it before torch.compile or CUDA-graph capture when no forward ran eagerly yet."""
+        """Makes the workspace (collective with EP > 1) and the forward context for calls of at most num_tokens
+        tokens, if not made yet. Call it before torch.compile or CUDA-graph capture when no forward ran eagerly
+        yet, and when later calls may pass more tokens than the first."""
         arguments.check_int("num_tokens", num_tokens, "a positive int (tokens per forward call on this rank)",
                             lambda v: v > 0)
         if self._workspace is None:
             self._workspace = get_workspace(self.config, self.group, num_tokens, self.hidden, self.intermediate,
                                             self.top_k, self.num_experts, shared_expert=self.shared_expert,
                                             swiglu_limit=self.swiglu_limit, device=self.expert_gate.device)
-        elif self._workspace.shape.num_tokens != num_tokens:
-            raise ValueError(f"x: {num_tokens} tokens, the layer's workspace is for "
-                             f"{self._workspace.shape.num_tokens} tokens per call")
+        elif num_tokens > self._workspace.shape.num_tokens:
+            raise ValueError(f"num_tokens: {num_tokens}, more than the layer's workspace takes per call "
+                             f"({self._workspace.shape.num_tokens})")
         if self._context is None:
             self._context = self._workspace.make_context()
 
@@ -251,9 +253,10 @@ class MoE(torch.nn.Module):
                                    "torch.compile or CUDA-graph capture: call module.prepare(num_tokens) (or run "
                                    "one forward) first")
             self.prepare(tokens.shape[0])
-        elif tokens.shape[0] != self._workspace.shape.num_tokens:
-            raise ValueError(f"x: {tokens.shape[0]} tokens, the layer's workspace is for "
-                             f"{self._workspace.shape.num_tokens} tokens per call")
+        elif tokens.shape[0] > self._workspace.shape.num_tokens:
+            raise ValueError(f"x: {tokens.shape[0]} tokens, more than the layer's workspace takes per call "
+                             f"({self._workspace.shape.num_tokens}): make the layer with num_tokens= the largest "
+                             "token count of a call (or call prepare(num_tokens) before its first forward)")
         out = layer_forward(self._workspace, self._context, tokens.contiguous(), topk_idx, router_weights,
                             self.weights(), self._targets.handle if self._targets is not None else 0,
                             self.recompute)

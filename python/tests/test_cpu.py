@@ -181,8 +181,9 @@ def test_build_schedule_checks():
     ws = meta_workspace()
     _, idx, _, _ = meta_args()
     mok.build_schedule(ws, idx, ws.make_context())
+    mok.build_schedule(ws, idx[:7], ws.make_context())  # any token count up to the workspace's
     with pytest.raises(ValueError, match="topk_idx"):
-        mok.build_schedule(ws, idx[:7], ws.make_context())
+        mok.build_schedule(ws, idx[:, :1], ws.make_context())
 
 
 def test_fake_tensor_mode_shapes():
@@ -387,7 +388,9 @@ def test_recompute_forward_context_checks():
     _, ctx = mok.forward(ws, x, idx, rw, w)
     assert mok.recompute_forward_context(ws, x, w, ctx) is ctx
     with pytest.raises(ValueError, match=r"x: .*\[T, H\] = \[256, 128\]"):
-        mok.recompute_forward_context(ws, x[:3], w, ctx)
+        mok.recompute_forward_context(ws, x[:, :64], w, ctx)
+    with pytest.raises(ValueError, match=r"x: 300 tokens, but the workspace takes at most num_tokens = 256"):
+        mok.recompute_forward_context(ws, torch.empty(300, 128, dtype=torch.bfloat16, device="meta"), w, ctx)
     with pytest.raises(ValueError, match="expert_down"):
         mok.recompute_forward_context(ws, x, dataclasses.replace(w, expert_down=w.expert_gate), ctx)
 
@@ -530,8 +533,11 @@ def test_module_variants_on_meta():
         moe(x)
     with pytest.raises(TypeError, match="pass both"):
         moe(x, idx)
-    with pytest.raises(ValueError, match="x: 128 tokens, the layer's workspace is for 256"):
-        moe(x[:128], idx[:128], rw[:128])
+    assert moe(x[:128], idx[:128], rw[:128]).shape == (128, 128)  # fewer tokens than the workspace's: any count
+    assert moe(x[:0], idx[:0], rw[:0]).shape == (0, 128)
+    big = torch.empty(257, 128, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=r"x: 257 tokens, more than the layer's workspace takes per call \(256\)"):
+        moe(big, torch.zeros(257, 2, dtype=torch.int64, device="meta"), torch.empty(257, 2, device="meta"))
     with pytest.raises(ValueError, match=r"x: expected \[..., H\] with H = 128"):
         moe(x[:, :64])
 
@@ -633,3 +639,26 @@ def test_module_under_compile_needs_its_workspace_first():
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"module.prepare\(num_tokens\)"):
         torch.compile(moe, fullgraph=True, backend="eager")(x)
+
+
+def test_any_token_count_up_to_the_workspaces():
+    """A call passes any T in [0, num_tokens]: x, topk_idx and router_weights agree on it, out and the gradients
+    have it; more than num_tokens, or tensors that disagree, are refused naming the argument."""
+    ws = meta_workspace()
+    x, idx, rw, w = meta_args()
+    for t in (256, 100, 1, 0):
+        out, ctx = mok.forward(ws, x[:t], idx[:t], rw[:t], w, ws.make_context())
+        assert out.shape == (t, SHAPE.hidden)
+        d_x, d_rw, grads = mok.backward(ws, out, x[:t], idx[:t], rw[:t], w, ctx)
+        assert d_x.shape == (t, SHAPE.hidden) and d_rw.shape == (t, SHAPE.top_k)
+        assert grads.expert_gate.shape == w.expert_gate.shape
+    big_idx = torch.zeros(257, SHAPE.top_k, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"topk_idx: 257 tokens, but the workspace takes at most num_tokens = 256"):
+        mok.forward(ws, x, big_idx, rw, w, ws.make_context())
+    with pytest.raises(ValueError, match=r"x: expected a contiguous bf16 tensor on meta of shape \[T, H\] = \[100, 128\]"):
+        mok.forward(ws, x, idx[:100], rw[:100], w, ws.make_context())
+    with pytest.raises(ValueError, match=r"router_weights: .* = \[100, 2\]"):
+        mok.forward(ws, x[:100], idx[:100], rw, w, ws.make_context())
+    out, ctx = mok.forward(ws, x[:100], idx[:100], rw[:100], w, ws.make_context())
+    with pytest.raises(ValueError, match=r"d_out: .* = \[100, 128\]"):
+        mok.backward(ws, torch.empty_like(x), x[:100], idx[:100], rw[:100], w, ctx)

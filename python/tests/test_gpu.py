@@ -285,3 +285,44 @@ def test_wrong_shapes_raise_and_the_process_goes_on():
     good, _ = mok.forward(ws, x, idx, rw, w, ctx)
     mok.check_status(ws)
     assert relative_error(good, reference(shape, x, idx, rw, w)) < TOLERANCE
+
+
+@pytest.mark.parametrize("path", ["fused", "unfused"])
+def test_any_token_count_up_to_the_workspaces(path):
+    """Calls of T in {max, 200, 1, 0} tokens on one workspace: out and every gradient bitwise equal to a workspace
+    made for exactly T (and out within the float64 reference's budget); mok.MoE takes any count up to its
+    workspace's, and refuses more."""
+    shape = SHAPES["shared"]
+    ws = workspace(shape, path=path)
+    x, idx, rw = make_inputs(shape, "cuda", seed=41)
+    w = make_weights(shape, "cuda", seed=41)
+    for t in (shape.num_tokens, 200, 1, 0):
+        d_out = torch.randn(t, shape.hidden, device="cuda").to(torch.bfloat16)
+        out, ctx = mok.forward(ws, x[:t].clone(), idx[:t].clone(), rw[:t].clone(), w, ws.make_context())
+        d_x, d_rw, grads = mok.backward(ws, d_out, x[:t].clone(), idx[:t].clone(), rw[:t].clone(), w, ctx,
+                                        grad_dtype=torch.float32)
+        mok.check_status(ws)
+        assert out.shape == (t, shape.hidden) and d_x.shape == (t, shape.hidden) and d_rw.shape == (t, shape.top_k)
+        if t == 0:
+            for g in grads.tensors():  # no tokens: every gradient exactly zero
+                assert g is None or not g.any().item()
+            continue
+        exact_shape = dataclasses.replace(shape, num_tokens=t)
+        exact = workspace(exact_shape, path=path)
+        out2, ctx2 = mok.forward(exact, x[:t].clone(), idx[:t].clone(), rw[:t].clone(), w, exact.make_context())
+        d_x2, d_rw2, grads2 = mok.backward(exact, d_out, x[:t].clone(), idx[:t].clone(), rw[:t].clone(), w, ctx2,
+                                           grad_dtype=torch.float32)
+        assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), t
+        assert torch.equal(d_x.view(torch.int16), d_x2.view(torch.int16)), t
+        assert torch.equal(d_rw.view(torch.int32), d_rw2.view(torch.int32)), t
+        for a, b in zip(grads.tensors(), grads2.tensors()):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a.view(torch.int32), b.view(torch.int32)))
+        assert relative_error(out, reference(exact_shape, x[:t], idx[:t], rw[:t], w)) < TOLERANCE
+    moe = mok.MoE(shape.hidden, shape.intermediate, shape.num_experts, shape.top_k, num_tokens=shape.num_tokens,
+                  config=mok.Config(path=path))
+    for t in (shape.num_tokens, 100, 0):
+        xt = torch.randn(t, shape.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        moe(xt).float().sum().backward()
+        assert xt.grad.shape == (t, shape.hidden)
+    with pytest.raises(ValueError, match="more than the layer's workspace takes per call"):
+        moe(torch.randn(shape.num_tokens + 1, shape.hidden, device="cuda", dtype=torch.bfloat16))

@@ -100,6 +100,7 @@ ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
     device_ = other.device_;
     allocation_ = other.allocation_;
     bytes_ = other.bytes_;
+    num_tokens_ = other.num_tokens_;
     schedule_buffer_ = other.schedule_buffer_;
     schedule_ = other.schedule_;
     ring_rows_ = other.ring_rows_;
@@ -270,6 +271,13 @@ void MoeWorkspace::forward(std::span<const RankForward> ranks) { issue_call(rank
 
 void MoeWorkspace::issue_call(std::span<const RankForward> ranks, bool schedule, bool layer) {
   for (const RankForward& f : ranks) validate(f, layer);
+  if (!schedule) {  // the layer on a schedule built before: of the same tokens
+    for (const RankForward& f : ranks)
+      require(f.context->num_tokens_ == f.topk_idx.shape[0],
+              "MoeWorkspace: rank " + std::to_string(f.rank) + ": topk_idx: " + std::to_string(f.topk_idx.shape[0]) +
+                  " tokens, but the context's schedule was built for " + std::to_string(f.context->num_tokens_) +
+                  " (build_schedule with this call's topk_idx first)");
+  }
   for (const RankForward& f : ranks) begin_call(f.rank, f.stream);
   if (schedule) issue_schedule(ranks);
   if (layer) issue_layer(ranks);
@@ -312,6 +320,13 @@ void MoeWorkspace::barrier_wait(int rank, cudaStream_t stream) const {
   device::barrier_wait_kernel<<<1, 32, 0, stream>>>(barrier_params(
       flags_, rank, shape_.ep_size, schedule_.device_status(rank), options_.schedule.wait_timeout_s));
   MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+void MoeWorkspace::publish_token_rows(void* dst, const void* src, int64_t tokens, cudaStream_t stream) const {
+  const int64_t row_bytes = int64_t(shape_.hidden) * kBf16Bytes;
+  if (tokens > 0) MOK_CHECK_CUDA(cudaMemcpyAsync(dst, src, tokens * row_bytes, cudaMemcpyDeviceToDevice, stream));
+  MOK_CHECK_CUDA(cudaMemsetAsync(static_cast<char*>(dst) + tokens * row_bytes, 0, (padded_tokens_ - tokens) * row_bytes,
+                                 stream));
 }
 
 void MoeWorkspace::pull_rows(const RankForward& f, int64_t row_limit) const {
@@ -363,9 +378,12 @@ void MoeWorkspace::reset_status(int rank, cudaStream_t stream) {
 void MoeWorkspace::issue_schedule(std::span<const RankForward> ranks) {
   for (const RankForward& f : ranks) {
     const IndexType index = f.topk_idx.dtype == DType::kInt64 ? IndexType::kInt64 : IndexType::kInt32;
-    schedule_.gather_topk(f.rank, f.topk_idx.data, index, f.stream);
+    schedule_.gather_topk(f.rank, f.topk_idx.data, index, f.stream, static_cast<int>(f.topk_idx.shape[0]));
   }
-  for (const RankForward& f : ranks) schedule_.build(f.rank, f.stream, f.context->schedule_buffer_);
+  for (const RankForward& f : ranks) {
+    schedule_.build(f.rank, f.stream, f.context->schedule_buffer_);
+    f.context->num_tokens_ = static_cast<int>(f.topk_idx.shape[0]);
+  }
 }
 
 void MoeWorkspace::issue_layer(std::span<const RankForward> ranks) {
@@ -507,9 +525,7 @@ void MoeWorkspace::shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
 void MoeWorkspace::publish(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
-  const int64_t h = shape_.hidden;
-  MOK_CHECK_CUDA(cudaMemcpyAsync(x_.on(f.rank), f.x.data, int64_t(shape_.num_tokens) * h * kBf16Bytes,
-                                 cudaMemcpyDeviceToDevice, f.stream));
+  publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
   barrier_arrive(f.rank, f.stream);
   if (!shape_.shared_expert || options_.path == ForwardPath::kFused) return;  // the megakernel runs it
   ExpertGemmArgs gate_up, down;
@@ -604,7 +620,7 @@ void MoeWorkspace::combine(const RankForward& f) {
       .out = static_cast<uint4*>(f.out.mutable_data()),
       .route_values = nullptr,
       .route_out = nullptr,
-      .num_tokens = shape_.num_tokens,
+      .num_tokens = static_cast<int>(f.topk_idx.shape[0]),  // the call's tokens
       .top_k = shape_.top_k,
       .num_experts = shape_.num_experts,
       .row_vectors = static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns)};

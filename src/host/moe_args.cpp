@@ -41,7 +41,7 @@ TensorRef::TensorRef(const void* data_, DType dtype_, std::initializer_list<int6
 }
 
 std::string TensorRef::describe() const {
-  if (data == nullptr) return "empty";
+  if (data == nullptr && ndim == 0) return "empty";
   std::string text = std::string(dtype_name(dtype)) + " [";
   for (int d = 0; d < ndim; ++d) text += (d ? ", " : "") + std::to_string(shape[d]);
   return text + "]";
@@ -62,11 +62,16 @@ namespace detail {
 void check_tensor(const TensorRef& t, const char* name, DType dtype, std::initializer_list<int64_t> shape, int device,
                   size_t alignment) {
   const std::string expected = std::string(dtype_name(dtype)) + " " + shape_text(shape);
-  require(t.data != nullptr, std::string(name) + ": expected " + expected + ", got an empty tensor");
+  int64_t elements = 1;
+  for (int64_t extent : shape) elements *= extent;
+  // A tensor without elements (a call of 0 tokens) may have any pointer, null included (PyTorch's).
+  require(t.data != nullptr || (elements == 0 && t.ndim > 0),
+          std::string(name) + ": expected " + expected + ", got an empty tensor");
   bool same = t.dtype == dtype && t.ndim == static_cast<int>(shape.size());
   int d = 0;
   for (int64_t extent : shape) same = same && t.shape[d++] == extent;
   require(same, std::string(name) + ": expected " + expected + ", got " + t.describe());
+  if (elements == 0) return;  // nothing is read or written through it
   require(reinterpret_cast<uintptr_t>(t.data) % alignment == 0,
           std::string(name) + ": data must be " + std::to_string(alignment) + "-byte aligned");
   cudaPointerAttributes attributes{};
@@ -94,14 +99,23 @@ void check_weights(const MoeWeights& w, const MoeShape& s, int device) {
   }
 }
 
+int call_tokens(const TensorRef& t, const char* name, const MoeShape& s) {
+  require(t.ndim >= 1, std::string(name) + ": expected a tensor [T, ...] of the call's T tokens, got " + t.describe());
+  const int64_t tokens = t.shape[0];
+  require(tokens >= 0 && tokens <= s.num_tokens,
+          std::string(name) + ": " + std::to_string(tokens) + " tokens, but the workspace takes at most " +
+              "MoeShape.num_tokens = " + std::to_string(s.num_tokens) + " per call (got " + t.describe() + ")");
+  return static_cast<int>(tokens);
+}
+
 void check_routing_inputs(const RankForward& f, const MoeShape& s, int device) {
-  const int64_t t = s.num_tokens, k = s.top_k;
+  const int64_t t = call_tokens(f.topk_idx, "topk_idx", s), k = s.top_k;
   const DType index_dtype = f.topk_idx.dtype == DType::kInt64 ? DType::kInt64 : DType::kInt32;
   check_tensor(f.topk_idx, "topk_idx", index_dtype, {t, k}, device, index_dtype == DType::kInt64 ? 8 : 4);
 }
 
 void check_recompute_inputs(const RankForward& f, const MoeShape& s, int device) {
-  check_tensor(f.x, "x", DType::kBFloat16, {s.num_tokens, s.hidden}, device, 16);
+  check_tensor(f.x, "x", DType::kBFloat16, {call_tokens(f.x, "x", s), s.hidden}, device, 16);
   require(f.weights != nullptr, "weights: must not be null");
   check_weights(*f.weights, s, device);
 }
@@ -166,7 +180,7 @@ void check_weight_grads(const MoeWeightGrads& g, const MoeWeights& w, const MoeS
 }  // namespace
 
 void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device) {
-  const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden;
+  const int64_t t = call_tokens(b.topk_idx, "topk_idx", s), k = s.top_k, h = s.hidden;
   check_tensor(b.x, "x", DType::kBFloat16, {t, h}, device, 16);
   const DType index_dtype = b.topk_idx.dtype == DType::kInt64 ? DType::kInt64 : DType::kInt32;
   check_tensor(b.topk_idx, "topk_idx", index_dtype, {t, k}, device, index_dtype == DType::kInt64 ? 8 : 4);
@@ -181,7 +195,7 @@ void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device)
 }
 
 void check_layer_inputs(const RankForward& f, const MoeShape& s, int device) {
-  const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden;
+  const int64_t t = call_tokens(f.topk_idx, "topk_idx", s), k = s.top_k, h = s.hidden;
   check_tensor(f.x, "x", DType::kBFloat16, {t, h}, device, 16);
   check_tensor(f.router_weights, "router_weights", DType::kFloat32, {t, k}, device, 4);
   check_tensor(f.out, "out", DType::kBFloat16, {t, h}, device, 16);

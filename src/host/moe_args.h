@@ -6,9 +6,11 @@
 
 namespace mok::detail {
 
-// topk_idx of `f`: int32 or int64 [T, k] on `device`.
+// The call's token count T: `t`'s first extent, in [0, s.num_tokens] (the workspace's maximum per call).
+int call_tokens(const TensorRef& t, const char* name, const MoeShape& s);
+// topk_idx of `f`: int32 or int64 [T, k] on `device` (T = call_tokens(topk_idx)).
 void check_routing_inputs(const RankForward& f, const MoeShape& s, int device);
-// x, router_weights, out and every weight of `f`.
+// x, router_weights, out (each with topk_idx's T) and every weight of `f`.
 void check_layer_inputs(const RankForward& f, const MoeShape& s, int device);
 // x and every weight of `f` (recompute_forward_context's inputs).
 void check_recompute_inputs(const RankForward& f, const MoeShape& s, int device);

@@ -190,8 +190,8 @@ void issue_weight_grads(detail::MlpBackwardGemms g, int32_t* tickets, cudaStream
 void MoeWorkspace::allocate_backward() {
   const int64_t t = shape_.num_tokens, k = shape_.top_k, h = shape_.hidden, i = shape_.intermediate;
   const int64_t pt = padded_tokens_, cap = capacity_rows();
-  // Zero-filled by allocate: the padding rows [T, padded T) stay zero (publish copies T rows), so the shared
-  // expert's GEMMs, which read whole padded tiles, see zeros there (x_ likewise).
+  // Rows past a call's tokens are zeroed by every publish (publish_token_rows), so the shared expert's GEMMs,
+  // which read whole padded tiles and sum its weight gradients over them, see zeros there (x_ likewise).
   d_out_ = group_.allocate(pt * h * kBf16Bytes);
   rw_ = group_.allocate(t * k * kFloatBytes);
   d_rw_ = group_.allocate(t * k * kFloatBytes);
@@ -260,6 +260,9 @@ void MoeWorkspace::validate_backward(const RankBackward& b) const {
             "context: must be a ForwardContext made by this workspace's make_context(" + std::to_string(b.rank) +
                 ") and filled by its forward (or recompute_forward_context)");
     detail::check_backward_inputs(b, shape_, s.device);
+    require(b.context->num_tokens() == b.topk_idx.shape[0],
+            "topk_idx: " + std::to_string(b.topk_idx.shape[0]) + " tokens, but the context holds a forward of " +
+                std::to_string(b.context->num_tokens()) + " (the backward takes its forward's tokens)");
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument("MoeWorkspace::backward: " + where + e.what());
   }
@@ -274,6 +277,9 @@ void MoeWorkspace::validate_recompute(const RankForward& f) const {
     require(f.context != nullptr && f.context->owner_ == this && f.context->rank() == f.rank,
             "context: must be a ForwardContext made by this workspace's make_context(" + std::to_string(f.rank) + ")");
     detail::check_recompute_inputs(f, shape_, s.device);
+    require(f.context->num_tokens() == f.x.shape[0],
+            "x: " + std::to_string(f.x.shape[0]) + " tokens, but the context's schedule was built for " +
+                std::to_string(f.context->num_tokens()) + " (build_schedule with this call's topk_idx first)");
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument("MoeWorkspace::recompute_forward_context: " + where + e.what());
   }
@@ -294,12 +300,12 @@ void MoeWorkspace::backward(std::span<const RankBackward> ranks) {
 void MoeWorkspace::backward_publish(const RankBackward& b) {
   const RankState& s = state(b.rank);
   DeviceGuard guard(s.device);
-  const int64_t t = shape_.num_tokens, h = shape_.hidden, k = shape_.top_k;
-  MOK_CHECK_CUDA(cudaMemcpyAsync(x_.on(b.rank), b.x.data, t * h * kBf16Bytes, cudaMemcpyDeviceToDevice, b.stream));
-  MOK_CHECK_CUDA(
-      cudaMemcpyAsync(d_out_.on(b.rank), b.d_out.data, t * h * kBf16Bytes, cudaMemcpyDeviceToDevice, b.stream));
-  MOK_CHECK_CUDA(cudaMemcpyAsync(rw_.on(b.rank), b.router_weights.data, t * k * kFloatBytes, cudaMemcpyDeviceToDevice,
-                                 b.stream));
+  const int64_t t = b.topk_idx.shape[0], k = shape_.top_k;  // the call's tokens
+  publish_token_rows(x_.on(b.rank), b.x.data, t, b.stream);
+  publish_token_rows(d_out_.on(b.rank), b.d_out.data, t, b.stream);
+  if (t > 0)  // read only at the call's routes
+    MOK_CHECK_CUDA(cudaMemcpyAsync(rw_.on(b.rank), b.router_weights.data, t * k * kFloatBytes,
+                                   cudaMemcpyDeviceToDevice, b.stream));
   barrier_arrive(b.rank, b.stream);
   if (shape_.shared_expert && !backward_megakernel()) shared_backward(b);
 }
@@ -508,7 +514,7 @@ void MoeWorkspace::backward_epilogue(const RankBackward& b) {
       .out = static_cast<uint4*>(b.d_x.mutable_data()),
       .route_values = static_cast<const float*>(d_rw_.on(b.rank)),
       .route_out = static_cast<float*>(b.d_router_weights.mutable_data()),
-      .num_tokens = shape_.num_tokens,
+      .num_tokens = static_cast<int>(b.topk_idx.shape[0]),  // the call's tokens
       .top_k = shape_.top_k,
       .num_experts = shape_.num_experts,
       .row_vectors = static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns)};
@@ -530,8 +536,7 @@ void MoeWorkspace::recompute_forward_context(std::span<const RankForward> ranks)
 void MoeWorkspace::recompute_publish(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
-  MOK_CHECK_CUDA(cudaMemcpyAsync(x_.on(f.rank), f.x.data, int64_t(shape_.num_tokens) * shape_.hidden * kBf16Bytes,
-                                 cudaMemcpyDeviceToDevice, f.stream));
+  publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
   barrier_arrive(f.rank, f.stream);
   if (!shape_.shared_expert) return;
   ExpertGemmArgs gate_up, down;  // the forward's shared gate/up GEMM: the same bits in shared_hidden

@@ -123,9 +123,15 @@ const ScheduleWorkspace::RankState& ScheduleWorkspace::local_state(int rank, con
   return ranks_[rank];
 }
 
-void ScheduleWorkspace::gather_topk(int rank, const void* topk, IndexType index_type, cudaStream_t stream) {
+void ScheduleWorkspace::gather_topk(int rank, const void* topk, IndexType index_type, cudaStream_t stream,
+                                    int tokens) {
   const RankState& state = local_state(rank, "gather_topk");
-  if (topk == nullptr) throw std::invalid_argument("gather_topk: topk is null");
+  if (tokens == -1) tokens = shape_.num_tokens;
+  if (tokens < 0 || tokens > shape_.num_tokens)
+    throw std::invalid_argument("gather_topk: tokens = " + std::to_string(tokens) + " outside [0, " +
+                                std::to_string(shape_.num_tokens) + "]");
+  if (topk == nullptr && tokens > 0) throw std::invalid_argument("gather_topk: topk is null");
+  const int64_t valid_routes = int64_t(tokens) * shape_.top_k;
   DeviceGuard guard(state.device);
   const auto p = make_params(shape_, options_, capacity_rows_, rank, state.schedule, gather_.on(rank), state.epoch,
                              state.status);
@@ -133,10 +139,12 @@ void ScheduleWorkspace::gather_topk(int rank, const void* topk, IndexType index_
   constexpr int kThreads = schedule::GatherTraits::kThreads;
   switch (index_type) {
     case IndexType::kInt32:
-      schedule::gather_topk_kernel<<<ctas, kThreads, 0, stream>>>(static_cast<const int32_t*>(topk), gather_.peers(rank), p);
+      schedule::gather_topk_kernel<<<ctas, kThreads, 0, stream>>>(static_cast<const int32_t*>(topk), valid_routes,
+                                                                  gather_.peers(rank), p);
       break;
     case IndexType::kInt64:
-      schedule::gather_topk_kernel<<<ctas, kThreads, 0, stream>>>(static_cast<const int64_t*>(topk), gather_.peers(rank), p);
+      schedule::gather_topk_kernel<<<ctas, kThreads, 0, stream>>>(static_cast<const int64_t*>(topk), valid_routes,
+                                                                  gather_.peers(rank), p);
       break;
     default:
       throw std::invalid_argument("gather_topk: index_type must be kInt32 or kInt64");

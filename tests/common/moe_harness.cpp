@@ -390,6 +390,25 @@ void MoeHarness::upload_routing(const std::vector<std::vector<int32_t>>& topk,
   }
 }
 
+RankForward& MoeHarness::local_args(int rank) {
+  for (RankForward& f : args_)
+    if (f.rank == rank) return f;
+  throw std::invalid_argument("MoeHarness: rank " + std::to_string(rank) + " is not local");
+}
+
+void MoeHarness::set_call_tokens(int rank, int tokens) {
+  if (tokens < 0 || tokens > shape_.num_tokens)
+    throw std::invalid_argument("set_call_tokens: " + std::to_string(tokens) + " outside [0, num_tokens]");
+  RankForward& f = local_args(rank);
+  const RankBuffers& b = *buffers_.at(rank);
+  const int64_t t = tokens, k = shape_.top_k, h = shape_.hidden;
+  auto data = [&](void* p) { return tokens > 0 ? p : nullptr; };
+  f.x = TensorRef(data(b.x), DType::kBFloat16, {t, h});
+  f.topk_idx = TensorRef(data(b.topk), f.topk_idx.dtype, {t, k});
+  f.router_weights = TensorRef(data(b.rw), DType::kFloat32, {t, k});
+  f.out = TensorRef(data(b.out), DType::kBFloat16, {t, h});
+}
+
 void MoeHarness::poison_outputs() {
   synchronize();
   const int64_t count = int64_t(shape_.num_tokens) * shape_.hidden;
@@ -545,8 +564,8 @@ void MoeHarness::poison_grads() {
   for (const RankBackward& a : backward_args_) {
     RankBuffers& b = *buffers_[a.rank];
     DeviceGuard guard(b.device);
-    MOK_CHECK_CUDA(cudaMemset(b.d_x, 0xff, tensor_bytes(a.d_x)));
-    MOK_CHECK_CUDA(cudaMemset(b.d_rw, 0xff, tensor_bytes(a.d_router_weights)));
+    MOK_CHECK_CUDA(cudaMemset(b.d_x, 0xff, int64_t(shape_.num_tokens) * shape_.hidden * 2));
+    MOK_CHECK_CUDA(cudaMemset(b.d_rw, 0xff, int64_t(shape_.num_tokens) * shape_.top_k * 4));
     for (int n = 0; n < kNumGradTensors; ++n) {
       const WeightGrad& g = b.grad(static_cast<GradTensor>(n));
       if (!g.grad.empty() && g.mode == GradMode::kWrite)
@@ -581,6 +600,12 @@ const std::vector<RankBackward>& MoeHarness::all_backward_args() {
     a.weights = f.weights;
     a.context = f.context;
     a.stream = f.stream;
+    // The forward's tokens (set_call_tokens).
+    const RankBuffers& b = *buffers_[f.rank];
+    const int64_t t = f.topk_idx.shape[0], k = shape_.top_k, h = shape_.hidden;
+    a.d_out = TensorRef(t > 0 ? b.d_out : nullptr, DType::kBFloat16, {t, h});
+    a.d_x = TensorRef(t > 0 ? b.d_x : nullptr, DType::kBFloat16, {t, h});
+    a.d_router_weights = TensorRef(t > 0 ? b.d_rw : nullptr, DType::kFloat32, {t, k});
   }
   return backward_args_;
 }

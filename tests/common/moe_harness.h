@@ -84,6 +84,11 @@ class MoeHarness {
   void fill_hashed(uint64_t seed, int range, float weight_scale, float x_scale);
   void upload_routing(const std::vector<std::vector<int32_t>>& topk, const std::vector<std::vector<float>>& weights);
 
+  // From now on rank `rank`'s calls pass only its first `tokens` tokens (in [0, num_tokens]; the uploaded
+  // rows past them stay in the buffers, unused): the first extent of x, topk_idx, router_weights and out,
+  // and of the backward's d_out, d_x and d_router_weights; their pointers null at 0 tokens. Call it after
+  // upload (which passes every token again).
+  void set_call_tokens(int rank, int tokens);
   // Fills every local rank's `out` with a bf16 NaN (synchronous).
   void poison_outputs();
   // poison_outputs, then issues the forward of all local ranks. Asynchronous.
@@ -110,7 +115,8 @@ class MoeHarness {
   // filled. Until called: all fp32, written.
   void set_grads(const GradSetups& setups);
   // Fills every gradient the next backward writes (d_x, d_router_weights, written weight gradients) with
-  // NaN bits (0xff bytes); accumulated ones keep their values. Synchronous.
+  // NaN bits (0xff bytes; d_x and d_router_weights whole, also the rows past a call's tokens); accumulated
+  // ones keep their values. Synchronous.
   void poison_grads();
   void zero_weight_grads();  // synchronous
   // poison_grads, then MoeWorkspace::backward of every local rank (with the forward's arguments of
@@ -148,6 +154,7 @@ class MoeHarness {
   std::vector<std::unique_ptr<RankBuffers>> buffers_;  // [ep_size], null for non-local ranks
   std::vector<RankForward> args_;                      // local ranks
   std::vector<RankBackward> backward_args_;            // local ranks, once ensure_backward ran
+  RankForward& local_args(int rank);
   GradSetups grad_setups_ = all_grads(DType::kFloat32, GradMode::kWrite);
 };
 

@@ -142,9 +142,11 @@ reference::LayerGrads<float> shared_reference(const LayerData& data, const std::
 }
 
 // Every gradient of every rank against the CPU reference; returns the worst budget ratio. `label` names the
-// case (shape, seed) in every failure.
+// case (shape, seed) in every failure. call_tokens (optional, per rank): the calls passed only that many of
+// the rank's first tokens: d_x and d_router_weights are compared on those rows, and the rows past them must
+// still hold the poison (nothing written there).
 double check_gradients(MoeHarness& harness, const LayerData& data, const std::vector<float>& d_out,
-                       const std::string& label) {
+                       const std::string& label, const std::vector<int>& call_tokens = {}) {
   const reference::LayerShape& s = data.shape;
   const reference::LayerGrads<float> ref = reference::backward(s, data.params, data.inputs, d_out, 0, true);
   const int64_t t = s.tokens_per_rank, h = s.hidden, i = s.intermediate, k = s.top_k;
@@ -157,9 +159,10 @@ double check_gradients(MoeHarness& harness, const LayerData& data, const std::ve
   };
   for (int r = 0; r < s.num_ranks; ++r) {
     const std::string rank = "rank " + std::to_string(r);
+    const int64_t tr = call_tokens.empty() ? t : call_tokens[r];  // the rows this rank's call passed
     // d_x, with the partials' term.
     std::vector<float> extra(t * h);
-    for (int64_t n = 0; n < t; ++n) {
+    for (int64_t n = 0; n < tr; ++n) {
       const int64_t token = r * t + n;
       for (int64_t c = 0; c < h; ++c) {
         double sum = std::fabs(ref.route_d_x[(s.num_tokens() * k + token) * h + c]);
@@ -167,15 +170,35 @@ double check_gradients(MoeHarness& harness, const LayerData& data, const std::ve
         extra[n * h + c] = static_cast<float>(kPartialsRelative * sum);
       }
     }
-    const std::vector<float> d_x = bf16_values(harness.d_x_bits(r));
-    const Worst wx = compare(d_x.data(), ref.d_x.data() + r * t * h, t * h, extra.data());
-    report(wx, rank + " d_x", "token " + std::to_string(wx.index / h) + ", column " + std::to_string(wx.index % h));
+    const std::vector<uint16_t> d_x_bits = harness.d_x_bits(r);
+    const std::vector<float> d_x = bf16_values(d_x_bits);
+    const Worst wx = compare(d_x.data(), ref.d_x.data() + r * t * h, tr * h, extra.data());
+    if (tr > 0)
+      report(wx, rank + " d_x", "token " + std::to_string(wx.index / h) + ", column " + std::to_string(wx.index % h));
     // d_router_weights: within budget, and exactly +0 at masked routes.
     const std::vector<float> d_rw = harness.d_router_weights(r);
-    const Worst wr = compare(d_rw.data(), ref.d_router_weights.data() + r * t * k, t * k);
-    report(wr, rank + " d_router_weights",
-           "token " + std::to_string(wr.index / k) + ", slot " + std::to_string(wr.index % k));
-    for (int64_t q = 0; q < t * k; ++q) {
+    const Worst wr = compare(d_rw.data(), ref.d_router_weights.data() + r * t * k, tr * k);
+    if (tr > 0)
+      report(wr, rank + " d_router_weights",
+             "token " + std::to_string(wr.index / k) + ", slot " + std::to_string(wr.index % k));
+    // Past the call's tokens: the poison, untouched.
+    for (int64_t n = tr * h; n < t * h; ++n) {
+      if (d_x_bits[n] == 0xffff) continue;
+      ADD_FAILURE() << label << ", " << rank << " d_x row " << n / h << " (past the call's " << tr
+                    << " tokens) was written";
+      worst_all = std::numeric_limits<double>::infinity();
+      break;
+    }
+    for (int64_t q = tr * k; q < t * k; ++q) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, &d_rw[q], 4);
+      if (bits == 0xffffffffu) continue;
+      ADD_FAILURE() << label << ", " << rank << " d_router_weights row " << q / k << " (past the call's " << tr
+                    << " tokens) was written";
+      worst_all = std::numeric_limits<double>::infinity();
+      break;
+    }
+    for (int64_t q = 0; q < tr * k; ++q) {
       const int32_t id = data.inputs.topk_idx[r * t * k + q];
       if (id >= 0 && id < s.num_experts) continue;
       uint32_t bits = 0;
@@ -819,6 +842,210 @@ TEST(MoeBackwardTest, FusedBackwardEqualsUnfusedBitwise) {
 // What the backward keeps per layer and per rank, printed for the record (docs/design.md, "Backward"): with
 // the defaults (at EP 2 the capacity is the worst case, the ring the balanced share below it), and with the
 // whole context (ring = capacity).
+// The problem a call of `tokens[r]` of rank r's first tokens computes: the rows past them absent (x and
+// d_out rows zero, routes masked: they add nothing to any output or gradient).
+std::pair<LayerData, std::vector<float>> first_tokens_only(const LayerData& data, const std::vector<float>& d_out,
+                                                          const std::vector<int>& tokens) {
+  LayerData masked = data;
+  std::vector<float> masked_d_out = d_out;
+  const int64_t t = data.shape.tokens_per_rank, h = data.shape.hidden, k = data.shape.top_k;
+  for (int r = 0; r < data.shape.num_ranks; ++r) {
+    for (int64_t n = tokens[r]; n < t; ++n) {
+      const int64_t token = r * t + n;
+      std::fill_n(masked.inputs.x.begin() + token * h, h, 0.f);
+      std::fill_n(masked_d_out.begin() + token * h, h, 0.f);
+      std::fill_n(masked.inputs.topk_idx.begin() + token * k, k, -1);
+    }
+  }
+  return {masked, masked_d_out};
+}
+
+// The problem of exactly `tokens` tokens per rank: each rank's first `tokens` of `data` (a workspace made for
+// that T runs it).
+std::pair<LayerData, std::vector<float>> exactly_tokens(const LayerData& data, const std::vector<float>& d_out,
+                                                       int tokens) {
+  LayerData exact = data;
+  const int64_t t = data.shape.tokens_per_rank, h = data.shape.hidden, k = data.shape.top_k;
+  exact.shape.tokens_per_rank = tokens;
+  exact.inputs.x.clear(), exact.inputs.topk_idx.clear(), exact.inputs.router_weights.clear();
+  std::vector<float> exact_d_out;
+  for (int r = 0; r < data.shape.num_ranks; ++r) {
+    const int64_t first = r * t;
+    exact.inputs.x.insert(exact.inputs.x.end(), data.inputs.x.begin() + first * h,
+                          data.inputs.x.begin() + (first + tokens) * h);
+    exact_d_out.insert(exact_d_out.end(), d_out.begin() + first * h, d_out.begin() + (first + tokens) * h);
+    exact.inputs.topk_idx.insert(exact.inputs.topk_idx.end(), data.inputs.topk_idx.begin() + first * k,
+                                 data.inputs.topk_idx.begin() + (first + tokens) * k);
+    exact.inputs.router_weights.insert(exact.inputs.router_weights.end(),
+                                       data.inputs.router_weights.begin() + first * k,
+                                       data.inputs.router_weights.begin() + (first + tokens) * k);
+  }
+  return {exact, exact_d_out};
+}
+
+// out of every rank's call against the reference of `reference_data` (rows [0, tokens[r])), and the rows past
+// the call's tokens still the poison. Returns the worst budget ratio.
+double check_call_outputs(MoeHarness& harness, const LayerData& reference_data, const std::vector<int>& tokens,
+                          const std::string& label) {
+  const reference::ForwardTrace<float> ref =
+      reference::forward(reference_data.shape, reference_data.params, reference_data.inputs);
+  const int64_t t = reference_data.shape.tokens_per_rank, h = reference_data.shape.hidden,
+                k = reference_data.shape.top_k;
+  double worst = 0;
+  for (int r = 0; r < reference_data.shape.num_ranks; ++r) {
+    const std::vector<uint16_t> out = harness.out_bits(r);
+    const int64_t rows = tokens[r];
+    std::vector<float> extra(rows * h);  // the bf16 roundings of shared and expert outputs where they cancel
+    for (int64_t n = 0; n < rows * h; ++n) {
+      const int64_t token = r * t + n / h, c = n % h;
+      double sum = std::fabs(ref.shared_out[token * h + c]);
+      for (int64_t j = 0; j < k; ++j)
+        sum += std::fabs(reference_data.inputs.router_weights[token * k + j] * ref.route_out[(token * k + j) * h + c]);
+      extra[n] = static_cast<float>(std::ldexp(sum, -8));
+    }
+    const auto result = testing::compare_within_budget(out, ref.out.data() + r * t * h, rows * h, extra.data());
+    if (rows > 0) EXPECT_LE(result.worst_ratio, 1.0) << label << " rank " << r << " out: " << result.describe(h);
+    worst = std::max(worst, rows > 0 ? result.worst_ratio : 0.0);
+    for (int64_t n = rows * h; n < t * h; ++n) {
+      if (out[n] == testing::kBf16Poison) continue;
+      ADD_FAILURE() << label << " rank " << r << ": out row " << n / h << " (past the call's " << rows
+                    << " tokens) was written";
+      return std::numeric_limits<double>::infinity();
+    }
+  }
+  return worst;
+}
+
+// Any token count up to the workspace's per call, different ones per rank (0 too: that rank still serves its
+// experts), both paths: out and every gradient against the reference of the same problem without the rows
+// past each rank's count; the inputs' rows past the count hold real values and ids, which must be ignored.
+TEST(MoeBackwardTest, AnyTokenCountPerRankUpToTheWorkspaces) {
+  MOK_REQUIRE_GPUS(1);
+  const std::pair<int, std::vector<int>> cases[] = {
+      {1, {130}}, {1, {0}}, {2, {192, 0}}, {4, {77, 192, 0, 1}}, {8, {192, 0, 77, 130, 1, 64, 191, 100}}};
+  std::printf("EP  tokens per rank (workspace 192)        path     out / budget  grads / budget\n");
+  uint64_t seed = 300;
+  for (const auto& [ep, tokens] : cases) {
+    for (const ForwardPath path : {ForwardPath::kFused, ForwardPath::kUnfused}) {
+      const MoeShape shape = moe_shape(ep, 192, 4, 4 * ep, 256, 128);
+      const LayerData data = testing::random_layer(shape, ++seed, 0, 0.05);
+      const std::vector<float> d_out = testing::random_d_out(shape, seed);
+      const auto [reference_data, reference_d_out] = first_tokens_only(data, d_out, tokens);
+      MoeOptions options;
+      options.path = path;
+      MoeHarness harness(PeerGroup::virtual_ranks(ep), shape, options);
+      harness.upload(data);
+      harness.upload_d_out(d_out);
+      for (int r = 0; r < ep; ++r) harness.set_call_tokens(r, tokens[r]);
+      harness.forward();
+      harness.backward();
+      harness.check_status();
+      std::string list;
+      for (int n : tokens) list += (list.empty() ? "" : ",") + std::to_string(n);
+      const std::string label = describe(shape) + " tokens " + list + " seed " + std::to_string(seed) +
+                                (path == ForwardPath::kFused ? " fused" : " unfused");
+      const double out_worst = check_call_outputs(harness, reference_data, tokens, label);
+      const double grad_worst = check_gradients(harness, reference_data, reference_d_out, label, tokens);
+      std::printf("%2d  %-38s %-8s %12.3f  %14.3f\n", ep, list.c_str(),
+                  path == ForwardPath::kFused ? "fused" : "unfused", out_worst, grad_worst);
+    }
+  }
+}
+
+// A call of T tokens on a workspace made for more gives the bits of a workspace made for exactly T (out and
+// every gradient; EP 1 and EP 2 with T on both ranks), on both paths, and the two paths agree bitwise.
+TEST(MoeBackwardTest, FewerTokensGiveTheBitsOfAWorkspaceOfExactlyThatMany) {
+  MOK_REQUIRE_GPUS(1);
+  uint64_t seed = 400;
+  for (const int ep : {1, 2}) {
+    for (const int tokens : {100, 64, 1}) {
+      const MoeShape shape = moe_shape(ep, 256, 4, 8, 256, 192);
+      const LayerData data = testing::random_layer(shape, ++seed, 0, 0.05);
+      const std::vector<float> d_out = testing::random_d_out(shape, seed);
+      const auto [exact_data, exact_d_out] = exactly_tokens(data, d_out, tokens);
+      MoeShape exact_shape = shape;
+      exact_shape.num_tokens = tokens;
+      const std::string label = describe(shape) + " calls of " + std::to_string(tokens) + " tokens";
+      std::vector<std::vector<uint16_t>> path_out;
+      std::vector<RawGrads> path_grads;
+      for (const ForwardPath path : {ForwardPath::kFused, ForwardPath::kUnfused}) {
+        MoeOptions options;
+        options.path = path;
+        MoeHarness larger(PeerGroup::virtual_ranks(ep), shape, options);
+        larger.upload(data);
+        larger.upload_d_out(d_out);
+        for (int r = 0; r < ep; ++r) larger.set_call_tokens(r, tokens);
+        larger.forward();
+        larger.backward();
+        larger.check_status();
+        MoeHarness exact(PeerGroup::virtual_ranks(ep), exact_shape, options);
+        exact.upload(exact_data);
+        exact.upload_d_out(exact_d_out);
+        exact.forward();
+        exact.backward();
+        exact.check_status();
+        const std::string where = label + (path == ForwardPath::kFused ? " fused" : " unfused");
+        std::vector<uint16_t> all_out;
+        for (int r = 0; r < ep; ++r) {
+          std::vector<uint16_t> out = larger.out_bits(r);
+          out.resize(int64_t(tokens) * shape.hidden);
+          EXPECT_EQ(out, exact.out_bits(r)) << where << ": rank " << r << " out differs from the exact workspace's";
+          all_out.insert(all_out.end(), out.begin(), out.end());
+        }
+        const RawGrads grads = raw_grads(larger);
+        EXPECT_EQ(first_difference(grads, raw_grads(exact)), "") << where << ": gradients differ from the exact "
+                                                                 << "workspace's";
+        path_out.push_back(all_out);
+        path_grads.push_back(grads);
+      }
+      EXPECT_EQ(path_out[0], path_out[1]) << label << ": out differs between the fused and unfused paths";
+      EXPECT_EQ(first_difference(path_grads[0], path_grads[1]), "") << label << ": gradients differ between paths";
+      std::printf("%s: bitwise equal to a workspace of exactly %d tokens, both paths\n", describe(shape).c_str(),
+                  tokens);
+    }
+  }
+}
+
+// Token counts the workspace cannot serve are refused before anything is issued, naming the argument, and
+// the next good call is correct: more tokens than the workspace's num_tokens; tensors of one call that
+// disagree on T; a backward whose T is not its forward's.
+TEST(MoeBackwardTest, TokenCountsOutsideTheWorkspaceAreRefused) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = moe_shape(2, 128, 2, 8, 256, 128);
+  const LayerData data = testing::random_layer(shape, 501);
+  const std::vector<float> d_out = testing::random_d_out(shape, 501);
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape);
+  harness.upload(data);
+  harness.upload_d_out(d_out);
+  auto refused = [&](auto&& call, const std::string& expected) {
+    try {
+      call();
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << "no std::invalid_argument; expected one naming \"" << expected << "\"";
+  };
+  std::vector<RankForward> args = harness.all_args();
+  args[1].topk_idx.shape[0] = 129;  // past the workspace's 128
+  refused([&] { harness.workspace().forward(args); }, "at most MoeShape.num_tokens = 128");
+  args = harness.all_args();
+  args[0].topk_idx.shape[0] = 100;  // x, router_weights and out still say 128
+  refused([&] { harness.workspace().forward(args); }, "x: expected bf16 [100, 256]");
+  harness.set_call_tokens(0, 100);
+  harness.set_call_tokens(1, 50);
+  harness.forward();
+  std::vector<RankBackward> back = harness.all_backward_args();
+  back[1].topk_idx.shape[0] = back[1].x.shape[0] = back[1].router_weights.shape[0] = 51;
+  back[1].d_out.shape[0] = back[1].d_x.shape[0] = back[1].d_router_weights.shape[0] = 51;
+  refused([&] { harness.workspace().backward(back); }, "the context holds a forward of 50");
+  harness.backward();
+  harness.check_status();
+  const auto [reference_data, reference_d_out] = first_tokens_only(data, d_out, {100, 50});
+  EXPECT_LE(check_call_outputs(harness, reference_data, {100, 50}, "after the refused calls"), 1.0);
+  EXPECT_LE(check_gradients(harness, reference_data, reference_d_out, "after the refused calls", {100, 50}), 1.0);
+}
+
 TEST(MoeBackwardTest, ContextAndBackwardBytes) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = moe_shape(2, 256, 4, 16, 256, 128);

@@ -1,6 +1,7 @@
 // GPU schedule: from the top-k ids of every rank to this rank's expert-major row map.
 //
 //   gather_topk_kernel   (on each source rank)  ids[T][k] -> every peer's gathered[parity][src][T*k]
+//                                               (a call's T' <= T tokens: the routes past T' * k are -1)
 //   count_chunks_kernel  (on each expert rank)  wait for ids; route_slot[s][q], chunk_counts[s][c][e]
 //   scan_experts_kernel  (one CTA)              per-(expert, source) prefixes, padded segment offsets,
 //                                               capacity check, epoch += 1
@@ -77,7 +78,8 @@ struct ScheduleParams {
 
 template <typename Index>
 __global__ void __launch_bounds__(GatherTraits::kThreads)
-    gather_topk_kernel(const Index* __restrict__ topk, PeerPointers gather_peers, ScheduleParams p) {
+    gather_topk_kernel(const Index* __restrict__ topk, int64_t valid_routes, PeerPointers gather_peers,
+                       ScheduleParams p) {
   const int parity = static_cast<int>(*p.epoch & 1);
   const int64_t begin = int64_t(blockIdx.x) * GatherTraits::kRoutesPerCta;
   for (int peer = 0; peer < p.ep_size; ++peer) {
@@ -87,7 +89,8 @@ __global__ void __launch_bounds__(GatherTraits::kThreads)
     for (int i = 0; i < GatherTraits::kRoutesPerThread; ++i) {
       const int64_t q = begin + int64_t(i) * GatherTraits::kThreads + threadIdx.x;
       if (q >= p.routes_per_rank) break;
-      const int64_t id = static_cast<int64_t>(topk[q]);
+      // Routes of the tokens a call did not pass (a call of fewer than num_tokens tokens) are masked.
+      const int64_t id = q < valid_routes ? static_cast<int64_t>(topk[q]) : int64_t{-1};
       // Saturate 64-bit ids into int32; anything outside [-1, E) is reported by the count kernel.
       dst[q] = static_cast<int32_t>(id < INT32_MIN ? INT32_MIN : (id > INT32_MAX ? INT32_MAX : id));
     }
