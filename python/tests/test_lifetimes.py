@@ -21,7 +21,7 @@ import torch
 
 import mok
 from conftest import make_inputs, make_weights
-from test_autograd import as_dict, assert_same_bits, make_d_out, seeded_module
+from test_autograd import WEIGHT_NAMES, as_dict, assert_same_bits, make_d_out, seeded_module
 from test_gpu import SHAPES, workspace
 
 pytestmark = pytest.mark.gpu
@@ -158,16 +158,14 @@ def test_forward_without_a_context_reuses_a_pool_and_does_not_synchronize():
     assert counting.made == made, f"steady-state mok.forward(ctx=None) made {counting.made - made} new contexts"
     assert_no_synchronization(prof, "mok.forward(ctx=None) + autograd")
     mok.check_status(ws)
-    out, leaves = results[-1]
-    got = {"out": out.detach(), "x": leaves[0].grad, "router_weights": leaves[1].grad}
-    got.update({f"w{i}": leaf.grad for i, leaf in enumerate(leaves[2:]) if leaf.grad is not None})
-    ctx = ws.make_context()  # a context of its own: the same bits
-    out, _ = mok.forward(ws, x, idx, rw, w, ctx)
-    want = as_dict(*mok.backward(ws, d_out, x, idx, rw, w, ctx))
+    out, leaves = results[-1]  # the last pooled step against a context of its own: the same bits
+    got = {"out": out.detach(), "d_x": leaves[0].grad, "d_router_weights": leaves[1].grad}
+    got.update({name: leaf.grad for name, leaf in zip(WEIGHT_NAMES, leaves[2:])})
+    ctx = ws.make_context()
+    want, _ = mok.forward(ws, x, idx, rw, w, ctx)
+    want = {"out": want, **as_dict(*mok.backward(ws, d_out, x, idx, rw, w, ctx))}
     mok.check_status(ws)
-    assert torch.equal(got["out"], out), "pooled context: out differs"
-    assert_same_bits({"d_x": got["x"], "d_router_weights": got["router_weights"]},
-                     {"d_x": want["d_x"], "d_router_weights": want["d_router_weights"]}, "pooled context")
+    assert_same_bits(got, want, "mok.forward(ctx=None) + autograd vs a context of its own + mok.backward")
 
 
 def test_make_context_does_not_synchronize():

@@ -103,8 +103,8 @@ void SymmetricAllocation::close() {
     auto note = [&error](ncclResult_t result, const char* call) {
       if (result != ncclSuccess && error.empty()) error = std::string(call) + ": " + ncclGetErrorString(result);
     };
-    int previous = 0;
-    MOK_CHECK_CUDA(cudaGetDevice(&previous));
+    int previous = -1;  // the collective is reached even when this fails (the peers wait in it)
+    if (cudaGetDevice(&previous) != cudaSuccess) (void)cudaGetLastError();
     note(ncclGroupStart(), "ncclGroupStart");
     for (size_t r = 0; r < windows_.size() && error.empty(); ++r) {
       if (windows_[r] == nullptr) continue;
@@ -114,7 +114,7 @@ void SymmetricAllocation::close() {
         note(ncclCommWindowDeregister(comms_[r], windows_[r]), "ncclCommWindowDeregister");
     }
     note(ncclGroupEnd(), "ncclGroupEnd");
-    detail::check_teardown(cudaSetDevice(previous), "cudaSetDevice (restoring the caller's device)");
+    if (previous >= 0) detail::check_teardown(cudaSetDevice(previous), "cudaSetDevice (restoring the caller's device)");
     if (error.empty())
       for (ncclWindow_t& window : windows_) window = nullptr;  // deregistered: the memory can go
     else
