@@ -37,10 +37,18 @@ struct BenchLayer {
   mok::ForwardContext context;
   int rank = 0;
   int device = 0;
-  ~BenchLayer() {
+  // mok_bench_layer_destroy, which every rank calls: the collective teardown (the workspace's windows, then the
+  // communicator) is explicit there, not left to a destructor.
+  void close() {
     context = mok::ForwardContext();
-    workspace.reset();  // frees the symmetric windows (collective) before the communicator goes
+    if (workspace != nullptr) workspace->close();
+    workspace.reset();
     if (comm != nullptr) ncclCommDestroy(comm);
+    comm = nullptr;
+  }
+  // A create that threw (every rank throws together: MoeWorkspace agrees on the shape first) holds no windows.
+  ~BenchLayer() {
+    if (workspace == nullptr && comm != nullptr) ncclCommDestroy(comm);
   }
 };
 
@@ -312,7 +320,16 @@ int mok_bench_layer_write_timeline(void* handle, void* stream, const char* path,
 // The communication CTAs the layer's fused path uses (its resolved default when created with 0).
 int mok_bench_layer_comm_ctas(void* handle) { return static_cast<BenchLayer*>(handle)->workspace->comm_ctas(); }
 
-void mok_bench_layer_destroy(void* handle) { delete static_cast<BenchLayer*>(handle); }
+// Collective with EP > 1 (every rank calls it): closes the workspace and destroys the communicator.
+void mok_bench_layer_destroy(void* handle) {
+  auto* layer = static_cast<BenchLayer*>(handle);
+  try {
+    layer->close();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mok_bench_layer_destroy: %s\n", e.what());
+  }
+  delete layer;
+}
 
 // Returns 0, or 1 with a message in `error` (NUL-terminated, at most error_len bytes).
 int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, const void* b, const void* b_up,

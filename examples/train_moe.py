@@ -321,6 +321,7 @@ def train(kind, args, env, state, data):
     if kind == "ours":
         for ffn in (b.ffn for b in model.blocks):
             mok.check_status(ffn.workspace)
+        model.blocks[0].ffn.workspace.close()  # shared by the layers; collective with EP > 1: every rank, here
     params = [p.detach().clone() for p in model.parameters()]
     return losses.cpu(), tokens_per_s, params
 

@@ -5,7 +5,7 @@
 //
 //   PeerGroup group = PeerGroup::nccl({comm});                 // or device_peers / virtual_ranks
 //   MoeWorkspace ws(group, shape);                              // symmetric buffers; reusable across layers
-//   ForwardContext ctx = ws.make_context(rank);                 // one per layer: what backward needs
+//   ForwardContext ctx = ws.make_context(rank, stream);         // one per layer: what backward needs
 //   RankForward f{rank, x, topk_idx, router_weights, &weights, out, &ctx, stream};
 //   ws.forward({&f, 1});                                        // asynchronous on f.stream
 //   RankBackward b{rank, x, topk_idx, router_weights, &weights, &ctx, d_out, d_x, d_router_weights, &grads,
@@ -13,6 +13,7 @@
 //   ws.backward({&b, 1});                                       // gradients, asynchronous on b.stream
 //   StatusReport r = ws.read_status(rank, stream);              // where the caller synchronizes anyway
 //   if (!r.ok()) ws.reset_status(rank, stream);                 // the status word is sticky until reset
+//   ws.close();                                                 // collective teardown: every rank, explicitly
 //
 // Steps on every rank (sync in docs/sync_protocol.md):
 //   schedule   all-gather the top-k ids; count, prefix-sum and place routes into the context's schedule
@@ -41,6 +42,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "mok/device_buffer.h"
 #include "mok/expert_gemm.h"
 #include "mok/peer_group.h"
 #include "mok/routing.h"
@@ -168,13 +170,14 @@ struct MoeWeightGrads {
 };
 
 // What one layer's forward leaves for its backward, on one rank: the schedule and the expert-side
-// activations. Owns device memory on the rank's GPU; one per layer, reused step after step.
+// activations. Owns device memory on the rank's GPU (one DeviceBuffer, freed on destruction, never a
+// collective: a context may outlive its workspace's close()); one per layer, reused step after step.
+// Move-only; a moved-from context belongs to no workspace.
 class ForwardContext {
  public:
   ForwardContext() = default;
   ForwardContext(ForwardContext&&) noexcept;
   ForwardContext& operator=(ForwardContext&&) noexcept;
-  ~ForwardContext();
 
   int rank() const { return rank_; }
   const ScheduleView& schedule() const { return schedule_; }
@@ -189,18 +192,15 @@ class ForwardContext {
   const void* gate_up() const { return gate_up_; }                 // bf16 [ring_rows, 2I]
   const void* shared_gate_up() const { return shared_gate_up_; }   // bf16 [padded T, 2I]; null without shared
   // Device memory the context holds (schedule and activations): what one layer keeps for its backward.
-  int64_t bytes() const { return bytes_; }
+  int64_t bytes() const { return static_cast<int64_t>(allocation_.bytes()); }
   // The token count T of the call that built its schedule (-1 before any); its backward must pass the same.
   int num_tokens() const { return num_tokens_; }
 
  private:
   friend class MoeWorkspace;
-  void release();
   const void* owner_ = nullptr;  // the workspace that made it (its buffers are sized for that shape)
   int rank_ = -1;
-  int device_ = 0;
-  void* allocation_ = nullptr;
-  int64_t bytes_ = 0;
+  DeviceBuffer allocation_;      // detail::context_layout (src/host/moe_layouts.h)
   int num_tokens_ = -1;
   int32_t* schedule_buffer_ = nullptr;
   ScheduleView schedule_;
@@ -249,13 +249,33 @@ struct RankBackward {
 
 class MoeWorkspace {
  public:
-  // Allocates the symmetric buffers (collective for NCCL groups) and per-rank scratch. Synchronous.
+  // Allocates the symmetric buffers (collective for NCCL groups) and per-rank scratch. Synchronous. Every
+  // allocation is owned (DeviceBuffer, SymmetricAllocation), so a throw at any step frees what was made
+  // (NCCL windows already registered excepted: leaked with a warning, see close).
   MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options = {});
+  // Frees the local buffers and never calls a collective (docs/design.md, "Lifetimes"): if the workspace holds
+  // NCCL windows (an nccl group, not closed) it prints one warning on stderr and leaks them.
   ~MoeWorkspace();
   MoeWorkspace(const MoeWorkspace&) = delete;
   MoeWorkspace& operator=(const MoeWorkspace&) = delete;
 
-  ForwardContext make_context(int rank) const;
+  // The collective teardown: every rank calls it (every process of an nccl group, once, in the same order
+  // relative to its other workspaces' close and collective calls). Waits for the local ranks' devices,
+  // deregisters the NCCL windows (one group call per symmetric buffer) and frees every buffer, symmetric and
+  // local; contexts stay valid objects (their memory is their own). For the other groups it frees, without
+  // anything collective. Idempotent; every call below afterwards throws std::logic_error naming the call and
+  // saying the workspace is closed (the accessors shape(), capacity_rows(), ... keep working). An error
+  // (a sticky CUDA error, an NCCL failure) is thrown after every collective step was reached.
+  void close();
+  bool closed() const { return closed_; }
+  // Whether NCCL windows are still registered: what close() must release and the destructor cannot.
+  bool needs_close() const;
+
+  // A forward context for local rank `rank` (device memory, detail::context_layout). Its memory is zeroed
+  // asynchronously on `stream` (the default: the legacy default stream), which counts as a call of the
+  // workspace ("Streams" below): later calls on other streams are ordered after it. No host synchronization.
+  // Not during a CUDA-graph capture (it allocates).
+  ForwardContext make_context(int rank, cudaStream_t stream = nullptr) const;
 
   // The calls below take the local ranks this process drives (one per process with NCCL, all of them
   // with device peers or virtual ranks) and issue their kernels phase by phase: every rank's kernels of
@@ -379,6 +399,7 @@ class MoeWorkspace {
   // padded tiles, and its weight gradients sum over them). Asynchronous on `stream`.
   void publish_token_rows(void* dst, const void* src, int64_t tokens, cudaStream_t stream) const;
   const RankState& state(int rank) const;
+  void require_open(const char* call) const;  // std::logic_error "MoeWorkspace::<call>: ... closed" after close
   void begin_call(int rank, cudaStream_t stream) const;  // waits for the rank's previous call (other stream)
   void end_call(int rank, cudaStream_t stream) const;    // records this call's event
 
@@ -398,6 +419,7 @@ class MoeWorkspace {
   SymmetricAllocation rw_;      // fp32 [T * k]
   SymmetricAllocation d_rw_;    // fp32 [T * k]
   int64_t backward_bytes_ = 0;
+  bool closed_ = false;
   std::unique_ptr<RankState[]> ranks_;
 };
 

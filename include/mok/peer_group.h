@@ -32,7 +32,13 @@ struct PeerPointers {
 
 class PeerGroup;
 
-// One allocation of the same size on every rank (zero-filled). Move-only; frees on destruction.
+// One allocation of the same size on every rank (zero-filled). Move-only.
+//
+// Lifetime (docs/design.md, "Lifetimes"): for the nccl kind, freeing is collective like allocating (the windows
+// are deregistered with ncclCommWindowDeregister), so it is explicit: close(), called by every process of the
+// communicator for its allocations in the same order. The destructor never calls a collective: it frees local
+// memory, and NCCL windows still registered are leaked with a warning on stderr (printed once per process).
+// The other kinds free on destruction as well as on close().
 class SymmetricAllocation {
  public:
   SymmetricAllocation() = default;
@@ -42,21 +48,36 @@ class SymmetricAllocation {
   SymmetricAllocation& operator=(const SymmetricAllocation&) = delete;
   ~SymmetricAllocation();
 
-  // The local rank's own copy (device memory of its GPU); throws for a rank this process does not drive.
+  // The local rank's own copy (device memory of its GPU); throws std::invalid_argument for a rank this process
+  // does not drive, std::logic_error after close().
   void* on(int rank) const;
   size_t bytes() const { return bytes_; }
   // Every rank's copy as addressed from local rank `rank`'s device.
   PeerPointers peers(int rank) const;
 
+  // Frees every local copy: for the nccl kind a collective (every process calls it, synchronously), which first
+  // deregisters the windows in one NCCL group call. Idempotent. The copies must be idle (no kernel of any rank
+  // still reading them). Throws std::runtime_error naming the call if NCCL fails; the allocation is closed
+  // (its windows given up) either way.
+  void close();
+  bool closed() const { return closed_; }
+  // Whether NCCL windows are still registered: only close() can release them.
+  bool needs_close() const;
+  // Gives up the registered NCCL windows without deregistering them (leaked: for an owner that has warned
+  // about it); the destructor then frees only what has no window.
+  void leak_windows() noexcept;
+
  private:
   friend class PeerGroup;
-  void release();
+  void free_local() noexcept;  // every local copy without a registered window
+  void release_without_collective() noexcept;  // the destructor's work: warn about and leak windows, free_local
   std::vector<void*> ptrs_;          // [ep_size] own copy of each local rank, nullptr elsewhere
   std::vector<PeerPointers> tables_; // [ep_size] peer table of each local rank
   std::vector<int> devices_;
   std::vector<ncclComm_t> comms_;    // nccl kind: [ep_size] communicator of each local rank
-  std::vector<ncclWindow_t> windows_;
+  std::vector<ncclWindow_t> windows_;  // nccl kind: [ep_size] registered window, nullptr when none
   size_t bytes_ = 0;
+  bool closed_ = false;
 };
 
 // Each factory first checks that every device of the group is a Hopper GPU (sm_90, what the library is
@@ -81,7 +102,9 @@ class PeerGroup {
   int device(int rank) const;
 
   // `bytes` on every rank, zero-filled, synchronously: call at setup, not on the hot path. For the nccl kind
-  // this is collective: every process of the communicator calls it, in the same order.
+  // this is collective: every process of the communicator calls it, in the same order (and closes it:
+  // SymmetricAllocation::close). If a step throws, what was made is freed, except NCCL windows already
+  // registered (leaked with a warning: deregistering is collective).
   SymmetricAllocation allocate(size_t bytes) const;
 
   // Every rank's `values` (the same count on every rank), rank-major: [size() * values.size()]. For the nccl

@@ -50,7 +50,10 @@ HostSchedule build_schedule_host(const RoutingShape& shape, const ScheduleOption
 
 class ScheduleWorkspace {
  public:
+  // Allocates the gather buffers (symmetric: collective for NCCL groups) and each local rank's schedule and
+  // status word. Synchronous. A throw at any step frees what was made (SymmetricAllocation's exception).
   ScheduleWorkspace(const PeerGroup& group, const RoutingShape& shape, const ScheduleOptions& options);
+  // Frees the local buffers; never a collective (NCCL gather windows not closed are leaked with a warning).
   ~ScheduleWorkspace();
   ScheduleWorkspace(const ScheduleWorkspace&) = delete;
   ScheduleWorkspace& operator=(const ScheduleWorkspace&) = delete;
@@ -83,6 +86,14 @@ class ScheduleWorkspace {
   // Copies `rank`'s schedule (see view) to the host. Synchronizes `stream`.
   HostSchedule download(int rank, cudaStream_t stream, const int32_t* schedule = nullptr) const;
 
+  // Frees everything: collective for NCCL groups (SymmetricAllocation::close), synchronous; the work issued on
+  // the workspace must be finished. Idempotent; every other call afterwards throws std::logic_error.
+  void close();
+  bool closed() const { return closed_; }
+  bool needs_close() const { return gather_.needs_close(); }
+  // Gives up the NCCL gather windows without deregistering them (SymmetricAllocation::leak_windows).
+  void leak_windows() noexcept { gather_.leak_windows(); }
+
  private:
   struct RankState;
   const RankState& local_state(int rank, const char* caller) const;
@@ -92,6 +103,7 @@ class ScheduleWorkspace {
   int64_t capacity_rows_ = 0;
   SymmetricAllocation gather_;         // arrival counters + two parities of gathered ids, per rank
   std::vector<RankState> ranks_;
+  bool closed_ = false;
 };
 
 }  // namespace mok

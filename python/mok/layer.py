@@ -5,6 +5,7 @@ word.
     out, ctx = mok.forward(ws, x, topk_idx, router_weights, weights)  # on torch's current stream
     d_x, d_rw, grads = mok.backward(ws, d_out, x, topk_idx, router_weights, weights, ctx)
     mok.check_status(ws)                                              # where you synchronize anyway
+    ws.close()                                                        # collective for EP > 1 (or `with ws:`)
 
 Autograd: mok.forward is differentiable (the custom op's autograd formula calls the backward), for x,
 router_weights and every weight that requires grad.
@@ -14,6 +15,8 @@ tracing, and the tests that run without a GPU).
 """
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -39,7 +42,9 @@ def _cuda_stream(device: torch.device) -> int:
 
 class ForwardContext:
     """What one layer's forward leaves for its backward on this rank (schedule, expert-side activations). One per
-    layer, reused step after step; made by Workspace.make_context.
+    layer, reused step after step; made by Workspace.make_context (or, for mok.forward(ctx=None), leased from the
+    workspace's pool: Workspace.pooled_context). The autograd graph of a forward keeps its context alive (eager
+    mode) until the graph is freed.
 
     scheduled / written: whether it holds a schedule (forward, build_schedule) / the activations of that
     schedule (forward, recompute_forward_context); generation counts the calls that changed it. The ops set
@@ -68,9 +73,23 @@ class ForwardContext:
         return self._native.ring_rows if self._native is not None else 0
 
 
+def _recycle_context(workspace_ref, native) -> None:
+    """weakref.finalize callback of a pooled ForwardContext: its native context goes back to the workspace's pool
+    (a list append, atomic under the GIL, wherever the last reference died)."""
+    ws = workspace_ref()
+    if ws is not None and not ws.closed:
+        ws._free_contexts.append(native)
+
+
 class Workspace:
     """The layer's buffers on this rank (symmetric over the EP group); reuse it for every layer of this shape.
-    Made by get_workspace."""
+    Made by get_workspace.
+
+    Lifetime (docs/design.md, "Lifetimes"): close() frees the buffers; with EP > 1 it is collective (every rank
+    calls it: it deregisters the NCCL windows and destroys the library's communicator), so it is never left to
+    the garbage collector, which collects objects at different times on different ranks. `with ws:` closes at
+    the end of the block. An EP > 1 workspace collected without close() leaks its windows and communicator and
+    warns (ResourceWarning); EP = 1 frees everything when collected."""
 
     def __init__(self, shape: LayerShape, config: Config, device: torch.device, rank: int, native):
         self.shape = shape
@@ -78,21 +97,86 @@ class Workspace:
         self.device = device
         self.rank = rank
         self._native = native
+        self._closed = False
+        self._free_contexts = []  # native contexts of forward(ctx=None) that no forward's graph holds any more
         self.handle = ops.register_workspace(self)
 
     def __repr__(self):
-        return f"mok.Workspace({self.shape}, {self.config}, device={self.device}, rank={self.rank})"
+        closed = ", closed" if self._closed else ""
+        return f"mok.Workspace({self.shape}, {self.config}, device={self.device}, rank={self.rank}{closed})"
 
     @property
     def is_meta(self) -> bool:
         return self._native is None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Frees the workspace's buffers now. EP > 1: collective, every rank of the group calls it (waits for
+        this rank's GPU, deregisters the NCCL windows, destroys the library's NCCL communicator). Idempotent;
+        afterwards every call with the workspace raises RuntimeError ("... closed"). Contexts made by it stay
+        valid Python objects (their memory goes when they are collected) but can no longer be used."""
+        if self._closed:
+            return
+        self._closed = True
+        self._free_contexts.clear()
+        if self._native is not None:
+            self._native.close()
+
+    def __enter__(self) -> "Workspace":
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            if not self._closed and self._native is not None and self.shape.ep_size > 1:
+                warnings.warn(f"mok.Workspace (EP = {self.shape.ep_size}, rank {self.rank}) collected without "
+                              "close(): its NCCL windows and communicator are leaked, not released (releasing them "
+                              "is collective): call ws.close() on every rank, or use `with ws:`",
+                              ResourceWarning, stacklevel=2)
+        except Exception:  # interpreter shutdown: warnings or the attributes may be gone
+            pass
+
+    def require_open(self, name: str = "ws") -> None:
+        """RuntimeError naming `name` if the workspace was closed."""
+        if self._closed:
+            raise RuntimeError(f"{name}: the workspace is closed (Workspace.close() was called): make a new one "
+                               "with mok.get_workspace")
+
     def make_context(self) -> ForwardContext:
-        return ForwardContext(self, None if self.is_meta else self._native.make_context())
+        """A new forward context (device memory of this rank, zero-filled asynchronously on the current stream;
+        no host synchronization). Not under torch.compile or CUDA-graph capture."""
+        self.require_open()
+        if self.is_meta:
+            return ForwardContext(self, None)
+        return ForwardContext(self, self._native.make_context(_cuda_stream(self.device)))
+
+    def pooled_context(self) -> ForwardContext:
+        """The context of one mok.forward(ctx=None): a native context from the workspace's pool (a new one only
+        when every pooled one is in use), wrapped in a new ForwardContext. The wrapper is the lease: while it is
+        alive (the caller holds it, or the autograd graph of the forward that used it, which keeps it until the
+        graph is freed) its native context is not handed out again; when it is collected the native context
+        returns to the pool. So in steady state forward(ctx=None) allocates nothing: a training loop needs as
+        many contexts as forwards whose graphs are alive at once (two for `loss = step(); loss.backward()` in a
+        loop, the previous step's loss still holding its graph)."""
+        self.require_open()
+        if self.is_meta:
+            return ForwardContext(self, None)
+        native = self._free_contexts.pop() if self._free_contexts else \
+            self._native.make_context(_cuda_stream(self.device))
+        ctx = ForwardContext(self, native)
+        weakref.finalize(ctx, _recycle_context, weakref.ref(self), native).atexit = False
+        return ctx
 
     def read_status(self) -> Status:
         """The status word since the last reset_status (it is sticky): bad expert ids, capacity overflow,
         spin-wait timeouts. Synchronizes the current stream."""
+        self.require_open()
         if self.is_meta:
             return Status(ok=True)
         ok, bits, message = self._native.read_status(_cuda_stream(self.device))
@@ -101,6 +185,7 @@ class Workspace:
     def reset_status(self) -> None:
         """Clears the status word and the abort flag, asynchronously on the current stream (with EP > 1: on
         every rank, all resets finished before any rank's next call; include/mok/moe.h)."""
+        self.require_open()
         if self.is_meta:
             return
         self._native.reset_status(_cuda_stream(self.device))
@@ -189,6 +274,7 @@ def _check_context(ws: Workspace, ctx) -> None:
 def _check_workspace(ws) -> None:
     if not isinstance(ws, Workspace):
         raise TypeError(f"ws: expected a mok.Workspace (mok.get_workspace), got {type(ws).__name__}")
+    ws.require_open()
 
 
 def build_schedule(ws: Workspace, topk_idx: torch.Tensor, ctx: ForwardContext) -> None:
@@ -213,8 +299,10 @@ def forward(ws: Workspace, x: torch.Tensor, topk_idx: torch.Tensor, router_weigh
     """out[t] = shared(x[t]) + sum_j router_weights[t, j] * expert_{topk_idx[t, j]}(x[t]), on this rank.
 
     x bf16 [T, H]; topk_idx int32/int64 [T, k] global expert ids (-1 masks a route); router_weights fp32 [T, k];
-    weights a mok.Weights or dict (see Weights). ctx: a context from ws.make_context() (None: a new one;
-    under torch.compile and CUDA-graph capture pass one made outside). schedule_ready: ctx holds the schedule
+    weights a mok.Weights or dict (see Weights). ctx: a context from ws.make_context(), or None: one of the
+    workspace's pool (Workspace.pooled_context: reused once the graph of the forward that last used it is gone,
+    so steady-state calls allocate nothing; under torch.compile and CUDA-graph capture pass one made outside).
+    schedule_ready: ctx holds the schedule
     of these topk_idx from build_schedule. Returns (out bf16 [T, H], ctx). Asynchronous on torch's current
     stream, collective over the EP group; data-dependent errors (bad expert ids, capacity overflow) go to the
     status word: check_status(ws) where you synchronize anyway (out is unspecified after an error).
@@ -236,7 +324,11 @@ def forward(ws: Workspace, x: torch.Tensor, topk_idx: torch.Tensor, router_weigh
         if torch.compiler.is_compiling():
             raise RuntimeError("mok.forward under torch.compile: pass ctx=ws.make_context(), made outside the "
                                "compiled function")
-        ctx = ws.make_context()
+        if not ws.is_meta and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("mok.forward under CUDA-graph capture: pass ctx=ws.make_context(), made before the "
+                               "capture (a pooled context could be handed to another forward while the graph "
+                               "still writes it)")
+        ctx = ws.pooled_context()
     _check_context(ws, ctx)
     out = torch.ops.mok.forward(ws.handle, ctx.handle, bool(schedule_ready), x, topk_idx, router_weights,
                                 *weights.tensors(), 0, bool(recompute))
@@ -247,6 +339,7 @@ def layer_forward(ws: Workspace, ctx: ForwardContext, x, topk_idx, router_weight
                   main_grads: int, recompute: bool) -> torch.Tensor:
     """mok.forward for mok.MoE: the context given, and its backward accumulating into the parameters' main_grad
     (main_grads: a MainGradTargets handle, 0 for none)."""
+    ws.require_open()
     check_forward_args(ws.shape, ws.device, x, topk_idx, router_weights, weights)
     _check_context(ws, ctx)
     return torch.ops.mok.forward(ws.handle, ctx.handle, False, x, topk_idx, router_weights, *weights.tensors(),

@@ -176,8 +176,11 @@ def _forward_setup_context(ctx, inputs, output):
     ctx.mok_handles = (workspace, context, main_grads, recompute)
     ctx.save_for_backward(x, topk_idx, router_weights, *weights)
     # Eager only: which forward of the context this is, so that a backward after the context was overwritten by a
-    # later forward raises instead of computing gradients of the wrong forward.
-    ctx.mok_generation = _contexts[context].generation if _is_eager(x) and context in _contexts else None
+    # later forward raises instead of computing gradients of the wrong forward; and the context itself, held by
+    # the graph until it is freed (a pooled context, mok.forward(ctx=None), goes back to its pool only then).
+    eager = _is_eager(x) and context in _contexts
+    ctx.mok_generation = _contexts[context].generation if eager else None
+    ctx.mok_context = _contexts[context] if eager else None
 
 
 def _forward_backward(ctx, d_out):

@@ -8,12 +8,13 @@
 //
 //   _mok.nccl_unique_id() -> bytes                      rank 0 makes it, the group broadcasts it
 //   ws = _mok.Workspace(device, ep_size, rank, nccl_id or None, shape..., options...)
-//   ctx = ws.make_context()
+//   ctx = ws.make_context(stream)                       zero-filled on `stream`, no host synchronization
 //   ws.forward(x, topk_idx, router_weights, weights..., out, ctx, stream, schedule_ready)
 //   ws.backward(d_out, x, topk_idx, router_weights, [6 weights], d_x, d_router_weights, [6 grads], accumulate,
 //               ctx, stream)                          weights and grads in MoeWeights order, None where absent
 //   ws.recompute_forward_context(x, [6 weights], ctx, stream)
 //   ok, bits, message = ws.read_status(stream)
+//   ws.close()                                          collective teardown (EP > 1: every rank); idempotent
 #include <cstdint>
 #include <array>
 #include <cstring>
@@ -176,16 +177,40 @@ class Workspace {
     }
   }
 
+  // Never a collective (docs/design.md, "Lifetimes"): without close(), an EP > 1 workspace's windows are
+  // leaked with MoeWorkspace's warning, and so is the communicator (destroying it is not local either).
   ~Workspace() {
-    DeviceGuard guard(device_);
-    workspace_.reset();  // frees the symmetric windows (collective) before the communicator goes
+    mok::detail::TeardownDeviceGuard guard(device_);
+    workspace_.reset();
     group_.reset();
-    if (comm_ != nullptr) ncclCommDestroy(comm_);
   }
 
-  Context make_context() const {
+  // The collective teardown (MoeWorkspace::close), then the communicator, which NCCL destroys after the
+  // windows it holds. Idempotent. The first error is thrown after every step was reached.
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    nb::gil_scoped_release release;  // collective: waits for the peers
     DeviceGuard guard(device_);
-    return Context(workspace_->make_context(rank_));
+    std::string error;
+    try {
+      workspace_->close();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    if (comm_ != nullptr && !workspace_->needs_close()) {
+      const ncclResult_t result = ncclCommDestroy(comm_);
+      comm_ = nullptr;
+      if (result != ncclSuccess && error.empty()) error = std::string("ncclCommDestroy: ") + ncclGetErrorString(result);
+    }
+    if (!error.empty()) throw std::runtime_error(error);
+  }
+  bool closed() const { return closed_; }
+
+  // Zero-filled asynchronously on `stream` (no host synchronization).
+  Context make_context(uintptr_t stream) const {
+    DeviceGuard guard(device_);
+    return Context(workspace_->make_context(rank_, as_stream(stream)));
   }
 
   void build_schedule(const Array& topk_idx, Context& context, uintptr_t stream) {
@@ -281,6 +306,7 @@ class Workspace {
  private:
   int device_ = 0;
   int rank_ = 0;
+  bool closed_ = false;
   ncclComm_t comm_ = nullptr;
   std::unique_ptr<mok::PeerGroup> group_;
   std::unique_ptr<mok::MoeWorkspace> workspace_;
@@ -350,7 +376,9 @@ NB_MODULE(_mok, m) {
           nb::arg("context_budget_bytes") = mok::MoeOptions{}.context_budget_bytes,
           nb::arg("load_factor") = mok::ScheduleOptions{}.load_factor,
           nb::arg("backward_megakernel") = mok::FusedOptions{}.backward_megakernel)
-      .def("make_context", &Workspace::make_context, nb::keep_alive<0, 1>())
+      .def("make_context", &Workspace::make_context, nb::arg("stream") = 0, nb::keep_alive<0, 1>())
+      .def("close", &Workspace::close)
+      .def_prop_ro("closed", &Workspace::closed)
       .def("build_schedule", &Workspace::build_schedule, nb::arg("topk_idx"), nb::arg("context"), nb::arg("stream"))
       .def("forward", &Workspace::forward, nb::arg("x"), nb::arg("topk_idx"), nb::arg("router_weights"),
            nb::arg("expert_gate"), nb::arg("expert_up").none(), nb::arg("expert_down"), nb::arg("shared_gate").none(),

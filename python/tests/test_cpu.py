@@ -662,3 +662,114 @@ def test_any_token_count_up_to_the_workspaces():
     out, ctx = mok.forward(ws, x[:100], idx[:100], rw[:100], w, ws.make_context())
     with pytest.raises(ValueError, match=r"d_out: .* = \[100, 128\]"):
         mok.backward(ws, torch.empty_like(x), x[:100], idx[:100], rw[:100], w, ctx)
+
+
+# -- Lifetimes (docs/design.md, "Lifetimes"): close, the context manager, the warning, the context pool --------
+
+
+class FakeNative:
+    """Stands for the extension's workspace where no GPU is: counts the contexts made and the closes."""
+
+    def __init__(self):
+        self.made = 0
+        self.closes = 0
+
+    def make_context(self, stream):
+        self.made += 1
+        return object()
+
+    def close(self):
+        self.closes += 1
+
+
+def fake_workspace(monkeypatch, ep_size=1):
+    monkeypatch.setattr(mok.layer, "_cuda_stream", lambda device: 0)  # no CUDA: the stream is never used
+    native = FakeNative()
+    shape = dataclasses.replace(SHAPE, ep_size=ep_size)
+    return mok.Workspace(shape, mok.Config(), torch.device("cuda", 0), 0, native), native
+
+
+def test_workspace_close_is_idempotent_and_later_calls_raise(monkeypatch):
+    ws, native = fake_workspace(monkeypatch)
+    with ws as same:  # the context manager closes
+        assert same is ws and not ws.closed
+    assert ws.closed and native.closes == 1
+    ws.close()
+    assert native.closes == 1, "a second close() must not reach the native workspace"
+    for call in (ws.make_context, ws.pooled_context, ws.read_status, ws.reset_status):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    meta = meta_workspace()
+    x, idx, rw, w = meta_args()
+    _, ctx = mok.forward(meta, x, idx, rw, w)
+    meta.close()
+    meta.close()
+    with pytest.raises(RuntimeError, match=r"ws: the workspace is closed \(Workspace.close\(\) was called\)"):
+        mok.forward(meta, x, idx, rw, w, ctx)
+    with pytest.raises(RuntimeError, match="closed"):
+        mok.backward(meta, x, x, idx, rw, w, ctx)
+    with pytest.raises(RuntimeError, match="closed"):
+        mok.recompute_forward_context(meta, x, w, ctx)
+    with pytest.raises(RuntimeError, match="closed"):
+        mok.build_schedule(meta, idx, ctx)
+    with pytest.raises(RuntimeError, match="closed"):
+        meta_module(workspace=meta)(x)
+    assert "closed" in repr(meta)
+
+
+def test_an_unclosed_ep2_workspace_warns_when_collected(monkeypatch):
+    import gc
+    import warnings
+    ws, _ = fake_workspace(monkeypatch, ep_size=2)
+    with pytest.warns(ResourceWarning, match=r"collected without close\(\): its NCCL windows and communicator"):
+        del ws
+        gc.collect()
+    for ep_size, close in ((2, True), (1, False)):  # closed, or nothing collective to release: silent
+        ws, _ = fake_workspace(monkeypatch, ep_size=ep_size)
+        if close:
+            ws.close()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            del ws
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)], (ep_size, close, caught)
+
+
+def test_pooled_contexts_are_reused_once_their_lease_is_gone(monkeypatch):
+    """mok.forward(ctx=None)'s rule: a pooled native context is handed out again only after the ForwardContext
+    that leased it (held by the caller and by the forward's autograd graph) is gone."""
+    ws, native = fake_workspace(monkeypatch)
+    a = ws.pooled_context()
+    b = ws.pooled_context()
+    assert native.made == 2 and a._native is not b._native  # both leased: two contexts
+    first = a._native
+    del a  # the lease dies: its context goes back to the pool
+    c = ws.pooled_context()
+    assert native.made == 2 and c._native is first, "a free pooled context must be reused"
+    d = ws.pooled_context()
+    assert native.made == 3 and d._native is not first and d._native is not b._native
+    assert len({id(x.handle) for x in (b, c, d)}) == 3 and len({b.handle, c.handle, d.handle}) == 3
+    ws.close()
+    del b, c, d  # after close the pool is dropped, not refilled
+    assert ws._free_contexts == []
+
+
+def test_the_autograd_graph_holds_the_context_of_its_forward():
+    """The lease of mok.forward(ctx=None) lasts as long as the forward's graph: the graph holds the context (eager
+    mode), so it is not reused while a backward may still need it, and is released when the graph goes."""
+    import gc
+    import weakref
+    ws = meta_workspace()
+    x, idx, rw, w = meta_args()
+    _requires_grad(x)
+    out, ctx = mok.forward(ws, x, idx, rw, w)
+    assert out.grad_fn.mok_context is ctx
+    held = weakref.ref(ctx)
+    del ctx
+    gc.collect()
+    assert held() is not None, "the graph must keep the context of its forward"
+    out.float().sum().backward()
+    assert held() is not None, "a graph kept by its output may run again (retain_graph): the context stays"
+    del out
+    gc.collect()
+    assert held() is None, "the context must go with the graph"

@@ -49,8 +49,7 @@ def _rank_main(rank, port, results):
         mok.check_status(ws)
         error = relative_error(out, reference(GLOBAL, x, idx, rw, full))
         results[rank] = (error, torch.equal(out, again), mok.nccl_versions())
-        del ctx, ws
-        torch.cuda.synchronize()
+        ws.close()  # collective: every rank, here (docs/design.md, "Lifetimes")
     finally:
         dist.destroy_process_group()
 
@@ -127,8 +126,8 @@ def _backward_rank_main(rank, port, results):
         mok.check_status(moe.workspace)
         module_finite = all(bool(torch.isfinite(p.grad).all()) for p in moe.parameters())
         results[rank] = (errors, finite, rerun, autograd_equal, replicas_equal, module_finite)
-        del ctx, ws, moe
-        torch.cuda.synchronize()
+        ws.close()  # collective: every rank, in the same order
+        moe.workspace.close()
     finally:
         dist.destroy_process_group()
 

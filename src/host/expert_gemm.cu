@@ -9,6 +9,7 @@
 #include "src/device/gemm/expert_gemm.cuh"
 #include "src/host/check.h"
 #include "src/host/gemm_params.h"
+#include "src/host/launch_cache.h"
 
 namespace mok {
 namespace {
@@ -43,32 +44,26 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   p.trace = static_cast<uint64_t*>(args.trace);
   MOK_CHECK_CUDA(cudaMemsetAsync(args.ticket, 0, sizeof(int32_t), stream));
 
-  int device = 0, num_sms = 0, max_smem = 0;
+  // Persistent: as many clusters as can be resident at once (SM pairs within a GPC), one CTA per SM; the
+  // count and the kernel's shared-memory attribute are set up once per device (src/host/launch_cache.h).
+  int device = 0;
   MOK_CHECK_CUDA(cudaGetDevice(&device));
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (T::kSharedBytes > max_smem)
-    throw std::runtime_error("expert_gemm: tile config needs " + std::to_string(T::kSharedBytes) +
-                             " bytes of shared memory, device allows " + std::to_string(max_smem));
   auto kernel = gemm::expert_gemm_kernel<T, decltype(p)>;
-  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSharedBytes));
+  const int max_clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), T::kThreads,
+                                                       T::kSharedBytes, T::kClusterN, device, "expert_gemm");
+  if (max_clusters < 1) throw std::runtime_error("expert_gemm: no cluster of the GEMM kernel fits on the device");
   cudaLaunchAttribute cluster_attr;
   cluster_attr.id = cudaLaunchAttributeClusterDimension;
   cluster_attr.val.clusterDim.x = T::kClusterN;
   cluster_attr.val.clusterDim.y = 1;
   cluster_attr.val.clusterDim.z = 1;
   cudaLaunchConfig_t config{};
+  config.gridDim = dim3(max_clusters * T::kClusterN);
   config.blockDim = dim3(T::kThreads);
   config.dynamicSmemBytes = T::kSharedBytes;
   config.stream = stream;
   config.attrs = &cluster_attr;
   config.numAttrs = 1;
-  // Persistent: as many clusters as can be resident at once (SM pairs within a GPC), one CTA per SM.
-  config.gridDim = dim3(num_sms - num_sms % T::kClusterN);
-  int max_clusters = 0;
-  MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
-  if (max_clusters < 1) throw std::runtime_error("expert_gemm: no cluster of the GEMM kernel fits on the device");
-  config.gridDim = dim3(max_clusters * T::kClusterN);
   MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p));
 }
 

@@ -4,6 +4,7 @@
 #include "mok/moe.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -22,9 +23,9 @@
 #include "src/host/moe_fused.h"
 #include "src/host/moe_fused_backward.h"
 #include "src/host/moe_state.h"
+#include "src/host/teardown.h"
 
 namespace mok {
-using detail::carve;
 using detail::DeviceGuard;
 using detail::kBf16Bytes;
 using detail::require;
@@ -94,13 +95,10 @@ ForwardContext::ForwardContext(ForwardContext&& other) noexcept { *this = std::m
 
 ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
   if (this != &other) {
-    release();
-    owner_ = other.owner_;
-    rank_ = other.rank_;
-    device_ = other.device_;
-    allocation_ = other.allocation_;
-    bytes_ = other.bytes_;
-    num_tokens_ = other.num_tokens_;
+    owner_ = std::exchange(other.owner_, nullptr);
+    rank_ = std::exchange(other.rank_, -1);
+    allocation_ = std::move(other.allocation_);
+    num_tokens_ = std::exchange(other.num_tokens_, -1);
     schedule_buffer_ = other.schedule_buffer_;
     schedule_ = other.schedule_;
     ring_rows_ = other.ring_rows_;
@@ -109,22 +107,8 @@ ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
     shared_hidden_ = other.shared_hidden_;
     gate_up_ = other.gate_up_;
     shared_gate_up_ = other.shared_gate_up_;
-    other.allocation_ = nullptr;
-    other.rank_ = -1;
   }
   return *this;
-}
-
-ForwardContext::~ForwardContext() { release(); }
-
-void ForwardContext::release() {
-  if (allocation_ == nullptr) return;
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device_);
-  cudaFree(allocation_);
-  cudaSetDevice(previous);
-  allocation_ = nullptr;
 }
 
 MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options)
@@ -179,37 +163,75 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     const int64_t counter_words = detail::fused_counter_words(capacity_rows() / 64, padded_tokens_ / 64);
     const int64_t timeline_words =
         fused.timeline_records > 0 ? detail::fused_timeline_words(grid_ctas_, fused.timeline_records) : 0;
-    const int64_t bytes = schedule::round_up(ring_rows_ * h * kBf16Bytes, 256) +
-                          schedule::round_up(padded_tokens_ * h * kBf16Bytes, 256) + 2 * 256 +
-                          schedule::round_up(counter_words * 8, 256) + schedule::round_up(timeline_words * 8, 256);
-    MOK_CHECK_CUDA(cudaMalloc(&s.allocation, bytes));
-    char* cursor = static_cast<char*>(s.allocation);
-    s.y = carve<char>(cursor, ring_rows_ * h * kBf16Bytes);
-    s.shared_out = carve<char>(cursor, padded_tokens_ * h * kBf16Bytes);
-    s.tickets = carve<int32_t>(cursor, detail::kNumTickets);
-    s.shared_schedule = carve<detail::SharedSchedule>(cursor, 1);
-    s.fused_counters = carve<uint64_t>(cursor, counter_words);
-    if (timeline_words > 0) s.timeline = carve<uint64_t>(cursor, timeline_words);
+    const detail::RankScratchLayout layout =
+        detail::rank_scratch_layout(shape_, ring_rows_, padded_tokens_, counter_words, timeline_words);
+    s.allocation = DeviceBuffer(s.device, layout.buffers.total_bytes());
+    void* base = s.allocation.get();
+    s.y = layout.y.in(base);
+    s.shared_out = layout.shared_out.in(base);
+    s.tickets = layout.tickets.in<int32_t>(base);
+    s.shared_schedule = layout.shared_schedule.in<detail::SharedSchedule>(base);
+    s.fused_counters = layout.fused_counters.in<uint64_t>(base);
+    s.timeline = layout.timeline.in<uint64_t>(base);
     const detail::SharedSchedule shared{{shape_.num_tokens},
                                         {0, static_cast<int32_t>(padded_tokens_)},
                                         {static_cast<int32_t>(padded_tokens_)}};
     MOK_CHECK_CUDA(cudaMemcpy(s.shared_schedule, &shared, sizeof(shared), cudaMemcpyHostToDevice));
-    MOK_CHECK_CUDA(cudaEventCreateWithFlags(&s.call_done, cudaEventDisableTiming));
+    s.call_done = detail::CudaEvent(s.device);
   }
   if (options_.backward) allocate_backward();
 }
 
+// Never a collective (docs/design.md, "Lifetimes"): the members free the local buffers; NCCL windows that
+// close() did not release are leaked, with one warning.
 MoeWorkspace::~MoeWorkspace() {
+  if (!needs_close()) return;
+  std::fprintf(stderr,
+               "mok: MoeWorkspace destroyed without close(): its NCCL windows are leaked, not deregistered "
+               "(deregistration is collective)\n");
+  schedule_.leak_windows();
+  for (SymmetricAllocation* a : {&x_, &combined_, &flags_, &d_out_, &rw_, &d_rw_}) a->leak_windows();
+}
+
+bool MoeWorkspace::needs_close() const {
+  if (schedule_.needs_close()) return true;
+  for (const SymmetricAllocation* a : {&x_, &combined_, &flags_, &d_out_, &rw_, &d_rw_})
+    if (a->needs_close()) return true;
+  return false;
+}
+
+// Every step is reached on every rank whatever fails before it (the peers wait in each collective); the
+// first error is thrown at the end.
+void MoeWorkspace::close() {
+  if (closed_) return;
+  closed_ = true;
+  std::vector<int> devices;
+  for (int r : group_.local_ranks()) devices.push_back(ranks_[r].device);
+  std::string error = detail::synchronize_devices(devices);  // nothing may still read the buffers
   for (int r : group_.local_ranks()) {
-    if (ranks_[r].allocation == nullptr) continue;
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(ranks_[r].device);
-    if (ranks_[r].call_done != nullptr) cudaEventDestroy(ranks_[r].call_done);
-    cudaFree(ranks_[r].allocation);
-    if (ranks_[r].backward.allocation != nullptr) cudaFree(ranks_[r].backward.allocation);
-    cudaSetDevice(previous);
+    RankState& s = ranks_[r];
+    s.call_done.reset();
+    s.allocation.reset();
+    s.backward.allocation.reset();
   }
+  // The collective part, in the same order on every process: the schedule's gather buffers, then the
+  // workspace's symmetric buffers in the order the constructor made them.
+  auto step = [&error](auto&& close_one) {
+    try {
+      close_one();
+    } catch (const std::exception& e) {
+      if (error.empty()) error = e.what();
+    }
+  };
+  step([this] { schedule_.close(); });
+  for (SymmetricAllocation* a : {&x_, &combined_, &flags_, &d_out_, &rw_, &d_rw_}) step([a] { a->close(); });
+  if (!error.empty()) throw std::runtime_error("MoeWorkspace::close: " + error);
+}
+
+void MoeWorkspace::require_open(const char* call) const {
+  if (closed_)
+    throw std::logic_error(std::string("MoeWorkspace::") + call +
+                           ": the workspace is closed (close() was called); make a new workspace");
 }
 
 const MoeWorkspace::RankState& MoeWorkspace::state(int rank) const {
@@ -217,34 +239,31 @@ const MoeWorkspace::RankState& MoeWorkspace::state(int rank) const {
   return ranks_[rank];
 }
 
-ForwardContext MoeWorkspace::make_context(int rank) const {
+// Stream-ordered (no host synchronization): the zero fill is a call of the workspace on `stream`, so a later
+// call on another stream waits for it (begin_call / end_call).
+ForwardContext MoeWorkspace::make_context(int rank, cudaStream_t stream) const {
+  require_open("make_context");
   const RankState& s = state(rank);
-  DeviceGuard guard(s.device);
-  const int64_t h = shape_.hidden, i = shape_.intermediate;
-  const bool keep = options_.keep_gate_up;
-  const bool shared_keep = keep && shape_.shared_expert;
-  const int64_t bytes =
-      detail::context_bytes(shape_, keep, schedule_.schedule_elements(), ring_rows_, padded_tokens_);
+  const detail::ContextLayout layout = detail::context_layout(shape_, options_.keep_gate_up,
+                                                              schedule_.schedule_elements(), ring_rows_, padded_tokens_);
   ForwardContext ctx;
+  ctx.allocation_ = DeviceBuffer(s.device, layout.buffers.total_bytes());
   ctx.owner_ = this;
   ctx.rank_ = rank;
-  ctx.device_ = s.device;
   ctx.ring_rows_ = ring_rows_;
-  ctx.bytes_ = bytes;
-  MOK_CHECK_CUDA(cudaMalloc(&ctx.allocation_, bytes));
-  // Zero once: padding rows of the shared expert's hidden tile and rows no schedule has written yet.
-  MOK_CHECK_CUDA(cudaMemset(ctx.allocation_, 0, bytes));
-  char* cursor = static_cast<char*>(ctx.allocation_);
-  ctx.schedule_buffer_ = carve<int32_t>(cursor, schedule_.schedule_elements());
-  ctx.expert_rows_ = carve<char>(cursor, ring_rows_ * h * kBf16Bytes);
-  ctx.hidden_ = carve<char>(cursor, ring_rows_ * i * kBf16Bytes);
-  ctx.shared_hidden_ = carve<char>(cursor, padded_tokens_ * i * kBf16Bytes);
-  if (keep) ctx.gate_up_ = carve<char>(cursor, ring_rows_ * 2 * i * kBf16Bytes);
-  if (shared_keep) ctx.shared_gate_up_ = carve<char>(cursor, padded_tokens_ * 2 * i * kBf16Bytes);
-  if (cursor - static_cast<char*>(ctx.allocation_) != bytes)
-    throw std::logic_error("MoeWorkspace: context layout and detail::context_bytes disagree");
+  void* base = ctx.allocation_.get();
+  ctx.schedule_buffer_ = layout.schedule.in<int32_t>(base);
+  ctx.expert_rows_ = layout.expert_rows.in(base);
+  ctx.hidden_ = layout.hidden.in(base);
+  ctx.shared_hidden_ = layout.shared_hidden.in(base);
+  ctx.gate_up_ = layout.gate_up.in(base);
+  ctx.shared_gate_up_ = layout.shared_gate_up.in(base);
   ctx.schedule_ = schedule_.view(rank, ctx.schedule_buffer_);
-  MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  begin_call(rank, stream);
+  DeviceGuard guard(s.device);
+  // Zero once: padding rows of the shared expert's hidden tile and rows no schedule has written yet.
+  MOK_CHECK_CUDA(cudaMemsetAsync(base, 0, ctx.allocation_.bytes(), stream));
+  end_call(rank, stream);
   return ctx;
 }
 
@@ -270,6 +289,7 @@ void MoeWorkspace::forward_with_schedule(std::span<const RankForward> ranks) { i
 void MoeWorkspace::forward(std::span<const RankForward> ranks) { issue_call(ranks, true, true); }
 
 void MoeWorkspace::issue_call(std::span<const RankForward> ranks, bool schedule, bool layer) {
+  require_open(!layer ? "build_schedule" : schedule ? "forward" : "forward_with_schedule");
   for (const RankForward& f : ranks) validate(f, layer);
   if (!schedule) {  // the layer on a schedule built before: of the same tokens
     for (const RankForward& f : ranks)
@@ -352,19 +372,20 @@ void MoeWorkspace::begin_call(int rank, cudaStream_t stream) const {
   const RankState& s = state(rank);
   if (!s.has_call || s.call_stream == stream || is_capturing(stream)) return;
   DeviceGuard guard(s.device);
-  MOK_CHECK_CUDA(cudaStreamWaitEvent(stream, s.call_done, 0));
+  MOK_CHECK_CUDA(cudaStreamWaitEvent(stream, s.call_done.get(), 0));
 }
 
 void MoeWorkspace::end_call(int rank, cudaStream_t stream) const {
   const RankState& s = state(rank);
   if (is_capturing(stream)) return;
   DeviceGuard guard(s.device);
-  MOK_CHECK_CUDA(cudaEventRecord(s.call_done, stream));
+  MOK_CHECK_CUDA(cudaEventRecord(s.call_done.get(), stream));
   s.call_stream = stream;
   s.has_call = true;
 }
 
 void MoeWorkspace::reset_status(int rank, cudaStream_t stream) {
+  require_open("reset_status");
   const RankState& s = state(rank);
   begin_call(rank, stream);
   schedule_.reset_status(rank, stream);
@@ -398,11 +419,13 @@ void MoeWorkspace::issue_layer(std::span<const RankForward> ranks) {
 }
 
 StatusReport MoeWorkspace::read_status(int rank, cudaStream_t stream) const {
+  require_open("read_status");
   begin_call(rank, stream);
   return schedule_.read_status(rank, stream);
 }
 
 std::vector<TaskRecord> MoeWorkspace::read_timeline(int rank, cudaStream_t stream) const {
+  require_open("read_timeline");
   const RankState& s = state(rank);
   require(s.timeline != nullptr, "read_timeline: the workspace records no timeline (MoeOptions.fused.timeline_records "
                                  "is 0, or the path is unfused)");

@@ -10,6 +10,7 @@
 #include "mok/moe.h"
 #include "src/host/check.h"
 #include "src/host/moe_args.h"
+#include "src/host/moe_layouts.h"
 
 namespace mok {
 using detail::require;
@@ -208,13 +209,7 @@ namespace detail {
 
 int64_t context_bytes(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
                       int64_t padded_tokens) {
-  constexpr int64_t kBf16Bytes = 2;
-  const auto buffer = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
-  const int64_t h = s.hidden, i = s.intermediate;
-  const bool shared_keep = keep_gate_up && s.shared_expert;
-  return buffer(schedule_elements * 4) + buffer(ring_rows * h * kBf16Bytes) + buffer(ring_rows * i * kBf16Bytes) +
-         buffer(padded_tokens * i * kBf16Bytes) + (keep_gate_up ? buffer(ring_rows * 2 * i * kBf16Bytes) : 0) +
-         (shared_keep ? buffer(padded_tokens * 2 * i * kBf16Bytes) : 0);
+  return context_layout(s, keep_gate_up, schedule_elements, ring_rows, padded_tokens).buffers.total_bytes();
 }
 
 int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t capacity_rows,

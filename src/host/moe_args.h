@@ -19,9 +19,10 @@ void check_recompute_inputs(const RankForward& f, const MoeShape& s, int device)
 // separate gate and up gradients both or neither, of one dtype and mode).
 void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device);
 
-// Device bytes of one ForwardContext (what MoeWorkspace::make_context allocates): the schedule, the kept x
-// rows, h (and g | u with keep_gate_up) of `ring_rows` rows and the shared expert's h (and g | u) of
-// `padded_tokens` rows, each buffer rounded up to 256 bytes.
+// Device bytes of one ForwardContext (what MoeWorkspace::make_context allocates): the total of
+// context_layout (src/host/moe_layouts.h): the schedule, the kept x rows, h (and g | u with keep_gate_up) of
+// `ring_rows` rows and the shared expert's h (and g | u) of `padded_tokens` rows, each buffer rounded up to
+// 256 bytes.
 int64_t context_bytes(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
                       int64_t padded_tokens);
 // The workspace's ring (the rows a fused forward's context keeps; the backward replays the rows past it):

@@ -27,7 +27,6 @@
 #include "src/host/moe_state.h"
 
 namespace mok {
-using detail::carve;
 using detail::DeviceGuard;
 using detail::kBf16Bytes;
 using detail::kFloatBytes;
@@ -186,9 +185,9 @@ void issue_weight_grads(detail::MlpBackwardGemms g, int32_t* tickets, cudaStream
 }  // namespace
 
 // Buffers (docs/design.md, "Backward"): symmetric d_out, router weights and d_rw, and per rank one
-// allocation of scratch (MoeWorkspace::BackwardScratch).
+// allocation of scratch (MoeWorkspace::BackwardScratch, laid out by detail::backward_scratch_layout).
 void MoeWorkspace::allocate_backward() {
-  const int64_t t = shape_.num_tokens, k = shape_.top_k, h = shape_.hidden, i = shape_.intermediate;
+  const int64_t t = shape_.num_tokens, k = shape_.top_k, h = shape_.hidden;
   const int64_t pt = padded_tokens_, cap = capacity_rows();
   // Rows past a call's tokens are zeroed by every publish (publish_token_rows), so the shared expert's GEMMs,
   // which read whole padded tiles and sum its weight gradients over them, see zeros there (x_ likewise).
@@ -196,53 +195,39 @@ void MoeWorkspace::allocate_backward() {
   rw_ = group_.allocate(t * k * kFloatBytes);
   d_rw_ = group_.allocate(t * k * kFloatBytes);
   const int n_blocks = gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, shape_.intermediate);
-  const bool copies_x = ring_rows_ < cap;  // the context keeps only rows [0, ring)
-  const bool recomputes = recomputes_gate_up();
-  const bool shared_recomputes = !options_.keep_gate_up;
-  auto size = [](int64_t bytes) { return schedule::round_up(bytes, 256); };
-  int64_t bytes = (copies_x ? size(cap * h * kBf16Bytes) : 0) + 2 * size(cap * h * kBf16Bytes) +
-                  size(cap * kFloatBytes) + size(cap * 2 * i * kBf16Bytes) + size(cap * n_blocks * kFloatBytes) +
-                  size(sizeof(int32_t)) +
-                  (recomputes ? size(cap * i * kBf16Bytes) + size(cap * 2 * i * kBf16Bytes) : 0);
-  const int64_t counter_words =
-      backward_megakernel() ? detail::fused_backward_counter_words(cap / 64, pt / 64) : 0;
-  bytes += size(counter_words * 8);
-  if (shape_.shared_expert)
-    bytes += size(pt * 2 * i * kBf16Bytes) + size(pt * h * kBf16Bytes) + size(pt * n_blocks * kFloatBytes) +
-             (shared_recomputes ? size(pt * 2 * i * kBf16Bytes) + size(pt * i * kBf16Bytes) : 0);
+  const detail::BackwardScratchLayout layout = detail::backward_scratch_layout(
+      shape_, {.capacity_rows = cap,
+               .padded_tokens = pt,
+               .n_blocks = n_blocks,
+               .copies_x = ring_rows_ < cap,  // the context keeps only rows [0, ring)
+               .recomputes = recomputes_gate_up(),
+               .shared_recomputes = !options_.keep_gate_up,
+               .counter_words = backward_megakernel() ? detail::fused_backward_counter_words(cap / 64, pt / 64) : 0});
+  const int64_t bytes = layout.buffers.total_bytes();
   backward_bytes_ = int64_t(d_out_.bytes()) + int64_t(rw_.bytes()) + int64_t(d_rw_.bytes()) + bytes;
   for (int r : group_.local_ranks()) {
     BackwardScratch& w = ranks_[r].backward;
+    w.allocation = DeviceBuffer(ranks_[r].device, bytes);
     DeviceGuard guard(ranks_[r].device);
-    MOK_CHECK_CUDA(cudaMalloc(&w.allocation, bytes));
     // Zero once: rows no GEMM writes yet are finite (the weight-gradient GEMMs sum whole padded segments).
-    MOK_CHECK_CUDA(cudaMemset(w.allocation, 0, bytes));
-    w.bytes = bytes;
+    MOK_CHECK_CUDA(cudaMemset(w.allocation.get(), 0, bytes));
+    void* base = w.allocation.get();
     w.n_blocks = n_blocks;
-    char* cursor = static_cast<char*>(w.allocation);
-    w.x_rows = copies_x ? carve<char>(cursor, cap * h * kBf16Bytes) : nullptr;
-    w.d_out_rows = carve<char>(cursor, cap * h * kBf16Bytes);
-    w.dy_rows = carve<char>(cursor, cap * h * kBf16Bytes);
-    w.row_weight = carve<float>(cursor, cap);
-    if (recomputes) {
-      w.hidden = carve<char>(cursor, cap * i * kBf16Bytes);
-      w.gate_up = carve<char>(cursor, cap * 2 * i * kBf16Bytes);
-    }
-    w.d_gate_up = carve<char>(cursor, cap * 2 * i * kBf16Bytes);
-    w.row_partials = carve<float>(cursor, cap * n_blocks);
-    w.kept_rows = carve<int32_t>(cursor, 1);
-    w.counters = carve<uint64_t>(cursor, counter_words);
-    if (shape_.shared_expert) {
-      if (shared_recomputes) {
-        w.shared_gate_up = carve<char>(cursor, pt * 2 * i * kBf16Bytes);
-        w.shared_hidden = carve<char>(cursor, pt * i * kBf16Bytes);
-      }
-      w.shared_d_gate_up = carve<char>(cursor, pt * 2 * i * kBf16Bytes);
-      w.shared_dx = carve<char>(cursor, pt * h * kBf16Bytes);
-      w.shared_row_partials = carve<float>(cursor, pt * n_blocks);
-    }
-    if (cursor - static_cast<char*>(w.allocation) != bytes)
-      throw std::logic_error("MoeWorkspace: backward scratch layout and size disagree");
+    w.x_rows = layout.x_rows.in(base);
+    w.d_out_rows = layout.d_out_rows.in(base);
+    w.dy_rows = layout.dy_rows.in(base);
+    w.row_weight = layout.row_weight.in<float>(base);
+    w.hidden = layout.hidden.in(base);
+    w.gate_up = layout.gate_up.in(base);
+    w.d_gate_up = layout.d_gate_up.in(base);
+    w.row_partials = layout.row_partials.in<float>(base);
+    w.kept_rows = layout.kept_rows.in<int32_t>(base);
+    w.counters = layout.counters.in<uint64_t>(base);
+    w.shared_gate_up = layout.shared_gate_up.in(base);
+    w.shared_hidden = layout.shared_hidden.in(base);
+    w.shared_d_gate_up = layout.shared_d_gate_up.in(base);
+    w.shared_dx = layout.shared_dx.in(base);
+    w.shared_row_partials = layout.shared_row_partials.in<float>(base);
   }
   for (int r : group_.local_ranks()) {
     DeviceGuard guard(ranks_[r].device);
@@ -287,6 +272,7 @@ void MoeWorkspace::validate_recompute(const RankForward& f) const {
 
 // Every argument of every rank is checked before anything is issued (see issue_call).
 void MoeWorkspace::backward(std::span<const RankBackward> ranks) {
+  require_open("backward");
   for (const RankBackward& b : ranks) validate_backward(b);
   for (const RankBackward& b : ranks) begin_call(b.rank, b.stream);
   for (const RankBackward& b : ranks) backward_publish(b);
@@ -524,6 +510,7 @@ void MoeWorkspace::backward_epilogue(const RankBackward& b) {
 // recompute_forward_context: the forward's publish, dispatch and gate/up GEMMs into the context, without
 // the down GEMMs and the combine. Two barriers like every call: the second says "done pulling your x".
 void MoeWorkspace::recompute_forward_context(std::span<const RankForward> ranks) {
+  require_open("recompute_forward_context");
   for (const RankForward& f : ranks) validate_recompute(f);
   for (const RankForward& f : ranks) begin_call(f.rank, f.stream);
   for (const RankForward& f : ranks) recompute_publish(f);

@@ -8,48 +8,19 @@
 
 #include <cuda_runtime_api.h>
 
+#include "mok/device_buffer.h"
 #include "mok/moe.h"
 #include "src/device/combine/push_rows.cuh"
 #include "src/device/schedule/placement.h"
 #include "src/host/check.h"
+#include "src/host/cuda_event.h"
+#include "src/host/moe_layouts.h"
 
 namespace mok {
 namespace detail {
 
 inline constexpr int64_t kBf16Bytes = 2;
 inline constexpr int64_t kFloatBytes = 4;
-
-// Tickets of the GEMM launches (each launch zeroes its own on the stream). The forward's four: an MLP takes
-// two consecutive ones (gate/up, down); the fused forward uses the first two as its compute and
-// communication tickets. Then the backward's: per MLP (shared, routed) the g/u recompute, the down dgrad,
-// the gate/up dgrad and the two weight-gradient GEMMs.
-enum Ticket : int {
-  kSharedGateUp = 0,
-  kSharedDown,
-  kExpertGateUp,
-  kExpertDown,
-  kBackwardShared,                 // five consecutive: kBackwardStep order
-  kBackwardExpert = kBackwardShared + 5,
-  kNumTickets = kBackwardExpert + 5,
-};
-// The backward GEMMs of one MLP, as offsets from kBackwardShared / kBackwardExpert.
-enum BackwardStep : int { kRecompute = 0, kDownDgrad, kGateUpDgrad, kDownWgrad, kGateUpWgrad };
-
-// The shared expert as a one-expert schedule over the rank's own tokens: counts {T}, row offsets
-// {0, padded T}, scheduled rows {padded T}.
-struct SharedSchedule {
-  int32_t counts[1];
-  int32_t row_offsets[2];
-  int32_t scheduled_rows[1];
-};
-
-// The next `count` elements of T from a 256-byte aligned carve of one allocation.
-template <typename T>
-T* carve(char*& cursor, int64_t count) {
-  T* p = reinterpret_cast<T*>(cursor);
-  cursor += schedule::round_up(count * int64_t(sizeof(T)), 256);
-  return p;
-}
 
 // One grid-stride launch of row kernels: enough warps to keep NVLink busy, at most a few CTAs per SM.
 inline int row_kernel_ctas(int64_t rows, int warps_per_cta, int num_sms) {
@@ -71,11 +42,11 @@ inline void launch_combine_epilogue(const combine::EpilogueParams& p, DType inde
 
 }  // namespace detail
 
-// Per-rank scratch of the backward (MoeOptions::backward), one allocation (docs/design.md, "Backward").
-// Routed rows are the schedule's (capacity rows, expert-major); shared rows the rank's padded tokens.
+// Per-rank scratch of the backward (MoeOptions::backward), one allocation (docs/design.md, "Backward") laid
+// out by detail::backward_scratch_layout. Routed rows are the schedule's (capacity rows, expert-major); shared
+// rows the rank's padded tokens.
 struct MoeWorkspace::BackwardScratch {
-  void* allocation = nullptr;
-  int64_t bytes = 0;
+  DeviceBuffer allocation;      // empty without MoeOptions::backward
   int n_blocks = 0;             // gemm_n_blocks(kSwiGLUBackward, I): the d_rw partials per row
   // Routed experts, [capacity, ...]
   void* x_rows = nullptr;       // bf16 [capacity, H]: the x rows, when the context keeps fewer than all of
@@ -108,18 +79,18 @@ struct MoeWorkspace::BackwardScratch {
 struct MoeWorkspace::RankState {
   int device = -1;
   int num_sms = 0;
-  void* allocation = nullptr;
+  DeviceBuffer allocation;       // detail::rank_scratch_layout
   void* y = nullptr;             // bf16 [ring rows, H]
   void* shared_out = nullptr;    // bf16 [padded T, H]
   int32_t* tickets = nullptr;    // [kNumTickets]
   detail::SharedSchedule* shared_schedule = nullptr;
   uint64_t* fused_counters = nullptr;  // detail::fused_counter_words
   uint64_t* timeline = nullptr;        // detail::fused_timeline_words, or null
-  BackwardScratch backward;            // allocation null without MoeOptions::backward
+  BackwardScratch backward;
   // The rank's last call issued outside a CUDA-graph capture: its stream, and an event recorded after its
   // last kernel. A call on another stream waits for that event first (the buffers above, the symmetric
   // buffers, counters and tickets are shared by every call of the workspace).
-  cudaEvent_t call_done = nullptr;
+  detail::CudaEvent call_done;
   mutable cudaStream_t call_stream = nullptr;  // mutable: read_status (const) orders itself too
   mutable bool has_call = false;
 };

@@ -7,6 +7,8 @@
 
 #include <nccl_device.h>
 
+#include "mok/device_buffer.h"
+
 #include "src/host/check.h"
 
 namespace mok::detail {
@@ -22,14 +24,13 @@ __global__ void window_peer_pointers_kernel(ncclWindow_t window, int ep_size, Pe
 
 PeerPointers window_peer_pointers(ncclWindow_t window, int ep_size) {
   if (window == nullptr) throw std::runtime_error("NCCL returned no window for a symmetric allocation");
-  PeerPointers* device_table = nullptr;
-  MOK_CHECK_CUDA(cudaMalloc(&device_table, sizeof(PeerPointers)));
-  window_peer_pointers_kernel<<<1, 128>>>(window, ep_size, device_table);
+  int device = 0;
+  MOK_CHECK_CUDA(cudaGetDevice(&device));
+  const DeviceBuffer device_table(device, sizeof(PeerPointers));
+  window_peer_pointers_kernel<<<1, 128>>>(window, ep_size, static_cast<PeerPointers*>(device_table.get()));
+  MOK_CHECK_CUDA(cudaGetLastError());
   PeerPointers table{};
-  cudaError_t error = cudaGetLastError();
-  if (error == cudaSuccess) error = cudaMemcpy(&table, device_table, sizeof(table), cudaMemcpyDeviceToHost);
-  cudaFree(device_table);
-  MOK_CHECK_CUDA(error);
+  MOK_CHECK_CUDA(cudaMemcpy(&table, device_table.get(), sizeof(table), cudaMemcpyDeviceToHost));
   return table;
 }
 

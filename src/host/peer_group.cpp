@@ -1,15 +1,20 @@
 // Peer groups: virtual ranks on one GPU, one rank per GPU with CUDA peer access, or NCCL symmetric windows.
 #include "mok/peer_group.h"
 
+#include <atomic>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
 #include <cuda_runtime_api.h>
 
+#include "mok/device_buffer.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
+#include "src/host/failure_injection.h"
 #include "src/host/nccl_windows.h"
+#include "src/host/teardown.h"
 
 namespace mok {
 using detail::check_nccl;
@@ -28,39 +33,100 @@ SymmetricAllocation::SymmetricAllocation(SymmetricAllocation&& other) noexcept {
 
 SymmetricAllocation& SymmetricAllocation::operator=(SymmetricAllocation&& other) noexcept {
   if (this != &other) {
-    release();
+    release_without_collective();
     ptrs_ = std::move(other.ptrs_);
     tables_ = std::move(other.tables_);
     devices_ = std::move(other.devices_);
     comms_ = std::move(other.comms_);
     windows_ = std::move(other.windows_);
     bytes_ = other.bytes_;
+    closed_ = other.closed_;
     other.ptrs_.clear();
+    other.windows_.clear();
+    other.closed_ = false;
   }
   return *this;
 }
 
-SymmetricAllocation::~SymmetricAllocation() { release(); }
+SymmetricAllocation::~SymmetricAllocation() { release_without_collective(); }
 
-void SymmetricAllocation::release() {
-  int previous = 0;
-  cudaGetDevice(&previous);
-  for (size_t r = 0; r < ptrs_.size(); ++r) {
-    if (ptrs_[r] == nullptr) continue;
-    cudaSetDevice(devices_[r]);
-    if (comms_.empty()) {
-      cudaFree(ptrs_[r]);
-    } else {
-      // Deregistration is collective like registration; every process frees its windows in the same order.
-      ncclCommWindowDeregister(comms_[r], windows_[r]);
-      ncclMemFree(ptrs_[r]);
-    }
+// Never a collective (docs/design.md, "Lifetimes"): windows still registered are leaked, with a warning.
+void SymmetricAllocation::release_without_collective() noexcept {
+  if (needs_close()) {
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true))
+      std::fprintf(stderr,
+                   "mok: a symmetric allocation (%zu bytes per rank) was destroyed without close(): its NCCL windows "
+                   "are leaked, not deregistered (deregistration is collective; this warning is printed once)\n",
+                   bytes_);
+    leak_windows();
   }
-  cudaSetDevice(previous);
-  ptrs_.clear();
+  free_local();
+}
+
+bool SymmetricAllocation::needs_close() const {
+  for (ncclWindow_t window : windows_)
+    if (window != nullptr) return true;
+  return false;
+}
+
+void SymmetricAllocation::leak_windows() noexcept {
+  for (size_t r = 0; r < windows_.size(); ++r) {
+    if (windows_[r] == nullptr) continue;
+    windows_[r] = nullptr;
+    ptrs_[r] = nullptr;  // registered memory must not be freed while its window exists
+  }
+}
+
+void SymmetricAllocation::free_local() noexcept {
+  for (size_t r = 0; r < ptrs_.size(); ++r) {
+    if (ptrs_[r] == nullptr || (!windows_.empty() && windows_[r] != nullptr)) continue;
+    detail::TeardownDeviceGuard guard(devices_[r]);
+    if (guard.ok()) {
+      if (comms_.empty())
+        detail::check_teardown(cudaFree(ptrs_[r]), "cudaFree");
+      else if (const ncclResult_t result = ncclMemFree(ptrs_[r]); result != ncclSuccess)
+        detail::report_teardown_error("ncclMemFree", ncclGetErrorString(result));
+    }
+    detail::note_free();
+    ptrs_[r] = nullptr;
+  }
+}
+
+void SymmetricAllocation::close() {
+  if (closed_) return;
+  closed_ = true;  // also when a step below throws: the windows are given up, never deregistered twice
+  std::string error;
+  if (needs_close()) {
+    // Deregistration is collective like registration: one NCCL group call, so one process may drive
+    // several ranks; every process closes its allocations in the same order.
+    auto note = [&error](ncclResult_t result, const char* call) {
+      if (result != ncclSuccess && error.empty()) error = std::string(call) + ": " + ncclGetErrorString(result);
+    };
+    int previous = -1;  // the collective is reached even when this fails (the peers wait in it)
+    if (cudaGetDevice(&previous) != cudaSuccess) (void)cudaGetLastError();
+    note(ncclGroupStart(), "ncclGroupStart");
+    for (size_t r = 0; r < windows_.size() && error.empty(); ++r) {
+      if (windows_[r] == nullptr) continue;
+      if (const cudaError_t e = cudaSetDevice(devices_[r]); e != cudaSuccess)
+        error = std::string("cudaSetDevice: ") + cudaGetErrorString(e);
+      else
+        note(ncclCommWindowDeregister(comms_[r], windows_[r]), "ncclCommWindowDeregister");
+    }
+    note(ncclGroupEnd(), "ncclGroupEnd");
+    if (previous >= 0) detail::check_teardown(cudaSetDevice(previous), "cudaSetDevice (restoring the caller's device)");
+    if (error.empty())
+      for (ncclWindow_t& window : windows_) window = nullptr;  // deregistered: the memory can go
+    else
+      leak_windows();  // a window whose deregistration failed may still map the memory: keep it
+  }
+  free_local();
+  if (!error.empty())
+    throw std::runtime_error("SymmetricAllocation::close: " + error + " (the windows are leaked)");
 }
 
 void* SymmetricAllocation::on(int rank) const {
+  if (closed_) throw std::logic_error("SymmetricAllocation: closed (close() was called)");
   void* ptr = ptrs_.at(rank);
   if (ptr == nullptr) throw std::invalid_argument("SymmetricAllocation: rank " + std::to_string(rank) + " is not local");
   return ptr;
@@ -161,6 +227,8 @@ int PeerGroup::device(int rank) const {
   return devices_[rank];
 }
 
+// Exception-safe: a throw at any step leaves `allocation` to its destructor, which frees every copy made so
+// far (NCCL windows already registered are leaked with its warning: deregistering is collective).
 SymmetricAllocation PeerGroup::allocate(size_t bytes) const {
   SymmetricAllocation allocation;
   allocation.bytes_ = bytes;
@@ -172,8 +240,12 @@ SymmetricAllocation PeerGroup::allocate(size_t bytes) const {
     allocation.comms_ = comms_;
     allocation.windows_.assign(size(), nullptr);
     for (int r : local) {
+      detail::construction_step("ncclMemAlloc");
       DeviceGuard guard(devices_[r]);
-      check_nccl(ncclMemAlloc(&allocation.ptrs_[r], bytes), "ncclMemAlloc");
+      void* ptr = nullptr;
+      check_nccl(ncclMemAlloc(&ptr, bytes), "ncclMemAlloc");
+      allocation.ptrs_[r] = ptr;
+      detail::note_allocation();
       MOK_CHECK_CUDA(cudaMemset(allocation.ptrs_[r], 0, bytes));
       MOK_CHECK_CUDA(cudaDeviceSynchronize());
     }
@@ -193,8 +265,12 @@ SymmetricAllocation PeerGroup::allocate(size_t bytes) const {
     return allocation;
   }
   for (int r : local) {
+    detail::construction_step("cudaMalloc");
     DeviceGuard guard(devices_[r]);
-    MOK_CHECK_CUDA(cudaMalloc(&allocation.ptrs_[r], bytes));
+    void* ptr = nullptr;
+    MOK_CHECK_CUDA(cudaMalloc(&ptr, bytes));
+    allocation.ptrs_[r] = ptr;
+    detail::note_allocation();
     MOK_CHECK_CUDA(cudaMemset(allocation.ptrs_[r], 0, bytes));
   }
   for (int r : local) {
@@ -216,28 +292,28 @@ std::vector<int64_t> PeerGroup::all_gather(const std::vector<int64_t>& values) c
   }
   gathered.assign(size() * count, 0);
   const std::vector<int> local = local_ranks();
-  std::vector<int64_t*> buffers(size(), nullptr);
+  std::vector<DeviceBuffer> buffers(size());  // [size() * count] gathered, then this rank's values
   for (int r : local) {
+    buffers[r] = DeviceBuffer(devices_[r], (size() + 1) * count * sizeof(int64_t));
     DeviceGuard guard(devices_[r]);
-    MOK_CHECK_CUDA(cudaMalloc(&buffers[r], (size() + 1) * count * sizeof(int64_t)));
-    MOK_CHECK_CUDA(cudaMemcpy(buffers[r] + size() * count, values.data(), count * sizeof(int64_t),
-                              cudaMemcpyHostToDevice));
+    MOK_CHECK_CUDA(cudaMemcpy(static_cast<int64_t*>(buffers[r].get()) + size() * count, values.data(),
+                              count * sizeof(int64_t), cudaMemcpyHostToDevice));
   }
   // One process may drive several ranks: a group call, as for the window registration.
   check_nccl(ncclGroupStart(), "ncclGroupStart");
   for (int r : local) {
     DeviceGuard guard(devices_[r]);
-    check_nccl(ncclAllGather(buffers[r] + size() * count, buffers[r], count, ncclInt64, comms_[r], nullptr),
-               "ncclAllGather");
+    int64_t* buffer = static_cast<int64_t*>(buffers[r].get());
+    check_nccl(ncclAllGather(buffer + size() * count, buffer, count, ncclInt64, comms_[r], nullptr), "ncclAllGather");
   }
   check_nccl(ncclGroupEnd(), "ncclGroupEnd");
   for (int r : local) {
     DeviceGuard guard(devices_[r]);
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
-    if (r == local.front())
-      MOK_CHECK_CUDA(cudaMemcpy(gathered.data(), buffers[r], size() * count * sizeof(int64_t), cudaMemcpyDeviceToHost));
-    cudaFree(buffers[r]);
   }
+  DeviceGuard guard(devices_[local.front()]);
+  MOK_CHECK_CUDA(cudaMemcpy(gathered.data(), buffers[local.front()].get(), size() * count * sizeof(int64_t),
+                            cudaMemcpyDeviceToHost));
   return gathered;
 }
 

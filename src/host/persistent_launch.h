@@ -9,7 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include "src/host/check.h"
-#include "src/host/device_guard.h"
+#include "src/host/launch_cache.h"
 
 namespace mok::detail {
 
@@ -33,22 +33,11 @@ inline cudaLaunchConfig_t persistent_launch_config(int grid_ctas, int threads, i
 
 // CTAs of the persistent launch of `kernel` on `device`: as many clusters as fit at once (at least two),
 // times cluster_n. Sets the kernel's shared-memory attribute on the device (call it before launching there).
-// `name` names the kernel in the errors.
+// Queried once per device and kernel (src/host/launch_cache.h). `name` names the kernel in the errors.
 template <class Kernel>
 int persistent_grid_ctas(Kernel kernel, int threads, int smem_bytes, int cluster_n, int device, const char* name) {
-  DeviceGuard guard(device);
-  int num_sms = 0, max_smem = 0;
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (smem_bytes > max_smem)
-    throw std::runtime_error(std::string(name) + ": needs " + std::to_string(smem_bytes) +
-                             " bytes of shared memory per CTA, the device allows " + std::to_string(max_smem));
-  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  cudaLaunchAttribute cluster_attr;
-  cudaLaunchConfig_t config =
-      persistent_launch_config(num_sms - num_sms % cluster_n, threads, smem_bytes, cluster_n, nullptr, &cluster_attr);
-  int max_clusters = 0;
-  MOK_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &config));
+  const int max_clusters =
+      max_active_clusters(reinterpret_cast<const void*>(kernel), threads, smem_bytes, cluster_n, device, name);
   if (max_clusters < 2) throw std::runtime_error(std::string(name) + ": fewer than two clusters fit on the device");
   return max_clusters * cluster_n;
 }

@@ -5,10 +5,15 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "mok/device_buffer.h"
 #include "src/device/schedule/schedule_kernels.cuh"
+#include "src/host/buffer_layout.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
+#include "src/host/launch_cache.h"
+#include "src/host/teardown.h"
 
 namespace mok {
 using detail::DeviceGuard;
@@ -25,20 +30,15 @@ __global__ void reset_rank_kernel(DeviceStatus* status, DeviceStatus initial, ui
 
 }  // namespace
 
-// One rank's private allocation: [DeviceStatus][epoch][pad][ScheduleLayout int32 buffers].
+// One rank's private allocation: its status word, its epoch and its schedule (ScheduleLayout's int32 buffers).
 struct ScheduleWorkspace::RankState {
   int device = 0;
   int num_sms = 0;
-  void* allocation = nullptr;
+  DeviceBuffer allocation;
   DeviceStatus* status = nullptr;
   uint64_t* epoch = nullptr;
   int32_t* schedule = nullptr;
 };
-
-namespace {
-constexpr size_t kHeaderBytes = 256;
-static_assert(sizeof(DeviceStatus) + sizeof(uint64_t) <= kHeaderBytes, "status and epoch fit the header");
-}  // namespace
 
 ScheduleWorkspace::ScheduleWorkspace(const PeerGroup& group, const RoutingShape& shape, const ScheduleOptions& options)
     : group_(group), shape_(shape), options_(options) {
@@ -50,46 +50,48 @@ ScheduleWorkspace::ScheduleWorkspace(const PeerGroup& group, const RoutingShape&
   capacity_rows_ = resolved_capacity_rows(shape_, options_);
   gather_ = group.allocate(schedule::GatherLayout::bytes(shape_.ep_size, shape_.routes_per_rank()));
 
-  const auto layout = schedule::ScheduleLayout::make(shape_.ep_size, shape_.local_experts(),
-                                                     shape_.routes_per_rank(), capacity_rows_);
+  detail::BufferLayout layout;
+  const detail::BufferSlot status = layout.add_array<DeviceStatus>("status", 1);
+  const detail::BufferSlot epoch = layout.add_array<uint64_t>("epoch", 1);
+  const detail::BufferSlot schedule = layout.add_array<int32_t>("schedule", schedule_elements());
   ranks_.resize(shape_.ep_size);
   for (int r : group.local_ranks()) {
     RankState& state = ranks_[r];
     state.device = group.device(r);
+    state.num_sms = detail::device_limits(state.device).num_sms;
+    state.allocation = DeviceBuffer(state.device, layout.total_bytes());
     DeviceGuard guard(state.device);
-    MOK_CHECK_CUDA(cudaDeviceGetAttribute(&state.num_sms, cudaDevAttrMultiProcessorCount, state.device));
-    const size_t bytes = kHeaderBytes + size_t(layout.total_elements) * sizeof(int32_t);
-    MOK_CHECK_CUDA(cudaMalloc(&state.allocation, bytes));
-    MOK_CHECK_CUDA(cudaMemset(state.allocation, 0, bytes));
-    state.status = static_cast<DeviceStatus*>(state.allocation);
-    state.epoch = reinterpret_cast<uint64_t*>(static_cast<char*>(state.allocation) + sizeof(DeviceStatus));
-    state.schedule = reinterpret_cast<int32_t*>(static_cast<char*>(state.allocation) + kHeaderBytes);
+    MOK_CHECK_CUDA(cudaMemset(state.allocation.get(), 0, layout.total_bytes()));
+    state.status = status.in<DeviceStatus>(state.allocation.get());
+    state.epoch = epoch.in<uint64_t>(state.allocation.get());
+    state.schedule = schedule.in<int32_t>(state.allocation.get());
     const DeviceStatus initial = initial_device_status();
     MOK_CHECK_CUDA(cudaMemcpy(state.status, &initial, sizeof(initial), cudaMemcpyHostToDevice));
     // The count kernel's histogram holds one int32 per local expert.
     const int histogram_bytes = shape_.local_experts() * int(sizeof(int32_t));
     if (histogram_bytes > 48 * 1024) {
-      int max_bytes = 0;
-      MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, state.device));
-      if (histogram_bytes > max_bytes)
+      if (histogram_bytes > detail::device_limits(state.device).max_shared_bytes)
         throw std::invalid_argument("ScheduleWorkspace: " + std::to_string(shape_.local_experts()) +
                                     " local experts exceed the shared-memory histogram limit");
-      MOK_CHECK_CUDA(cudaFuncSetAttribute(schedule::count_chunks_kernel,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, histogram_bytes));
+      detail::prepare_kernel(reinterpret_cast<const void*>(schedule::count_chunks_kernel), histogram_bytes,
+                             state.device, "count_chunks_kernel");
     }
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
   }
 }
 
-ScheduleWorkspace::~ScheduleWorkspace() {
-  for (RankState& state : ranks_) {
-    if (state.allocation == nullptr) continue;
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(state.device);
-    cudaFree(state.allocation);
-    cudaSetDevice(previous);
-  }
+ScheduleWorkspace::~ScheduleWorkspace() = default;
+
+// The collective is reached whatever fails before it (the peers wait in it); the first error is thrown after.
+void ScheduleWorkspace::close() {
+  if (closed_) return;
+  closed_ = true;
+  std::vector<int> devices;
+  for (int r : group_.local_ranks()) devices.push_back(ranks_[r].device);
+  const std::string error = detail::synchronize_devices(devices);  // the buffers must be idle before they go
+  for (RankState& state : ranks_) state.allocation.reset();
+  gather_.close();
+  if (!error.empty()) throw std::runtime_error("ScheduleWorkspace::close: " + error);
 }
 
 namespace {
@@ -118,6 +120,7 @@ schedule::ScheduleParams make_params(const RoutingShape& shape, const ScheduleOp
 }  // namespace
 
 const ScheduleWorkspace::RankState& ScheduleWorkspace::local_state(int rank, const char* caller) const {
+  if (closed_) throw std::logic_error(std::string("ScheduleWorkspace::") + caller + ": closed (close() was called)");
   if (!group_.is_local(rank))
     throw std::invalid_argument(std::string(caller) + ": rank " + std::to_string(rank) + " is not a local rank of the group");
   return ranks_[rank];

@@ -11,6 +11,7 @@
 #include "src/device/gemm/weight_grad_gemm.cuh"
 #include "src/device/gemm/weight_grad_in_gemm_layout.cuh"
 #include "src/host/check.h"
+#include "src/host/launch_cache.h"
 #include "src/host/weight_grad_in_gemm_layout.h"
 #include "src/host/weight_grad_params.h"
 
@@ -36,14 +37,11 @@ template <class Kernel, class Params>
 void launch_persistent(Kernel kernel, const Params& p, int threads, int shared_bytes, int64_t tiles,
                        int32_t* ticket, cudaStream_t stream) {
   MOK_CHECK_CUDA(cudaMemsetAsync(ticket, 0, sizeof(int32_t), stream));
-  int device = 0, num_sms = 0, max_smem = 0;
+  int device = 0;
   MOK_CHECK_CUDA(cudaGetDevice(&device));
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  MOK_CHECK_CUDA(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (shared_bytes > max_smem)
-    throw std::runtime_error("weight_grad_gemm: tile config needs " + std::to_string(shared_bytes) +
-                             " bytes of shared memory, device allows " + std::to_string(max_smem));
-  MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+  // The SM count and the kernel's shared-memory attribute: once per device (src/host/launch_cache.h).
+  const int num_sms = detail::device_limits(device).num_sms;
+  detail::prepare_kernel(reinterpret_cast<const void*>(kernel), shared_bytes, device, "weight_grad_gemm");
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(num_sms, tiles)));
   config.blockDim = dim3(threads);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -278,10 +279,22 @@ MoeHarness::MoeHarness(PeerGroup group, const MoeShape& shape, const MoeOptions&
   }
 }
 
+void MoeHarness::close() {
+  synchronize();
+  workspace_->close();
+}
+
 MoeHarness::~MoeHarness() {
   for (int r : group_.local_ranks()) {
     DeviceGuard guard(group_.device(r));
     cudaStreamSynchronize(streams_[r]);
+  }
+  if (group_.local_ranks().size() == static_cast<size_t>(group_.size())) {
+    try {
+      workspace_->close();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "MoeHarness: close failed: %s\n", e.what());
+    }
   }
   buffers_.clear();
   for (int r : group_.local_ranks()) {

@@ -70,7 +70,11 @@ class MoeHarness {
  public:
   // Virtual ranks share one stream; other groups get a stream per local rank.
   MoeHarness(PeerGroup group, const MoeShape& shape, const MoeOptions& options = {});
+  // Frees the buffers; closes the workspace when this process drives every rank of the group (no peer can be
+  // left waiting in the collective), else only close() does (docs/design.md, "Lifetimes").
   ~MoeHarness();
+  // Synchronizes the streams, then MoeWorkspace::close: collective, every process of an NCCL group calls it.
+  void close();
   MoeHarness(const MoeHarness&) = delete;
   MoeHarness& operator=(const MoeHarness&) = delete;
 

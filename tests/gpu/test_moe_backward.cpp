@@ -904,7 +904,9 @@ double check_call_outputs(MoeHarness& harness, const LayerData& reference_data, 
       extra[n] = static_cast<float>(std::ldexp(sum, -8));
     }
     const auto result = testing::compare_within_budget(out, ref.out.data() + r * t * h, rows * h, extra.data());
-    if (rows > 0) EXPECT_LE(result.worst_ratio, 1.0) << label << " rank " << r << " out: " << result.describe(h);
+    if (rows > 0) {
+      EXPECT_LE(result.worst_ratio, 1.0) << label << " rank " << r << " out: " << result.describe(h);
+    }
     worst = std::max(worst, rows > 0 ? result.worst_ratio : 0.0);
     for (int64_t n = rows * h; n < t * h; ++n) {
       if (out[n] == testing::kBf16Poison) continue;
@@ -941,7 +943,10 @@ TEST(MoeBackwardTest, AnyTokenCountPerRankUpToTheWorkspaces) {
       harness.backward();
       harness.check_status();
       std::string list;
-      for (int n : tokens) list += (list.empty() ? "" : ",") + std::to_string(n);
+      for (int n : tokens) {
+        if (!list.empty()) list += ',';
+        list += std::to_string(n);
+      }
       const std::string label = describe(shape) + " tokens " + list + " seed " + std::to_string(seed) +
                                 (path == ForwardPath::kFused ? " fused" : " unfused");
       const double out_worst = check_call_outputs(harness, reference_data, tokens, label);

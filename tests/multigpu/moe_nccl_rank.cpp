@@ -55,7 +55,8 @@ int main(int argc, char** argv) {
         const std::string mismatch = mok::testing::check_provenance(data, rank, harness.out_bits(rank));
         if (!mismatch.empty()) throw std::runtime_error("hot slot " + std::to_string(hot) + ": " + mismatch);
       }
-    }  // the harness frees its windows (collective) before the communicator goes
+      harness.close();  // the collective teardown, explicitly on every rank, before the communicator goes
+    }
     ncclCommDestroy(comm);
     std::printf("rank %d of %d: provenance exact for every hot slot\n", rank, ep_size);
     return 0;

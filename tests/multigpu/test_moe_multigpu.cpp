@@ -1,11 +1,14 @@
 // The MoE forward (the default, fused path) on two GPUs: device peers (CUDA peer access) and NCCL symmetric
 // windows (two communicators in this process, ncclCommInitAll), each bitwise against the same ranks run as
 // virtual ranks on one GPU; provenance through NCCL's LSA pointers, in one process and in one process per
-// GPU (the way a training job uses it); reruns bitwise; one full-size shape against the unfused path.
+// GPU (the way a training job uses it); reruns bitwise; one full-size shape against the unfused path; the
+// explicit collective teardown (close() deregisters the windows, the destructor never calls a collective).
 #include <spawn.h>
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -147,6 +150,42 @@ TEST(MoeMultiGpuTest, NcclAcrossProcesses) {
 
 // The ranks build workspaces of different token counts: every rank gets an error naming the field (the
 // shapes are all-gathered before any collective allocation), no rank hangs.
+// Lifetimes (docs/design.md): close() is the collective teardown (this process drives both communicators, so
+// one group call per buffer deregisters both ranks' windows), idempotent, and later calls throw; a workspace
+// destroyed without close() prints one warning and leaks its windows instead of calling the collective.
+TEST(MoeMultiGpuTest, NcclCloseIsExplicitAndTheDestructorCallsNoCollective) {
+  MOK_REQUIRE_GPUS(2);
+  const MoeShape shape = make_shape(96, 4, 32, 256, 128);
+  const std::string warning =
+      "mok: MoeWorkspace destroyed without close(): its NCCL windows are leaked, not deregistered "
+      "(deregistration is collective)";
+  NcclPair nccl;
+  {
+    MoeHarness harness(nccl.group(), shape);
+    harness.upload(testing::random_layer(shape, 150));
+    harness.forward();
+    harness.check_status();
+    MoeWorkspace& ws = harness.workspace();
+    EXPECT_TRUE(ws.needs_close());
+    harness.close();
+    EXPECT_TRUE(ws.closed());
+    EXPECT_FALSE(ws.needs_close());
+    ws.close();  // idempotent: no second deregistration
+    EXPECT_THROW(ws.make_context(0), std::logic_error);
+    EXPECT_THROW(ws.forward(harness.all_args()), std::logic_error);
+    ::testing::internal::CaptureStderr();
+  }  // closed: destroyed without a word
+  std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("without close"), std::string::npos) << err;
+  auto unclosed = std::make_unique<MoeWorkspace>(nccl.group(), shape);
+  EXPECT_TRUE(unclosed->needs_close());
+  ::testing::internal::CaptureStderr();
+  unclosed.reset();  // frees the local buffers only: no deregistration (a collective)
+  err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find(warning), std::string::npos) << err;
+  EXPECT_EQ(err.find(warning), err.rfind(warning)) << "one warning per workspace: " << err;
+}
+
 TEST(MoeMultiGpuTest, NcclMismatchedShapesRejectedOnEveryRank) {
   MOK_REQUIRE_GPUS(2);
   run_two_rank_processes("mismatch");

@@ -1,0 +1,59 @@
+// The workspace's and the context's allocation layouts (src/host/moe_layouts.h).
+#include "src/host/moe_layouts.h"
+
+namespace mok::detail {
+namespace {
+constexpr int64_t kBf16 = 2;
+}  // namespace
+
+ContextLayout context_layout(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
+                             int64_t padded_tokens) {
+  const int64_t h = s.hidden, i = s.intermediate;
+  ContextLayout l;
+  l.schedule = l.buffers.add_array<int32_t>("schedule", schedule_elements);
+  l.expert_rows = l.buffers.add("expert_rows", ring_rows * h * kBf16);
+  l.hidden = l.buffers.add("hidden", ring_rows * i * kBf16);
+  l.shared_hidden = l.buffers.add("shared_hidden", padded_tokens * i * kBf16);
+  l.gate_up = l.buffers.add("gate_up", keep_gate_up ? ring_rows * 2 * i * kBf16 : 0);
+  l.shared_gate_up =
+      l.buffers.add("shared_gate_up", keep_gate_up && s.shared_expert ? padded_tokens * 2 * i * kBf16 : 0);
+  return l;
+}
+
+RankScratchLayout rank_scratch_layout(const MoeShape& s, int64_t ring_rows, int64_t padded_tokens,
+                                      int64_t counter_words, int64_t timeline_words) {
+  const int64_t h = s.hidden;
+  RankScratchLayout l;
+  l.y = l.buffers.add("y", ring_rows * h * kBf16);
+  l.shared_out = l.buffers.add("shared_out", padded_tokens * h * kBf16);
+  l.tickets = l.buffers.add_array<int32_t>("tickets", kNumTickets);
+  l.shared_schedule = l.buffers.add_array<SharedSchedule>("shared_schedule", 1);
+  l.fused_counters = l.buffers.add_array<uint64_t>("fused_counters", counter_words);
+  l.timeline = l.buffers.add_array<uint64_t>("timeline", timeline_words);
+  return l;
+}
+
+BackwardScratchLayout backward_scratch_layout(const MoeShape& s, const BackwardScratchShape& b) {
+  const int64_t h = s.hidden, i = s.intermediate, cap = b.capacity_rows, pt = b.padded_tokens;
+  const bool shared = s.shared_expert;
+  BackwardScratchLayout l;
+  BufferLayout& a = l.buffers;
+  l.x_rows = a.add("x_rows", b.copies_x ? cap * h * kBf16 : 0);
+  l.d_out_rows = a.add("d_out_rows", cap * h * kBf16);
+  l.dy_rows = a.add("dy_rows", cap * h * kBf16);
+  l.row_weight = a.add_array<float>("row_weight", cap);
+  l.hidden = a.add("hidden", b.recomputes ? cap * i * kBf16 : 0);
+  l.gate_up = a.add("gate_up", b.recomputes ? cap * 2 * i * kBf16 : 0);
+  l.d_gate_up = a.add("d_gate_up", cap * 2 * i * kBf16);
+  l.row_partials = a.add_array<float>("row_partials", cap * b.n_blocks);
+  l.kept_rows = a.add_array<int32_t>("kept_rows", 1);
+  l.counters = a.add_array<uint64_t>("counters", b.counter_words);
+  l.shared_gate_up = a.add("shared_gate_up", shared && b.shared_recomputes ? pt * 2 * i * kBf16 : 0);
+  l.shared_hidden = a.add("shared_hidden", shared && b.shared_recomputes ? pt * i * kBf16 : 0);
+  l.shared_d_gate_up = a.add("shared_d_gate_up", shared ? pt * 2 * i * kBf16 : 0);
+  l.shared_dx = a.add("shared_dx", shared ? pt * h * kBf16 : 0);
+  l.shared_row_partials = a.add_array<float>("shared_row_partials", shared ? pt * b.n_blocks : 0);
+  return l;
+}
+
+}  // namespace mok::detail

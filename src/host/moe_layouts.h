@@ -1,0 +1,83 @@
+// The layouts of MoeWorkspace's per-rank allocations and of a ForwardContext (docs/design.md, "Lifetimes"):
+// one BufferLayout (src/host/buffer_layout.h) each, which both sizes the allocation and carves its buffers.
+// Host-only; tests/cpu/test_buffer_layouts.cpp checks them (aligned, disjoint, total = end).
+#pragma once
+
+#include <cstdint>
+
+#include "mok/moe.h"
+#include "src/host/buffer_layout.h"
+
+namespace mok::detail {
+
+// Tickets of the GEMM launches (each launch zeroes its own on the stream). The forward's four: an MLP takes
+// two consecutive ones (gate/up, down); the fused forward uses the first two as its compute and
+// communication tickets. Then the backward's: per MLP (shared, routed) the g/u recompute, the down dgrad,
+// the gate/up dgrad and the two weight-gradient GEMMs.
+enum Ticket : int {
+  kSharedGateUp = 0,
+  kSharedDown,
+  kExpertGateUp,
+  kExpertDown,
+  kBackwardShared,                 // five consecutive: kBackwardStep order
+  kBackwardExpert = kBackwardShared + 5,
+  kNumTickets = kBackwardExpert + 5,
+};
+// The backward GEMMs of one MLP, as offsets from kBackwardShared / kBackwardExpert.
+enum BackwardStep : int { kRecompute = 0, kDownDgrad, kGateUpDgrad, kDownWgrad, kGateUpWgrad };
+
+// The shared expert as a one-expert schedule over the rank's own tokens: counts {T}, row offsets
+// {0, padded T}, scheduled rows {padded T}.
+struct SharedSchedule {
+  int32_t counts[1];
+  int32_t row_offsets[2];
+  int32_t scheduled_rows[1];
+};
+
+// A ForwardContext's one allocation (what MoeWorkspace::make_context allocates): the schedule, the kept x
+// rows, h (and g | u with keep_gate_up) of `ring_rows` rows and the shared expert's h (and g | u) of
+// `padded_tokens` rows.
+struct ContextLayout {
+  BufferLayout buffers;
+  BufferSlot schedule;        // int32 [schedule_elements]
+  BufferSlot expert_rows;     // bf16 [ring, H]
+  BufferSlot hidden;          // bf16 [ring, I]
+  BufferSlot shared_hidden;   // bf16 [padded T, I]
+  BufferSlot gate_up;         // bf16 [ring, 2I], keep_gate_up only
+  BufferSlot shared_gate_up;  // bf16 [padded T, 2I], keep_gate_up with a shared expert only
+};
+ContextLayout context_layout(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
+                             int64_t padded_tokens);
+
+// A local rank's scratch of the forward (MoeWorkspace::RankState).
+struct RankScratchLayout {
+  BufferLayout buffers;
+  BufferSlot y;                // bf16 [ring, H]: expert outputs
+  BufferSlot shared_out;       // bf16 [padded T, H]
+  BufferSlot tickets;          // int32 [kNumTickets]
+  BufferSlot shared_schedule;  // SharedSchedule
+  BufferSlot fused_counters;   // u64 [counter_words]
+  BufferSlot timeline;         // u64 [timeline_words], absent when 0
+};
+RankScratchLayout rank_scratch_layout(const MoeShape& s, int64_t ring_rows, int64_t padded_tokens,
+                                      int64_t counter_words, int64_t timeline_words);
+
+// What decides the backward scratch's buffers (MoeWorkspace::allocate_backward).
+struct BackwardScratchShape {
+  int64_t capacity_rows = 0;
+  int64_t padded_tokens = 0;
+  int n_blocks = 0;                // the down dgrad's d_rw partials per row
+  bool copies_x = false;           // the context keeps fewer rows than the capacity
+  bool recomputes = false;         // routed g | u and h recomputed (MoeWorkspace::recomputes_gate_up)
+  bool shared_recomputes = false;  // the shared expert's too (no keep_gate_up)
+  int64_t counter_words = 0;       // the backward megakernel's counters, 0 without it
+};
+// A local rank's scratch of the backward (MoeWorkspace::BackwardScratch says what each buffer holds).
+struct BackwardScratchLayout {
+  BufferLayout buffers;
+  BufferSlot x_rows, d_out_rows, dy_rows, row_weight, hidden, gate_up, d_gate_up, row_partials, kept_rows, counters;
+  BufferSlot shared_gate_up, shared_hidden, shared_d_gate_up, shared_dx, shared_row_partials;
+};
+BackwardScratchLayout backward_scratch_layout(const MoeShape& s, const BackwardScratchShape& b);
+
+}  // namespace mok::detail

@@ -1,0 +1,185 @@
+// The allocation layouts of the workspace and the forward context (src/host/moe_layouts.h), on the host: for
+// the model shapes and random ones, every option that adds or drops a buffer, each layout's buffers are
+// 256-byte aligned and disjoint, absent buffers (0 bytes) carve to null, the total is the end of the last
+// buffer rounded up to 256, each buffer has the bytes its comment promises, and the context's total equals
+// the byte sum the workspace used before the layouts (every buffer rounded up to 256 bytes, written out here
+// from its definition), so the memory a context takes did not change.
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "mok/moe.h"
+#include "reference/routing_gen.h"
+#include "src/host/buffer_layout.h"
+#include "src/host/moe_args.h"
+#include "src/host/moe_layouts.h"
+
+namespace mok {
+namespace {
+
+using detail::BufferLayout;
+using detail::BufferSlot;
+
+int64_t round256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Aligned, disjoint, in order, total = the last end rounded up; absent slots carve to null, present ones to
+// base + offset. `where` names the case in every failure.
+void check_layout(const BufferLayout& layout, const std::string& where) {
+  int64_t end = 0;
+  std::set<std::string> names;
+  char* const base = reinterpret_cast<char*>(uintptr_t{1} << 20);  // never dereferenced
+  for (const BufferSlot& slot : layout.slots()) {
+    const std::string at = where + ", buffer " + slot.name + " at " + std::to_string(slot.offset) + " (" +
+                           std::to_string(slot.bytes) + " bytes)";
+    EXPECT_TRUE(names.insert(slot.name).second) << at << ": a second buffer of this name";
+    EXPECT_GE(slot.bytes, 0) << at;
+    EXPECT_EQ(slot.offset % BufferLayout::kAlignment, 0) << at << ": not 256-byte aligned";
+    if (slot.bytes == 0) {
+      EXPECT_EQ(slot.in(base), nullptr) << at << ": an absent buffer must carve to null";
+      continue;
+    }
+    EXPECT_GE(slot.offset, end) << at << ": overlaps the buffer before it (which ends at " << end << ")";
+    EXPECT_EQ(slot.in<char>(base), base + slot.offset) << at;
+    end = slot.end();
+  }
+  EXPECT_EQ(layout.total_bytes(), round256(end)) << where << ": total is not the end rounded up to 256";
+  EXPECT_GE(layout.total_bytes(), end) << where;
+}
+
+MoeShape shape_of(int ep, int tokens, int top_k, int experts, int hidden, int intermediate, bool shared) {
+  MoeShape s;
+  s.ep_size = ep;
+  s.num_tokens = tokens;
+  s.top_k = top_k;
+  s.num_experts = experts;
+  s.hidden = hidden;
+  s.intermediate = intermediate;
+  s.shared_expert = shared;
+  return s;
+}
+
+// The model shapes at EP 1 and 8, and random small ones (H, I multiples of 64, T not a multiple of a tile).
+std::vector<MoeShape> shapes() {
+  std::vector<MoeShape> out;
+  for (const int ep : {1, 8})
+    for (const reference::ModelShape& m : reference::model_shapes())
+      out.push_back(shape_of(ep, 8192, m.top_k, m.num_experts, m.hidden, m.intermediate, m.shared_expert));
+  std::mt19937 gen(7);
+  for (int n = 0; n < 50; ++n) {
+    const int ep = 1 << (gen() % 4);
+    out.push_back(shape_of(ep, 1 + gen() % 3000, 1 + gen() % 8, ep * (8 + gen() % 8), 64 * (1 + gen() % 40),
+                           64 * (1 + gen() % 40), gen() % 2 == 0));
+  }
+  return out;
+}
+
+std::string describe(const MoeShape& s) {
+  return "EP " + std::to_string(s.ep_size) + " T " + std::to_string(s.num_tokens) + " k " + std::to_string(s.top_k) +
+         " E " + std::to_string(s.num_experts) + " H " + std::to_string(s.hidden) + " I " +
+         std::to_string(s.intermediate) + (s.shared_expert ? " shared" : " no shared");
+}
+
+TEST(BufferLayout, SlotsAreAlignedDisjointAndTheTotalIsTheEnd) {
+  BufferLayout layout;
+  const BufferSlot a = layout.add("a", 1);
+  const BufferSlot none = layout.add("none", 0);
+  const BufferSlot b = layout.add("b", 256);
+  const BufferSlot c = layout.add("c", 300, 1024);
+  EXPECT_EQ(a.offset, 0);
+  EXPECT_EQ(b.offset, 256);
+  EXPECT_EQ(none.bytes, 0);
+  EXPECT_EQ(c.offset, 1024);
+  EXPECT_EQ(layout.total_bytes(), 1024 + 512);
+  check_layout(layout, "hand-made");
+  EXPECT_EQ(BufferLayout().total_bytes(), 0);
+  EXPECT_THROW(layout.add("bad alignment", 16, 128), std::logic_error);
+  EXPECT_THROW(layout.add("not a power of two", 16, 768), std::logic_error);
+  EXPECT_THROW(layout.add("negative", -1), std::logic_error);
+}
+
+TEST(MoeLayouts, ContextLayoutIsTheContextBytes) {
+  for (const MoeShape& s : shapes()) {
+    const int64_t h = s.hidden, i = s.intermediate;
+    for (const bool keep : {true, false}) {
+      for (const int64_t ring : {int64_t{128}, int64_t{4096}, int64_t{s.num_tokens} * s.top_k}) {
+        const int64_t schedule_elements = 1000 + ring, padded = (s.num_tokens + 127) / 128 * 128;
+        const std::string where = describe(s) + " keep " + std::to_string(keep) + " ring " + std::to_string(ring);
+        const detail::ContextLayout l = detail::context_layout(s, keep, schedule_elements, ring, padded);
+        check_layout(l.buffers, "context, " + where);
+        EXPECT_EQ(l.schedule.bytes, schedule_elements * 4) << where;
+        EXPECT_EQ(l.expert_rows.bytes, ring * h * 2) << where;
+        EXPECT_EQ(l.hidden.bytes, ring * i * 2) << where;
+        EXPECT_EQ(l.shared_hidden.bytes, padded * i * 2) << where;
+        EXPECT_EQ(l.gate_up.bytes, keep ? ring * 2 * i * 2 : 0) << where;
+        EXPECT_EQ(l.shared_gate_up.bytes, keep && s.shared_expert ? padded * 2 * i * 2 : 0) << where;
+        // The byte sum the workspace used before the layout (and bench/layer_bench.py reports).
+        const int64_t before = round256(schedule_elements * 4) + round256(ring * h * 2) + round256(ring * i * 2) +
+                               round256(padded * i * 2) + (keep ? round256(ring * 2 * i * 2) : 0) +
+                               (keep && s.shared_expert ? round256(padded * 2 * i * 2) : 0);
+        EXPECT_EQ(l.buffers.total_bytes(), before) << where;
+        EXPECT_EQ(detail::context_bytes(s, keep, schedule_elements, ring, padded), before) << where;
+      }
+    }
+  }
+}
+
+TEST(MoeLayouts, RankScratchLayout) {
+  for (const MoeShape& s : shapes()) {
+    for (const int64_t timeline_words : {int64_t{0}, int64_t{12345}}) {
+      const int64_t ring = 4096, padded = (s.num_tokens + 63) / 64 * 64, counters = 777;
+      const std::string where = describe(s) + " timeline " + std::to_string(timeline_words);
+      const detail::RankScratchLayout l = detail::rank_scratch_layout(s, ring, padded, counters, timeline_words);
+      check_layout(l.buffers, "rank scratch, " + where);
+      EXPECT_EQ(l.y.bytes, ring * s.hidden * 2) << where;
+      EXPECT_EQ(l.shared_out.bytes, padded * s.hidden * 2) << where;
+      EXPECT_EQ(l.tickets.bytes, detail::kNumTickets * 4) << where;
+      EXPECT_EQ(l.shared_schedule.bytes, int64_t(sizeof(detail::SharedSchedule))) << where;
+      EXPECT_EQ(l.fused_counters.bytes, counters * 8) << where;
+      EXPECT_EQ(l.timeline.bytes, timeline_words * 8) << where;
+    }
+  }
+}
+
+TEST(MoeLayouts, BackwardScratchLayout) {
+  for (const MoeShape& s : shapes()) {
+    const int64_t h = s.hidden, i = s.intermediate;
+    for (int flags = 0; flags < 16; ++flags) {
+      detail::BackwardScratchShape b;
+      b.capacity_rows = int64_t(s.num_tokens) * s.top_k / 64 * 64 + 64;
+      b.padded_tokens = (s.num_tokens + 63) / 64 * 64;
+      b.n_blocks = (s.intermediate + 255) / 256;
+      b.copies_x = flags & 1;
+      b.recomputes = flags & 2;
+      b.shared_recomputes = flags & 4;
+      b.counter_words = flags & 8 ? 999 : 0;
+      const std::string where = describe(s) + " flags " + std::to_string(flags);
+      const detail::BackwardScratchLayout l = detail::backward_scratch_layout(s, b);
+      check_layout(l.buffers, "backward scratch, " + where);
+      const int64_t cap = b.capacity_rows, pt = b.padded_tokens;
+      const bool shared = s.shared_expert;
+      EXPECT_EQ(l.x_rows.bytes, b.copies_x ? cap * h * 2 : 0) << where;
+      EXPECT_EQ(l.d_out_rows.bytes, cap * h * 2) << where;
+      EXPECT_EQ(l.dy_rows.bytes, cap * h * 2) << where;
+      EXPECT_EQ(l.row_weight.bytes, cap * 4) << where;
+      EXPECT_EQ(l.hidden.bytes, b.recomputes ? cap * i * 2 : 0) << where;
+      EXPECT_EQ(l.gate_up.bytes, b.recomputes ? cap * 2 * i * 2 : 0) << where;
+      EXPECT_EQ(l.d_gate_up.bytes, cap * 2 * i * 2) << where;
+      EXPECT_EQ(l.row_partials.bytes, cap * b.n_blocks * 4) << where;
+      EXPECT_EQ(l.kept_rows.bytes, 4) << where;
+      EXPECT_EQ(l.counters.bytes, b.counter_words * 8) << where;
+      EXPECT_EQ(l.shared_gate_up.bytes, shared && b.shared_recomputes ? pt * 2 * i * 2 : 0) << where;
+      EXPECT_EQ(l.shared_hidden.bytes, shared && b.shared_recomputes ? pt * i * 2 : 0) << where;
+      EXPECT_EQ(l.shared_d_gate_up.bytes, shared ? pt * 2 * i * 2 : 0) << where;
+      EXPECT_EQ(l.shared_dx.bytes, shared ? pt * h * 2 : 0) << where;
+      EXPECT_EQ(l.shared_row_partials.bytes, shared ? pt * b.n_blocks * 4 : 0) << where;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mok
