@@ -49,7 +49,7 @@ int main() {
     shape.validate();
     mok::PeerGroup group = mok::PeerGroup::virtual_ranks(1, /*device*/ 0);  // throws without a Hopper GPU
     mok::MoeWorkspace workspace(group, shape);
-    mok::ForwardContext ctx = workspace.make_context(0);
+    mok::ForwardContext ctx = workspace.make_context(0, /*stream*/ nullptr);
 
     std::mt19937 rng(1);
     std::normal_distribution<float> normal;
@@ -113,6 +113,7 @@ int main() {
         ref_norm += ref[c] * ref[c];
       }
     }
+    workspace.close();  // the collective teardown (a no-op collective at EP = 1); the destructor calls none
     const double rel = std::sqrt(err / ref_norm);
     std::printf("mok_consumer: forward of T=%d H=%d I=%d E=%d k=%d on one GPU, relative error vs CPU %.2e\n", T, H,
                 I, E, K, rel);
