@@ -314,13 +314,45 @@ int mok_bench_layer_comm_ctas(void* handle) { return static_cast<BenchLayer*>(ha
 
 void mok_bench_layer_destroy(void* handle) { delete static_cast<BenchLayer*>(handle); }
 
-// Returns 0, or 1 with a message in `error` (NUL-terminated, at most error_len bytes).
+// A status word in device memory for the standalone GEMMs' waits (initial_device_status()): *out receives it.
+int mok_bench_status_new(void** out, char* error, int error_len) {
+  try {
+    if (out == nullptr) throw std::invalid_argument("out: must not be null");
+    mok::DeviceStatus* status = nullptr;
+    MOK_CHECK_CUDA(cudaMalloc(&status, sizeof(mok::DeviceStatus)));
+    const mok::DeviceStatus initial = mok::initial_device_status();
+    MOK_CHECK_CUDA(cudaMemcpy(status, &initial, sizeof(initial), cudaMemcpyHostToDevice));
+    *out = status;
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+// Synchronizes `stream`; 1 with the report when the status word holds an error (a GEMM's wait timed out).
+int mok_bench_status_check(void* status, void* stream, char* error, int error_len) {
+  try {
+    const auto s = static_cast<cudaStream_t>(stream);
+    mok::StatusReport r;
+    MOK_CHECK_CUDA(cudaMemcpyAsync(&r.raw, status, sizeof(r.raw), cudaMemcpyDeviceToHost, s));
+    MOK_CHECK_CUDA(cudaStreamSynchronize(s));
+    if (!r.ok()) throw std::runtime_error(r.describe(1, 1, 1));
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+void mok_bench_status_free(void* status) { cudaFree(status); }
+
+// Returns 0, or 1 with a message in `error` (NUL-terminated, at most error_len bytes). The kernel's waits report
+// to `status` (mok_bench_status_new) and give up after 2 * wait_timeout_s + 1 s.
 int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, const void* b, const void* b_up,
                           int b_major, int n, int local_experts, const int32_t* expert_counts,
                           const int32_t* expert_row_offsets, const int32_t* scheduled_rows, int tile_m,
                           const float* row_scale, float swiglu_limit, void* out, void* gate_up_out, const void* gate_up,
-                          float* row_partials, int cluster_n, int32_t* ticket, void* trace, void* stream, char* error,
-                          int error_len) {
+                          float* row_partials, int cluster_n, int32_t* ticket, void* trace, void* status,
+                          double wait_timeout_s, void* stream, char* error, int error_len) {
   try {
     mok::ExpertGemmArgs args;
     args.epilogue = static_cast<mok::GemmEpilogue>(epilogue);
@@ -345,6 +377,7 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
     args.cluster_n = cluster_n;
     args.trace = trace;
     args.ticket = ticket;
+    args.waits = {static_cast<mok::DeviceStatus*>(status), wait_timeout_s, 0};
     mok::expert_gemm(args, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {
@@ -353,11 +386,12 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
 }
 
 // The weight-gradient GEMM (include/mok/weight_grad_gemm.h); output: 0 kBFloat16, 1 kFloat32,
-// 2 kAccumulateFloat32. out_split may be null (then m_split must be 0). Returns 0, or 1 with a message.
+// 2 kAccumulateFloat32. out_split may be null (then m_split must be 0). Waits as mok_bench_expert_gemm's. Returns 0,
+// or 1 with a message.
 int mok_bench_weight_grad_gemm(const void* a, const void* b, int64_t rows_allocated, int m, int n, int local_experts,
                                const int32_t* expert_row_offsets, const int32_t* scheduled_rows, int tile_m,
-                               int output, void* out, void* out_split, int m_split, int32_t* ticket, void* stream,
-                               char* error, int error_len) {
+                               int output, void* out, void* out_split, int m_split, int32_t* ticket, void* status,
+                               double wait_timeout_s, void* stream, char* error, int error_len) {
   try {
     mok::WeightGradArgs args;
     args.a = a;
@@ -374,6 +408,7 @@ int mok_bench_weight_grad_gemm(const void* a, const void* b, int64_t rows_alloca
     args.out_split = out_split;
     args.m_split = m_split;
     args.ticket = ticket;
+    args.waits = {static_cast<mok::DeviceStatus*>(status), wait_timeout_s, 0};
     mok::weight_grad_gemm(args, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {

@@ -1,6 +1,6 @@
 """ctypes declarations of bench/capi.cpp's C entry points: the one place Python spells their signatures
 (bench/layer_bench.py, bench/gemm_bench.py and tests/python/test_capi_bad_inputs.py load the library here).
-Every entry point but destroy, comm_ctas and context_bytes returns 0, or 1 (NULL for create) with a
+Every entry point but destroy, status_free, comm_ctas and context_bytes returns 0, or 1 (NULL for create) with a
 NUL-terminated message in its `error` buffer (context_bytes: the bytes, or -1 with the message)."""
 import ctypes
 
@@ -24,15 +24,19 @@ SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
     "mok_bench_layer_write_timeline": ([_p, _p, _s, _s, _i32], _i32),
     "mok_bench_layer_comm_ctas": ([_p], _i32),
     "mok_bench_layer_destroy": ([_p], None),
+    # out (void**), error, error_len: a status word for the GEMMs' waits; status, stream, error, error_len
+    "mok_bench_status_new": ([_p, _s, _i32], _i32),
+    "mok_bench_status_check": ([_p, _p, _s, _i32], _i32),
+    "mok_bench_status_free": ([_p], None),
     # epilogue, a, a_rows, k, b, b_up, b_major, n, local_experts, expert_counts, expert_row_offsets,
     # scheduled_rows, tile_m, row_scale, swiglu_limit, out, gate_up_out, gate_up, row_partials, cluster_n, ticket,
-    # trace, stream, error, error_len
+    # trace, status, wait_timeout_s, stream, error, error_len
     "mok_bench_expert_gemm": ([_i32, _p, _i64, _i32, _p, _p, _i32, _i32, _i32, _p, _p, _p, _i32, _p, _f32, _p, _p, _p,
-                               _p, _i32, _p, _p, _p, _s, _i32], _i32),
+                               _p, _i32, _p, _p, _p, _f64, _p, _s, _i32], _i32),
     # a, b, rows_allocated, m, n, local_experts, expert_row_offsets, scheduled_rows, tile_m, output (0 bf16,
-    # 1 fp32, 2 fp32 accumulate), out, out_split, m_split, ticket, stream, error, error_len
-    "mok_bench_weight_grad_gemm": ([_p, _p, _i64, _i32, _i32, _i32, _p, _p, _i32, _i32, _p, _p, _i32, _p, _p, _s, _i32],
-                                   _i32),
+    # 1 fp32, 2 fp32 accumulate), out, out_split, m_split, ticket, status, wait_timeout_s, stream, error, error_len
+    "mok_bench_weight_grad_gemm": ([_p, _p, _i64, _i32, _i32, _i32, _p, _p, _i32, _i32, _p, _p, _i32, _p, _p, _f64, _p,
+                                    _s, _i32], _i32),
 }
 
 

@@ -367,6 +367,8 @@ class MoeWorkspace {
   // Pulls schedule rows [0, min(scheduled rows, row_limit)) of f's context from their source ranks' x.
   void pull_rows(const RankForward& f, int64_t row_limit) const;
   const RankState& state(int rank) const;
+  // Where the rank's standalone GEMMs' waits report (its status word) and their timeout.
+  WaitBound wait_bound(int rank) const;
   void begin_call(int rank, cudaStream_t stream) const;  // waits for the rank's previous call (other stream)
   void end_call(int rank, cudaStream_t stream) const;    // records this call's event
 

@@ -216,6 +216,10 @@ const MoeWorkspace::RankState& MoeWorkspace::state(int rank) const {
   return ranks_[rank];
 }
 
+WaitBound MoeWorkspace::wait_bound(int rank) const {
+  return {schedule_.device_status(rank), options_.schedule.wait_timeout_s, rank};
+}
+
 ForwardContext MoeWorkspace::make_context(int rank) const {
   const RankState& s = state(rank);
   DeviceGuard guard(s.device);
@@ -423,6 +427,7 @@ struct MlpGemms {  // the two GEMM launches of an MLP over the rows of a schedul
   void* gate_up;     // optional: the raw g | u of every row (MoeOptions::keep_gate_up)
   void* out;
   int32_t* tickets;  // two: gate/up, down
+  WaitBound waits;   // the rank's status word and timeout
 };
 
 // The two GEMMs of an MLP: gate/up with the SwiGLU epilogue, then down (tickets: m.tickets[0], [1]).
@@ -445,6 +450,7 @@ void mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& 
   gate_up.out = m.hidden;
   gate_up.gate_up_out = m.gate_up;
   gate_up.ticket = m.tickets;
+  gate_up.waits = m.waits;
 
   down = gate_up;
   down.epilogue = GemmEpilogue::kStore;
@@ -478,7 +484,8 @@ void MoeWorkspace::routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .hidden = ctx.hidden_,
             .gate_up = ctx.gate_up_,
             .out = s.y,
-            .tickets = s.tickets + detail::kExpertGateUp},
+            .tickets = s.tickets + detail::kExpertGateUp,
+            .waits = wait_bound(f.rank)},
            gate_up, down);
 }
 
@@ -498,7 +505,8 @@ void MoeWorkspace::shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .hidden = f.context->shared_hidden_,
             .gate_up = f.context->shared_gate_up_,
             .out = s.shared_out,
-            .tickets = s.tickets + detail::kSharedGateUp},
+            .tickets = s.tickets + detail::kSharedGateUp,
+            .waits = wait_bound(f.rank)},
            gate_up, down);
 }
 

@@ -306,7 +306,7 @@ class Matrix:
         record("write_timeline without records", self.path, "error naming timeline_records",
                rc == 1 and "timeline_records" in message(), message() if rc else "no error", self.next_call())
         rc = self.lib.mok_bench_expert_gemm(0, None, 0, 0, None, None, 0, 0, 0, None, None, None, 64, None, 0.0, None,
-                                            None, None, None, 1, None, None, None, ERROR, len(ERROR))
+                                            None, None, None, 1, None, None, None, 10.0, None, ERROR, len(ERROR))
         record("expert_gemm with null operands", self.path, "error (no crash)", rc == 1 and len(message()) > 0,
                message() if rc else "no error", self.next_call())
 
