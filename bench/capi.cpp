@@ -5,6 +5,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -16,6 +17,7 @@
 #include "mok/timeline.h"
 #include "mok/weight_grad_gemm.h"
 #include "src/host/check.h"
+#include "src/host/option_table.h"
 
 namespace {
 
@@ -117,16 +119,27 @@ int mok_bench_nccl_unique_id(void* out, char* error, int error_len) {
   }
 }
 
-// Collective over the ranks for ep_size > 1 (NCCL communicator from the unique id, symmetric windows).
-// fused: 1 for ForwardPath::kFused (comm_ctas, minibatch_rows and timeline_records as in FusedOptions;
-// minibatch_rows 0 keeps the default), 2 for kFused with FusedOptions::backward_megakernel, 0 for the
-// unfused path. capacity_rows, load_factor and wait_timeout_s
-// as in ScheduleOptions (0 keeps the default).
-void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, int device, int num_tokens, int top_k,
-                             int num_experts, int hidden, int intermediate, int shared_expert, int fused,
-                             int comm_ctas, int minibatch_rows, int timeline_records, int64_t capacity_rows,
-                             double load_factor, double wait_timeout_s, char* error, int error_len) {
+// Collective over the ranks for ep_size > 1 (NCCL communicator from the unique id, symmetric windows). The
+// layer's shape and options by name: `num_options` pairs names[i] = values[i], as text, named as the rows of the
+// option table (src/host/option_table.h: the fields of Python's LayerShape and Config, and timeline_records), e.g.
+// "num_tokens" = "8192", "path" = "unfused", "backward_megakernel" = "true", "load_factor" = "2.5"; a name left
+// out keeps the C++ default (ep_size 1). An unknown name, a value that does not parse or a name given twice:
+// NULL, with the error naming it.
+void* mok_bench_layer_create(const void* nccl_unique_id, int rank, int device, int num_options,
+                             const char* const* names, const char* const* values, char* error, int error_len) {
   try {
+    if (num_options < 0 || (num_options > 0 && (names == nullptr || values == nullptr)))
+      throw std::invalid_argument("names, values: must each point to num_options = " + std::to_string(num_options) +
+                                  " strings");
+    mok::detail::LayerOptions options;
+    std::set<std::string> given;
+    for (int i = 0; i < num_options; ++i) {
+      if (names[i] == nullptr || values[i] == nullptr)
+        throw std::invalid_argument("option " + std::to_string(i) + ": a null name or value");
+      if (!given.insert(names[i]).second) throw std::invalid_argument(std::string("option ") + names[i] + ": given twice");
+      mok::detail::set_option_text(options, names[i], values[i]);
+    }
+    const int ep_size = options.shape.ep_size;
     auto layer = std::make_unique<BenchLayer>();
     layer->rank = rank;
     layer->device = device;
@@ -139,27 +152,7 @@ void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, 
     } else {
       layer->group = std::make_unique<mok::PeerGroup>(mok::PeerGroup::virtual_ranks(1, device));
     }
-    mok::MoeShape shape;
-    shape.ep_size = ep_size;
-    shape.num_tokens = num_tokens;
-    shape.top_k = top_k;
-    shape.num_experts = num_experts;
-    shape.hidden = hidden;
-    shape.intermediate = intermediate;
-    shape.shared_expert = shared_expert != 0;
-    if (fused < 0 || fused > 2)
-      throw std::invalid_argument("fused must be 0 (unfused), 1 (fused) or 2 (fused, backward megakernel), got " +
-                                  std::to_string(fused));
-    mok::MoeOptions options;
-    options.path = fused ? mok::ForwardPath::kFused : mok::ForwardPath::kUnfused;
-    options.fused.comm_ctas = comm_ctas;
-    if (minibatch_rows > 0) options.fused.minibatch_rows = minibatch_rows;
-    options.fused.timeline_records = timeline_records;
-    options.fused.backward_megakernel = fused == 2;
-    options.schedule.capacity_rows = capacity_rows;
-    if (load_factor != 0) options.schedule.load_factor = load_factor;
-    if (wait_timeout_s > 0) options.schedule.wait_timeout_s = wait_timeout_s;
-    layer->workspace = std::make_unique<mok::MoeWorkspace>(*layer->group, shape, options);
+    layer->workspace = std::make_unique<mok::MoeWorkspace>(*layer->group, options.shape, options.options);
     layer->context = layer->workspace->make_context(rank);
     return layer.release();
   } catch (const std::exception& e) {
