@@ -512,7 +512,9 @@ struct StandaloneWaits {
 };
 
 // The stalled producer of a test (StandaloneWaits::stall_producer): arms `state`'s stage, so its consumers
-// wait for its transaction bytes, and loads nothing.
+// wait for its transaction bytes, and loads nothing. The producer then returns without its tail: the consumers'
+// wait must be the one that times out (a tail would wait for their release of this stage as long), and the
+// CTA stays alive for their releases anyway (its threads, and the final cluster_sync for the partner's).
 template <class Pipeline, class State>
 __device__ __forceinline__ void stall_stage(Pipeline& pipeline, State& state, const device::HandoffBound& bound) {
   if (producer_acquire_bounded(pipeline, state, bound)) ++state;
@@ -536,7 +538,7 @@ __device__ __forceinline__ void run_gemm_producer(const Params& p, const Standal
 #if defined(MOK_TEST_ENTRIES)
     if (waits.stall_producer) {
       stall_stage(pipeline, state, waits.bound);
-      break;
+      return;
     }
 #endif
     if (!load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state, waits.bound))

@@ -47,7 +47,12 @@ struct TaskRing {
   // the current task's loads, as the standalone weight-gradient GEMM does) and share it when it gets there.
   // claim: rank 0's slot from the ticket, or kStopSlot once the abort word is set.
   __device__ int32_t claim(int32_t* ticket, const device::HandoffBound& bound) {
-    return device::abort_bits(bound.status) != 0 ? kStopSlot : atomicAdd(ticket, 1);
+    // Why both reads at once: neither depends on the other, so the abort word adds no latency to the atomic
+    // (between two tiles of a standalone GEMM the claim is on the producer's path). A slot taken after an abort
+    // is thrown away; the ticket is zeroed before every launch.
+    const uint32_t aborted = device::abort_bits(bound.status);
+    const int32_t slot = atomicAdd(ticket, 1);
+    return aborted != 0 ? kStopSlot : slot;
   }
   // share: the cluster's k-th slot: rank 0 mails `claimed` to rank 1 and returns it; rank 1 returns the mail.
   __device__ int32_t share(int k, int cta_rank, int32_t claimed, const device::HandoffBound& bound) {

@@ -505,9 +505,9 @@ __device__ __forceinline__ void run_grad_producer(const Params& p, const Standal
     // waits for the value only at the next task_at).
     next_slot = smem.tasks.claim(p.ticket, waits.bound);
 #if defined(MOK_TEST_ENTRIES)
-    if (waits.stall_producer) {
+    if (waits.stall_producer) {  // no tail: see stall_stage
       stall_stage(pipeline, state, waits.bound);
-      break;
+      return;
     }
 #endif
     if (!load_grad_tile<Traits>(p, task, smem, pipeline, state, waits.bound)) break;
