@@ -34,7 +34,8 @@ using detail::row_kernel_ctas;
 namespace {
 
 // Every rank must build the same workspace. Each rank's shape and options (the agreed rows of the option table,
-// src/host/option_table.h), and whether they passed its own validation, are all-gathered over the group first
+// src/host/option_table.h), and whether they passed its own validation (MoeShape's and ScheduleOptions'), are
+// all-gathered over the group first
 // (PeerGroup::all_gather, a collective for NCCL groups), so a rank that rejects its arguments or disagrees with a
 // peer makes every rank throw, naming the field, instead of leaving the others waiting in the collective
 // allocations that follow.
@@ -42,6 +43,7 @@ MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
   std::string error;
   try {
     shape.validate();
+    options.schedule.validate(shape.routing());  // also the options no rank compares (wait_timeout_s)
   } catch (const std::invalid_argument& e) {
     error = e.what();
   }
@@ -55,7 +57,8 @@ MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
   for (int r = 0; r < group.size(); ++r) {
     const int64_t* theirs = all.data() + r * mine.size();
     require(theirs[0] == 1, "MoeWorkspace: rank " + std::to_string(r) +
-                                " rejected its MoeShape (its own error names the field); every rank must build the same workspace");
+                                " rejected its MoeShape or ScheduleOptions (its own error names the field); every rank "
+                                "must build the same workspace");
     options_of_all.insert(options_of_all.end(), theirs + 1, theirs + mine.size());
   }
   detail::check_agreement(options_of_all, group.size(), layer);
