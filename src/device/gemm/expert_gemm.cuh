@@ -38,7 +38,9 @@
 // Shared memory: A stages (kBlockM x 64 bf16, 128B swizzle) | B stages (kBlockN x 64) | epilogue staging
 // (kBlockM x 128 output columns, bf16 boxes of 64 x 64, 128B swizzle) | pipeline barriers | task ring.
 // Sync: PipelineTmaAsync full/empty mbarriers per stage (producer: acquire empty, arm transaction bytes;
-// consumers: wait full, release after the wgmma that read the stage retired).
+// consumers: wait full, release after the wgmma that read the stage retired). Every wait is bounded
+// (device::HandoffBound: the standalone kernel's from its StandaloneWaits parameter, the megakernels' own) and a
+// timeout is reported in the status word (docs/sync_protocol.md, "Timeouts and the abort word").
 // Determinism: each output element is one fixed-order K reduction by one thread; no atomics.
 #pragma once
 

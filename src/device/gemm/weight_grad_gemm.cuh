@@ -64,7 +64,8 @@
 // 32 rows + 128 KB = 224 KB (src/host/weight_grad_params.h says why).
 // Sync (docs/sync_protocol.md, "the weight-gradient GEMM"): PipelineTmaAsync full/empty per stage; the
 // task ring; per warpgroup a named barrier around each pass's staging writes and
-// cp.async.bulk.wait_group.read before the boxes are written again (next pass or tile).
+// cp.async.bulk.wait_group.read before the boxes are written again (next pass or tile). Every mbarrier wait is
+// bounded and reports a timeout in the status word, as the expert GEMM's (StandaloneWaits).
 // Determinism: each output element is one fixed-order K reduction (ascending rows) by one thread of one
 // CTA; no value atomics; the result does not depend on which CTA takes which slot.
 #pragma once
