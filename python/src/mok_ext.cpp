@@ -391,7 +391,8 @@ nb::list option_table() {
     row["name"] = std::string(o.name);
     row["path"] = std::string(o.path);
     row["kind"] = std::string(mok::detail::kind_name(o.kind));
-    row["home"] = o.home == mok::detail::OptionHome::kShape ? "shape" : o.home == mok::detail::OptionHome::kConfig ? "config" : "cpp";
+    using mok::detail::OptionHome;
+    row["home"] = o.home == OptionHome::kShape ? "shape" : o.home == OptionHome::kConfig ? "config" : "cpp";
     row["agreed"] = o.agreed;
     row["default"] = python_value(o, o.get(defaults));
     nb::list choices;
