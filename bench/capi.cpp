@@ -5,6 +5,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -16,6 +17,7 @@
 #include "mok/timeline.h"
 #include "mok/weight_grad_gemm.h"
 #include "src/host/check.h"
+#include "src/host/option_table.h"
 
 namespace {
 
@@ -125,16 +127,27 @@ int mok_bench_nccl_unique_id(void* out, char* error, int error_len) {
   }
 }
 
-// Collective over the ranks for ep_size > 1 (NCCL communicator from the unique id, symmetric windows).
-// fused: 1 for ForwardPath::kFused (comm_ctas, minibatch_rows and timeline_records as in FusedOptions;
-// minibatch_rows 0 keeps the default), 2 for kFused with FusedOptions::backward_megakernel, 0 for the
-// unfused path. capacity_rows, load_factor and wait_timeout_s
-// as in ScheduleOptions (0 keeps the default).
-void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, int device, int num_tokens, int top_k,
-                             int num_experts, int hidden, int intermediate, int shared_expert, int fused,
-                             int comm_ctas, int minibatch_rows, int timeline_records, int64_t capacity_rows,
-                             double load_factor, double wait_timeout_s, char* error, int error_len) {
+// Collective over the ranks for ep_size > 1 (NCCL communicator from the unique id, symmetric windows). The
+// layer's shape and options by name: `num_options` pairs names[i] = values[i], as text, named as the rows of the
+// option table (src/host/option_table.h: the fields of Python's LayerShape and Config, and timeline_records), e.g.
+// "num_tokens" = "8192", "path" = "unfused", "backward_megakernel" = "true", "load_factor" = "2.5"; a name left
+// out keeps the C++ default (ep_size 1). An unknown name, a value that does not parse or a name given twice:
+// NULL, with the error naming it.
+void* mok_bench_layer_create(const void* nccl_unique_id, int rank, int device, int num_options,
+                             const char* const* names, const char* const* values, char* error, int error_len) {
   try {
+    if (num_options < 0 || (num_options > 0 && (names == nullptr || values == nullptr)))
+      throw std::invalid_argument("names, values: must each point to num_options = " + std::to_string(num_options) +
+                                  " strings");
+    mok::detail::LayerOptions options;
+    std::set<std::string> given;
+    for (int i = 0; i < num_options; ++i) {
+      if (names[i] == nullptr || values[i] == nullptr)
+        throw std::invalid_argument("option " + std::to_string(i) + ": a null name or value");
+      if (!given.insert(names[i]).second) throw std::invalid_argument(std::string("option ") + names[i] + ": given twice");
+      mok::detail::set_option_text(options, names[i], values[i]);
+    }
+    const int ep_size = options.shape.ep_size;
     auto layer = std::make_unique<BenchLayer>();
     layer->rank = rank;
     layer->device = device;
@@ -147,27 +160,7 @@ void* mok_bench_layer_create(const void* nccl_unique_id, int ep_size, int rank, 
     } else {
       layer->group = std::make_unique<mok::PeerGroup>(mok::PeerGroup::virtual_ranks(1, device));
     }
-    mok::MoeShape shape;
-    shape.ep_size = ep_size;
-    shape.num_tokens = num_tokens;
-    shape.top_k = top_k;
-    shape.num_experts = num_experts;
-    shape.hidden = hidden;
-    shape.intermediate = intermediate;
-    shape.shared_expert = shared_expert != 0;
-    if (fused < 0 || fused > 2)
-      throw std::invalid_argument("fused must be 0 (unfused), 1 (fused) or 2 (fused, backward megakernel), got " +
-                                  std::to_string(fused));
-    mok::MoeOptions options;
-    options.path = fused ? mok::ForwardPath::kFused : mok::ForwardPath::kUnfused;
-    options.fused.comm_ctas = comm_ctas;
-    if (minibatch_rows > 0) options.fused.minibatch_rows = minibatch_rows;
-    options.fused.timeline_records = timeline_records;
-    options.fused.backward_megakernel = fused == 2;
-    options.schedule.capacity_rows = capacity_rows;
-    if (load_factor != 0) options.schedule.load_factor = load_factor;
-    if (wait_timeout_s > 0) options.schedule.wait_timeout_s = wait_timeout_s;
-    layer->workspace = std::make_unique<mok::MoeWorkspace>(*layer->group, shape, options);
+    layer->workspace = std::make_unique<mok::MoeWorkspace>(*layer->group, options.shape, options.options);
     layer->context = layer->workspace->make_context(rank);
     return layer.release();
   } catch (const std::exception& e) {
@@ -331,13 +324,45 @@ void mok_bench_layer_destroy(void* handle) {
   delete layer;
 }
 
-// Returns 0, or 1 with a message in `error` (NUL-terminated, at most error_len bytes).
+// A status word in device memory for the standalone GEMMs' waits (initial_device_status()): *out receives it.
+int mok_bench_status_new(void** out, char* error, int error_len) {
+  try {
+    if (out == nullptr) throw std::invalid_argument("out: must not be null");
+    mok::DeviceStatus* status = nullptr;
+    MOK_CHECK_CUDA(cudaMalloc(&status, sizeof(mok::DeviceStatus)));
+    const mok::DeviceStatus initial = mok::initial_device_status();
+    MOK_CHECK_CUDA(cudaMemcpy(status, &initial, sizeof(initial), cudaMemcpyHostToDevice));
+    *out = status;
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+// Synchronizes `stream`; 1 with the report when the status word holds an error (a GEMM's wait timed out).
+int mok_bench_status_check(void* status, void* stream, char* error, int error_len) {
+  try {
+    const auto s = static_cast<cudaStream_t>(stream);
+    mok::StatusReport r;
+    MOK_CHECK_CUDA(cudaMemcpyAsync(&r.raw, status, sizeof(r.raw), cudaMemcpyDeviceToHost, s));
+    MOK_CHECK_CUDA(cudaStreamSynchronize(s));
+    if (!r.ok()) throw std::runtime_error(r.describe(1, 1, 1));
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+void mok_bench_status_free(void* status) { cudaFree(status); }
+
+// Returns 0, or 1 with a message in `error` (NUL-terminated, at most error_len bytes). The kernel's waits report
+// to `status` (mok_bench_status_new) and give up after 2 * wait_timeout_s + 1 s.
 int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, const void* b, const void* b_up,
                           int b_major, int n, int local_experts, const int32_t* expert_counts,
                           const int32_t* expert_row_offsets, const int32_t* scheduled_rows, int tile_m,
                           const float* row_scale, float swiglu_limit, void* out, void* gate_up_out, const void* gate_up,
-                          float* row_partials, int cluster_n, int32_t* ticket, void* trace, void* stream, char* error,
-                          int error_len) {
+                          float* row_partials, int cluster_n, int32_t* ticket, void* trace, void* status,
+                          double wait_timeout_s, void* stream, char* error, int error_len) {
   try {
     mok::ExpertGemmArgs args;
     args.epilogue = static_cast<mok::GemmEpilogue>(epilogue);
@@ -362,6 +387,7 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
     args.cluster_n = cluster_n;
     args.trace = trace;
     args.ticket = ticket;
+    args.waits = {static_cast<mok::DeviceStatus*>(status), wait_timeout_s, 0};
     mok::expert_gemm(args, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {
@@ -370,11 +396,12 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
 }
 
 // The weight-gradient GEMM (include/mok/weight_grad_gemm.h); output: 0 kBFloat16, 1 kFloat32,
-// 2 kAccumulateFloat32. out_split may be null (then m_split must be 0). Returns 0, or 1 with a message.
+// 2 kAccumulateFloat32. out_split may be null (then m_split must be 0). Waits as mok_bench_expert_gemm's. Returns 0,
+// or 1 with a message.
 int mok_bench_weight_grad_gemm(const void* a, const void* b, int64_t rows_allocated, int m, int n, int local_experts,
                                const int32_t* expert_row_offsets, const int32_t* scheduled_rows, int tile_m,
-                               int output, void* out, void* out_split, int m_split, int32_t* ticket, void* stream,
-                               char* error, int error_len) {
+                               int output, void* out, void* out_split, int m_split, int32_t* ticket, void* status,
+                               double wait_timeout_s, void* stream, char* error, int error_len) {
   try {
     mok::WeightGradArgs args;
     args.a = a;
@@ -391,6 +418,7 @@ int mok_bench_weight_grad_gemm(const void* a, const void* b, int64_t rows_alloca
     args.out_split = out_split;
     args.m_split = m_split;
     args.ticket = ticket;
+    args.waits = {static_cast<mok::DeviceStatus*>(status), wait_timeout_s, 0};
     mok::weight_grad_gemm(args, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {

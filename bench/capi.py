@@ -1,6 +1,6 @@
 """ctypes declarations of bench/capi.cpp's C entry points: the one place Python spells their signatures
 (bench/layer_bench.py, bench/gemm_bench.py and tests/python/test_capi_bad_inputs.py load the library here).
-Every entry point but destroy, comm_ctas and context_bytes returns 0, or 1 (NULL for create) with a
+Every entry point but destroy, status_free, comm_ctas and context_bytes returns 0, or 1 (NULL for create) with a
 NUL-terminated message in its `error` buffer (context_bytes: the bytes, or -1 with the message)."""
 import ctypes
 
@@ -8,9 +8,9 @@ _p, _i32, _i64, _f32, _f64, _s = (ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
                                   ctypes.c_char_p)
 SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
     "mok_bench_nccl_unique_id": ([_p, _s, _i32], _i32),
-    # nccl_unique_id, ep_size, rank, device, num_tokens, top_k, num_experts, hidden, intermediate, shared_expert,
-    # fused, comm_ctas, minibatch_rows, timeline_records, capacity_rows, load_factor, wait_timeout_s, error, error_len
-    "mok_bench_layer_create": ([_p] + [_i32] * 13 + [_i64, _f64, _f64, _s, _i32], _p),
+    # nccl_unique_id, rank, device, num_options, names (char*[]), values (char*[]), error, error_len: the shape and
+    # options by name (layer_options below)
+    "mok_bench_layer_create": ([_p, _i32, _i32, _i32, _p, _p, _s, _i32], _p),
     # handle, x, topk_idx, topk_dtype (0 int32, 1 int64), router_weights, expert_gate, expert_up, expert_down,
     # shared_gate, shared_up, shared_down, out, stream, error, error_len
     "mok_bench_layer_forward": ([_p, _p, _p, _i32] + [_p] * 9 + [_s, _i32], _i32),
@@ -24,15 +24,19 @@ SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
     "mok_bench_layer_write_timeline": ([_p, _p, _s, _s, _i32], _i32),
     "mok_bench_layer_comm_ctas": ([_p], _i32),
     "mok_bench_layer_destroy": ([_p], None),
+    # out (void**), error, error_len: a status word for the GEMMs' waits; status, stream, error, error_len
+    "mok_bench_status_new": ([_p, _s, _i32], _i32),
+    "mok_bench_status_check": ([_p, _p, _s, _i32], _i32),
+    "mok_bench_status_free": ([_p], None),
     # epilogue, a, a_rows, k, b, b_up, b_major, n, local_experts, expert_counts, expert_row_offsets,
     # scheduled_rows, tile_m, row_scale, swiglu_limit, out, gate_up_out, gate_up, row_partials, cluster_n, ticket,
-    # trace, stream, error, error_len
+    # trace, status, wait_timeout_s, stream, error, error_len
     "mok_bench_expert_gemm": ([_i32, _p, _i64, _i32, _p, _p, _i32, _i32, _i32, _p, _p, _p, _i32, _p, _f32, _p, _p, _p,
-                               _p, _i32, _p, _p, _p, _s, _i32], _i32),
+                               _p, _i32, _p, _p, _p, _f64, _p, _s, _i32], _i32),
     # a, b, rows_allocated, m, n, local_experts, expert_row_offsets, scheduled_rows, tile_m, output (0 bf16,
-    # 1 fp32, 2 fp32 accumulate), out, out_split, m_split, ticket, stream, error, error_len
-    "mok_bench_weight_grad_gemm": ([_p, _p, _i64, _i32, _i32, _i32, _p, _p, _i32, _i32, _p, _p, _i32, _p, _p, _s, _i32],
-                                   _i32),
+    # 1 fp32, 2 fp32 accumulate), out, out_split, m_split, ticket, status, wait_timeout_s, stream, error, error_len
+    "mok_bench_weight_grad_gemm": ([_p, _p, _i64, _i32, _i32, _i32, _p, _p, _i32, _i32, _p, _p, _i32, _p, _p, _f64, _p,
+                                    _s, _i32], _i32),
 }
 
 
@@ -49,6 +53,18 @@ def grad_arrays(grads, dtypes, modes):
     dtype_codes = (ctypes.c_int32 * len(GRADS))(*[GRAD_DTYPES[dtypes.get(n, "bf16")] for n in GRADS])
     mode_codes = (ctypes.c_int32 * len(GRADS))(*[GRAD_MODES[modes.get(n, "write")] for n in GRADS])
     return pointers, dtype_codes, mode_codes
+
+
+def layer_options(**options):
+    """mok_bench_layer_create's num_options, names and values from keywords named as the option table's rows
+    (src/host/option_table.h: Python LayerShape's and Config's fields, and timeline_records), values as Python
+    spells them: bools, ints, floats, the path's name ("fused" or "unfused")."""
+    def text(value):
+        return ("true" if value else "false") if isinstance(value, bool) else repr(value) if isinstance(
+            value, float) else str(value)
+    names = (ctypes.c_char_p * len(options))(*[name.encode() for name in options])
+    values = (ctypes.c_char_p * len(options))(*[text(value).encode() for value in options.values()])
+    return len(options), names, values
 
 
 def load(lib_path):

@@ -47,8 +47,10 @@ struct RowCopy {
 };
 
 // Copies list[i].src -> list[i].dst (row_bytes each); warps of the grid take rows in turn.
+// The bulk copies' waits report to `status` (a timeout fails the run: main checks it at the end).
 template <bool kBulk>
-__global__ void __launch_bounds__(kThreads, 1) copy_rows_kernel(const RowCopy* list, int64_t rows, int row_bytes) {
+__global__ void __launch_bounds__(kThreads, 1) copy_rows_kernel(const RowCopy* list, int64_t rows, int row_bytes,
+                                                                 mok::DeviceStatus* status) {
   extern __shared__ __align__(128) char slots[];  // kWarps slots, then kWarps mbarriers (bulk only)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t first = int64_t(blockIdx.x) * kWarps + warp, stride = int64_t(gridDim.x) * kWarps;
@@ -59,16 +61,17 @@ __global__ void __launch_bounds__(kThreads, 1) copy_rows_kernel(const RowCopy* l
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     __syncwarp();
     if (lane != 0) return;
-    mok::device::BulkRowCopier copier{slots + warp * kSlotBytes, &loaded[warp], kSlotBytes};
+    mok::device::BulkRowCopier copier{slots + warp * kSlotBytes, &loaded[warp], kSlotBytes,
+                                      {status, 10'000'000'000ull, 0, mok::KernelId::kUnknown}, warp};
     // As the megakernel: whole rows batched into the slot when two or more fit, else one row in chunks.
     const int batch = row_bytes * 2 <= kSlotBytes ? kSlotBytes / row_bytes : 1;
     if (batch == 1) {
-      for (int64_t i = first; i < rows; i += stride) copier.copy(list[i].src, list[i].dst, row_bytes);
+      for (int64_t i = first; i < rows; i += stride) copier.copy(list[i].src, list[i].dst, row_bytes, mok::Role::kDispatch);
     } else {
       for (int64_t i = first; i < rows; i += stride * batch) {
         copier.begin();
         for (int b = 0; b < batch && i + b * stride < rows; ++b) copier.load(list[i + b * stride].src, row_bytes, b * row_bytes);
-        copier.loaded();
+        copier.loaded(mok::Role::kDispatch);
         for (int b = 0; b < batch && i + b * stride < rows; ++b) copier.store(list[i + b * stride].dst, row_bytes, b * row_bytes);
       }
     }
@@ -135,6 +138,7 @@ int main(int argc, char** argv) {
   struct Buffers {
     uint4 *x, *expert_rows, *y, *combined;
     RowCopy* list;
+    mok::DeviceStatus* status;
     cudaStream_t stream;
     cudaEvent_t start, stop;
   } buf[kEp];
@@ -148,6 +152,9 @@ int main(int argc, char** argv) {
     MOK_CHECK_CUDA(cudaMalloc(&buf[d].y, rows * row_bytes));
     MOK_CHECK_CUDA(cudaMalloc(&buf[d].combined, routes * row_bytes));
     MOK_CHECK_CUDA(cudaMalloc(&buf[d].list, 2 * routes * kEp * sizeof(RowCopy)));
+    MOK_CHECK_CUDA(cudaMalloc(&buf[d].status, sizeof(mok::DeviceStatus)));
+    const mok::DeviceStatus initial = mok::initial_device_status();
+    MOK_CHECK_CUDA(cudaMemcpy(buf[d].status, &initial, sizeof(initial), cudaMemcpyHostToDevice));
     MOK_CHECK_CUDA(cudaMemset(buf[d].x, 1, int64_t(args.tokens) * row_bytes));
     MOK_CHECK_CUDA(cudaMemset(buf[d].y, 2, rows * row_bytes));
     MOK_CHECK_CUDA(cudaStreamCreateWithFlags(&buf[d].stream, cudaStreamNonBlocking));
@@ -202,10 +209,11 @@ int main(int argc, char** argv) {
               DeviceGuard guard(g);
               MOK_CHECK_CUDA(cudaEventRecord(buf[g].start, buf[g].stream));
               if (bulk)
-                copy_rows_kernel<true><<<ctas, kThreads, kWarps * (kSlotBytes + 8), buf[g].stream>>>(buf[g].list, rows[g],
-                                                                                                    row_bytes);
+                copy_rows_kernel<true><<<ctas, kThreads, kWarps * (kSlotBytes + 8), buf[g].stream>>>(
+                    buf[g].list, rows[g], row_bytes, buf[g].status);
               else
-                copy_rows_kernel<false><<<ctas, kThreads, 0, buf[g].stream>>>(buf[g].list, rows[g], row_bytes);
+                copy_rows_kernel<false><<<ctas, kThreads, 0, buf[g].stream>>>(buf[g].list, rows[g], row_bytes,
+                                                                              buf[g].status);
               MOK_CHECK_CUDA(cudaGetLastError());
               MOK_CHECK_CUDA(cudaEventRecord(buf[g].stop, buf[g].stream));
             }
@@ -226,6 +234,14 @@ int main(int argc, char** argv) {
                       remote_bytes / ms / 1e6);
         }
       }
+    }
+  }
+  for (int g = 0; g < kEp; ++g) {
+    mok::StatusReport report;
+    MOK_CHECK_CUDA(cudaMemcpy(&report.raw, buf[g].status, sizeof(report.raw), cudaMemcpyDeviceToHost));
+    if (!report.ok()) {
+      std::fprintf(stderr, "dispatch_bench: GPU %d: %s\n", g, report.describe(args.tokens, model->top_k, 1).c_str());
+      return 1;
     }
   }
   return 0;

@@ -41,6 +41,21 @@ SHAPES = [  # name, experts, hidden, intermediate, top_k, shared expert (of widt
 ]
 DEFAULT_TILE_M = 64  # mok::ScheduleOptions' default padding
 TORCH_GROUP_ALIGN = 16  # torchtitan pads each expert's rows for torch._grouped_mm
+WAIT_TIMEOUT_S = 10.0  # the GEMMs' waits give up after 2 * this + 1 s (mok::ScheduleOptions' default)
+
+
+def new_status(lib, error):
+    """A status word in device memory for the GEMMs' waits (mok_bench_status_new), one per run."""
+    status = ctypes.c_void_p()
+    if lib.mok_bench_status_new(ctypes.byref(status), error, len(error)) != 0:
+        raise RuntimeError(error.value.decode())
+    return status
+
+
+def check_status(lib, status, stream, error):
+    """Raises with the report when a GEMM's wait timed out since the word was made."""
+    if lib.mok_bench_status_check(status, stream, error, len(error)) != 0:
+        raise RuntimeError("a GEMM reported: " + error.value.decode())
 
 
 def time_ms(fns, iters, warmup_s=0.3):
@@ -96,8 +111,10 @@ def main():
     if args.gemm == "wgrad":
         return wgrad_main(args)
     ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
-    gemm = capi.load(os.path.abspath(args.lib)).mok_bench_expert_gemm
+    lib = capi.load(os.path.abspath(args.lib))
+    gemm = lib.mok_bench_expert_gemm
     error = ctypes.create_string_buffer(512)
+    status = new_status(lib, error)  # the GEMMs' waits report here (bounded: a stalled kernel fails the run)
     gen = torch.Generator(device="cuda").manual_seed(0)
     commit = os.environ.get("MOK_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -143,7 +160,7 @@ def main():
                 rc = gemm(epilogue, a.data_ptr(), rows_padded, k, weights.data_ptr(), None, b_major, n_out, local,
                           counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None, 0.0, out.data_ptr(),
                           None, gate_up.data_ptr() if backward else None, partials.data_ptr() if backward else None,
-                          args.cluster, ticket.data_ptr(), trace, stream, error, len(error))
+                          args.cluster, ticket.data_ptr(), trace, status, WAIT_TIMEOUT_S, stream, error, len(error))
                 if rc != 0:
                     raise RuntimeError(error.value.decode())
 
@@ -181,6 +198,7 @@ def main():
             print(f"{name:16s} {label:8s} {rows:7d} {100.0 * (rows_padded - rows) / rows:5.1f} {tf[0]:7.0f} "
                   f"{tf[1]:7.0f} {tf[2]:7.0f} {tf[0] / tf[1]:10.2f} {tf[0] / tf[2]:10.2f}", flush=True)
             del a, out, gate_up, partials, a_torch, a_dense, b_dense
+        check_status(lib, status, stream, error)
         del w13, w2
         torch.cuda.empty_cache()
     if args.gemm == "all":
@@ -204,6 +222,7 @@ def wgrad_main(args):
     wgrad = lib.mok_bench_weight_grad_gemm
     ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
     error = ctypes.create_string_buffer(512)
+    status = new_status(lib, error)
     gen = torch.Generator(device="cuda").manual_seed(0)
     stream = torch.cuda.current_stream().cuda_stream
     commit = os.environ.get("MOK_COMMIT") or subprocess.run(
@@ -247,7 +266,7 @@ def wgrad_main(args):
                 out, split = outs[torch.bfloat16 if output == 0 else torch.float32]
                 rc = wgrad(a.data_ptr(), b.data_ptr(), rows_padded, m, n, local, offsets.data_ptr(), scheduled.data_ptr(),
                            tile_m, output, out.data_ptr(), split.data_ptr() if split is not None else None, m_split,
-                           ticket.data_ptr(), stream, error, len(error))
+                           ticket.data_ptr(), status, WAIT_TIMEOUT_S, stream, error, len(error))
                 if rc != 0:
                     raise RuntimeError(error.value.decode())
 
@@ -282,6 +301,7 @@ def wgrad_main(args):
                   f"{out_tbps:8.2f}", flush=True)
             del a, b, outs, a_torch, b_torch, a_bmm, b_bmm, a_mm, b_mm
             torch.cuda.empty_cache()
+        check_status(lib, status, stream, error)
 
 
 if __name__ == "__main__":

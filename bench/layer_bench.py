@@ -80,7 +80,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from capi import GRADS, grad_arrays, load  # noqa: E402
+from capi import GRADS, grad_arrays, layer_options, load  # noqa: E402
 from chart_png import chart_title, draw_layer_chart  # noqa: E402
 from gemm_bench import SHAPES, TORCH_GROUP_ALIGN, median, timed_turns  # noqa: E402
 from timeline_stats import load_events, phase_table  # noqa: E402
@@ -240,12 +240,12 @@ def baseline_forward(x, topk_idx, router_weights, expert_gate, expert_up, expert
     return (shared.float() + routed).bfloat16()
 
 
-def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, shared, fused, comm_ctas=0, minibatch=0,
-                 timeline_records=0, load_factor=0.0):
-    """Collective: every rank calls it at the same time. Rank 0's NCCL unique id goes to the others. fused: 0 the
-    unfused path, 1 the fused forward (its backward the stage kernels), 2 also the backward megakernel."""
+def create_layer(lib, rank, **options):
+    """Collective: every rank calls it at the same time. Rank 0's NCCL unique id goes to the others. options: the
+    layer's shape and options by name (capi.layer_options: Python LayerShape's and Config's field names, e.g.
+    ep_size=2, path="unfused", backward_megakernel=True); one left out keeps the library's default."""
     uid = None
-    if ep > 1:
+    if options.get("ep_size", 1) > 1:
         uid = (ctypes.c_uint8 * 128)()
         shared_id = torch.zeros(128, dtype=torch.uint8, device="cuda")
         if rank == 0:
@@ -253,9 +253,8 @@ def create_layer(lib, ep, rank, tokens, top_k, num_experts, hidden, inter, share
             shared_id.copy_(torch.tensor(list(uid), dtype=torch.uint8))
         dist.broadcast(shared_id, src=0)
         uid = (ctypes.c_uint8 * 128)(*shared_id.tolist())
-    layer = lib.mok_bench_layer_create(uid, ep, rank, torch.cuda.current_device(), tokens, top_k, num_experts, hidden,
-                                       inter, int(shared), int(fused), comm_ctas, minibatch, timeline_records, 0,
-                                       load_factor, 0.0, ERROR, len(ERROR))
+    layer = lib.mok_bench_layer_create(uid, rank, torch.cuda.current_device(), *layer_options(**options), ERROR,
+                                       len(ERROR))
     if not layer:
         raise RuntimeError(ERROR.value.decode(errors="replace"))
     return layer
@@ -510,11 +509,17 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shar
     def create_layers(experts):
         for path in ("fused", "unfused"):
             if not args.only or only_path == path:
-                fused = (2 if args.backward_megakernel else 1) if path == "fused" else 0
-                layers[path] = create_layer(lib, ep, rank, tokens, top_k, experts, hidden, inter, shared,
-                                            fused, args.comm_ctas, args.minibatch,
-                                            TIMELINE_RECORDS if (args.timeline or args.breakdown) and path == "fused"
-                                            else 0, args.load_factor)
+                options = dict(ep_size=ep, num_tokens=tokens, top_k=top_k, num_experts=experts, hidden=hidden,
+                               intermediate=inter, shared_expert=bool(shared), path=path, comm_ctas=args.comm_ctas)
+                if path == "fused":
+                    options["backward_megakernel"] = bool(args.backward_megakernel)
+                    if args.timeline or args.breakdown:
+                        options["timeline_records"] = TIMELINE_RECORDS
+                if args.minibatch:
+                    options["minibatch_rows"] = args.minibatch
+                if args.load_factor:
+                    options["load_factor"] = args.load_factor
+                layers[path] = create_layer(lib, rank, **options)
 
     def destroy_layers():
         torch.cuda.synchronize()

@@ -13,7 +13,9 @@
 //              row_partials[r, nb] = sum over the tile's columns c of d_hu[r, c] * silu(g_c) * u_c (fp32,
 //                                    the d_rw partial of n-block nb; unscaled, so exact at rw = 0)
 // Row r belongs to expert e when it lies in e's padded segment of the schedule; padding rows get zeros.
-// Asynchronous on `stream`, no host synchronization (row counts are read on the GPU).
+// Asynchronous on `stream`, no host synchronization (row counts are read on the GPU). Every wait between the
+// kernel's roles is bounded: a stalled role is reported in args.waits.status (a StatusReport: kernel expert_gemm,
+// role, counter, SM) instead of hanging, the kernel ends and the output is unspecified (docs/sync_protocol.md).
 //
 // Operand majorness (b_major): kK reads b as [E_local, n, k] (the forward: k contiguous); kMN reads b as
 // [E_local, k, n] (n contiguous: the backward's dgrad through the forward's weights, unchanged in memory).
@@ -24,6 +26,8 @@
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
+
+#include "mok/status.h"
 
 namespace mok {
 
@@ -67,6 +71,9 @@ struct ExpertGemmArgs {
   void* trace = nullptr;        // optional uint64 [tasks, CTAs per cluster, 4], zeroed by the caller: per
                                 // output tile, consumer start and end (globaltimer ns), SM id | SM cycles
                                 // << 16, expert << 48 | n-block group << 32 | first row
+  WaitBound waits;              // required: the status word the kernel's waits (its roles' hand-offs, all
+                                // bounded: 2 * waits.timeout_s + 1 s) report a timeout to, and the rank named.
+                                // Once that word's abort is set the GEMM takes no more tiles (out unspecified)
 };
 
 // Throws std::invalid_argument naming the offending field.

@@ -400,6 +400,8 @@ class MoeWorkspace {
   void publish_token_rows(void* dst, const void* src, int64_t tokens, cudaStream_t stream) const;
   const RankState& state(int rank) const;
   void require_open(const char* call) const;  // std::logic_error "MoeWorkspace::<call>: ... closed" after close
+  // Where the rank's standalone GEMMs' waits report (its status word) and their timeout.
+  WaitBound wait_bound(int rank) const;
   void begin_call(int rank, cudaStream_t stream) const;  // waits for the rank's previous call (other stream)
   void end_call(int rank, cudaStream_t stream) const;    // records this call's event
 

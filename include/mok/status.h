@@ -30,10 +30,11 @@ enum class Role : int32_t {
   kScheduleGather = 1,
   kScheduleCount = 2,
   kBarrier = 3,
-  kGemmProducer = 4,  // forward megakernel: a compute CTA's TMA producer waiting for its tile's inputs
+  kGemmProducer = 4,  // a GEMM's TMA producer thread: its tile's inputs (megakernels), the task ring and mail,
+                      // the pipeline's free stages
   kDispatch = 5,      // forward megakernel: a communication CTA pulling rows
   kCombine = 6,       // forward megakernel: a communication CTA pushing rows
-  kGemmConsumer = 7,  // a GEMM consumer warpgroup (task ring, pipeline full barrier)
+  kGemmConsumer = 7,  // a GEMM consumer warpgroup (task ring, pipeline full barrier), in any GEMM kernel
   kPullGrad = 8,      // backward megakernel: a communication group pulling d_out rows
   kPushGrad = 9,      // backward megakernel: a communication group pushing d_x rows and d_rw
 };
@@ -61,6 +62,18 @@ enum class CounterId : int32_t {
   kRowsPushed = 16,
   kSharedGateUpReady = 17,
   kSharedDgradReady = 18,
+  kBulkCopy = 19,      // a communication CTA's bulk-copy slot: its loads' bytes (index: the warp's slot)
+};
+
+// Which kernel a timed-out wait ran in (reported with a timeout).
+enum class KernelId : int32_t {
+  kUnknown = 0,
+  kSchedule = 1,            // count_chunks_kernel (src/device/schedule)
+  kBarrier = 2,             // barrier_wait_kernel (the EP barrier)
+  kForwardMegakernel = 3,
+  kBackwardMegakernel = 4,
+  kExpertGemm = 5,          // the standalone expert GEMM (mok::expert_gemm)
+  kWeightGradGemm = 6,      // the standalone weight-gradient GEMM (mok::weight_grad_gemm)
 };
 
 // Values of DeviceStatus::abort (bits).
@@ -92,8 +105,22 @@ struct DeviceStatus {
   uint64_t timeout_seen;
   // Waits that gave up at once because `abort` was already set (after the first timeout), mod 2^32.
   uint32_t abandoned_waits;
-  uint32_t pad1;
+  int32_t timeout_kernel;   // KernelId of the first timeout
 };
+
+// Where a standalone kernel's spin-waits report a timeout, and how long they may take (ExpertGemmArgs::waits,
+// WeightGradArgs::waits; MoeWorkspace passes its rank's status word and ScheduleOptions::wait_timeout_s).
+struct WaitBound {
+  DeviceStatus* status = nullptr;  // required: device memory holding initial_device_status() or a report
+  double timeout_s = 10;           // finite, in (0, kMaxWaitTimeoutS] (include/mok/routing.h)
+  int32_t rank = 0;                // reported with a timeout
+};
+
+// Throws std::invalid_argument, "<prefix>waits.status ..." or "<prefix>waits.timeout_s ...", unless `bound` has a
+// status word and a finite timeout in (0, kMaxWaitTimeoutS].
+void validate(const WaitBound& bound, const std::string& prefix);
+// The timeout in whole nanoseconds, as the kernels count it (of a validated bound).
+uint64_t timeout_ns(const WaitBound& bound);
 
 // Value a status word is reset to (at workspace creation and by reset_status).
 DeviceStatus initial_device_status();

@@ -16,12 +16,15 @@
 // [d_g, d_u] operand); otherwise `out` is [E_local, m, n].
 //
 // Deterministic: each output tile is owned by one CTA, which reduces its expert's rows in ascending order
-// in fp32; no atomics on values. Asynchronous on `stream`, no host synchronization.
+// in fp32; no atomics on values. Asynchronous on `stream`, no host synchronization. Waits bounded and reported
+// as expert_gemm's (args.waits; kernel weight_grad_gemm).
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
+
+#include "mok/status.h"
 
 namespace mok {
 
@@ -46,6 +49,7 @@ struct WeightGradArgs {
   void* out_split = nullptr;    // optional: [E_local, m - m_split, n]
   int m_split = 0;              // with out_split: a multiple of 64 in (0, m)
   int32_t* ticket = nullptr;    // one int32 of device memory, zeroed by the call on its stream
+  WaitBound waits;              // required: as ExpertGemmArgs::waits
 };
 
 // Throws std::invalid_argument naming the offending field.

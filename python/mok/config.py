@@ -2,7 +2,9 @@
 a status report.
 
 Defaults are those of the C++ API (include/mok/moe.h, include/mok/routing.h); the C++ side validates every
-value again and is authoritative (std::invalid_argument -> ValueError naming the field).
+value again and is authoritative (std::invalid_argument -> ValueError naming the field). Config's and LayerShape's
+fields are the rows of the C++ option table (src/host/option_table.h), by which the extension takes them
+(get_workspace passes them by name); test_cpu.py checks names, defaults and kinds against mok._mok.option_table().
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ tracing, and the tests that run without a GPU).
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from typing import Optional, Tuple
@@ -24,7 +25,7 @@ import torch
 from . import arguments, ops
 from .checks import (WEIGHT_NAMES, check_backward_args, check_forward_args, check_weight_grads, check_weights,
                      check_x)
-from .config import PATHS, Config, LayerShape, Status, Weights, check_config_for_shape
+from .config import Config, LayerShape, Status, Weights, check_config_for_shape
 from .device import check_layer_device, layer_device
 
 
@@ -255,12 +256,11 @@ def get_workspace(config: Config, group, num_local_tokens: int, hidden: int, int
         box = [ext.nccl_unique_id() if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group, device=device)
         nccl_id = box[0]
-    native = ext.Workspace(device.index, ep_size, rank, nccl_id, shape.num_tokens, shape.hidden, shape.intermediate,
-                           shape.top_k, shape.num_experts, shape.shared_expert, shape.swiglu_limit, PATHS[config.path],
-                           config.comm_ctas, config.minibatch_rows, config.macrobatch_rows, config.capacity_rows,
-                           config.tile_m, float(config.wait_timeout_s), config.backward,
-                           config.keep_gate_up, config.context_budget_bytes, float(config.load_factor),
-                           config.backward_megakernel)
+    # The shape's and the config's fields by name: the extension's keywords are the option table's names
+    # (src/host/option_table.h; test_cpu.py checks that Config and LayerShape match it).
+    options = {f.name: getattr(shape, f.name) for f in dataclasses.fields(LayerShape)}
+    options.update({f.name: getattr(config, f.name) for f in dataclasses.fields(Config)})
+    native = ext.Workspace(device.index, rank, nccl_id, **options)
     return Workspace(shape, config, device, rank, native)
 
 

@@ -7,7 +7,11 @@
 // user-facing API; this module is its private back end.
 //
 //   _mok.nccl_unique_id() -> bytes                      rank 0 makes it, the group broadcasts it
-//   ws = _mok.Workspace(device, ep_size, rank, nccl_id or None, shape..., options...)
+//   _mok.option_table() -> [dict]                       every option: name, path, kind, home, agreed, default, choices
+//   ws = _mok.Workspace(device, rank, nccl_id or None, **options)
+//                                                       the shape and options by name (src/host/option_table.h: the
+//                                                       fields of Python LayerShape and Config); a name left out
+//                                                       keeps the C++ default
 //   ctx = ws.make_context(stream)                       zero-filled on `stream`, no host synchronization
 //   ws.forward(x, topk_idx, router_weights, weights..., out, ctx, stream, schedule_ready)
 //   ws.backward(d_out, x, topk_idx, router_weights, [6 weights], d_x, d_router_weights, [6 grads], accumulate,
@@ -36,6 +40,7 @@
 #include "mok/moe.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
+#include "src/host/option_table.h"
 
 namespace nb = nanobind;
 
@@ -149,10 +154,10 @@ class Context {
 // One rank's layer as one process drives it: its communicator (EP > 1), peer group and workspace.
 class Workspace {
  public:
-  Workspace(int device, int ep_size, int rank, std::optional<nb::bytes> nccl_id, const mok::MoeShape& shape,
+  Workspace(int device, int rank, std::optional<nb::bytes> nccl_id, const mok::MoeShape& shape,
             const mok::MoeOptions& options)
       : device_(device), rank_(rank) {
-    if (ep_size != shape.ep_size) throw std::logic_error("ep_size and shape.ep_size differ");
+    const int ep_size = shape.ep_size;
     if (rank < 0 || rank >= ep_size) {
       throw std::invalid_argument("rank " + std::to_string(rank) + " outside [0, " + std::to_string(ep_size) + ")");
     }
@@ -326,56 +331,126 @@ std::tuple<int, int> nccl_versions() {
   return {NCCL_VERSION_CODE, loaded};
 }
 
+// A Python value as option `o`'s value: a bool for kBool (an int is refused, as Config refuses it), an integral
+// number (not a bool) for the integer kinds, a real number for the floating-point kinds, a choice's name for kEnum.
+// The range is checked by set_option (ValueError). TypeError / ValueError name the option.
+mok::detail::OptionValue option_value(const mok::detail::OptionDesc& o, nb::handle value) {
+  using mok::detail::OptionKind;
+  const std::string name(o.name);
+  const auto type_error = [&](const char* expected) {
+    return nb::type_error(("option " + name + ": expected " + expected + ", got " +
+                           nb::cast<std::string>(nb::str(value.type().attr("__name__"))))
+                              .c_str());
+  };
+  mok::detail::OptionValue v;
+  const bool is_bool = nb::isinstance<nb::bool_>(value);
+  switch (o.kind) {
+    case OptionKind::kBool:
+      if (!is_bool) throw type_error("a bool");
+      v.integer = nb::cast<bool>(value) ? 1 : 0;
+      break;
+    case OptionKind::kInt32:
+    case OptionKind::kInt64:  // an int, or an integral number such as numpy's (__index__), as Config admits
+      if (is_bool || !nb::hasattr(value, "__index__")) throw type_error("an int");
+      try {
+        v.integer = nb::cast<int64_t>(nb::int_(value));
+      } catch (const nb::cast_error&) {
+        throw nb::value_error(("option " + name + ": " + nb::cast<std::string>(nb::str(value)) + " is out of range")
+                                  .c_str());
+      }
+      break;
+    case OptionKind::kFloat32:
+    case OptionKind::kFloat64:  // a real number (float, int, numpy's)
+      if (is_bool || nb::isinstance<nb::str>(value) || !nb::hasattr(value, "__float__")) throw type_error("a number");
+      v.real = nb::cast<double>(nb::float_(value));
+      break;
+    case OptionKind::kEnum: {
+      if (!nb::isinstance<nb::str>(value)) throw type_error("a str");
+      const std::string text = nb::cast<std::string>(value);
+      v.integer = -1;
+      for (size_t c = 0; c < o.choices.size(); ++c)
+        if (o.choices[c] == text) v.integer = static_cast<int64_t>(c);
+      if (v.integer < 0) {
+        std::string choices;
+        for (std::string_view c : o.choices) choices += (choices.empty() ? "" : ", ") + std::string(c);
+        throw nb::value_error(("option " + name + ": expected one of " + choices + ", got '" + text + "'").c_str());
+      }
+      break;
+    }
+  }
+  return v;
+}
+
+// The layer's shape and options from keyword arguments named as the option table's rows.
+mok::detail::LayerOptions layer_options(const nb::kwargs& options) {
+  mok::detail::LayerOptions layer;
+  for (auto [key, value] : options) {
+    const std::string name = nb::cast<std::string>(key);
+    const mok::detail::OptionDesc* o = mok::detail::find_option(name);
+    if (o == nullptr) throw nb::type_error(("Workspace: unknown option '" + name + "'").c_str());
+    mok::detail::set_option(layer, *o, option_value(*o, value));
+  }
+  return layer;
+}
+
+// A row's value as Python sees it (bool, int, float, or the choice's name).
+nb::object python_value(const mok::detail::OptionDesc& o, mok::detail::OptionValue v) {
+  using mok::detail::OptionKind;
+  switch (o.kind) {
+    case OptionKind::kBool: return nb::bool_(v.integer != 0);
+    case OptionKind::kInt32:
+    case OptionKind::kInt64: return nb::int_(v.integer);
+    case OptionKind::kFloat32:
+    case OptionKind::kFloat64: return nb::float_(v.real);
+    case OptionKind::kEnum: return nb::str(std::string(o.choices[v.integer]).c_str());
+  }
+  return nb::none();
+}
+
+// Every option: name, path (C++), kind, home ("shape": a LayerShape field, "config": a Config field, "cpp": the
+// C++ and C APIs only), agreed (equal on every rank), default (the C++ default, as Python spells it), choices.
+nb::list option_table() {
+  const mok::detail::LayerOptions defaults;
+  nb::list rows;
+  for (const mok::detail::OptionDesc& o : mok::detail::kOptionTable) {
+    nb::dict row;
+    row["name"] = std::string(o.name);
+    row["path"] = std::string(o.path);
+    row["kind"] = std::string(mok::detail::kind_name(o.kind));
+    using mok::detail::OptionHome;
+    row["home"] = o.home == OptionHome::kShape ? "shape" : o.home == OptionHome::kConfig ? "config" : "cpp";
+    row["agreed"] = o.agreed;
+    row["default"] = python_value(o, o.get(defaults));
+    nb::list choices;
+    for (std::string_view c : o.choices) choices.append(std::string(c));
+    row["choices"] = choices;
+    rows.append(row);
+  }
+  return rows;
+}
+
 }  // namespace
 
 NB_MODULE(_mok, m) {
   m.doc() = "MoK for Hopper: the C++ API, forward and backward (private back end of the mok package)";
   m.def("nccl_unique_id", &nccl_unique_id, "A new ncclUniqueId (128 bytes) for rank 0 to broadcast");
   m.def("nccl_versions", &nccl_versions, "(compiled NCCL_VERSION_CODE, ncclGetVersion of the loaded library)");
+  m.def("option_table", &option_table,
+        "Every option of the layer (src/host/option_table.h): dicts of name, path, kind, home, agreed, default, "
+        "choices");
 
   nb::class_<Context>(m, "Context").def_prop_ro("ring_rows", &Context::ring_rows);
 
   nb::class_<Workspace>(m, "Workspace")
       .def(
           "__init__",
-          [](Workspace* self, int device, int ep_size, int rank, std::optional<nb::bytes> nccl_id, int num_tokens,
-             int hidden, int intermediate, int top_k, int num_experts, bool shared_expert, float swiglu_limit,
-             int path, int comm_ctas, int minibatch_rows, int64_t macrobatch_rows, int64_t capacity_rows, int tile_m,
-             double wait_timeout_s, bool backward, bool keep_gate_up, int64_t context_budget_bytes,
-             double load_factor, bool backward_megakernel) {
-            mok::MoeShape shape;
-            shape.ep_size = ep_size;
-            shape.num_tokens = num_tokens;
-            shape.top_k = top_k;
-            shape.num_experts = num_experts;
-            shape.hidden = hidden;
-            shape.intermediate = intermediate;
-            shape.shared_expert = shared_expert;
-            shape.swiglu_limit = swiglu_limit;
-            mok::MoeOptions options;
-            options.schedule.tile_m = tile_m;
-            options.schedule.capacity_rows = capacity_rows;
-            options.schedule.load_factor = load_factor;
-            options.schedule.wait_timeout_s = wait_timeout_s;
-            if (path != 0 && path != 1) throw std::invalid_argument("path: 0 (fused) or 1 (unfused)");
-            options.path = static_cast<mok::ForwardPath>(path);
-            options.fused.comm_ctas = comm_ctas;
-            options.fused.minibatch_rows = minibatch_rows;
-            options.fused.macrobatch_rows = macrobatch_rows;
-            options.fused.backward_megakernel = backward_megakernel;
-            options.backward = backward;
-            options.keep_gate_up = keep_gate_up;
-            options.context_budget_bytes = context_budget_bytes;
-            new (self) Workspace(device, ep_size, rank, std::move(nccl_id), shape, options);
+          [](Workspace* self, int device, int rank, std::optional<nb::bytes> nccl_id, const nb::kwargs& options) {
+            const mok::detail::LayerOptions layer = layer_options(options);
+            new (self) Workspace(device, rank, std::move(nccl_id), layer.shape, layer.options);
           },
-          nb::arg("device"), nb::arg("ep_size"), nb::arg("rank"), nb::arg("nccl_id").none(), nb::arg("num_tokens"),
-          nb::arg("hidden"), nb::arg("intermediate"), nb::arg("top_k"), nb::arg("num_experts"),
-          nb::arg("shared_expert"), nb::arg("swiglu_limit"), nb::arg("path"), nb::arg("comm_ctas"),
-          nb::arg("minibatch_rows"), nb::arg("macrobatch_rows"), nb::arg("capacity_rows"), nb::arg("tile_m"),
-          nb::arg("wait_timeout_s"), nb::arg("backward") = true, nb::arg("keep_gate_up") = true,
-          nb::arg("context_budget_bytes") = mok::MoeOptions{}.context_budget_bytes,
-          nb::arg("load_factor") = mok::ScheduleOptions{}.load_factor,
-          nb::arg("backward_megakernel") = mok::FusedOptions{}.backward_megakernel)
+          nb::arg("device"), nb::arg("rank"), nb::arg("nccl_id").none(), nb::arg("options"),
+          "The layer's shape and options as keywords named as option_table()'s rows (LayerShape's and Config's "
+          "fields); one left out keeps the C++ default")
       .def("make_context", &Workspace::make_context, nb::arg("stream") = 0, nb::keep_alive<0, 1>())
       .def("close", &Workspace::close)
       .def_prop_ro("closed", &Workspace::closed)

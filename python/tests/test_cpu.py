@@ -49,6 +49,55 @@ def test_config_defaults_are_the_cpp_defaults():
     assert c.load_factor == 2.0 and isinstance(c.load_factor, float)
 
 
+def test_config_and_layer_shape_match_the_option_table():
+    """Every option is defined once, in the C++ option table (src/host/option_table.h), from which the extension's
+    keywords are derived: Config's fields are its "config" rows and LayerShape's its "shape" rows, with the same
+    names, defaults (where LayerShape has one) and kinds; the "cpp" rows (the C++ and C APIs only) are in neither.
+    Adding an option to the table without Config's field (or the reverse) fails here."""
+    from mok import _mok
+    table = _mok.option_table()
+    python_types = {"bool": bool, "int32": int, "int64": int, "float32": float, "float64": float, "enum": str}
+    homes = {"config": mok.Config, "shape": mok.LayerShape}
+    for home, cls in homes.items():
+        rows = {row["name"]: row for row in table if row["home"] == home}
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        assert set(fields) == set(rows), f"{cls.__name__} fields {sorted(fields)} != table rows {sorted(rows)}"
+        for name, row in rows.items():
+            field = fields[name]
+            assert field.type in (python_types[row["kind"]].__name__, python_types[row["kind"]]), \
+                f"{cls.__name__}.{name}: annotated {field.type}, the table's kind is {row['kind']}"
+            if field.default is dataclasses.MISSING:
+                assert home == "shape", f"Config.{name} has no default"
+                continue
+            assert type(field.default) is python_types[row["kind"]] and field.default == row["default"], \
+                f"{cls.__name__}.{name}: default {field.default!r}, C++ {row['default']!r}"
+    path = next(row for row in table if row["name"] == "path")
+    assert path["choices"] == sorted(mok.config.PATHS, key=mok.config.PATHS.get)  # Config's names, C++'s codes
+    for row in table:
+        if row["home"] == "cpp":
+            assert not any(row["name"] in {f.name for f in dataclasses.fields(cls)} for cls in homes.values())
+    assert [row["name"] for row in table if not row["agreed"]] == ["wait_timeout_s"]
+
+
+def test_extension_takes_the_options_by_name():
+    """The extension's Workspace takes the shape and options as keywords named as the table's rows, checking each
+    value's type and range before any CUDA call: unknown names, wrong types and out-of-range values name the option."""
+    from mok import _mok
+    base = dict(num_tokens=256, hidden=128, intermediate=64, top_k=2, num_experts=8)
+    for options, error, text in [
+            (dict(base, fused=1), TypeError, "unknown option 'fused'"),
+            (dict(base, tile_m=True), TypeError, "option tile_m: expected an int, got bool"),
+            (dict(base, backward=1), TypeError, "option backward: expected a bool, got int"),
+            (dict(base, load_factor="2"), TypeError, "option load_factor: expected a number, got str"),
+            (dict(base, path="megakernel"), ValueError, "option path: expected one of fused, unfused, got 'megakernel'"),
+            (dict(base, path=0), TypeError, "option path: expected a str, got int"),
+            (dict(base, minibatch_rows=2**31), ValueError,
+             r"option minibatch_rows \(MoeOptions.fused.minibatch_rows\): expected an int32, got 2147483648"),
+            (dict(base, context_budget_bytes=2**64), ValueError, "option context_budget_bytes: .* is out of range")]:
+        with pytest.raises(error, match=text):
+            _mok.Workspace(0, 0, None, **options)
+
+
 def test_config_load_factor():
     """load_factor: any number >= 1 (an int too; inf: the worst case), passed to the native workspace's
     ScheduleOptions (test_gpu.py checks the capacity it gives)."""
@@ -249,7 +298,7 @@ def test_cpp_errors_become_python_exceptions():
         pytest.skip("needs a machine without a usable CUDA device")
     from mok import _mok
     with pytest.raises(RuntimeError, match="cuda"):
-        _mok.Workspace(0, 1, 0, None, 256, 128, 64, 2, 8, True, 0.0, 0, 0, 4096, 0, 0, 64, 10.0)
+        _mok.Workspace(0, 0, None, num_tokens=256, hidden=128, intermediate=64, top_k=2, num_experts=8)
     assert hopper_skip_reason() is not None  # the process is alive
 
 

@@ -2,6 +2,7 @@
 // launch of the persistent kernel in src/device/gemm/expert_gemm.cuh.
 #include "mok/expert_gemm.h"
 
+#include <atomic>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -64,7 +65,7 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   config.stream = stream;
   config.attrs = &cluster_attr;
   config.numAttrs = 1;
-  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p));
+  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p, detail::standalone_waits(args.waits, KernelId::kExpertGemm)));
 }
 
 // The one place where the runtime choices become the kernel's policies (an instantiation per mainloop,
@@ -125,6 +126,7 @@ void validate(const ExpertGemmArgs& args) {
   require(args.first_row >= 0 && args.first_row % 128 == 0 && args.first_row <= args.a_rows,
           "first_row must be a multiple of 128 in [0, a_rows], got " + std::to_string(args.first_row));
   require(args.ticket != nullptr, "ticket must point to an int32 of device memory");
+  validate(args.waits, "expert_gemm: ");
 }
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
@@ -147,6 +149,27 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
       launch_policies<MNMajorMainloop, gemm::SwiGLUBackwardEpilogue>(args, cluster_n, stream);
       break;
   }
+}
+
+namespace {
+std::atomic<uint32_t> stalled_producers{0};  // bit k: KernelId k (detail::set_stalled_producer)
+}  // namespace
+
+void detail::set_stalled_producer(KernelId kernel, bool stalled) {
+#if defined(MOK_TEST_ENTRIES)
+  const uint32_t bit = 1u << static_cast<int32_t>(kernel);
+  if (stalled)
+    stalled_producers.fetch_or(bit);
+  else
+    stalled_producers.fetch_and(~bit);
+#else
+  (void)kernel, (void)stalled;
+  throw std::logic_error("detail::set_stalled_producer: a test entry, in builds with MOK_TEST_ENTRIES only");
+#endif
+}
+
+bool detail::stalled_producer(KernelId kernel) {
+  return (stalled_producers.load(std::memory_order_relaxed) >> static_cast<int32_t>(kernel)) & 1u;
 }
 
 int gemm_n_blocks(GemmEpilogue epilogue, int n) {

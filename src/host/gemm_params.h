@@ -7,7 +7,9 @@
 #include <type_traits>
 
 #include "mok/expert_gemm.h"
+#include "mok/status.h"
 #include "src/device/gemm/expert_gemm.cuh"
+#include "src/host/gemm_test_knobs.h"
 
 namespace mok::detail {
 
@@ -22,6 +24,11 @@ template <int kClusterN>
 using SwiGLUTraits = ExpertGemmTraits<KMajorMainloop, gemm::SwiGLUEpilogue<false>, kClusterN>;
 template <int kClusterN>
 using StoreTraits = ExpertGemmTraits<KMajorMainloop, gemm::StoreEpilogue, kClusterN>;
+
+// A standalone GEMM launch's second kernel argument: its waits' bound (`waits` validated) and the test knob.
+inline gemm::StandaloneWaits standalone_waits(const WaitBound& waits, KernelId kernel) {
+  return {{waits.status, timeout_ns(waits), waits.rank, kernel}, stalled_producer(kernel)};
+}
 
 // The ticket and trace fields are left empty; the caller sets what its launch uses. `args` is validated.
 template <class Traits>

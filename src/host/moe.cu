@@ -24,6 +24,7 @@
 #include "src/host/moe_fused_backward.h"
 #include "src/host/moe_state.h"
 #include "src/host/teardown.h"
+#include "src/host/option_table.h"
 
 namespace mok {
 using detail::DeviceGuard;
@@ -33,59 +34,35 @@ using detail::row_kernel_ctas;
 
 namespace {
 
-// Every rank must build the same workspace. Each rank's shape and options, and whether they passed its own
-// validation, are all-gathered over the group first (PeerGroup::all_gather, a collective for NCCL groups), so
-// a rank that rejects its arguments or disagrees with a peer makes every rank throw, naming the field,
-// instead of leaving the others waiting in the collective allocations that follow.
+// Every rank must build the same workspace. Each rank's shape and options (the agreed rows of the option table,
+// src/host/option_table.h), and whether they passed its own validation (MoeShape's and ScheduleOptions'), are
+// all-gathered over the group first
+// (PeerGroup::all_gather, a collective for NCCL groups), so a rank that rejects its arguments or disagrees with a
+// peer makes every rank throw, naming the field, instead of leaving the others waiting in the collective
+// allocations that follow.
 MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options) {
   std::string error;
   try {
     shape.validate();
+    options.schedule.validate(shape.routing());  // also the options no rank compares (wait_timeout_s)
   } catch (const std::invalid_argument& e) {
     error = e.what();
   }
-  int32_t limit_bits = 0;
-  std::memcpy(&limit_bits, &shape.swiglu_limit, sizeof(limit_bits));
-  int64_t load_factor_bits = 0;  // it sizes the default capacity, as capacity_rows does
-  static_assert(sizeof(load_factor_bits) == sizeof(options.schedule.load_factor));
-  std::memcpy(&load_factor_bits, &options.schedule.load_factor, sizeof(load_factor_bits));
-  const std::pair<const char*, int64_t> fields[] = {
-      {"validation", error.empty() ? 1 : 0},
-      {"MoeShape.ep_size", shape.ep_size},
-      {"MoeShape.num_tokens", shape.num_tokens},
-      {"MoeShape.top_k", shape.top_k},
-      {"MoeShape.num_experts", shape.num_experts},
-      {"MoeShape.hidden", shape.hidden},
-      {"MoeShape.intermediate", shape.intermediate},
-      {"MoeShape.shared_expert", shape.shared_expert},
-      {"MoeShape.swiglu_limit (bits)", limit_bits},
-      {"MoeOptions.schedule.tile_m", options.schedule.tile_m},
-      {"MoeOptions.schedule.capacity_rows", options.schedule.capacity_rows},
-      {"MoeOptions.schedule.load_factor (bits)", load_factor_bits},
-      {"MoeOptions.path", static_cast<int64_t>(options.path)},
-      {"MoeOptions.fused.comm_ctas", options.fused.comm_ctas},
-      {"MoeOptions.fused.minibatch_rows", options.fused.minibatch_rows},
-      {"MoeOptions.fused.macrobatch_rows", options.fused.macrobatch_rows},
-      {"MoeOptions.fused.timeline_records", options.fused.timeline_records},
-      {"MoeOptions.fused.backward_megakernel", options.fused.backward_megakernel},
-      {"MoeOptions.keep_gate_up", options.keep_gate_up},
-      {"MoeOptions.context_budget_bytes", options.context_budget_bytes},
-      {"MoeOptions.backward", options.backward},
-  };
-  constexpr size_t kFields = sizeof(fields) / sizeof(fields[0]);
-  std::vector<int64_t> mine;
-  for (const auto& field : fields) mine.push_back(field.second);
+  const detail::LayerOptions layer{shape, options};
+  std::vector<int64_t> mine = {error.empty() ? 1 : 0};  // "validation", then the agreed options
+  const std::vector<int64_t> words = detail::agreement_words(layer);
+  mine.insert(mine.end(), words.begin(), words.end());
   const std::vector<int64_t> all = group.all_gather(mine);
   if (!error.empty()) throw std::invalid_argument(error);
+  std::vector<int64_t> options_of_all;
   for (int r = 0; r < group.size(); ++r) {
-    const int64_t* theirs = all.data() + r * kFields;
+    const int64_t* theirs = all.data() + r * mine.size();
     require(theirs[0] == 1, "MoeWorkspace: rank " + std::to_string(r) +
-                                " rejected its MoeShape (its own error names the field); every rank must build the same workspace");
-    for (size_t f = 1; f < kFields; ++f)
-      require(theirs[f] == mine[f], std::string("MoeWorkspace: the ranks disagree on ") + fields[f].first + ": " +
-                                        std::to_string(mine[f]) + " here, " + std::to_string(theirs[f]) + " on rank " +
-                                        std::to_string(r) + "; every rank must build the same workspace");
+                                " rejected its MoeShape or ScheduleOptions (its own error names the field); every rank "
+                                "must build the same workspace");
+    options_of_all.insert(options_of_all.end(), theirs + 1, theirs + mine.size());
   }
+  detail::check_agreement(options_of_all, group.size(), layer);
   return shape;
 }
 
@@ -237,6 +214,10 @@ void MoeWorkspace::require_open(const char* call) const {
 const MoeWorkspace::RankState& MoeWorkspace::state(int rank) const {
   require(group_.is_local(rank), "rank " + std::to_string(rank) + " is not a local rank of the workspace's group");
   return ranks_[rank];
+}
+
+WaitBound MoeWorkspace::wait_bound(int rank) const {
+  return {schedule_.device_status(rank), options_.schedule.wait_timeout_s, rank};
 }
 
 // Stream-ordered (no host synchronization): the zero fill is a call of the workspace on `stream`, so a later
@@ -464,6 +445,7 @@ struct MlpGemms {  // the two GEMM launches of an MLP over the rows of a schedul
   void* gate_up;     // optional: the raw g | u of every row (MoeOptions::keep_gate_up)
   void* out;
   int32_t* tickets;  // two: gate/up, down
+  WaitBound waits;   // the rank's status word and timeout
 };
 
 // The two GEMMs of an MLP: gate/up with the SwiGLU epilogue, then down (tickets: m.tickets[0], [1]).
@@ -486,6 +468,7 @@ void mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& 
   gate_up.out = m.hidden;
   gate_up.gate_up_out = m.gate_up;
   gate_up.ticket = m.tickets;
+  gate_up.waits = m.waits;
 
   down = gate_up;
   down.epilogue = GemmEpilogue::kStore;
@@ -519,7 +502,8 @@ void MoeWorkspace::routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .hidden = ctx.hidden_,
             .gate_up = ctx.gate_up_,
             .out = s.y,
-            .tickets = s.tickets + detail::kExpertGateUp},
+            .tickets = s.tickets + detail::kExpertGateUp,
+            .waits = wait_bound(f.rank)},
            gate_up, down);
 }
 
@@ -539,7 +523,8 @@ void MoeWorkspace::shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .hidden = f.context->shared_hidden_,
             .gate_up = f.context->shared_gate_up_,
             .out = s.shared_out,
-            .tickets = s.tickets + detail::kSharedGateUp},
+            .tickets = s.tickets + detail::kSharedGateUp,
+            .waits = wait_bound(f.rank)},
            gate_up, down);
 }
 

@@ -70,10 +70,12 @@ struct MlpBackward {
   const WeightGrad* grad_gate;  // grad_up null or empty: fused (gate holds both), or none wanted
   const WeightGrad* grad_up;
   const WeightGrad* grad_down;
+  WaitBound waits;            // the rank's status word and timeout
 };
 
-ExpertGemmArgs gemm_over(const GemmRows& rows, const MoeOptions& options) {
+ExpertGemmArgs gemm_over(const GemmRows& rows, const MoeOptions& options, const WaitBound& waits) {
   ExpertGemmArgs a;
+  a.waits = waits;
   a.a_rows = rows.rows_allocated;
   a.local_experts = rows.local_experts;
   a.expert_counts = rows.expert_counts;
@@ -90,9 +92,11 @@ GradOutput grad_output(const WeightGrad& g) {
 
 // out_e [m, n] = sum_r a[r, m] b[r, n] over each expert's rows; rows [m_split, m) into `split` when set
 // (validated: same dtype and mode as `out`). `out` null when the gradient is empty (not wanted).
-WeightGradArgs weight_grad_args(const GemmRows& rows, const MoeOptions& options, const void* a, int m, const void* b,
-                                int n, const WeightGrad& out, const WeightGrad* split, int m_split) {
+WeightGradArgs weight_grad_args(const GemmRows& rows, const MoeOptions& options, const WaitBound& waits, const void* a,
+                                int m, const void* b, int n, const WeightGrad& out, const WeightGrad* split,
+                                int m_split) {
   WeightGradArgs w;
+  w.waits = waits;
   w.a = a;
   w.b = b;
   w.rows_allocated = rows.rows_allocated;
@@ -116,7 +120,7 @@ WeightGradArgs weight_grad_args(const GemmRows& rows, const MoeOptions& options,
 // issue_weight_grads), the fused path as one kernel. The recompute is run only when the MLP recomputes.
 detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions& options, const MlpBackward& m) {
   detail::MlpBackwardGemms g;
-  g.recompute = gemm_over(m.rows, options);
+  g.recompute = gemm_over(m.rows, options, m.waits);
   g.recompute.epilogue = GemmEpilogue::kSwiGLU;
   g.recompute.a = m.x;
   g.recompute.k = shape.hidden;
@@ -128,7 +132,7 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
   g.recompute.gate_up_out = m.gate_up;
   g.recompute.first_row = m.recompute_from;
 
-  g.down_dgrad = gemm_over(m.rows, options);
+  g.down_dgrad = gemm_over(m.rows, options, m.waits);
   g.down_dgrad.epilogue = GemmEpilogue::kSwiGLUBackward;
   g.down_dgrad.a = m.d_out;
   g.down_dgrad.k = shape.hidden;
@@ -141,7 +145,7 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
   g.down_dgrad.out = m.d_gate_up;
   g.down_dgrad.row_partials = m.row_partials;
 
-  g.gate_up_dgrad = gemm_over(m.rows, options);
+  g.gate_up_dgrad = gemm_over(m.rows, options, m.waits);
   g.gate_up_dgrad.epilogue = GemmEpilogue::kStore;
   g.gate_up_dgrad.a = m.d_gate_up;
   g.gate_up_dgrad.k = 2 * shape.intermediate;
@@ -152,8 +156,9 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
   g.gate_up_dgrad.out = m.d_x;
 
   const int h = shape.hidden, i = shape.intermediate;
-  g.down_wgrad = weight_grad_args(m.rows, options, m.dy, h, m.hidden, i, *m.grad_down, nullptr, 0);
-  g.gate_up_wgrad = weight_grad_args(m.rows, options, m.d_gate_up, 2 * i, m.x, h, *m.grad_gate, m.grad_up, i);
+  g.down_wgrad = weight_grad_args(m.rows, options, m.waits, m.dy, h, m.hidden, i, *m.grad_down, nullptr, 0);
+  g.gate_up_wgrad =
+      weight_grad_args(m.rows, options, m.waits, m.d_gate_up, 2 * i, m.x, h, *m.grad_gate, m.grad_up, i);
   return g;
 }
 
@@ -327,7 +332,8 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
                         .d_x = w.shared_dx,
                         .grad_gate = &grads.shared_gate,
                         .grad_up = &grads.shared_up,
-                        .grad_down = &grads.shared_down};
+                        .grad_down = &grads.shared_down,
+                        .waits = wait_bound(b.rank)};
     return backward_gemms(shape_, options_, m);
   }
   const ScheduleView& v = ctx.schedule_;
@@ -352,7 +358,8 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
                       .d_x = w.d_x_rows(),
                       .grad_gate = &grads.expert_gate,
                       .grad_up = &grads.expert_up,
-                      .grad_down = &grads.expert_down};
+                      .grad_down = &grads.expert_down,
+                      .waits = wait_bound(b.rank)};
   return backward_gemms(shape_, options_, m);
 }
 

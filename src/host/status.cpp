@@ -6,6 +6,9 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+
+#include "mok/routing.h"
 
 namespace mok {
 namespace {
@@ -16,7 +19,7 @@ const char* role_name(int32_t role) {
     case Role::kScheduleGather: return "schedule gather";
     case Role::kScheduleCount: return "schedule count";
     case Role::kBarrier: return "EP barrier";
-    case Role::kGemmProducer: return "megakernel GEMM producer";
+    case Role::kGemmProducer: return "GEMM producer";
     case Role::kDispatch: return "megakernel dispatch";
     case Role::kCombine: return "megakernel combine";
     case Role::kGemmConsumer: return "GEMM consumer";
@@ -47,8 +50,23 @@ const char* counter_name(int32_t counter) {
     case CounterId::kRowsPushed: return "rows_pushed";
     case CounterId::kSharedGateUpReady: return "shared_gate_up_ready";
     case CounterId::kSharedDgradReady: return "shared_dgrad_ready";
+    case CounterId::kBulkCopy: return "bulk copy slot";
   }
   return "unknown";
+}
+
+// "" for an unknown kernel (a report from before the field existed reads as before).
+const char* kernel_name(int32_t kernel) {
+  switch (static_cast<KernelId>(kernel)) {
+    case KernelId::kUnknown: return "";
+    case KernelId::kSchedule: return "count_chunks_kernel";
+    case KernelId::kBarrier: return "barrier_wait_kernel";
+    case KernelId::kForwardMegakernel: return "forward megakernel";
+    case KernelId::kBackwardMegakernel: return "backward megakernel";
+    case KernelId::kExpertGemm: return "expert_gemm";
+    case KernelId::kWeightGradGemm: return "weight_grad_gemm";
+  }
+  return "unknown kernel";
 }
 
 }  // namespace
@@ -59,6 +77,19 @@ DeviceStatus initial_device_status() {
   status.bad_route_key = std::numeric_limits<uint64_t>::max();
   return status;
 }
+
+void validate(const WaitBound& bound, const std::string& prefix) {
+  if (bound.status == nullptr)
+    throw std::invalid_argument(prefix + "waits.status must point to the DeviceStatus (device memory) that the "
+                                         "kernel's spin-waits report a timeout to");
+  // Also rejects NaN and infinity (the kernels count it in integer nanoseconds).
+  if (!(bound.timeout_s > 0 && bound.timeout_s <= kMaxWaitTimeoutS))
+    throw std::invalid_argument(prefix + "waits.timeout_s must be a finite number of seconds in (0, " +
+                                std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " +
+                                std::to_string(bound.timeout_s));
+}
+
+uint64_t timeout_ns(const WaitBound& bound) { return static_cast<uint64_t>(bound.timeout_s * 1e9); }
 
 int64_t StatusReport::bad_route() const {
   if (!(raw.error_bits & kStatusBadExpertId)) return -1;
@@ -98,9 +129,11 @@ std::string StatusReport::describe(int num_tokens, int top_k, int num_experts) c
                 " (raise ScheduleOptions.load_factor or set capacity_rows >= %" PRId64 ")\n",
            raw.rows_needed, raw.rows_capacity, raw.rows_needed);
   if (raw.error_bits & kStatusWaitTimeout) {
-    append(out, "spin-wait timed out on rank %d, SM %d, role %s, counter %s[%d]: awaited >= %" PRIu64 ", saw %" PRIu64 "\n",
-           raw.timeout_rank, raw.timeout_sm, role_name(raw.timeout_role), counter_name(raw.timeout_counter),
-           raw.timeout_index, raw.timeout_awaited, raw.timeout_seen);
+    const char* kernel = kernel_name(raw.timeout_kernel);
+    const std::string in_kernel = *kernel ? std::string("kernel ") + kernel + ", " : std::string();
+    append(out, "spin-wait timed out on rank %d, SM %d, %srole %s, counter %s[%d]: awaited >= %" PRIu64 ", saw %" PRIu64 "\n",
+           raw.timeout_rank, raw.timeout_sm, in_kernel.c_str(), role_name(raw.timeout_role),
+           counter_name(raw.timeout_counter), raw.timeout_index, raw.timeout_awaited, raw.timeout_seen);
     if (raw.abandoned_waits > 0)
       append(out, "%u later waits gave up at once (abort set)\n", raw.abandoned_waits);
   }

@@ -35,7 +35,7 @@ int64_t num_tiles(const WeightGradArgs& args) {
 // second one), no more CTAs than tiles.
 template <class Kernel, class Params>
 void launch_persistent(Kernel kernel, const Params& p, int threads, int shared_bytes, int64_t tiles,
-                       int32_t* ticket, cudaStream_t stream) {
+                       int32_t* ticket, const WaitBound& waits, cudaStream_t stream) {
   MOK_CHECK_CUDA(cudaMemsetAsync(ticket, 0, sizeof(int32_t), stream));
   int device = 0;
   MOK_CHECK_CUDA(cudaGetDevice(&device));
@@ -47,7 +47,7 @@ void launch_persistent(Kernel kernel, const Params& p, int threads, int shared_b
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
-  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p));
+  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p, detail::standalone_waits(waits, KernelId::kWeightGradGemm)));
 }
 
 template <class Traits>
@@ -56,10 +56,10 @@ void launch(const WeightGradArgs& args, cudaStream_t stream) {
   auto p = detail::make_weight_grad_params<T>(args);
   p.ticket = args.ticket;
   launch_persistent(gemm::weight_grad_gemm_kernel<T, decltype(p)>, p, T::kThreads, T::kSharedBytes, p.num_tasks,
-                    args.ticket, stream);
+                    args.ticket, args.waits, stream);
 }
 
-// Every field but the ticket.
+// Every field but the ticket and the waits (the megakernel has its own).
 void validate_operands(const WeightGradArgs& args) {
   require(args.a != nullptr && aligned16(args.a), "a must be a non-null, 16-byte aligned bf16 buffer");
   require(args.b != nullptr && aligned16(args.b), "b must be a non-null, 16-byte aligned bf16 buffer");
@@ -100,6 +100,7 @@ void detail::validate_weight_grad_operands(const WeightGradArgs& args) { validat
 void validate(const WeightGradArgs& args) {
   validate_operands(args);
   require(args.ticket != nullptr, "ticket must point to an int32 of device memory");
+  validate(args.waits, "weight_grad_gemm: ");
 }
 
 void weight_grad_gemm(const WeightGradArgs& args, cudaStream_t stream) {
@@ -123,7 +124,7 @@ void detail::weight_grad_gemm_in_gemm_layout(const WeightGradArgs& args, cudaStr
   using T = gemm::WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>;  // every mode: the same threads and bytes
   const gemm::AnyWeightGradParams p = detail::make_any_weight_grad_params(args);
   launch_persistent(gemm::any_mode_weight_grad_gemm_kernel<gemm::AnyWeightGradParams>, p, T::kThreads,
-                    T::kSharedBytes, num_tiles(args), args.ticket, stream);
+                    T::kSharedBytes, num_tiles(args), args.ticket, args.waits, stream);
 }
 #endif
 

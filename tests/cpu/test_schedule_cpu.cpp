@@ -247,6 +247,23 @@ TEST(ScheduleCpuTest, StatusDescribesEveryError) {
   EXPECT_EQ(report.describe(100, 2, 8),
             "spin-wait timed out on rank 1, SM 17, role EP barrier, counter barrier arrived[3]: awaited >= "
             "18446744073709551615, saw 0");
+  // The kernel, when the wait named it (every wait of the library's kernels does).
+  report.raw.timeout_kernel = static_cast<int32_t>(KernelId::kExpertGemm);
+  report.raw.timeout_role = static_cast<int32_t>(Role::kGemmConsumer);
+  report.raw.timeout_counter = static_cast<int32_t>(CounterId::kPipelineFull);
+  report.raw.timeout_index = 0;
+  report.raw.timeout_awaited = 1;
+  EXPECT_EQ(report.describe(100, 2, 8),
+            "spin-wait timed out on rank 1, SM 17, kernel expert_gemm, role GEMM consumer, counter pipeline full[0]: "
+            "awaited >= 1, saw 0");
+  report.raw.timeout_kernel = static_cast<int32_t>(KernelId::kWeightGradGemm);
+  EXPECT_NE(report.describe(100, 2, 8).find("kernel weight_grad_gemm, "), std::string::npos);
+  report.raw.timeout_kernel = static_cast<int32_t>(KernelId::kForwardMegakernel);
+  report.raw.timeout_role = static_cast<int32_t>(Role::kDispatch);
+  report.raw.timeout_counter = static_cast<int32_t>(CounterId::kBulkCopy);
+  EXPECT_NE(report.describe(100, 2, 8).find("kernel forward megakernel, role megakernel dispatch, counter bulk copy slot[0]"),
+            std::string::npos)
+      << report.describe(100, 2, 8);
 }
 
 TEST(ScheduleCpuTest, BadExpertIdsReportTheFirstRoute) {

@@ -31,6 +31,7 @@
 #include "mok/moe.h"
 #include "reference/moe_reference.h"
 #include "src/host/check.h"
+#include "src/host/gemm_test_knobs.h"
 #include "tests/common/bf16.h"
 #include "tests/common/gpu_env.h"
 #include "tests/common/moe_harness.h"
@@ -153,6 +154,7 @@ class BadInputMatrix {
     nonfinite_inputs();
     routing_edges();
     host_validation();
+    if (path_ == ForwardPath::kUnfused) stalled_gemm_producer();  // the fused path has no standalone GEMM
     peers_that_never_arrive();  // last on the shared workspace: a late peer must bring the counters back in step
     token_counts();
     capacity_too_small();
@@ -485,10 +487,14 @@ class BadInputMatrix {
     const StatusReport s = ws_->status(0);  // synchronizes
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double bound = 10 * options_.schedule.wait_timeout_s + 10;
+    // After the timeout the rank fails fast: its GEMMs (the megakernel's or the standalone ones) take no tiles,
+    // so no in-kernel hand-off times out (abort stays kAbortWait), and its later barrier waits give up at once.
+    const KernelId kernel = role == Role::kBarrier ? KernelId::kBarrier : KernelId::kSchedule;
     const bool ok = (s.raw.error_bits & kStatusWaitTimeout) && s.raw.timeout_rank == 0 &&
                     s.raw.timeout_role == static_cast<int32_t>(role) &&
                     s.raw.timeout_counter == static_cast<int32_t>(counter) && s.raw.timeout_index == 1 &&
-                    seconds < bound;
+                    s.raw.timeout_kernel == static_cast<int32_t>(kernel) && s.raw.abort == kAbortWait &&
+                    s.raw.abandoned_waits > 0 && seconds < bound;
     char observed[400];
     std::snprintf(observed, sizeof(observed), "%s (%.2f s)",
                   s.describe(shape_.num_tokens, shape_.top_k, shape_.num_experts).c_str(), seconds);
@@ -499,10 +505,47 @@ class BadInputMatrix {
       ws_->workspace().forward_with_schedule({&args[1], 1});
     ws_->synchronize();
     record_shared(name, "status kStatusWaitTimeout on rank 0 naming the wait (rank 0, " +
-                            std::string(role == Role::kBarrier ? "EP barrier, barrier arrived[1]" :
-                                                                 "schedule count, topk_arrived[1]") +
-                            "), bounded time; out unspecified",
+                            std::string(role == Role::kBarrier ? "barrier_wait_kernel, EP barrier, barrier arrived[1]" :
+                                                                 "count_chunks_kernel, schedule count, topk_arrived[1]") +
+                            "), abort kAbortWait only, later waits abandoned; bounded time; out unspecified",
                   ok, observed);
+  }
+
+  // The unfused path's standalone GEMMs with a stalled producer (the test knob detail::set_stalled_producer:
+  // each CTA's producer arms its first stage and loads nothing): on each rank the first GEMM's consumers time
+  // out within the hand-off bound (2 * wait_timeout_s + 1 s) and report it (kernel expert_gemm, role GEMM
+  // consumer, counter pipeline full), the rank's later GEMMs take no tiles, the call returns; reset, then the
+  // next good call gives a fresh workspace's bits.
+  void stalled_gemm_producer() {
+    ws_->upload(good_);
+    ws_->poison_outputs();
+    detail::set_stalled_producer(KernelId::kExpertGemm, true);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      ws_->forward();
+      ws_->synchronize();
+    } catch (...) {
+      detail::set_stalled_producer(KernelId::kExpertGemm, false);
+      throw;
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    detail::set_stalled_producer(KernelId::kExpertGemm, false);
+    bool ok = seconds < 2 * (2 * options_.schedule.wait_timeout_s + 1) + 10;
+    std::string observed;
+    for (int r = 0; r < 2; ++r) {
+      const StatusReport s = ws_->status(r);
+      ok = ok && s.raw.error_bits == kStatusWaitTimeout && s.raw.timeout_rank == r &&
+           s.raw.timeout_kernel == static_cast<int32_t>(KernelId::kExpertGemm) &&
+           s.raw.timeout_role == static_cast<int32_t>(Role::kGemmConsumer) &&
+           s.raw.timeout_counter == static_cast<int32_t>(CounterId::kPipelineFull) && (s.raw.abort & kAbortHandoff);
+      observed += "rank " + std::to_string(r) + ": " + s.describe(shape_.num_tokens, shape_.top_k, shape_.num_experts) + "; ";
+    }
+    char seconds_text[32];
+    std::snprintf(seconds_text, sizeof(seconds_text), "(%.2f s)", seconds);
+    record_shared("a stalled expert GEMM producer (test knob)",
+                  "status kStatusWaitTimeout on each rank naming kernel expert_gemm, GEMM consumer, pipeline full; "
+                  "abort kAbortHandoff; bounded time; out unspecified",
+                  ok, observed + seconds_text);
   }
 
   void peers_that_never_arrive() {
@@ -602,6 +645,11 @@ class BackwardBadInputs {
 
   void run() {
     rejected_calls();
+    if (path_ == "backward") {  // the stage kernels' standalone GEMMs (the megakernel has none)
+      stalled_gemm_producer(KernelId::kExpertGemm);
+      stalled_gemm_producer(KernelId::kWeightGradGemm);
+    }
+    peer_that_never_calls_recompute();
     peer_that_never_arrives();  // last on the shared workspace: a late peer brings the counters back in step
     inference_only_workspace();
     capacity_too_small();
@@ -783,19 +831,87 @@ class BackwardBadInputs {
     ws_->workspace().backward({&args[0], 1});
     const StatusReport s = ws_->status(0);  // synchronizes
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // After the timeout the rank fails fast: the GEMMs (stage kernels' or megakernel's) take no tiles, so no
+    // in-kernel hand-off times out (abort stays kAbortWait), and the second barrier's wait gives up at once.
     const bool ok = (s.raw.error_bits & kStatusWaitTimeout) && s.raw.timeout_rank == 0 &&
                     s.raw.timeout_role == static_cast<int32_t>(Role::kBarrier) &&
                     s.raw.timeout_counter == static_cast<int32_t>(CounterId::kBarrierArrived) &&
-                    s.raw.timeout_index == 1 && seconds < 10 * options_.schedule.wait_timeout_s + 10;
+                    s.raw.timeout_index == 1 && s.raw.timeout_kernel == static_cast<int32_t>(KernelId::kBarrier) &&
+                    s.raw.abort == kAbortWait && s.raw.abandoned_waits > 0 &&
+                    seconds < 10 * options_.schedule.wait_timeout_s + 10;
     char observed[400];
     std::snprintf(observed, sizeof(observed), "%s (%.2f s)",
                   s.describe(shape_.num_tokens, shape_.top_k, shape_.num_experts).c_str(), seconds);
     ws_->workspace().backward({&args[1], 1});  // the late peer
     ws_->synchronize();
     reset_status(*ws_);
-    record("a peer that never calls backward", "status kStatusWaitTimeout on rank 0 naming the wait (rank 0, EP "
-           "barrier, barrier arrived[1]), bounded time; gradients unspecified", ok, observed,
-           good_backward(*ws_, fresh_));
+    record("a peer that never calls backward", "status kStatusWaitTimeout on rank 0 naming the wait (rank 0, "
+           "barrier_wait_kernel, EP barrier, barrier arrived[1]), abort kAbortWait only, later waits abandoned; "
+           "bounded time; gradients unspecified", ok, observed, good_backward(*ws_, fresh_));
+  }
+
+  // The same for recompute_forward_context (its pull and gate/up GEMM): rank 0 alone reports its first barrier
+  // and fails fast; the late peer's call, reset, a good forward (the contexts again) and the next good backward.
+  void peer_that_never_calls_recompute() {
+    std::vector<RankForward> args = ws_->all_args();
+    const auto start = std::chrono::steady_clock::now();
+    ws_->workspace().recompute_forward_context({&args[0], 1});
+    const StatusReport s = ws_->status(0);  // synchronizes
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const bool ok = (s.raw.error_bits & kStatusWaitTimeout) && s.raw.timeout_rank == 0 &&
+                    s.raw.timeout_role == static_cast<int32_t>(Role::kBarrier) &&
+                    s.raw.timeout_counter == static_cast<int32_t>(CounterId::kBarrierArrived) &&
+                    s.raw.timeout_index == 1 && s.raw.timeout_kernel == static_cast<int32_t>(KernelId::kBarrier) &&
+                    s.raw.abort == kAbortWait && s.raw.abandoned_waits > 0 &&
+                    seconds < 10 * options_.schedule.wait_timeout_s + 10;
+    char observed[400];
+    std::snprintf(observed, sizeof(observed), "%s (%.2f s)",
+                  s.describe(shape_.num_tokens, shape_.top_k, shape_.num_experts).c_str(), seconds);
+    ws_->workspace().recompute_forward_context({&args[1], 1});  // the late peer
+    ws_->synchronize();
+    reset_status(*ws_);
+    ws_->forward();  // the contexts of a good forward again
+    record("a peer that never calls recompute_forward_context", "status kStatusWaitTimeout on rank 0 naming the "
+           "wait (barrier_wait_kernel, barrier arrived[1]), abort kAbortWait only, later waits abandoned; bounded "
+           "time", ok, observed, good_backward(*ws_, fresh_));
+  }
+
+  // The stage kernels' standalone GEMMs of one kind (kernel: KernelId::kExpertGemm or kWeightGradGemm) with a
+  // stalled producer (the test knob detail::set_stalled_producer): on each rank the first such GEMM's consumers
+  // time out within the hand-off bound (2 * wait_timeout_s + 1 s) and report it (the kernel, role GEMM consumer,
+  // counter pipeline full), the rank's later GEMMs take no tiles and its barrier waits give up at once (abort),
+  // the call returns; reset, then the next good backward gives a fresh workspace's bits.
+  void stalled_gemm_producer(KernelId kernel) {
+    ws_->poison_grads();
+    detail::set_stalled_producer(kernel, true);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      ws_->backward();
+      ws_->synchronize();
+    } catch (...) {
+      detail::set_stalled_producer(kernel, false);
+      throw;
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    detail::set_stalled_producer(kernel, false);
+    bool ok = seconds < 2 * (2 * options_.schedule.wait_timeout_s + 1) + 10;
+    std::string observed;
+    for (int r = 0; r < 2; ++r) {
+      const StatusReport s = ws_->status(r);
+      ok = ok && s.raw.error_bits == kStatusWaitTimeout && s.raw.timeout_rank == r &&
+           s.raw.timeout_kernel == static_cast<int32_t>(kernel) &&
+           s.raw.timeout_role == static_cast<int32_t>(Role::kGemmConsumer) &&
+           s.raw.timeout_counter == static_cast<int32_t>(CounterId::kPipelineFull) && (s.raw.abort & kAbortHandoff);
+      observed += "rank " + std::to_string(r) + ": " + s.describe(shape_.num_tokens, shape_.top_k, shape_.num_experts) + "; ";
+    }
+    char seconds_text[32];
+    std::snprintf(seconds_text, sizeof(seconds_text), "(%.2f s)", seconds);
+    const std::string name = kernel == KernelId::kExpertGemm ? "expert_gemm" : "weight_grad_gemm";
+    reset_status(*ws_);
+    record("a stalled " + name + " producer (test knob)",
+           "status kStatusWaitTimeout on each rank naming kernel " + name + ", GEMM consumer, pipeline full; abort "
+           "kAbortHandoff; bounded time; gradients unspecified",
+           ok, observed + seconds_text, good_backward(*ws_, fresh_));
   }
 
   // MoeOptions::backward = false: backward and recompute_forward_context throw naming the option; the forward is

@@ -1,8 +1,10 @@
 // Expert grouped GEMM (src/device/gemm/expert_gemm.cuh) against the CPU: bitwise on integer-valued inputs
 // (every fp32 partial sum is exact, both sides round once to bf16 with round-to-nearest-even), within a
 // stated budget for random normal inputs and for SwiGLU (the GPU uses __expf). Outputs are poisoned with
-// NaN first: padding rows must come back as zeros, rows past the schedule must stay untouched.
+// NaN first: padding rows must come back as zeros, rows past the schedule must stay untouched. Every call's
+// waits report to the fixture's status word; StalledProducerTimesOutAndReports checks that they are bounded.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -18,7 +20,9 @@
 #include "mok/schedule.h"
 #include "reference/routing_gen.h"
 #include "src/host/check.h"
+#include "src/host/gemm_test_knobs.h"
 #include "tests/common/device_fill.h"
+#include "tests/common/device_status.h"
 #include "tests/common/gpu_env.h"
 #include "tests/common/bf16.h"
 #include "tests/common/schedule_harness.h"
@@ -73,6 +77,7 @@ struct GemmFixture {
   Segments seg;
   int64_t a_rows;
   DeviceArray<int32_t> counts, offsets, scheduled, ticket{1};
+  testing::DeviceStatusWord status;
   GemmFixture(const std::vector<int32_t>& expert_counts, int64_t spare_rows, int tile_m = 128)
       : seg(expert_counts, tile_m), a_rows(seg.rows + spare_rows), counts(seg.counts), offsets(seg.offsets),
         scheduled(std::vector<int32_t>{seg.rows}) {}
@@ -91,6 +96,7 @@ struct GemmFixture {
     g.tile_m = seg.tile_m;
     g.out = out;
     g.ticket = ticket.ptr;
+    g.waits = status.bound();
     return g;
   }
 };
@@ -856,8 +862,77 @@ TEST(ExpertGemmTest, ValidationNamesTheArgument) {
   }
   args.first_row = 128;
   EXPECT_NE(message().find("ticket must"), std::string::npos);
+  args.ticket = reinterpret_cast<int32_t*>(buffer);
+  EXPECT_NE(message().find("expert_gemm: waits.status must"), std::string::npos);
+  static DeviceStatus status;  // validation does not read it
+  args.waits.status = &status;
+  EXPECT_EQ(message(), "no throw");
+  // Non-finite or absurd timeouts (the kernel counts integer nanoseconds): rejected, naming the field.
+  for (const double timeout : {0.0, -1.0, std::numeric_limits<double>::infinity(),
+                               std::numeric_limits<double>::quiet_NaN(), 1e30, kMaxWaitTimeoutS + 1}) {
+    args.waits.timeout_s = timeout;
+    EXPECT_NE(message().find("expert_gemm: waits.timeout_s must be a finite number of seconds in (0, 86400]"),
+              std::string::npos)
+        << "timeout " << timeout << ": " << message();
+  }
+  args.waits.timeout_s = kMaxWaitTimeoutS;
+  EXPECT_EQ(message(), "no throw");
   args.b = buffer + 1;
   EXPECT_NE(message().find("b must be"), std::string::npos);
+}
+
+// Every wait of the kernel is bounded: with a stalled producer (the test knob detail::set_stalled_producer: each
+// CTA's producer arms its first stage and loads nothing) the consumers' wait for that stage times out within the
+// hand-off bound (2 * timeout + 1 s), the status word names the kernel, the role and the counter, the abort word
+// gets kAbortHandoff, and the call returns. With the abort still set the next call takes no tiles (the output
+// stays poisoned); after a reset the next call gives a fresh call's bits. Both cluster sizes.
+TEST(ExpertGemmTest, StalledProducerTimesOutAndReports) {
+  MOK_REQUIRE_GPUS(1);
+  const int k = 256, n = 512;
+  GemmFixture fx({300, 0, 700}, 0);
+  DeviceArray<uint16_t> d_a(size_t(fx.a_rows) * k), d_w(size_t(3) * n * k), d_out(size_t(fx.a_rows) * n);
+  testing::fill_hashed_bf16(d_a.ptr, d_a.count, 3, -2, 2, nullptr);
+  testing::fill_hashed_bf16(d_w.ptr, d_w.count, 4, -2, 2, nullptr);
+  const std::vector<uint16_t> poison(d_out.count, kPoison);
+  for (int cluster_n : {1, 2}) {
+    ExpertGemmArgs args = fx.args(GemmEpilogue::kStore, d_a.ptr, k, d_w.ptr, n, d_out.ptr);
+    args.cluster_n = cluster_n;
+    args.waits.timeout_s = 0.05;
+    auto run = [&] {
+      d_out.upload(poison);
+      expert_gemm(args, nullptr);
+      MOK_CHECK_CUDA(cudaDeviceSynchronize());
+      return d_out.download();
+    };
+    const std::vector<uint16_t> fresh = run();
+    ASSERT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1);
+    ASSERT_NE(fresh, poison);
+
+    detail::set_stalled_producer(KernelId::kExpertGemm, true);
+    const auto start = std::chrono::steady_clock::now();
+    d_out.upload(poison);
+    expert_gemm(args, nullptr);
+    const cudaError_t error = cudaDeviceSynchronize();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    detail::set_stalled_producer(KernelId::kExpertGemm, false);
+    ASSERT_EQ(error, cudaSuccess) << cudaGetErrorString(error);
+    const StatusReport stalled = fx.status.read();
+    const std::string text = stalled.describe(1, 1, 1);
+    EXPECT_EQ(stalled.raw.error_bits, kStatusWaitTimeout) << text;
+    EXPECT_EQ(stalled.raw.timeout_kernel, static_cast<int32_t>(KernelId::kExpertGemm)) << text;
+    EXPECT_EQ(stalled.raw.timeout_role, static_cast<int32_t>(Role::kGemmConsumer)) << text;
+    EXPECT_EQ(stalled.raw.timeout_counter, static_cast<int32_t>(CounterId::kPipelineFull)) << text;
+    EXPECT_EQ(stalled.raw.timeout_index, 0) << text;  // the first stage
+    EXPECT_NE(stalled.raw.abort & kAbortHandoff, 0u) << text;
+    EXPECT_NE(text.find("kernel expert_gemm, role GEMM consumer, counter pipeline full[0]"), std::string::npos) << text;
+    EXPECT_LT(seconds, 2 * 0.05 + 1 + 5) << "cluster_n " << cluster_n << ": " << text;
+
+    // The abort word stays set: the next call takes no tiles and writes nothing.
+    EXPECT_EQ(run(), poison) << "cluster_n " << cluster_n << ": a call after the timeout wrote output";
+    fx.status.reset();
+    EXPECT_EQ(run(), fresh) << "cluster_n " << cluster_n << ": the call after the reset differs from a fresh one";
+    EXPECT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1);
+  }
 }
 
 // Output tiles per epilogue: 256 columns (kStore, kSwiGLUBackward), 128 (kSwiGLU); the last one partial.
@@ -886,6 +961,8 @@ TEST(ExpertGemmTest, ValidationRejectsBadCombinations) {
   base.a_rows = 128;
   base.expert_counts = base.expert_row_offsets = base.scheduled_rows = reinterpret_cast<const int32_t*>(buffer);
   base.ticket = reinterpret_cast<int32_t*>(buffer);
+  static DeviceStatus status;  // validation does not read it
+  base.waits.status = &status;
   auto message = [](const ExpertGemmArgs& args) {
     try { validate(args); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
     return std::string("no throw");

@@ -8,9 +8,11 @@
 // The backward megakernel's configuration of the tiles (src/device/gemm/weight_grad_in_gemm_layout.cuh),
 // launched standalone through a test entry, must give the standalone configuration's bits.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -18,11 +20,14 @@
 
 #include <gtest/gtest.h>
 
+#include "mok/routing.h"
 #include "mok/weight_grad_gemm.h"
 #include "src/host/check.h"
+#include "src/host/gemm_test_knobs.h"
 #include "src/host/weight_grad_in_gemm_layout.h"
 #include "tests/common/bf16.h"
 #include "tests/common/device_array.h"
+#include "tests/common/device_status.h"
 #include "tests/common/device_fill.h"
 #include "tests/common/gpu_env.h"
 
@@ -157,7 +162,7 @@ Location locate(const Case& c, int e, int i, int j) {
 struct Outputs {
   std::vector<float> values;       // [E, m, n], merged from out and out_split, as floats
   std::vector<uint8_t> raw[2];     // the two buffers' bytes (without guards), for bitwise comparisons
-  std::string guard_error;         // "" when both guards are intact
+  std::string guard_error;         // "" when both guards are intact (and run_gpu's own status word is clean)
 };
 
 // A launch of the weight-gradient GEMM: mok::weight_grad_gemm (the standalone configuration) or
@@ -165,9 +170,11 @@ struct Outputs {
 using Launcher = void (*)(const WeightGradArgs&, cudaStream_t);
 
 // Runs `launch` `calls` times on one pair of output buffers. Accumulate: they start as `start` ([E, m, n]);
-// the write modes: NaN.
+// the write modes: NaN. The waits report to `status` (the caller reads it) with `timeout_s`; without one, to a
+// word of run_gpu's own, whose report must be clean (else guard_error says what it holds).
 Outputs run_gpu(const Problem& p, GradOutput output, int calls = 1, const std::vector<float>* start = nullptr,
-                Launcher launch = weight_grad_gemm) {
+                Launcher launch = weight_grad_gemm, const testing::DeviceStatusWord* status = nullptr,
+                double timeout_s = 10) {
   const Case& c = p.c;
   const size_t elem = output == GradOutput::kBFloat16 ? 2 : 4;
   const int split = c.m_split > 0 ? c.m_split : c.m;
@@ -208,10 +215,13 @@ Outputs run_gpu(const Problem& p, GradOutput output, int calls = 1, const std::v
     args.m_split = c.m_split;
   }
   args.ticket = d_ticket.ptr;
+  const testing::DeviceStatusWord own_status;
+  args.waits = (status != nullptr ? status : &own_status)->bound(timeout_s);
   for (int call = 0; call < calls; ++call) launch(args, nullptr);
   MOK_CHECK_CUDA(cudaDeviceSynchronize());
 
   Outputs result;
+  if (status == nullptr && !own_status.read().ok()) result.guard_error = "status: " + own_status.read().describe(1, 1, 1);
   const std::vector<uint8_t> got[2] = {d_out.download(), d_split.download()};
   for (int k = 0; k < 2; ++k) {
     for (size_t x = count[k] * elem; x < got[k].size(); ++x)
@@ -543,6 +553,64 @@ TEST(WeightGradGemmTest, GemmLayoutConfigurationIsBitwiseOnRandomInputs) {
             "");
 }
 
+// Every wait of the kernel is bounded, in both configurations (the standalone one and the megakernel's, launched
+// standalone): with a stalled producer (detail::set_stalled_producer: each CTA's producer arms its first stage and
+// loads nothing) the consumers' wait for that stage times out within the hand-off bound (2 * timeout + 1 s), the
+// status word names the kernel, the role and the counter, the abort word gets kAbortHandoff, the call returns
+// and nothing is written out of bounds. With the abort still set the next call takes no tiles (the outputs stay
+// poisoned); after a reset the next call gives a fresh call's bits. Every expert has rows, so every task waits
+// for its first stage.
+TEST(WeightGradGemmTest, StalledProducerTimesOutAndReports) {
+  MOK_REQUIRE_GPUS(1);
+  Case c;
+  c.counts = {64, 200, 129, 70};
+  c.m = 192;
+  c.n = 320;
+  c.seed = 41;
+  const Problem p = make_problem(c);
+  for (const Launcher launch : {Launcher(weight_grad_gemm), Launcher(detail::weight_grad_gemm_in_gemm_layout)}) {
+    const char* name = launch == Launcher(weight_grad_gemm) ? "standalone configuration" : "megakernel configuration";
+    testing::DeviceStatusWord status;
+    const Outputs fresh = run_gpu(p, GradOutput::kFloat32, 1, nullptr, launch, &status, 0.05);
+    ASSERT_TRUE(status.read().ok()) << name << ": " << status.read().describe(1, 1, 1);
+    const Outputs poisoned = run_gpu(p, GradOutput::kFloat32, 0, nullptr, launch, &status, 0.05);  // no call
+
+    detail::set_stalled_producer(KernelId::kWeightGradGemm, true);
+    const auto start = std::chrono::steady_clock::now();
+    Outputs stalled_out;
+    try {
+      stalled_out = run_gpu(p, GradOutput::kFloat32, 1, nullptr, launch, &status, 0.05);
+    } catch (...) {
+      detail::set_stalled_producer(KernelId::kWeightGradGemm, false);
+      throw;
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    detail::set_stalled_producer(KernelId::kWeightGradGemm, false);
+    const StatusReport stalled = status.read();
+    const std::string text = stalled.describe(1, 1, 1);
+    EXPECT_EQ(stalled.raw.error_bits, kStatusWaitTimeout) << name << ": " << text;
+    EXPECT_EQ(stalled.raw.timeout_kernel, static_cast<int32_t>(KernelId::kWeightGradGemm)) << name << ": " << text;
+    EXPECT_EQ(stalled.raw.timeout_role, static_cast<int32_t>(Role::kGemmConsumer)) << name << ": " << text;
+    EXPECT_EQ(stalled.raw.timeout_counter, static_cast<int32_t>(CounterId::kPipelineFull)) << name << ": " << text;
+    EXPECT_EQ(stalled.raw.timeout_index, 0) << name << ": " << text;
+    EXPECT_NE(stalled.raw.abort & kAbortHandoff, 0u) << name << ": " << text;
+    EXPECT_NE(text.find("kernel weight_grad_gemm, role GEMM consumer, counter pipeline full[0]"), std::string::npos)
+        << name << ": " << text;
+    EXPECT_LT(seconds, 2 * 0.05 + 1 + 5) << name << ": " << text;
+    EXPECT_EQ(stalled_out.guard_error, "") << name;
+
+    // The abort word stays set: the next call takes no tiles and writes nothing.
+    const Outputs after = run_gpu(p, GradOutput::kFloat32, 1, nullptr, launch, &status, 0.05);
+    EXPECT_TRUE(after.raw[0] == poisoned.raw[0] && after.raw[1] == poisoned.raw[1])
+        << name << ": a call after the timeout wrote output";
+    status.reset();
+    const Outputs again = run_gpu(p, GradOutput::kFloat32, 1, nullptr, launch, &status, 0.05);
+    EXPECT_TRUE(again.raw[0] == fresh.raw[0] && again.raw[1] == fresh.raw[1])
+        << name << ": the call after the reset differs from a fresh one";
+    EXPECT_TRUE(status.read().ok()) << name << ": " << status.read().describe(1, 1, 1);
+  }
+}
+
 // validate() names the offending field; weight_grad_gemm() (and the megakernel configuration's test entry)
 // validates before touching the GPU.
 TEST(WeightGradValidationTest, NamesTheOffendingField) {
@@ -559,6 +627,8 @@ TEST(WeightGradValidationTest, NamesTheOffendingField) {
     g.expert_row_offsets = g.scheduled_rows = device_ints;
     g.tile_m = 128;
     g.ticket = device_ints;
+    static DeviceStatus status;  // validation does not read it
+    g.waits.status = &status;
     return g;
   };
   EXPECT_NO_THROW(validate(valid()));
@@ -593,6 +663,14 @@ TEST(WeightGradValidationTest, NamesTheOffendingField) {
       {"local_experts * m", [](WeightGradArgs& g) { g.local_experts = 1 << 20; g.m = 1 << 12; }},
       {"too many output tiles", [](WeightGradArgs& g) { g.local_experts = 1 << 16; g.n = 1 << 24; }},
       {"ticket must", [](WeightGradArgs& g) { g.ticket = nullptr; }},
+      {"waits.status must", [](WeightGradArgs& g) { g.waits.status = nullptr; }},
+      // Non-finite or absurd timeouts (the kernel counts integer nanoseconds).
+      {"waits.timeout_s must", [](WeightGradArgs& g) { g.waits.timeout_s = 0; }},
+      {"waits.timeout_s must", [](WeightGradArgs& g) { g.waits.timeout_s = -1; }},
+      {"waits.timeout_s must", [](WeightGradArgs& g) { g.waits.timeout_s = std::numeric_limits<double>::infinity(); }},
+      {"waits.timeout_s must", [](WeightGradArgs& g) { g.waits.timeout_s = std::numeric_limits<double>::quiet_NaN(); }},
+      {"waits.timeout_s must", [](WeightGradArgs& g) { g.waits.timeout_s = 1e300; }},
+      {"waits.timeout_s must", [](WeightGradArgs& g) { g.waits.timeout_s = kMaxWaitTimeoutS * 2; }},
   };
   for (const Bad& bad : cases) {
     WeightGradArgs args = valid();

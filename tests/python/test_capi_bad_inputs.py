@@ -19,7 +19,7 @@ import ctypes  # noqa: E402
 import os  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-from capi import GRADS, grad_arrays, load  # noqa: E402  (the C entry points' declarations)
+from capi import GRADS, grad_arrays, layer_options, load  # noqa: E402  (the C entry points' declarations)
 
 E, H, I, K, T = 16, 256, 128, 4, 100
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
@@ -37,9 +37,9 @@ class Layer:
 
     def __init__(self, lib, fused, tokens=T, capacity_rows=0):
         self.lib, self.tokens = lib, tokens
-        self.handle = lib.mok_bench_layer_create(None, 1, 0, torch.cuda.current_device(), tokens, K, E,
-                                                               H, I, 1, int(fused), 0, 0, 0, capacity_rows, 0.0,
-                                                               0.0, ERROR, len(ERROR))
+        self.handle = lib.mok_bench_layer_create(None, 0, torch.cuda.current_device(),
+                                                 *layer_options(**shape_options(tokens), path=path_of(fused),
+                                                                capacity_rows=capacity_rows), ERROR, len(ERROR))
         if not self.handle:
             raise RuntimeError("mok_bench_layer_create: " + message())
         self.stream = torch.cuda.current_stream().cuda_stream
@@ -77,6 +77,16 @@ class Layer:
 
     def close(self):
         self.lib.mok_bench_layer_destroy(self.handle)
+
+
+def shape_options(tokens=T, **changes):
+    """The layer's shape (EP=1) as mok_bench_layer_create's named options, with `changes`."""
+    return dict(dict(num_tokens=tokens, top_k=K, num_experts=E, hidden=H, intermediate=I, shared_expert=True),
+                **changes)
+
+
+def path_of(fused):
+    return "fused" if fused else "unfused"
 
 
 def poisoned(tokens):
@@ -288,25 +298,32 @@ class Matrix:
         layer.close()
 
     def other_entry_points(self):
-        """The error paths of the remaining entry points: create, write_timeline, expert_gemm."""
-        handle = self.lib.mok_bench_layer_create(None, 1, 0, 0, T, K, E, 200, I, 1, int(self.fused), 0,
-                                                               0, 0, 0, 0.0, 0.0, ERROR, len(ERROR))
-        record("create with hidden 200", self.path, "NULL, error naming MoeShape.hidden",
-               not handle and "MoeShape.hidden" in message(), message() if not handle else "created", "-")
-        if handle:
-            self.lib.mok_bench_layer_destroy(handle)
-        handle = self.lib.mok_bench_layer_create(None, 1, 0, 0, T, K, E, H, I, 1, 3, 0, 0, 0, 0, 0.0, 0.0, ERROR,
-                                                 len(ERROR))
-        record("create with fused 3", self.path, "NULL, error naming fused", not handle and "fused" in message(),
-               message() if not handle else "created", self.next_call())
-        if handle:
-            self.lib.mok_bench_layer_destroy(handle)
+        """The error paths of the remaining entry points: create (options by name), write_timeline, expert_gemm."""
+        bad_creates = [
+            ("create with hidden 200", dict(hidden=200), "MoeShape.hidden"),
+            ("create with path 'megakernel'", dict(path="megakernel"),
+             "option path (MoeOptions.path): expected one of fused, unfused, got 'megakernel'"),
+            ("create with an unknown option", dict(fused=1), "unknown option 'fused'"),
+            ("create with tile_m '64x'", dict(tile_m="64x"), "option tile_m (MoeOptions.schedule.tile_m): expected an int32"),
+            ("create with wait_timeout_s inf", dict(wait_timeout_s=float("inf")),
+             "ScheduleOptions.wait_timeout_s must be a finite number of seconds"),
+            ("create with wait_timeout_s 1e30", dict(wait_timeout_s=1e30),
+             "ScheduleOptions.wait_timeout_s must be a finite number of seconds"),
+        ]
+        for name, changes, needle in bad_creates:
+            options = dict(shape_options(), path=self.path)
+            options.update(changes)
+            handle = self.lib.mok_bench_layer_create(None, 0, 0, *layer_options(**options), ERROR, len(ERROR))
+            record(name, self.path, f"NULL, error naming it ({needle})", not handle and needle in message(),
+                   message() if not handle else "created", self.next_call())
+            if handle:
+                self.lib.mok_bench_layer_destroy(handle)
         rc = self.lib.mok_bench_layer_write_timeline(self.layer.handle, self.layer.stream, b"/nonexistent/t.json",
                                                      ERROR, len(ERROR))
         record("write_timeline without records", self.path, "error naming timeline_records",
                rc == 1 and "timeline_records" in message(), message() if rc else "no error", self.next_call())
         rc = self.lib.mok_bench_expert_gemm(0, None, 0, 0, None, None, 0, 0, 0, None, None, None, 64, None, 0.0, None,
-                                            None, None, None, 1, None, None, None, ERROR, len(ERROR))
+                                            None, None, None, 1, None, None, None, 10.0, None, ERROR, len(ERROR))
         record("expert_gemm with null operands", self.path, "error (no crash)", rc == 1 and len(message()) > 0,
                message() if rc else "no error", self.next_call())
 

@@ -48,14 +48,6 @@ __device__ __forceinline__ bool mbarrier_try_wait_cta(uint64_t* bar, uint32_t pa
   return done != 0;
 }
 
-// Waits until the phase of parity `parity` has completed, without a bound (the bulk-copy slot of a
-// communication CTA: its only partner is the copy engine). Hand-offs between threads go through
-// handoff_wait (src/device/common/sync.cuh) instead.
-__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t parity) {
-  while (!mbarrier_try_wait_cluster(bar, parity)) {
-  }
-}
-
 // Arrives on a barrier of this CTA and raises the bytes its current phase waits for (the transaction
 // count that bulk copies completing on it pay off).
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {

@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(32) barrier_wait_kernel(BarrierParams p) {
   void* own = p.flags.base[p.rank];
   const uint64_t target = *BarrierLayout::passed(own) + 1;
   for (int src = threadIdx.x; src < p.ep_size; src += 32) {
-    const WaitSite site{p.rank, Role::kBarrier, CounterId::kBarrierArrived, src};
+    const WaitSite site{p.rank, Role::kBarrier, CounterId::kBarrierArrived, src, KernelId::kBarrier};
     wait_at_least(BarrierLayout::arrived(own) + src, target, site, p.status, p.timeout_ns);
   }
   // Why: each lane acquired its sources' writes; the warp barrier extends that to lane 0, and the kernel

@@ -44,13 +44,17 @@ __device__ __forceinline__ void for_each_row_by_warp(int64_t rows, RowFn&& row_f
 
 // One thread's bulk copies, staged through its shared-memory slot: global -> slot (completing on the slot's
 // mbarrier), then slot -> global. Sizes and addresses 16-byte aligned.
-//   copy(src, dst, bytes)            one row, in chunks of at most slot_bytes
-//   begin(); load(src, bytes, at)... loaded(); store(dst, bytes, at)...
+//   copy(src, dst, bytes, role)      one row, in chunks of at most slot_bytes
+//   begin(); load(src, bytes, at)... loaded(role); store(dst, bytes, at)...
 //                                    several whole rows at once (rows of a few KB fill the slot this way)
+// The wait for the loads is a bounded hand-off (its partner is the copy engine; `bound`, reported as `role`,
+// CounterId::kBulkCopy, index `slot_index`); after a give-up the stores copy whatever the slot holds.
 struct BulkRowCopier {
   char* slot;         // shared memory of slot_bytes
   uint64_t* loaded_bar;  // mbarrier initialized with one arrival; one phase per batch or chunk
   int slot_bytes;
+  HandoffBound bound;
+  int32_t slot_index;
   uint32_t phase = 0;
 
   // Why: the previous batch's stores must have read the slot before new loads overwrite it.
@@ -65,11 +69,12 @@ struct BulkRowCopier {
                  : "memory");
   }
 
-  // Waits for every load since begin().
-  __device__ __forceinline__ void loaded() {
+  // Waits for every load since begin(); false when the wait gave up.
+  __device__ __forceinline__ bool loaded(Role role) {
     mbarrier_arrive(loaded_bar);
-    mbarrier_wait_cluster(loaded_bar, phase);
+    const bool done = mbarrier_wait_bounded(loaded_bar, phase, bound, role, CounterId::kBulkCopy, slot_index);
     phase ^= 1;
+    return done;
   }
 
   // Slot[at, at + bytes) -> global; its completion is tracked by finish().
@@ -80,12 +85,12 @@ struct BulkRowCopier {
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
 
-  __device__ __forceinline__ void copy(const void* src, void* dst, int bytes) {
+  __device__ __forceinline__ void copy(const void* src, void* dst, int bytes, Role role) {
     for (int offset = 0; offset < bytes; offset += slot_bytes) {
       const int n = bytes - offset < slot_bytes ? bytes - offset : slot_bytes;
       begin();
       load(static_cast<const char*>(src) + offset, n, 0);
-      loaded();
+      loaded(role);
       store(static_cast<char*>(dst) + offset, n, 0);
     }
   }

@@ -68,6 +68,7 @@ struct WaitSite {
   Role role;
   CounterId counter;
   int32_t index;
+  KernelId kernel;
 };
 
 // The abort word (DeviceStatus::abort): a relaxed volatile read, cheap enough for every slow-path poll.
@@ -91,6 +92,7 @@ __device__ __forceinline__ void record_timeout(DeviceStatus* status, WaitSite si
     status->timeout_index = site.index;
     status->timeout_awaited = awaited;
     status->timeout_seen = seen;
+    status->timeout_kernel = static_cast<int32_t>(site.kernel);
   }
   __threadfence();
   atomicOr(&status->abort, abort_bit);
@@ -154,43 +156,47 @@ __device__ __forceinline__ bool named_barrier_any(bool value, int barrier_id, in
   return named_barrier_reduce<false>(value, barrier_id, threads);
 }
 
-// Bound of the in-kernel mbarrier hand-offs (task ring, GEMM pipeline): where they report and how long
-// they may take. `status == nullptr` (the standalone GEMM) waits without a bound, as CUTLASS does.
-// Their partners are threads of the same launch, which make progress as long as the counter waits above
-// are bounded, so a legitimate hand-off lasts at most about one counter timeout (a producer waiting for
-// its inputs) plus some tiles: the bound is twice the counter timeout plus one second, and expiring it
-// means a protocol bug. They do not give up on kAbortWait (a counter timeout): the roles then finish the
-// tiles they hold, keeping every TMA load waited for; only kAbortHandoff makes them give up at once.
+// Bound of the in-kernel mbarrier hand-offs (task ring, GEMM pipeline, bulk-copy slots), in every kernel that
+// has them (the megakernels and the standalone GEMMs): where they report and how long they may take. Their
+// partners are threads (or the copy engine) of the same launch, which make progress as long as the counter
+// waits above are bounded, so a legitimate hand-off lasts at most about one counter timeout (a megakernel
+// producer waiting for its inputs) plus some tiles: the bound is twice the counter timeout plus one second
+// (a standalone GEMM has no counter waits; it uses the same rule with its own timeout), and expiring it means
+// a protocol bug or a stalled role. They do not give up on kAbortWait (a counter timeout): the roles then
+// finish the tiles they hold, keeping every TMA load waited for; only kAbortHandoff makes them give up at once.
+// `status` must not be null.
 struct HandoffBound {
   DeviceStatus* status = nullptr;
   uint64_t counter_timeout_ns = 0;
   int32_t rank = 0;
+  KernelId kernel = KernelId::kUnknown;
 
   __device__ __forceinline__ uint64_t timeout_ns() const { return 2 * counter_timeout_ns + 1000000000ull; }
 };
+
+// Failed polls of a hand-off between two looks at the abort word and the clock: the fast path stays a plain
+// try_wait loop (each failed try_wait already suspends the thread a while), and a waiter notices its phase
+// complete without a global load in between.
+inline constexpr uint32_t kPollsPerCheck = 8;
 
 // The slow path of an mbarrier wait: polls try_wait() (true once the phase completed) until it succeeds,
 // the bound expires (recorded, kAbortHandoff) or another hand-off timed out; false when it gave up.
 template <class TryWait>
 __device__ __forceinline__ bool handoff_wait_slow(TryWait try_wait, const HandoffBound& bound, Role role,
                                                   CounterId counter, int32_t index) {
-  if (bound.status == nullptr) {
-    while (!try_wait()) {
-    }
-    return true;
-  }
   const uint64_t start = global_timer_ns();
-  while (!try_wait()) {
+  for (uint32_t polls = 1;; ++polls) {
+    if (try_wait()) return true;
+    if (polls % kPollsPerCheck != 0) continue;
     if (abort_bits(bound.status) & kAbortHandoff) {
       record_abandoned(bound.status);
       return false;
     }
     if (global_timer_ns() - start > bound.timeout_ns()) {
-      record_timeout(bound.status, {bound.rank, role, counter, index}, 1, 0, kAbortHandoff);
+      record_timeout(bound.status, {bound.rank, role, counter, index, bound.kernel}, 1, 0, kAbortHandoff);
       return false;
     }
   }
-  return true;
 }
 
 // Which threads' stores a hand-off's acquire must order: those of this CTA, or of the cluster's CTAs too

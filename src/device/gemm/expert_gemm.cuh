@@ -38,7 +38,9 @@
 // Shared memory: A stages (kBlockM x 64 bf16, 128B swizzle) | B stages (kBlockN x 64) | epilogue staging
 // (kBlockM x 128 output columns, bf16 boxes of 64 x 64, 128B swizzle) | pipeline barriers | task ring.
 // Sync: PipelineTmaAsync full/empty mbarriers per stage (producer: acquire empty, arm transaction bytes;
-// consumers: wait full, release after the wgmma that read the stage retired).
+// consumers: wait full, release after the wgmma that read the stage retired). Every wait is bounded
+// (device::HandoffBound: the standalone kernel's from its StandaloneWaits parameter, the megakernels' own) and a
+// timeout is reported in the status word (docs/sync_protocol.md, "Timeouts and the abort word").
 // Determinism: each output element is one fixed-order K reduction by one thread; no atomics.
 #pragma once
 
@@ -247,8 +249,8 @@ struct TaskWalker {
   }
 };
 
-// Bounded pipeline waits (the megakernel's; a default HandoffBound waits without a bound). The fast path
-// is CUTLASS's one try_wait; only a stage that is not ready yet polls the timer (docs/sync_protocol.md).
+// Bounded pipeline waits (every GEMM kernel's: the megakernels' and the standalone ones'). The fast path is
+// CUTLASS's one try_wait; only a stage that is not ready yet polls the timer (docs/sync_protocol.md).
 // The producer's acquire returns false when it gave up (the caller stops issuing). The consumers' wait
 // goes on after a give-up as if the stage were full (garbage, in bounds): their control flow around wgmma
 // stays warp-uniform, and every later hand-off gives up at once (kAbortHandoff), so the kernel ends.
@@ -290,7 +292,7 @@ __device__ __forceinline__ void consumer_wait_bounded(Pipeline& pipeline, const 
 template <class Traits, class Params>
 __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task, int cta_rank,
                                           typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
-                                          typename Traits::PipelineState& state, const device::HandoffBound& bound = {}) {
+                                          typename Traits::PipelineState& state, const device::HandoffBound& bound) {
   using namespace cute;
   using T = Traits;
   Tensor m_a = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k));
@@ -423,8 +425,8 @@ template <class Traits, class Params>
 __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
                                              typename Traits::Pipeline& pipeline,
                                              typename Traits::PipelineState& read_state, int consumer_idx,
-                                             uint64_t* rows_done = nullptr, RowsDoneSignal* signal = nullptr,
-                                             const device::HandoffBound& bound = {}) {
+                                             uint64_t* rows_done, RowsDoneSignal* signal,
+                                             const device::HandoffBound& bound) {
   using namespace cute;
   using T = Traits;
   typename T::TiledMma mma;
@@ -501,10 +503,95 @@ __device__ __forceinline__ typename T::Pipeline start_pipeline(typename T::Share
   return pipeline;
 }
 
-// Standalone persistent launcher: one CTA per SM in clusters of kClusterN, tasks from the ticket.
-// Used by tests and the bench.
+// The standalone GEMM kernels' second parameter: where their hand-offs report and how long they may take
+// (every wait of the kernel is bounded: docs/sync_protocol.md), and a test knob.
+struct StandaloneWaits {
+  device::HandoffBound bound;
+  // Test entry (honoured only in builds with MOK_TEST_ENTRIES, src/host/gemm_test_knobs.h): each CTA's
+  // producer arms the first stage of its first tile and issues none of its loads, so its consumers' wait for
+  // the stage's bytes must time out (a stalled producer).
+  bool stall_producer;
+};
+
+// The stalled producer of a test (StandaloneWaits::stall_producer): arms `state`'s stage, so its consumers
+// wait for its transaction bytes, and loads nothing. The producer then returns without its tail: the consumers'
+// wait must be the one that times out (a tail would wait for their release of this stage as long), and the
+// CTA stays alive for their releases anyway (its threads, and the final cluster_sync for the partner's).
+template <class Pipeline, class State>
+__device__ __forceinline__ void stall_stage(Pipeline& pipeline, State& state, const device::HandoffBound& bound) {
+  if (producer_acquire_bounded(pipeline, state, bound)) ++state;
+}
+
+// Producer thread of the standalone kernel: slots from the ticket (rank 0 of the cluster takes them, rank 1 gets
+// them by mail) until one lies past the last task, published like the others so that the consumers stop on it.
+// Once the rank's abort word is set the slot is kStopSlot (a failed step does no more work), and a hand-off that
+// gave up ends the loop (its consumers' waits give up too: kAbortHandoff).
+template <class T, class Params>
+__device__ __forceinline__ void run_gemm_producer(const Params& p, const StandaloneWaits& waits,
+                                                  typename T::SharedStorage& smem, typename T::Pipeline& pipeline,
+                                                  int cta_rank) {
+  auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
+  TaskWalker<T> walker;
+  for (int k = 0;; ++k) {
+    const int32_t slot = smem.tasks.take(k, cta_rank, p.ticket, waits.bound);
+    TileTask task;
+    const bool more = slot != kStopSlot && walker.task_at(p, slot, task);
+    if (!smem.tasks.publish(k, more ? slot : int32_t{kStopSlot}, waits.bound) || !more) break;
+#if defined(MOK_TEST_ENTRIES)
+    if (waits.stall_producer) {
+      stall_stage(pipeline, state, waits.bound);
+      return;
+    }
+#endif
+    if (!load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state, waits.bound))
+      break;
+  }
+  // Why: neither CTA may exit while its consumers, or the partner CTA's, still release stages into it.
+  producer_tail_bounded(pipeline, state, waits.bound);
+}
+
+// Consumer threads of the standalone kernel: the published slots' tiles until a slot past the last task, or
+// until a task-ring wait gave up (the warpgroup's four warps agree first, as the megakernel's consumers do).
+template <class T, class Params>
+__device__ __forceinline__ void run_gemm_consumers(const Params& p, const device::HandoffBound& bound,
+                                                   typename T::SharedStorage& smem, typename T::Pipeline& pipeline,
+                                                   int cta_rank, int consumer_idx) {
+  typename T::PipelineState state;
+  TaskWalker<T> walker;
+  TileTask task;
+  // The warpgroup's hardware barrier: the one the epilogue syncs (NamedBarrier id 1 + warpgroup), the same
+  // 128 threads.
+  const int consumer_barrier =
+      int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) + 1 + __shfl_sync(0xffffffff, consumer_idx / 128, 0);
+  for (int k = 0;; ++k) {
+    int32_t slot;
+    const bool arrived = smem.tasks.consume(k, slot, bound);  // warp-uniform
+    // Why: a hand-off that gave up leaves the warpgroup's warps free to disagree; they must leave together
+    // (the tile's wgmma and named barriers need all four).
+    if (!device::named_barrier_all(arrived, consumer_barrier, 128)) break;
+    if (!walker.task_at(p, slot, task)) break;
+    const bool record = p.trace != nullptr && consumer_idx == 0;
+    const uint64_t start = record ? device::global_timer_ns() : 0;
+    const int64_t start_cycles = record ? clock64() : 0;
+    compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state, consumer_idx, nullptr,
+                    nullptr, bound);
+    if (record) {
+      uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 4;
+      r[0] = start;
+      r[1] = device::global_timer_ns();
+      r[2] = static_cast<uint64_t>(device::sm_index()) | (uint64_t(clock64() - start_cycles) << 16);
+      r[3] = (uint64_t(task.expert) << 48) | (uint64_t(task.n_block) << 32) | uint32_t(task.row);
+    }
+  }
+  // Why: the shared memory must outlive the last TMA stores' reads of it.
+  if (consumer_idx % 128 == 0) cute::tma_store_wait<0>();
+}
+
+// Standalone persistent launcher: one CTA per SM in clusters of kClusterN, tasks from the ticket. Used by
+// MoeWorkspace's unfused forward and stage-kernel backward, the tests and the bench.
 template <class Traits, class Params>
-__global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    expert_gemm_kernel(const __grid_constant__ Params p, const __grid_constant__ StandaloneWaits waits) {
   using T = Traits;
   extern __shared__ __align__(1024) char shared_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(shared_raw);
@@ -513,39 +600,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) expert_gemm_kernel(const 
 
   typename T::Pipeline pipeline = start_pipeline<T>(smem, smem.tasks, role == GemmRole::kConsumer);
   const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
-  if (role == GemmRole::kProducer) {
-    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
-    if (threadIdx.x == 0) {
-      auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
-      TaskWalker<T> walker;
-      TileTask task;
-      for (int k = 0; walker.task_at(p, smem.tasks.produce(k, cta_rank, p.ticket), task); ++k)
-        load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state);
-      pipeline.producer_tail(state);
-    }
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-    typename T::PipelineState state;
-    TaskWalker<T> walker;
-    TileTask task;
-    for (int k = 0;; ++k) {
-      const int32_t slot = smem.tasks.consume(k);
-      if (!walker.task_at(p, slot, task)) break;
-      const bool record = p.trace != nullptr && threadIdx.x == 128;
-      const uint64_t start = record ? device::global_timer_ns() : 0;
-      const int64_t start_cycles = record ? clock64() : 0;
-      compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state,
-                      static_cast<int>(threadIdx.x) - 128);
-      if (record) {
-        uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 4;
-        r[0] = start;
-        r[1] = device::global_timer_ns();
-        r[2] = static_cast<uint64_t>(device::sm_index()) | (uint64_t(clock64() - start_cycles) << 16);
-        r[3] = (uint64_t(task.expert) << 48) | (uint64_t(task.n_block) << 32) | uint32_t(task.row);
-      }
-    }
-    // Why: the shared memory must outlive the last TMA stores' reads of it.
-    if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
+  switch (role) {
+    case GemmRole::kProducer:
+      cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+      if (threadIdx.x == 0) run_gemm_producer<T>(p, waits, smem, pipeline, cta_rank);
+      break;
+    case GemmRole::kConsumer:
+      cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+      run_gemm_consumers<T>(p, waits.bound, smem, pipeline, cta_rank, static_cast<int>(threadIdx.x) - 128);
+      break;
   }
   // Why: neither CTA may exit while its partner can still multicast into it or arrive on its barriers.
   if constexpr (T::kClusterN > 1) cute::cluster_sync();

@@ -37,20 +37,25 @@ struct TaskRing {
   }
 
   // Producer thread: the cluster's k-th slot (rank 0 takes it from `ticket`, rank 1 from rank 0's mail).
-  // With a bound (the megakernel's): rank 0 hands out kStopSlot instead once the abort word is set, and
-  // either rank returns kStopSlot when its mail hand-off gave up.
-  __device__ int32_t take(int k, int cta_rank, int32_t* ticket, const device::HandoffBound& bound = {}) {
+  // Rank 0 hands out kStopSlot instead once the abort word is set, and either rank returns kStopSlot when its
+  // mail hand-off gave up.
+  __device__ int32_t take(int k, int cta_rank, int32_t* ticket, const device::HandoffBound& bound) {
     return share(k, cta_rank, cta_rank == 0 ? claim(ticket, bound) : 0, bound);
   }
 
   // take() in two steps, so that rank 0 can claim the next slot early (its atomic's latency then hides behind
   // the current task's loads, as the standalone weight-gradient GEMM does) and share it when it gets there.
   // claim: rank 0's slot from the ticket, or kStopSlot once the abort word is set.
-  __device__ int32_t claim(int32_t* ticket, const device::HandoffBound& bound = {}) {
-    return bound.status != nullptr && device::abort_bits(bound.status) != 0 ? kStopSlot : atomicAdd(ticket, 1);
+  __device__ int32_t claim(int32_t* ticket, const device::HandoffBound& bound) {
+    // Why both reads at once: neither depends on the other, so the abort word adds no latency to the atomic
+    // (between two tiles of a standalone GEMM the claim is on the producer's path). A slot taken after an abort
+    // is thrown away; the ticket is zeroed before every launch.
+    const uint32_t aborted = device::abort_bits(bound.status);
+    const int32_t slot = atomicAdd(ticket, 1);
+    return aborted != 0 ? kStopSlot : slot;
   }
   // share: the cluster's k-th slot: rank 0 mails `claimed` to rank 1 and returns it; rank 1 returns the mail.
-  __device__ int32_t share(int k, int cta_rank, int32_t claimed, const device::HandoffBound& bound = {}) {
+  __device__ int32_t share(int k, int cta_rank, int32_t claimed, const device::HandoffBound& bound) {
     const int q = k % kDepth;
     const uint32_t phase = (k / kDepth) & 1;
     int32_t s;
@@ -73,7 +78,7 @@ struct TaskRing {
 
   // Producer thread: the k-th entry for the consumers; false (nothing published) when the wait for the
   // entry to be free gave up.
-  __device__ bool publish(int k, const Payload& value, const device::HandoffBound& bound = {}) {
+  __device__ bool publish(int k, const Payload& value, const device::HandoffBound& bound) {
     const int q = k % kDepth;
     if (!device::mbarrier_wait_bounded<device::HandoffScope::kCta>(&empty[q], ((k / kDepth) & 1) ^ 1, bound,
                                                                    Role::kGemmProducer, CounterId::kTaskRing, q))
@@ -83,23 +88,9 @@ struct TaskRing {
     return true;
   }
 
-  // Producer thread: take, then publish the slot itself.
-  __device__ int32_t produce(int k, int cta_rank, int32_t* ticket) {
-    static_assert(sizeof(Payload) == sizeof(int32_t), "publishes the slot number");
-    const int32_t s = take(k, cta_rank, ticket);
-    publish(k, s);
-    return s;
-  }
-
-  // Consumer threads (all of them): the k-th entry, warp-uniform.
-  __device__ Payload consume(int k) {
-    Payload value;
-    consume(k, value, {});
-    return value;
-  }
-
-  // The same with a bound: false (warp-uniform; `value` is then garbage) when the wait gave up. The warps of
-  // a warpgroup may disagree: a caller that runs warpgroup-wide work on the entry must agree first.
+  // Consumer threads (all of them): the k-th entry, warp-uniform; false (warp-uniform; `value` is then
+  // garbage) when the wait gave up. The warps of a warpgroup may disagree: a caller that runs warpgroup-wide
+  // work on the entry must agree first.
   __device__ bool consume(int k, Payload& value, const device::HandoffBound& bound) {
     const int q = k % kDepth;
     // CTA scope: the entry was stored by this CTA's producer thread (publish), not the partner's.

@@ -64,7 +64,8 @@
 // 32 rows + 128 KB = 224 KB (src/host/weight_grad_params.h says why).
 // Sync (docs/sync_protocol.md, "the weight-gradient GEMM"): PipelineTmaAsync full/empty per stage; the
 // task ring; per warpgroup a named barrier around each pass's staging writes and
-// cp.async.bulk.wait_group.read before the boxes are written again (next pass or tile).
+// cp.async.bulk.wait_group.read before the boxes are written again (next pass or tile). Every mbarrier wait is
+// bounded and reports a timeout in the status word, as the expert GEMM's (StandaloneWaits).
 // Determinism: each output element is one fixed-order K reduction (ascending rows) by one thread of one
 // CTA; no value atomics; the result does not depend on which CTA takes which slot.
 #pragma once
@@ -262,7 +263,7 @@ template <class Traits, class Params>
 __device__ __forceinline__ bool load_grad_tile(const Params& p, const GradTileTask& task,
                                                typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
                                                typename Traits::PipelineState& state,
-                                               const device::HandoffBound& bound = {}) {
+                                               const device::HandoffBound& bound) {
   using namespace cute;
   using T = Traits;
   using Box = Shape<Int<T::kBoxColumns>, Int<T::kBlockK>>;
@@ -411,7 +412,7 @@ __device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTil
                                                   typename Traits::SharedStorage& smem,
                                                   typename Traits::Pipeline& pipeline,
                                                   typename Traits::PipelineState& read_state, int consumer_idx,
-                                                  const device::HandoffBound& bound = {},
+                                                  const device::HandoffBound& bound,
                                                   RowsDoneSignal* signal = nullptr) {
   using namespace cute;
   using T = Traits;
@@ -487,43 +488,63 @@ __device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTil
 enum class WeightGradRole : int { kProducer = 0, kConsumer = 1 };
 
 // Producer thread of the standalone kernel: slots from the ticket until one lies past the last task (it
-// publishes that one too, so the consumers stop).
+// publishes that one too, so the consumers stop). Once the rank's abort word is set the slot is kStopSlot (past
+// every task: a failed step does no more work), and a hand-off that gave up ends the loop (its consumers' waits
+// give up too: kAbortHandoff).
 template <class Traits, class Params>
-__device__ __forceinline__ void run_grad_producer(const Params& p, typename Traits::SharedStorage& smem,
+__device__ __forceinline__ void run_grad_producer(const Params& p, const StandaloneWaits& waits,
+                                                  typename Traits::SharedStorage& smem,
                                                   typename Traits::Pipeline& pipeline) {
   auto state = cutlass::make_producer_start_state<typename Traits::Pipeline>();
   GradTaskWalker<Traits> walker;
-  int32_t next_slot = smem.tasks.take(0, 0, p.ticket);
+  int32_t next_slot = smem.tasks.claim(p.ticket, waits.bound);  // one CTA per cluster: no mail
   for (int k = 0;; ++k) {
     GradTileTask task;
-    const bool more = walker.task_at(p, next_slot, task);
-    smem.tasks.publish(k, task);
-    if (!more) break;
+    const bool more = walker.task_at(p, next_slot, task);  // kStopSlot: expert -1
+    if (!smem.tasks.publish(k, task, waits.bound) || !more) break;
     // The next slot's atomic goes out before this tile's loads: its latency hides behind them (the thread
     // waits for the value only at the next task_at).
-    next_slot = smem.tasks.take(k + 1, 0, p.ticket);
-    load_grad_tile<Traits>(p, task, smem, pipeline, state);
+    next_slot = smem.tasks.claim(p.ticket, waits.bound);
+#if defined(MOK_TEST_ENTRIES)
+    if (waits.stall_producer) {  // no tail: see stall_stage
+      stall_stage(pipeline, state, waits.bound);
+      return;
+    }
+#endif
+    if (!load_grad_tile<Traits>(p, task, smem, pipeline, state, waits.bound)) break;
   }
   // Why: the CTA must not exit while its consumers still read (and release) the last stages.
-  pipeline.producer_tail(state);
+  producer_tail_bounded(pipeline, state, waits.bound);
 }
 
+// Consumer threads of the standalone kernel: the published tiles until "no task", or until a task-ring wait gave
+// up (the warpgroup's four warps agree first, as the megakernel's consumers do).
 template <class Traits, class Params>
-__device__ __forceinline__ void run_grad_consumers(const Params& p, typename Traits::SharedStorage& smem,
+__device__ __forceinline__ void run_grad_consumers(const Params& p, const device::HandoffBound& bound,
+                                                   typename Traits::SharedStorage& smem,
                                                    typename Traits::Pipeline& pipeline, int consumer_idx) {
   typename Traits::PipelineState state;
+  // The warpgroup's hardware barrier: the one its epilogue syncs (kStagingBarrier + warpgroup), the same 128
+  // threads.
+  const int consumer_barrier = int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) +
+                               Traits::kStagingBarrier + __shfl_sync(0xffffffff, consumer_idx / 128, 0);
   for (int k = 0;; ++k) {
-    const GradTileTask task = smem.tasks.consume(k);
+    GradTileTask task;
+    const bool arrived = smem.tasks.consume(k, task, bound);  // warp-uniform
+    // Why: a hand-off that gave up leaves the warpgroup's warps free to disagree; they must leave together.
+    if (!device::named_barrier_all(arrived, consumer_barrier, 128)) break;
     if (task.expert < 0) break;
-    compute_grad_tile<Traits>(p, task, smem, pipeline, state, consumer_idx);
+    compute_grad_tile<Traits>(p, task, smem, pipeline, state, consumer_idx, bound);
   }
   // Why: the shared memory must outlive the last TMA stores' reads of it.
   if (consumer_idx % 128 == 0) cute::tma_store_wait<0>();
 }
 
-// Standalone persistent launcher: one CTA per SM, tasks from the ticket. Used by tests and the bench.
+// Standalone persistent launcher: one CTA per SM, tasks from the ticket. Used by MoeWorkspace's stage-kernel
+// backward, the tests and the bench.
 template <class Traits, class Params>
-__global__ void __launch_bounds__(Traits::kThreads, 1) weight_grad_gemm_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    weight_grad_gemm_kernel(const __grid_constant__ Params p, const __grid_constant__ StandaloneWaits waits) {
   using T = Traits;
   extern __shared__ __align__(1024) char shared_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(shared_raw);
@@ -533,11 +554,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) weight_grad_gemm_kernel(c
   switch (role) {
     case WeightGradRole::kProducer:
       cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
-      if (threadIdx.x == 0) run_grad_producer<T>(p, smem, pipeline);
+      if (threadIdx.x == 0) run_grad_producer<T>(p, waits, smem, pipeline);
       break;
     case WeightGradRole::kConsumer:
       cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-      run_grad_consumers<T>(p, smem, pipeline, static_cast<int>(threadIdx.x) - 128);
+      run_grad_consumers<T>(p, waits.bound, smem, pipeline, static_cast<int>(threadIdx.x) - 128);
       break;
   }
 }

@@ -156,7 +156,7 @@ __device__ __forceinline__ decltype(auto) visit_weight_grad(const AnyWeightGradP
 // host entry is src/host/weight_grad_gemm.cu's). Every mode has the same threads, shared memory and pipeline.
 template <class AnyParams>
 __global__ void __launch_bounds__(WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>::kThreads, 1)
-    any_mode_weight_grad_gemm_kernel(const __grid_constant__ AnyParams p) {
+    any_mode_weight_grad_gemm_kernel(const __grid_constant__ AnyParams p, const __grid_constant__ StandaloneWaits waits) {
   using T0 = WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>;
   extern __shared__ __align__(1024) char shared_raw[];
   auto& smem = *reinterpret_cast<typename T0::SharedStorage*>(shared_raw);
@@ -171,14 +171,15 @@ __global__ void __launch_bounds__(WeightGradTraitsInGemmLayout<GradOutput::kBFlo
           using T = typename decltype(traits)::type;
           static_assert(offsetof(typename T::SharedStorage, tasks) == offsetof(typename T0::SharedStorage, tasks),
                         "start_pipeline initialized T0's task ring");
-          run_grad_producer<T>(params, shared_storage_as<T, T0>(smem), pipeline);
+          run_grad_producer<T>(params, waits, shared_storage_as<T, T0>(smem), pipeline);
         });
       break;
     case WeightGradRole::kConsumer:
       cutlass::arch::warpgroup_reg_alloc<T0::kConsumerRegisters>();
       visit_weight_grad(p, [&](auto traits, const auto& params) {
         using T = typename decltype(traits)::type;
-        run_grad_consumers<T>(params, shared_storage_as<T, T0>(smem), pipeline, static_cast<int>(threadIdx.x) - 128);
+        run_grad_consumers<T>(params, waits.bound, shared_storage_as<T, T0>(smem), pipeline,
+                              static_cast<int>(threadIdx.x) - 128);
       });
       break;
   }

@@ -80,6 +80,7 @@ struct BackwardParams {
   DeviceStatus* status;
   uint64_t timeout_ns;
   Timeline timeline;
+  static constexpr KernelId kKernel = KernelId::kBackwardMegakernel;  // named in a timeout's report
 };
 
 enum class BackwardRole : int { kCommunication = 0, kProducer = 1, kConsumer = 2 };
@@ -170,7 +171,7 @@ __device__ __forceinline__ void run_backward_producer(const Params& p, BackwardS
     return;
   }
   if (threadIdx.x != 0) return;
-  const device::HandoffBound bound{p.status, p.timeout_ns, p.rank};
+  const device::HandoffBound bound{p.status, p.timeout_ns, p.rank, Params::kKernel};
   auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
   BackwardWalker walker(p.order, *p.scheduled_rows);
   VerifiedUnits verified;
@@ -232,7 +233,7 @@ __device__ __forceinline__ void run_backward_consumer(const Params& p, BackwardS
   int32_t recorded = 0;  // the recorder's records
   gemm::RowsDoneSignal signal;
   typename T::PipelineState state;
-  const device::HandoffBound bound{p.status, p.timeout_ns, p.rank};
+  const device::HandoffBound bound{p.status, p.timeout_ns, p.rank, Params::kKernel};
   const int consumer_barrier = int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) + 1 +
                                __shfl_sync(0xffffffff, (static_cast<int>(threadIdx.x) - 128) / 128, 0);
   for (int k = 0;; ++k) {

@@ -62,7 +62,7 @@ struct CommSharedStorage {
 // ends with its copies written); the leader publishes them with one release.
 //   sync(flag)  the group's barrier, returning whether any thread passed true: __syncthreads_or for a
 //               communication CTA, bar.red.or on a named barrier for the producer warpgroup's copy warps
-// Reads from Params: order, scheduled_rows, counters, comm_ticket, rank, status, timeout_ns, timeline.
+// Reads from Params: order, scheduled_rows, counters, comm_ticket, rank, status, timeout_ns, timeline, kKernel.
 template <class Params, class Sync, class CopyUnit>
 __device__ __forceinline__ void communication_loop(const Params& p, int32_t& task_word, bool leader, Sync sync,
                                                    CopyUnit copy_unit) {
@@ -85,7 +85,7 @@ __device__ __forceinline__ void communication_loop(const Params& p, int32_t& tas
           phase.wait_unit == CommWait::kRingPrevious ? task.unit + p.order.ring_rows / kUnitRows : task.unit;
       if (unit * kUnitRows < scheduled_rows)
         gave_up = !device::wait_at_least(p.counters.base[phase.waits] + unit, p.counters.target[phase.waits],
-                                         {p.rank, phase.role, p.counters.id[phase.waits], unit}, p.status,
+                                         {p.rank, phase.role, p.counters.id[phase.waits], unit, Params::kKernel}, p.status,
                                          p.timeout_ns);
     }
     // Why: the leader's acquire covers the group once it passes the barrier; the fence then orders it before
@@ -140,7 +140,8 @@ __device__ void run_communication_cta(const Params& p, CommSlots<T>& slots, Comm
   if (lane == 0) device::mbarrier_init(&smem.slot_loaded[warp], 1);
   // Why: the barrier init must be visible to the async proxy (the bulk copies complete on it).
   cutlass::arch::fence_barrier_init();
-  device::BulkRowCopier copier{slots.slot[warp], &smem.slot_loaded[warp], CommTraits<T>::kSlotBytes};
+  device::BulkRowCopier copier{slots.slot[warp], &smem.slot_loaded[warp], CommTraits<T>::kSlotBytes,
+                               {p.status, p.timeout_ns, p.rank, Params::kKernel}, warp};
   auto copy_unit = [&](TaskKind kind, int32_t unit) {
     if (kind == TaskKind::kDispatch) {
       for (int r = warp; r < kUnitRows; r += kWarps) {
@@ -151,12 +152,13 @@ __device__ void run_communication_cta(const Params& p, CommSlots<T>& slots, Comm
       }
     }
     if (lane != 0) return;
+    const Role role = kind == TaskKind::kDispatch ? Role::kDispatch : Role::kCombine;
     if (rows_per_batch == 1) {  // rows of 8 KB and more: one at a time, in slot-sized chunks
       for (int r = warp; r < kUnitRows; r += kWarps) {
         const uint4* src;
         uint4* dst;
         unit_row_endpoints(p, kind, unit, r, src, dst);
-        if (src != nullptr) copier.copy(src, dst, row_bytes);
+        if (src != nullptr) copier.copy(src, dst, row_bytes, role);
       }
     } else {  // smaller rows: a batch of whole rows fills the slot (loads, one wait, stores)
       for (int first = warp; first < kUnitRows; first += kWarps * rows_per_batch) {
@@ -167,7 +169,7 @@ __device__ void run_communication_cta(const Params& p, CommSlots<T>& slots, Comm
           unit_row_endpoints(p, kind, unit, r, src, dst);
           if (src != nullptr) copier.load(src, row_bytes, b * row_bytes);
         }
-        copier.loaded();
+        copier.loaded(role);  // a give-up (recorded) stores what the slot holds; the group stops at its next task
         for (int b = 0, r = first; b < rows_per_batch && r < kUnitRows; ++b, r += kWarps) {
           const uint4* src;
           uint4* dst;

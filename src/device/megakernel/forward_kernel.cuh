@@ -65,6 +65,7 @@ struct ForwardParams {
   DeviceStatus* status;
   uint64_t timeout_ns;
   Timeline timeline;
+  static constexpr KernelId kKernel = KernelId::kForwardMegakernel;  // named in a timeout's report
 };
 
 enum class ForwardRole : int { kCommunication = 0, kProducer = 1, kConsumer = 2 };
@@ -99,7 +100,7 @@ __device__ void run_producer(const Params& p, ForwardSharedStorage<T>& smem, typ
     return;
   }
   if (threadIdx.x != 0) return;
-  const device::HandoffBound bound{p.status, p.timeout_ns, p.rank};
+  const device::HandoffBound bound{p.status, p.timeout_ns, p.rank, Params::kKernel};
   auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
   ComputeWalker walker(p.order, *p.scheduled_rows);
   for (int k = 0;; ++k) {
@@ -129,7 +130,7 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
   int32_t recorded = 0;  // the recorder's records
   gemm::RowsDoneSignal signal;  // this warpgroup's late completion count (used by its store leader)
   typename T::PipelineState state;
-  const device::HandoffBound bound{p.status, p.timeout_ns, p.rank};
+  const device::HandoffBound bound{p.status, p.timeout_ns, p.rank, Params::kKernel};
   // The consumer warpgroup's hardware barrier: the one compute_tile's epilogue syncs (NamedBarrier id
   // 1 + warpgroup), the same 128 threads.
   const int consumer_barrier = int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) + 1 +

@@ -26,7 +26,8 @@ __device__ __forceinline__ void wait_for_inputs(const Params& p, const PhaseDesc
   const uint64_t* counter = p.counters.base[phase.waits];
   for (int32_t unit = t.row / kUnitRows; unit * kUnitRows < t.row + t.rows; ++unit)
     device::wait_at_least(counter + unit, p.counters.target[phase.waits],
-                          {p.rank, Role::kGemmProducer, p.counters.id[phase.waits], unit}, p.status, p.timeout_ns);
+                          {p.rank, Role::kGemmProducer, p.counters.id[phase.waits], unit, Params::kKernel}, p.status,
+                          p.timeout_ns);
   // Why: the TMA loads that follow read, through the async proxy, rows the acquire above made visible.
   device::fence_proxy_async_global();
 }
@@ -55,7 +56,8 @@ __device__ __forceinline__ void wait_for_backward_inputs(const Params& p, const 
     const int8_t c = counter_awaited(phase, p.order, unit);
     if (c == kNoCounter || verified.covers(c, unit)) continue;
     complete &= device::wait_at_least(p.counters.base[c] + unit, p.counters.target[c],
-                                      {p.rank, Role::kGemmProducer, p.counters.id[c], unit}, p.status, p.timeout_ns);
+                                      {p.rank, Role::kGemmProducer, p.counters.id[c], unit, Params::kKernel}, p.status,
+                                      p.timeout_ns);
     waited = true;
   }
   if (!waited) return;

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(32) count_chunks_kernel(ScheduleParams p) {
 
   const uint64_t epoch = *p.epoch;
   const uint64_t expected = (epoch + 1) * uint64_t(gather_ctas(p.routes_per_rank));
-  const device::WaitSite site{p.rank, Role::kScheduleCount, CounterId::kTopkArrived, src};
+  const device::WaitSite site{p.rank, Role::kScheduleCount, CounterId::kTopkArrived, src, KernelId::kSchedule};
   const bool arrived = lane == 0 ? device::wait_at_least(GatherLayout::topk_arrived(p.gather_base) + src,
                                                          expected, site, p.status, p.timeout_ns)
                                  : true;
