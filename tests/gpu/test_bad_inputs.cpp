@@ -810,15 +810,17 @@ class BackwardBadInputs {
     MOK_CHECK_CUDA(cudaFreeHost(pinned));
     (void)t;
 
-    // recompute_forward_context validates like the backward.
+    // recompute_forward_context validates like the backward: x's token count is the schedule's.
     std::vector<RankForward> args = ws_->all_args();
     args[1].x.shape[0] = 0;
-    auto [ok, observed] = expect_invalid_argument([&] { ws_->workspace().recompute_forward_context(args); },
-                                                  "MoeWorkspace::recompute_forward_context: rank 1: x: expected bf16 [100, 256]");
+    auto [ok, observed] = expect_invalid_argument(
+        [&] { ws_->workspace().recompute_forward_context(args); },
+        "MoeWorkspace::recompute_forward_context: rank 1: x: 0 tokens, but the context's schedule was built for 100");
     const std::string errors = status_errors(*ws_);
     if (!errors.empty()) ok = false, observed += "; status: " + errors;
     reset_status(*ws_);
-    record("recompute_forward_context with x [0, H]", "std::invalid_argument naming x; nothing issued", ok, observed,
+    record("recompute_forward_context with x [0, H]",
+           "std::invalid_argument naming x (0 tokens; the context's schedule has 100); nothing issued", ok, observed,
            good_backward(*ws_, fresh_));
   }
 
