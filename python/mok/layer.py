@@ -330,20 +330,22 @@ def forward(ws: Workspace, x: torch.Tensor, topk_idx: torch.Tensor, router_weigh
                                "still writes it)")
         ctx = ws.pooled_context()
     _check_context(ws, ctx)
-    out = torch.ops.mok.forward(ws.handle, ctx.handle, bool(schedule_ready), x, topk_idx, router_weights,
-                                *weights.tensors(), 0, bool(recompute))
+    out, _ = torch.ops.mok.forward(ws.handle, ctx.handle, bool(schedule_ready), x, topk_idx, router_weights,
+                                   *weights.tensors(), None, 0, bool(recompute))
     return out, ctx
 
 
 def layer_forward(ws: Workspace, ctx: ForwardContext, x, topk_idx, router_weights, weights: Weights,
-                  main_grads: int, recompute: bool) -> torch.Tensor:
+                  targets: Optional[ops.MainGradTargets], recompute: bool) -> torch.Tensor:
     """mok.forward for mok.MoE: the context given, and its backward accumulating into the parameters' main_grad
-    (main_grads: a MainGradTargets handle, 0 for none)."""
+    (targets: the module's MainGradTargets, None for none)."""
     ws.require_open()
     check_forward_args(ws.shape, ws.device, x, topk_idx, router_weights, weights)
     _check_context(ws, ctx)
-    return torch.ops.mok.forward(ws.handle, ctx.handle, False, x, topk_idx, router_weights, *weights.tensors(),
-                                 main_grads, recompute)
+    out, _ = torch.ops.mok.forward(ws.handle, ctx.handle, False, x, topk_idx, router_weights, *weights.tensors(),
+                                   targets.handle if targets is not None else None,
+                                   targets.dummy_mask() if targets is not None else 0, recompute)
+    return out
 
 
 def backward(ws: Workspace, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -379,7 +381,7 @@ def backward(ws: Workspace, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torc
                          f"given tensors, in their dtypes), got {grad_dtype}")
     if grads is None and main_grads is None:
         outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, topk_idx, router_weights, *weights.tensors(),
-                                      ops.ALL_WEIGHTS, grad_dtype == torch.float32, 0, 0, False)
+                                      ops.ALL_WEIGHTS, grad_dtype == torch.float32, None, 0, False)
         present = [w is not None for w in weights.tensors()]
         return outs[0], outs[1], Weights(*[g if p else None for g, p in zip(outs[2:], present)])
     accumulate = main_grads is not None

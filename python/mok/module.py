@@ -258,8 +258,7 @@ class MoE(torch.nn.Module):
                              f"({self._workspace.shape.num_tokens}): make the layer with num_tokens= the largest "
                              "token count of a call (or call prepare(num_tokens) before its first forward)")
         out = layer_forward(self._workspace, self._context, tokens.contiguous(), topk_idx, router_weights,
-                            self.weights(), self._targets.handle if self._targets is not None else 0,
-                            self.recompute)
+                            self.weights(), self._targets, self.recompute)
         return out.view(x.shape)
 
     def extra_repr(self) -> str:

@@ -1,24 +1,27 @@
 """The torch.library custom ops of the layer, so torch.compile(fullgraph=True) traces forward and backward and
 CUDA graphs capture them. Each has a fake (meta) implementation giving its output shapes.
 
-    mok::forward(workspace, context, schedule_ready, x, topk_idx, router_weights, <6 weights>, main_grads=0,
-                 recompute=False) -> out
+    mok::forward(workspace, context, schedule_ready, x, topk_idx, router_weights, <6 weights>, main_grads=None,
+                 dummy_mask=0, recompute=False) -> (out, seen)
         autograd formula (register_autograd): mok::backward, for x, router_weights and the weights
     mok::backward(workspace, context, d_out, x, topk_idx, router_weights, <6 weights>, grad_mask, fp32_grads,
-                  main_grads, dummy_mask, recompute) -> [d_x, d_router_weights, <6 weight gradients>]
+                  main_grads, dummy_mask, recompute, seen=None) -> [d_x, d_router_weights, <6 weight gradients>]
     mok::backward_into(workspace, context, d_out, x, topk_idx, router_weights, <6 weights>, <6 gradients,
                        mutated>, accumulate) -> (d_x, d_router_weights)
     mok::recompute_forward_context(workspace, context, x, <6 weights>) -> ()
 
 <6 weights> are expert_gate, expert_up?, expert_down, shared_gate?, shared_up?, shared_down? (mok.Weights order;
 None where absent). The workspace, the forward context and a module's main-gradient targets are opaque Python
-objects; the ops get them by integer handles into the weak tables below, so the schemas hold only tensors, ints
-and bools, and under torch.compile the handles are constants of the graph.
+objects; the ops get them by handles into the weak tables below: small CPU int64 tensors holding the object's id,
+so the schemas hold only tensors, ints and bools, and under torch.compile the handles are inputs of the graph
+(not constants: layers of one shape share a compiled graph).
 
 What the compiler does not see. forward writes the context and backward reads it; backward with main_grads
 adds into parameters' .main_grad tensors found through the handle. None of that is in the schemas, so the ops
 look pure: the order between them comes from data (autograd runs a layer's backward after its forward, and a
-backward's outputs feed the gradients), and mok::recompute_forward_context (which returns nothing) and
+backward's outputs feed the gradients); a backward whose context a later forward overwrote raises when it runs
+(mok::forward returns `seen`, the context's generation, which the backward compares), so in eager mode, under
+torch.compile and in CUDA-graph capture alike; and mok::recompute_forward_context (which returns nothing) and
 mok::backward (which may add into main_grad with no output used) are marked as having side effects, so that no
 dead-code elimination drops them.
 """
@@ -51,28 +54,33 @@ def with_partners(grad_mask: int, weights) -> int:
     return grad_mask
 
 
-def _register(table, obj) -> int:
-    handle = next(_next_handle)
-    table[handle] = obj
-    return handle
+def _register(table, obj) -> torch.Tensor:
+    """The object's handle: a CPU int64 tensor [id]. A tensor, not an int, so that under torch.compile it is an
+    input of the graph like the layer's weights, not a constant: layers of one shape (a model compiled block by
+    block) share one compiled graph."""
+    handle_id = next(_next_handle)
+    table[handle_id] = obj
+    return torch.tensor([handle_id], dtype=torch.int64)
 
 
-def register_workspace(workspace) -> int:
+def register_workspace(workspace) -> torch.Tensor:
     return _register(_workspaces, workspace)
 
 
-def register_context(context) -> int:
+def register_context(context) -> torch.Tensor:
     return _register(_contexts, context)
 
 
-def register_main_grad_targets(targets) -> int:
+def register_main_grad_targets(targets) -> torch.Tensor:
     return _register(_main_grad_targets, targets)
 
 
-def _lookup(table, handle: int, what: str, op: str):
-    obj = table.get(handle)
+def _lookup(table, handle: torch.Tensor, what: str, op: str):
+    """The object behind a handle, when an op runs (a real tensor: never under tracing)."""
+    handle_id = int(handle[0])
+    obj = table.get(handle_id)
     if obj is None:
-        raise RuntimeError(f"mok::{op}: no live {what} with handle {handle} (was it garbage-collected?)")
+        raise RuntimeError(f"mok::{op}: no live {what} with handle {handle_id} (was it garbage-collected?)")
     return obj
 
 
@@ -96,13 +104,14 @@ class MainGradTargets:
         self.params = tuple(params)
         self.handle = register_main_grad_targets(self)
 
-    def dummy_mask(self, grad_mask: int) -> int:
+    def dummy_mask(self) -> int:
         """The weights whose backward returns a dummy gradient: those that Megatron's DDP has set up (they have
         the attribute grad_added_to_main_grad; its hook discards the dummy and sets .grad to None). The others
-        return None: their .grad stays None."""
+        return None: their .grad stays None. Read when the forward runs (mok::forward takes it as an int; the
+        backward asks for the weights that need a gradient among them)."""
         mask = 0
         for i, p in enumerate(self.params):
-            if p is not None and grad_mask >> i & 1 and p.requires_grad and hasattr(p, "grad_added_to_main_grad"):
+            if p is not None and p.requires_grad and hasattr(p, "grad_added_to_main_grad"):
                 mask |= 1 << i
         return mask
 
@@ -144,72 +153,68 @@ class MainGradTargets:
 
 
 @torch.library.custom_op("mok::forward", mutates_args=(), device_types="cuda")
-def forward_op(workspace: int, context: int, schedule_ready: bool, x: torch.Tensor, topk_idx: torch.Tensor,
-               router_weights: torch.Tensor, expert_gate: torch.Tensor, expert_up: Optional[torch.Tensor],
+def forward_op(workspace: torch.Tensor, context: torch.Tensor, schedule_ready: bool, x: torch.Tensor,
+               topk_idx: torch.Tensor, router_weights: torch.Tensor, expert_gate: torch.Tensor, expert_up: Optional[torch.Tensor],
                expert_down: torch.Tensor, shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],
-               shared_down: Optional[torch.Tensor], main_grads: int = 0, recompute: bool = False) -> torch.Tensor:
-    """out [T, H] bf16 of the layer on this rank; writes the context (schedule, expert-side activations).
-    main_grads and recompute only tell its backward what to do (see mok::backward). Asynchronous on the current
-    stream; collective over the workspace's EP group."""
+               shared_down: Optional[torch.Tensor], main_grads: Optional[torch.Tensor] = None,
+               dummy_mask: int = 0, recompute: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, H] bf16 of the layer on this rank, seen: the context's generation after this forward, a CPU int64
+    tensor [1]); writes the context (schedule, expert-side activations). main_grads (a MainGradTargets handle),
+    dummy_mask and recompute only tell its backward what to do (see mok::backward); seen lets the backward
+    check, when it runs, that no later forward overwrote the context. Asynchronous on the current stream;
+    collective over the workspace's EP group."""
     ws = _lookup(_workspaces, workspace, "workspace", "forward")
     ctx = _lookup(_contexts, context, "forward context", "forward")
     out = torch.empty_like(x)
     ws._native.forward(*_plain(x, topk_idx, router_weights, expert_gate, expert_up, expert_down, shared_gate,
                                shared_up, shared_down), out, ctx._native, _stream(x), schedule_ready)
     ctx.mark_written()
-    return out
+    return out, torch.tensor([ctx.generation], dtype=torch.int64)
 
 
 @forward_op.register_fake
 def _forward_fake(workspace, context, schedule_ready, x, topk_idx, router_weights, expert_gate, expert_up,
-                  expert_down, shared_gate, shared_up, shared_down, main_grads=0, recompute=False):
-    return torch.empty_like(x)
+                  expert_down, shared_gate, shared_up, shared_down, main_grads=None, dummy_mask=0, recompute=False):
+    return torch.empty_like(x), torch.empty(1, dtype=torch.int64)
 
 
 def _is_eager(t) -> bool:
-    """A real tensor outside any tracing (the generation check below is Python state, invisible to a trace)."""
+    """A real tensor outside any tracing."""
     return type(t) in (torch.Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling()
 
 
 def _forward_setup_context(ctx, inputs, output):
-    (workspace, context, _, x, topk_idx, router_weights, *weights, main_grads, recompute) = inputs
-    ctx.mok_handles = (workspace, context, main_grads, recompute)
-    ctx.save_for_backward(x, topk_idx, router_weights, *weights)
-    # Eager only: which forward of the context this is, so that a backward after the context was overwritten by a
-    # later forward raises instead of computing gradients of the wrong forward; and the context itself, held by
-    # the graph until it is freed (a pooled context, mok.forward(ctx=None), goes back to its pool only then).
-    eager = _is_eager(x) and context in _contexts
-    ctx.mok_generation = _contexts[context].generation if eager else None
-    ctx.mok_context = _contexts[context] if eager else None
+    (workspace, context, _, x, topk_idx, router_weights, *weights, main_grads, dummy_mask, recompute) = inputs
+    ctx.mok_flags = (main_grads is not None, dummy_mask, recompute)
+    # The handles and `seen` are never written in place: saving them costs nothing, and under torch.compile they
+    # become inputs of the backward graph.
+    ctx.save_for_backward(x, topk_idx, router_weights, *weights, workspace, context, main_grads, output[1])
+    # Eager only: the context itself, held by the graph until it is freed (a pooled context, mok.forward(ctx=None),
+    # goes back to its pool only then; pooled contexts are refused under torch.compile and capture).
+    ctx.mok_context = _contexts.get(int(context[0])) if _is_eager(x) else None
 
 
-def _forward_backward(ctx, d_out):
-    workspace, context, main_grads, recompute = ctx.mok_handles
-    x, topk_idx, router_weights, *weights = ctx.saved_tensors
+def _forward_backward(ctx, d_out, d_seen):
+    has_main_grads, dummy_mask, recompute = ctx.mok_flags
+    x, topk_idx, router_weights, *rest = ctx.saved_tensors
+    weights = rest[:len(WEIGHT_NAMES)]
+    workspace, context, main_grads, seen = rest[len(WEIGHT_NAMES):]
     needs = ctx.needs_input_grad
     needed = 0
     for i, w in enumerate(weights):
         if w is not None and needs[6 + i]:
             needed |= 1 << i
     grad_mask = with_partners(needed, weights)  # computed: the needed ones and their gate/up partners
-    if ctx.mok_generation is not None and not recompute:
-        layer_ctx = _lookup(_contexts, context, "forward context", "backward")
-        if layer_ctx.generation != ctx.mok_generation:
-            raise RuntimeError("mok: this layer's forward context was overwritten by a later forward before this "
-                               "backward (the same context used by two forwards, e.g. one module called twice or "
-                               "micro-batches interleaved): give each forward in flight its own context "
-                               "(ws.make_context()), or use recompute=True")
-    dummy_mask = 0
-    if main_grads:
-        dummy_mask = _lookup(_main_grad_targets, main_grads, "main-gradient targets", "backward").dummy_mask(needed)
+    dummy_mask &= needed
+    # mok::backward checks `seen` against the context when it runs (eager, compiled or captured alike).
     grads = torch.ops.mok.backward(workspace, context, d_out.contiguous(), x, topk_idx, router_weights, *weights,
-                                   grad_mask, False, main_grads, dummy_mask, recompute)
+                                   grad_mask, False, main_grads, dummy_mask, recompute, seen)
     weight_grads = []
     for i in range(len(weights)):
-        returned = needed >> i & 1 and (not main_grads or dummy_mask >> i & 1)
+        returned = needed >> i & 1 and (not has_main_grads or dummy_mask >> i & 1)
         weight_grads.append(grads[2 + i] if returned else None)
     return (None, None, None, grads[0] if needs[3] else None, None, grads[1] if needs[5] else None, *weight_grads,
-            None, None)
+            None, None, None)
 
 
 forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
@@ -228,10 +233,10 @@ def _backward_outputs(x, router_weights, weights, grad_mask, fp32_grads, main_gr
     """The shapes of mok::backward's outputs; make(i, like, dtype) allocates weight i's (fake or real)."""
     outs = [torch.empty_like(x), torch.empty_like(router_weights)]
     for i, w in enumerate(weights):
-        if w is None or not grad_mask >> i & 1 or (main_grads and not dummy_mask >> i & 1):
+        if w is None or not grad_mask >> i & 1 or (main_grads is not None and not dummy_mask >> i & 1):
             outs.append(_empty_slot(x))
         else:
-            outs.append(make(i, w, torch.float32 if fp32_grads and not main_grads else w.dtype))
+            outs.append(make(i, w, torch.float32 if fp32_grads and main_grads is None else w.dtype))
     return outs
 
 
@@ -247,11 +252,12 @@ def _check_written(ctx, op: str) -> None:
 
 
 @torch.library.custom_op("mok::backward", mutates_args=(), device_types="cuda")
-def backward_op(workspace: int, context: int, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
-                router_weights: torch.Tensor, expert_gate: torch.Tensor, expert_up: Optional[torch.Tensor],
-                expert_down: torch.Tensor, shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],
-                shared_down: Optional[torch.Tensor], grad_mask: int, fp32_grads: bool, main_grads: int,
-                dummy_mask: int, recompute: bool) -> List[torch.Tensor]:
+def backward_op(workspace: torch.Tensor, context: torch.Tensor, d_out: torch.Tensor, x: torch.Tensor,
+                topk_idx: torch.Tensor, router_weights: torch.Tensor, expert_gate: torch.Tensor,
+                expert_up: Optional[torch.Tensor], expert_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
+                shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor], grad_mask: int,
+                fp32_grads: bool, main_grads: Optional[torch.Tensor], dummy_mask: int, recompute: bool,
+                seen: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """[d_x bf16 [T, H], d_router_weights fp32 [T, k], then the six weight gradients] of the forward in `context`.
 
     grad_mask: bit i asks for weight i's gradient (separate gate and up: both or neither, see with_partners); an
@@ -259,10 +265,18 @@ def backward_op(workspace: int, context: int, d_out: torch.Tensor, x: torch.Tens
     weight's dtype (bf16), or fp32 with fp32_grads; with main_grads (a MainGradTargets handle) instead added into
     the parameters' fp32 .main_grad, and the output is Megatron's dummy where dummy_mask has bit i, else empty.
     recompute: first rebuild the context from topk_idx, x and the weights (build_schedule and
-    recompute_forward_context), so the context may have served other forwards since this layer's."""
+    recompute_forward_context), so the context may have served other forwards since this layer's. seen (the
+    forward's second output; None: unchecked): without recompute, the context must still hold that forward,
+    else RuntimeError, checked here when the op runs (eager, torch.compile and CUDA-graph capture alike)."""
     ws = _lookup(_workspaces, workspace, "workspace", "backward")
     ctx = _lookup(_contexts, context, "forward context", "backward")
-    targets = _lookup(_main_grad_targets, main_grads, "main-gradient targets", "backward") if main_grads else None
+    if seen is not None and not recompute and ctx.generation != int(seen[0]):
+        raise RuntimeError("mok: this layer's forward context was overwritten by a later forward before this "
+                           "backward (the same context used by two forwards, e.g. one module called twice or "
+                           "micro-batches interleaved): give each forward in flight its own context "
+                           "(ws.make_context()), or use recompute=True")
+    targets = _lookup(_main_grad_targets, main_grads, "main-gradient targets", "backward") \
+        if main_grads is not None else None
     weights = [expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down]
     accumulated = targets.main_grads(grad_mask) if targets is not None else None
     stream = _stream(x)
@@ -291,7 +305,8 @@ def backward_op(workspace: int, context: int, d_out: torch.Tensor, x: torch.Tens
 
 @backward_op.register_fake
 def _backward_fake(workspace, context, d_out, x, topk_idx, router_weights, expert_gate, expert_up, expert_down,
-                   shared_gate, shared_up, shared_down, grad_mask, fp32_grads, main_grads, dummy_mask, recompute):
+                   shared_gate, shared_up, shared_down, grad_mask, fp32_grads, main_grads, dummy_mask, recompute,
+                   seen=None):
     weights = [expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down]
     return _backward_outputs(x, router_weights, weights, grad_mask, fp32_grads, main_grads, dummy_mask,
                              lambda i, like, dtype: torch.empty_like(like, dtype=dtype))
@@ -303,7 +318,7 @@ def _backward_fake(workspace, context, d_out, x, topk_idx, router_weights, exper
 
 @torch.library.custom_op("mok::backward_into", device_types="cuda",
                          mutates_args=tuple(f"grad_{name}" for name in WEIGHT_NAMES))
-def backward_into_op(workspace: int, context: int, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
+def backward_into_op(workspace: torch.Tensor, context: torch.Tensor, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
                      router_weights: torch.Tensor, expert_gate: torch.Tensor, expert_up: Optional[torch.Tensor],
                      expert_down: torch.Tensor, shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],
                      shared_down: Optional[torch.Tensor], grad_expert_gate: Optional[torch.Tensor],
@@ -333,7 +348,7 @@ def _backward_into_fake(workspace, context, d_out, x, topk_idx, router_weights, 
 
 
 @torch.library.custom_op("mok::recompute_forward_context", mutates_args=(), device_types="cuda")
-def recompute_op(workspace: int, context: int, x: torch.Tensor, expert_gate: torch.Tensor,
+def recompute_op(workspace: torch.Tensor, context: torch.Tensor, x: torch.Tensor, expert_gate: torch.Tensor,
                  expert_up: Optional[torch.Tensor], expert_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
                  shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor]) -> None:
     """Rebuilds the context's activations from x and the weights, on the schedule already in it."""

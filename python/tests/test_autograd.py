@@ -438,17 +438,59 @@ def test_layers_sharing_one_context_with_recompute():
     assert_same_bits(run(sharing), run(separate), "shared context + recompute vs a context each")
 
 
-def test_a_context_overwritten_before_its_backward_raises_and_the_next_step_is_correct():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
+def test_a_context_overwritten_before_its_backward_raises_and_the_next_step_is_correct(compiled):
+    """The check runs inside mok::backward when it runs (the forward's `seen` against the context's generation),
+    so it holds under torch.compile too."""
     shape = SHAPES["shared"]
     moe = seeded_module(shape, 85, num_tokens=shape.num_tokens)
     x1, _, _ = make_inputs(shape, "cuda", seed=86)
     x2, _, _ = make_inputs(shape, "cuda", seed=87)
     d_out = make_d_out(shape, 86)
     want = module_grads(moe, x1, d_out)
-    y1, y2 = moe(x1), moe(x2)  # the second forward overwrites the context the first one's backward needs
+    torch._dynamo.reset()
+    layer = torch.compile(moe, fullgraph=True, backend="aot_eager") if compiled else moe
+    y1, y2 = layer(x1), layer(x2)  # the second forward overwrites the context the first one's backward needs
     with pytest.raises(RuntimeError, match="overwritten by a later forward"):
         ((y1.float() + y2.float()) * d_out.float()).sum().backward()
-    assert_same_bits(module_grads(moe, x1, d_out), want, "the step after the refused backward")
+    assert_same_bits(module_grads(layer, x1, d_out), want, "the step after the refused backward")
+    torch._dynamo.reset()
+
+
+def test_blocks_compiled_one_by_one_equal_eager_bitwise():
+    """8 blocks of one shape sharing a workspace, each with its own context, routing given, compiled block by
+    block (torch.compile per block, as torchtitan does): one compiled frame serves all 8, and the input's and
+    every parameter's gradients equal eager's bitwise."""
+    import torch._dynamo.testing
+    shape = SHAPES["shared"]
+    ws = workspace(shape)
+    torch.manual_seed(91)
+    blocks = [mok.MoE(shape.hidden, shape.intermediate, shape.num_experts, shape.top_k, router=False, workspace=ws,
+                      context=ws.make_context()) for _ in range(8)]
+    x, idx, rw = make_inputs(shape, "cuda", seed=92)
+    d_out = make_d_out(shape, 92)
+
+    def run(layers):
+        h0 = x.detach().clone().requires_grad_(True)
+        for b in blocks:
+            for p in b.parameters():
+                p.grad = None
+        h = h0
+        for layer in layers:
+            h = layer(h, idx, rw)
+        (h.float() * d_out.float()).sum().backward()
+        mok.check_status(ws)
+        grads = {"x": h0.grad, "out": h.detach()}
+        grads.update({f"{n}.{name}": p.grad for n, b in enumerate(blocks) for name, p in b.named_parameters()})
+        return grads
+
+    eager = run(blocks)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = run([torch.compile(b, fullgraph=True, backend=counter) for b in blocks])
+    assert counter.frame_count == 1, f"{counter.frame_count} frames compiled for 8 blocks of one shape"
+    assert_same_bits(compiled, eager, "8 blocks compiled one by one vs eager")
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("megakernel", [False, True], ids=["stage-kernels", "backward-megakernel"])
