@@ -52,15 +52,7 @@ void check_layout(const BufferLayout& layout, const std::string& where) {
 }
 
 MoeShape shape_of(int ep, int tokens, int top_k, int experts, int hidden, int intermediate, bool shared) {
-  MoeShape s;
-  s.ep_size = ep;
-  s.num_tokens = tokens;
-  s.top_k = top_k;
-  s.num_experts = experts;
-  s.hidden = hidden;
-  s.intermediate = intermediate;
-  s.shared_expert = shared;
-  return s;
+  return MoeShape{ep, tokens, top_k, experts, hidden, intermediate, shared};  // MoeShape's field order
 }
 
 // The model shapes at EP 1 and 8, and random small ones (H, I multiples of 64, T not a multiple of a tile).
