@@ -9,7 +9,6 @@
 #include <string>
 
 #include "src/device/gemm/weight_grad_gemm.cuh"
-#include "src/device/gemm/weight_grad_in_gemm_layout.cuh"
 #include "src/host/check.h"
 #include "src/host/launch_cache.h"
 #include "src/host/weight_grad_in_gemm_layout.h"

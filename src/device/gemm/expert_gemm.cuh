@@ -56,98 +56,54 @@
 #include "mok/expert_gemm.h"
 #include "src/device/common/sync.cuh"
 #include "src/device/gemm/gemm_epilogue.cuh"
+#include "src/device/gemm/mainloop.cuh"
 #include "src/device/gemm/task_ring.cuh"
 #include "src/device/gemm/tile_task.cuh"
 #include "src/device/schedule/placement.h"
 
 namespace mok::gemm {
 
-// Mainloop policy: the operands' element type and layouts. A is K-major; B either (kBMajor).
-// Seam for FP8: an 8-bit Element with per-block scales would add the scales' loads to the producer's
-// stages (and their transaction bytes) and, in mainloop(), a promotion of each k-block's wgmma partial
-// sums into the fp32 accumulators with those scales; the epilogues see fp32 accumulators either way.
-template <OperandMajor kBMajor_>
-struct Bf16Mainloop {
-  using Element = cutlass::bfloat16_t;
-  static constexpr OperandMajor kBMajor = kBMajor_;
-  static constexpr bool kBKMajor = kBMajor == OperandMajor::kK;
-  static constexpr cute::GMMA::Major kGmmaMajorB = kBKMajor ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
-  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});  // A, K-major B, output boxes
-  // MN-major atoms are 64 n x 8 k (128 bytes of n per k); stacked along k first, so that each 64-column
-  // slice of a B stage is one contiguous 8 KB block: one TMA box, and the wgmma descriptor's n-stride.
-  using SmemAtomBMN = decltype(cute::GMMA::Layout_MN_SW128_Atom<Element>{});
-  template <int kRows, int kCols, int kStages>
-  using SmemLayoutB = std::conditional_t<
-      kBKMajor,
-      decltype(cute::tile_to_shape(SmemAtom{},
-                                   cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}, cute::Int<kStages>{}))),
-      decltype(cute::tile_to_shape(SmemAtomBMN{},
-                                   cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}, cute::Int<kStages>{}),
-                                   cute::Step<cute::_2, cute::_1, cute::_3>{}))>;
-  template <int kRows, int kCols>
-  using SmemLayoutBBox = std::conditional_t<
-      kBKMajor, decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}))),
-      decltype(cute::tile_to_shape(SmemAtomBMN{}, cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}),
-                                   cute::Step<cute::_2, cute::_1>{}))>;
-};
-
+// GemmTraits = tile shape + operand policy (mainloop.cuh: Bf16Mainloop<A major, B major>; A is K-major here,
+// B either) + epilogue policy (gemm_epilogue.cuh) + the cluster size, over the collective mainloop.
 template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_>
-struct GemmTraits {
+struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, 64, kStages_> {
+  using Collective = CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, 64, kStages_>;
   using Mainloop = Mainloop_;
   using Epilogue = Epilogue_;
-  using Element = typename Mainloop::Element;
-  static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kBlockN_;   // accumulator columns per tile
-  static constexpr int kBlockK = 64;         // one 128-byte swizzle row of bf16
-  static constexpr int kStages = kStages_;
+  using typename Collective::Element;
+  using Collective::kBlockM;
+  using Collective::kBlockN;  // accumulator columns per tile
+  using Collective::kBlockK;  // one 128-byte swizzle row of bf16
+  using Collective::kConsumerWarpgroups;
   static constexpr GemmEpilogue kEpilogue = Epilogue::kKind;
   static constexpr OperandMajor kBMajor = Mainloop::kBMajor;
-  static_assert(kBlockM == 64 || kBlockM == 128, "one consumer warpgroup per 64 rows");
+  static_assert(Mainloop::kAMajor == OperandMajor::kK, "A rows are the expert-major row buffer: K-major");
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N, and B loads in two halves of 8-row atoms");
   static constexpr int kHalfN = kBlockN / 2;
   static constexpr int kOutCols = Epilogue::out_cols(kBlockN);
   // Output tiles (n-blocks) of n output columns; the last one is partial when n is not a multiple of kOutCols.
   static constexpr int n_blocks(int64_t n) { return static_cast<int>((n + kOutCols - 1) / kOutCols); }
-  static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kClusterN = kClusterN_;  // CTAs sharing one A tile (adjacent n-blocks)
   static_assert(kClusterN == 1 || kClusterN == 2, "A is shared by at most two CTAs");
   // The launch's cluster dimension is (kClusterN, 1, 1); the pipeline maps consumer arrivals onto it, so
   // both must agree (a (1, 2, 1) shape here left one CTA's empty barriers short of arrivals: a hang).
   using ClusterShape = cute::Shape<cute::Int<kClusterN>, cute::_1, cute::_1>;
   static constexpr int kCtaRowsA = kBlockM / kClusterN;  // A rows each CTA loads (and multicasts)
-  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-  // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
-  // setmaxnreg only moves registers within what the CTA got at launch (65536 / kThreads, rounded down to
-  // 8, per thread): asking for more makes setmaxnreg.inc wait forever (a hang, seen with 48 / 232).
-  static constexpr int kProducerRegisters = 48;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 224 : 240;
-  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
-                "setmaxnreg redistributes the CTA's launch registers, no more");
 
   using SmemAtom = typename Mainloop::SmemAtom;
-  using SmemLayoutA = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
-  using SmemLayoutB = typename Mainloop::template SmemLayoutB<kBlockN, kBlockK, kStages>;
   // One TMA box of B: K-major, half of a stage (kHalfN rows); MN-major, 64 columns (128 bytes, the swizzle
   // span). A stage's boxes are contiguous, so the stage is one wgmma operand.
   static constexpr int kBoxRowsB = Mainloop::kBKMajor ? kHalfN : 64;
   static constexpr int kBoxesB = kBlockN / kBoxRowsB;
   static_assert(Mainloop::kBKMajor || kBlockN % 64 == 0, "MN-major B stages are whole 64-column boxes");
-  using SmemLayoutBBox = typename Mainloop::template SmemLayoutBBox<kBoxRowsB, kBlockK>;
+  using SmemLayoutBBox = std::conditional_t<
+      Mainloop::kBKMajor,
+      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kBoxRowsB>{}, cute::Int<kBlockK>{}))),
+      decltype(cute::tile_to_shape(typename Mainloop::SmemAtomMN{},
+                                   cute::make_shape(cute::Int<kBoxRowsB>{}, cute::Int<kBlockK>{}),
+                                   cute::Step<cute::_2, cute::_1>{}))>;
   using SmemLayoutACta =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kCtaRowsA>{}, cute::Int<kBlockK>{})));
-
-  using TiledMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>,
-                                 cute::GMMA::Major::K, Mainloop::kGmmaMajorB>(),
-      cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
-
-  static constexpr int kTaskDepth = 4;  // slots a producer may publish ahead of its consumers
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineState = cutlass::PipelineState<kStages>;
-  static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
 
   // Epilogue staging (gemm_epilogue.cuh): per consumer warpgroup, kStagingBoxes boxes of 64 rows x 64
   // columns of bf16 (128 bytes a row, 128-byte swizzle), which TMA stores copy out. Staged in passes of
@@ -159,13 +115,11 @@ struct GemmTraits {
   using SmemLayoutOutBox =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<64>{}, cute::Int<kBoxCols>{})));
 
-  struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
-    alignas(1024) Element staging[kConsumerWarpgroups][kStagingBoxes][64 * kBoxCols];  // one pass of columns
-    typename Pipeline::SharedStorage pipeline;
-    TaskRing<kTaskDepth, 4 * kConsumerWarpgroups, kClusterN> tasks;
-  };
+  // The tiles' bytes (the megakernels': every GEMM of one pass, weight gradients included, has this type) and
+  // the standalone kernel's, with its task ring.
+  using TileStorage = typename Collective::template Storage<kStagingBoxes>;
+  using SharedStorage = typename Collective::template Storage<
+      kStagingBoxes, TaskRing<Collective::kTaskDepth, 4 * kConsumerWarpgroups, kClusterN>>;
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
 };
 
@@ -249,49 +203,11 @@ struct TaskWalker {
   }
 };
 
-// Bounded pipeline waits (every GEMM kernel's: the megakernels' and the standalone ones'). The fast path is
-// CUTLASS's one try_wait; only a stage that is not ready yet polls the timer (docs/sync_protocol.md).
-// The producer's acquire returns false when it gave up (the caller stops issuing). The consumers' wait
-// goes on after a give-up as if the stage were full (garbage, in bounds): their control flow around wgmma
-// stays warp-uniform, and every later hand-off gives up at once (kAbortHandoff), so the kernel ends.
-// Waits until the consumers released `state`'s stage; false when the wait gave up.
-template <class Pipeline, class State>
-__device__ __forceinline__ bool stage_free_bounded(Pipeline& pipeline, const State& state,
-                                                   const device::HandoffBound& bound) {
-  const auto free = [&] { return pipeline.producer_try_acquire(state) == cutlass::BarrierStatus::WaitDone; };
-  return free() ||
-         device::handoff_wait_slow(free, bound, Role::kGemmProducer, CounterId::kPipelineEmpty, state.index());
-}
-
-template <class Pipeline, class State>
-__device__ __forceinline__ bool producer_acquire_bounded(Pipeline& pipeline, const State& state,
-                                                         const device::HandoffBound& bound) {
-  if (!stage_free_bounded(pipeline, state, bound)) return false;
-  pipeline.producer_acquire(state, cutlass::BarrierStatus::WaitDone);  // arms the transaction bytes; no wait left
-  return true;
-}
-
-// CUTLASS's producer_tail, bounded. Why: neither CTA may exit while its consumers, or the partner CTA's,
-// still release stages into it.
-template <class Pipeline, class State>
-__device__ __forceinline__ void producer_tail_bounded(Pipeline& pipeline, State state, const device::HandoffBound& bound) {
-  for (int stage = 0; stage < int(Pipeline::Stages); ++stage, ++state)
-    if (!stage_free_bounded(pipeline, state, bound)) return;
-}
-
-template <class Pipeline, class State>
-__device__ __forceinline__ void consumer_wait_bounded(Pipeline& pipeline, const State& state,
-                                                      const device::HandoffBound& bound) {
-  if (pipeline.consumer_try_wait(state) == cutlass::BarrierStatus::WaitDone) return;
-  device::handoff_wait_slow([&] { return pipeline.consumer_try_wait(state) == cutlass::BarrierStatus::WaitDone; },
-                            bound, Role::kGemmConsumer, CounterId::kPipelineFull, state.index());
-}
-
 // Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
 // False when a stage acquire gave up (`bound`): the rest of the tile is not issued.
-template <class Traits, class Params>
-__device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task, int cta_rank,
-                                          typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
+template <class Traits, class Params, class Storage>
+__device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task, int cta_rank, Storage& smem,
+                                          typename Traits::Pipeline& pipeline,
                                           typename Traits::PipelineState& state, const device::HandoffBound& bound) {
   using namespace cute;
   using T = Traits;
@@ -368,51 +284,6 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
   return true;
 }
 
-// The mainloop of an active warpgroup: accum = its rows of A · B over K, one wgmma batch (one stage) in
-// flight; a stage is released once the batch after it issued and the batch that read it retired.
-// (The FP8 seam of the mainloop policy: per-k-block promotion with scales would go here.)
-template <class Traits, class ThreadMma, class Accum>
-__device__ __forceinline__ void mainloop(int num_k_blocks, typename Traits::SharedStorage& smem,
-                                         typename Traits::Pipeline& pipeline,
-                                         typename Traits::PipelineState& read_state, typename Traits::TiledMma& mma,
-                                         const ThreadMma& thread_mma, Accum& accum, const device::HandoffBound& bound) {
-  using namespace cute;
-  using T = Traits;
-  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
-  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
-  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
-  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
-  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
-  typename T::PipelineState release_state = read_state;
-  mma.accumulate_ = GMMA::ScaleOut::Zero;
-  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    consumer_wait_bounded(pipeline, read_state, bound);
-    const int stage = read_state.index();
-    warpgroup_fence_operand(accum);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(t_r_a); ++k) {
-      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(accum);
-    if (k_block > 0) {
-      pipeline.consumer_release(release_state);
-      ++release_state;
-    }
-    ++read_state;
-  }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(accum);
-  if (num_k_blocks > 0) {
-    pipeline.consumer_release(release_state);
-    ++release_state;
-  }
-}
-
 // Consumer side of one tile: mainloop over K, then the epilogue policy's store. All consumer threads call
 // this; consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not
 // part of the task (a 64-row task) only passes the pipeline stages back, so the task costs about half a
@@ -421,8 +292,8 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, typename Traits::Shar
 // rows' counter once its stores have reached global memory (through `signal`, late: see RowsDoneSignal),
 // so a counter reaches the number of n-blocks when the rows' whole output is readable
 // (docs/sync_protocol.md). `signal` is the calling thread's own; needed whenever rows_done is set.
-template <class Traits, class Params>
-__device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
+template <class Traits, class Params, class Storage>
+__device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, Storage& smem,
                                              typename Traits::Pipeline& pipeline,
                                              typename Traits::PipelineState& read_state, int consumer_idx,
                                              uint64_t* rows_done, RowsDoneSignal* signal,
@@ -444,15 +315,13 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   const int num_k_blocks = p.k / T::kBlockK;
   if (!active) {
     // A 64-row task: the other warpgroup computes it alone; this one only passes the stages back.
-    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-      consumer_wait_bounded(pipeline, read_state, bound);
-      pipeline.consumer_release(read_state);
-      ++read_state;
-    }
+    pass_stages_back(num_k_blocks, pipeline, read_state, bound);
     return;
   }
   T::Epilogue::template prefetch<T>(p, task, warpgroup, consumer_idx % 128);
-  mainloop<T>(num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum, bound);
+  // K > 0 (validated): the first wgmma overwrites the accumulators.
+  mainloop<T, AccumulatorStart::kFirstWgmmaOverwrites>(num_k_blocks, smem, pipeline, read_state, mma, thread_mma,
+                                                       accum, bound);
 
   // Epilogue (gemm_epilogue.cuh): each warpgroup stages and stores its own 64 rows; its first thread issues
   // the stores. (A reader of the output inside the same kernel, e.g. the megakernel's down GEMM, needs the
@@ -473,35 +342,12 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
     const int r = get<0>(coords(2 * half));
     rows.row_scale[half] = p.row_scale != nullptr && r < rows.valid_rows ? p.row_scale[task.row + r] : 1.0f;
   }
-  const TileStager<T> stager{smem, warpgroup, store_leader, signal, (task.buffer_row + warpgroup * kUnitRows) / kUnitRows};
+  const TileStager<T, Storage> stager{smem, warpgroup, store_leader, signal, (task.buffer_row + warpgroup * kUnitRows) / kUnitRows};
   T::Epilogue::template store<T>(p, task, accum, coords, rows, stager);
   if (rows_done != nullptr && store_leader) signal->pending = rows_done + (task.row / kUnitRows + warpgroup);
 }
 
 enum class GemmRole : int { kProducer = 0, kConsumer = 1 };
-
-// A persistent GEMM CTA's start: its TMA pipeline over `smem` and its task ring, initialized by thread 0,
-// then a barrier over the cluster. Why the cluster: the partner CTA arrives on our barriers and multicasts
-// into our shared memory; both CTAs' barrier initialization must be visible cluster-wide first.
-template <class T, class TaskRingT>
-__device__ __forceinline__ typename T::Pipeline start_pipeline(typename T::SharedStorage& smem, TaskRingT& tasks,
-                                                               bool consumer) {
-  typename T::Pipeline::Params params;
-  params.transaction_bytes = T::kStageTransactionBytes;
-  params.role = consumer ? T::Pipeline::ThreadCategory::Consumer : T::Pipeline::ThreadCategory::Producer;
-  params.is_leader = threadIdx.x == 0;
-  params.num_consumers = 128 * T::kConsumerWarpgroups;
-  typename T::Pipeline pipeline(smem.pipeline, params, typename T::ClusterShape{});
-  if (threadIdx.x == 0) {
-    tasks.init();
-    cutlass::arch::fence_barrier_init();
-  }
-  if constexpr (T::kClusterN > 1)
-    cute::cluster_sync();
-  else
-    __syncthreads();
-  return pipeline;
-}
 
 // The standalone GEMM kernels' second parameter: where their hand-offs report and how long they may take
 // (every wait of the kernel is bounded: docs/sync_protocol.md), and a test knob.

@@ -67,9 +67,9 @@ struct TileRows {
 
 // Shared-memory staging and TMA stores of one consumer warpgroup's output boxes. All 128 threads of the
 // warpgroup call begin_pass, stage and end_pass the same number of times (named barrier 1 + warpgroup).
-template <class T>
+template <class T, class Storage>
 struct TileStager {
-  typename T::SharedStorage& smem;
+  Storage& smem;  // the GEMM's shared memory (mainloop.cuh, GemmSharedStorage)
   int warpgroup;
   bool store_leader;       // the warpgroup's first thread: waits for and issues the stores
   RowsDoneSignal* signal;  // nullable: the megakernel's late completion count
@@ -109,7 +109,8 @@ struct TileStager {
       for (int box = 0; box < T::kStagingBoxes; ++box) {
         const int col = box_col(box);
         if (col < 0) break;
-        Tensor s_box = make_tensor(make_smem_ptr(smem.staging[warpgroup][box]), typename T::SmemLayoutOutBox{});
+        Tensor s_box = make_tensor(make_smem_ptr(reinterpret_cast<typename T::Element*>(smem.staging[warpgroup][box])),
+                                   typename T::SmemLayoutOutBox{});
         Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, col));
         auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
         copy(tma, t_s, t_g);
@@ -134,10 +135,10 @@ struct StoreEpilogue {
   template <class T, class Params>
   __device__ __forceinline__ static void prefetch(const Params&, const TileTask&, int, int) {}
 
-  template <class T, class Params, class Accum, class Coords>
+  template <class T, class Params, class Accum, class Coords, class Stager>
   __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
                                                const Coords& coords, const TileRows& rows,
-                                               const TileStager<T>& stager) {
+                                               const Stager& stager) {
     using cute::get;
     constexpr int kValues = decltype(cute::size(accum))::value;
     constexpr int kPasses = T::kOutCols / T::kStagingCols;
@@ -172,10 +173,10 @@ struct SwiGLUEpilogue {
   template <class T, class Params>
   __device__ __forceinline__ static void prefetch(const Params&, const TileTask&, int, int) {}
 
-  template <class T, class Params, class Accum, class Coords>
+  template <class T, class Params, class Accum, class Coords, class Stager>
   __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
                                                const Coords& coords, const TileRows& rows,
-                                               const TileStager<T>& stager) {
+                                               const Stager& stager) {
     using cute::get;
     // Fragment values [0, kValues/2) hold columns [0, kHalfN) (gate), the rest the same columns + kHalfN (up):
     // the activation is register-local.
@@ -253,10 +254,10 @@ struct SwiGLUBackwardEpilogue {
       if (tile_col + c < n) cute::prefetch(line + c);  // prefetch.global.L2
   }
 
-  template <class T, class Params, class Accum, class Coords>
+  template <class T, class Params, class Accum, class Coords, class Stager>
   __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
                                                const Coords& coords, const TileRows& rows,
-                                               const TileStager<T>& stager) {
+                                               const Stager& stager) {
     using cute::get;
     constexpr int kValues = decltype(cute::size(accum))::value;
     constexpr int kPasses = T::kBlockN / T::kBoxCols;

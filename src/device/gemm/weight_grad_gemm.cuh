@@ -13,7 +13,7 @@
 // stay in L2 while its tiles run), n-blocks fastest.
 //
 // Roles (one CTA = 1 producer warpgroup + 2 consumer warpgroups; no cluster here, the backward megakernel's
-// clusters: weight_grad_in_gemm_layout.cuh):
+// clusters: WeightGradTraitsInGemmLayout, at the end):
 //   producer   one thread takes slots (TaskRing), decodes them (GradTaskWalker) and publishes the task to
 //              the consumers, then per k-block issues the TMA loads of the stage: kBlockM/64 boxes of a
 //              (kBlockK rows x 64 m-columns) and kBlockN/64 boxes of b, straight from the row-major buffers
@@ -30,7 +30,7 @@
 // tile computes. The tile is staged in passes of kStagingColumns columns: the standalone kernel stages the
 // whole tile in one pass, its warpgroup's first thread issues the stores and goes on, and only the next
 // tile's epilogue waits until they have read the boxes. The backward megakernel's configuration
-// (weight_grad_in_gemm_layout.cuh) has only the expert GEMM's 16 KB per warpgroup: 2 passes (bf16) or 4
+// (WeightGradTraitsInGemmLayout) has only the expert GEMM's 16 KB per warpgroup: 2 passes (bf16) or 4
 // (fp32), each pass first waiting until the previous pass's stores have read the boxes (as the expert
 // GEMM's TileStager). Stores from registers would keep the warpgroup (and the tensor cores) waiting until
 // the memory system took every value. The
@@ -56,7 +56,7 @@
 // the consumer side, each advancing a pipeline state that persists across tasks, so a persistent loop
 // (weight_grad_gemm_kernel below, the backward megakernel) can interleave them with other work. They take
 // only the pipeline object, not its cluster shape: the megakernel runs them on the expert GEMM's pipeline
-// and shared memory (weight_grad_in_gemm_layout.cuh: the configuration, the cluster argument, AnyWeightGradParams).
+// and shared memory (WeightGradTraitsInGemmLayout and AnyWeightGradParams, at the end of this file).
 //
 // Shared memory (kBlockM 128, kBlockN 256): stages of A (kBlockK x 256 bytes) and B (kBlockK x 512 bytes)
 // | staging, one pass of boxes per consumer warpgroup (the standalone kernel: kBlockN columns, bf16 32 KB,
@@ -70,6 +70,8 @@
 // CTA; no value atomics; the result does not depend on which CTA takes which slot.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -84,6 +86,7 @@
 #include "src/device/common/sync.cuh"
 #include "src/device/gemm/expert_gemm.cuh"
 #include "src/device/gemm/gemm_epilogue.cuh"
+#include "src/device/gemm/mainloop.cuh"
 #include "src/device/gemm/task_ring.cuh"
 
 namespace mok::gemm {
@@ -99,7 +102,7 @@ struct GradTileTask {
   // When a cluster of kClusterN CTAs runs one task (the backward megakernel's, in clusters of the expert
   // GEMM's): n_block is the cluster's group of n-blocks; CTA cta_rank computes n-block kClusterN * n_block +
   // cta_rank, of the same expert, m-block and rows (so both CTAs run the same k-blocks: see
-  // weight_grad_in_gemm_layout.cuh).
+  // WeightGradTraitsInGemmLayout).
   template <int kClusterN>
   __device__ __forceinline__ GradTileTask for_cta(int cta_rank) const {
     GradTileTask t = *this;
@@ -128,56 +131,34 @@ struct WeightGradParams {
   int32_t* ticket = {};     // zeroed before the launch; each CTA takes its next slot from it
 };
 
-// kStagingColumns_: output columns staged per epilogue pass (kBlockN: the whole tile in one pass).
+// kStagingColumns_: output columns staged per epilogue pass (kBlockN: the whole tile in one pass). Operands:
+// both MN-major bf16 (mainloop.cuh, Bf16Mainloop<kMN, kMN>), 128 gradient rows a tile.
 template <GradOutput kOutput_, int kBlockN_, int kBlockK_, int kStages_, int kStagingColumns_ = kBlockN_>
-struct WeightGradTraits {
-  using Element = cutlass::bfloat16_t;
+struct WeightGradTraits
+    : CollectiveMainloop<Bf16Mainloop<OperandMajor::kMN, OperandMajor::kMN>, 128, kBlockN_, kBlockK_, kStages_> {
+  using Collective =
+      CollectiveMainloop<Bf16Mainloop<OperandMajor::kMN, OperandMajor::kMN>, 128, kBlockN_, kBlockK_, kStages_>;
+  using typename Collective::Element;
+  using Collective::kBlockM;  // gradient rows per tile: 64 per consumer warpgroup
+  using Collective::kBlockN;  // gradient columns per tile (wgmma N)
+  using Collective::kBlockK;  // schedule rows per k-block (one pipeline stage)
+  using Collective::kConsumerWarpgroups;
   static constexpr GradOutput kOutput = kOutput_;
   using OutElement = std::conditional_t<kOutput == GradOutput::kBFloat16, cutlass::bfloat16_t, float>;
-  static constexpr int kBlockM = 128;       // gradient rows per tile: 64 per consumer warpgroup
-  static constexpr int kBlockN = kBlockN_;  // gradient columns per tile (wgmma N)
-  static constexpr int kBlockK = kBlockK_;  // schedule rows per k-block (one pipeline stage)
-  static constexpr int kStages = kStages_;
-  static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N, and whole 64-column load boxes");
-  static_assert(kBlockK % 16 == 0 && 64 % kBlockK == 0, "wgmma K steps; segments (multiples of 64) are whole k-blocks");
+  static_assert(kBlockN % 64 == 0, "whole 64-column load boxes");
+  static_assert(64 % kBlockK == 0, "segments (multiples of 64) are whole k-blocks");
   // A load box: 64 m- (or n-) columns = one 128-byte swizzle row of bf16, by kBlockK schedule rows.
   static constexpr int kBoxColumns = 64;
   static constexpr int kBoxesA = kBlockM / kBoxColumns;
   static constexpr int kBoxesB = kBlockN / kBoxColumns;
-  static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static_assert(kConsumerWarpgroups == kBoxesA, "consumer warpgroup w computes the rows of A box w");
   static constexpr int kClusterN = 1;  // for start_pipeline: no multicast, the CTA is its own cluster
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-  // As in GemmTraits: setmaxnreg moves registers within the CTA's launch share, no more.
-  static constexpr int kProducerRegisters = 48;
-  static constexpr int kConsumerRegisters = 224;
-  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
-                "setmaxnreg redistributes the CTA's launch registers, no more");
 
-  // MN-major stages, atoms tiled along K first (CUTLASS's order for MN-major operands): each 64-column box
-  // of a stage is 64 x kBlockK contiguous (kBlockK rows of 128 bytes), which one TMA box fills.
-  using SmemAtom = decltype(cute::GMMA::Layout_MN_SW128_Atom<Element>{});
-  using SmemLayoutA = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{}),
-      cute::Step<cute::_2, cute::_1, cute::_3>{}));
-  using SmemLayoutB = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::make_shape(cute::Int<kBlockN>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{}),
-      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  // Each 64-column box of an MN-major stage is 64 x kBlockK contiguous (kBlockK rows of 128 bytes), which one
+  // TMA box fills.
   using SmemLayoutLoadBox = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::make_shape(cute::Int<kBoxColumns>{}, cute::Int<kBlockK>{})));
-
-  using TiledMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>,
-                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
-
-  static constexpr int kTaskDepth = 4;  // tasks the producer may publish ahead of its consumers
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineState = cutlass::PipelineState<kStages>;
-  static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
+      typename Collective::Operands::SmemAtomMN{}, cute::make_shape(cute::Int<kBoxColumns>{}, cute::Int<kBlockK>{})));
 
   // Staging: per consumer warpgroup its 64 rows x kStagingColumns columns of one pass (kStagingPasses a
   // tile), as store boxes of 64 rows x 128 bytes (bf16: 64 columns, fp32: 32) in the TMA's 128-byte swizzle.
@@ -209,14 +190,12 @@ struct WeightGradTraits {
       SmemLayoutStoreBox{}));
   using Params = WeightGradParams<TmaLoad, TmaStore>;
 
-  struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
-    // 1024-byte aligned boxes: the swizzle pattern is a function of the address bits [4, 10).
-    alignas(1024) uint8_t staging[kConsumerWarpgroups][kStoreBoxes][kStoreBoxBytes];
-    typename Pipeline::SharedStorage pipeline;
-    TaskRing<kTaskDepth, 4 * kConsumerWarpgroups, 1, GradTileTask> tasks;
-  };
+  // The tiles' bytes (in the megakernel's configuration, WeightGradTraitsInGemmLayout, the expert GEMM's
+  // TileStorage: the same type) and the standalone kernel's, with its task ring.
+  using TileStorage = typename Collective::template Storage<kStoreBoxes>;
+  using SharedStorage = typename Collective::template Storage<
+      kStoreBoxes, TaskRing<Collective::kTaskDepth, 4 * kConsumerWarpgroups, 1, GradTileTask>>;
+  static_assert(TileStorage::kStagingBoxBytes == kStoreBoxBytes, "the storage's staging boxes are the store boxes");
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
 
   // Named barriers (CUTLASS ids, offset past the reserved ones) around consumer warpgroup w's staging:
@@ -259,9 +238,9 @@ struct GradTaskWalker {
 
 // Producer side of one tile: its k-blocks through the pipeline, each stage the A boxes then the B boxes.
 // One thread calls this. False when a stage acquire gave up (`bound`): the rest of the tile is not issued.
-template <class Traits, class Params>
-__device__ __forceinline__ bool load_grad_tile(const Params& p, const GradTileTask& task,
-                                               typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
+template <class Traits, class Params, class Storage>
+__device__ __forceinline__ bool load_grad_tile(const Params& p, const GradTileTask& task, Storage& smem,
+                                               typename Traits::Pipeline& pipeline,
                                                typename Traits::PipelineState& state,
                                                const device::HandoffBound& bound) {
   using namespace cute;
@@ -301,9 +280,9 @@ __device__ __forceinline__ bool load_grad_tile(const Params& p, const GradTileTa
 
 // Stores (or reduce-adds) consumer warpgroup `warpgroup`'s staged boxes of pass kPass to `tma`'s tensor of
 // `out_rows` rows, from row `row` on, skipping the boxes past n. Called by the warpgroup's first thread.
-template <class Traits, int kPass, class Params, class Tma>
+template <class Traits, int kPass, class Params, class Tma, class Storage>
 __device__ __forceinline__ void store_staged_rows(const Params& p, const Tma& tma, int64_t out_rows, int64_t row,
-                                                  int n_block, typename Traits::SharedStorage& smem, int warpgroup) {
+                                                  int n_block, Storage& smem, int warpgroup) {
   using namespace cute;
   using T = Traits;
   using OutElement = typename T::OutElement;
@@ -364,9 +343,9 @@ __device__ __forceinline__ void write_staging(const Accum& accum, int pass, uint
 // through the staging boxes to the output (first_row: the warpgroup's first gradient row). A pass whose
 // columns all lie past n (a partial last n-block) is skipped: warpgroup-uniform, as p.n and the task are.
 // signal: see compute_grad_tile.
-template <class Traits, int kPass, class Params, class Accum>
+template <class Traits, int kPass, class Params, class Accum, class Storage>
 __device__ __forceinline__ void store_grad_pass(const Params& p, const GradTileTask& task, const Accum& accum,
-                                                typename Traits::SharedStorage& smem, int warpgroup, int first_row,
+                                                Storage& smem, int warpgroup, int first_row,
                                                 int thread, bool store_leader, RowsDoneSignal* signal) {
   using namespace cute;
   using T = Traits;
@@ -407,9 +386,8 @@ __device__ __forceinline__ void store_grad_pass(const Params& p, const GradTileT
 // signal (nullable; the megakernel's, the calling thread's own): the late completion count an expert GEMM
 // tile of this warpgroup left pending (RowsDoneSignal). It goes out before this tile blocks on its first
 // stage (whoever we wait for may wait for that count: not adding it could deadlock) or at the epilogue.
-template <class Traits, class Params>
-__device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTileTask& task,
-                                                  typename Traits::SharedStorage& smem,
+template <class Traits, class Params, class Storage>
+__device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTileTask& task, Storage& smem,
                                                   typename Traits::Pipeline& pipeline,
                                                   typename Traits::PipelineState& read_state, int consumer_idx,
                                                   const device::HandoffBound& bound,
@@ -417,13 +395,7 @@ __device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTil
   using namespace cute;
   using T = Traits;
   typename T::TiledMma mma;
-  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
-  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
   auto thread_mma = mma.get_thread_slice(consumer_idx);
-  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
-  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
-  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
-  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
   Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
 
   const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
@@ -435,44 +407,15 @@ __device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTil
     signal->flush();  // about to block on the first stage
   if (first_row >= p.m) {
     // Rows past m (a partial last m-block): the other warpgroup computes the tile alone.
-    for (int k_block = 0; k_block < k_blocks; ++k_block) {
-      consumer_wait_bounded(pipeline, read_state, bound);
-      pipeline.consumer_release(read_state);
-      ++read_state;
-    }
+    pass_stages_back(k_blocks, pipeline, read_state, bound);
     return;
   }
-
-  // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
-  // and the batch that read it retired. The accumulators start at zero and every wgmma adds to them: an
-  // expert without rows gets a zero tile (the alternative, the first wgmma overwriting and a zero fill on
-  // the no-rows path, made ptxas spill the 168 registers the kernel has at launch).
-  typename T::PipelineState release_state = read_state;
-  clear(accum);
-  mma.accumulate_ = GMMA::ScaleOut::One;
-  for (int k_block = 0; k_block < k_blocks; ++k_block) {
-    consumer_wait_bounded(pipeline, read_state, bound);
-    const int stage = read_state.index();
-    warpgroup_fence_operand(accum);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(t_r_a); ++k) cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(accum);
-    if (k_block > 0) {
-      pipeline.consumer_release(release_state);
-      ++release_state;
-    }
-    ++read_state;
-  }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(accum);
-  if (k_blocks > 0) {
-    pipeline.consumer_release(release_state);
-    ++release_state;
-  } else if constexpr (T::kOutput == GradOutput::kAccumulateFloat32) {
-    return;  // no rows: adds nothing, out stays as it is
+  // The accumulators start at zero and every wgmma adds to them: an expert without rows gets a zero tile (the
+  // alternative, the first wgmma overwriting and a zero fill on the no-rows path, made ptxas spill the 168
+  // registers the kernel has at launch).
+  mainloop<T, AccumulatorStart::kZeroed>(k_blocks, smem, pipeline, read_state, mma, thread_mma, accum, bound);
+  if constexpr (T::kOutput == GradOutput::kAccumulateFloat32) {
+    if (k_blocks == 0) return;  // no rows: adds nothing, out stays as it is
   }
 
   // Epilogue, pass by pass (kStagingPasses; the standalone kernel's one pass is the whole tile). Each pass
@@ -559,6 +502,129 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     case WeightGradRole::kConsumer:
       cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
       run_grad_consumers<T>(p, waits.bound, smem, pipeline, static_cast<int>(threadIdx.x) - 128);
+      break;
+  }
+}
+
+// The backward megakernel's configuration (it runs these tiles beside the expert GEMM's, as tasks of one
+// persistent pipeline): kBlockK 64 and 4 stages, so a stage is byte for byte the expert GEMM's (A 128 x 64
+// bf16 = 16 KB, B 256 x 64 = 32 KB, 48 KB of transaction bytes; each kind of tile lays out the stage it
+// loads), and the expert GEMM's 16 KB of staging per consumer warpgroup (2 boxes of 64 rows x 128 bytes):
+// bf16 2 passes of 128 columns, fp32 (written or reduce-added) 4 passes of 64 columns; each pass first waits
+// until the previous pass's stores have read the boxes (cp.async.bulk.wait_group.read 0). Its TileStorage is
+// the expert GEMM's (asserted in the megakernel and in src/host/weight_grad_params.h).
+// Named barriers: the epilogue syncs consumer warpgroup w on CUTLASS NamedBarrier id kStagingBarrier + w =
+// 1 + w, the id the expert GEMM's epilogue (TileStager) uses for the same 128 threads; the barrier is free
+// between tiles of either kind. The store leader is thread 0 of the warpgroup in both, and bulk async-groups
+// are per thread: each kind's first wait before it writes the boxes covers the stores the other kind left in
+// flight.
+// Clusters. The megakernel may run in clusters of 2 (its expert GEMM tiles multicast A); its pipeline is then
+// built for ClusterShape (2, 1, 1): a consumer warpgroup's release arrives on the stage's empty barrier in
+// both CTAs, and a producer's acquire waits for the consumers of both. A weight-gradient task is given to both
+// CTAs of the cluster with n-blocks 2g and 2g + 1 of one (expert, m-block) (GradTileTask::for_cta). Each CTA
+// loads its own A and B without multicast into its own stage, on its own full barrier, with the same 48 KB
+// of transaction bytes as a GEMM stage. This is correct: the release that reaches the partner's empty barrier
+// says "done with stage s" for a stage whose bytes it never read, which is only conservative, and the arrival
+// counts match because both CTAs consume the same stage sequence in lockstep: the same tasks in the same
+// order, and the two tiles of a task run the same k-blocks (same expert, same rows). An n-block 2g + 1 past n
+// (an odd number of n-blocks) still runs its k-blocks (load boxes clamped to the last in-bounds box) and
+// stores nothing; a consumer warpgroup whose rows lie past m passes its stages back, in both CTAs alike.
+// load_grad_tile / compute_grad_tile take only the pipeline object and its states (the type,
+// PipelineTmaAsync<4>, does not depend on the cluster shape) and assume nothing about the cluster: TMA loads
+// without multicast address the CTA's own shared memory and barrier, the stores write global memory.
+constexpr int grad_output_bytes(GradOutput output) { return output == GradOutput::kBFloat16 ? 2 : 4; }
+inline constexpr int kGemmLayoutStagingBoxes = 2;  // the expert GEMM's GemmTraits::kStagingBoxes
+template <GradOutput kOutput>
+using WeightGradTraitsInGemmLayout =
+    WeightGradTraits<kOutput, 256, 64, 4, kGemmLayoutStagingBoxes * 128 / grad_output_bytes(kOutput)>;
+
+// A megakernel task as the tile of (expert, m_block, n_block) over `rows` rows of the expert's segment from
+// row `row_begin` of a and b (a multiple of 64, the segment padding: whole k-blocks). With a cluster,
+// n_block is the cluster's group; then take .for_cta<kClusterN>(cta_rank).
+template <class Traits>
+__device__ __forceinline__ GradTileTask grad_tile_task(int32_t expert, int32_t m_block, int32_t n_block,
+                                                       int32_t row_begin, int32_t rows) {
+  static_assert(64 % Traits::kBlockK == 0, "segments of 64-row multiples are whole k-blocks");
+  return GradTileTask{expert, m_block, n_block, row_begin, rows / Traits::kBlockK};
+}
+
+template <class Traits>
+struct TraitsTag {
+  using type = Traits;
+};
+
+// One weight-gradient GEMM's kernel parameters in the megakernel's configuration, its output mode a run-time
+// value: the mode's WeightGradParams in `storage`. Built on the host by detail::make_any_weight_grad_params
+// (src/host/weight_grad_params.h); read in a kernel through visit_weight_grad. A kernel parameter: the TMA
+// descriptors need 64-byte alignment in parameter space (CUtensorMap declares 128 with CUDA 13), hence the
+// storage's alignment, the largest of the three.
+struct AnyWeightGradParams {
+  template <GradOutput kOutput>
+  using ParamsOf = typename WeightGradTraitsInGemmLayout<kOutput>::Params;
+  static constexpr size_t kStorageBytes =
+      std::max({sizeof(ParamsOf<GradOutput::kBFloat16>), sizeof(ParamsOf<GradOutput::kFloat32>),
+                sizeof(ParamsOf<GradOutput::kAccumulateFloat32>)});
+  static constexpr size_t kStorageAlignment =
+      std::max({alignof(ParamsOf<GradOutput::kBFloat16>), alignof(ParamsOf<GradOutput::kFloat32>),
+                alignof(ParamsOf<GradOutput::kAccumulateFloat32>), size_t(64)});
+
+  GradOutput output = GradOutput::kBFloat16;
+  alignas(kStorageAlignment) unsigned char storage[kStorageBytes] = {};
+
+  template <GradOutput kOutput>
+  CUTE_HOST_DEVICE const ParamsOf<kOutput>& params() const {
+    static_assert(std::is_trivially_copyable_v<ParamsOf<kOutput>>, "copied into the storage as bytes");
+    return *reinterpret_cast<const ParamsOf<kOutput>*>(storage);
+  }
+};
+static_assert(std::is_trivially_copyable_v<AnyWeightGradParams>, "a kernel parameter");
+
+// f(TraitsTag<T>{}, params) for the stored output mode, T = WeightGradTraitsInGemmLayout<mode> and params
+// its WeightGradParams; returns what f returns (the same type for every mode). For consumers the mode must
+// be warp-uniform (it is when `p` is a kernel parameter indexed by a warp-uniform value): the branch
+// surrounds the tile's wgmma (see compute_grad_tile).
+template <class F>
+__device__ __forceinline__ decltype(auto) visit_weight_grad(const AnyWeightGradParams& p, F&& f) {
+  switch (p.output) {
+    case GradOutput::kBFloat16:
+      return f(TraitsTag<WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>>{},
+               p.params<GradOutput::kBFloat16>());
+    case GradOutput::kFloat32:
+      return f(TraitsTag<WeightGradTraitsInGemmLayout<GradOutput::kFloat32>>{}, p.params<GradOutput::kFloat32>());
+    default:  // kAccumulateFloat32: make_any_weight_grad_params admits no other mode
+      return f(TraitsTag<WeightGradTraitsInGemmLayout<GradOutput::kAccumulateFloat32>>{},
+               p.params<GradOutput::kAccumulateFloat32>());
+  }
+}
+
+// weight_grad_gemm_kernel's persistent loop over AnyWeightGradParams: the megakernel's configuration and
+// output-mode dispatch, run standalone (tests compare it bitwise with the standalone configuration; the
+// host entry is src/host/weight_grad_gemm.cu's). Every mode has the same threads, shared memory and pipeline.
+template <class AnyParams>
+__global__ void __launch_bounds__(WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>::kThreads, 1)
+    any_mode_weight_grad_gemm_kernel(const __grid_constant__ AnyParams p, const __grid_constant__ StandaloneWaits waits) {
+  using T0 = WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>;
+  extern __shared__ __align__(1024) char shared_raw[];
+  auto& smem = *reinterpret_cast<typename T0::SharedStorage*>(shared_raw);
+  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);  // uniform: see compute_grad_tile
+  const WeightGradRole role = warpgroup == 0 ? WeightGradRole::kProducer : WeightGradRole::kConsumer;
+  typename T0::Pipeline pipeline = start_pipeline<T0>(smem, smem.tasks, role == WeightGradRole::kConsumer);
+  switch (role) {
+    case WeightGradRole::kProducer:
+      cutlass::arch::warpgroup_reg_dealloc<T0::kProducerRegisters>();
+      if (threadIdx.x == 0)
+        visit_weight_grad(p, [&](auto traits, const auto& params) {
+          using T = typename decltype(traits)::type;
+          static_assert(std::is_same_v<typename T::SharedStorage, typename T0::SharedStorage>, "one storage");
+          run_grad_producer<T>(params, waits, smem, pipeline);
+        });
+      break;
+    case WeightGradRole::kConsumer:
+      cutlass::arch::warpgroup_reg_alloc<T0::kConsumerRegisters>();
+      visit_weight_grad(p, [&](auto traits, const auto& params) {
+        using T = typename decltype(traits)::type;
+        run_grad_consumers<T>(params, waits.bound, smem, pipeline, static_cast<int>(threadIdx.x) - 128);
+      });
       break;
   }
 }

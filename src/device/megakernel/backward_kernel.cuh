@@ -13,7 +13,7 @@
 // are capacity-sized scratch (BackwardScratch); the epilogue after the closing barrier sums d_x.
 // This file is the sequencing: roles, and which task runs next. The task order is data (backward_tasks.h,
 // walked by task_order.h); the tiles are expert_gemm.cuh's and weight_grad_gemm.cuh's, run on one pipeline and
-// one shared-memory layout (the weight-gradient traits for megakernels have the expert GEMM's stage bytes);
+// one shared-memory type (mainloop.cuh's GemmSharedStorage: every tile kind's TileStorage is the same);
 // the row copies are grad_rows.cuh's; the loop that hands them out is communication.cuh's.
 //
 // Roles, as the forward megakernel's (forward_kernel.cuh): one CTA per SM in clusters of kClusterN;
@@ -23,16 +23,16 @@
 //   consumer warpgroups  wgmma + epilogue of the phase's GEMM; row GEMMs count their 64 rows in the phase's
 //                        counter per stored n-block. Weight-gradient tiles signal nothing (read after the launch).
 // With comm_ctas > 0 the first comm_ctas CTAs only copy rows (all their warps, warp copies).
-// Shared memory: the expert GEMM's SharedStorage (every tile kind's layout has its stage and staging offsets:
-// static_asserts here and in weight_grad_in_gemm_layout.cuh), a ring of decoded tasks, the communication
-// group's words. Sync: docs/sync_protocol.md, "Inside the backward megakernel". Tasks are handed out in
-// topological order.
+// Shared memory: the GEMM tiles' TileStorage (one type for every tile kind: static_asserts here and in
+// src/host/weight_grad_params.h), a ring of decoded tasks, the communication group's words.
+// Sync: docs/sync_protocol.md, "Inside the backward megakernel". Tasks are handed out in topological order.
 // Determinism: every output element is one thread's fixed-order K reduction, the same tiles and k-block order
 // as the unfused stage kernels, whatever CTA, minibatch or placement runs it; copies are copies; d_rw is the
 // n-block partials summed in ascending order. The results are bitwise those of the unfused backward.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "mok/peer_group.h"
 #include "mok/status.h"
@@ -40,7 +40,6 @@
 #include "src/device/common/sync.cuh"
 #include "src/device/gemm/expert_gemm.cuh"
 #include "src/device/gemm/weight_grad_gemm.cuh"
-#include "src/device/gemm/weight_grad_in_gemm_layout.cuh"
 #include "src/device/megakernel/backward_tasks.h"
 #include "src/device/megakernel/communication.cuh"
 #include "src/device/megakernel/task_inputs.cuh"
@@ -87,7 +86,7 @@ enum class BackwardRole : int { kCommunication = 0, kProducer = 1, kConsumer = 2
 
 template <class T>
 struct BackwardSharedStorage {
-  typename T::SharedStorage gemm;
+  typename T::TileStorage gemm;
   gemm::TaskRing<T::kTaskDepth, 4 * T::kConsumerWarpgroups, T::kClusterN, ComputeTask> tasks;
   CommSharedStorage<T> comm;
 };
@@ -153,12 +152,6 @@ inline constexpr int kBackwardProducerRegisters = 72;
 template <class T>
 inline constexpr int kBackwardConsumerRegisters = T::kConsumerRegisters - 8;
 
-// The GEMM's shared memory as a row GEMM of other traits (the same layout: backward_kernel's static_assert).
-template <class X, class Storage>
-__device__ __forceinline__ typename X::SharedStorage& storage_as(Storage& s) {
-  return reinterpret_cast<typename X::SharedStorage&>(s);
-}
-
 template <class TRecompute, class TDown, class T, class Params>
 __device__ __forceinline__ void run_backward_producer(const Params& p, BackwardSharedStorage<T>& smem, typename T::Pipeline& pipeline,
                                       int cta_rank) {
@@ -192,7 +185,7 @@ __device__ __forceinline__ void run_backward_producer(const Params& p, BackwardS
     switch (backward::gemm_kind(phase.gemm)) {
       case backward::GemmKind::kRecompute:
         issued = gemm::load_tile<TRecompute>(p.recompute[mlp], tile_of<T::kClusterN>(task, cta_rank), cta_rank,
-                                             storage_as<TRecompute>(smem.gemm), pipeline, state, bound);
+                                             smem.gemm, pipeline, state, bound);
         break;
       case backward::GemmKind::kDownDgrad:
       case backward::GemmKind::kGateUpDgrad: {  // one mainloop policy: one load path for both
@@ -206,7 +199,7 @@ __device__ __forceinline__ void run_backward_producer(const Params& p, BackwardS
         issued = gemm::visit_weight_grad(weight_grad_of(p, phase.gemm), [&](auto traits, const auto& w) {
           using TG = typename decltype(traits)::type;
           return gemm::load_grad_tile<TG>(w, grad_tile_of<TG, T::kClusterN>(task, cta_rank),
-                                          gemm::shared_storage_as<TG, T>(smem.gemm), pipeline, state, bound);
+                                          smem.gemm, pipeline, state, bound);
         });
     }
     if (!issued) break;
@@ -222,7 +215,7 @@ __device__ __forceinline__ void run_grad_tile(const gemm::AnyWeightGradParams& w
                                               const device::HandoffBound& bound, gemm::RowsDoneSignal& signal) {
   using TG = gemm::WeightGradTraitsInGemmLayout<kOutput>;
   gemm::compute_grad_tile<TG>(w.params<kOutput>(), grad_tile_of<TG, T::kClusterN>(task, cta_rank),
-                              gemm::shared_storage_as<TG, T>(smem.gemm), pipeline, state, consumer_idx, bound, &signal);
+                              smem.gemm, pipeline, state, consumer_idx, bound, &signal);
 }
 
 template <class TRecompute, class TDown, class T, class Params>
@@ -252,10 +245,10 @@ __device__ __forceinline__ void run_backward_consumer(const Params& p, BackwardS
     const backward::GemmKind kind = backward::gemm_kind(phase.gemm);
     if (kind == backward::GemmKind::kRecompute) {
       gemm::compute_tile<TRecompute>(p.recompute[mlp], tile_of<T::kClusterN>(task, cta_rank),
-                                     storage_as<TRecompute>(smem.gemm), pipeline, state, consumer_idx, rows_done,
+                                     smem.gemm, pipeline, state, consumer_idx, rows_done,
                                      &signal, bound);
     } else if (kind == backward::GemmKind::kDownDgrad) {
-      gemm::compute_tile<TDown>(p.down_dgrad[mlp], tile_of<T::kClusterN>(task, cta_rank), storage_as<TDown>(smem.gemm),
+      gemm::compute_tile<TDown>(p.down_dgrad[mlp], tile_of<T::kClusterN>(task, cta_rank), smem.gemm,
                                 pipeline, state, consumer_idx, rows_done, &signal, bound);
       // Why: the d_rw partials are plain stores of several threads, read by another CTA (the push) after the
       // late count of these rows; each writer's fence, then the next task's barrier, then the leader's release.
@@ -292,8 +285,10 @@ __device__ __forceinline__ void run_backward_consumer(const Params& p, BackwardS
 
 template <class TRecompute, class TDown, class T, class Params>
 __global__ void __launch_bounds__(T::kThreads, 1) backward_kernel(const __grid_constant__ Params p) {
-  static_assert(sizeof(typename TRecompute::SharedStorage) == sizeof(typename T::SharedStorage) &&
-                    sizeof(typename TDown::SharedStorage) == sizeof(typename T::SharedStorage) &&
+  static_assert(std::is_same_v<typename TRecompute::TileStorage, typename T::TileStorage> &&
+                    std::is_same_v<typename TDown::TileStorage, typename T::TileStorage> &&
+                    std::is_same_v<typename gemm::WeightGradTraitsInGemmLayout<GradOutput::kFloat32>::TileStorage,
+                                   typename T::TileStorage> &&
                     TRecompute::kStages == T::kStages && TDown::kStages == T::kStages &&
                     TRecompute::kClusterN == T::kClusterN && TDown::kClusterN == T::kClusterN &&
                     TRecompute::kBlockM == T::kBlockM && TDown::kBlockM == T::kBlockM,

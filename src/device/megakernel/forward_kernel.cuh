@@ -19,8 +19,8 @@
 //   consumer warpgroups  wgmma + epilogue (compute_tile of the phase's GEMM), then count their 64 rows in the
 //                        phase's counter for this n-block.
 // With comm_ctas > 0 the first comm_ctas CTAs only communicate instead (run_communication_cta).
-// Shared memory (ForwardSharedStorage): the expert GEMM's SharedStorage (gate/up and down traits share its
-// layout), or for communication CTAs 12 row slots of 16 KB in the same bytes; a ring of decoded tasks.
+// Shared memory (ForwardSharedStorage): the expert GEMM's TileStorage (one type for the gate/up and down
+// tiles, mainloop.cuh), or for communication CTAs 12 row slots of 16 KB in the same bytes; a ring of decoded tasks.
 // Sync: counters per 64-row unit in global memory, release-add / acquire-spin with timeouts reported through
 // the status word (docs/sync_protocol.md, "forward megakernel"). Tasks are handed out in topological order,
 // so spinning cannot deadlock.
@@ -29,6 +29,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "mok/peer_group.h"
 #include "mok/status.h"
@@ -76,7 +77,7 @@ enum class ForwardRole : int { kCommunication = 0, kProducer = 1, kConsumer = 2 
 template <class T>
 struct ForwardSharedStorage {
   union {
-    typename T::SharedStorage gemm;
+    typename T::TileStorage gemm;
     CommSlots<T> comm_slots;
   };
   gemm::TaskRing<T::kTaskDepth, 4 * T::kConsumerWarpgroups, T::kClusterN, ComputeTask> tasks;
@@ -125,7 +126,6 @@ template <class T, class TDown, class Params>
 __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typename T::Pipeline& pipeline,
                              int cta_rank) {
   cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-  auto& down_smem = reinterpret_cast<typename TDown::SharedStorage&>(smem.gemm);
   const bool recorder = threadIdx.x == 128 && p.timeline.enabled();
   int32_t recorded = 0;  // the recorder's records
   gemm::RowsDoneSignal signal;  // this warpgroup's late completion count (used by its store leader)
@@ -155,7 +155,7 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
       gemm::compute_tile<T>(p.gemms[phase.gemm], tile, smem.gemm, pipeline, state, consumer_idx, rows_done, &signal,
                             bound);
     else
-      gemm::compute_tile<TDown>(p.gemms[phase.gemm], tile, down_smem, pipeline, state, consumer_idx, rows_done,
+      gemm::compute_tile<TDown>(p.gemms[phase.gemm], tile, smem.gemm, pipeline, state, consumer_idx, rows_done,
                                 &signal, bound);
     if (recorder)
       p.timeline.record(kGemmTrack, recorded, phase.kind, start, device::global_timer_ns(), tile.row, tile.rows,
@@ -170,7 +170,7 @@ __device__ void run_consumer(const Params& p, ForwardSharedStorage<T>& smem, typ
 
 template <class T, class TDown, class Params>
 __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_constant__ Params p) {
-  static_assert(sizeof(typename T::SharedStorage) == sizeof(typename TDown::SharedStorage) &&
+  static_assert(std::is_same_v<typename T::TileStorage, typename TDown::TileStorage> &&
                     T::kStages == TDown::kStages && T::kBlockM == TDown::kBlockM && T::kBlockN == TDown::kBlockN &&
                     T::kClusterN == TDown::kClusterN,
                 "the gate/up and down GEMMs share one shared-memory layout, pipeline and cluster");
