@@ -7,7 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "src/device/gemm/expert_gemm.cuh"
+#include "src/device/gemm/gemm_kernel.cuh"
 #include "src/host/check.h"
 #include "src/host/gemm_params.h"
 #include "src/host/launch_cache.h"

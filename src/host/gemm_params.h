@@ -9,6 +9,7 @@
 #include "mok/expert_gemm.h"
 #include "mok/status.h"
 #include "src/device/gemm/expert_gemm.cuh"
+#include "src/device/gemm/gemm_kernel.cuh"
 #include "src/host/gemm_test_knobs.h"
 
 namespace mok::detail {

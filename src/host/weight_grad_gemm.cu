@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "src/device/gemm/weight_grad_gemm.cuh"
+#include "src/device/gemm/gemm_kernel.cuh"
 #include "src/host/check.h"
 #include "src/host/launch_cache.h"
 #include "src/host/weight_grad_in_gemm_layout.h"
@@ -122,7 +122,7 @@ void detail::weight_grad_gemm_in_gemm_layout(const WeightGradArgs& args, cudaStr
   validate(args);
   using T = gemm::WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>;  // every mode: the same threads and bytes
   const gemm::AnyWeightGradParams p = detail::make_any_weight_grad_params(args);
-  launch_persistent(gemm::any_mode_weight_grad_gemm_kernel<gemm::AnyWeightGradParams>, p, T::kThreads,
+  launch_persistent(gemm::weight_grad_gemm_kernel<T, gemm::AnyWeightGradParams>, p, T::kThreads,
                     T::kSharedBytes, num_tiles(args), args.ticket, args.waits, stream);
 }
 #endif

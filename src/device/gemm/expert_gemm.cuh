@@ -31,9 +31,10 @@
 //
 // The unit of work is a TileTask (first row, rows, n-block, expert): load_tile() on the producer side and
 // compute_tile() on the consumer side, each advancing a pipeline state that persists across tasks, so a
-// persistent loop (expert_gemm_kernel below, later the megakernel) can interleave GEMM tiles with other work.
-// Clusters take task slots from an atomic ticket as they free up (TaskRing hands each slot to both CTAs'
-// producers and consumers), so consecutive slots, which share weights, start together (TaskWalker).
+// persistent loop (expert_gemm_kernel in gemm_kernel.cuh, the megakernels) can interleave GEMM tiles with
+// other work. Clusters take task slots from an atomic ticket as they free up (TaskRing hands each slot to both
+// CTAs' producers and consumers), so consecutive slots, which share weights, start together
+// (TaskWalker<kRowTiles>, task_walker.cuh).
 //
 // Shared memory: A stages (kBlockM x 64 bf16, 128B swizzle) | B stages (kBlockN x 64) | epilogue staging
 // (kBlockM x 128 output columns, bf16 boxes of 64 x 64, 128B swizzle) | pipeline barriers | task ring.
@@ -58,6 +59,7 @@
 #include "src/device/gemm/gemm_epilogue.cuh"
 #include "src/device/gemm/mainloop.cuh"
 #include "src/device/gemm/task_ring.cuh"
+#include "src/device/gemm/task_walker.cuh"
 #include "src/device/gemm/tile_task.cuh"
 #include "src/device/schedule/placement.h"
 
@@ -118,6 +120,7 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, 64, kStage
   // The tiles' bytes (the megakernels': every GEMM of one pass, weight gradients included, has this type) and
   // the standalone kernel's, with its task ring.
   using TileStorage = typename Collective::template Storage<kStagingBoxes>;
+  using Walker = TaskWalker<TaskMode::kRowTiles, GemmTraits>;  // the standalone kernel's tasks
   using SharedStorage = typename Collective::template Storage<
       kStagingBoxes, TaskRing<Collective::kTaskDepth, 4 * kConsumerWarpgroups, kClusterN>>;
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
@@ -155,52 +158,6 @@ struct GemmParams {
   float* row_partials = {};           // kSwiGLUBackward: [a_rows, num_n_blocks]
   int32_t* ticket = {};  // zeroed before the launch; each cluster takes its next slot from it
   uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id | cycles<<16, expert<<48|group<<32|row
-};
-
-// Task order: expert by expert; within an expert, n-block group by group, and the expert's m-tiles
-// fastest. Slots are dense (every slot is a task) and taken from an atomic ticket, so the m-tiles that
-// share one weight block start within a few microseconds of each other and stream it through L2 together
-// (an expert's gate/up weights, 59-88 MB, do not fit in L2; its A rows, a few MB, do and are reused
-// across groups). A strided static assignment let clusters drift apart by a random walk of task-time
-// noise, and the weights were read from DRAM 1.5-2 times (docs/perf_notes.md, round 3).
-// A CTA visits increasing slots, so a cursor over the experts replaces a search per slot (between two
-// tiles every role is on the critical path).
-template <class Traits>
-struct TaskWalker {
-  int32_t expert = -1;
-  int32_t segment_begin = 0;  // row_offsets[expert]
-  int32_t segment_end = 0;    // row_offsets[expert + 1]
-  int32_t tiles_begin = 0;    // max(segment_begin, first_row): where the expert's tiles start
-  int32_t m_tiles = 0;        // m-tiles of the expert
-  int32_t slot_begin = 0;     // the expert's first slot
-  int32_t slot_end = 0;       // one past its last
-  int32_t scheduled_rows = 0; // the schedule's row count; 0 after a capacity overflow: no tasks at all
-
-  // The task of `slot`, or false when the slot lies past the last task.
-  template <class Params>
-  __device__ __forceinline__ bool task_at(const Params& p, int32_t slot, TileTask& t) {
-    const int num_groups = p.num_n_blocks / Traits::kClusterN;
-    while (slot >= slot_end) {  // empty experts have no slots and are skipped
-      if (++expert >= p.local_experts) return false;
-      if (expert == 0) {
-        scheduled_rows = *p.scheduled_rows;
-        segment_end = min(p.expert_row_offsets[0], scheduled_rows);
-      }
-      segment_begin = segment_end;
-      segment_end = min(p.expert_row_offsets[expert + 1], scheduled_rows);
-      tiles_begin = max(segment_begin, p.first_row);
-      m_tiles = tiles_begin < segment_end ? (segment_end - tiles_begin + Traits::kBlockM - 1) / Traits::kBlockM : 0;
-      slot_begin = slot_end;
-      slot_end += m_tiles * num_groups;
-    }
-    const int32_t local = slot - slot_begin;
-    t.expert = expert;
-    t.n_block = local / m_tiles;
-    t.row = tiles_begin + (local % m_tiles) * Traits::kBlockM;
-    t.buffer_row = t.row;
-    t.rows = min(segment_end - t.row, Traits::kBlockM);
-    return true;
-  }
 };
 
 // Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
@@ -345,119 +302,6 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   const TileStager<T, Storage> stager{smem, warpgroup, store_leader, signal, (task.buffer_row + warpgroup * kUnitRows) / kUnitRows};
   T::Epilogue::template store<T>(p, task, accum, coords, rows, stager);
   if (rows_done != nullptr && store_leader) signal->pending = rows_done + (task.row / kUnitRows + warpgroup);
-}
-
-enum class GemmRole : int { kProducer = 0, kConsumer = 1 };
-
-// The standalone GEMM kernels' second parameter: where their hand-offs report and how long they may take
-// (every wait of the kernel is bounded: docs/sync_protocol.md), and a test knob.
-struct StandaloneWaits {
-  device::HandoffBound bound;
-  // Test entry (honoured only in builds with MOK_TEST_ENTRIES, src/host/gemm_test_knobs.h): each CTA's
-  // producer arms the first stage of its first tile and issues none of its loads, so its consumers' wait for
-  // the stage's bytes must time out (a stalled producer).
-  bool stall_producer;
-};
-
-// The stalled producer of a test (StandaloneWaits::stall_producer): arms `state`'s stage, so its consumers
-// wait for its transaction bytes, and loads nothing. The producer then returns without its tail: the consumers'
-// wait must be the one that times out (a tail would wait for their release of this stage as long), and the
-// CTA stays alive for their releases anyway (its threads, and the final cluster_sync for the partner's).
-template <class Pipeline, class State>
-__device__ __forceinline__ void stall_stage(Pipeline& pipeline, State& state, const device::HandoffBound& bound) {
-  if (producer_acquire_bounded(pipeline, state, bound)) ++state;
-}
-
-// Producer thread of the standalone kernel: slots from the ticket (rank 0 of the cluster takes them, rank 1 gets
-// them by mail) until one lies past the last task, published like the others so that the consumers stop on it.
-// Once the rank's abort word is set the slot is kStopSlot (a failed step does no more work), and a hand-off that
-// gave up ends the loop (its consumers' waits give up too: kAbortHandoff).
-template <class T, class Params>
-__device__ __forceinline__ void run_gemm_producer(const Params& p, const StandaloneWaits& waits,
-                                                  typename T::SharedStorage& smem, typename T::Pipeline& pipeline,
-                                                  int cta_rank) {
-  auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
-  TaskWalker<T> walker;
-  for (int k = 0;; ++k) {
-    const int32_t slot = smem.tasks.take(k, cta_rank, p.ticket, waits.bound);
-    TileTask task;
-    const bool more = slot != kStopSlot && walker.task_at(p, slot, task);
-    if (!smem.tasks.publish(k, more ? slot : int32_t{kStopSlot}, waits.bound) || !more) break;
-#if defined(MOK_TEST_ENTRIES)
-    if (waits.stall_producer) {
-      stall_stage(pipeline, state, waits.bound);
-      return;
-    }
-#endif
-    if (!load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state, waits.bound))
-      break;
-  }
-  // Why: neither CTA may exit while its consumers, or the partner CTA's, still release stages into it.
-  producer_tail_bounded(pipeline, state, waits.bound);
-}
-
-// Consumer threads of the standalone kernel: the published slots' tiles until a slot past the last task, or
-// until a task-ring wait gave up (the warpgroup's four warps agree first, as the megakernel's consumers do).
-template <class T, class Params>
-__device__ __forceinline__ void run_gemm_consumers(const Params& p, const device::HandoffBound& bound,
-                                                   typename T::SharedStorage& smem, typename T::Pipeline& pipeline,
-                                                   int cta_rank, int consumer_idx) {
-  typename T::PipelineState state;
-  TaskWalker<T> walker;
-  TileTask task;
-  // The warpgroup's hardware barrier: the one the epilogue syncs (NamedBarrier id 1 + warpgroup), the same
-  // 128 threads.
-  const int consumer_barrier =
-      int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) + 1 + __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  for (int k = 0;; ++k) {
-    int32_t slot;
-    const bool arrived = smem.tasks.consume(k, slot, bound);  // warp-uniform
-    // Why: a hand-off that gave up leaves the warpgroup's warps free to disagree; they must leave together
-    // (the tile's wgmma and named barriers need all four).
-    if (!device::named_barrier_all(arrived, consumer_barrier, 128)) break;
-    if (!walker.task_at(p, slot, task)) break;
-    const bool record = p.trace != nullptr && consumer_idx == 0;
-    const uint64_t start = record ? device::global_timer_ns() : 0;
-    const int64_t start_cycles = record ? clock64() : 0;
-    compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state, consumer_idx, nullptr,
-                    nullptr, bound);
-    if (record) {
-      uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 4;
-      r[0] = start;
-      r[1] = device::global_timer_ns();
-      r[2] = static_cast<uint64_t>(device::sm_index()) | (uint64_t(clock64() - start_cycles) << 16);
-      r[3] = (uint64_t(task.expert) << 48) | (uint64_t(task.n_block) << 32) | uint32_t(task.row);
-    }
-  }
-  // Why: the shared memory must outlive the last TMA stores' reads of it.
-  if (consumer_idx % 128 == 0) cute::tma_store_wait<0>();
-}
-
-// Standalone persistent launcher: one CTA per SM in clusters of kClusterN, tasks from the ticket. Used by
-// MoeWorkspace's unfused forward and stage-kernel backward, the tests and the bench.
-template <class Traits, class Params>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
-    expert_gemm_kernel(const __grid_constant__ Params p, const __grid_constant__ StandaloneWaits waits) {
-  using T = Traits;
-  extern __shared__ __align__(1024) char shared_raw[];
-  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(shared_raw);
-  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);  // uniform: see compute_tile
-  const GemmRole role = warpgroup == 0 ? GemmRole::kProducer : GemmRole::kConsumer;
-
-  typename T::Pipeline pipeline = start_pipeline<T>(smem, smem.tasks, role == GemmRole::kConsumer);
-  const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
-  switch (role) {
-    case GemmRole::kProducer:
-      cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
-      if (threadIdx.x == 0) run_gemm_producer<T>(p, waits, smem, pipeline, cta_rank);
-      break;
-    case GemmRole::kConsumer:
-      cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-      run_gemm_consumers<T>(p, waits.bound, smem, pipeline, cta_rank, static_cast<int>(threadIdx.x) - 128);
-      break;
-  }
-  // Why: neither CTA may exit while its partner can still multicast into it or arrive on its barriers.
-  if constexpr (T::kClusterN > 1) cute::cluster_sync();
 }
 
 }  // namespace mok::gemm

@@ -66,7 +66,8 @@ struct TileRows {
 };
 
 // Shared-memory staging and TMA stores of one consumer warpgroup's output boxes. All 128 threads of the
-// warpgroup call begin_pass, stage and end_pass the same number of times (named barrier 1 + warpgroup).
+// warpgroup call begin_pass, stage and end_pass the same number of times (named barrier kStagingBarrier +
+// warpgroup).
 template <class T, class Storage>
 struct TileStager {
   Storage& smem;  // the GEMM's shared memory (mainloop.cuh, GemmSharedStorage)
@@ -84,7 +85,7 @@ struct TileStager {
       else
         cute::tma_store_wait<0>();
     }
-    cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
+    cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
   }
 
   // Two adjacent columns at row r of the tile, column col of the pass's boxes (box col / 64).
@@ -102,7 +103,7 @@ struct TileStager {
     using namespace cute;
     // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
     tma_store_fence();
-    cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
+    cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
     if (store_leader) {
       Tensor m_out = tma.get_tma_tensor(make_shape(a_rows, cols));
       CUTE_UNROLL

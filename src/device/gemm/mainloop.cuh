@@ -127,6 +127,9 @@ struct CollectiveMainloop {
       cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
 
   static constexpr int kTaskDepth = 4;  // tasks a producer may publish ahead of its consumers
+  // Named barrier (CUTLASS ids, offset past the reserved ones) of consumer warpgroup w's epilogue staging:
+  // kStagingBarrier + w, in every tile kind, so tiles of several kinds share one kernel without a barrier each.
+  static constexpr int kStagingBarrier = 1;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);

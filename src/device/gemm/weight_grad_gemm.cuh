@@ -14,7 +14,7 @@
 //
 // Roles (one CTA = 1 producer warpgroup + 2 consumer warpgroups; no cluster here, the backward megakernel's
 // clusters: WeightGradTraitsInGemmLayout, at the end):
-//   producer   one thread takes slots (TaskRing), decodes them (GradTaskWalker) and publishes the task to
+//   producer   one thread takes slots (TaskRing), decodes them (TaskWalker<kKGrouped>) and publishes the task to
 //              the consumers, then per k-block issues the TMA loads of the stage: kBlockM/64 boxes of a
 //              (kBlockK rows x 64 m-columns) and kBlockN/64 boxes of b, straight from the row-major buffers
 //              into MN-major 128B-swizzled layouts (Layout_MN_SW128_Atom: a box is kBlockK rows of 128 bytes).
@@ -52,9 +52,9 @@
 // warpgroup's 64 rows lie on one side of it; a tile that straddles the split writes its upper half to
 // `out` and its lower half to `out_split`.
 //
-// The unit of work is a GradTileTask: load_grad_tile() on the producer side and compute_grad_tile() on
+// The unit of work is a GradTileTask: load_tile() on the producer side and compute_tile() on
 // the consumer side, each advancing a pipeline state that persists across tasks, so a persistent loop
-// (weight_grad_gemm_kernel below, the backward megakernel) can interleave them with other work. They take
+// (weight_grad_gemm_kernel in gemm_kernel.cuh, the backward megakernel) can interleave them with other work. They take
 // only the pipeline object, not its cluster shape: the megakernel runs them on the expert GEMM's pipeline
 // and shared memory (WeightGradTraitsInGemmLayout and AnyWeightGradParams, at the end of this file).
 //
@@ -65,7 +65,7 @@
 // Sync (docs/sync_protocol.md, "the weight-gradient GEMM"): PipelineTmaAsync full/empty per stage; the
 // task ring; per warpgroup a named barrier around each pass's staging writes and
 // cp.async.bulk.wait_group.read before the boxes are written again (next pass or tile). Every mbarrier wait is
-// bounded and reports a timeout in the status word, as the expert GEMM's (StandaloneWaits).
+// bounded and reports a timeout in the status word, as the expert GEMM's (StandaloneWaits, gemm_kernel.cuh).
 // Determinism: each output element is one fixed-order K reduction (ascending rows) by one thread of one
 // CTA; no value atomics; the result does not depend on which CTA takes which slot.
 #pragma once
@@ -84,32 +84,13 @@
 
 #include "mok/weight_grad_gemm.h"
 #include "src/device/common/sync.cuh"
-#include "src/device/gemm/expert_gemm.cuh"
 #include "src/device/gemm/gemm_epilogue.cuh"
 #include "src/device/gemm/mainloop.cuh"
 #include "src/device/gemm/task_ring.cuh"
+#include "src/device/gemm/task_walker.cuh"
+#include "src/device/gemm/tile_task.cuh"
 
 namespace mok::gemm {
-
-// One output tile, as the producer decodes it from a slot and the task ring carries it to the consumers.
-struct GradTileTask {
-  int32_t expert;     // -1: no task (the slot lies past the last one)
-  int32_t m_block;    // gradient rows [m_block * kBlockM, + kBlockM) of the expert
-  int32_t n_block;    // gradient columns [n_block * kBlockN, + kBlockN)
-  int32_t row_begin;  // first schedule row of the expert's segment (the K offset)
-  int32_t k_blocks;   // kBlockK-row k-blocks of the segment; 0: the expert has no rows
-
-  // When a cluster of kClusterN CTAs runs one task (the backward megakernel's, in clusters of the expert
-  // GEMM's): n_block is the cluster's group of n-blocks; CTA cta_rank computes n-block kClusterN * n_block +
-  // cta_rank, of the same expert, m-block and rows (so both CTAs run the same k-blocks: see
-  // WeightGradTraitsInGemmLayout).
-  template <int kClusterN>
-  __device__ __forceinline__ GradTileTask for_cta(int cta_rank) const {
-    GradTileTask t = *this;
-    t.n_block = n_block * kClusterN + cta_rank;
-    return t;
-  }
-};
 
 // Kernel parameters; the TMA copies are built on the host (src/host/weight_grad_params.h).
 template <class TmaLoad, class TmaStore>
@@ -193,54 +174,19 @@ struct WeightGradTraits
   // The tiles' bytes (in the megakernel's configuration, WeightGradTraitsInGemmLayout, the expert GEMM's
   // TileStorage: the same type) and the standalone kernel's, with its task ring.
   using TileStorage = typename Collective::template Storage<kStoreBoxes>;
+  using Walker = TaskWalker<TaskMode::kKGrouped, WeightGradTraits>;  // the standalone kernel's tasks
   using SharedStorage = typename Collective::template Storage<
       kStoreBoxes, TaskRing<Collective::kTaskDepth, 4 * kConsumerWarpgroups, 1, GradTileTask>>;
   static_assert(TileStorage::kStagingBoxBytes == kStoreBoxBytes, "the storage's staging boxes are the store boxes");
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
-
-  // Named barriers (CUTLASS ids, offset past the reserved ones) around consumer warpgroup w's staging:
-  // kStagingBarrier + w, the ids the expert GEMM's epilogue (TileStager: 1 + w) uses for the same 128
-  // threads, so the two kinds of tile can share one kernel without a barrier of their own.
-  static constexpr int kStagingBarrier = 1;
-};
-
-// Slot -> task, for one thread that visits increasing slots (the producer): the expert's K range is read
-// once per expert, not per tile.
-template <class Traits>
-struct GradTaskWalker {
-  int32_t expert = -1;
-  int32_t row_begin = 0;
-  int32_t k_blocks = 0;
-  int32_t scheduled_rows = -1;  // read at the first task; 0 after a capacity overflow: every expert empty
-
-  // The task of `slot`; false (and expert -1) when the slot lies past the last task.
-  template <class Params>
-  __device__ __forceinline__ bool task_at(const Params& p, int32_t slot, GradTileTask& t) {
-    if (slot >= p.num_tasks) {
-      t = GradTileTask{-1, 0, 0, 0, 0};
-      return false;
-    }
-    const int32_t tiles = p.num_m_blocks * p.num_n_blocks;
-    const int32_t e = slot / tiles;
-    if (e != expert) {
-      if (scheduled_rows < 0) scheduled_rows = *p.scheduled_rows;
-      const int32_t begin = min(p.expert_row_offsets[e], scheduled_rows);
-      const int32_t end = min(p.expert_row_offsets[e + 1], scheduled_rows);
-      expert = e;
-      row_begin = begin;
-      k_blocks = max(end - begin, 0) / Traits::kBlockK;  // segments are whole k-blocks (padded to 64 or 128 rows)
-    }
-    const int32_t local = slot - e * tiles;
-    t = GradTileTask{e, local / p.num_n_blocks, local % p.num_n_blocks, row_begin, k_blocks};
-    return true;
-  }
 };
 
 // Producer side of one tile: its k-blocks through the pipeline, each stage the A boxes then the B boxes.
 // One thread calls this. False when a stage acquire gave up (`bound`): the rest of the tile is not issued.
+// (cta_rank: unused, no multicast; the expert GEMM's load_tile signature.)
 template <class Traits, class Params, class Storage>
-__device__ __forceinline__ bool load_grad_tile(const Params& p, const GradTileTask& task, Storage& smem,
-                                               typename Traits::Pipeline& pipeline,
+__device__ __forceinline__ bool load_tile(const Params& p, const GradTileTask& task, int /*cta_rank*/, Storage& smem,
+                                          typename Traits::Pipeline& pipeline,
                                                typename Traits::PipelineState& state,
                                                const device::HandoffBound& bound) {
   using namespace cute;
@@ -342,7 +288,7 @@ __device__ __forceinline__ void write_staging(const Accum& accum, int pass, uint
 // them, store_leader thread 0): its columns [kPass * kStagingColumns, + kStagingColumns) of the tile
 // through the staging boxes to the output (first_row: the warpgroup's first gradient row). A pass whose
 // columns all lie past n (a partial last n-block) is skipped: warpgroup-uniform, as p.n and the task are.
-// signal: see compute_grad_tile.
+// signal: see compute_tile.
 template <class Traits, int kPass, class Params, class Accum, class Storage>
 __device__ __forceinline__ void store_grad_pass(const Params& p, const GradTileTask& task, const Accum& accum,
                                                 Storage& smem, int warpgroup, int first_row,
@@ -386,12 +332,13 @@ __device__ __forceinline__ void store_grad_pass(const Params& p, const GradTileT
 // signal (nullable; the megakernel's, the calling thread's own): the late completion count an expert GEMM
 // tile of this warpgroup left pending (RowsDoneSignal). It goes out before this tile blocks on its first
 // stage (whoever we wait for may wait for that count: not adding it could deadlock) or at the epilogue.
+// rows_done: must be null (the expert GEMM's compute_tile signature; a weight-gradient tile signals nothing).
 template <class Traits, class Params, class Storage>
-__device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTileTask& task, Storage& smem,
-                                                  typename Traits::Pipeline& pipeline,
-                                                  typename Traits::PipelineState& read_state, int consumer_idx,
-                                                  const device::HandoffBound& bound,
-                                                  RowsDoneSignal* signal = nullptr) {
+__device__ __forceinline__ void compute_tile(const Params& p, const GradTileTask& task, Storage& smem,
+                                             typename Traits::Pipeline& pipeline,
+                                             typename Traits::PipelineState& read_state, int consumer_idx,
+                                             uint64_t* /*rows_done*/, RowsDoneSignal* signal,
+                                             const device::HandoffBound& bound) {
   using namespace cute;
   using T = Traits;
   typename T::TiledMma mma;
@@ -428,84 +375,6 @@ __device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTil
   }(std::make_integer_sequence<int, T::kStagingPasses>{});
 }
 
-enum class WeightGradRole : int { kProducer = 0, kConsumer = 1 };
-
-// Producer thread of the standalone kernel: slots from the ticket until one lies past the last task (it
-// publishes that one too, so the consumers stop). Once the rank's abort word is set the slot is kStopSlot (past
-// every task: a failed step does no more work), and a hand-off that gave up ends the loop (its consumers' waits
-// give up too: kAbortHandoff).
-template <class Traits, class Params>
-__device__ __forceinline__ void run_grad_producer(const Params& p, const StandaloneWaits& waits,
-                                                  typename Traits::SharedStorage& smem,
-                                                  typename Traits::Pipeline& pipeline) {
-  auto state = cutlass::make_producer_start_state<typename Traits::Pipeline>();
-  GradTaskWalker<Traits> walker;
-  int32_t next_slot = smem.tasks.claim(p.ticket, waits.bound);  // one CTA per cluster: no mail
-  for (int k = 0;; ++k) {
-    GradTileTask task;
-    const bool more = walker.task_at(p, next_slot, task);  // kStopSlot: expert -1
-    if (!smem.tasks.publish(k, task, waits.bound) || !more) break;
-    // The next slot's atomic goes out before this tile's loads: its latency hides behind them (the thread
-    // waits for the value only at the next task_at).
-    next_slot = smem.tasks.claim(p.ticket, waits.bound);
-#if defined(MOK_TEST_ENTRIES)
-    if (waits.stall_producer) {  // no tail: see stall_stage
-      stall_stage(pipeline, state, waits.bound);
-      return;
-    }
-#endif
-    if (!load_grad_tile<Traits>(p, task, smem, pipeline, state, waits.bound)) break;
-  }
-  // Why: the CTA must not exit while its consumers still read (and release) the last stages.
-  producer_tail_bounded(pipeline, state, waits.bound);
-}
-
-// Consumer threads of the standalone kernel: the published tiles until "no task", or until a task-ring wait gave
-// up (the warpgroup's four warps agree first, as the megakernel's consumers do).
-template <class Traits, class Params>
-__device__ __forceinline__ void run_grad_consumers(const Params& p, const device::HandoffBound& bound,
-                                                   typename Traits::SharedStorage& smem,
-                                                   typename Traits::Pipeline& pipeline, int consumer_idx) {
-  typename Traits::PipelineState state;
-  // The warpgroup's hardware barrier: the one its epilogue syncs (kStagingBarrier + warpgroup), the same 128
-  // threads.
-  const int consumer_barrier = int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) +
-                               Traits::kStagingBarrier + __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  for (int k = 0;; ++k) {
-    GradTileTask task;
-    const bool arrived = smem.tasks.consume(k, task, bound);  // warp-uniform
-    // Why: a hand-off that gave up leaves the warpgroup's warps free to disagree; they must leave together.
-    if (!device::named_barrier_all(arrived, consumer_barrier, 128)) break;
-    if (task.expert < 0) break;
-    compute_grad_tile<Traits>(p, task, smem, pipeline, state, consumer_idx, bound);
-  }
-  // Why: the shared memory must outlive the last TMA stores' reads of it.
-  if (consumer_idx % 128 == 0) cute::tma_store_wait<0>();
-}
-
-// Standalone persistent launcher: one CTA per SM, tasks from the ticket. Used by MoeWorkspace's stage-kernel
-// backward, the tests and the bench.
-template <class Traits, class Params>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
-    weight_grad_gemm_kernel(const __grid_constant__ Params p, const __grid_constant__ StandaloneWaits waits) {
-  using T = Traits;
-  extern __shared__ __align__(1024) char shared_raw[];
-  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(shared_raw);
-  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);  // uniform: see compute_grad_tile
-  const WeightGradRole role = warpgroup == 0 ? WeightGradRole::kProducer : WeightGradRole::kConsumer;
-  typename T::Pipeline pipeline = start_pipeline<T>(smem, smem.tasks, role == WeightGradRole::kConsumer);
-  switch (role) {
-    case WeightGradRole::kProducer:
-      cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
-      if (threadIdx.x == 0) run_grad_producer<T>(p, waits, smem, pipeline);
-      break;
-    case WeightGradRole::kConsumer:
-      cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-      run_grad_consumers<T>(p, waits.bound, smem, pipeline, static_cast<int>(threadIdx.x) - 128);
-      break;
-  }
-}
-
 // The backward megakernel's configuration (it runs these tiles beside the expert GEMM's, as tasks of one
 // persistent pipeline): kBlockK 64 and 4 stages, so a stage is byte for byte the expert GEMM's (A 128 x 64
 // bf16 = 16 KB, B 256 x 64 = 32 KB, 48 KB of transaction bytes; each kind of tile lays out the stage it
@@ -529,7 +398,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 // order, and the two tiles of a task run the same k-blocks (same expert, same rows). An n-block 2g + 1 past n
 // (an odd number of n-blocks) still runs its k-blocks (load boxes clamped to the last in-bounds box) and
 // stores nothing; a consumer warpgroup whose rows lie past m passes its stages back, in both CTAs alike.
-// load_grad_tile / compute_grad_tile take only the pipeline object and its states (the type,
+// load_tile / compute_tile take only the pipeline object and its states (the type,
 // PipelineTmaAsync<4>, does not depend on the cluster shape) and assume nothing about the cluster: TMA loads
 // without multicast address the CTA's own shared memory and barrier, the stores write global memory.
 constexpr int grad_output_bytes(GradOutput output) { return output == GradOutput::kBFloat16 ? 2 : 4; }
@@ -582,7 +451,7 @@ static_assert(std::is_trivially_copyable_v<AnyWeightGradParams>, "a kernel param
 // f(TraitsTag<T>{}, params) for the stored output mode, T = WeightGradTraitsInGemmLayout<mode> and params
 // its WeightGradParams; returns what f returns (the same type for every mode). For consumers the mode must
 // be warp-uniform (it is when `p` is a kernel parameter indexed by a warp-uniform value): the branch
-// surrounds the tile's wgmma (see compute_grad_tile).
+// surrounds the tile's wgmma (see compute_tile).
 template <class F>
 __device__ __forceinline__ decltype(auto) visit_weight_grad(const AnyWeightGradParams& p, F&& f) {
   switch (p.output) {
@@ -594,38 +463,6 @@ __device__ __forceinline__ decltype(auto) visit_weight_grad(const AnyWeightGradP
     default:  // kAccumulateFloat32: make_any_weight_grad_params admits no other mode
       return f(TraitsTag<WeightGradTraitsInGemmLayout<GradOutput::kAccumulateFloat32>>{},
                p.params<GradOutput::kAccumulateFloat32>());
-  }
-}
-
-// weight_grad_gemm_kernel's persistent loop over AnyWeightGradParams: the megakernel's configuration and
-// output-mode dispatch, run standalone (tests compare it bitwise with the standalone configuration; the
-// host entry is src/host/weight_grad_gemm.cu's). Every mode has the same threads, shared memory and pipeline.
-template <class AnyParams>
-__global__ void __launch_bounds__(WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>::kThreads, 1)
-    any_mode_weight_grad_gemm_kernel(const __grid_constant__ AnyParams p, const __grid_constant__ StandaloneWaits waits) {
-  using T0 = WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>;
-  extern __shared__ __align__(1024) char shared_raw[];
-  auto& smem = *reinterpret_cast<typename T0::SharedStorage*>(shared_raw);
-  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);  // uniform: see compute_grad_tile
-  const WeightGradRole role = warpgroup == 0 ? WeightGradRole::kProducer : WeightGradRole::kConsumer;
-  typename T0::Pipeline pipeline = start_pipeline<T0>(smem, smem.tasks, role == WeightGradRole::kConsumer);
-  switch (role) {
-    case WeightGradRole::kProducer:
-      cutlass::arch::warpgroup_reg_dealloc<T0::kProducerRegisters>();
-      if (threadIdx.x == 0)
-        visit_weight_grad(p, [&](auto traits, const auto& params) {
-          using T = typename decltype(traits)::type;
-          static_assert(std::is_same_v<typename T::SharedStorage, typename T0::SharedStorage>, "one storage");
-          run_grad_producer<T>(params, waits, smem, pipeline);
-        });
-      break;
-    case WeightGradRole::kConsumer:
-      cutlass::arch::warpgroup_reg_alloc<T0::kConsumerRegisters>();
-      visit_weight_grad(p, [&](auto traits, const auto& params) {
-        using T = typename decltype(traits)::type;
-        run_grad_consumers<T>(params, waits.bound, smem, pipeline, static_cast<int>(threadIdx.x) - 128);
-      });
-      break;
   }
 }
 

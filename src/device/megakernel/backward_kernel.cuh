@@ -198,7 +198,7 @@ __device__ __forceinline__ void run_backward_producer(const Params& p, BackwardS
       default:
         issued = gemm::visit_weight_grad(weight_grad_of(p, phase.gemm), [&](auto traits, const auto& w) {
           using TG = typename decltype(traits)::type;
-          return gemm::load_grad_tile<TG>(w, grad_tile_of<TG, T::kClusterN>(task, cta_rank),
+          return gemm::load_tile<TG>(w, grad_tile_of<TG, T::kClusterN>(task, cta_rank), cta_rank,
                                           smem.gemm, pipeline, state, bound);
         });
     }
@@ -214,8 +214,8 @@ __device__ __forceinline__ void run_grad_tile(const gemm::AnyWeightGradParams& w
                                               typename T::PipelineState& state, int consumer_idx, int cta_rank,
                                               const device::HandoffBound& bound, gemm::RowsDoneSignal& signal) {
   using TG = gemm::WeightGradTraitsInGemmLayout<kOutput>;
-  gemm::compute_grad_tile<TG>(w.params<kOutput>(), grad_tile_of<TG, T::kClusterN>(task, cta_rank),
-                              smem.gemm, pipeline, state, consumer_idx, bound, &signal);
+  gemm::compute_tile<TG>(w.params<kOutput>(), grad_tile_of<TG, T::kClusterN>(task, cta_rank), smem.gemm, pipeline,
+                         state, consumer_idx, nullptr, &signal, bound);
 }
 
 template <class TRecompute, class TDown, class T, class Params>
