@@ -9,8 +9,8 @@
 //   weight-gradient GEMMs can sum over whole segments. L = 0 disables the clamp; scale is optional.
 //   The epilogues' formulas, side inputs and outputs: src/device/gemm/gemm_epilogue.cuh.
 //
-// Policies: GemmTraits = tile shape + a mainloop policy (operand element type and B's majorness, below)
-// + an epilogue policy (gemm_epilogue.cuh) + the cluster size; compute_tile = mainloop() + Epilogue::store.
+// GemmTraits = mainloop.cuh's collective (tile shape, operand policy: A K-major, B K- or MN-major) + an epilogue
+// policy (gemm_epilogue.cuh) + the cluster size; compute_tile = mainloop() + Epilogue::store.
 // B K-major (kK): W [E_local, N, K] (k contiguous: the forward's weights), loaded as two boxes of
 // kBlockN/2 rows (gate and up rows for SwiGLU, two row ranges of W otherwise). B MN-major (kMN):
 // W [E_local, K, N] (n contiguous: the backward's dgrad through the forward's weights as they are), loaded
@@ -20,28 +20,19 @@
 // Clusters of kClusterN (1 or 2) CTAs share the A tile: a task is one m-tile and kClusterN adjacent
 // n-blocks; CTA c of the cluster computes n-block kClusterN * task.n_block + c. With 2, each CTA loads half
 // of the A tile's rows and multicasts it to both, cutting L2 traffic per k-block from 48 to 40 KB per CTA.
-//
-// Roles (one CTA = 1 producer warpgroup + kBlockM/64 consumer warpgroups):
-//   producer   one elected thread issues, per stage, the TMA loads of its half of A (multicast) and of B.
-//   consumers  wgmma 64 x kBlockN x 16 per warpgroup (SS operands, fp32 accumulators in registers),
-//              one batch in flight; then the epilogue into shared memory and out by TMA stores, which
-//              drain while the next tile's mainloop runs.
-//   For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
-//   activation is register-local.
+// For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
+// activation is register-local.
 //
 // The unit of work is a TileTask (first row, rows, n-block, expert): load_tile() on the producer side and
 // compute_tile() on the consumer side, each advancing a pipeline state that persists across tasks, so a
 // persistent loop (expert_gemm_kernel in gemm_kernel.cuh, the megakernels) can interleave GEMM tiles with
-// other work. Clusters take task slots from an atomic ticket as they free up (TaskRing hands each slot to both
-// CTAs' producers and consumers), so consecutive slots, which share weights, start together
-// (TaskWalker<kRowTiles>, task_walker.cuh).
+// other work. Task order: TaskWalker<kRowTiles> (task_walker.cuh).
 //
 // Shared memory: A stages (kBlockM x 64 bf16, 128B swizzle) | B stages (kBlockN x 64) | epilogue staging
 // (kBlockM x 128 output columns, bf16 boxes of 64 x 64, 128B swizzle) | pipeline barriers | task ring.
-// Sync: PipelineTmaAsync full/empty mbarriers per stage (producer: acquire empty, arm transaction bytes;
-// consumers: wait full, release after the wgmma that read the stage retired). Every wait is bounded
-// (device::HandoffBound: the standalone kernel's from its StandaloneWaits parameter, the megakernels' own) and a
-// timeout is reported in the status word (docs/sync_protocol.md, "Timeouts and the abort word").
+// Sync: mainloop.cuh's pipeline; every wait is bounded (device::HandoffBound: the standalone kernel's from its
+// StandaloneWaits parameter, the megakernels' own) and a timeout is reported in the status word
+// (docs/sync_protocol.md, "Timeouts and the abort word").
 // Determinism: each output element is one fixed-order K reduction by one thread; no atomics.
 #pragma once
 
@@ -51,7 +42,6 @@
 #include <cuda_bf16.h>
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "mok/expert_gemm.h"
@@ -179,7 +169,13 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
                           Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, make_coord(0, _));
   auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{},
                                       group_modes<0, 2>(s_a_shares(_, _, cta_rank, 0, _)), group_modes<0, 2>(g_a));
-  constexpr uint16_t kAllCtas = (1u << T::kClusterN) - 1;
+  // This CTA's share of A for one stage: multicast to every CTA of the cluster.
+  const auto load_a = [&](int k_block, int stage, typename T::Pipeline::ProducerBarrierType* full) {
+    if constexpr (T::kClusterN > 1)
+      copy(p.tma_a.with(*full, uint16_t((1u << T::kClusterN) - 1)), t_a_g(_, k_block), t_a_s(_, stage));
+    else
+      copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
+  };
   const int num_k_blocks = p.k / T::kBlockK;
   if constexpr (T::Mainloop::kBKMajor) {
     // B rows by offset, not by tile index: an expert's rows (n, or 2n fused) need not be a multiple of the
@@ -200,10 +196,7 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
       if (!producer_acquire_bounded(pipeline, state, bound)) return false;
       auto* full = pipeline.producer_get_barrier(state);
       const int stage = state.index();
-      if constexpr (T::kClusterN > 1)
-        copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
-      else
-        copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
+      load_a(k_block, stage, full);
       copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
       copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
       ++state;
@@ -220,10 +213,7 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
       if (!producer_acquire_bounded(pipeline, state, bound)) return false;  // as above
       auto* full = pipeline.producer_get_barrier(state);
       const int stage = state.index();
-      if constexpr (T::kClusterN > 1)
-        copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
-      else
-        copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
+      load_a(k_block, stage, full);
       const bool second = k_block >= p.b_k_blocks0;
       const auto& tma_b = second ? p.tma_b1 : p.tma_b0;
       const int64_t k_row = k_base + int64_t(second ? k_block - p.b_k_blocks0 : k_block) * T::kBlockK;
@@ -265,9 +255,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const TileTask& ta
   const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
   const bool active = warpgroup * kUnitRows < __shfl_sync(0xffffffff, task.rows, 0);
   const bool store_leader = consumer_idx % 128 == 0;
-  if (signal != nullptr && store_leader && signal->pending != nullptr &&
-      pipeline.consumer_try_wait(read_state) == cutlass::BarrierStatus::WaitAgain)
-    signal->flush();  // about to block on the first stage: whoever we wait for may wait for this count
+  RowsDoneSignal::flush_before_blocking(signal, store_leader, pipeline, read_state);
 
   const int num_k_blocks = p.k / T::kBlockK;
   if (!active) {

@@ -57,6 +57,16 @@ struct RowsDoneSignal {
     device::add_release_gpu(pending, 1);
     pending = nullptr;
   }
+
+  // Before a consumer warpgroup blocks on a tile's first stage: whoever it waits for may wait for this count
+  // (not adding it could deadlock). `leader` (the store leader, with stages to wait for) adds it.
+  template <class Pipeline, class State>
+  __device__ __forceinline__ static void flush_before_blocking(RowsDoneSignal* signal, bool leader,
+                                                                Pipeline& pipeline, const State& read_state) {
+    if (signal != nullptr && leader && signal->pending != nullptr &&
+        pipeline.consumer_try_wait(read_state) == cutlass::BarrierStatus::WaitAgain)
+      signal->flush();
+  }
 };
 
 // The rows of a tile as the epilogue sees them.
@@ -65,9 +75,9 @@ struct TileRows {
   float row_scale[2];  // of the thread's two fragment rows: 1 without a scale or for a padding row
 };
 
-// Shared-memory staging and TMA stores of one consumer warpgroup's output boxes. All 128 threads of the
-// warpgroup call begin_pass, stage and end_pass the same number of times (named barrier kStagingBarrier +
-// warpgroup).
+// Shared-memory staging and TMA stores of one consumer warpgroup's output boxes, every GEMM's (the weight
+// gradient's writes its boxes itself and issues them through end_pass_with). All 128 threads of the warpgroup
+// call begin_pass, stage and end_pass the same number of times (named barrier kStagingBarrier + warpgroup).
 template <class T, class Storage>
 struct TileStager {
   Storage& smem;  // the GEMM's shared memory (mainloop.cuh, GemmSharedStorage)
@@ -77,10 +87,10 @@ struct TileStager {
   int box_row;             // the 64-row box of the output buffers that these rows are
 
   // Why: the previous pass's (or tile's) TMA stores of this warpgroup read the boxes we overwrite now.
-  // The previous tile's stores are written by now too: its late count goes out here.
-  __device__ __forceinline__ void begin_pass() const {
+  // The previous tile's stores are written by now too: its late count goes out here (only where may_flush).
+  __device__ __forceinline__ void begin_pass(bool may_flush = true) const {
     if (store_leader) {
-      if (signal != nullptr && signal->pending != nullptr)
+      if (may_flush && signal != nullptr && signal->pending != nullptr)
         signal->flush();
       else
         cute::tma_store_wait<0>();
@@ -101,10 +111,7 @@ struct TileStager {
   template <class Tma, class BoxCol>
   __device__ __forceinline__ void end_pass(const Tma& tma, int64_t a_rows, int64_t cols, BoxCol&& box_col) const {
     using namespace cute;
-    // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
-    tma_store_fence();
-    cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
-    if (store_leader) {
+    end_pass_with([&] {
       Tensor m_out = tma.get_tma_tensor(make_shape(a_rows, cols));
       CUTE_UNROLL
       for (int box = 0; box < T::kStagingBoxes; ++box) {
@@ -116,7 +123,18 @@ struct TileStager {
         auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
         copy(tma, t_s, t_g);
       }
-      tma_store_arrive();
+    });
+  }
+
+  // The end of a pass whose boxes `issue` (run by the store leader) stores: one bulk group.
+  template <class Issue>
+  __device__ __forceinline__ void end_pass_with(Issue&& issue) const {
+    // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
+    cute::tma_store_fence();
+    cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
+    if (store_leader) {
+      issue();
+      cute::tma_store_arrive();
     }
   }
 };

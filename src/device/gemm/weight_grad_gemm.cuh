@@ -4,39 +4,23 @@
 //   a bf16 [rows, m], b bf16 [rows, n] row-major. In GEMM terms A = aᵀ (m x K) and B = bᵀ (n x K), both
 //   MN-major (the m or n index is contiguous), and K = the segment [row_offsets[e], min(row_offsets[e+1],
 //   scheduled_rows)) in whole k-blocks of kBlockK rows (segments are padded to 64 or 128 rows). fp32
-//   accumulation.
+//   accumulation (mainloop.cuh's collective with Bf16Mainloop<kMN, kMN>).
 //   kOutput: bf16 or fp32 written (rounded once from the accumulator), or fp32 added (out += grad_e).
+// A task is one output tile (GradTileTask: expert, m-block of 128 gradient rows, n-block of kBlockN columns;
+// order and slots: task_walker.cuh, TaskWalker<kKGrouped>); the standalone kernel is gemm_kernel.cuh's.
 //
-// A task is one output tile: (expert, m-block of kBlockM gradient rows, n-block of kBlockN columns). Every
-// expert has num_m_blocks * num_n_blocks tasks, an expert without rows too (it writes zeros, or adds
-// nothing). Slots come from an atomic ticket in order expert by expert (an expert's a and b rows, a few MB,
-// stay in L2 while its tiles run), n-blocks fastest.
-//
-// Roles (one CTA = 1 producer warpgroup + 2 consumer warpgroups; no cluster here, the backward megakernel's
-// clusters: WeightGradTraitsInGemmLayout, at the end):
-//   producer   one thread takes slots (TaskRing), decodes them (TaskWalker<kKGrouped>) and publishes the task to
-//              the consumers, then per k-block issues the TMA loads of the stage: kBlockM/64 boxes of a
-//              (kBlockK rows x 64 m-columns) and kBlockN/64 boxes of b, straight from the row-major buffers
-//              into MN-major 128B-swizzled layouts (Layout_MN_SW128_Atom: a box is kBlockK rows of 128 bytes).
-//              It runs ahead into the next tiles' k-blocks, as far as the stages allow, while the
-//              consumers write the previous tile.
-//   consumers  warpgroup w owns gradient rows [64w, 64w + 64) of the tile: wgmma 64 x kBlockN x 16 with
-//              both operands MN-major from shared memory (transposed bf16 operands), fp32 accumulators in
-//              registers, one batch in flight. Then the epilogue, below.
+// Loads: per k-block, kBlockM/64 boxes of a (kBlockK rows x 64 m-columns) and kBlockN/64 boxes of b, straight
+// from the row-major buffers into MN-major 128B-swizzled stages (a box is kBlockK rows of 128 bytes); wgmma
+// reads both operands transposed. Consumer warpgroup w owns gradient rows [64w, 64w + 64) of the tile.
 //
 // Epilogue: registers -> shared-memory boxes (64 rows x 128 bytes, the TMA's 128-byte swizzle) -> TMA
-// stores, or TMA reduce-adds for kAccumulateFloat32. Why through shared memory: with K of a few hundred
-// rows a tile's fp32 output (128 KB) costs as much time as its mainloop, so it must drain while the next
-// tile computes. The tile is staged in passes of kStagingColumns columns: the standalone kernel stages the
-// whole tile in one pass, its warpgroup's first thread issues the stores and goes on, and only the next
-// tile's epilogue waits until they have read the boxes. The backward megakernel's configuration
-// (WeightGradTraitsInGemmLayout) has only the expert GEMM's 16 KB per warpgroup: 2 passes (bf16) or 4
-// (fp32), each pass first waiting until the previous pass's stores have read the boxes (as the expert
-// GEMM's TileStager). Stores from registers would keep the warpgroup (and the tensor cores) waiting until
-// the memory system took every value. The
-// fragment-order writes are conflict-free: a warp's bf16x2 writes fill one 128-byte wavefront, its
-// float2 writes two (8 rows x 4 lanes; the swizzle spreads the 8 rows over all banks). Each box row is one
-// full 128-byte line of the output.
+// stores, or TMA reduce-adds for kAccumulateFloat32, through the GEMMs' TileStager (gemm_epilogue.cuh). Why
+// through shared memory: with K of a few hundred rows a tile's fp32 output (128 KB) costs as much time as its
+// mainloop, so it must drain while the next tile computes. The standalone kernel stages the whole tile in one
+// pass and only the next tile's epilogue waits until the stores have read the boxes; the megakernel's
+// configuration (WeightGradTraitsInGemmLayout) stages in 2 (bf16) or 4 (fp32) passes through 16 KB per
+// warpgroup. The fragment-order writes are conflict-free: a warp's bf16x2 writes fill one 128-byte wavefront,
+// its float2 writes two (8 rows x 4 lanes; the swizzle spreads the 8 rows over all banks).
 // kAccumulateFloat32 uses the TMA's reduce-add (cp.reduce.async.bulk.tensor .add): the L2 reads each fp32
 // value, adds the tile's value once and writes it back. One CTA owns each tile and each element gets
 // exactly one addition per call, so the result is out + grad_e rounded once, whichever CTA ran it and
@@ -52,20 +36,12 @@
 // warpgroup's 64 rows lie on one side of it; a tile that straddles the split writes its upper half to
 // `out` and its lower half to `out_split`.
 //
-// The unit of work is a GradTileTask: load_tile() on the producer side and compute_tile() on
-// the consumer side, each advancing a pipeline state that persists across tasks, so a persistent loop
-// (weight_grad_gemm_kernel in gemm_kernel.cuh, the backward megakernel) can interleave them with other work. They take
-// only the pipeline object, not its cluster shape: the megakernel runs them on the expert GEMM's pipeline
-// and shared memory (WeightGradTraitsInGemmLayout and AnyWeightGradParams, at the end of this file).
-//
 // Shared memory (kBlockM 128, kBlockN 256): stages of A (kBlockK x 256 bytes) and B (kBlockK x 512 bytes)
-// | staging, one pass of boxes per consumer warpgroup (the standalone kernel: kBlockN columns, bf16 32 KB,
-// fp32 64 KB) | pipeline barriers | task ring. bf16: 3 stages of 64 rows + 64 KB = 208 KB; fp32: 4 stages of
-// 32 rows + 128 KB = 224 KB (src/host/weight_grad_params.h says why).
-// Sync (docs/sync_protocol.md, "the weight-gradient GEMM"): PipelineTmaAsync full/empty per stage; the
-// task ring; per warpgroup a named barrier around each pass's staging writes and
-// cp.async.bulk.wait_group.read before the boxes are written again (next pass or tile). Every mbarrier wait is
-// bounded and reports a timeout in the status word, as the expert GEMM's (StandaloneWaits, gemm_kernel.cuh).
+// | staging, one pass of boxes per consumer warpgroup | pipeline barriers | task ring. bf16: 3 stages of 64
+// rows + 64 KB = 208 KB; fp32: 4 stages of 32 rows + 128 KB = 224 KB (src/host/weight_grad_params.h says why).
+// Sync (docs/sync_protocol.md, "the weight-gradient GEMM"): as the expert GEMM's, plus per warpgroup a named
+// barrier around each pass's staging writes and cp.async.bulk.wait_group.read before the boxes are written
+// again (next pass or tile). Every wait is bounded and reports a timeout in the status word.
 // Determinism: each output element is one fixed-order K reduction (ascending rows) by one thread of one
 // CTA; no value atomics; the result does not depend on which CTA takes which slot.
 #pragma once
@@ -79,7 +55,6 @@
 #include <cuda_bf16.h>
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "mok/weight_grad_gemm.h"
@@ -289,40 +264,26 @@ __device__ __forceinline__ void write_staging(const Accum& accum, int pass, uint
 // through the staging boxes to the output (first_row: the warpgroup's first gradient row). A pass whose
 // columns all lie past n (a partial last n-block) is skipped: warpgroup-uniform, as p.n and the task are.
 // signal: see compute_tile.
-template <class Traits, int kPass, class Params, class Accum, class Storage>
+template <class Traits, int kPass, class Params, class Accum, class Stager>
 __device__ __forceinline__ void store_grad_pass(const Params& p, const GradTileTask& task, const Accum& accum,
-                                                Storage& smem, int warpgroup, int first_row,
-                                                int thread, bool store_leader, RowsDoneSignal* signal) {
-  using namespace cute;
+                                                const Stager& stager, int first_row, int thread) {
   using T = Traits;
   if constexpr (kPass > 0) {
     if (task.n_block * T::kBlockN + kPass * T::kStagingColumns >= p.n) return;
   }
-  // Why the wait: the previous pass's (or tile's) stores read the boxes we overwrite now; the barrier tells
-  // the whole warpgroup. A previous expert GEMM tile's late count goes out here (its stores are written by
-  // now; flush() waits for them).
-  if (store_leader) {
-    if (kPass == 0 && signal != nullptr && signal->pending != nullptr)
-      signal->flush();
-    else
-      tma_store_wait<0>();
-  }
-  cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
-  write_staging<T>(accum, kPass, smem.staging[warpgroup], thread);
-  // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
-  tma_store_fence();
-  cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
-  if (store_leader) {
+  // A previous expert GEMM tile's late count goes out at the first pass (its stores are written by now).
+  stager.begin_pass(kPass == 0);
+  write_staging<T>(accum, kPass, stager.smem.staging[stager.warpgroup], thread);
+  stager.end_pass_with([&] {
     const int64_t expert = task.expert;
     if (first_row < p.m_split)
       store_staged_rows<T, kPass>(p, p.tma_out, int64_t(p.local_experts) * p.m_split,
-                                  expert * p.m_split + first_row, task.n_block, smem, warpgroup);
+                                  expert * p.m_split + first_row, task.n_block, stager.smem, stager.warpgroup);
     else
       store_staged_rows<T, kPass>(p, p.tma_out_split, int64_t(p.local_experts) * (p.m - p.m_split),
-                                  expert * (p.m - p.m_split) + (first_row - p.m_split), task.n_block, smem,
-                                  warpgroup);
-    tma_store_arrive();
-  }
+                                  expert * (p.m - p.m_split) + (first_row - p.m_split), task.n_block, stager.smem,
+                                  stager.warpgroup);
+  });
 }
 
 // Consumer side of one tile: mainloop over the expert's k-blocks, then the epilogue. All consumer threads
@@ -349,9 +310,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const GradTileTask
   const int k_blocks = __shfl_sync(0xffffffff, task.k_blocks, 0);
   const int first_row = __shfl_sync(0xffffffff, task.m_block, 0) * T::kBlockM + warpgroup * 64;  // of the gradient
   const bool store_leader = consumer_idx % 128 == 0;
-  if (signal != nullptr && store_leader && signal->pending != nullptr && k_blocks > 0 &&
-      pipeline.consumer_try_wait(read_state) == cutlass::BarrierStatus::WaitAgain)
-    signal->flush();  // about to block on the first stage
+  RowsDoneSignal::flush_before_blocking(signal, store_leader && k_blocks > 0, pipeline, read_state);
   if (first_row >= p.m) {
     // Rows past m (a partial last m-block): the other warpgroup computes the tile alone.
     pass_stages_back(k_blocks, pipeline, read_state, bound);
@@ -369,38 +328,24 @@ __device__ __forceinline__ void compute_tile(const Params& p, const GradTileTask
   // index is a compile-time constant: with one pass this compiles to the SASS of an epilogue without passes
   // (a run-time pass index, even a constant one after inlining, moved the store leader's column arithmetic
   // out of the uniform registers).
+  const TileStager<T, Storage> stager{smem, warpgroup, store_leader, signal, 0};
   [&]<int... kPass>(std::integer_sequence<int, kPass...>) {
-    (store_grad_pass<T, kPass>(p, task, accum, smem, warpgroup, first_row, consumer_idx % 128, store_leader, signal),
-     ...);
+    (store_grad_pass<T, kPass>(p, task, accum, stager, first_row, consumer_idx % 128), ...);
   }(std::make_integer_sequence<int, T::kStagingPasses>{});
 }
 
-// The backward megakernel's configuration (it runs these tiles beside the expert GEMM's, as tasks of one
-// persistent pipeline): kBlockK 64 and 4 stages, so a stage is byte for byte the expert GEMM's (A 128 x 64
-// bf16 = 16 KB, B 256 x 64 = 32 KB, 48 KB of transaction bytes; each kind of tile lays out the stage it
-// loads), and the expert GEMM's 16 KB of staging per consumer warpgroup (2 boxes of 64 rows x 128 bytes):
-// bf16 2 passes of 128 columns, fp32 (written or reduce-added) 4 passes of 64 columns; each pass first waits
-// until the previous pass's stores have read the boxes (cp.async.bulk.wait_group.read 0). Its TileStorage is
-// the expert GEMM's (asserted in the megakernel and in src/host/weight_grad_params.h).
-// Named barriers: the epilogue syncs consumer warpgroup w on CUTLASS NamedBarrier id kStagingBarrier + w =
-// 1 + w, the id the expert GEMM's epilogue (TileStager) uses for the same 128 threads; the barrier is free
-// between tiles of either kind. The store leader is thread 0 of the warpgroup in both, and bulk async-groups
-// are per thread: each kind's first wait before it writes the boxes covers the stores the other kind left in
-// flight.
-// Clusters. The megakernel may run in clusters of 2 (its expert GEMM tiles multicast A); its pipeline is then
-// built for ClusterShape (2, 1, 1): a consumer warpgroup's release arrives on the stage's empty barrier in
-// both CTAs, and a producer's acquire waits for the consumers of both. A weight-gradient task is given to both
-// CTAs of the cluster with n-blocks 2g and 2g + 1 of one (expert, m-block) (GradTileTask::for_cta). Each CTA
-// loads its own A and B without multicast into its own stage, on its own full barrier, with the same 48 KB
-// of transaction bytes as a GEMM stage. This is correct: the release that reaches the partner's empty barrier
-// says "done with stage s" for a stage whose bytes it never read, which is only conservative, and the arrival
-// counts match because both CTAs consume the same stage sequence in lockstep: the same tasks in the same
-// order, and the two tiles of a task run the same k-blocks (same expert, same rows). An n-block 2g + 1 past n
-// (an odd number of n-blocks) still runs its k-blocks (load boxes clamped to the last in-bounds box) and
-// stores nothing; a consumer warpgroup whose rows lie past m passes its stages back, in both CTAs alike.
-// load_tile / compute_tile take only the pipeline object and its states (the type,
-// PipelineTmaAsync<4>, does not depend on the cluster shape) and assume nothing about the cluster: TMA loads
-// without multicast address the CTA's own shared memory and barrier, the stores write global memory.
+// The backward megakernel's configuration (its tiles run beside the expert GEMM's on one pipeline): kBlockK 64
+// and 4 stages, so a stage is byte for byte the expert GEMM's (48 KB of transaction bytes; each kind of tile
+// lays out the stage it loads), and 2 staging boxes per warpgroup: its TileStorage is the expert GEMM's type.
+// The staging barrier (kStagingBarrier + w) and the store leader (thread 0 of the warpgroup) are the expert
+// GEMM's too; bulk async-groups are per thread, so each kind's first wait before it writes the boxes covers the
+// stores the other kind left in flight.
+// Clusters of 2 (the megakernel's, for its expert GEMM tiles' multicast A): both CTAs get the same task, with
+// n-blocks 2g and 2g + 1 (GradTileTask::for_cta), and load their own A and B without multicast, with the same
+// 48 KB of transaction bytes as a GEMM stage. A release that reaches the partner's empty barrier for a stage it
+// never read is only conservative, and the arrival counts match because both CTAs consume the same stage
+// sequence in lockstep (same tasks, same k-blocks). An n-block 2g + 1 past n still runs its k-blocks and stores
+// nothing; a warpgroup whose rows lie past m passes its stages back, in both CTAs alike.
 constexpr int grad_output_bytes(GradOutput output) { return output == GradOutput::kBFloat16 ? 2 : 4; }
 inline constexpr int kGemmLayoutStagingBoxes = 2;  // the expert GEMM's GemmTraits::kStagingBoxes
 template <GradOutput kOutput>

@@ -34,6 +34,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cutlass/arch/reg_reconfig.h>
+
 #include "mok/peer_group.h"
 #include "mok/status.h"
 #include "src/device/backward/grad_rows.cuh"
