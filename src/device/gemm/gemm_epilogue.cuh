@@ -141,18 +141,62 @@ struct TileStager {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// The epilogue interface (T: the GEMM's traits):
+// The epilogue interface of every GEMM (T: the GEMM's traits; compute_tile, mainloop.cuh, calls it):
+//   prefetch<T>(...)       before the tile's mainloop (consumer threads of an active warpgroup)
+//   finish<T>(...)         after it: the warpgroup's rows of the accumulators to the outputs
+// The expert GEMM's epilogues (row tiles) share finish (RowTileEpilogue) and add
 //   kKind                  the public epilogue it implements
 //   out_cols(kBlockN)      GEMM columns (of n) per output tile: the n-block width
-//   prefetch<T>(...)       before the tile's mainloop (consumer threads of an active warpgroup)
-//   store<T>(...)          after it: writes the warpgroup's rows through `stager`
-struct StoreEpilogue {
+//   store<T>(...)          writes the warpgroup's rows through `stager`
+// The weight gradient's is GradEpilogue (weight_grad_gemm.cuh).
+//
+// RowTileEpilogue::finish: each warpgroup stages and stores its own 64 rows; its first thread issues the
+// stores. (A reader of the output inside the same kernel, e.g. the megakernel's down GEMM, needs the stores
+// complete, cp.async.bulk.wait_group 0, before the release that signals it.)
+// rows_done (nullable, the megakernel's): one counter per 64 schedule rows; each warpgroup adds 1 to its rows'
+// counter once its stores have reached global memory (through `signal`, late: see RowsDoneSignal), so a
+// counter reaches the number of n-blocks when the rows' whole output is readable (docs/sync_protocol.md).
+// `signal` is the calling thread's own; needed whenever rows_done is set.
+// Epilogues without a prefetch (SwiGLUBackwardEpilogue has its own).
+struct NoPrefetch {
+  template <class T, class Params, class Task>
+  __device__ __forceinline__ static void prefetch(const Params&, const Task&, int, int) {}
+};
+
+template <class Derived>
+struct RowTileEpilogue : NoPrefetch {
+  template <class T, class Params, class Tile, class Accum, class Mma, class Storage>
+  __device__ __forceinline__ static void finish(const Params& p, const TileTask& task, const Tile&, const Accum& accum,
+                                                Mma& mma, Storage& smem, int warpgroup, int consumer_idx,
+                                                bool store_leader, uint64_t* rows_done, RowsDoneSignal* signal) {
+    using namespace cute;
+    // Why opaque (epilogues with many staged values, kOpaqueCoordinates): the fragment coordinates and the
+    // staging addresses derived from the thread index are loop invariants of a persistent loop; hoisted out
+    // of it they outgrow the consumers' registers (ptxas spilled). Recomputed per tile they cost nothing.
+    int coords_idx = consumer_idx;
+    if constexpr (Derived::kOpaqueCoordinates) asm volatile("mov.u32 %0, %1;" : "=r"(coords_idx) : "r"(consumer_idx));
+    Tensor coords =
+        mma.get_thread_slice(coords_idx).partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+    // A thread's fragment covers two rows (r0 and r0 + 8 of its warp's 16): value i lies in row half
+    // (i / 2) % 2; load the two row scales once.
+    TileRows rows;
+    rows.valid_rows = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert] - task.row;
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int r = get<0>(coords(2 * half));
+      rows.row_scale[half] = p.row_scale != nullptr && r < rows.valid_rows ? p.row_scale[task.row + r] : 1.0f;
+    }
+    const TileStager<T, Storage> stager{smem, warpgroup, store_leader, signal,
+                                        (task.buffer_row + warpgroup * kUnitRows) / kUnitRows};
+    Derived::template store<T>(p, task, accum, coords, rows, stager);
+    if (rows_done != nullptr && store_leader) signal->pending = rows_done + (task.row / kUnitRows + warpgroup);
+  }
+};
+
+struct StoreEpilogue : RowTileEpilogue<StoreEpilogue> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kStore;
   static constexpr bool kOpaqueCoordinates = false;
   static constexpr int out_cols(int block_n) { return block_n; }
-
-  template <class T, class Params>
-  __device__ __forceinline__ static void prefetch(const Params&, const TileTask&, int, int) {}
 
   template <class T, class Params, class Accum, class Coords, class Stager>
   __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
@@ -183,14 +227,11 @@ struct StoreEpilogue {
 };
 
 template <bool kWritesGateUp>
-struct SwiGLUEpilogue {
+struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLU;
   static constexpr bool kGateUpOut = kWritesGateUp;
   static constexpr bool kOpaqueCoordinates = kWritesGateUp;
   static constexpr int out_cols(int block_n) { return block_n / 2; }  // gate + up columns -> hidden columns
-
-  template <class T, class Params>
-  __device__ __forceinline__ static void prefetch(const Params&, const TileTask&, int, int) {}
 
   template <class T, class Params, class Accum, class Coords, class Stager>
   __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
@@ -256,7 +297,7 @@ struct SwiGLUEpilogue {
 // index), then the row's quad adds its four sums by a butterfly, x += shfl_xor(x, 1); x += shfl_xor(x, 2):
 // every lane computes (s0 + s1) + (s2 + s3) up to the order of the operands of each addition, and IEEE
 // addition is commutative, so all four lanes hold identical bits; lane 0 of the quad writes them.
-struct SwiGLUBackwardEpilogue {
+struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLUBackward;
   static constexpr bool kOpaqueCoordinates = true;
   static constexpr int out_cols(int block_n) { return block_n; }

@@ -1,18 +1,13 @@
 // The standalone persistent GEMM kernel: one body for the expert GEMM (expert_gemm.cuh, tasks kRowTiles) and the
-// weight-gradient GEMM (weight_grad_gemm.cuh, tasks kKGrouped; also its megakernel configuration with the output
-// mode chosen at run time, AnyWeightGradParams). Used by MoeWorkspace's unfused forward and stage-kernel
-// backward, the tests and the bench; the megakernels run the same tiles from their own loops.
-//
+// weight-gradient GEMM (weight_grad_gemm.cuh, tasks kKGrouped; also with AnyWeightGradParams, the megakernel's
+// configuration, output mode chosen at run time), behind two names that profiles and tools tell apart. Used by
+// the unfused forward, the stage-kernel backward, the tests and the bench.
 // Roles (one CTA per SM, in clusters of T::kClusterN; 1 producer warpgroup + T::kConsumerWarpgroups):
-//   producer   thread 0 takes task slots from the atomic ticket (rank 0 of a cluster takes them, rank 1 gets
-//              them by mail: TaskRing), decodes them (the traits' Walker, task_walker.cuh), publishes them to
-//              its consumers and issues the tile's TMA loads (load_tile), until a slot lies past the last task.
-//   consumers  take the published tasks (TaskRing) and compute them (compute_tile: mainloop + epilogue).
-// Shared memory: T::SharedStorage (mainloop.cuh's GemmSharedStorage with the kernel's task ring).
-// Sync: docs/sync_protocol.md, "Inside one kernel"; every wait is bounded (StandaloneWaits).
+//   producer   thread 0 takes slots from the atomic ticket (rank 1 of a cluster gets rank 0's by mail: TaskRing),
+//              decodes them (T::Walker), publishes them and issues the tiles' TMA loads (load_tile).
+//   consumers  compute the published tasks (compute_tile, mainloop.cuh).
+// Shared memory: T::SharedStorage. Sync: docs/sync_protocol.md, "Inside one kernel"; every wait is bounded.
 // Determinism: results do not depend on which CTA takes which slot (each tile is one CTA's fixed-order K loop).
-// Two named entry points, one body: profiles and tools tell the expert GEMM's kernels from the weight gradient's
-// by name.
 #pragma once
 
 #include <cstdint>
@@ -107,12 +102,13 @@ __device__ __forceinline__ void run_gemm_consumers(const Params& p, const device
     // (the tile's wgmma and named barriers need all four).
     if (!device::named_barrier_all(arrived, consumer_barrier, 128)) break;
     if (!walker.consumer_task(p, payload, task)) break;
+    bool record = false;
+    if constexpr (requires { p.trace; }) record = p.trace != nullptr && consumer_idx == 0;
+    const uint64_t start = record ? device::global_timer_ns() : 0;
+    const int64_t start_cycles = record ? clock64() : 0;
+    compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state, consumer_idx, nullptr,
+                    nullptr, bound);
     if constexpr (requires { p.trace; }) {
-      const bool record = p.trace != nullptr && consumer_idx == 0;
-      const uint64_t start = record ? device::global_timer_ns() : 0;
-      const int64_t start_cycles = record ? clock64() : 0;
-      compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state, consumer_idx, nullptr,
-                      nullptr, bound);
       if (record) {
         uint64_t* r = p.trace + (int64_t(payload) * T::kClusterN + cta_rank) * 4;
         r[0] = start;
@@ -120,9 +116,6 @@ __device__ __forceinline__ void run_gemm_consumers(const Params& p, const device
         r[2] = static_cast<uint64_t>(device::sm_index()) | (uint64_t(clock64() - start_cycles) << 16);
         r[3] = (uint64_t(task.expert) << 48) | (uint64_t(task.n_block) << 32) | uint32_t(task.row);
       }
-    } else {
-      compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state, consumer_idx, nullptr,
-                      nullptr, bound);
     }
   }
   // Why: the shared memory must outlive the last TMA stores' reads of it.

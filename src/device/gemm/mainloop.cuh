@@ -1,32 +1,27 @@
-// The collective mainloop every GEMM tile of the project runs (Hopper: TMA + wgmma, warp-specialized): the
-// expert GEMM's (expert_gemm.cuh: forward gate/up and down, both dgrads, the recompute) and the weight
-// gradients' (weight_grad_gemm.cuh), standalone and inside the megakernels.
+// The collective mainloop every GEMM tile runs (Hopper: TMA + wgmma, warp-specialized): the expert GEMM's
+// (expert_gemm.cuh: forward, dgrads, recompute) and the weight gradients' (weight_grad_gemm.cuh), standalone
+// (gemm_kernel.cuh) and inside the megakernels.
 //
-//   accum[64 rows of a warpgroup, kBlockN] = sum over the tile's k-blocks of A[rows, k-block] · B[k-block, cols]
-//   fp32 accumulators in registers; the k-blocks in ascending order, one wgmma batch (one stage) in flight.
+//   accum[64 rows of a warpgroup, kBlockN] = sum over the tile's k-blocks, ascending, of A[rows, k] · B[k, cols]
+//   fp32 accumulators in registers, one wgmma batch (one stage) in flight.
 //
-// What differs between the GEMMs is a policy, not a second mainloop (as CUTLASS's collective derives both
-// operand majors from its strides):
-//   operand policy    Bf16Mainloop<kAMajor, kBMajor>: the element type and each operand's majorness (K-major:
-//                     k contiguous; MN-major: m or n contiguous). The expert GEMM reads A K-major and B either
-//                     way; the weight gradient (K = tokens) both MN-major. FP8 (e4m3) will be a second operand
-//                     policy with both operands K-major (FP8 wgmma transposes nothing) and its block scales:
-//                     their loads join the producer's stages, their per-k-block promotion the loop below.
-//   tile shape        kBlockM x kBlockN x kBlockK, kStages (CollectiveMainloop).
-//   accumulator start AccumulatorStart: the first wgmma overwrites (row tiles: K > 0 always) or the registers are
-//                     zeroed and every wgmma adds (k-grouped tiles: an expert without rows has K = 0 and still
-//                     writes its zero tile). The two are kept apart because they are not the same bits: a first
-//                     product of -0 stays -0 when it overwrites, and becomes +0 when added to a cleared +0.
-// The producers' loads (which rows and boxes a tile reads) and the epilogues stay with their GEMM.
-//
-// Shared memory (GemmSharedStorage, one type for every tile kind of one shape): A stages | B stages | epilogue
-// staging, per consumer warpgroup kStagingBoxes boxes of 64 rows x 128 bytes (the TMA's 128-byte swizzle) |
-// pipeline barriers | the kernel's task hand-off (Tasks; the megakernels keep theirs beside it). A stage is laid
-// out by the tile that loads it; the bytes, the barriers and their phases do not care which kind of tile used it
-// last, so tiles of any operand majors and epilogues run one after another on one pipeline.
+// What differs between the GEMMs is a policy, not a second mainloop (as CUTLASS's collective, which derives
+// both operand majors from its strides):
+//   operands     Bf16Mainloop<A major, B major>: element type and majorness (expert GEMM: A K-major, B either;
+//                weight gradient, K = tokens: both MN-major). FP8 (e4m3) will be another operand policy, both
+//                operands K-major, its block scales loaded with the stages and promoted per k-block below.
+//   tile shape   CollectiveMainloop<operands, kBlockM, kBlockN, kBlockK, kStages>.
+//   task mode    T::Walker (task_walker.cuh): a tile's k-blocks, its idle warpgroups, AccumulatorStart (the first
+//                wgmma overwrites, or zeroed accumulators to which every wgmma adds: not the same bits for a -0
+//                product, so both stay).
+//   epilogue     T::Epilogue (gemm_epilogue.cuh's interface). The producers' loads stay with their GEMM.
+// Shared memory (GemmSharedStorage, one type per tile shape and staging size whatever the operand majors or
+// epilogue, so every tile kind of a megakernel shares it without reinterpretation): A stages | B stages |
+// per consumer warpgroup kStagingBoxes boxes of 64 rows x 128 bytes (the TMA's 128-byte swizzle) | pipeline
+// barriers | the kernel's task hand-off. A stage is laid out by the tile that loads it.
 // Sync: PipelineTmaAsync full/empty mbarriers per stage (producer: acquire empty, arm transaction bytes;
-// consumers: wait full, release after the wgmma that read the stage retired). Every wait is bounded
-// (device::HandoffBound) and a timeout is reported in the status word (docs/sync_protocol.md).
+// consumers: wait full, release after the wgmma that read the stage retired); every wait bounded
+// (device::HandoffBound), a timeout reported in the status word (docs/sync_protocol.md).
 // Determinism: each output element is one thread's fixed-order K reduction; no atomics.
 #pragma once
 
@@ -38,6 +33,7 @@
 
 #include "mok/expert_gemm.h"
 #include "src/device/common/sync.cuh"
+#include "src/device/gemm/gemm_epilogue.cuh"
 
 namespace mok::gemm {
 
@@ -243,6 +239,39 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
     pipeline.consumer_release(release_state);
     ++release_state;
   }
+}
+
+// Consumer side of one tile, every GEMM's: mainloop over the tile's k-blocks, then the epilogue policy's
+// finish. All consumer threads call this; consumer_idx is the thread's index among the consumer warpgroups.
+// The task mode (T::Walker: task_walker.cuh) says how many k-blocks the tile has, whether this warpgroup's
+// rows are part of it (one that is not only passes the stages back: the other computes alone) and how the
+// accumulators start. signal (nullable; the megakernel's, the calling thread's own): the late completion count
+// a row tile of this warpgroup left pending (RowsDoneSignal); rows_done: see RowTileEpilogue.
+template <class T, class Params, class Task, class Storage>
+__device__ __forceinline__ void compute_tile(const Params& p, const Task& task, Storage& smem,
+                                             typename T::Pipeline& pipeline, typename T::PipelineState& read_state,
+                                             int consumer_idx, uint64_t* rows_done, RowsDoneSignal* signal,
+                                             const device::HandoffBound& bound) {
+  using namespace cute;
+  using Walker = typename T::Walker;
+  typename T::TiledMma mma;
+  auto thread_mma = mma.get_thread_slice(consumer_idx);
+  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+  // Why the shuffle: ptxas serializes every wgmma of the kernel (warning C7518) unless it can prove the
+  // branches around them warp-uniform; a value broadcast from lane 0 is (consumer_tile broadcasts its own).
+  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
+  const auto tile = Walker::consumer_tile(p, task, warpgroup);
+  const bool store_leader = consumer_idx % 128 == 0;
+  RowsDoneSignal::flush_before_blocking(signal, store_leader && tile.may_block, pipeline, read_state);
+  if (!tile.active) {
+    pass_stages_back(tile.num_k_blocks, pipeline, read_state, bound);
+    return;
+  }
+  T::Epilogue::template prefetch<T>(p, task, warpgroup, consumer_idx % 128);
+  mainloop<T, Walker::kAccumulatorStart>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
+                                         bound);
+  T::Epilogue::template finish<T>(p, task, tile, accum, mma, smem, warpgroup, consumer_idx, store_leader, rows_done,
+                                  signal);
 }
 
 // A persistent GEMM CTA's start: its TMA pipeline over `smem` and its task ring, initialized by thread 0,

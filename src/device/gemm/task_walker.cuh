@@ -1,34 +1,31 @@
-// The GEMMs' tile schedulers: which output tile a task slot is (as DeepGEMM's Scheduler<GemmType>, one concept
-// with a mode per grouping). Slots are dense and taken from an atomic ticket in increasing order per CTA
-// (docs/sync_protocol.md; the task ring hands them on), so a walker is a cursor over the experts, not a search
-// per slot (between two tiles every role is on the critical path).
-//
-//   kRowTiles  (expert GEMM, grouped along M): tiles of kBlockM rows over each expert's row segment of the
-//              schedule, times the n-block groups. Order: expert by expert; within an expert, n-block group by
-//              group, the expert's m-tiles fastest. The m-tiles that share one weight block then start within a
-//              few microseconds of each other and stream it through L2 together (an expert's gate/up weights,
-//              59-88 MB, do not fit in L2; its A rows, a few MB, do and are reused across groups). A strided
-//              static assignment let clusters drift apart by a random walk of task-time noise, and the weights
-//              were read from DRAM 1.5-2 times (docs/perf_notes.md, round 3). Empty experts have no slots.
-//   kKGrouped  (weight gradient, grouped along K): every (expert, m-block, n-block) of the gradient is a task,
-//              K = the expert's whole segment; expert by expert (its a and b rows stay in L2), n-blocks fastest.
-//              An expert without rows has tasks too (its zero tile, or nothing added).
-//
-// The concept (both modes):
-//   Task                     the unit of work (tile_task.cuh)
-//   Payload                  what the task ring carries to the consumers: the slot (kRowTiles: each consumer
-//                            warp decodes it with its own walker) or the decoded task (kKGrouped)
-//   kClaimAhead              the producer claims its next slot before it issues the current tile's loads
-//                            (kKGrouped: a weight-gradient tile of few k-blocks takes about as long as the
-//                            atomic's round trip)
-//   task_at(p, slot, task)   the producer's decode; false for a slot past the last task (kStopSlot included)
-//   payload(more, slot, task)
-//   consumer_task(p, payload, task)   the consumers' task; false when the payload says "no more tasks"
-// A scheduled_rows of 0 (after a capacity overflow) leaves every expert empty: no row tiles, zero gradients.
+// The GEMMs' tile schedulers: which output tile a task slot is, as DeepGEMM's Scheduler<GemmType>: one concept,
+// a mode per grouping. Each CTA takes increasing slots from an atomic ticket (docs/sync_protocol.md), so a
+// walker is a cursor over the experts, not a search per slot (between two tiles every role is on the critical
+// path). A scheduled_rows of 0 (after a capacity overflow) leaves every expert empty.
+//   kRowTiles  (expert GEMM, grouped along M): kBlockM-row tiles of each expert's row segment times the n-block
+//              groups; expert by expert, n-block group by group, the expert's m-tiles fastest, so the m-tiles
+//              that share one weight block start within microseconds and stream it through L2 together (an
+//              expert's gate/up weights, 59-88 MB, do not fit in L2; its A rows do). A strided static
+//              assignment let clusters drift apart and read the weights from DRAM 1.5-2 times (perf_notes
+//              round 3). Empty experts have no slots.
+//   kKGrouped  (weight gradient, grouped along K): every (expert, m-block, n-block) of the gradient, K = the
+//              expert's whole segment; expert by expert (its rows stay in L2), n-blocks fastest. An expert
+//              without rows has tasks too (its zero tile, or nothing added).
+// The concept:
+//   Task, Payload            the unit of work (tile_task.cuh); what the task ring carries: the slot
+//                            (kRowTiles: each consumer warp decodes it) or the decoded task (kKGrouped)
+//   kClaimAhead              the producer claims its next slot before the current tile's loads (kKGrouped: a
+//                            tile of few k-blocks takes about as long as the atomic's round trip)
+//   kAccumulatorStart        row tiles have K > 0 always; a k-grouped tile may have none (mainloop.cuh)
+//   task_at(p, slot, task)   the producer's decode; false past the last task (kStopSlot included)
+//   payload(more, slot, task), consumer_task(p, payload, task)   the ring's entry, and back (false: no more)
+//   consumer_tile(p, task, warpgroup)  k-blocks, whether the warpgroup's rows are in the tile (active), whether
+//                            it waits for stages at all (may_block); values broadcast from lane 0
 #pragma once
 
 #include <cstdint>
 
+#include "src/device/gemm/mainloop.cuh"
 #include "src/device/gemm/task_ring.cuh"
 #include "src/device/gemm/tile_task.cuh"
 
@@ -39,11 +36,23 @@ enum class TaskMode : int { kRowTiles = 0, kKGrouped = 1 };
 template <TaskMode kMode, class Traits>
 struct TaskWalker;
 
+// The mode's types and constants (the concept above).
+template <class Task_, class Payload_, bool kClaimAhead_, AccumulatorStart kAccumulatorStart_>
+struct TaskWalkerMode {
+  using Task = Task_;
+  using Payload = Payload_;
+  static constexpr bool kClaimAhead = kClaimAhead_;
+  static constexpr AccumulatorStart kAccumulatorStart = kAccumulatorStart_;
+};
+
 template <class Traits>
-struct TaskWalker<TaskMode::kRowTiles, Traits> {
-  using Task = TileTask;
-  using Payload = int32_t;
-  static constexpr bool kClaimAhead = false;
+struct TaskWalker<TaskMode::kRowTiles, Traits>
+    : TaskWalkerMode<TileTask, int32_t, false, AccumulatorStart::kFirstWgmmaOverwrites> {
+  struct ConsumerTile {
+    bool active;  // a 64-row task: only the first warpgroup's rows
+    int num_k_blocks;
+    bool may_block;
+  };
 
   int32_t expert = -1;
   int32_t segment_begin = 0;  // row_offsets[expert]
@@ -92,13 +101,23 @@ struct TaskWalker<TaskMode::kRowTiles, Traits> {
   __device__ __forceinline__ bool consumer_task(const Params& p, Payload slot, TileTask& t) {
     return walk(p, slot, t);
   }
+  template <class Params>
+  __device__ __forceinline__ static ConsumerTile consumer_tile(const Params& p, const TileTask& task, int warpgroup) {
+    return {warpgroup * kUnitRows < __shfl_sync(0xffffffff, task.rows, 0), p.k / Traits::kBlockK, true};
+  }
 };
 
+// Accumulators zeroed, every wgmma adds: an expert without rows gets a zero tile (the alternative, the first
+// wgmma overwriting and a zero fill on the no-rows path, made ptxas spill the 168 registers the kernel has).
 template <class Traits>
-struct TaskWalker<TaskMode::kKGrouped, Traits> {
-  using Task = GradTileTask;
-  using Payload = GradTileTask;
-  static constexpr bool kClaimAhead = true;
+struct TaskWalker<TaskMode::kKGrouped, Traits>
+    : TaskWalkerMode<GradTileTask, GradTileTask, true, AccumulatorStart::kZeroed> {
+  struct ConsumerTile {
+    int num_k_blocks;
+    int first_row;  // of the gradient: the warpgroup's first
+    bool active;    // rows past m (a partial last m-block): the other warpgroup computes the tile alone
+    bool may_block;
+  };
 
   int32_t expert = -1;
   int32_t row_begin = 0;
@@ -132,6 +151,13 @@ struct TaskWalker<TaskMode::kKGrouped, Traits> {
   __device__ __forceinline__ bool consumer_task(const Params&, const Payload& task, GradTileTask& t) {
     t = task;
     return t.expert >= 0;
+  }
+  template <class Params>
+  __device__ __forceinline__ static ConsumerTile consumer_tile(const Params& p, const GradTileTask& task,
+                                                               int warpgroup) {
+    const int k_blocks = __shfl_sync(0xffffffff, task.k_blocks, 0);
+    const int first_row = __shfl_sync(0xffffffff, task.m_block, 0) * Traits::kBlockM + warpgroup * 64;
+    return {k_blocks, first_row, first_row < p.m, k_blocks > 0};
   }
 };
 

@@ -87,6 +87,8 @@ struct WeightGradParams {
   int32_t* ticket = {};     // zeroed before the launch; each CTA takes its next slot from it
 };
 
+struct GradEpilogue;  // below: the traits name it
+
 // kStagingColumns_: output columns staged per epilogue pass (kBlockN: the whole tile in one pass). Operands:
 // both MN-major bf16 (mainloop.cuh, Bf16Mainloop<kMN, kMN>), 128 gradient rows a tile.
 template <GradOutput kOutput_, int kBlockN_, int kBlockK_, int kStages_, int kStagingColumns_ = kBlockN_>
@@ -150,6 +152,7 @@ struct WeightGradTraits
   // TileStorage: the same type) and the standalone kernel's, with its task ring.
   using TileStorage = typename Collective::template Storage<kStoreBoxes>;
   using Walker = TaskWalker<TaskMode::kKGrouped, WeightGradTraits>;  // the standalone kernel's tasks
+  using Epilogue = GradEpilogue;
   using SharedStorage = typename Collective::template Storage<
       kStoreBoxes, TaskRing<Collective::kTaskDepth, 4 * kConsumerWarpgroups, 1, GradTileTask>>;
   static_assert(TileStorage::kStagingBoxBytes == kStoreBoxBytes, "the storage's staging boxes are the store boxes");
@@ -286,53 +289,26 @@ __device__ __forceinline__ void store_grad_pass(const Params& p, const GradTileT
   });
 }
 
-// Consumer side of one tile: mainloop over the expert's k-blocks, then the epilogue. All consumer threads
-// call this; consumer_idx is the thread's index among the consumer warpgroups. Branches around wgmma are
-// on values broadcast with __shfl_sync (ptxas serializes every wgmma of the kernel, warning C7518, unless
-// it sees them warp-uniform).
-// signal (nullable; the megakernel's, the calling thread's own): the late completion count an expert GEMM
-// tile of this warpgroup left pending (RowsDoneSignal). It goes out before this tile blocks on its first
-// stage (whoever we wait for may wait for that count: not adding it could deadlock) or at the epilogue.
-// rows_done: must be null (the expert GEMM's compute_tile signature; a weight-gradient tile signals nothing).
-template <class Traits, class Params, class Storage>
-__device__ __forceinline__ void compute_tile(const Params& p, const GradTileTask& task, Storage& smem,
-                                             typename Traits::Pipeline& pipeline,
-                                             typename Traits::PipelineState& read_state, int consumer_idx,
-                                             uint64_t* /*rows_done*/, RowsDoneSignal* signal,
-                                             const device::HandoffBound& bound) {
-  using namespace cute;
-  using T = Traits;
-  typename T::TiledMma mma;
-  auto thread_mma = mma.get_thread_slice(consumer_idx);
-  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
-
-  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  const int k_blocks = __shfl_sync(0xffffffff, task.k_blocks, 0);
-  const int first_row = __shfl_sync(0xffffffff, task.m_block, 0) * T::kBlockM + warpgroup * 64;  // of the gradient
-  const bool store_leader = consumer_idx % 128 == 0;
-  RowsDoneSignal::flush_before_blocking(signal, store_leader && k_blocks > 0, pipeline, read_state);
-  if (first_row >= p.m) {
-    // Rows past m (a partial last m-block): the other warpgroup computes the tile alone.
-    pass_stages_back(k_blocks, pipeline, read_state, bound);
-    return;
+// The weight gradient's epilogue policy (gemm_epilogue.cuh's interface), every output mode: pass by pass
+// (kStagingPasses; the standalone kernel's one pass is the whole tile) through the TileStager. Each pass index
+// is a compile-time constant: with one pass this compiles to the SASS of an epilogue without passes (a run-time
+// pass index, even a constant one after inlining, moved the store leader's column arithmetic out of the uniform
+// registers). rows_done: unused (a weight-gradient tile signals nothing; the megakernel passes null).
+struct GradEpilogue : NoPrefetch {
+  template <class T, class Params, class Tile, class Accum, class Mma, class Storage>
+  __device__ __forceinline__ static void finish(const Params& p, const GradTileTask& task, const Tile& tile,
+                                                const Accum& accum, Mma&, Storage& smem, int warpgroup,
+                                                int consumer_idx, bool store_leader, uint64_t*,
+                                                RowsDoneSignal* signal) {
+    if constexpr (T::kOutput == GradOutput::kAccumulateFloat32) {
+      if (tile.num_k_blocks == 0) return;  // no rows: adds nothing, out stays as it is
+    }
+    const TileStager<T, Storage> stager{smem, warpgroup, store_leader, signal, 0};
+    [&]<int... kPass>(std::integer_sequence<int, kPass...>) {
+      (store_grad_pass<T, kPass>(p, task, accum, stager, tile.first_row, consumer_idx % 128), ...);
+    }(std::make_integer_sequence<int, T::kStagingPasses>{});
   }
-  // The accumulators start at zero and every wgmma adds to them: an expert without rows gets a zero tile (the
-  // alternative, the first wgmma overwriting and a zero fill on the no-rows path, made ptxas spill the 168
-  // registers the kernel has at launch).
-  mainloop<T, AccumulatorStart::kZeroed>(k_blocks, smem, pipeline, read_state, mma, thread_mma, accum, bound);
-  if constexpr (T::kOutput == GradOutput::kAccumulateFloat32) {
-    if (k_blocks == 0) return;  // no rows: adds nothing, out stays as it is
-  }
-
-  // Epilogue, pass by pass (kStagingPasses; the standalone kernel's one pass is the whole tile). Each pass
-  // index is a compile-time constant: with one pass this compiles to the SASS of an epilogue without passes
-  // (a run-time pass index, even a constant one after inlining, moved the store leader's column arithmetic
-  // out of the uniform registers).
-  const TileStager<T, Storage> stager{smem, warpgroup, store_leader, signal, 0};
-  [&]<int... kPass>(std::integer_sequence<int, kPass...>) {
-    (store_grad_pass<T, kPass>(p, task, accum, stager, first_row, consumer_idx % 128), ...);
-  }(std::make_integer_sequence<int, T::kStagingPasses>{});
-}
+};
 
 // The backward megakernel's configuration (its tiles run beside the expert GEMM's on one pipeline): kBlockK 64
 // and 4 stages, so a stage is byte for byte the expert GEMM's (48 KB of transaction bytes; each kind of tile
