@@ -11,6 +11,7 @@
 #include "src/host/check.h"
 #include "src/host/gemm_params.h"
 #include "src/host/launch_cache.h"
+#include "src/host/persistent_launch.h"
 
 namespace mok {
 namespace {
@@ -43,8 +44,6 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   auto p = detail::make_gemm_params<T>(args);
   p.ticket = args.ticket;
   p.trace = static_cast<uint64_t*>(args.trace);
-  MOK_CHECK_CUDA(cudaMemsetAsync(args.ticket, 0, sizeof(int32_t), stream));
-
   // Persistent: as many clusters as can be resident at once (SM pairs within a GPC), one CTA per SM; the
   // count and the kernel's shared-memory attribute are set up once per device (src/host/launch_cache.h).
   int device = 0;
@@ -53,19 +52,8 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   const int max_clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), T::kThreads,
                                                        T::kSharedBytes, T::kClusterN, device, "expert_gemm");
   if (max_clusters < 1) throw std::runtime_error("expert_gemm: no cluster of the GEMM kernel fits on the device");
-  cudaLaunchAttribute cluster_attr;
-  cluster_attr.id = cudaLaunchAttributeClusterDimension;
-  cluster_attr.val.clusterDim.x = T::kClusterN;
-  cluster_attr.val.clusterDim.y = 1;
-  cluster_attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(max_clusters * T::kClusterN);
-  config.blockDim = dim3(T::kThreads);
-  config.dynamicSmemBytes = T::kSharedBytes;
-  config.stream = stream;
-  config.attrs = &cluster_attr;
-  config.numAttrs = 1;
-  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p, detail::standalone_waits(args.waits, KernelId::kExpertGemm)));
+  detail::launch_standalone_gemm(kernel, max_clusters * T::kClusterN, T::kThreads, T::kSharedBytes, T::kClusterN,
+                                 args.ticket, stream, p, detail::standalone_waits(args.waits, KernelId::kExpertGemm));
 }
 
 // The one place where the runtime choices become the kernel's policies (an instantiation per mainloop,
