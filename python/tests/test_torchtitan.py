@@ -116,6 +116,22 @@ def test_deepseek_debugmodel_swaps_every_moe_block_and_keeps_its_wider_shared_ex
             ws.shape.shared_expert) == (256, 256, 256, 8, 3, False)
 
 
+@pytest.mark.parametrize("package, flavor, swapped, fused, kept", [
+    ("qwen3", "debugmodel_moe", 8, 0, 0),  # no shared expert
+    ("kimi_k2_7", "debugmodel", 5, 0, 5),  # 2 shared experts: one FeedForward of 2F
+    ("deepseek_v3", "16B", 26, 0, 26),
+    ("deepseek_v3", "671B", 58, 58, 0),  # 1 shared expert of the routed width: fused
+])
+def test_torchtitan_flavors(package, flavor, swapped, fused, kept):
+    import importlib
+    registry = importlib.import_module(f"torchtitan.models.{package}").model_registry
+    with torch.device("meta"):
+        model = registry(flavor).model.build()
+    report = mok_titan.swap_moe_experts(model, warn=False)
+    assert (len(report.swapped), len(report.shared_fused), len(report.shared_kept), report.refused) == \
+        (swapped, fused, kept, {})
+
+
 def test_shared_expert_of_the_routed_width_is_fused():
     model = deepseek_debug(shared_experts=1)
     report = mok_titan.swap_moe_experts(model)
