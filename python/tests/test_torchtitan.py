@@ -1,6 +1,8 @@
 """mok.integrations.torchtitan: torchtitan's MoE blocks swapped onto the layer (swap_moe_experts).
 
-CPU (torchtitan installed, no GPU): which blocks swap and which are refused, with their messages; the state dict
+CPU (torchtitan installed, no GPU): which blocks swap and which are refused, with their messages; the swap's
+wiring (torchtitan's weights, scores and shared expert into the layer) against torchtitan's own block with mok's
+kernels replaced by a torch reference (output and every gradient); the state dict
 unchanged (keys, tensors, the parameter objects themselves) and loading both ways; restore; the argument checks; the
 swapped block's forward on meta tensors (shapes, the workspace shared by the blocks, the token limit, under
 torch.compile(fullgraph=True)); the EP > 1 plumbing (the group given or taken from torchtitan's EP mesh, local
@@ -37,6 +39,11 @@ from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedF
 from torchtitan.models.common.linear import Linear  # noqa: E402
 
 TOLERANCE = 2e-2  # relative Frobenius error of outputs and gradients against torchtitan's own (test_autograd.py)
+
+
+def relative_error(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_moe(dim=256, width=256, experts=8, top_k=2, shared="plain", shared_width=None, score_func="softmax"):
@@ -353,6 +360,71 @@ def test_compile_before_the_workspace_is_made_says_what_to_do():
         torch.compile(moe.routed_experts, fullgraph=True, backend="eager")(*routed_inputs())
 
 
+def reference_layer(ws, ctx, x, topk_idx, router_weights, w, targets, recompute):
+    """What mok::forward computes, in torch ops (fp32 from the bf16 inputs; autograd gives its gradients): stands
+    in for the GPU in the CPU test of the swap's wiring below."""
+    def mlp(rows, gate, up, down):
+        rows = rows.float()
+        return (torch.nn.functional.silu(rows @ gate.float().T) * (rows @ up.float().T)) @ down.float().T
+
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    if w.shared_gate is not None:
+        out = out + mlp(x, w.shared_gate, w.shared_up, w.shared_down)
+    for e in range(w.expert_gate.shape[0]):
+        tokens, slots = (topk_idx == e).nonzero(as_tuple=True)
+        if tokens.numel():
+            y = mlp(x[tokens], w.expert_gate[e], w.expert_up[e], w.expert_down[e])
+            out = out.index_add(0, tokens, router_weights[tokens, slots, None] * y)
+    return out.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shared", ["plain", "wide", None])
+def test_the_swap_wires_torchtitans_weights_and_routing_into_the_layer(shared, monkeypatch):
+    """On the CPU, with mok's kernels replaced by reference_layer: the swapped block's output and gradients
+    (x, router, every expert and shared weight) equal torchtitan's own block's within bf16 rounding, so w1 is
+    the gate, w3 the up and w2 the down projection, the scores are the router weights, the shared expert is
+    fused or kept as the report says, and the gradients reach torchtitan's parameters."""
+    import types
+    monkeypatch.setattr(mok_titan, "layer_forward", reference_layer)
+    fake_ws = types.SimpleNamespace(closed=False, device=torch.device("cpu"),
+                                    shape=types.SimpleNamespace(num_tokens=1 << 20))
+
+    def fake_prepare(self, num_tokens):
+        self._workspace, self._context = fake_ws, object()
+
+    monkeypatch.setattr(mok_titan.MokRoutedExperts, "prepare", fake_prepare)
+    titan = make_moe(dim=128, width=64, experts=8, top_k=3, shared="plain" if shared else None,
+                     shared_width=128 if shared == "wide" else None)
+    titan.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in titan.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+        titan.expert_bias_E.zero_()
+        titan.tokens_per_expert_E.zero_()
+    ours = copy.deepcopy(titan)
+    report = mok_titan.swap_moe_experts(Holder(ours))
+    assert report.shared_fused == (["blocks.0"] if shared == "plain" else [])
+    x = torch.randn(2, 48, 128, generator=gen)
+    d_out = torch.randn(2, 48, 128, generator=gen)
+
+    def run(moe):
+        moe.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(True)
+        out = moe(xx)
+        out.backward(d_out)
+        return out.detach(), xx.grad, {n: p.grad for n, p in moe.named_parameters()}
+
+    ref_out, ref_dx, ref_grads = run(titan)
+    out, dx, grads = run(ours)
+    assert out.dtype == torch.float32 and relative_error(out, ref_out) < TOLERANCE
+    assert relative_error(dx, ref_dx) < TOLERANCE
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        assert grads[name] is not None and relative_error(grads[name], g) < TOLERANCE, name
+    assert torch.equal(ours.tokens_per_expert_E, titan.tokens_per_expert_E)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # EP > 1 plumbing: two CPU processes over gloo, workspaces on meta
 
@@ -422,11 +494,6 @@ def test_ep_group_plumbing_in_two_cpu_processes(tmp_path):
 # On a Hopper GPU: values against torchtitan's own experts
 
 
-def relative_error(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def init_moe_(moe, seed, dtype):
     """Parameters of a MoE block on the GPU: randn / sqrt(fan_in) (router gate, experts, shared expert)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -439,6 +506,7 @@ def init_moe_(moe, seed, dtype):
 
 
 def run_block(moe, x, d_out):
+    moe.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(True)
     out = moe(x)
     out.backward(d_out)
