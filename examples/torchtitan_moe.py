@@ -33,7 +33,6 @@ placeholder for it first (this example does not use FSDP).
 """
 import argparse
 import csv
-import math
 import os
 import sys
 import time

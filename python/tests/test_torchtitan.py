@@ -33,8 +33,8 @@ from mok.integrations import torchtitan as mok_titan  # noqa: E402
 mok_titan.patch_torch_for_torchtitan()  # torch 2.11: a placeholder for the FSDP class torchtitan 0.3.0 imports
 
 from torchtitan.models.common import moe as titan_moe  # noqa: E402
-from torchtitan.models.common.config_utils import (make_ffn_config, make_moe_config, make_routed_experts_config,  # noqa: E402
-                                                   make_router_config)
+from torchtitan.models.common.config_utils import (  # noqa: E402
+    make_ffn_config, make_moe_config, make_routed_experts_config, make_router_config)
 from torchtitan.models.common.feed_forward import FeedForward, SigmoidGatedFeedForward  # noqa: E402
 from torchtitan.models.common.linear import Linear  # noqa: E402
 
@@ -519,7 +519,8 @@ def run_block(moe, x, d_out):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_swapped_block_matches_torchtitans(shared, dtype):
     kind = "plain" if shared == "wide" else shared
-    titan = make_moe(dim=256, width=128, experts=16, top_k=4, shared=kind, shared_width=256 if shared == "wide" else None)
+    titan = make_moe(dim=256, width=128, experts=16, top_k=4, shared=kind,
+                     shared_width=256 if shared == "wide" else None)
     init_moe_(titan, seed=1, dtype=dtype)
     ours = copy.deepcopy(titan)
     report = mok_titan.swap_moe_experts(Holder(ours), max_tokens=1024)
