@@ -22,7 +22,8 @@ Checks (exit status 1 if one fails): ours' two runs give bitwise equal losses an
 expert biases included); the first losses agree within 0.02; the 20-step moving averages of the losses of ours and
 torchtitan stay within 0.02 nats of each other over the whole run; both learned (mean of the last 10 % of the
 steps below 80 % of the first loss). Prints a loss table, the tokens/s of each run and their ratio, and writes
-DIR/losses.csv and DIR/loss_curves.png. Expected time with the defaults on one H200: about a minute (eager);
+DIR/losses.csv and DIR/loss_curves.png. Expected time with the defaults on one H200 (an estimate, not measured yet):
+about a minute eager;
 with --compile add the compilation (about a minute more).
 
 Needs an NVIDIA Hopper GPU (it says so and stops otherwise; --help works anywhere) and torchtitan 0.3.0
