@@ -23,8 +23,7 @@ expert biases included); the first losses agree within 0.02; the 20-step moving 
 torchtitan stay within 0.02 nats of each other over the whole run; both learned (mean of the last 10 % of the
 steps below 80 % of the first loss). Prints a loss table, the tokens/s of each run and their ratio, and writes
 DIR/losses.csv and DIR/loss_curves.png. Expected time with the defaults on one H200 (an estimate, not measured yet):
-about a minute eager;
-with --compile add the compilation (about a minute more).
+about a minute eager; with --compile add the compilation (about a minute more).
 
 Needs an NVIDIA Hopper GPU (it says so and stops otherwise; --help works anywhere) and torchtitan 0.3.0
 (pip install torchtitan==0.3.0; without a registry its wheel and the pure-Python wheels its model code imports,
