@@ -46,6 +46,8 @@ DTensor parameters and inputs are used through their local tensors, and the defa
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import warnings
 from typing import Dict, List, Optional
 
@@ -71,24 +73,43 @@ def _titan():
 
 
 def patch_torch_for_torchtitan() -> bool:
-    """torchtitan 0.3.0's model packages (torchtitan.models.deepseek_v3, qwen3, kimi_k2_7, gpt_oss) import
-    torch.distributed.fsdp.DataParallelMeshDims, which torch 2.11 does not have (torch 2.15 has it); it is used
-    only by torchtitan's FSDP parallelization. Where it is missing this adds a placeholder class, so that the
-    model packages import and their models build and train without FSDP; FSDP through torchtitan's parallelize
-    still needs a torch that has it. Call it before importing them. Returns whether it added the placeholder."""
+    """Lets torchtitan 0.3.0's model code run on a torch older than the one it was written for (torch 2.11 on the
+    GPU machine; torch 2.15 needs nothing). Call it before importing torchtitan's model packages. Two gaps:
+    - torchtitan.models.deepseek_v3, qwen3, kimi_k2_7 and gpt_oss import torch.distributed.fsdp.DataParallelMeshDims,
+      used only by torchtitan's FSDP parallelization: a placeholder class is added, so that the model packages import
+      and their models build and train without FSDP (FSDP through torchtitan's parallelize needs a newer torch; the
+      placeholder raises if it is ever made).
+    - torchtitan's FlexAttention masks call create_block_mask(..., separate_full_blocks=...), an argument newer
+      torches have: its True (the default there) is what older torches always do, so a wrapper accepts True and
+      drops it, and raises for False (torchtitan's batch-invariant mode), which an older torch cannot do.
+    Returns whether it changed anything."""
     import torch.distributed.fsdp as fsdp
-    if hasattr(fsdp, "DataParallelMeshDims"):
-        return False
+    import torch.nn.attention.flex_attention as flex
+    changed = False
+    if not hasattr(fsdp, "DataParallelMeshDims"):
 
-    class DataParallelMeshDims:  # noqa: D401  (a placeholder: only its name is imported)
-        """Placeholder added by mok.integrations.torchtitan.patch_torch_for_torchtitan (this torch has none)."""
+        class DataParallelMeshDims:  # noqa: D401  (a placeholder: only its name is imported)
+            """Placeholder added by mok.integrations.torchtitan.patch_torch_for_torchtitan (this torch has none)."""
 
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError("torch.distributed.fsdp.DataParallelMeshDims is a placeholder on this torch "
-                               f"({torch.__version__}): torchtitan's FSDP parallelization needs a newer torch")
+            def __init__(self, *args, **kwargs):
+                raise RuntimeError("torch.distributed.fsdp.DataParallelMeshDims is a placeholder on this torch "
+                                   f"({torch.__version__}): torchtitan's FSDP parallelization needs a newer torch")
 
-    fsdp.DataParallelMeshDims = DataParallelMeshDims
-    return True
+        fsdp.DataParallelMeshDims = DataParallelMeshDims
+        changed = True
+    original = flex.create_block_mask
+    if "separate_full_blocks" not in inspect.signature(original).parameters:
+
+        @functools.wraps(original)
+        def create_block_mask(*args, separate_full_blocks: bool = True, **kwargs):
+            if not separate_full_blocks:
+                raise NotImplementedError(f"create_block_mask(separate_full_blocks=False) needs a newer torch than "
+                                          f"{torch.__version__} (mok.integrations.torchtitan.patch_torch_for_torchtitan)")
+            return original(*args, **kwargs)
+
+        flex.create_block_mask = create_block_mask
+        changed = True
+    return changed
 
 
 # ---------------------------------------------------------------------------------------------------------------
