@@ -38,6 +38,12 @@ SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
     "mok_bench_weight_grad_gemm": ([_p, _p, _i64, _i32, _i32, _i32, _p, _p, _i32, _i32, _p, _p, _i32, _p, _p, _f64, _p,
                                     _s, _i32], _i32),
 }
+# mok_bench_layer_create as builds before the option table (ac8b306) have it, d0b3fa0's among them (bench/bits.py
+# drives such a build): nccl_unique_id, ep_size, rank, device, num_tokens, top_k, num_experts, hidden, intermediate,
+# shared_expert, fused (0 unfused, 1 fused, 2 fused with the backward megakernel), comm_ctas, minibatch_rows,
+# timeline_records, capacity_rows, load_factor, wait_timeout_s (0: the default), error, error_len. The other layer
+# entry points (forward, backward, check_status, destroy) have not changed since.
+POSITIONAL_CREATE = ([_p] + [_i32] * 13 + [_i64, _f64, _f64, _s, _i32], _p)
 
 
 # mok_bench_layer_backward's gradient arrays, in MoeWeightGrads' order (and mok_bench_layer_forward's weights')
@@ -67,10 +73,11 @@ def layer_options(**options):
     return len(options), names, values
 
 
-def load(lib_path):
-    """The library at lib_path with every entry point's argument and result types set."""
+def load(lib_path, names=tuple(SIGNATURES)):
+    """The library at lib_path with the argument and result types of the entry points `names` set (default: all;
+    an older build lacks some, see POSITIONAL_CREATE)."""
     lib = ctypes.CDLL(lib_path)
-    for name, (argtypes, restype) in SIGNATURES.items():
+    for name in names:
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
+        fn.argtypes, fn.restype = SIGNATURES[name]
     return lib

@@ -30,6 +30,14 @@ forward's GEMM work. TFLOP/s per GPU, the shared expert counting as one more rou
   forward             6 * (T + T*k) * H * I / t       (6 * T*k * H * I without a shared expert)
   forward + backward 18 * (T + T*k) * H * I / t      (18 * T*k * H * I without a shared expert)
   backward alone     12 * (T + T*k) * H * I / t      (12 * T*k * H * I without a shared expert)
+and, in SonicMoE's convention (routed experts only, whatever else the layer computes; bench/shapes.py, flops):
+sonic_TF = 6 * T*k * H * I / t of the fused forward, sonic_bwd_TF = 12 * T*k * H * I / t of the fused backward
+alone. Without a shared expert (gpt-oss-120b, Qwen3-30B-A3B, a custom shape without one) the two conventions agree.
+Shapes: the model shapes by name (--shapes, default all) at --tokens per rank, and custom ones, --shape
+name:T:H:I:E:k[:shared] (repeatable; or as an entry of --shapes): T tokens per rank, shared the shared expert's
+width (0 or absent: none, so the run is routed experts only; else I, the library's only width), checked by
+mok.LayerShape's rules before anything runs (bench/shapes.py). E.g. SonicMoE's fine-grained shapes:
+  --shape sonic512:32768:4096:512:128:8 --shape sonic1024:32768:4096:1024:128:8
 Then the correctness checks on the same inputs (max over ranks): forward ||fused - base||_F / ||base||_F (fp32)
 within 2e-2, fused == unfused bitwise; backward (d_x, d_rw, and every weight gradient, per expert: the largest
 relative error over the experts of the six tensors; an expert whose reference is 0 must be 0) against the
@@ -58,7 +66,8 @@ matplotlib when it imports, else a built-in renderer). Both are written by rank 
 printed last.
 Usage: python3 -m torch.distributed.run --standalone --nproc-per-node=2 bench/layer_bench.py   (EP=2)
        python3 bench/layer_bench.py                                                            (EP=1)
-         [--lib build/bench/libmok_bench_capi.so] [--tokens 8192] [--iters 20] [--shapes A,B] [--skew 0]
+         [--lib build/bench/libmok_bench_capi.so] [--tokens 8192] [--iters 20] [--shapes A,B]
+         [--shape name:T:H:I:E:k[:shared] ...] [--skew 0]
          [--load-factor F]
          [--backward | --no-backward] [--grad-mode bf16|fp32|accumulate] [--experts-fraction auto|F]
          [--only fused|unfused|base|fused-train|unfused-train|base-train|fused-bwd|unfused-bwd]
@@ -82,7 +91,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from capi import GRADS, grad_arrays, layer_options, load  # noqa: E402
 from chart_png import chart_title, draw_layer_chart  # noqa: E402
-from gemm_bench import SHAPES, TORCH_GROUP_ALIGN, median, timed_turns  # noqa: E402
+from gemm_bench import TORCH_GROUP_ALIGN, median, timed_turns  # noqa: E402
+from shapes import SPEC, check_shape, flops, select_shapes  # noqa: E402
 from timeline_stats import load_events, phase_table  # noqa: E402
 
 TOLERANCE = 2e-2  # forward: relative Frobenius error, bf16 level
@@ -441,12 +451,12 @@ def format_cells(cells):
 
 
 FORWARD_HEADER = (f"fwd {'shape':20s} {'EP':>2s} {'comm':>5s} {'fused_ms':>9s} {'unfused_ms':>10s} {'base_ms':>9s} "
-                  f"{'fused_TF':>9s} {'base_TF':>8s} {'dense_TF':>9s} {'fused/base':>11s} {'fused/dense':>12s} "
-                  f"{'unfused/base':>13s} {'relerr':>9s} {'bitwise':>8s}")
+                  f"{'fused_TF':>9s} {'base_TF':>8s} {'dense_TF':>9s} {'sonic_TF':>8s} {'fused/base':>11s} "
+                  f"{'fused/dense':>12s} {'unfused/base':>13s} {'relerr':>9s} {'bitwise':>8s}")
 TRAIN_HEADER = (f"f+b {'shape':20s} {'EP':>2s} {'ctx_MiB':>8s} {'fb_fused':>9s} {'fb_unfused':>10s} {'bwd_fused':>9s} "
                 f"{'bwd_unfused':>11s} {'fb_base':>8s} {'fused_TF':>8s} {'base_TF':>8s} {'dense_TF':>8s} "
-                f"{'bwd_TF':>7s} {'fused/base':>10s} {'fused/dense':>11s} {'unfused/base':>12s} {'dx_err':>8s} "
-                f"{'drw_err':>8s} {'dw_err':>8s} {'bitwise':>7s}")
+                f"{'bwd_TF':>7s} {'sonic_bwd_TF':>12s} {'fused/base':>10s} {'fused/dense':>11s} {'unfused/base':>12s} "
+                f"{'dx_err':>8s} {'drw_err':>8s} {'dw_err':>8s} {'bitwise':>7s}")
 FORWARD_COLUMNS = FORWARD_HEADER.split()[1:]  # the names of a row's cells, as printed (--json's keys)
 TRAIN_COLUMNS = TRAIN_HEADER.split()[1:]
 
@@ -455,12 +465,13 @@ def ratio(a, b):
     return a and b and a / b
 
 
-def table_record(table, columns, leading, cells, bitwise, unfused_tf):
+def table_record(table, columns, leading, cells, bitwise, unfused_tf, dims):
     """A printed row as {column: value}: the leading cells (shape, EP[, comm]), the formatted cells' values, the
-    bitwise cell (True, False, None for "-"); plus table and unfused_TF (not printed: the chart's unfused bar)."""
+    bitwise cell (True, False, None for "-"); plus table, unfused_TF (not printed: the chart's unfused bar) and
+    dims (not printed: the shape's T, H, I, E (the experts it ran with), k and shared width, ShapeResult.dims)."""
     values = leading + [value for value, _, _ in cells] + [bitwise]
     assert len(values) == len(columns), f"{table}: {len(values)} cells for {len(columns)} columns"
-    return dict(table=table, **dict(zip(columns, values)), unfused_TF=unfused_tf)
+    return dict(table=table, **dict(zip(columns, values)), unfused_TF=unfused_tf, dims=dims)
 
 
 def write_results_json(path, run, records, failed):
@@ -495,15 +506,21 @@ def write_outputs(args, run, records, failed):
     print(f"chart: {args.chart} ({renderer})", flush=True)
 
 
-def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shared):
-    """Times and checks one shape: a ShapeResult. Everything it allocates is freed on return."""
-    tokens = args.tokens
+def run_shape(lib, args, ep, rank, shape):
+    """Times and checks one shape (shapes.Shape; tokens None: --tokens): a ShapeResult. Everything it allocates is
+    freed on return."""
+    name, num_experts, hidden, inter, top_k, shared = (shape.name, shape.num_experts, shape.hidden, shape.inter,
+                                                       shape.top_k, shape.shared)
+    tokens = args.tokens if shape.tokens is None else shape.tokens
     stream = torch.cuda.current_stream().cuda_stream
     backward = args.backward and (not args.only or "-" in args.only)  # --only of a forward needs no gradients
     only_path = args.only.split("-")[0]
     grad_dtype, grad_mode = GRAD_MODES[args.grad_mode]
     grad_bytes = 4 if grad_dtype == "fp32" else 2
     notes = []
+    if shape.tokens is not None:
+        notes.append(f"{name}: custom shape T={tokens} tokens per rank, H={hidden}, I={inter}, E={num_experts}, "
+                     f"k={top_k}, " + ("a shared expert of width I" if shared else "routed experts only"))
     layers = {}
 
     def create_layers(experts):
@@ -680,9 +697,9 @@ def run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shar
     finally:
         destroy_layers()
 
-    return ShapeResult(label=label, ep=ep, tokens=tokens, top_k=top_k, hidden=hidden, inter=inter, shared=shared,
-                       backward=backward, times=times, fwd=fwd, bwd=bwd, ctx_mib=ctx_mib, comm_ctas=comm_ctas,
-                       liger=liger, notes=notes, breakdown=breakdown, phases=phases)
+    return ShapeResult(label=label, ep=ep, tokens=tokens, experts=experts, top_k=top_k, hidden=hidden, inter=inter,
+                       shared=shared, backward=backward, times=times, fwd=fwd, bwd=bwd, ctx_mib=ctx_mib,
+                       comm_ctas=comm_ctas, liger=liger, notes=notes, breakdown=breakdown, phases=phases)
 
 
 class ShapeResult:
@@ -692,13 +709,24 @@ class ShapeResult:
         self.__dict__.update(fields)
 
     def tflops(self):
-        """TFLOP/s of every timed call: 6 (forward), 18 (fwd+bwd) or 12 (backward) x routes x H x I."""
-        routes = self.tokens * int(self.shared) + self.tokens * self.top_k  # the shared expert counts as a route
-        flops = 6.0 * routes * self.hidden * self.inter
-        return {k: (3 if k.startswith("fb_") else 2 if k.startswith("bwd_") else 1) * flops / v / 1e9
-                for k, v in self.times.items() if v and k in ("fused", "unfused", "base", "dense", "fb_fused",
-                                                               "fb_unfused", "fb_base", "fb_dense", "bwd_fused",
-                                                               "bwd_unfused")}
+        """TFLOP/s of every timed call in our convention (shapes.flops "ours": 6 (forward), 18 (fwd+bwd) or 12
+        (backward) x routes x H x I, the shared expert counting as a route), keyed as times; plus sonic_fused and
+        sonic_bwd_fused: the fused forward and the fused backward alone in SonicMoE's (routed experts only)."""
+        def rate(key, kind, convention="ours"):
+            t = self.times.get(key)
+            count = flops(kind, convention, self.tokens, self.top_k, self.hidden, self.inter, self.shared)
+            return t and count / t / 1e9
+
+        kinds = dict(fused="fwd", unfused="fwd", base="fwd", dense="fwd", fb_fused="f+b", fb_unfused="f+b",
+                     fb_base="f+b", fb_dense="f+b", bwd_fused="bwd", bwd_unfused="bwd")
+        rates = {k: rate(k, kind) for k, kind in kinds.items()}
+        rates.update(sonic_fused=rate("fused", "fwd", "sonic"), sonic_bwd_fused=rate("bwd_fused", "bwd", "sonic"))
+        return {k: v for k, v in rates.items() if v}
+
+    def dims(self):
+        """The shape as run: T (tokens per rank), H, I, E (the experts it ran with), k, shared (width, 0: none)."""
+        return dict(T=self.tokens, H=self.hidden, I=self.inter, E=self.experts, k=self.top_k,
+                    shared=self.inter if self.shared else 0)
 
     def rows(self, rows_out, records_out):
         """Prints the shape's table rows (appended to rows_out, and as {column: value} to records_out: the printed
@@ -707,32 +735,33 @@ class ShapeResult:
         same = "-" if fwd["bitwise"] is None else ("yes" if fwd["bitwise"] else "NO")
         cells = [(t.get("fused"), 9, ".2f"), (t.get("unfused"), 10, ".2f"), (t.get("base"), 9, ".2f"),
                  (tf.get("fused"), 9, ".0f"), (tf.get("base"), 8, ".0f"), (tf.get("dense"), 9, ".0f"),
-                 (ratio(t.get("base"), t.get("fused")), 11, ".2f"), (ratio(t.get("dense"), t.get("fused")), 12, ".2f"),
+                 (tf.get("sonic_fused"), 8, ".0f"), (ratio(t.get("base"), t.get("fused")), 11, ".2f"),
+                 (ratio(t.get("dense"), t.get("fused")), 12, ".2f"),
                  (ratio(t.get("base"), t.get("unfused")), 13, ".2f"), (fwd["relerr"], 9, ".1e")]
         rows_out.append(f"fwd {label:20s} {self.ep:2d} {self.comm_ctas:5d} {format_cells(cells)} {same:>8s}")
         print(rows_out[-1], flush=True)
         records_out.append(table_record("fwd", FORWARD_COLUMNS, [label, self.ep, self.comm_ctas], cells,
-                                        fwd["bitwise"], tf.get("unfused")))
+                                        fwd["bitwise"], tf.get("unfused"), self.dims()))
         if self.backward:
             same = "-" if bwd["bitwise"] is None else ("yes" if bwd["bitwise"] else "NO")
             cells = [(self.ctx_mib, 8, ".1f"), (t.get("fb_fused"), 9, ".2f"), (t.get("fb_unfused"), 10, ".2f"),
                      (t.get("bwd_fused"), 9, ".2f"), (t.get("bwd_unfused"), 11, ".2f"), (t.get("fb_base"), 8, ".2f"),
                      (tf.get("fb_fused"), 8, ".0f"), (tf.get("fb_base"), 8, ".0f"), (tf.get("fb_dense"), 8, ".0f"),
-                     (tf.get("bwd_fused"), 7, ".0f"), (ratio(t.get("fb_base"), t.get("fb_fused")), 10, ".2f"),
+                     (tf.get("bwd_fused"), 7, ".0f"), (tf.get("sonic_bwd_fused"), 12, ".0f"),
+                     (ratio(t.get("fb_base"), t.get("fb_fused")), 10, ".2f"),
                      (ratio(t.get("fb_dense"), t.get("fb_fused")), 11, ".2f"),
                      (ratio(t.get("fb_base"), t.get("fb_unfused")), 12, ".2f"), (bwd["dx"], 8, ".1e"),
                      (bwd["drw"], 8, ".1e"), (bwd["dw"], 8, ".1e")]
             rows_out.append(f"f+b {label:20s} {self.ep:2d} {format_cells(cells)} {same:>7s}")
             print(rows_out[-1], flush=True)
             records_out.append(table_record("f+b", TRAIN_COLUMNS, [label, self.ep], cells, bwd["bitwise"],
-                                            tf.get("fb_unfused")))
+                                            tf.get("fb_unfused"), self.dims()))
         notes = list(self.notes)
         if self.liger is not None:
             ms, err, why = self.liger
             if err is not None:
-                timed = "not timed" if ms is None else (
-                    f"{ms:.2f} ms, {18.0 * self.tokens * self.top_k * self.hidden * self.inter / ms / 1e9:.0f} "
-                    f"TFLOP/s (18*T*k*H*I)")
+                routed = flops("f+b", "sonic", self.tokens, self.top_k, self.hidden, self.inter, self.shared)
+                timed = "not timed" if ms is None else f"{ms:.2f} ms, {routed / ms / 1e9:.0f} TFLOP/s (18*T*k*H*I)"
                 ours = "" if not tf.get("fb_fused") else f" (ours fused: {tf['fb_fused']:.0f} TFLOP/s, whole layer)"
                 notes.append(f"{label}: liger-kernel LigerFusedMoEFunction, routed experts only: fwd+bwd "
                              f"{timed}{ours}; its forward vs the baseline's routed-only forward: relerr {err:.1e}")
@@ -810,7 +839,13 @@ def main():
     parser.add_argument("--lib", default="build/bench/libmok_bench_capi.so")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per function (median)")
-    parser.add_argument("--shapes", default="", help="comma-separated names (default: all)")
+    parser.add_argument("--shapes", default="",
+                        help=f"comma-separated names of model shapes, or custom shapes {SPEC} (default: every model "
+                        "shape, unless --shape is given)")
+    parser.add_argument("--shape", action="append", default=[], metavar=SPEC,
+                        help="a custom shape (repeatable; after --shapes' shapes): T tokens per rank, H, I, E experts, "
+                        "top-k, shared: the shared expert's width, 0 or absent for none (routed experts only), else I; "
+                        "e.g. fine512:32768:4096:512:128:8")
     parser.add_argument("--skew", type=float, default=0.0, help="routing skew s: bias -s*log(1+perm(e))")
     parser.add_argument("--load-factor", type=float, default=0.0,
                         help="ScheduleOptions.load_factor (0: the library's, 2): each rank holds load_factor * T * k "
@@ -847,6 +882,12 @@ def main():
             parser.error(f"--experts-fraction: must be in (0, 1], got {fraction}")
 
     ep = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        shapes = select_shapes(args.shapes, args.shape)
+        for shape in shapes:
+            check_shape(shape, args.tokens if shape.tokens is None else shape.tokens, ep)
+    except ValueError as e:
+        parser.error(str(e))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     rank = 0
@@ -854,11 +895,6 @@ def main():
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         rank = dist.get_rank()
     lib = load(os.path.abspath(args.lib))
-    names = [s[0] for s in SHAPES]
-    wanted = args.shapes.split(",") if args.shapes else names
-    unknown = [n for n in wanted if n not in names]
-    if unknown:
-        raise SystemExit(f"unknown shapes {unknown}; known: {names}")
 
     run = {}
     if rank == 0:
@@ -879,12 +915,10 @@ def main():
         if args.backward:
             print(TRAIN_HEADER + "   (fb = fwd+bwd ms, bwd = backward alone ms; TF = TFLOP/s)", flush=True)
     failed, rows, records = [], [], []
-    for name, num_experts, hidden, inter, top_k, shared in SHAPES:
-        if name not in wanted:
-            continue
-        assert num_experts % ep == 0, f"{name}: {num_experts} experts do not split over {ep} ranks"
+    for shape in shapes:
+        name = shape.name
         try:
-            result = run_shape(lib, args, ep, rank, name, num_experts, hidden, inter, top_k, shared)
+            result = run_shape(lib, args, ep, rank, shape)
             if rank == 0 and not args.only:
                 result.rows(rows, records)
             failed += result.failures()

@@ -297,7 +297,7 @@ def test_layer_bench_json_matches_its_table(tmp_path, seed, monkeypatch):
                                                  "bwd_fused", "bwd_unfused", "fb_base", "fb_dense")}
     del times["bwd_unfused"]  # a "-" cell
     result = layer_bench.ShapeResult(
-        label="GLM-5.2", ep=2, tokens=8192, top_k=8, hidden=6144, inter=2048, shared=True, backward=True,
+        label="GLM-5.2", ep=2, tokens=8192, experts=256, top_k=8, hidden=6144, inter=2048, shared=True, backward=True,
         times=times, fwd=dict(relerr=rng.uniform(1e-3, 1e-2), bitwise=True),
         bwd=dict(dx=rng.uniform(1e-3, 1e-2), drw=rng.uniform(1e-3, 1e-2), dw=rng.uniform(1e-3, 1e-2), worst="",
                  bitwise=False, error=None), ctx_mib=rng.uniform(10, 900), comm_ctas=4, liger=None, notes=[],
@@ -308,6 +308,7 @@ def test_layer_bench_json_matches_its_table(tmp_path, seed, monkeypatch):
         result.rows(lines, records)
     assert printed.getvalue().endswith("    fused backward   phase line\n"), "the phases are printed last"
     assert [r["table"] for r in records] == ["fwd", "f+b"]
+    assert all(r["dims"] == dict(T=8192, H=6144, I=2048, E=256, k=8, shared=2048) for r in records)
     for line, record, columns in zip(lines, records, (layer_bench.FORWARD_COLUMNS, layer_bench.TRAIN_COLUMNS)):
         tokens = line.split()
         assert tokens[0] == record["table"] and len(tokens) == len(columns) + 1, f"seed {seed}: {line}"

@@ -106,3 +106,34 @@ def test_loss_curves_builtin_draws_the_data(example, tmp_path):
     assert png_canvas.png_size(str(tmp_path / "nan.png")) == (example.PLOT_WIDTH_PX, example.PLOT_HEIGHT_PX)
     with pytest.raises(ValueError, match="renderer"):
         example.plot_losses(str(tmp_path / "x.png"), flat, "x", renderer="svg")
+
+
+# examples/torchtitan_moe.py (its training needs torchtitan and a Hopper GPU; these need neither)
+TITAN_EXAMPLE = ROOT / "examples" / "torchtitan_moe.py"
+
+
+def run_titan_example(*args, env=None):
+    environ = dict(os.environ, **(env or {}))
+    environ["PYTHONPATH"] = os.pathsep.join([str(Path(mok.__file__).parents[1]), environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(TITAN_EXAMPLE), *args], capture_output=True, text=True, env=environ,
+                          timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_torchtitan_example_help_lists_every_option():
+    status, out, err = run_titan_example("--help")
+    assert status == 0, err
+    options = re.findall(r"^\s+(--[a-z-]+)", out, flags=re.M)
+    for option in ("--steps", "--batch", "--seq", "--lr", "--seed", "--shared-experts", "--attention", "--compile",
+                   "--out"):
+        assert option in options, f"{option} missing from --help:\n{out}"
+    assert "(default: 300)" in " ".join(out.split())
+
+
+def test_torchtitan_example_stops_with_the_hopper_message_without_a_hopper_gpu():
+    if mok.device.hopper_problem() is None:
+        pytest.skip("this machine has a Hopper GPU: the example would train")
+    status, out, err = run_titan_example("--steps", "2", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert status != 0
+    assert "torchtitan_moe: mok needs an NVIDIA Hopper GPU (sm_90); found no CUDA device (" in err, err
+    assert "Traceback" not in err, err
