@@ -2,12 +2,15 @@
 """The layer's output bits from one build, saved and checked against another build (issue 26 item 3: a refactor
 keeps today's bits). One GPU, EP = 1, through the C API (bench/capi.cpp), which any build since d0b3fa0 has:
   python3 bench/bits.py --lib BASE/bench/libmok_bench_capi.so --save bits.json [--shapes A,B] [--shape SPEC]
-                        [--tokens 8192] [--seed 0] [--paths fused,unfused,fused-bmk]
+                        [--tokens 8192] [--seed 0] [--paths fused,unfused,fused-bmk,...]
   python3 bench/bits.py --lib NEW/bench/libmok_bench_capi.so --check bits.json [--shapes A,B]
 --save runs every shape (default: the model shapes at --tokens per rank; --shapes / --shape as in layer_bench.py,
 bench/shapes.py) on each path: "fused" (the megakernel forward, the stage-kernel backward), "unfused" (its
 stage-by-stage twin) and "fused-bmk" (fused, backward megakernel); per path one forward (out) and one backward
-(d_x, d_router_weights and every weight gradient, bf16 written), every output poisoned with NaN first. It writes per
+(d_x, d_router_weights and every weight gradient, bf16 written), every output poisoned with NaN first. The paths
+with a suffix run the same backward with fp32 weight gradients: "-fp32" written (outputs grad32_*), "-acc" added
+into fp32 buffers that start at fixed values (gradacc_*): "unfused-fp32", "unfused-acc" (the stage kernels'
+weight-gradient epilogues) and "fused-bmk-fp32", "fused-bmk-acc" (the backward megakernel's). It writes per
 shape its dimensions, a digest of each input and per path and output a digest, the count of non-finite values and a
 few sample values (JSON). --check reads the file, reruns its shapes (their T, the seed and the paths from the file)
 with --lib and compares: exit 1 naming each shape, path and output whose bits differ (and the samples, saved and
@@ -51,7 +54,10 @@ from shapes import SPEC, Shape, check_shape, select_shapes  # noqa: E402
 FORMAT = "mok-bits 1"
 CHUNK = 1 << 26  # words per chunk of the digest
 DIGEST_SCHEME = "wsum64-chunk2^26-sha256"
-PATHS = ("fused", "unfused", "fused-bmk")
+PATHS = ("fused", "unfused", "fused-bmk", "unfused-fp32", "unfused-acc", "fused-bmk-fp32", "fused-bmk-acc")
+# A path's weight gradients: (output name prefix, dtype, GradMode) by its suffix (none: bf16 written).
+GRAD_VARIANTS = {"": ("grad", "bf16", "write"), "fp32": ("grad32", "fp32", "write"),
+                 "acc": ("gradacc", "fp32", "accumulate")}
 DEVICE = "cuda"  # where the inputs and outputs live (the CPU tests drive a fake library on "cpu")
 SAMPLES = 4  # values kept per output: the first, at 1/3, at 2/3, the last
 ENTRY_POINTS = ("mok_bench_layer_forward", "mok_bench_layer_backward", "mok_bench_layer_check_status",
@@ -153,7 +159,8 @@ def check(rc):
 def create_layer(lib, convention, shape, tokens, path):
     """A one-rank layer of the shape on the current device for a path of PATHS, created by the library's
     convention ("named" or "positional", see the module's docstring); everything else the library's defaults."""
-    fused, megakernel = path != "unfused", path == "fused-bmk"
+    base = base_path(path)
+    fused, megakernel = base != "unfused", base == "fused-bmk"
     device = torch.cuda.current_device() if DEVICE == "cuda" else 0
     if convention == "named":
         options = dict(num_tokens=tokens, top_k=shape.top_k, num_experts=shape.num_experts, hidden=shape.hidden,
@@ -171,6 +178,29 @@ def create_layer(lib, convention, shape, tokens, path):
     return layer
 
 
+def base_path(path):
+    """The forward/backward path of a PATHS entry, without its weight-gradient suffix."""
+    return path.rsplit("-", 1)[0] if path.endswith(("-fp32", "-acc")) else path
+
+
+def grad_variant(path):
+    """(output name prefix, dtype, mode) of a PATHS entry's weight gradients (GRAD_VARIANTS)."""
+    return GRAD_VARIANTS[path.rsplit("-", 1)[1] if path.endswith(("-fp32", "-acc")) else ""]
+
+
+def accumulate_start(shape, device):
+    """The fixed values an "-acc" path's fp32 gradient buffer holds before the backward adds into it: multiples of
+    1/8 in [-1, 1) repeating with period 136, the same in every run and build (made without a buffer of indices:
+    the largest gradients have billions of elements)."""
+    pattern = (((torch.arange(136, dtype=torch.int64) * 7919) % 17) - 8).to(torch.float32).mul_(0.125).to(device)
+    buffer = torch.empty(shape, dtype=torch.float32, device=device)
+    flat = buffer.view(-1)
+    whole = flat.numel() // pattern.numel() * pattern.numel()
+    flat[:whole].view(-1, pattern.numel()).copy_(pattern)
+    flat[whole:].copy_(pattern[:flat.numel() - whole])
+    return buffer
+
+
 def run_path(lib, convention, shape, tokens, path, inputs):
     """{output name: describe(...)} of one forward and one backward on a fresh layer of this path."""
     on_gpu = inputs["x"].is_cuda
@@ -183,12 +213,17 @@ def run_path(lib, convention, shape, tokens, path, inputs):
 
     out, d_x, d_rw = poisoned((tokens, shape.hidden)), poisoned((tokens, shape.hidden)), poisoned(
         (tokens, shape.top_k), torch.float32)
-    grads = {n: poisoned(w.shape) for n, w in weights.items() if w is not None}
+    prefix, grad_dtype, grad_mode = grad_variant(path)
+    if grad_mode == "accumulate":
+        grads = {n: accumulate_start(w.shape, inputs["x"].device) for n, w in weights.items() if w is not None}
+    else:
+        grads = {n: poisoned(w.shape, torch.float32 if grad_dtype == "fp32" else torch.bfloat16)
+                 for n, w in weights.items() if w is not None}
     layer = create_layer(lib, convention, shape, tokens, path)
     try:
         check(lib.mok_bench_layer_forward(layer, *pointers, out.data_ptr(), stream, ERROR, len(ERROR)))
         check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
-        arrays = capi.grad_arrays(grads, {}, {})  # bf16, written
+        arrays = capi.grad_arrays(grads, {n: grad_dtype for n in grads}, {n: grad_mode for n in grads})
         check(lib.mok_bench_layer_backward(layer, *pointers, inputs["d_out"].data_ptr(), d_x.data_ptr(),
                                            d_rw.data_ptr(), *arrays, stream, ERROR, len(ERROR)))
         check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
@@ -197,7 +232,7 @@ def run_path(lib, convention, shape, tokens, path, inputs):
             torch.cuda.synchronize()
         lib.mok_bench_layer_destroy(layer)
     outputs = dict(out=describe(out), d_x=describe(d_x), d_router_weights=describe(d_rw))
-    outputs.update({f"grad_{n}": describe(g) for n, g in grads.items()})
+    outputs.update({f"{prefix}_{n}": describe(g) for n, g in grads.items()})
     return outputs
 
 

@@ -232,13 +232,16 @@ class FakeLib:
             return 0
 
         def backward(layer, x, idx, dtype, rw, *rest):
-            d_out, d_x, d_rw, grads = rest[6:10]
+            d_out, d_x, d_rw, grads, dtypes, modes = rest[6:12]
             ctypes.memmove(d_x, d_out, 2 * t * h)
             ctypes.memset(d_rw, 0, 4 * t * k)
             for n, pointer in enumerate(grads):
                 if pointer:
-                    ctypes.memset(pointer, n + 1, grad_bytes[n])
-                    if flip == (self.paths[layer], n):
+                    fp32 = dtypes[n] == bits.capi.GRAD_DTYPES["fp32"]
+                    accumulate = modes[n] == bits.capi.GRAD_MODES["accumulate"]
+                    path = self.paths[layer] + ("-acc" if accumulate else "-fp32" if fp32 else "")
+                    ctypes.memset(pointer, n + (17 if accumulate else 1), grad_bytes[n] * (2 if fp32 else 1))
+                    if flip == (path, n):
                         ctypes.memset(pointer + 10, 0, 1)
             return 0
 
@@ -271,8 +274,12 @@ def test_save_then_check(tmp_path, monkeypatch, capsys, small_chunks):
     tiny = record["shapes"]["tiny"]
     assert tiny["dims"] == dict(T=16, H=64, I=128, E=4, k=2, shared=128) and tiny["errors"] == {}
     assert list(tiny["outputs"]) == list(bits.PATHS)
-    names = ["out", "d_x", "d_router_weights"] + [f"grad_{n}" for n in bits.capi.GRADS]
-    assert all(sorted(outputs) == sorted(names) for outputs in tiny["outputs"].values())
+    for path, outputs in tiny["outputs"].items():
+        prefix = {"fp32": "grad32", "acc": "gradacc"}.get(path.rsplit("-", 1)[1], "grad") if "-" in path else "grad"
+        names = ["out", "d_x", "d_router_weights"] + [f"{prefix}_{n}" for n in bits.capi.GRADS]
+        assert sorted(outputs) == sorted(names), path
+        grad = outputs[f"{prefix}_expert_gate"]
+        assert grad["dtype"] == ("bf16" if prefix == "grad" else "fp32"), path
     assert tiny["outputs"]["fused"]["grad_expert_up"]["samples"][0] == repr(
         torch.tensor([0x0202], dtype=torch.int16).view(torch.bfloat16).item())
     capsys.readouterr()
@@ -280,7 +287,7 @@ def test_save_then_check(tmp_path, monkeypatch, capsys, small_chunks):
     positional = FakeLib(shape, tokens, named=False)  # d0b3fa0's create: same bits
     assert run_bits(monkeypatch, positional, ["--check", str(saved)]) == 0
     assert "same bits as" in capsys.readouterr().out
-    assert [args[10] for args in positional.creates] == [1, 0, 2], "fused, unfused, fused with the megakernel"
+    assert [args[10] for args in positional.creates] == [1, 0, 2, 0, 0, 2, 2], "fused, unfused, megakernel (PATHS)"
     assert positional.creates[0][1:10] == (1, 0, 0, 16, 2, 4, 64, 128, 1)
 
     changed = FakeLib(shape, tokens, flip=("unfused", 1))
