@@ -54,6 +54,7 @@ namespace mok {
 
 namespace detail {
 struct MlpBackwardGemms;  // src/host/moe_fused_backward.h
+struct MegakernelArgs;    // src/host/megakernel_args.h
 }  // namespace detail
 namespace backward {
 struct GradPullSources;  // src/device/backward/grad_rows.cuh
@@ -360,6 +361,10 @@ class MoeWorkspace {
   void publish(const RankForward& f);
   void compute(const RankForward& f);
   void compute_fused(const RankForward& f);
+  // What both megakernel launches (forward, backward) take for the rank's schedule, besides their GEMMs and
+  // buffers; counters and tickets: the pass's.
+  detail::MegakernelArgs megakernel_args(int rank, const ScheduleView& schedule, uint64_t* counters,
+                                         int32_t* tickets) const;
   // The two GEMMs (gate/up with SwiGLU, down) of the rank's routed experts or of its shared expert, as both
   // paths run them (the fused one inside its kernel).
   void routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, ExpertGemmArgs& down) const;

@@ -1,5 +1,5 @@
-// What a persistent megakernel's compute roles share (the forward's forward_kernel.cuh, the backward's
-// backward_kernel.cuh): a decoded task as one CTA's GEMM tile, and the producer's wait for the task's inputs.
+// What the megakernels' task sets share (the forward's forward_kernel.cuh, the backward's backward_kernel.cuh):
+// a decoded task as one CTA's GEMM tile, and the producer's waits for a task's inputs.
 #pragma once
 
 #include <cstdint>
@@ -19,15 +19,16 @@ __device__ __forceinline__ gemm::TileTask tile_of(const ComputeTask& t, int cta_
 
 // Producer thread: waits until every 64-row unit of the task's rows [row, row + rows) is complete in the
 // phase's counter (a row tile's A rows; a weight-gradient tile's whole expert segment).
-// Reads from Params: counters, rank, status, timeout_ns.
+// Reads p.common (MegakernelParams: counters, rank, status, timeout_ns) and Params::kKernel.
 template <class Params>
 __device__ __forceinline__ void wait_for_inputs(const Params& p, const PhaseDesc& phase, const ComputeTask& t) {
   if (phase.waits == kNoCounter) return;  // inputs complete before the launch
-  const uint64_t* counter = p.counters.base[phase.waits];
+  const auto& c = p.common;
+  const uint64_t* counter = c.counters.base[phase.waits];
   for (int32_t unit = t.row / kUnitRows; unit * kUnitRows < t.row + t.rows; ++unit)
-    device::wait_at_least(counter + unit, p.counters.target[phase.waits],
-                          {p.rank, Role::kGemmProducer, p.counters.id[phase.waits], unit, Params::kKernel}, p.status,
-                          p.timeout_ns);
+    device::wait_at_least(counter + unit, c.counters.target[phase.waits],
+                          {c.rank, Role::kGemmProducer, c.counters.id[phase.waits], unit, Params::kKernel}, c.status,
+                          c.timeout_ns);
   // Why: the TMA loads that follow read, through the async proxy, rows the acquire above made visible.
   device::fence_proxy_async_global();
 }
@@ -50,14 +51,15 @@ struct VerifiedUnits {
 template <class Params>
 __device__ __forceinline__ void wait_for_backward_inputs(const Params& p, const PhaseDesc& phase, const ComputeTask& t,
                                                          VerifiedUnits& verified) {
+  const auto& m = p.common;
   const int32_t first = t.row / kUnitRows, end = (t.row + t.rows + kUnitRows - 1) / kUnitRows;
   bool waited = false, complete = true;
   for (int32_t unit = first; unit < end; ++unit) {
-    const int8_t c = counter_awaited(phase, p.order, unit);
+    const int8_t c = counter_awaited(phase, m.order, unit);
     if (c == kNoCounter || verified.covers(c, unit)) continue;
-    complete &= device::wait_at_least(p.counters.base[c] + unit, p.counters.target[c],
-                                      {p.rank, Role::kGemmProducer, p.counters.id[c], unit, Params::kKernel}, p.status,
-                                      p.timeout_ns);
+    complete &= device::wait_at_least(m.counters.base[c] + unit, m.counters.target[c],
+                                      {m.rank, Role::kGemmProducer, m.counters.id[c], unit, Params::kKernel}, m.status,
+                                      m.timeout_ns);
     waited = true;
   }
   if (!waited) return;
