@@ -11,21 +11,13 @@
 //   wgrad       dW_down_e = Σ dyᵀ h, dW_gate/up_e = Σ [d_g, d_u]ᵀ x over the expert's rows (k-grouped GEMMs)
 // and the same for the shared expert over the rank's own tokens (row weight 1, no communication). All buffers
 // are capacity-sized scratch (BackwardScratch); the epilogue after the closing barrier sums d_x.
-// This file is the backward's task set on the megakernel skeleton (megakernel.cuh: roles, pipeline, task loops,
-// teardown): its parameters and its per-kind load, compute and copy. The task order is data (backward_tasks.h,
-// walked by task_order.h); the tiles are expert_gemm.cuh's and weight_grad_gemm.cuh's, run on one pipeline and
-// one shared-memory type (mainloop.cuh's GemmSharedStorage: every tile kind's TileStorage is the same);
-// the row copies are grad_rows.cuh's; the loop that hands them out is communication.cuh's.
+// This file is the backward's task set on the megakernel skeleton (megakernel.cuh): its parameters and per-kind
+// load, compute and copy; its tables are backward_tasks.h's, its tiles expert_gemm.cuh's and weight_grad_gemm.cuh's
+// (one pipeline, one TileStorage), its row copies grad_rows.cuh's.
 //
-// Roles, as the forward megakernel's (megakernel.cuh): one CTA per SM in clusters of kClusterN;
-//   producer warpgroup   thread 0 takes compute slots (TaskRing), waits for the phase's counter over the task's
-//                        rows (a weight-gradient tile: its expert's whole segment), issues the tile's TMA loads.
-//                        Warps 1-3 copy rows (comm_ctas == 0).
-//   consumer warpgroups  wgmma + epilogue of the phase's GEMM; row GEMMs count their 64 rows in the phase's
-//                        counter per stored n-block. Weight-gradient tiles signal nothing (read after the launch).
-// With comm_ctas > 0 the first comm_ctas CTAs only copy rows (all their warps, warp copies).
-// Shared memory: the GEMM tiles' TileStorage (one type for every tile kind: static_asserts here and in
-// src/host/weight_grad_params.h), a ring of decoded tasks, the communication group's words.
+// Roles (megakernel.cuh): a weight-gradient tile waits for its expert's whole segment; warps 1-3, or with
+// comm_ctas > 0 all warps of the first comm_ctas CTAs, pull and push rows (warp copies). Row GEMMs count their
+// 64 rows per stored n-block; weight-gradient tiles signal nothing (read after the launch).
 // Sync: docs/sync_protocol.md, "Inside the backward megakernel". Tasks are handed out in topological order.
 // Determinism: every output element is one thread's fixed-order K reduction, the same tiles and k-block order
 // as the unfused stage kernels, whatever CTA, minibatch or placement runs it; copies are copies; d_rw is the
@@ -106,19 +98,13 @@ struct BackwardTasks {
   // Rank 0 claims each next slot before the current task's waits and loads (a weight-gradient tile of a few
   // k-blocks takes about as long as the atomic's round trip).
   static constexpr bool kClaimAhead = true;
+  static constexpr bool kKeptRowWaits = true;  // below recompute_from the down dgrad waits for the pull
   using Walker = BackwardWalker;
 
   template <class Params>
-  __device__ __forceinline__ static void wait_for_inputs(const Params& p, const PhaseDesc& phase,
-                                                         const ComputeTask& task, VerifiedUnits& verified) {
-    wait_for_backward_inputs(p, phase, task, verified);
-  }
-
-  template <class Params>
   __device__ __forceinline__ static bool load(const Params& p, const PhaseDesc& phase, const ComputeTask& task,
-                                              int cta_rank, typename T::TileStorage& smem,
-                                              typename T::Pipeline& pipeline, typename T::PipelineState& state,
-                                              const device::HandoffBound& bound) {
+                                              int cta_rank, auto& smem, auto& pipeline, auto& state,
+                                              const auto& bound) {
     const int mlp = mlp_of(phase.gemm);
     switch (backward::gemm_kind(phase.gemm)) {
       case backward::GemmKind::kRecompute:
@@ -142,23 +128,18 @@ struct BackwardTasks {
   // Consumer side of one weight-gradient tile in output mode kOutput.
   template <GradOutput kOutput>
   __device__ __forceinline__ static void compute_grad_tile(const gemm::AnyWeightGradParams& w, const ComputeTask& task,
-                                                           typename T::TileStorage& smem,
-                                                           typename T::Pipeline& pipeline,
-                                                           typename T::PipelineState& state, int consumer_idx,
-                                                           int cta_rank, const device::HandoffBound& bound,
-                                                           gemm::RowsDoneSignal& signal) {
+                                                           auto& smem, auto& pipeline, auto& state, int consumer_idx,
+                                                           int cta_rank, const auto& bound, auto& signal) {
     using TG = gemm::WeightGradTraitsInGemmLayout<kOutput>;
     gemm::compute_tile<TG>(w.params<kOutput>(), grad_tile_of<TG, T::kClusterN>(task, cta_rank), smem, pipeline,
                            state, consumer_idx, nullptr, &signal, bound);
   }
 
   template <class Params>
-  __device__ __forceinline__ static TileRecord compute(const Params& p, const PhaseDesc& phase,
-                                                       const ComputeTask& task, int cta_rank,
-                                                       typename T::TileStorage& smem, typename T::Pipeline& pipeline,
-                                                       typename T::PipelineState& state, int consumer_idx,
-                                                       uint64_t* rows_done, gemm::RowsDoneSignal& signal,
-                                                       const device::HandoffBound& bound) {
+  __device__ __forceinline__ static TileRecord compute(const Params& p, const PhaseDesc& phase, const ComputeTask& task,
+                                                       int cta_rank, auto& smem, auto& pipeline, auto& state,
+                                                       int consumer_idx, uint64_t* rows_done, auto& signal,
+                                                       const auto& bound) {
     const int mlp = mlp_of(phase.gemm);
     const backward::GemmKind kind = backward::gemm_kind(phase.gemm);
     if (kind == backward::GemmKind::kRecompute) {
@@ -210,14 +191,6 @@ struct BackwardTasks {
                                        c.num_tokens, c.top_k, c.row_vectors, lane);
       }
     }
-  }
-
-  // A communication CTA (comm_ctas > 0): all its warps copy rows (warp copies).
-  template <class Params>
-  __device__ __forceinline__ static void run_communication_cta(const Params& p, MegakernelSharedStorage<T>& smem) {
-    run_copy_cta<T>(p, smem.comm.task_word, [&](TaskKind kind, int32_t unit, int warp, int warps, int lane) {
-      copy_rows(p, kind, unit, warp, warps, lane);
-    });
   }
 };
 

@@ -1,16 +1,9 @@
 // The megakernels' communication (megakernel.cuh): 64-row copy tasks taken from the communication ticket
 // (task_order.h, the comm phases of a pass's tables), each one waiting on a counter, copying the unit's rows
-// and adding to a counter. What a unit's rows are is the pass's (its task set's copy_rows: the forward's
-// dispatch and combine, forward_kernel.cuh; the backward's gradient pull and push, backward_kernel.cuh).
-//
-// Roles (two placements, one task loop: communication_loop):
-//   copy warps           warps 1-3 of every compute CTA's producer warpgroup (FusedOptions::comm_ctas == 0):
-//                        warp copies (run_copy_warps: warp w takes rows w, w + 3, ... of a unit); they meet at
-//                        hardware named barrier 8
-//   communication CTAs   the first comm_ctas CTAs: all 12 warps (run_copy_cta, the backward's), or lane 0 of
-//                        each warp bulk-copying rows through its 16 KB shared-memory slot (the forward's)
-// Shared memory: a communication CTA's row slots overlay the GEMM's stage buffers (CommSlots); every CTA has
-// the slots' mbarriers and the group's task word (CommSharedStorage).
+// and adding to a counter. What a unit's rows are is the pass's (its task set's copy_rows).
+// Placements, one task loop (communication_loop): the producer warpgroup's warps 1-3 of every compute CTA
+// (run_copy_warps, hardware named barrier 8), or the first comm_ctas CTAs (run_copy_cta: all warps; the
+// forward's bulk-copies rows through CommSlots, 16 KB per warp in the GEMM's stage bytes).
 // Sync (docs/sync_protocol.md): the group's leader acquires the comm phase's counter, the group's barrier
 // extends it to every copying thread, which fences before its bulk loads; after the copy, the barrier, then
 // the leader's fence and one release-add. Pushes to peers are released at system scope before the kernel's
@@ -28,22 +21,18 @@
 
 namespace mok::megakernel {
 
-// Communication CTAs: each warp's lane 0 copies rows with the bulk-copy engine through its own slot.
-template <class T>
-struct CommTraits {
-  static constexpr int kWarps = T::kThreads / 32;
-  static constexpr int kSlotBytes = 16384;  // a chunk in flight per warp; rows of H > 8192 go in chunks
-};
-
-// A communication CTA's row slots, in the bytes of the (unused) GEMM stage buffers.
+// A communication CTA's row slots, in the bytes of the (unused) GEMM stage buffers: each warp's lane 0 copies
+// rows with the bulk-copy engine through its own (the forward's communication CTAs).
 template <class T>
 struct CommSlots {
-  alignas(128) char slot[CommTraits<T>::kWarps][CommTraits<T>::kSlotBytes];
+  static constexpr int kWarps = T::kThreads / 32;
+  static constexpr int kSlotBytes = 16384;  // a chunk in flight per warp; rows of H > 8192 go in chunks
+  alignas(128) char slot[kWarps][kSlotBytes];
 };
 
 template <class T>
 struct CommSharedStorage {
-  uint64_t slot_loaded[CommTraits<T>::kWarps];  // mbarrier per slot (BulkRowCopier)
+  uint64_t slot_loaded[CommSlots<T>::kWarps];  // mbarrier per slot (BulkRowCopier)
   int32_t task_word;                            // the communication group's task broadcast
 };
 
@@ -77,8 +66,8 @@ __device__ __forceinline__ void communication_loop(const Params& p, int32_t& tas
           phase.wait_unit == CommWait::kRingPrevious ? task.unit + c.order.ring_rows / kUnitRows : task.unit;
       if (unit * kUnitRows < scheduled_rows)
         gave_up = !device::wait_at_least(c.counters.base[phase.waits] + unit, c.counters.target[phase.waits],
-                                         {c.rank, phase.role, c.counters.id[phase.waits], unit, Params::kKernel}, c.status,
-                                         c.timeout_ns);
+                                         {c.rank, phase.role, c.counters.id[phase.waits], unit, Params::kKernel},
+                                         c.status, c.timeout_ns);
     }
     // Why: the leader's acquire covers the group once it passes the barrier; the fence then orders it before
     // this thread's bulk loads (async proxy) of rows other CTAs wrote.
@@ -101,26 +90,27 @@ __device__ __forceinline__ void communication_loop(const Params& p, int32_t& tas
 }
 
 // The producer warpgroup's three warps besides the TMA issuer (FusedOptions::comm_ctas == 0: no CTA is given
-// to communication): copy_rows(kind, unit, warp, warps, lane) copies warp `warp` of `warps`' rows of a unit
-// (rows warp, warp + warps, ...) with warp copies.
-template <class Params, class CopyRows>
-__device__ __forceinline__ void run_copy_warps(const Params& p, int32_t& task_word, CopyRows copy_rows) {
+// to communication): Tasks::copy_rows(p, kind, unit, warp, warps, lane) copies warp `warp` of `warps`' rows of
+// a unit (rows warp, warp + warps, ...).
+template <class Tasks, class Params>
+__device__ __forceinline__ void run_copy_warps(const Params& p, int32_t& task_word) {
   // Hardware barrier 8: CUTLASS NamedBarrier ids 1 and 2 of the consumer warpgroups are hardware 9 and 10.
   // (Through NamedBarrier::sync, id 8 was hardware 16, which the SASS showed wrapped to barrier 0.)
   constexpr int kCopyWarps = 3, kBarrierId = 8;
   const int warp = static_cast<int>(threadIdx.x) / 32 - 1, lane = static_cast<int>(threadIdx.x) % 32;
   communication_loop(p, task_word, threadIdx.x == 32,
                      [](bool flag) { return device::named_barrier_any(flag, kBarrierId, 32 * kCopyWarps); },
-                     [&](TaskKind kind, int32_t unit) { copy_rows(kind, unit, warp, kCopyWarps, lane); });
+                     [&](TaskKind kind, int32_t unit) { Tasks::copy_rows(p, kind, unit, warp, kCopyWarps, lane); });
 }
 
-// A communication CTA (FusedOptions::comm_ctas > 0) whose T::kThreads / 32 warps copy rows with warp copies,
-// as run_copy_warps (the backward's; the forward's bulk-copies through row slots: forward_kernel.cuh).
-template <class T, class Params, class CopyRows>
-__device__ __forceinline__ void run_copy_cta(const Params& p, int32_t& task_word, CopyRows copy_rows) {
+// A communication CTA (FusedOptions::comm_ctas > 0) whose T::kThreads / 32 warps all run Tasks::copy_rows.
+template <class Tasks, class Params>
+__device__ __forceinline__ void run_copy_cta(const Params& p, int32_t& task_word) {
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   communication_loop(p, task_word, threadIdx.x == 0, [](bool flag) { return __syncthreads_or(flag) != 0; },
-                     [&](TaskKind kind, int32_t unit) { copy_rows(kind, unit, warp, T::kThreads / 32, lane); });
+                     [&](TaskKind kind, int32_t unit) {
+                       Tasks::copy_rows(p, kind, unit, warp, Tasks::T::kThreads / 32, lane);
+                     });
 }
 
 }  // namespace mok::megakernel

@@ -8,15 +8,12 @@
 //   combined_src[token * k + slot] = y[r]                    (combine: push to the source rank)
 // x [padded T, H] (symmetric), expert_rows [ring, H], hidden [ring, I], y [ring, H] (rings of macrobatch rows,
 // row r at r % ring), shared_hidden [padded T, I], shared_out [padded T, H], combined [T * k, H] (symmetric).
-// This file is the forward's task set on the megakernel skeleton (megakernel.cuh: roles, pipeline, task loops,
-// teardown): what the tasks are, what each waits on and signals, is data (forward_tasks.h: phase and counter
-// tables, walked by task_order.h); here are its parameters and its per-kind load, compute and copy. The GEMM
-// tiles are src/device/gemm/expert_gemm.cuh's, the copy loop communication.cuh's.
+// This file is the forward's task set on the megakernel skeleton (megakernel.cuh): its parameters and per-kind
+// load, compute and copy; its tables are forward_tasks.h's, its GEMM tiles src/device/gemm/expert_gemm.cuh's.
 //
-// Roles (megakernel.cuh): the producer thread issues the gate/up and down tiles' TMA loads, warps 1-3 of its
-// warpgroup dispatch and combine rows (warp copies); the consumer warpgroups compute the tiles. With
-// comm_ctas > 0 the first comm_ctas CTAs only copy: lane 0 of each of 12 warps bulk-copies rows through a
-// 16 KB slot of the GEMM's stage bytes (BulkRowCopier), 12 slots in flight per CTA.
+// Roles (megakernel.cuh): warps 1-3 of the producer warpgroup dispatch and combine rows (warp copies); with
+// comm_ctas > 0 the first comm_ctas CTAs only copy, lane 0 of each of 12 warps through a 16 KB slot of the GEMM's
+// stage bytes (BulkRowCopier), 12 slots in flight per CTA.
 // Sync: docs/sync_protocol.md, "forward megakernel".
 // Determinism: every output element is one thread's fixed-order K reduction, whatever tile, CTA, minibatch
 // or macrobatch it falls in; copies are copies. The results are bitwise those of the unfused path.
@@ -67,31 +64,22 @@ struct ForwardTasks {
   static constexpr int kProducerRegisters = 56;
   static constexpr int kConsumerRegisters = T::kConsumerRegisters;
   static constexpr bool kClaimAhead = false;
+  static constexpr bool kKeptRowWaits = false;
   using Walker = ComputeWalker;
 
   template <class Params>
-  __device__ __forceinline__ static void wait_for_inputs(const Params& p, const PhaseDesc& phase,
-                                                         const ComputeTask& task, VerifiedUnits&) {
-    ::mok::megakernel::wait_for_inputs(p, phase, task);
-  }
-
-  template <class Params>
   __device__ __forceinline__ static bool load(const Params& p, const PhaseDesc& phase, const ComputeTask& task,
-                                              int cta_rank, typename T::TileStorage& smem,
-                                              typename T::Pipeline& pipeline,
-                                              typename T::PipelineState& state,
-                                              const device::HandoffBound& bound) {
+                                              int cta_rank, auto& smem, auto& pipeline, auto& state,
+                                              const auto& bound) {
     return gemm::load_tile<T>(p.gemms[phase.gemm], tile_of<T::kClusterN>(task, cta_rank), cta_rank, smem, pipeline,
                               state, bound);
   }
 
   template <class Params>
-  __device__ __forceinline__ static TileRecord compute(const Params& p, const PhaseDesc& phase,
-                                                       const ComputeTask& task, int cta_rank,
-                                                       typename T::TileStorage& smem, typename T::Pipeline& pipeline,
-                                                       typename T::PipelineState& state, int consumer_idx,
-                                                       uint64_t* rows_done, gemm::RowsDoneSignal& signal,
-                                                       const device::HandoffBound& bound) {
+  __device__ __forceinline__ static TileRecord compute(const Params& p, const PhaseDesc& phase, const ComputeTask& task,
+                                                       int cta_rank, auto& smem, auto& pipeline, auto& state,
+                                                       int consumer_idx, uint64_t* rows_done, auto& signal,
+                                                       const auto& bound) {
     const gemm::TileTask tile = tile_of<T::kClusterN>(task, cta_rank);
     // Two call sites, not four: each inlined compute_tile hoists its own loop invariants into registers.
     if (forward::is_gate_up(phase.gemm))
@@ -145,15 +133,15 @@ struct ForwardTasks {
     CommSharedStorage<T>& smem = storage.comm;
     const MegakernelParams& c = p.common;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-    constexpr int kWarps = CommTraits<T>::kWarps;
+    constexpr int kWarps = CommSlots<T>::kWarps;
     const int row_bytes = c.row_vectors * 16;
     // Whole rows per slot when they fit more than one (H <= 4096), else one row (in chunks when H > 8192).
     const int rows_per_batch =
-        row_bytes * 2 <= CommTraits<T>::kSlotBytes ? CommTraits<T>::kSlotBytes / row_bytes : 1;
+        row_bytes * 2 <= CommSlots<T>::kSlotBytes ? CommSlots<T>::kSlotBytes / row_bytes : 1;
     if (lane == 0) device::mbarrier_init(&smem.slot_loaded[warp], 1);
     // Why: the barrier init must be visible to the async proxy (the bulk copies complete on it).
     cutlass::arch::fence_barrier_init();
-    device::BulkRowCopier copier{slots.slot[warp], &smem.slot_loaded[warp], CommTraits<T>::kSlotBytes,
+    device::BulkRowCopier copier{slots.slot[warp], &smem.slot_loaded[warp], CommSlots<T>::kSlotBytes,
                                  {c.status, c.timeout_ns, c.rank, Params::kKernel}, warp};
     auto copy_unit = [&](TaskKind kind, int32_t unit) {
       if (kind == TaskKind::kDispatch) {

@@ -1,37 +1,31 @@
 // The persistent megakernel skeleton, written once for the forward (forward_kernel.cuh) and the backward
 // (backward_kernel.cuh): the parameters both read, the shared memory, the role switch, the pipeline start, the
-// producer's and the consumers' task loops and the teardown. A pass supplies a task set (its tables, through
-// TaskOrderShape in its parameters, and its per-kind load / compute / copy); its kernel is one line:
-// run_megakernel<Tasks>(p).
+// producer's and the consumers' task loops and the teardown. A pass supplies a task set (below); its kernel is
+// one line, run_megakernel<Tasks>(p).
 //
-// Roles. One CTA per SM in clusters of T::kClusterN (T: the task set's traits, whose pipeline, shared memory
-// and cluster every tile kind shares), every one computing (the default, comm_ctas == 0):
-//   producer warpgroup   thread 0: takes compute slots (TaskRing: the cluster shares each slot), decodes them
-//                        (Tasks::Walker over the phase tables, task_order.h), waits for the phase's counter over
-//                        the task's rows (Tasks::wait_for_inputs) and issues the tile's TMA loads (Tasks::load).
-//                        Warps 1-3: the communication (Tasks::copy_rows through run_copy_warps,
-//                        communication.cuh).
-//   consumer warpgroups  wgmma + epilogue of the phase's GEMM (Tasks::compute), which counts the stored rows in
-//                        the phase's counter; the first consumer thread records the tile in the timeline.
-// With comm_ctas > 0 the first comm_ctas CTAs only communicate instead (Tasks::run_communication_cta).
-// Shared memory (MegakernelSharedStorage): the GEMM's TileStorage (one type for every tile kind of a pass), or
-// for communication CTAs 12 row slots of 16 KB in the same bytes; a ring of decoded tasks; the communication
-// group's words.
+// Roles: one CTA per SM in clusters of T::kClusterN, every one computing (the default, comm_ctas == 0):
+//   producer warpgroup   thread 0 takes compute slots (TaskRing: the cluster shares each slot), decodes them
+//                        (Tasks::Walker over the pass's phase tables, task_order.h), waits for the phase's
+//                        counter over the task's rows and issues the tile's TMA loads; warps 1-3 copy rows
+//                        (run_copy_warps, communication.cuh).
+//   consumer warpgroups  wgmma + epilogue of the phase's GEMM, which counts the stored rows in the phase's
+//                        counter; the first consumer thread records the tile in the timeline.
+// With comm_ctas > 0 the first comm_ctas CTAs only copy rows (Tasks::run_communication_cta).
 // Sync: counters per 64-row unit in global memory, release-add / acquire-spin with timeouts reported through
-// the status word (docs/sync_protocol.md). Tasks are handed out in topological order, so spinning cannot
-// deadlock.
+// the status word (docs/sync_protocol.md). Tasks are handed out in topological order: spinning cannot deadlock.
 //
 // A task set (ForwardTasks, BackwardTasks) provides:
-//   T                          the traits of the pipeline, shared memory and cluster every tile runs on
+//   T                          the traits of the pipeline, shared memory and cluster every tile kind runs on
 //   kProducerRegisters, kConsumerRegisters   the setmaxnreg budgets
 //   kClaimAhead                rank 0 claims the next slot before the current task's waits and loads
 //   Walker                     the task order's walker (ComputeWalker, BackwardWalker)
-//   wait_for_inputs(p, phase, task, verified)                       producer thread, before the loads
+//   kKeptRowWaits              the producer waits by wait_for_backward_inputs (kept rows, verified units), else
+//                              by wait_for_inputs
 //   load(p, phase, task, cta_rank, smem, pipeline, state, bound)    producer thread: false if it gave up
 //   compute(p, phase, task, cta_rank, smem, pipeline, state, consumer_idx, rows_done, signal, bound)
 //                              consumers: one tile; returns what the timeline records of it
 //   copy_rows(p, kind, unit, warp, warps, lane)                     a copy warp's rows of a unit
-//   run_communication_cta(p, smem)                                  a communication CTA
+//   run_communication_cta(p, smem)   optional: a communication CTA (default: all its warps run copy_rows)
 #pragma once
 
 #include <cstdint>
@@ -42,8 +36,8 @@
 #include "src/device/common/sync.cuh"
 #include "src/device/gemm/mainloop.cuh"
 #include "src/device/gemm/task_ring.cuh"
+#include "src/device/gemm/tile_task.cuh"
 #include "src/device/megakernel/communication.cuh"
-#include "src/device/megakernel/task_inputs.cuh"
 #include "src/device/megakernel/task_order.h"
 #include "src/device/megakernel/timeline.cuh"
 
@@ -91,26 +85,80 @@ struct TileRecord {
   int32_t n_block;
 };
 
-template <class Tasks, class Params>
-__device__ __forceinline__ void run_megakernel_producer(const Params& p, MegakernelSharedStorage<typename Tasks::T>& smem,
-                                        typename Tasks::T::Pipeline& pipeline, int cta_rank) {
-  using T = typename Tasks::T;
+// A row GEMM's task as this CTA's tile: CTA c of the cluster takes n-block kClusterN * n_group + c.
+template <int kClusterN>
+__device__ __forceinline__ gemm::TileTask tile_of(const ComputeTask& t, int cta_rank) {
+  return gemm::TileTask{t.row, t.buffer_row, t.rows, t.n_group, t.expert}.template for_cta<kClusterN>(cta_rank);
+}
+
+// Producer thread: waits until every 64-row unit of the task's rows [row, row + rows) is complete in the
+// phase's counter (a row tile's A rows; a weight-gradient tile's whole expert segment).
+// Reads p.common (counters, rank, status, timeout_ns) and Params::kKernel.
+template <class Params>
+__device__ __forceinline__ void wait_for_inputs(const Params& p, const PhaseDesc& phase, const ComputeTask& t) {
+  if (phase.waits == kNoCounter) return;  // inputs complete before the launch
+  const MegakernelParams& c = p.common;
+  const uint64_t* counter = c.counters.base[phase.waits];
+  for (int32_t unit = t.row / kUnitRows; unit * kUnitRows < t.row + t.rows; ++unit)
+    device::wait_at_least(counter + unit, c.counters.target[phase.waits],
+                          {c.rank, Role::kGemmProducer, c.counters.id[phase.waits], unit, Params::kKernel}, c.status,
+                          c.timeout_ns);
+  // Why: the TMA loads that follow read, through the async proxy, rows the acquire above made visible.
+  device::fence_proxy_async_global();
+}
+
+// The units a producer thread has already seen complete on one counter (counts only grow): the next task
+// over the same rows, e.g. an expert's next weight-gradient tile, waits for nothing.
+struct VerifiedUnits {
+  int8_t counter = kNoCounter;
+  int32_t first = 0, end = 0;
+  __device__ __forceinline__ bool covers(int8_t c, int32_t unit) const {
+    return c == counter && unit >= first && unit < end;
+  }
+};
+
+// Producer thread of the backward megakernel: as wait_for_inputs, but a tile's units below the order's
+// recompute_from wait on the phase's waits_kept counter (counter_awaited), and units this thread already
+// saw complete (`verified`: a weight-gradient tile waits for its expert's whole segment, and an expert has
+// hundreds of such tiles) are not read again. The acquire and the proxy fence of the earlier wait precede
+// this task's loads in this thread's program order.
+template <class Params>
+__device__ __forceinline__ void wait_for_backward_inputs(const Params& p, const PhaseDesc& phase, const ComputeTask& t,
+                                                         VerifiedUnits& verified) {
+  const MegakernelParams& m = p.common;
+  const int32_t first = t.row / kUnitRows, end = (t.row + t.rows + kUnitRows - 1) / kUnitRows;
+  bool waited = false, complete = true;
+  for (int32_t unit = first; unit < end; ++unit) {
+    const int8_t c = counter_awaited(phase, m.order, unit);
+    if (c == kNoCounter || verified.covers(c, unit)) continue;
+    complete &= device::wait_at_least(m.counters.base[c] + unit, m.counters.target[c],
+                                      {m.rank, Role::kGemmProducer, m.counters.id[c], unit, Params::kKernel}, m.status,
+                                      m.timeout_ns);
+    waited = true;
+  }
+  if (!waited) return;
+  if (complete && phase.waits == phase.waits_kept) verified = {phase.waits, first, end};
+  // Why: the TMA loads that follow read, through the async proxy, rows the acquires above made visible.
+  device::fence_proxy_async_global();
+}
+
+template <class Tasks, class Params, class T = typename Tasks::T>
+__device__ __forceinline__ void run_megakernel_producer(const Params& p, MegakernelSharedStorage<T>& smem,
+                                                        typename T::Pipeline& pipeline, int cta_rank) {
   const MegakernelParams& c = p.common;
   static_assert(Tasks::kProducerRegisters * 128 + Tasks::kConsumerRegisters * 128 * T::kConsumerWarpgroups <=
                     T::kLaunchRegisters * T::kThreads,
                 "setmaxnreg redistributes the CTA's launch registers, no more");
   cutlass::arch::warpgroup_reg_dealloc<Tasks::kProducerRegisters>();
   if (threadIdx.x >= 32) {  // warps 1-3 copy rows when no CTA is given to communication
-    if (c.comm_ctas == 0) run_copy_warps(p, smem.comm.task_word, [&](TaskKind kind, int32_t unit, int warp, int warps, int lane) {
-        Tasks::copy_rows(p, kind, unit, warp, warps, lane);
-      });
+    if (c.comm_ctas == 0) run_copy_warps<Tasks>(p, smem.comm.task_word);
     return;
   }
   if (threadIdx.x != 0) return;
   const device::HandoffBound bound{c.status, c.timeout_ns, c.rank, Params::kKernel};
   auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
   typename Tasks::Walker walker(c.order, *c.scheduled_rows);
-  VerifiedUnits verified;  // the units the producer saw complete (Tasks::wait_for_inputs may skip them)
+  VerifiedUnits verified;  // the units the producer saw complete (kKeptRowWaits: not awaited again)
   // With kClaimAhead rank 0 claims each next slot before the current task's waits and loads: a short tile (a
   // weight gradient's of a few k-blocks) takes about as long as an atomic's round trip, which would otherwise
   // stall every task.
@@ -132,16 +180,18 @@ __device__ __forceinline__ void run_megakernel_producer(const Params& p, Megaker
     const PhaseDesc& phase = c.order.phases.phase[task.phase];
     // A failed input wait still issues the tile (in bounds, garbage): the partner CTA and both CTAs'
     // consumers already hold it, and every load issued is waited for before the CTAs exit.
-    Tasks::wait_for_inputs(p, phase, task, verified);
+    if constexpr (Tasks::kKeptRowWaits)
+      wait_for_backward_inputs(p, phase, task, verified);
+    else
+      wait_for_inputs(p, phase, task);
     if (!Tasks::load(p, phase, task, cta_rank, smem.gemm, pipeline, state, bound)) break;
   }
   gemm::producer_tail_bounded(pipeline, state, bound);
 }
 
-template <class Tasks, class Params>
-__device__ __forceinline__ void run_megakernel_consumer(const Params& p, MegakernelSharedStorage<typename Tasks::T>& smem,
-                                        typename Tasks::T::Pipeline& pipeline, int cta_rank) {
-  using T = typename Tasks::T;
+template <class Tasks, class Params, class T = typename Tasks::T>
+__device__ __forceinline__ void run_megakernel_consumer(const Params& p, MegakernelSharedStorage<T>& smem,
+                                                        typename T::Pipeline& pipeline, int cta_rank) {
   const MegakernelParams& c = p.common;
   cutlass::arch::warpgroup_reg_alloc<Tasks::kConsumerRegisters>();
   const bool recorder = threadIdx.x == 128 && c.timeline.enabled();
@@ -198,7 +248,12 @@ __device__ __forceinline__ void run_megakernel(const Params& p) {
   typename T::Pipeline pipeline = gemm::start_pipeline<T>(smem.gemm, smem.tasks, role == MegakernelRole::kConsumer);
   const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
   switch (role) {
-    case MegakernelRole::kCommunication: Tasks::run_communication_cta(p, smem); break;
+    case MegakernelRole::kCommunication:
+      if constexpr (requires { Tasks::run_communication_cta(p, smem); })
+        Tasks::run_communication_cta(p, smem);
+      else
+        run_copy_cta<Tasks>(p, smem.comm.task_word);
+      break;
     case MegakernelRole::kProducer: run_megakernel_producer<Tasks>(p, smem, pipeline, cta_rank); break;
     case MegakernelRole::kConsumer: run_megakernel_consumer<Tasks>(p, smem, pipeline, cta_rank); break;
   }
