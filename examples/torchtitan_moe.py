@@ -32,7 +32,6 @@ lacks a class torchtitan 0.3.0 imports for FSDP, mok.integrations.torchtitan.pat
 placeholder for it first (this example does not use FSDP).
 """
 import argparse
-import csv
 import os
 import sys
 import time
@@ -231,16 +230,8 @@ def report(args, runs):
          "first loss)"),
     ]
     print()
-    failures = []
-    for ok, what in checks:
-        print(f"{'PASS' if ok else 'FAIL'}  {what}")
-        if not ok:
-            failures.append(what)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "losses.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["step", "ours_run_1", "ours_run_2", "torchtitan"])
-        w.writerows([s, a, b, c] for s, (a, b, c) in enumerate(zip(ours1, ours2, ref)))
+    failures = train_moe.print_checks(checks)
+    train_moe.write_losses(args.out, ["ours_run_1", "ours_run_2", "torchtitan"], [ours1, ours2, ref])
     path = os.path.join(args.out, "loss_curves.png")
     curves = [("torchtitan's experts", ref, "#e6550d", False), ("mok, run 1", ours1, "#3182bd", False),
               ("mok, run 2 (bitwise equal)" if bitwise else "mok, run 2", ours2, "#08306b", True)]

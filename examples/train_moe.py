@@ -349,7 +349,6 @@ def report(args, env, runs):
     tail = max(1, steps // 10)
     mean_ours, mean_ref = sum(ours1[-tail:]) / tail, sum(ref[-tail:]) / tail
     smooth_gap = max(abs(a - b) for a, b in zip(moving_average(ours1, 20), moving_average(ref, 20)))
-    failures = []
     bitwise = torch.equal(runs["ours run 1"][0], runs["ours run 2"][0])
     params_equal = all(torch.equal(a, b) for a, b in zip(runs["ours run 1"][2], runs["ours run 2"][2]))
     checks = [
@@ -361,16 +360,9 @@ def report(args, env, runs):
         (mean_ours < 0.8 * ours1[0] and mean_ref < 0.8 * ref[0], "both learned (last mean < 80 % of the first loss)"),
     ]
     env.print(f"\nlargest gap of the 20-step moving averages: {smooth_gap:.4f}")
-    for ok, what in checks:
-        env.print(f"{'PASS' if ok else 'FAIL'}  {what}")
-        if not ok:
-            failures.append(what)
+    failures = print_checks(checks, env.print)
     if env.rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "losses.csv"), "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["step", "ours_run_1", "ours_run_2", "torch"])
-            w.writerows([s, a, b, c] for s, (a, b, c) in enumerate(zip(ours1, ours2, ref)))
+        write_losses(args.out, ["ours_run_1", "ours_run_2", "torch"], [ours1, ours2, ref])
         path = os.path.join(args.out, "loss_curves.png")
         curves = [("plain PyTorch MoE", ref, "#e6550d", False), ("mok.MoE, run 1", ours1, "#3182bd", False),
                   ("mok.MoE, run 2 (bitwise equal)" if bitwise else "mok.MoE, run 2", ours2, "#08306b", True)]
@@ -386,6 +378,22 @@ def report(args, env, runs):
 
 PLOT_WIDTH_PX, PLOT_HEIGHT_PX, PLOT_DPI = 960, 540, 120
 RENDERERS = ("auto", "matplotlib", "builtin")
+
+
+def print_checks(checks, print_line=print):
+    """Prints each (ok, what) check as PASS / FAIL; returns the failed ones' texts."""
+    for ok, what in checks:
+        print_line(f"{'PASS' if ok else 'FAIL'}  {what}")
+    return [what for ok, what in checks if not ok]
+
+
+def write_losses(folder, names, runs):
+    """folder/losses.csv: a step column, then one column per run (names, runs: lists of per-step losses)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "losses.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", *names])
+        w.writerows([step, *losses] for step, losses in enumerate(zip(*runs)))
 
 
 def plot_losses(path, curves, title, renderer="auto"):

@@ -89,6 +89,15 @@ def test_loss_curves_without_matplotlib(example, tmp_path, monkeypatch):
         example.plot_losses(str(tmp_path / "forced.png"), curves, "title", renderer="matplotlib")
 
 
+def test_checks_and_losses_csv(example, tmp_path):
+    """The examples' shared report helpers: PASS / FAIL lines and the failed texts; losses.csv's columns."""
+    lines = []
+    failed = example.print_checks([(True, "first"), (False, "second"), (False, "third")], lines.append)
+    assert failed == ["second", "third"] and lines == ["PASS  first", "FAIL  second", "FAIL  third"]
+    example.write_losses(str(tmp_path / "out"), ["a", "b"], [[1.5, 2.5], [3.0, 4.0]])
+    assert (tmp_path / "out" / "losses.csv").read_text().splitlines() == ["step,a,b", "0,1.5,3.0", "1,2.5,4.0"]
+
+
 def test_loss_curves_builtin_draws_the_data(example, tmp_path):
     """The curves land where the data says: a curve of one constant loss is a horizontal line of its colour at one
     height; a NaN step leaves a gap instead of failing; a run 2 that differs is labelled so."""
