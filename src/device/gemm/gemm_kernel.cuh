@@ -4,7 +4,8 @@
 // the unfused forward, the stage-kernel backward, the tests and the bench.
 // Roles (one CTA per SM, in clusters of T::kClusterN; 1 producer warpgroup + T::kConsumerWarpgroups):
 //   producer   thread 0 takes slots from the atomic ticket (rank 1 of a cluster gets rank 0's by mail: TaskRing),
-//              decodes them (T::Walker), publishes them and issues the tiles' TMA loads (load_tile).
+//              decodes them (T::Walker), publishes them and issues the tiles' TMA loads (load_tile); in a
+//              row-gathering configuration (RowGatherTraits) the whole warpgroup gathers A (row_gather.cuh).
 //   consumers  compute the published tasks (compute_tile, mainloop.cuh).
 // Shared memory: T::SharedStorage. Sync: docs/sync_protocol.md, "Inside one kernel"; every wait is bounded.
 // Determinism: results do not depend on which CTA takes which slot (each tile is one CTA's fixed-order K loop).
@@ -17,6 +18,7 @@
 #include "src/device/common/sync.cuh"
 #include "src/device/gemm/expert_gemm.cuh"
 #include "src/device/gemm/mainloop.cuh"
+#include "src/device/gemm/row_gather.cuh"
 #include "src/device/gemm/weight_grad_gemm.cuh"
 
 namespace mok::gemm {
@@ -78,6 +80,42 @@ __device__ __forceinline__ void run_gemm_producer(const Params& p, const Standal
   }
   // Why: neither CTA may exit while its consumers, or the partner CTA's, still release stages into it.
   producer_tail_bounded(pipeline, state, waits.bound);
+}
+
+// Producer warpgroup of a gathering configuration (row_gather.cuh): thread 0 takes and decodes the slots as
+// run_gemm_producer does (its walker and the decoded tasks in shared memory: RowGatherTasks); all four warps
+// read each published entry back from the task ring (as consumer warps do, counted in its empty barriers) and
+// gather the tile together. A give-up anywhere ends the loop in every thread at once (the named barriers
+// reduce it). No stall_producer test knob here.
+template <class T, class Params>
+__device__ __forceinline__ void run_gather_producer(const Params& p, const StandaloneWaits& waits,
+                                                    typename T::SharedStorage& smem, typename T::Pipeline& pipeline,
+                                                    int thread_idx) {
+  using Walker = typename T::Walker;
+  static_assert(!Walker::kClaimAhead && T::kClusterN == 1, "row tiles, one CTA per tile");
+  auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
+  for (int k = 0;; ++k) {
+    const int q = k % T::Collective::kTaskDepth;
+    if (thread_idx == 0) {
+      TileTask decoded;
+      const int32_t slot = smem.tasks.take(k, 0, p.ticket, waits.bound);
+      const bool more = smem.tasks.walker.task_at(p, slot, decoded);
+      smem.tasks.decoded[q] = decoded;
+      // A publish that gave up leaves entry k empty: the reads below give up too.
+      smem.tasks.publish(k, Walker::payload(more, slot, decoded), waits.bound);
+    }
+    __syncwarp();
+    typename Walker::Payload payload;
+    const bool arrived = smem.tasks.consume(k, payload, waits.bound);
+    if (!device::named_barrier_all(arrived, T::kGatherBarrier, T::kGatherThreads)) break;
+    if (payload == kStopSlot) break;  // what payload() publishes past the last task
+    const TileTask task = smem.tasks.decoded[q];
+    if (!gather_tile<T>(p, task, smem, pipeline, state, thread_idx, waits.bound)) break;
+  }
+  // Why: no thread leaves with copies in flight into stages its consumers still read.
+  cute::cp_async_wait<0>();
+  // Why: as run_gemm_producer's tail.
+  if (thread_idx == 0) producer_tail_bounded(pipeline, state, waits.bound);
 }
 
 // Consumer threads: the published tasks until "no more", or until a task-ring wait gave up (the warpgroup's
@@ -152,7 +190,9 @@ __device__ __forceinline__ void run_standalone_gemm(const Params& p, const Stand
   switch (role) {
     case GemmRole::kProducer:
       cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
-      if (threadIdx.x == 0)
+      if constexpr (GathersRows<T>)
+        run_gather_producer<T>(p, waits, smem, pipeline, static_cast<int>(threadIdx.x));
+      else if (threadIdx.x == 0)
         with_traits<T>(p, [&](auto traits, const auto& params) {
           run_gemm_producer<typename decltype(traits)::type>(params, waits, smem, pipeline, cta_rank);
         });

@@ -66,6 +66,10 @@ struct Bf16Mainloop {
   using StageLayout = decltype(stage_layout<kMajor, kRows, kCols, kStages>());
 };
 
+// A configuration whose A stages the producer's threads write with cp.async (row_gather.cuh) instead of TMA.
+template <class T>
+concept GathersRows = requires { requires T::kGatherRows; };
+
 // How a tile's accumulators start (see the header).
 enum class AccumulatorStart : int { kFirstWgmmaOverwrites = 0, kZeroed = 1 };
 
@@ -216,6 +220,8 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   }
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     consumer_wait_bounded(pipeline, read_state, bound);
+    // Why: gathered A chunks were written through the generic proxy; wgmma reads them through the async proxy.
+    if constexpr (GathersRows<C>) cutlass::arch::fence_view_async_shared();
     const int stage = read_state.index();
     warpgroup_fence_operand(accum);
     warpgroup_arrive();
