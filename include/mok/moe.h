@@ -136,6 +136,10 @@ struct MoeOptions {
                              // so the backward needs no gate/up recompute when the context holds every row;
                              // false: the backward recomputes them from the kept x rows (docs/design.md,
                              // "Saved and recomputed", has the measured time and memory of both)
+  bool gather_rows = false;  // unfused path: the routed gate/up GEMM reads the rows from this rank's tokens
+                             // straight from x into its shared memory (docs/design.md, "Row gather in the
+                             // gate/up producer"); the expert-major copy of x is then skipped at EP = 1 without
+                             // backward (the context keeps it otherwise). Same bits. The fused path ignores it
 };
 
 // One rank's weights, bf16.

@@ -550,10 +550,20 @@ void MoeWorkspace::compute(const RankForward& f) {
   const ScheduleView& v = f.context->schedule_;
   const int row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16);
   barrier_wait(f.rank, f.stream);
-  pull_rows(f, capacity_rows());
+  // MoeOptions::gather_rows: the gate/up GEMM reads this rank's rows from x itself (src/device/gemm/row_gather.cuh).
+  // The expert-major copy is still made where other ranks' rows need it (EP > 1) or the context keeps it for the
+  // backward; the GEMM then reads the same values from either, so the same bits.
+  const bool gather = options_.gather_rows;
+  if (!gather || shape_.ep_size > 1 || options_.backward) pull_rows(f, capacity_rows());
 
   ExpertGemmArgs gate_up, down;
   routed_gemms(f, gate_up, down);
+  if (gather)
+    gate_up.gather = {.x = x_.on(f.rank),
+                      .row_route = v.row_route,
+                      .num_tokens = shape_.num_tokens,
+                      .top_k = shape_.top_k,
+                      .rank = f.rank};
   expert_gemm(gate_up, f.stream);
   expert_gemm(down, f.stream);
 
