@@ -88,7 +88,6 @@ struct RowGatherTraits : Base {
   static constexpr int kRowsPerThread = Base::kBlockM / kRowsPerPass;   // 8
   static_assert(kChunksPerRow == 8 && kRowsPerPass % 8 == 0,
                 "a thread's rows share their row mod 8, so one chunk column of the swizzle");
-  static_assert(kRowsPerThread <= 32, "row masks are 32-bit");
   static constexpr uint32_t kStageBytesB = Base::kBlockN * Base::kBlockK * sizeof(Element);
   // The producer warpgroup's named barrier (after the consumer warpgroups' staging barriers).
   static constexpr int kGatherBarrier = int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) +
