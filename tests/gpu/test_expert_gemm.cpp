@@ -1062,7 +1062,7 @@ TEST(ExpertGemmTest, SwiGLUGatheredRowsEqualTheCopiedRowsBitwise) {
         const std::string label = "tile_m " + std::to_string(tile_m) + (mixed ? ", mixed sources" : ", all local") +
                                   (fused ? ", fused weights" : ", separate weights") + ", seed " +
                                   std::to_string(seed);
-        GemmFixture fx(expert_counts, 64, tile_m);
+        GemmFixture fx(expert_counts, tile_m, tile_m);  // a_rows: a multiple of tile_m
         const int rank = mixed ? 1 : 0;
         // x of every source rank [ranks, T, k]; this rank's is what the gather reads.
         const auto x = hashed_bf16(size_t(ranks) * num_tokens * k, seed, -2, 2);
