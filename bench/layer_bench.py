@@ -532,6 +532,10 @@ def run_shape(lib, args, ep, rank, shape):
                     options["backward_megakernel"] = bool(args.backward_megakernel)
                     if args.timeline or args.breakdown:
                         options["timeline_records"] = TIMELINE_RECORDS
+                if path == "unfused" and args.gather_rows:
+                    # MoeOptions::gather_rows; without the backward the expert-major copy of x is skipped (EP = 1)
+                    options["gather_rows"] = True
+                    options["backward"] = bool(backward)
                 if args.minibatch:
                     options["minibatch_rows"] = args.minibatch
                 if args.load_factor:
@@ -864,6 +868,9 @@ def main():
     parser.add_argument("--breakdown", action="store_true", help="also print our GPU time per kernel (torch.profiler)")
     parser.add_argument("--backward-megakernel", action="store_true",
                         help="the fused layer's backward as one persistent launch (FusedOptions::backward_megakernel)")
+    parser.add_argument("--gather-rows", action="store_true",
+                        help="unfused path: the gate/up GEMM gathers its rows from x (MoeOptions::gather_rows; with "
+                        "--no-backward at EP = 1 the expert-major copy of x is skipped)")
     parser.add_argument("--comm-ctas", type=int, default=0,
                         help="fused path: CTAs given to communication (default 0: the producer warps copy)")
     parser.add_argument("--minibatch", type=int, default=0, help="fused path: minibatch rows (0: default)")

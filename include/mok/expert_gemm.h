@@ -38,6 +38,18 @@ enum class OperandMajor : int32_t {
   kMN = 1,  // rows of the operand are contiguous along m (A) or n (B): a transposed view, no copy
 };
 
+// A rows gathered by the GEMM's producer instead of read from `a` (kSwiGLU with b_major kK only; docs/design.md,
+// "Row gather in the gate/up producer"): row r of A is row `token` of x when row_route[r] is a route from
+// `rank`, row r of `a` when it is another rank's (a must then hold that row, pulled), zeros for padding
+// (route -1). The same A values as reading `a` after pull_rows, so the same bits. Runs in clusters of 1.
+struct RowGatherArgs {
+  const void* x = nullptr;             // bf16 [tokens, k], this rank's token rows; nullptr: no gather (A is `a`)
+  const int32_t* row_route = nullptr;  // [a_rows] the schedule's route id per row (ScheduleView::row_route)
+  int num_tokens = 0;                  // T of the route ids (src * T * top_k + token * top_k + slot)
+  int top_k = 0;
+  int rank = 0;                        // this rank: routes from it read x
+};
+
 struct ExpertGemmArgs {
   GemmEpilogue epilogue = GemmEpilogue::kStore;
   const void* a = nullptr;      // bf16 [a_rows, k], 16-byte aligned rows
@@ -71,6 +83,7 @@ struct ExpertGemmArgs {
   void* trace = nullptr;        // optional uint64 [tasks, CTAs per cluster, 4], zeroed by the caller: per
                                 // output tile, consumer start and end (globaltimer ns), SM id | SM cycles
                                 // << 16, expert << 48 | n-block group << 32 | first row
+  RowGatherArgs gather;         // optional: A rows gathered from x (see RowGatherArgs)
   WaitBound waits;              // required: the status word the kernel's waits (its roles' hand-offs, all
                                 // bounded: 2 * waits.timeout_s + 1 s) report a timeout to, and the rank named.
                                 // Once that word's abort is set the GEMM takes no more tiles (out unspecified)

@@ -54,6 +54,7 @@ namespace mok {
 
 namespace detail {
 struct MlpBackwardGemms;  // src/host/moe_fused_backward.h
+struct MegakernelArgs;    // src/host/megakernel_args.h
 }  // namespace detail
 namespace backward {
 struct GradPullSources;  // src/device/backward/grad_rows.cuh
@@ -135,6 +136,10 @@ struct MoeOptions {
                              // so the backward needs no gate/up recompute when the context holds every row;
                              // false: the backward recomputes them from the kept x rows (docs/design.md,
                              // "Saved and recomputed", has the measured time and memory of both)
+  bool gather_rows = false;  // unfused path: the routed gate/up GEMM reads the rows from this rank's tokens
+                             // straight from x into its shared memory (docs/design.md, "Row gather in the
+                             // gate/up producer"); the expert-major copy of x is then skipped at EP = 1 without
+                             // backward (the context keeps it otherwise). Same bits. The fused path ignores it
 };
 
 // One rank's weights, bf16.
@@ -360,6 +365,10 @@ class MoeWorkspace {
   void publish(const RankForward& f);
   void compute(const RankForward& f);
   void compute_fused(const RankForward& f);
+  // What both megakernel launches (forward, backward) take for the rank's schedule, besides their GEMMs and
+  // buffers; counters and tickets: the pass's.
+  detail::MegakernelArgs megakernel_args(int rank, const ScheduleView& schedule, uint64_t* counters,
+                                         int32_t* tickets) const;
   // The two GEMMs (gate/up with SwiGLU, down) of the rank's routed experts or of its shared expert, as both
   // paths run them (the fused one inside its kernel).
   void routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, ExpertGemmArgs& down) const;

@@ -53,6 +53,9 @@ class Config:
     backward_megakernel  fused path: the backward as one persistent launch per rank (the same bits as the
                      default's stage kernels; off because it is slower on the H200 today: docs/perf_notes.md);
                      True needs path="fused" and backward=True
+    gather_rows      unfused path: the routed gate/up GEMM reads this rank's token rows straight from x into its
+                     shared memory, without the expert-major copy (skipped at ep_size 1 with backward=False; the
+                     context keeps it otherwise). The same bits. True needs path="unfused"
 
     Every field is checked when a Config is made (TypeError for a value of the wrong type, bool included where
     an int is expected; ValueError for a wrong value), naming it: "Config.tile_m: expected 64 or 128, got 100".
@@ -70,6 +73,7 @@ class Config:
     keep_gate_up: bool = True
     context_budget_bytes: int = 4 << 30
     backward_megakernel: bool = False
+    gather_rows: bool = False
 
     def __post_init__(self):
         # The C++ rules (MoeWorkspace's constructor, src/host/moe.cu; ScheduleOptions::validate,
@@ -95,12 +99,15 @@ class Config:
             raise TypeError(f"Config.path: expected one of {sorted(PATHS)}, got {arguments.describe(self.path)}")
         if self.path not in PATHS:
             raise ValueError(f"Config.path: expected one of {sorted(PATHS)}, got {self.path!r}")
-        for name in ("backward", "keep_gate_up", "backward_megakernel"):
+        for name in ("backward", "keep_gate_up", "backward_megakernel", "gather_rows"):
             arguments.check_bool(f"Config.{name}", getattr(self, name))
         if self.backward_megakernel and (self.path != "fused" or not self.backward):
             raise ValueError("Config.backward_megakernel: expected False unless path='fused' and backward=True (the "
                              f"backward megakernel is the fused path's backward), got True with path={self.path!r}, "
                              f"backward={self.backward}")
+        if self.gather_rows and self.path != "unfused":
+            raise ValueError("Config.gather_rows: expected False unless path='unfused' (the fused path does not gather "
+                             f"rows yet), got True with path={self.path!r}")
 
 
 @dataclasses.dataclass(frozen=True)

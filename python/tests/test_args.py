@@ -73,6 +73,8 @@ CASES = [
      "Config.backward_megakernel: expected False unless path='fused' and backward=True"),
     ('mok.Config(backward_megakernel=True, backward=False)', ValueError,
      "Config.backward_megakernel: expected False unless path='fused' and backward=True"),
+    ('mok.Config(gather_rows=True)', ValueError, "Config.gather_rows: expected False unless path='unfused'"),
+    ('mok.Config(gather_rows=1, path="unfused")', TypeError, "Config.gather_rows: expected a bool"),
     # mok.LayerShape (also the shape checks of get_workspace and mok.MoE)
     ('mok.LayerShape(0, 256, 2, 8, 128, 64)', ValueError, "ep_size: expected the EP group's size, an int in [1, 72]"),
     ('mok.LayerShape(73, 256, 2, 73, 128, 64)', ValueError, "ep_size: expected the EP group's size"),

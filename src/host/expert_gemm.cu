@@ -7,10 +7,11 @@
 #include <stdexcept>
 #include <string>
 
-#include "src/device/gemm/expert_gemm.cuh"
+#include "src/device/gemm/gemm_kernel.cuh"
 #include "src/host/check.h"
 #include "src/host/gemm_params.h"
 #include "src/host/launch_cache.h"
+#include "src/host/persistent_launch.h"
 
 namespace mok {
 namespace {
@@ -37,14 +38,11 @@ int output_tile_columns(GemmEpilogue epilogue) {
                               std::to_string(static_cast<int>(epilogue)));
 }
 
-template <class Traits>
-void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
+template <class Traits, class Params>
+void launch_params(const ExpertGemmArgs& args, Params p, cudaStream_t stream) {
   using T = Traits;
-  auto p = detail::make_gemm_params<T>(args);
   p.ticket = args.ticket;
   p.trace = static_cast<uint64_t*>(args.trace);
-  MOK_CHECK_CUDA(cudaMemsetAsync(args.ticket, 0, sizeof(int32_t), stream));
-
   // Persistent: as many clusters as can be resident at once (SM pairs within a GPC), one CTA per SM; the
   // count and the kernel's shared-memory attribute are set up once per device (src/host/launch_cache.h).
   int device = 0;
@@ -53,19 +51,29 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
   const int max_clusters = detail::max_active_clusters(reinterpret_cast<const void*>(kernel), T::kThreads,
                                                        T::kSharedBytes, T::kClusterN, device, "expert_gemm");
   if (max_clusters < 1) throw std::runtime_error("expert_gemm: no cluster of the GEMM kernel fits on the device");
-  cudaLaunchAttribute cluster_attr;
-  cluster_attr.id = cudaLaunchAttributeClusterDimension;
-  cluster_attr.val.clusterDim.x = T::kClusterN;
-  cluster_attr.val.clusterDim.y = 1;
-  cluster_attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(max_clusters * T::kClusterN);
-  config.blockDim = dim3(T::kThreads);
-  config.dynamicSmemBytes = T::kSharedBytes;
-  config.stream = stream;
-  config.attrs = &cluster_attr;
-  config.numAttrs = 1;
-  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p, detail::standalone_waits(args.waits, KernelId::kExpertGemm)));
+  detail::launch_standalone_gemm(kernel, max_clusters * T::kClusterN, T::kThreads, T::kSharedBytes, T::kClusterN,
+                                 args.ticket, stream, p, detail::standalone_waits(args.waits, KernelId::kExpertGemm));
+}
+
+template <class Traits>
+void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
+  launch_params<Traits>(args, detail::make_gemm_params<Traits>(args), stream);
+}
+
+// The gate/up GEMM with its A rows gathered by the producer warpgroup (src/device/gemm/row_gather.cuh).
+template <class Epilogue>
+void launch_gather(const ExpertGemmArgs& args, cudaStream_t stream) {
+  using T = gemm::RowGatherTraits<ExpertGemmTraits<KMajorMainloop, Epilogue, 1>>;
+  auto base = detail::make_gemm_params<T>(args);
+  gemm::RowGatherParams<decltype(base)> p{base, {}};
+  using Element = typename T::Element;
+  p.gather = {.x = static_cast<const Element*>(args.gather.x),
+              .a = static_cast<const Element*>(args.a),
+              .row_route = args.gather.row_route,
+              .num_tokens = args.gather.num_tokens,
+              .top_k = args.gather.top_k,
+              .rank = args.gather.rank};
+  launch_params<T>(args, p, stream);
 }
 
 // The one place where the runtime choices become the kernel's policies (an instantiation per mainloop,
@@ -126,6 +134,17 @@ void validate(const ExpertGemmArgs& args) {
   require(args.first_row >= 0 && args.first_row % 128 == 0 && args.first_row <= args.a_rows,
           "first_row must be a multiple of 128 in [0, a_rows], got " + std::to_string(args.first_row));
   require(args.ticket != nullptr, "ticket must point to an int32 of device memory");
+  if (args.gather.x != nullptr) {
+    require(swiglu && !mn_major, "gather (A rows from x) is only for kSwiGLU with b_major kK (the forward's gate/up)");
+    require(aligned16(args.gather.x), "gather.x must be a 16-byte aligned bf16 [tokens, k] buffer");
+    require(args.gather.row_route != nullptr, "gather.row_route must be set (the schedule's route per row)");
+    require(args.gather.num_tokens > 0 && args.gather.top_k > 0 && args.gather.rank >= 0,
+            "gather needs num_tokens > 0, top_k > 0 and rank >= 0, got " + std::to_string(args.gather.num_tokens) +
+                ", " + std::to_string(args.gather.top_k) + ", " + std::to_string(args.gather.rank));
+    require(args.cluster_n == 0 || args.cluster_n == 1,
+            "gather runs in clusters of 1 (cp.async fills only its own CTA's stages), got cluster_n " +
+                std::to_string(args.cluster_n));
+  }
   validate(args.waits, "expert_gemm: ");
 }
 
@@ -140,7 +159,12 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
         launch_policies<KMajorMainloop, gemm::StoreEpilogue>(args, cluster_n, stream);
       break;
     case GemmEpilogue::kSwiGLU:
-      if (args.gate_up_out != nullptr)
+      if (args.gather.x != nullptr) {
+        if (args.gate_up_out != nullptr)
+          launch_gather<gemm::SwiGLUEpilogue<true>>(args, stream);
+        else
+          launch_gather<gemm::SwiGLUEpilogue<false>>(args, stream);
+      } else if (args.gate_up_out != nullptr)
         launch_policies<KMajorMainloop, gemm::SwiGLUEpilogue<true>>(args, cluster_n, stream);
       else
         launch_policies<KMajorMainloop, gemm::SwiGLUEpilogue<false>>(args, cluster_n, stream);

@@ -9,6 +9,7 @@
 #include "mok/expert_gemm.h"
 #include "mok/status.h"
 #include "src/device/gemm/expert_gemm.cuh"
+#include "src/device/gemm/gemm_kernel.cuh"
 #include "src/host/gemm_test_knobs.h"
 
 namespace mok::detail {
@@ -17,8 +18,10 @@ namespace mok::detail {
 // tiles, 4 stages, clusters of 1 or 2; the mainloop and epilogue policies vary.
 template <class Mainloop, class Epilogue, int kClusterN>
 using ExpertGemmTraits = gemm::GemmTraits<128, 256, 4, Mainloop, Epilogue, kClusterN>;
-using KMajorMainloop = gemm::Bf16Mainloop<OperandMajor::kK>;
-using MNMajorMainloop = gemm::Bf16Mainloop<OperandMajor::kMN>;
+// Operand policies (mainloop.cuh): A K-major (the expert-major rows), B K-major (the forward's weights) or
+// MN-major (the backward's dgrads through the same weights).
+using KMajorMainloop = gemm::Bf16Mainloop<OperandMajor::kK, OperandMajor::kK>;
+using MNMajorMainloop = gemm::Bf16Mainloop<OperandMajor::kK, OperandMajor::kMN>;
 // The forward's two (K-major weights, no side outputs).
 template <int kClusterN>
 using SwiGLUTraits = ExpertGemmTraits<KMajorMainloop, gemm::SwiGLUEpilogue<false>, kClusterN>;

@@ -550,10 +550,20 @@ void MoeWorkspace::compute(const RankForward& f) {
   const ScheduleView& v = f.context->schedule_;
   const int row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16);
   barrier_wait(f.rank, f.stream);
-  pull_rows(f, capacity_rows());
+  // MoeOptions::gather_rows: the gate/up GEMM reads this rank's rows from x itself (src/device/gemm/row_gather.cuh).
+  // The expert-major copy is still made where other ranks' rows need it (EP > 1) or the context keeps it for the
+  // backward; the GEMM then reads the same values from either, so the same bits.
+  const bool gather = options_.gather_rows;
+  if (!gather || shape_.ep_size > 1 || options_.backward) pull_rows(f, capacity_rows());
 
   ExpertGemmArgs gate_up, down;
   routed_gemms(f, gate_up, down);
+  if (gather)
+    gate_up.gather = {.x = x_.on(f.rank),
+                      .row_route = v.row_route,
+                      .num_tokens = shape_.num_tokens,
+                      .top_k = shape_.top_k,
+                      .rank = f.rank};
   expert_gemm(gate_up, f.stream);
   expert_gemm(down, f.stream);
 
@@ -584,34 +594,38 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
                                 .shared_down = shared_down,
                                 .expert_gate_up = routed_gate_up,
                                 .expert_down = routed_down,
-                                .expert_row_offsets = v.expert_row_offsets,
-                                .scheduled_rows = v.scheduled_rows,
-                                .row_route = v.row_route,
-                                .local_experts = shape_.local_experts(),
-                                .shared_rows = shape_.shared_expert ? static_cast<int32_t>(padded_tokens_) : 0,
+                                .common = megakernel_args(f.rank, v, s.fused_counters, s.tickets),
                                 .ring_rows = static_cast<int32_t>(ring_rows_),
-                                .minibatch_rows = options_.fused.minibatch_rows,
-                                .comm_ctas = options_.fused.comm_ctas,
-                                .grid_ctas = grid_ctas_,
                                 .x = x_.peers(f.rank),
                                 .combined = combined_.peers(f.rank),
                                 .expert_rows = ctx.expert_rows_,
-                                .expert_out = s.y,
-                                .num_tokens = shape_.num_tokens,
-                                .top_k = shape_.top_k,
-                                .hidden = shape_.hidden,
-                                .intermediate = shape_.intermediate,
-                                .counters = s.fused_counters,
-                                .capacity_units = capacity_rows() / 64,
-                                .shared_units = padded_tokens_ / 64,
-                                .tickets = s.tickets,
-                                .rank = f.rank,
-                                .status = schedule_.device_status(f.rank),
-                                .timeout_ns = static_cast<uint64_t>(options_.schedule.wait_timeout_s * 1e9),
-                                .timeline = s.timeline,
-                                .timeline_capacity = options_.fused.timeline_records},
+                                .expert_out = s.y},
                                f.stream);
   barrier_arrive(f.rank, f.stream);
+}
+
+detail::MegakernelArgs MoeWorkspace::megakernel_args(int rank, const ScheduleView& v, uint64_t* counters,
+                                                     int32_t* tickets) const {
+  return {.expert_row_offsets = v.expert_row_offsets,
+          .scheduled_rows = v.scheduled_rows,
+          .row_route = v.row_route,
+          .local_experts = shape_.local_experts(),
+          .shared_rows = shape_.shared_expert ? static_cast<int32_t>(padded_tokens_) : 0,
+          .capacity_rows = capacity_rows(),
+          .minibatch_rows = options_.fused.minibatch_rows,
+          .comm_ctas = options_.fused.comm_ctas,
+          .grid_ctas = grid_ctas_,
+          .num_tokens = shape_.num_tokens,
+          .top_k = shape_.top_k,
+          .hidden = shape_.hidden,
+          .intermediate = shape_.intermediate,
+          .counters = counters,
+          .tickets = tickets,
+          .rank = rank,
+          .status = schedule_.device_status(rank),
+          .timeout_ns = static_cast<uint64_t>(options_.schedule.wait_timeout_s * 1e9),
+          .timeline = state(rank).timeline,
+          .timeline_capacity = options_.fused.timeline_records};
 }
 
 // Phase 3: wait for every expert rank's rows, then out = shared + sum_j rw * y_j.

@@ -458,18 +458,10 @@ void MoeWorkspace::backward_fused(const RankBackward& b) {
   detail::FusedBackwardArgs a{
       .shared = shape_.shared_expert ? mlp_backward_gemms(b, true) : routed,  // no shared phases without one
       .routed = routed,
+      .common = megakernel_args(b.rank, v, w.counters, s.tickets + detail::kBackwardExpert),
       .shared_recompute = shape_.shared_expert && !options_.keep_gate_up,
       .routed_recompute = recomputes_gate_up(),
       .recompute_from = kept_gate_up_rows(),
-      .expert_row_offsets = v.expert_row_offsets,
-      .scheduled_rows = v.scheduled_rows,
-      .row_route = v.row_route,
-      .local_experts = shape_.local_experts(),
-      .shared_rows = shape_.shared_expert ? static_cast<int32_t>(padded_tokens_) : 0,
-      .capacity_rows = capacity_rows(),
-      .minibatch_rows = options_.fused.minibatch_rows,
-      .comm_ctas = options_.fused.comm_ctas,
-      .grid_ctas = grid_ctas_,
       .pull = grad_pull_sources(b),
       .x_rows = w.x_rows,
       .d_out_rows = w.d_out_rows,
@@ -477,18 +469,7 @@ void MoeWorkspace::backward_fused(const RankBackward& b) {
       .row_weight = w.row_weight,
       .push = {.combined = combined_.peers(b.rank), .d_rw = d_rw_.peers(b.rank)},
       .row_partials = w.row_partials,
-      .n_blocks = w.n_blocks,
-      .num_tokens = shape_.num_tokens,
-      .top_k = shape_.top_k,
-      .hidden = shape_.hidden,
-      .intermediate = shape_.intermediate,
-      .counters = w.counters,
-      .tickets = s.tickets + detail::kBackwardExpert,
-      .rank = b.rank,
-      .status = schedule_.device_status(b.rank),
-      .timeout_ns = static_cast<uint64_t>(options_.schedule.wait_timeout_s * 1e9),
-      .timeline = s.timeline,
-      .timeline_capacity = options_.fused.timeline_records};
+      .n_blocks = w.n_blocks};
   detail::launch_fused_backward(a, b.stream);
   barrier_arrive(b.rank, b.stream);
 }

@@ -1,12 +1,10 @@
 // Host side of the forward megakernel: GEMM descriptors for the four GEMMs, counters, the persistent grid.
 #include "src/host/moe_fused.h"
 
-
 #include "src/device/megakernel/forward_kernel.cuh"
 #include "src/device/megakernel/timeline_record.h"
-#include "src/host/check.h"
 #include "src/host/gemm_params.h"
-#include "src/host/persistent_launch.h"
+#include "src/host/megakernel_launch.h"
 
 namespace mok::detail {
 namespace {
@@ -26,14 +24,9 @@ auto kernel_of() {
 }
 
 template <int kClusterN, bool kKeepGateUp>
-constexpr int shared_bytes() {
-  return static_cast<int>(sizeof(megakernel::ForwardSharedStorage<GateUpTraits<kClusterN, kKeepGateUp>>));
-}
-
-template <int kClusterN, bool kKeepGateUp>
 int grid_ctas(int device) {
-  return persistent_grid_ctas(kernel_of<kClusterN, kKeepGateUp>(), GateUpTraits<kClusterN, kKeepGateUp>::kThreads,
-                              shared_bytes<kClusterN, kKeepGateUp>(), kClusterN, device, "forward megakernel");
+  return megakernel_grid_ctas<GateUpTraits<kClusterN, kKeepGateUp>>(kernel_of<kClusterN, kKeepGateUp>(), device,
+                                                                    "forward megakernel");
 }
 
 template <int kClusterN, bool kKeepGateUp>
@@ -42,42 +35,21 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
   using TDown = DownTraits<kClusterN>;
   using GemmP = decltype(make_gemm_params<T>(ExpertGemmArgs{}));
   namespace forward = megakernel::forward;
+  const MegakernelArgs& c = a.common;
   // By forward::Gemm: the shared and the routed gate/up and down GEMMs.
-  const int32_t n_blocks[forward::kNumGemms] = {T::n_blocks(a.intermediate), TDown::n_blocks(a.hidden),
-                                                T::n_blocks(a.intermediate), TDown::n_blocks(a.hidden)};
-  megakernel::ForwardParams<GemmP> p{
+  const int32_t n_blocks[forward::kNumGemms] = {T::n_blocks(c.intermediate), TDown::n_blocks(c.hidden),
+                                                T::n_blocks(c.intermediate), TDown::n_blocks(c.hidden)};
+  const megakernel::TaskOrderShape order = forward::task_order(c.expert_row_offsets, c.local_experts, c.shared_rows,
+                                                               a.ring_rows, c.minibatch_rows, n_blocks, kClusterN);
+  const megakernel::ForwardParams<GemmP> p{
       .gemms = {make_gemm_params<T>(a.shared_gate_up), make_gemm_params<TDown>(a.shared_down),
                 make_gemm_params<T>(a.expert_gate_up), make_gemm_params<TDown>(a.expert_down)},
-      .order = forward::task_order(a.expert_row_offsets, a.local_experts, a.shared_rows, a.ring_rows,
-                                   a.minibatch_rows, n_blocks, kClusterN),
-      .scheduled_rows = a.scheduled_rows,
-      .row_route = a.row_route,
+      .common = megakernel_params(c, order, forward::kCounters, n_blocks),
       .x = a.x,
       .combined = a.combined,
       .expert_rows = static_cast<uint4*>(a.expert_rows),
-      .expert_out = static_cast<const uint4*>(a.expert_out),
-      .num_tokens = a.num_tokens,
-      .top_k = a.top_k,
-      .row_vectors = a.hidden * 2 / 16,
-      .comm_ctas = a.comm_ctas,
-      .counters = megakernel::resolve_counters(forward::kCounters, a.counters, a.capacity_units, a.shared_units,
-                                               n_blocks),
-      .compute_ticket = a.tickets,
-      .comm_ticket = a.tickets + 1,
-      .rank = a.rank,
-      .status = a.status,
-      .timeout_ns = a.timeout_ns,
-      .timeline = {a.timeline, a.timeline_capacity}};
-
-  const int ctas = a.grid_ctas;  // validated with comm_ctas by the workspace
-  MOK_CHECK_CUDA(cudaMemsetAsync(a.counters, 0, fused_counter_words(a.capacity_units, a.shared_units) * 8, stream));
-  MOK_CHECK_CUDA(cudaMemsetAsync(a.tickets, 0, 2 * sizeof(int32_t), stream));
-  if (a.timeline != nullptr)
-    MOK_CHECK_CUDA(cudaMemsetAsync(a.timeline, 0, fused_timeline_words(ctas, a.timeline_capacity) * 8, stream));
-  cudaLaunchAttribute cluster_attr;
-  const cudaLaunchConfig_t config =
-      persistent_launch_config(ctas, T::kThreads, shared_bytes<kClusterN, kKeepGateUp>(), kClusterN, stream, &cluster_attr);
-  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel_of<kClusterN, kKeepGateUp>(), p));
+      .expert_out = static_cast<const uint4*>(a.expert_out)};
+  launch_megakernel<T>(kernel_of<kClusterN, kKeepGateUp>(), p, c, forward::kCounters, stream);
 }
 
 }  // namespace
@@ -104,7 +76,7 @@ int64_t fused_timeline_words(int grid_ctas, int capacity) {
 
 void launch_fused_forward(const FusedForwardArgs& args, cudaStream_t stream) {
   const bool keep = args.expert_gate_up.gate_up_out != nullptr;  // MoeOptions::keep_gate_up
-  if (fused_cluster_n(args.hidden, args.intermediate) == 2)
+  if (fused_cluster_n(args.common.hidden, args.common.intermediate) == 2)
     keep ? launch<2, true>(args, stream) : launch<2, false>(args, stream);
   else
     keep ? launch<1, true>(args, stream) : launch<1, false>(args, stream);

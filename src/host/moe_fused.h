@@ -10,35 +10,19 @@
 #include "mok/moe.h"
 #include "mok/peer_group.h"
 #include "mok/status.h"
+#include "src/host/megakernel_args.h"
 
 namespace mok::detail {
 
 struct FusedForwardArgs {
   // The four GEMMs as the unfused path would launch them (tickets and traces unused). Without a shared
-  // expert (shared_rows == 0) the shared ones are never run and may repeat the routed ones.
+  // expert (common.shared_rows == 0) the shared ones are never run and may repeat the routed ones.
   ExpertGemmArgs shared_gate_up, shared_down, expert_gate_up, expert_down;
-  const int32_t* expert_row_offsets = nullptr;  // the routed schedule
-  const int32_t* scheduled_rows = nullptr;
-  const int32_t* row_route = nullptr;
-  int local_experts = 0;
-  int32_t shared_rows = 0;                      // padded tokens, 0 without a shared expert
-  int32_t ring_rows = 0;                        // macrobatch rows
-  int32_t minibatch_rows = 0;
-  int comm_ctas = 0;                            // a multiple of fused_cluster_n; 0: the producer warps copy
-  int grid_ctas = 0;                            // fused_grid_ctas on this device (which prepared the kernel)
+  MegakernelArgs common;            // counters: fused_counter_words(...) u64; timeline: fused_timeline_words(...)
+  int32_t ring_rows = 0;            // macrobatch rows
   PeerPointers x, combined;
-  void* expert_rows = nullptr;                  // ring [ring_rows, H]
-  const void* expert_out = nullptr;             // ring [ring_rows, H]
-  int num_tokens = 0, top_k = 0, hidden = 0, intermediate = 0;
-  uint64_t* counters = nullptr;                 // fused_counter_words(...) u64, zeroed by the launch
-  int64_t capacity_units = 0;                   // schedule capacity / 64
-  int64_t shared_units = 0;                     // padded tokens / 64
-  int32_t* tickets = nullptr;                   // 2 int32, zeroed by the launch
-  int rank = 0;
-  DeviceStatus* status = nullptr;
-  uint64_t timeout_ns = 0;
-  uint64_t* timeline = nullptr;                 // fused_timeline_words(...) u64 or null
-  int timeline_capacity = 0;
+  void* expert_rows = nullptr;      // ring [ring_rows, H]
+  const void* expert_out = nullptr;  // ring [ring_rows, H]
 };
 
 // CTAs sharing an A tile in the megakernel: 2 when both GEMMs' output tiles pair up, else 1.

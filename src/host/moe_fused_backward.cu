@@ -5,10 +5,8 @@
 #include <type_traits>
 
 #include "src/device/megakernel/backward_kernel.cuh"
-#include "src/device/megakernel/timeline_record.h"
-#include "src/host/check.h"
 #include "src/host/gemm_params.h"
-#include "src/host/persistent_launch.h"
+#include "src/host/megakernel_launch.h"
 #include "src/host/weight_grad_params.h"
 
 namespace mok::detail {
@@ -40,14 +38,8 @@ auto kernel_of() {
 }
 
 template <int kClusterN>
-constexpr int shared_bytes() {
-  return static_cast<int>(sizeof(megakernel::BackwardSharedStorage<GateUpDgradTraits<kClusterN>>));
-}
-
-template <int kClusterN>
 int grid_ctas(int device) {
-  return persistent_grid_ctas(kernel_of<kClusterN>(), GateUpDgradTraits<kClusterN>::kThreads, shared_bytes<kClusterN>(),
-                              kClusterN, device, "backward megakernel");
+  return megakernel_grid_ctas<GateUpDgradTraits<kClusterN>>(kernel_of<kClusterN>(), device, "backward megakernel");
 }
 
 // n-blocks (output tiles of 256 or 128 columns) and, for weight gradients, m-blocks of 128 gradient rows of
@@ -61,7 +53,7 @@ using GradTraits = gemm::WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>;  /
 
 template <int kClusterN>
 GemmBlocks gemm_blocks(const FusedBackwardArgs& a) {
-  const int h = a.hidden, i = a.intermediate;
+  const int h = a.common.hidden, i = a.common.intermediate;
   auto m_blocks = [](const WeightGradArgs& w) {
     return w.out == nullptr ? 0 : (w.m + GradTraits::kBlockM - 1) / GradTraits::kBlockM;
   };
@@ -90,29 +82,31 @@ void launch(const FusedBackwardArgs& a, cudaStream_t stream) {
   using TR = RecomputeTraits<kClusterN>;
   using TD = DownDgradTraits<kClusterN>;
   using TG = GateUpDgradTraits<kClusterN>;
+  const MegakernelArgs& c = a.common;
   const GemmBlocks blocks = gemm_blocks<kClusterN>(a);
-  const int64_t capacity_units = a.capacity_rows / 64, shared_units = a.shared_rows / 64;
   // The row GEMMs' arguments as the standalone GEMM checks them (their tickets are the kernel's own).
   for (const ExpertGemmArgs* g : {&a.shared.down_dgrad, &a.shared.gate_up_dgrad, &a.routed.down_dgrad,
                                   &a.routed.gate_up_dgrad, a.shared_recompute ? &a.shared.recompute : nullptr,
                                   a.routed_recompute ? &a.routed.recompute : nullptr}) {
     if (g == nullptr) continue;
     ExpertGemmArgs checked = *g;
-    checked.ticket = a.tickets;
+    checked.ticket = c.tickets;
     validate(checked);
   }
-  Params<kClusterN> p{
+  if (a.d_out_rows == nullptr || a.dy_rows == nullptr || a.row_weight == nullptr || a.row_partials == nullptr)
+    throw std::logic_error("backward megakernel: scratch buffers missing");
+  const megakernel::TaskOrderShape order =
+      bwd::task_order(c.expert_row_offsets, c.local_experts, c.shared_rows, static_cast<int32_t>(c.capacity_rows),
+                      c.minibatch_rows, a.recompute_from, blocks.n, blocks.m, kClusterN, a.shared_recompute,
+                      a.routed_recompute);
+  const Params<kClusterN> p{
       .recompute = {make_gemm_params<TR>(a.shared_recompute ? a.shared.recompute : a.routed.recompute),
                     make_gemm_params<TR>(a.routed_recompute ? a.routed.recompute : a.shared.recompute)},
       .down_dgrad = {make_gemm_params<TD>(a.shared.down_dgrad), make_gemm_params<TD>(a.routed.down_dgrad)},
       .gate_up_dgrad = {make_gemm_params<TG>(a.shared.gate_up_dgrad), make_gemm_params<TG>(a.routed.gate_up_dgrad)},
       .down_wgrad = {weight_grad_params(a.shared.down_wgrad), weight_grad_params(a.routed.down_wgrad)},
       .gate_up_wgrad = {weight_grad_params(a.shared.gate_up_wgrad), weight_grad_params(a.routed.gate_up_wgrad)},
-      .order = bwd::task_order(a.expert_row_offsets, a.local_experts, a.shared_rows,
-                               static_cast<int32_t>(a.capacity_rows), a.minibatch_rows, a.recompute_from, blocks.n,
-                               blocks.m, kClusterN, a.shared_recompute, a.routed_recompute),
-      .scheduled_rows = a.scheduled_rows,
-      .row_route = a.row_route,
+      .common = megakernel_params(c, order, bwd::kCounters, blocks.n),
       .pull = a.pull,
       .x_rows = static_cast<uint4*>(a.x_rows),
       .d_out_rows = static_cast<uint4*>(a.d_out_rows),
@@ -121,30 +115,8 @@ void launch(const FusedBackwardArgs& a, cudaStream_t stream) {
       .push = a.push,
       .d_x_rows = static_cast<const uint4*>(a.d_out_rows),
       .row_partials = a.row_partials,
-      .n_blocks = a.n_blocks,
-      .num_tokens = a.num_tokens,
-      .top_k = a.top_k,
-      .row_vectors = a.hidden * 2 / 16,
-      .comm_ctas = a.comm_ctas,
-      .counters = megakernel::resolve_counters(bwd::kCounters, a.counters, capacity_units, shared_units, blocks.n),
-      .compute_ticket = a.tickets,
-      .comm_ticket = a.tickets + 1,
-      .rank = a.rank,
-      .status = a.status,
-      .timeout_ns = a.timeout_ns,
-      .timeline = {a.timeline, a.timeline_capacity}};
-  if (a.d_out_rows == nullptr || a.dy_rows == nullptr || a.row_weight == nullptr || a.row_partials == nullptr)
-    throw std::logic_error("backward megakernel: scratch buffers missing");
-
-  MOK_CHECK_CUDA(cudaMemsetAsync(a.counters, 0, fused_backward_counter_words(capacity_units, shared_units) * 8, stream));
-  MOK_CHECK_CUDA(cudaMemsetAsync(a.tickets, 0, 2 * sizeof(int32_t), stream));
-  if (a.timeline != nullptr)
-    MOK_CHECK_CUDA(
-        cudaMemsetAsync(a.timeline, 0, megakernel::timeline_words(a.grid_ctas, a.timeline_capacity) * 8, stream));
-  cudaLaunchAttribute cluster_attr;
-  const cudaLaunchConfig_t config = persistent_launch_config(a.grid_ctas, TG::kThreads, shared_bytes<kClusterN>(),
-                                                             kClusterN, stream, &cluster_attr);
-  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel_of<kClusterN>(), p));
+      .n_blocks = a.n_blocks};
+  launch_megakernel<TG>(kernel_of<kClusterN>(), p, c, bwd::kCounters, stream);
 }
 
 }  // namespace
@@ -167,7 +139,7 @@ int64_t fused_backward_counter_words(int64_t capacity_units, int64_t shared_unit
 }
 
 void launch_fused_backward(const FusedBackwardArgs& args, cudaStream_t stream) {
-  if (fused_backward_cluster_n(args.hidden, args.intermediate) == 2)
+  if (fused_backward_cluster_n(args.common.hidden, args.common.intermediate) == 2)
     launch<2>(args, stream);
   else
     launch<1>(args, stream);

@@ -12,6 +12,7 @@
 #include "mok/status.h"
 #include "mok/weight_grad_gemm.h"
 #include "src/device/backward/grad_rows.cuh"
+#include "src/host/megakernel_args.h"
 
 namespace mok::detail {
 
@@ -25,18 +26,10 @@ struct MlpBackwardGemms {
 
 struct FusedBackwardArgs {
   MlpBackwardGemms shared, routed;
+  MegakernelArgs common;           // counters: fused_backward_counter_words(...) u64; the ring is the capacity
   bool shared_recompute = false;   // the shared expert's g | u are recomputed (MoeOptions::keep_gate_up false)
   bool routed_recompute = false;   // routed rows [recompute_from, ...) are recomputed
   int32_t recompute_from = 0;      // a multiple of 128; the rows below it were copied from the context
-  const int32_t* expert_row_offsets = nullptr;  // the routed schedule
-  const int32_t* scheduled_rows = nullptr;
-  const int32_t* row_route = nullptr;
-  int local_experts = 0;
-  int32_t shared_rows = 0;         // padded tokens, 0 without a shared expert
-  int64_t capacity_rows = 0;
-  int32_t minibatch_rows = 0;
-  int comm_ctas = 0;
-  int grid_ctas = 0;               // fused_backward_grid_ctas on this device
   backward::GradPullSources pull;
   void* x_rows = nullptr;          // null: the context keeps every row (the GEMMs read its rows)
   void* d_out_rows = nullptr;      // also the d_x rows (the gate/up dgrad's output)
@@ -45,14 +38,6 @@ struct FusedBackwardArgs {
   backward::GradPushDestinations push;
   const float* row_partials = nullptr;
   int n_blocks = 0;                // the down dgrad's, d_rw partials per row
-  int num_tokens = 0, top_k = 0, hidden = 0, intermediate = 0;
-  uint64_t* counters = nullptr;    // fused_backward_counter_words(...) u64, zeroed by the launch
-  int32_t* tickets = nullptr;      // 2 int32, zeroed by the launch
-  int rank = 0;
-  DeviceStatus* status = nullptr;
-  uint64_t timeout_ns = 0;
-  uint64_t* timeline = nullptr;    // fused_timeline_words(grid_ctas, timeline_capacity) u64 or null
-  int timeline_capacity = 0;
 };
 
 // CTAs sharing an A tile: 2 when every backward GEMM's output tiles pair up, else 1.

@@ -156,6 +156,7 @@ inline constexpr OptionDesc kOptionTable[] = {
     option<&L::options, &Opt::context_budget_bytes>("context_budget_bytes", "MoeOptions.context_budget_bytes",
                                                  H::kConfig, true),
     option<&L::options, &Opt::keep_gate_up>("keep_gate_up", "MoeOptions.keep_gate_up", H::kConfig, true),
+    option<&L::options, &Opt::gather_rows>("gather_rows", "MoeOptions.gather_rows", H::kConfig, true),
 };
 
 constexpr bool names_are_unique() {

@@ -8,10 +8,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "src/device/gemm/weight_grad_gemm.cuh"
-#include "src/device/gemm/weight_grad_in_gemm_layout.cuh"
+#include "src/device/gemm/gemm_kernel.cuh"
 #include "src/host/check.h"
 #include "src/host/launch_cache.h"
+#include "src/host/persistent_launch.h"
 #include "src/host/weight_grad_in_gemm_layout.h"
 #include "src/host/weight_grad_params.h"
 
@@ -31,23 +31,18 @@ int64_t num_tiles(const WeightGradArgs& args) {
          ((args.n + Tile::kBlockN - 1) / Tile::kBlockN);
 }
 
-// Zeroes the ticket, then launches `kernel` persistently: one CTA per SM (the shared memory allows no
-// second one), no more CTAs than tiles.
+// Launches `kernel` persistently: one CTA per SM (the shared memory allows no second one), no more CTAs than
+// tiles, no cluster.
 template <class Kernel, class Params>
 void launch_persistent(Kernel kernel, const Params& p, int threads, int shared_bytes, int64_t tiles,
                        int32_t* ticket, const WaitBound& waits, cudaStream_t stream) {
-  MOK_CHECK_CUDA(cudaMemsetAsync(ticket, 0, sizeof(int32_t), stream));
   int device = 0;
   MOK_CHECK_CUDA(cudaGetDevice(&device));
   // The SM count and the kernel's shared-memory attribute: once per device (src/host/launch_cache.h).
   const int num_sms = detail::device_limits(device).num_sms;
   detail::prepare_kernel(reinterpret_cast<const void*>(kernel), shared_bytes, device, "weight_grad_gemm");
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(num_sms, tiles)));
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
-  MOK_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p, detail::standalone_waits(waits, KernelId::kWeightGradGemm)));
+  detail::launch_standalone_gemm(kernel, static_cast<int>(std::min<int64_t>(num_sms, tiles)), threads, shared_bytes,
+                                 0, ticket, stream, p, detail::standalone_waits(waits, KernelId::kWeightGradGemm));
 }
 
 template <class Traits>
@@ -123,7 +118,7 @@ void detail::weight_grad_gemm_in_gemm_layout(const WeightGradArgs& args, cudaStr
   validate(args);
   using T = gemm::WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>;  // every mode: the same threads and bytes
   const gemm::AnyWeightGradParams p = detail::make_any_weight_grad_params(args);
-  launch_persistent(gemm::any_mode_weight_grad_gemm_kernel<gemm::AnyWeightGradParams>, p, T::kThreads,
+  launch_persistent(gemm::weight_grad_gemm_kernel<T, gemm::AnyWeightGradParams>, p, T::kThreads,
                     T::kSharedBytes, num_tiles(args), args.ticket, args.waits, stream);
 }
 #endif

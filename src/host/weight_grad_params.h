@@ -1,7 +1,7 @@
 // Host side of the weight-gradient GEMM's kernel parameters: the tile configurations and the TMA
 // descriptors of src/device/gemm/weight_grad_gemm.cuh, built from WeightGradArgs. Shared by the standalone
 // launch (src/host/weight_grad_gemm.cu) and the backward megakernel's, so both run the same tiles: the
-// megakernel's in the expert GEMM's layout (src/device/gemm/weight_grad_in_gemm_layout.cuh), each GEMM's
+// megakernel's in the expert GEMM's shared memory (WeightGradTraitsInGemmLayout, weight_grad_gemm.cuh), each GEMM's
 // output mode a run-time value (make_any_weight_grad_params).
 #pragma once
 
@@ -11,7 +11,6 @@
 
 #include "mok/weight_grad_gemm.h"
 #include "src/device/gemm/weight_grad_gemm.cuh"
-#include "src/device/gemm/weight_grad_in_gemm_layout.cuh"
 #include "src/host/gemm_params.h"
 
 namespace mok::detail {
@@ -72,16 +71,20 @@ auto make_weight_grad_params(const WeightGradArgs& args) {
 }
 
 // The megakernel's weight-gradient tiles run in the shared memory and pipeline of its expert GEMM tiles
-// (MN-major B: the backward's dgrads; every ExpertGemmTraits shares this layout), with and without clusters.
+// (MN-major B: the backward's dgrads; every ExpertGemmTraits has this TileStorage), with and without clusters.
 template <GradOutput kOutput, int kClusterN>
 inline constexpr bool kGradTilesFitGemmLayout =
-    gemm::same_stage_layout<gemm::WeightGradTraitsInGemmLayout<kOutput>,
-                            ExpertGemmTraits<MNMajorMainloop, gemm::StoreEpilogue, kClusterN>>();
+    std::is_same_v<typename gemm::WeightGradTraitsInGemmLayout<kOutput>::TileStorage,
+                   typename ExpertGemmTraits<MNMajorMainloop, gemm::StoreEpilogue, kClusterN>::TileStorage> &&
+    std::is_same_v<typename gemm::WeightGradTraitsInGemmLayout<kOutput>::Pipeline,
+                   typename ExpertGemmTraits<MNMajorMainloop, gemm::StoreEpilogue, kClusterN>::Pipeline> &&
+    gemm::WeightGradTraitsInGemmLayout<kOutput>::kStageTransactionBytes ==
+        ExpertGemmTraits<MNMajorMainloop, gemm::StoreEpilogue, kClusterN>::kStageTransactionBytes;
 static_assert(kGradTilesFitGemmLayout<GradOutput::kBFloat16, 1> && kGradTilesFitGemmLayout<GradOutput::kBFloat16, 2> &&
                   kGradTilesFitGemmLayout<GradOutput::kFloat32, 1> && kGradTilesFitGemmLayout<GradOutput::kFloat32, 2> &&
                   kGradTilesFitGemmLayout<GradOutput::kAccumulateFloat32, 1> &&
                   kGradTilesFitGemmLayout<GradOutput::kAccumulateFloat32, 2>,
-              "weight-gradient stages, staging and barriers at the expert GEMM's offsets");
+              "weight-gradient tiles: the expert GEMM's shared memory, pipeline and stage bytes");
 static_assert(gemm::WeightGradTraitsInGemmLayout<GradOutput::kFloat32>::kBlockM == WeightGradConfig<GradOutput::kFloat32>::kBlockM &&
                   gemm::WeightGradTraitsInGemmLayout<GradOutput::kFloat32>::kBlockN == WeightGradConfig<GradOutput::kFloat32>::kBlockN,
               "the same tiles as the standalone launch (validate() counts them)");

@@ -1042,4 +1042,139 @@ TEST(ExpertGemmTest, ValidationRejectsBadCombinations) {
 }
 
 }  // namespace
+
+// Row gather (ExpertGemmArgs::gather, src/device/gemm/row_gather.cuh): the gate/up GEMM reads the rows of routes
+// from `rank` straight from x, those of other ranks from a, zeros for padding; bitwise the GEMM over the copied
+// rows (a as pull_rows leaves it: each row its token's row of its source's x, padding zero). The gathered run's a
+// holds NaN in every row it must not read (local and padding rows), so a wrong source shows. Integer inputs: g
+// and u (gate_up_out) exact against the CPU. Segments with 1, 64, 129, 255 rows and an empty expert; tile_m 64
+// (64-row half tiles) and 128; fused and separate weights; every row local (EP = 1), and a mix of sources.
+TEST(ExpertGemmTest, SwiGLUGatheredRowsEqualTheCopiedRowsBitwise) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> expert_counts = {129, 0, 1, 255, 64};
+  const int num_experts = static_cast<int>(expert_counts.size());
+  const int k = 320, n = 192;  // 5 k-blocks; two 128-column n-blocks, the second partial
+  const int num_tokens = 300, top_k = 4, ranks = 3;
+  for (int tile_m : {64, 128}) {
+    for (bool mixed : {false, true}) {
+      for (bool fused : {false, true}) {
+        const uint64_t seed = 700 + tile_m + 2 * mixed + fused;
+        const std::string label = "tile_m " + std::to_string(tile_m) + (mixed ? ", mixed sources" : ", all local") +
+                                  (fused ? ", fused weights" : ", separate weights") + ", seed " +
+                                  std::to_string(seed);
+        GemmFixture fx(expert_counts, tile_m, tile_m);  // a_rows: a multiple of tile_m
+        const int rank = mixed ? 1 : 0;
+        // x of every source rank [ranks, T, k]; this rank's is what the gather reads.
+        const auto x = hashed_bf16(size_t(ranks) * num_tokens * k, seed, -2, 2);
+        std::vector<int32_t> route(fx.a_rows, -1);
+        std::vector<uint16_t> copied(size_t(fx.a_rows) * k, 0), gathered_a(size_t(fx.a_rows) * k, kPoison);
+        for (int64_t row = 0; row < fx.seg.rows; ++row) {
+          if (!fx.seg.is_real(row)) continue;
+          const int src = mixed ? static_cast<int>(hashed_int(seed + 1, row, 0, ranks - 1)) : 0;
+          const int token = static_cast<int>(hashed_int(seed + 2, row, 0, num_tokens - 1));
+          const int slot = static_cast<int>(hashed_int(seed + 3, row, 0, top_k - 1));
+          route[row] = (src * num_tokens + token) * top_k + slot;
+          const auto from = x.begin() + (int64_t(src) * num_tokens + token) * k;
+          std::copy(from, from + k, copied.begin() + row * k);
+          if (src != rank) std::copy(from, from + k, gathered_a.begin() + row * k);
+        }
+        const auto w_gate = hashed_bf16(size_t(num_experts) * n * k, seed + 4, -1, 1);
+        const auto w_up = hashed_bf16(size_t(num_experts) * n * k, seed + 5, -1, 1);
+        std::vector<uint16_t> w_fused;  // [E, 2n, k]
+        for (int e = 0; e < num_experts; ++e) {
+          w_fused.insert(w_fused.end(), w_gate.begin() + size_t(e) * n * k, w_gate.begin() + size_t(e + 1) * n * k);
+          w_fused.insert(w_fused.end(), w_up.begin() + size_t(e) * n * k, w_up.begin() + size_t(e + 1) * n * k);
+        }
+        DeviceArray<uint16_t> d_x(std::vector<uint16_t>(x.begin() + int64_t(rank) * num_tokens * k,
+                                                        x.begin() + int64_t(rank + 1) * num_tokens * k));
+        DeviceArray<uint16_t> d_copied(copied), d_gathered_a(gathered_a), d_gate(w_gate), d_up(w_up), d_fused(w_fused);
+        DeviceArray<int32_t> d_route(route);
+        DeviceArray<uint16_t> d_h(size_t(fx.a_rows) * n), d_gu(size_t(fx.a_rows) * 2 * n);
+        auto run = [&](ExpertGemmArgs run_args) {
+          d_h.upload(std::vector<uint16_t>(d_h.count, kPoison));
+          d_gu.upload(std::vector<uint16_t>(d_gu.count, kPoison));
+          run_args.b_up = fused ? nullptr : d_up.ptr;
+          run_args.gate_up_out = d_gu.ptr;
+          expert_gemm(run_args, nullptr);
+          MOK_CHECK_CUDA(cudaDeviceSynchronize());
+          return std::make_pair(d_h.download(), d_gu.download());
+        };
+        ExpertGemmArgs copy_args = fx.args(GemmEpilogue::kSwiGLU, d_copied.ptr, k, fused ? d_fused.ptr : d_gate.ptr, n,
+                                           d_h.ptr);
+        copy_args.cluster_n = 1;
+        const auto want = run(copy_args);
+        ExpertGemmArgs gather_args = copy_args;
+        gather_args.a = d_gathered_a.ptr;
+        gather_args.gather = {.x = d_x.ptr, .row_route = d_route.ptr, .num_tokens = num_tokens, .top_k = top_k,
+                              .rank = rank};
+        const auto got = run(gather_args);
+        ASSERT_EQ(check_layout(got.first, fx.seg, fx.a_rows, n), "") << "h, " << label;
+        for (size_t i = 0; i < want.first.size(); ++i)
+          ASSERT_EQ(got.first[i], want.first[i]) << "h differs from the copied rows' at row " << i / n << " col "
+                                                 << i % n << ", " << label;
+        ASSERT_EQ(got.second, want.second) << "gate_up_out differs from the copied rows', " << label;
+        for (int64_t row = 0; row < fx.seg.rows; ++row) {
+          if (!fx.seg.is_real(row)) continue;
+          const int e = fx.seg.expert_of(row);
+          for (int c = 0; c < n; c += 7) {
+            const float g = static_cast<float>(cpu_dot(copied, row, w_gate, int64_t(e) * n + c, k));
+            const float u = static_cast<float>(cpu_dot(copied, row, w_up, int64_t(e) * n + c, k));
+            ASSERT_EQ(got.second[row * 2 * n + c], to_bf16_bits(g))
+                << where("g", row, c, from_bf16_bits(got.second[row * 2 * n + c]), g) << ", " << label;
+            ASSERT_EQ(got.second[row * 2 * n + n + c], to_bf16_bits(u))
+                << where("u", row, c, from_bf16_bits(got.second[row * 2 * n + n + c]), u) << ", " << label;
+          }
+        }
+        // Without the side output: the other gathered instantiation, the same h.
+        gather_args.gate_up_out = nullptr;
+        d_h.upload(std::vector<uint16_t>(d_h.count, kPoison));
+        gather_args.b_up = fused ? nullptr : d_up.ptr;
+        expert_gemm(gather_args, nullptr);
+        MOK_CHECK_CUDA(cudaDeviceSynchronize());
+        ASSERT_EQ(d_h.download(), want.first) << "h without gate_up_out, " << label;
+        EXPECT_TRUE(fx.status.read().ok()) << label;
+      }
+    }
+  }
+}
+
+TEST(ExpertGemmTest, GatherValidationNamesTheArgument) {
+  alignas(16) static uint16_t buffer[64];
+  static DeviceStatus status;  // validation does not read it
+  ExpertGemmArgs base;
+  base.epilogue = GemmEpilogue::kSwiGLU;
+  base.a = base.b = base.out = buffer;
+  base.k = 256;
+  base.n = 512;
+  base.local_experts = 2;
+  base.a_rows = 128;
+  base.expert_counts = base.expert_row_offsets = base.scheduled_rows = reinterpret_cast<const int32_t*>(buffer);
+  base.ticket = reinterpret_cast<int32_t*>(buffer);
+  base.waits.status = &status;
+  base.gather = {.x = buffer, .row_route = reinterpret_cast<const int32_t*>(buffer), .num_tokens = 8, .top_k = 2,
+                 .rank = 0};
+  auto message = [](const ExpertGemmArgs& args) {
+    try { validate(args); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
+    return std::string("no throw");
+  };
+  EXPECT_EQ(message(base), "no throw");
+  ExpertGemmArgs args = base;
+  args.epilogue = GemmEpilogue::kStore;
+  EXPECT_NE(message(args).find("gather (A rows from x) is only for kSwiGLU with b_major kK"), std::string::npos)
+      << message(args);
+  args = base;
+  args.gather.x = buffer + 1;
+  EXPECT_NE(message(args).find("gather.x must be a 16-byte aligned"), std::string::npos) << message(args);
+  args = base;
+  args.gather.row_route = nullptr;
+  EXPECT_NE(message(args).find("gather.row_route must be set"), std::string::npos) << message(args);
+  args = base;
+  args.gather.top_k = 0;
+  EXPECT_NE(message(args).find("gather needs num_tokens > 0, top_k > 0 and rank >= 0"), std::string::npos)
+      << message(args);
+  args = base;
+  args.cluster_n = 2;
+  EXPECT_NE(message(args).find("gather runs in clusters of 1"), std::string::npos) << message(args);
+}
+
 }  // namespace mok

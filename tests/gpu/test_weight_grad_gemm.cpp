@@ -5,7 +5,7 @@
 // Random normal inputs are checked within a stated budget. Every output buffer is NaN-poisoned before a
 // run (accumulate: holds the start values) and followed by a guard region that must stay untouched; rows
 // of a and b past the schedule are NaN, so reading one shows. Validation cases need no GPU.
-// The backward megakernel's configuration of the tiles (src/device/gemm/weight_grad_in_gemm_layout.cuh),
+// The backward megakernel's configuration of the tiles (WeightGradTraitsInGemmLayout, weight_grad_gemm.cuh),
 // launched standalone through a test entry, must give the standalone configuration's bits.
 #include <algorithm>
 #include <chrono>

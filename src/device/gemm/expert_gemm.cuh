@@ -9,8 +9,8 @@
 //   weight-gradient GEMMs can sum over whole segments. L = 0 disables the clamp; scale is optional.
 //   The epilogues' formulas, side inputs and outputs: src/device/gemm/gemm_epilogue.cuh.
 //
-// Policies: GemmTraits = tile shape + a mainloop policy (operand element type and B's majorness, below)
-// + an epilogue policy (gemm_epilogue.cuh) + the cluster size; compute_tile = mainloop() + Epilogue::store.
+// GemmTraits = mainloop.cuh's collective (tile shape, operand policy: A K-major, B K- or MN-major) + an epilogue
+// policy (gemm_epilogue.cuh) + the cluster size; compute_tile = mainloop() + Epilogue::store.
 // B K-major (kK): W [E_local, N, K] (k contiguous: the forward's weights), loaded as two boxes of
 // kBlockN/2 rows (gate and up rows for SwiGLU, two row ranges of W otherwise). B MN-major (kMN):
 // W [E_local, K, N] (n contiguous: the backward's dgrad through the forward's weights as they are), loaded
@@ -20,27 +20,19 @@
 // Clusters of kClusterN (1 or 2) CTAs share the A tile: a task is one m-tile and kClusterN adjacent
 // n-blocks; CTA c of the cluster computes n-block kClusterN * task.n_block + c. With 2, each CTA loads half
 // of the A tile's rows and multicasts it to both, cutting L2 traffic per k-block from 48 to 40 KB per CTA.
-//
-// Roles (one CTA = 1 producer warpgroup + kBlockM/64 consumer warpgroups):
-//   producer   one elected thread issues, per stage, the TMA loads of its half of A (multicast) and of B.
-//   consumers  wgmma 64 x kBlockN x 16 per warpgroup (SS operands, fp32 accumulators in registers),
-//              one batch in flight; then the epilogue into shared memory and out by TMA stores, which
-//              drain while the next tile's mainloop runs.
-//   For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
-//   activation is register-local.
+// For SwiGLU the accumulator's column c (gate) and c + kBlockN/2 (up) sit in the same thread, so the
+// activation is register-local.
 //
 // The unit of work is a TileTask (first row, rows, n-block, expert): load_tile() on the producer side and
 // compute_tile() on the consumer side, each advancing a pipeline state that persists across tasks, so a
-// persistent loop (expert_gemm_kernel below, later the megakernel) can interleave GEMM tiles with other work.
-// Clusters take task slots from an atomic ticket as they free up (TaskRing hands each slot to both CTAs'
-// producers and consumers), so consecutive slots, which share weights, start together (TaskWalker).
+// persistent loop (expert_gemm_kernel in gemm_kernel.cuh, the megakernels) can interleave GEMM tiles with
+// other work. Task order: TaskWalker<kRowTiles> (task_walker.cuh).
 //
 // Shared memory: A stages (kBlockM x 64 bf16, 128B swizzle) | B stages (kBlockN x 64) | epilogue staging
 // (kBlockM x 128 output columns, bf16 boxes of 64 x 64, 128B swizzle) | pipeline barriers | task ring.
-// Sync: PipelineTmaAsync full/empty mbarriers per stage (producer: acquire empty, arm transaction bytes;
-// consumers: wait full, release after the wgmma that read the stage retired). Every wait is bounded
-// (device::HandoffBound: the standalone kernel's from its StandaloneWaits parameter, the megakernels' own) and a
-// timeout is reported in the status word (docs/sync_protocol.md, "Timeouts and the abort word").
+// Sync: mainloop.cuh's pipeline; every wait is bounded (device::HandoffBound: the standalone kernel's from its
+// StandaloneWaits parameter, the megakernels' own) and a timeout is reported in the status word
+// (docs/sync_protocol.md, "Timeouts and the abort word").
 // Determinism: each output element is one fixed-order K reduction by one thread; no atomics.
 #pragma once
 
@@ -50,104 +42,60 @@
 #include <cuda_bf16.h>
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "mok/expert_gemm.h"
 #include "src/device/common/sync.cuh"
 #include "src/device/gemm/gemm_epilogue.cuh"
+#include "src/device/gemm/mainloop.cuh"
 #include "src/device/gemm/task_ring.cuh"
+#include "src/device/gemm/task_walker.cuh"
 #include "src/device/gemm/tile_task.cuh"
 #include "src/device/schedule/placement.h"
 
 namespace mok::gemm {
 
-// Mainloop policy: the operands' element type and layouts. A is K-major; B either (kBMajor).
-// Seam for FP8: an 8-bit Element with per-block scales would add the scales' loads to the producer's
-// stages (and their transaction bytes) and, in mainloop(), a promotion of each k-block's wgmma partial
-// sums into the fp32 accumulators with those scales; the epilogues see fp32 accumulators either way.
-template <OperandMajor kBMajor_>
-struct Bf16Mainloop {
-  using Element = cutlass::bfloat16_t;
-  static constexpr OperandMajor kBMajor = kBMajor_;
-  static constexpr bool kBKMajor = kBMajor == OperandMajor::kK;
-  static constexpr cute::GMMA::Major kGmmaMajorB = kBKMajor ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
-  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});  // A, K-major B, output boxes
-  // MN-major atoms are 64 n x 8 k (128 bytes of n per k); stacked along k first, so that each 64-column
-  // slice of a B stage is one contiguous 8 KB block: one TMA box, and the wgmma descriptor's n-stride.
-  using SmemAtomBMN = decltype(cute::GMMA::Layout_MN_SW128_Atom<Element>{});
-  template <int kRows, int kCols, int kStages>
-  using SmemLayoutB = std::conditional_t<
-      kBKMajor,
-      decltype(cute::tile_to_shape(SmemAtom{},
-                                   cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}, cute::Int<kStages>{}))),
-      decltype(cute::tile_to_shape(SmemAtomBMN{},
-                                   cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}, cute::Int<kStages>{}),
-                                   cute::Step<cute::_2, cute::_1, cute::_3>{}))>;
-  template <int kRows, int kCols>
-  using SmemLayoutBBox = std::conditional_t<
-      kBKMajor, decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}))),
-      decltype(cute::tile_to_shape(SmemAtomBMN{}, cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}),
-                                   cute::Step<cute::_2, cute::_1>{}))>;
-};
-
+// GemmTraits = tile shape + operand policy (mainloop.cuh: Bf16Mainloop<A major, B major>; A is K-major here,
+// B either) + epilogue policy (gemm_epilogue.cuh) + the cluster size, over the collective mainloop.
 template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_>
-struct GemmTraits {
+struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, 64, kStages_> {
+  using Collective = CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, 64, kStages_>;
   using Mainloop = Mainloop_;
   using Epilogue = Epilogue_;
-  using Element = typename Mainloop::Element;
-  static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kBlockN_;   // accumulator columns per tile
-  static constexpr int kBlockK = 64;         // one 128-byte swizzle row of bf16
-  static constexpr int kStages = kStages_;
+  using typename Collective::Element;
+  using Collective::kBlockM;
+  using Collective::kBlockN;  // accumulator columns per tile
+  using Collective::kBlockK;  // one 128-byte swizzle row of bf16
+  using Collective::kConsumerWarpgroups;
   static constexpr GemmEpilogue kEpilogue = Epilogue::kKind;
   static constexpr OperandMajor kBMajor = Mainloop::kBMajor;
-  static_assert(kBlockM == 64 || kBlockM == 128, "one consumer warpgroup per 64 rows");
+  static_assert(Mainloop::kAMajor == OperandMajor::kK, "A rows are the expert-major row buffer: K-major");
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N, and B loads in two halves of 8-row atoms");
   static constexpr int kHalfN = kBlockN / 2;
   static constexpr int kOutCols = Epilogue::out_cols(kBlockN);
   // Output tiles (n-blocks) of n output columns; the last one is partial when n is not a multiple of kOutCols.
   static constexpr int n_blocks(int64_t n) { return static_cast<int>((n + kOutCols - 1) / kOutCols); }
-  static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kClusterN = kClusterN_;  // CTAs sharing one A tile (adjacent n-blocks)
   static_assert(kClusterN == 1 || kClusterN == 2, "A is shared by at most two CTAs");
   // The launch's cluster dimension is (kClusterN, 1, 1); the pipeline maps consumer arrivals onto it, so
   // both must agree (a (1, 2, 1) shape here left one CTA's empty barriers short of arrivals: a hang).
   using ClusterShape = cute::Shape<cute::Int<kClusterN>, cute::_1, cute::_1>;
   static constexpr int kCtaRowsA = kBlockM / kClusterN;  // A rows each CTA loads (and multicasts)
-  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-  // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
-  // setmaxnreg only moves registers within what the CTA got at launch (65536 / kThreads, rounded down to
-  // 8, per thread): asking for more makes setmaxnreg.inc wait forever (a hang, seen with 48 / 232).
-  static constexpr int kProducerRegisters = 48;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 224 : 240;
-  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
-                "setmaxnreg redistributes the CTA's launch registers, no more");
 
   using SmemAtom = typename Mainloop::SmemAtom;
-  using SmemLayoutA = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{})));
-  using SmemLayoutB = typename Mainloop::template SmemLayoutB<kBlockN, kBlockK, kStages>;
   // One TMA box of B: K-major, half of a stage (kHalfN rows); MN-major, 64 columns (128 bytes, the swizzle
   // span). A stage's boxes are contiguous, so the stage is one wgmma operand.
   static constexpr int kBoxRowsB = Mainloop::kBKMajor ? kHalfN : 64;
   static constexpr int kBoxesB = kBlockN / kBoxRowsB;
   static_assert(Mainloop::kBKMajor || kBlockN % 64 == 0, "MN-major B stages are whole 64-column boxes");
-  using SmemLayoutBBox = typename Mainloop::template SmemLayoutBBox<kBoxRowsB, kBlockK>;
+  using SmemLayoutBBox = std::conditional_t<
+      Mainloop::kBKMajor,
+      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kBoxRowsB>{}, cute::Int<kBlockK>{}))),
+      decltype(cute::tile_to_shape(typename Mainloop::SmemAtomMN{},
+                                   cute::make_shape(cute::Int<kBoxRowsB>{}, cute::Int<kBlockK>{}),
+                                   cute::Step<cute::_2, cute::_1>{}))>;
   using SmemLayoutACta =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kCtaRowsA>{}, cute::Int<kBlockK>{})));
-
-  using TiledMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>,
-                                 cute::GMMA::Major::K, Mainloop::kGmmaMajorB>(),
-      cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
-
-  static constexpr int kTaskDepth = 4;  // slots a producer may publish ahead of its consumers
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineState = cutlass::PipelineState<kStages>;
-  static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
 
   // Epilogue staging (gemm_epilogue.cuh): per consumer warpgroup, kStagingBoxes boxes of 64 rows x 64
   // columns of bf16 (128 bytes a row, 128-byte swizzle), which TMA stores copy out. Staged in passes of
@@ -159,13 +107,12 @@ struct GemmTraits {
   using SmemLayoutOutBox =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<64>{}, cute::Int<kBoxCols>{})));
 
-  struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
-    alignas(1024) Element staging[kConsumerWarpgroups][kStagingBoxes][64 * kBoxCols];  // one pass of columns
-    typename Pipeline::SharedStorage pipeline;
-    TaskRing<kTaskDepth, 4 * kConsumerWarpgroups, kClusterN> tasks;
-  };
+  // The tiles' bytes (the megakernels': every GEMM of one pass, weight gradients included, has this type) and
+  // the standalone kernel's, with its task ring.
+  using TileStorage = typename Collective::template Storage<kStagingBoxes>;
+  using Walker = TaskWalker<TaskMode::kRowTiles, GemmTraits>;  // the standalone kernel's tasks
+  using SharedStorage = typename Collective::template Storage<
+      kStagingBoxes, TaskRing<Collective::kTaskDepth, 4 * kConsumerWarpgroups, kClusterN>>;
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
 };
 
@@ -203,95 +150,11 @@ struct GemmParams {
   uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id | cycles<<16, expert<<48|group<<32|row
 };
 
-// Task order: expert by expert; within an expert, n-block group by group, and the expert's m-tiles
-// fastest. Slots are dense (every slot is a task) and taken from an atomic ticket, so the m-tiles that
-// share one weight block start within a few microseconds of each other and stream it through L2 together
-// (an expert's gate/up weights, 59-88 MB, do not fit in L2; its A rows, a few MB, do and are reused
-// across groups). A strided static assignment let clusters drift apart by a random walk of task-time
-// noise, and the weights were read from DRAM 1.5-2 times (docs/perf_notes.md, round 3).
-// A CTA visits increasing slots, so a cursor over the experts replaces a search per slot (between two
-// tiles every role is on the critical path).
-template <class Traits>
-struct TaskWalker {
-  int32_t expert = -1;
-  int32_t segment_begin = 0;  // row_offsets[expert]
-  int32_t segment_end = 0;    // row_offsets[expert + 1]
-  int32_t tiles_begin = 0;    // max(segment_begin, first_row): where the expert's tiles start
-  int32_t m_tiles = 0;        // m-tiles of the expert
-  int32_t slot_begin = 0;     // the expert's first slot
-  int32_t slot_end = 0;       // one past its last
-  int32_t scheduled_rows = 0; // the schedule's row count; 0 after a capacity overflow: no tasks at all
-
-  // The task of `slot`, or false when the slot lies past the last task.
-  template <class Params>
-  __device__ __forceinline__ bool task_at(const Params& p, int32_t slot, TileTask& t) {
-    const int num_groups = p.num_n_blocks / Traits::kClusterN;
-    while (slot >= slot_end) {  // empty experts have no slots and are skipped
-      if (++expert >= p.local_experts) return false;
-      if (expert == 0) {
-        scheduled_rows = *p.scheduled_rows;
-        segment_end = min(p.expert_row_offsets[0], scheduled_rows);
-      }
-      segment_begin = segment_end;
-      segment_end = min(p.expert_row_offsets[expert + 1], scheduled_rows);
-      tiles_begin = max(segment_begin, p.first_row);
-      m_tiles = tiles_begin < segment_end ? (segment_end - tiles_begin + Traits::kBlockM - 1) / Traits::kBlockM : 0;
-      slot_begin = slot_end;
-      slot_end += m_tiles * num_groups;
-    }
-    const int32_t local = slot - slot_begin;
-    t.expert = expert;
-    t.n_block = local / m_tiles;
-    t.row = tiles_begin + (local % m_tiles) * Traits::kBlockM;
-    t.buffer_row = t.row;
-    t.rows = min(segment_end - t.row, Traits::kBlockM);
-    return true;
-  }
-};
-
-// Bounded pipeline waits (every GEMM kernel's: the megakernels' and the standalone ones'). The fast path is
-// CUTLASS's one try_wait; only a stage that is not ready yet polls the timer (docs/sync_protocol.md).
-// The producer's acquire returns false when it gave up (the caller stops issuing). The consumers' wait
-// goes on after a give-up as if the stage were full (garbage, in bounds): their control flow around wgmma
-// stays warp-uniform, and every later hand-off gives up at once (kAbortHandoff), so the kernel ends.
-// Waits until the consumers released `state`'s stage; false when the wait gave up.
-template <class Pipeline, class State>
-__device__ __forceinline__ bool stage_free_bounded(Pipeline& pipeline, const State& state,
-                                                   const device::HandoffBound& bound) {
-  const auto free = [&] { return pipeline.producer_try_acquire(state) == cutlass::BarrierStatus::WaitDone; };
-  return free() ||
-         device::handoff_wait_slow(free, bound, Role::kGemmProducer, CounterId::kPipelineEmpty, state.index());
-}
-
-template <class Pipeline, class State>
-__device__ __forceinline__ bool producer_acquire_bounded(Pipeline& pipeline, const State& state,
-                                                         const device::HandoffBound& bound) {
-  if (!stage_free_bounded(pipeline, state, bound)) return false;
-  pipeline.producer_acquire(state, cutlass::BarrierStatus::WaitDone);  // arms the transaction bytes; no wait left
-  return true;
-}
-
-// CUTLASS's producer_tail, bounded. Why: neither CTA may exit while its consumers, or the partner CTA's,
-// still release stages into it.
-template <class Pipeline, class State>
-__device__ __forceinline__ void producer_tail_bounded(Pipeline& pipeline, State state, const device::HandoffBound& bound) {
-  for (int stage = 0; stage < int(Pipeline::Stages); ++stage, ++state)
-    if (!stage_free_bounded(pipeline, state, bound)) return;
-}
-
-template <class Pipeline, class State>
-__device__ __forceinline__ void consumer_wait_bounded(Pipeline& pipeline, const State& state,
-                                                      const device::HandoffBound& bound) {
-  if (pipeline.consumer_try_wait(state) == cutlass::BarrierStatus::WaitDone) return;
-  device::handoff_wait_slow([&] { return pipeline.consumer_try_wait(state) == cutlass::BarrierStatus::WaitDone; },
-                            bound, Role::kGemmConsumer, CounterId::kPipelineFull, state.index());
-}
-
 // Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
 // False when a stage acquire gave up (`bound`): the rest of the tile is not issued.
-template <class Traits, class Params>
-__device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task, int cta_rank,
-                                          typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
+template <class Traits, class Params, class Storage>
+__device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task, int cta_rank, Storage& smem,
+                                          typename Traits::Pipeline& pipeline,
                                           typename Traits::PipelineState& state, const device::HandoffBound& bound) {
   using namespace cute;
   using T = Traits;
@@ -306,7 +169,13 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
                           Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{}, make_coord(0, _));
   auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{},
                                       group_modes<0, 2>(s_a_shares(_, _, cta_rank, 0, _)), group_modes<0, 2>(g_a));
-  constexpr uint16_t kAllCtas = (1u << T::kClusterN) - 1;
+  // This CTA's share of A for one stage: multicast to every CTA of the cluster.
+  const auto load_a = [&](int k_block, int stage, typename T::Pipeline::ProducerBarrierType* full) {
+    if constexpr (T::kClusterN > 1)
+      copy(p.tma_a.with(*full, uint16_t((1u << T::kClusterN) - 1)), t_a_g(_, k_block), t_a_s(_, stage));
+    else
+      copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
+  };
   const int num_k_blocks = p.k / T::kBlockK;
   if constexpr (T::Mainloop::kBKMajor) {
     // B rows by offset, not by tile index: an expert's rows (n, or 2n fused) need not be a multiple of the
@@ -327,10 +196,7 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
       if (!producer_acquire_bounded(pipeline, state, bound)) return false;
       auto* full = pipeline.producer_get_barrier(state);
       const int stage = state.index();
-      if constexpr (T::kClusterN > 1)
-        copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
-      else
-        copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
+      load_a(k_block, stage, full);
       copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
       copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
       ++state;
@@ -347,10 +213,7 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
       if (!producer_acquire_bounded(pipeline, state, bound)) return false;  // as above
       auto* full = pipeline.producer_get_barrier(state);
       const int stage = state.index();
-      if constexpr (T::kClusterN > 1)
-        copy(p.tma_a.with(*full, kAllCtas), t_a_g(_, k_block), t_a_s(_, stage));
-      else
-        copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
+      load_a(k_block, stage, full);
       const bool second = k_block >= p.b_k_blocks0;
       const auto& tma_b = second ? p.tma_b1 : p.tma_b0;
       const int64_t k_row = k_base + int64_t(second ? k_block - p.b_k_blocks0 : k_block) * T::kBlockK;
@@ -366,252 +229,6 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
     }
   }
   return true;
-}
-
-// The mainloop of an active warpgroup: accum = its rows of A · B over K, one wgmma batch (one stage) in
-// flight; a stage is released once the batch after it issued and the batch that read it retired.
-// (The FP8 seam of the mainloop policy: per-k-block promotion with scales would go here.)
-template <class Traits, class ThreadMma, class Accum>
-__device__ __forceinline__ void mainloop(int num_k_blocks, typename Traits::SharedStorage& smem,
-                                         typename Traits::Pipeline& pipeline,
-                                         typename Traits::PipelineState& read_state, typename Traits::TiledMma& mma,
-                                         const ThreadMma& thread_mma, Accum& accum, const device::HandoffBound& bound) {
-  using namespace cute;
-  using T = Traits;
-  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
-  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
-  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
-  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
-  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
-  typename T::PipelineState release_state = read_state;
-  mma.accumulate_ = GMMA::ScaleOut::Zero;
-  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    consumer_wait_bounded(pipeline, read_state, bound);
-    const int stage = read_state.index();
-    warpgroup_fence_operand(accum);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(t_r_a); ++k) {
-      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(accum);
-    if (k_block > 0) {
-      pipeline.consumer_release(release_state);
-      ++release_state;
-    }
-    ++read_state;
-  }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(accum);
-  if (num_k_blocks > 0) {
-    pipeline.consumer_release(release_state);
-    ++release_state;
-  }
-}
-
-// Consumer side of one tile: mainloop over K, then the epilogue policy's store. All consumer threads call
-// this; consumer_idx is the thread's index among the consumer warpgroups. A warpgroup whose 64 rows are not
-// part of the task (a 64-row task) only passes the pipeline stages back, so the task costs about half a
-// full one; the branch is on values broadcast with __shfl_sync (see below).
-// rows_done (nullable, the megakernel's): one counter per 64 schedule rows; each warpgroup adds 1 to its
-// rows' counter once its stores have reached global memory (through `signal`, late: see RowsDoneSignal),
-// so a counter reaches the number of n-blocks when the rows' whole output is readable
-// (docs/sync_protocol.md). `signal` is the calling thread's own; needed whenever rows_done is set.
-template <class Traits, class Params>
-__device__ __forceinline__ void compute_tile(const Params& p, const TileTask& task, typename Traits::SharedStorage& smem,
-                                             typename Traits::Pipeline& pipeline,
-                                             typename Traits::PipelineState& read_state, int consumer_idx,
-                                             uint64_t* rows_done, RowsDoneSignal* signal,
-                                             const device::HandoffBound& bound) {
-  using namespace cute;
-  using T = Traits;
-  typename T::TiledMma mma;
-  auto thread_mma = mma.get_thread_slice(consumer_idx);
-  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
-  // Why the shuffle: ptxas serializes every wgmma of the kernel (warning C7518) unless it can prove the
-  // branches around them warp-uniform; a value broadcast from lane 0 is.
-  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  const bool active = warpgroup * kUnitRows < __shfl_sync(0xffffffff, task.rows, 0);
-  const bool store_leader = consumer_idx % 128 == 0;
-  if (signal != nullptr && store_leader && signal->pending != nullptr &&
-      pipeline.consumer_try_wait(read_state) == cutlass::BarrierStatus::WaitAgain)
-    signal->flush();  // about to block on the first stage: whoever we wait for may wait for this count
-
-  const int num_k_blocks = p.k / T::kBlockK;
-  if (!active) {
-    // A 64-row task: the other warpgroup computes it alone; this one only passes the stages back.
-    for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-      consumer_wait_bounded(pipeline, read_state, bound);
-      pipeline.consumer_release(read_state);
-      ++read_state;
-    }
-    return;
-  }
-  T::Epilogue::template prefetch<T>(p, task, warpgroup, consumer_idx % 128);
-  mainloop<T>(num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum, bound);
-
-  // Epilogue (gemm_epilogue.cuh): each warpgroup stages and stores its own 64 rows; its first thread issues
-  // the stores. (A reader of the output inside the same kernel, e.g. the megakernel's down GEMM, needs the
-  // stores complete, cp.async.bulk.wait_group 0, before the release that signals it.)
-  // Why opaque (epilogues with many staged values, kOpaqueCoordinates): the fragment coordinates and the
-  // staging addresses derived from the thread index are loop invariants of a persistent loop; hoisted out
-  // of it they outgrow the consumers' registers (ptxas spilled). Recomputed per tile they cost nothing.
-  int coords_idx = consumer_idx;
-  if constexpr (T::Epilogue::kOpaqueCoordinates) asm volatile("mov.u32 %0, %1;" : "=r"(coords_idx) : "r"(consumer_idx));
-  Tensor coords =
-      mma.get_thread_slice(coords_idx).partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
-  // A thread's fragment covers two rows (r0 and r0 + 8 of its warp's 16): value i lies in row half
-  // (i / 2) % 2; load the two row scales once.
-  TileRows rows;
-  rows.valid_rows = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert] - task.row;
-  CUTE_UNROLL
-  for (int half = 0; half < 2; ++half) {
-    const int r = get<0>(coords(2 * half));
-    rows.row_scale[half] = p.row_scale != nullptr && r < rows.valid_rows ? p.row_scale[task.row + r] : 1.0f;
-  }
-  const TileStager<T> stager{smem, warpgroup, store_leader, signal, (task.buffer_row + warpgroup * kUnitRows) / kUnitRows};
-  T::Epilogue::template store<T>(p, task, accum, coords, rows, stager);
-  if (rows_done != nullptr && store_leader) signal->pending = rows_done + (task.row / kUnitRows + warpgroup);
-}
-
-enum class GemmRole : int { kProducer = 0, kConsumer = 1 };
-
-// A persistent GEMM CTA's start: its TMA pipeline over `smem` and its task ring, initialized by thread 0,
-// then a barrier over the cluster. Why the cluster: the partner CTA arrives on our barriers and multicasts
-// into our shared memory; both CTAs' barrier initialization must be visible cluster-wide first.
-template <class T, class TaskRingT>
-__device__ __forceinline__ typename T::Pipeline start_pipeline(typename T::SharedStorage& smem, TaskRingT& tasks,
-                                                               bool consumer) {
-  typename T::Pipeline::Params params;
-  params.transaction_bytes = T::kStageTransactionBytes;
-  params.role = consumer ? T::Pipeline::ThreadCategory::Consumer : T::Pipeline::ThreadCategory::Producer;
-  params.is_leader = threadIdx.x == 0;
-  params.num_consumers = 128 * T::kConsumerWarpgroups;
-  typename T::Pipeline pipeline(smem.pipeline, params, typename T::ClusterShape{});
-  if (threadIdx.x == 0) {
-    tasks.init();
-    cutlass::arch::fence_barrier_init();
-  }
-  if constexpr (T::kClusterN > 1)
-    cute::cluster_sync();
-  else
-    __syncthreads();
-  return pipeline;
-}
-
-// The standalone GEMM kernels' second parameter: where their hand-offs report and how long they may take
-// (every wait of the kernel is bounded: docs/sync_protocol.md), and a test knob.
-struct StandaloneWaits {
-  device::HandoffBound bound;
-  // Test entry (honoured only in builds with MOK_TEST_ENTRIES, src/host/gemm_test_knobs.h): each CTA's
-  // producer arms the first stage of its first tile and issues none of its loads, so its consumers' wait for
-  // the stage's bytes must time out (a stalled producer).
-  bool stall_producer;
-};
-
-// The stalled producer of a test (StandaloneWaits::stall_producer): arms `state`'s stage, so its consumers
-// wait for its transaction bytes, and loads nothing. The producer then returns without its tail: the consumers'
-// wait must be the one that times out (a tail would wait for their release of this stage as long), and the
-// CTA stays alive for their releases anyway (its threads, and the final cluster_sync for the partner's).
-template <class Pipeline, class State>
-__device__ __forceinline__ void stall_stage(Pipeline& pipeline, State& state, const device::HandoffBound& bound) {
-  if (producer_acquire_bounded(pipeline, state, bound)) ++state;
-}
-
-// Producer thread of the standalone kernel: slots from the ticket (rank 0 of the cluster takes them, rank 1 gets
-// them by mail) until one lies past the last task, published like the others so that the consumers stop on it.
-// Once the rank's abort word is set the slot is kStopSlot (a failed step does no more work), and a hand-off that
-// gave up ends the loop (its consumers' waits give up too: kAbortHandoff).
-template <class T, class Params>
-__device__ __forceinline__ void run_gemm_producer(const Params& p, const StandaloneWaits& waits,
-                                                  typename T::SharedStorage& smem, typename T::Pipeline& pipeline,
-                                                  int cta_rank) {
-  auto state = cutlass::make_producer_start_state<typename T::Pipeline>();
-  TaskWalker<T> walker;
-  for (int k = 0;; ++k) {
-    const int32_t slot = smem.tasks.take(k, cta_rank, p.ticket, waits.bound);
-    TileTask task;
-    const bool more = slot != kStopSlot && walker.task_at(p, slot, task);
-    if (!smem.tasks.publish(k, more ? slot : int32_t{kStopSlot}, waits.bound) || !more) break;
-#if defined(MOK_TEST_ENTRIES)
-    if (waits.stall_producer) {
-      stall_stage(pipeline, state, waits.bound);
-      return;
-    }
-#endif
-    if (!load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state, waits.bound))
-      break;
-  }
-  // Why: neither CTA may exit while its consumers, or the partner CTA's, still release stages into it.
-  producer_tail_bounded(pipeline, state, waits.bound);
-}
-
-// Consumer threads of the standalone kernel: the published slots' tiles until a slot past the last task, or
-// until a task-ring wait gave up (the warpgroup's four warps agree first, as the megakernel's consumers do).
-template <class T, class Params>
-__device__ __forceinline__ void run_gemm_consumers(const Params& p, const device::HandoffBound& bound,
-                                                   typename T::SharedStorage& smem, typename T::Pipeline& pipeline,
-                                                   int cta_rank, int consumer_idx) {
-  typename T::PipelineState state;
-  TaskWalker<T> walker;
-  TileTask task;
-  // The warpgroup's hardware barrier: the one the epilogue syncs (NamedBarrier id 1 + warpgroup), the same
-  // 128 threads.
-  const int consumer_barrier =
-      int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) + 1 + __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  for (int k = 0;; ++k) {
-    int32_t slot;
-    const bool arrived = smem.tasks.consume(k, slot, bound);  // warp-uniform
-    // Why: a hand-off that gave up leaves the warpgroup's warps free to disagree; they must leave together
-    // (the tile's wgmma and named barriers need all four).
-    if (!device::named_barrier_all(arrived, consumer_barrier, 128)) break;
-    if (!walker.task_at(p, slot, task)) break;
-    const bool record = p.trace != nullptr && consumer_idx == 0;
-    const uint64_t start = record ? device::global_timer_ns() : 0;
-    const int64_t start_cycles = record ? clock64() : 0;
-    compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state, consumer_idx, nullptr,
-                    nullptr, bound);
-    if (record) {
-      uint64_t* r = p.trace + (int64_t(slot) * T::kClusterN + cta_rank) * 4;
-      r[0] = start;
-      r[1] = device::global_timer_ns();
-      r[2] = static_cast<uint64_t>(device::sm_index()) | (uint64_t(clock64() - start_cycles) << 16);
-      r[3] = (uint64_t(task.expert) << 48) | (uint64_t(task.n_block) << 32) | uint32_t(task.row);
-    }
-  }
-  // Why: the shared memory must outlive the last TMA stores' reads of it.
-  if (consumer_idx % 128 == 0) cute::tma_store_wait<0>();
-}
-
-// Standalone persistent launcher: one CTA per SM in clusters of kClusterN, tasks from the ticket. Used by
-// MoeWorkspace's unfused forward and stage-kernel backward, the tests and the bench.
-template <class Traits, class Params>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
-    expert_gemm_kernel(const __grid_constant__ Params p, const __grid_constant__ StandaloneWaits waits) {
-  using T = Traits;
-  extern __shared__ __align__(1024) char shared_raw[];
-  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(shared_raw);
-  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);  // uniform: see compute_tile
-  const GemmRole role = warpgroup == 0 ? GemmRole::kProducer : GemmRole::kConsumer;
-
-  typename T::Pipeline pipeline = start_pipeline<T>(smem, smem.tasks, role == GemmRole::kConsumer);
-  const int cta_rank = static_cast<int>(cute::block_rank_in_cluster());
-  switch (role) {
-    case GemmRole::kProducer:
-      cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
-      if (threadIdx.x == 0) run_gemm_producer<T>(p, waits, smem, pipeline, cta_rank);
-      break;
-    case GemmRole::kConsumer:
-      cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-      run_gemm_consumers<T>(p, waits.bound, smem, pipeline, cta_rank, static_cast<int>(threadIdx.x) - 128);
-      break;
-  }
-  // Why: neither CTA may exit while its partner can still multicast into it or arrive on its barriers.
-  if constexpr (T::kClusterN > 1) cute::cluster_sync();
 }
 
 }  // namespace mok::gemm

@@ -57,6 +57,16 @@ struct RowsDoneSignal {
     device::add_release_gpu(pending, 1);
     pending = nullptr;
   }
+
+  // Before a consumer warpgroup blocks on a tile's first stage: whoever it waits for may wait for this count
+  // (not adding it could deadlock). `leader` (the store leader, with stages to wait for) adds it.
+  template <class Pipeline, class State>
+  __device__ __forceinline__ static void flush_before_blocking(RowsDoneSignal* signal, bool leader,
+                                                                Pipeline& pipeline, const State& read_state) {
+    if (signal != nullptr && leader && signal->pending != nullptr &&
+        pipeline.consumer_try_wait(read_state) == cutlass::BarrierStatus::WaitAgain)
+      signal->flush();
+  }
 };
 
 // The rows of a tile as the epilogue sees them.
@@ -65,26 +75,27 @@ struct TileRows {
   float row_scale[2];  // of the thread's two fragment rows: 1 without a scale or for a padding row
 };
 
-// Shared-memory staging and TMA stores of one consumer warpgroup's output boxes. All 128 threads of the
-// warpgroup call begin_pass, stage and end_pass the same number of times (named barrier 1 + warpgroup).
-template <class T>
+// Shared-memory staging and TMA stores of one consumer warpgroup's output boxes, every GEMM's (the weight
+// gradient's writes its boxes itself and issues them through end_pass_with). All 128 threads of the warpgroup
+// call begin_pass, stage and end_pass the same number of times (named barrier kStagingBarrier + warpgroup).
+template <class T, class Storage>
 struct TileStager {
-  typename T::SharedStorage& smem;
+  Storage& smem;  // the GEMM's shared memory (mainloop.cuh, GemmSharedStorage)
   int warpgroup;
   bool store_leader;       // the warpgroup's first thread: waits for and issues the stores
   RowsDoneSignal* signal;  // nullable: the megakernel's late completion count
   int box_row;             // the 64-row box of the output buffers that these rows are
 
   // Why: the previous pass's (or tile's) TMA stores of this warpgroup read the boxes we overwrite now.
-  // The previous tile's stores are written by now too: its late count goes out here.
-  __device__ __forceinline__ void begin_pass() const {
+  // The previous tile's stores are written by now too: its late count goes out here (only where may_flush).
+  __device__ __forceinline__ void begin_pass(bool may_flush = true) const {
     if (store_leader) {
-      if (signal != nullptr && signal->pending != nullptr)
+      if (may_flush && signal != nullptr && signal->pending != nullptr)
         signal->flush();
       else
         cute::tma_store_wait<0>();
     }
-    cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
+    cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
   }
 
   // Two adjacent columns at row r of the tile, column col of the pass's boxes (box col / 64).
@@ -100,44 +111,97 @@ struct TileStager {
   template <class Tma, class BoxCol>
   __device__ __forceinline__ void end_pass(const Tma& tma, int64_t a_rows, int64_t cols, BoxCol&& box_col) const {
     using namespace cute;
-    // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
-    tma_store_fence();
-    cutlass::arch::NamedBarrier::sync(128, 1 + warpgroup);
-    if (store_leader) {
+    end_pass_with([&] {
       Tensor m_out = tma.get_tma_tensor(make_shape(a_rows, cols));
       CUTE_UNROLL
       for (int box = 0; box < T::kStagingBoxes; ++box) {
         const int col = box_col(box);
         if (col < 0) break;
-        Tensor s_box = make_tensor(make_smem_ptr(smem.staging[warpgroup][box]), typename T::SmemLayoutOutBox{});
+        Tensor s_box = make_tensor(make_smem_ptr(reinterpret_cast<typename T::Element*>(smem.staging[warpgroup][box])),
+                                   typename T::SmemLayoutOutBox{});
         Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, col));
         auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
         copy(tma, t_s, t_g);
       }
-      tma_store_arrive();
+    });
+  }
+
+  // The end of a pass whose boxes `issue` (run by the store leader) stores: one bulk group.
+  template <class Issue>
+  __device__ __forceinline__ void end_pass_with(Issue&& issue) const {
+    // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
+    cute::tma_store_fence();
+    cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
+    if (store_leader) {
+      issue();
+      cute::tma_store_arrive();
     }
   }
 };
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// The epilogue interface (T: the GEMM's traits):
+// The epilogue interface of every GEMM (T: the GEMM's traits; compute_tile, mainloop.cuh, calls it):
+//   prefetch<T>(...)       before the tile's mainloop (consumer threads of an active warpgroup)
+//   finish<T>(...)         after it: the warpgroup's rows of the accumulators to the outputs
+// The expert GEMM's epilogues (row tiles) share finish (RowTileEpilogue) and add
 //   kKind                  the public epilogue it implements
 //   out_cols(kBlockN)      GEMM columns (of n) per output tile: the n-block width
-//   prefetch<T>(...)       before the tile's mainloop (consumer threads of an active warpgroup)
-//   store<T>(...)          after it: writes the warpgroup's rows through `stager`
-struct StoreEpilogue {
+//   store<T>(...)          writes the warpgroup's rows through `stager`
+// The weight gradient's is GradEpilogue (weight_grad_gemm.cuh).
+//
+// RowTileEpilogue::finish: each warpgroup stages and stores its own 64 rows; its first thread issues the
+// stores. (A reader of the output inside the same kernel, e.g. the megakernel's down GEMM, needs the stores
+// complete, cp.async.bulk.wait_group 0, before the release that signals it.)
+// rows_done (nullable, the megakernel's): one counter per 64 schedule rows; each warpgroup adds 1 to its rows'
+// counter once its stores have reached global memory (through `signal`, late: see RowsDoneSignal), so a
+// counter reaches the number of n-blocks when the rows' whole output is readable (docs/sync_protocol.md).
+// `signal` is the calling thread's own; needed whenever rows_done is set.
+// Epilogues without a prefetch (SwiGLUBackwardEpilogue has its own).
+struct NoPrefetch {
+  template <class T, class Params, class Task>
+  __device__ __forceinline__ static void prefetch(const Params&, const Task&, int, int) {}
+};
+
+template <class Derived>
+struct RowTileEpilogue : NoPrefetch {
+  template <class T, class Params, class Tile, class Accum, class Mma, class Storage>
+  __device__ __forceinline__ static void finish(const Params& p, const TileTask& task, const Tile&, const Accum& accum,
+                                                Mma& mma, Storage& smem, int warpgroup, int consumer_idx,
+                                                bool store_leader, uint64_t* rows_done, RowsDoneSignal* signal) {
+    using namespace cute;
+    // Why opaque (epilogues with many staged values, kOpaqueCoordinates): the fragment coordinates and the
+    // staging addresses derived from the thread index are loop invariants of a persistent loop; hoisted out
+    // of it they outgrow the consumers' registers (ptxas spilled). Recomputed per tile they cost nothing.
+    int coords_idx = consumer_idx;
+    if constexpr (Derived::kOpaqueCoordinates) asm volatile("mov.u32 %0, %1;" : "=r"(coords_idx) : "r"(consumer_idx));
+    Tensor coords =
+        mma.get_thread_slice(coords_idx).partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+    // A thread's fragment covers two rows (r0 and r0 + 8 of its warp's 16): value i lies in row half
+    // (i / 2) % 2; load the two row scales once.
+    TileRows rows;
+    rows.valid_rows = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert] - task.row;
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const int r = get<0>(coords(2 * half));
+      rows.row_scale[half] = p.row_scale != nullptr && r < rows.valid_rows ? p.row_scale[task.row + r] : 1.0f;
+    }
+    const TileStager<T, Storage> stager{smem, warpgroup, store_leader, signal,
+                                        (task.buffer_row + warpgroup * kUnitRows) / kUnitRows};
+    Derived::template store<T>(p, task, accum, coords, rows, stager);
+    if (rows_done != nullptr && store_leader) signal->pending = rows_done + (task.row / kUnitRows + warpgroup);
+  }
+};
+
+struct StoreEpilogue : RowTileEpilogue<StoreEpilogue> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kStore;
   static constexpr bool kOpaqueCoordinates = false;
   static constexpr int out_cols(int block_n) { return block_n; }
 
-  template <class T, class Params>
-  __device__ __forceinline__ static void prefetch(const Params&, const TileTask&, int, int) {}
-
-  template <class T, class Params, class Accum, class Coords>
+  template <class T, class Params, class Accum, class Coords, class Stager>
   __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
                                                const Coords& coords, const TileRows& rows,
-                                               const TileStager<T>& stager) {
+                                               const Stager& stager) {
     using cute::get;
     constexpr int kValues = decltype(cute::size(accum))::value;
     constexpr int kPasses = T::kOutCols / T::kStagingCols;
@@ -163,19 +227,16 @@ struct StoreEpilogue {
 };
 
 template <bool kWritesGateUp>
-struct SwiGLUEpilogue {
+struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLU;
   static constexpr bool kGateUpOut = kWritesGateUp;
   static constexpr bool kOpaqueCoordinates = kWritesGateUp;
   static constexpr int out_cols(int block_n) { return block_n / 2; }  // gate + up columns -> hidden columns
 
-  template <class T, class Params>
-  __device__ __forceinline__ static void prefetch(const Params&, const TileTask&, int, int) {}
-
-  template <class T, class Params, class Accum, class Coords>
+  template <class T, class Params, class Accum, class Coords, class Stager>
   __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
                                                const Coords& coords, const TileRows& rows,
-                                               const TileStager<T>& stager) {
+                                               const Stager& stager) {
     using cute::get;
     // Fragment values [0, kValues/2) hold columns [0, kHalfN) (gate), the rest the same columns + kHalfN (up):
     // the activation is register-local.
@@ -236,7 +297,7 @@ struct SwiGLUEpilogue {
 // index), then the row's quad adds its four sums by a butterfly, x += shfl_xor(x, 1); x += shfl_xor(x, 2):
 // every lane computes (s0 + s1) + (s2 + s3) up to the order of the operands of each addition, and IEEE
 // addition is commutative, so all four lanes hold identical bits; lane 0 of the quad writes them.
-struct SwiGLUBackwardEpilogue {
+struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLUBackward;
   static constexpr bool kOpaqueCoordinates = true;
   static constexpr int out_cols(int block_n) { return block_n; }
@@ -253,10 +314,10 @@ struct SwiGLUBackwardEpilogue {
       if (tile_col + c < n) cute::prefetch(line + c);  // prefetch.global.L2
   }
 
-  template <class T, class Params, class Accum, class Coords>
+  template <class T, class Params, class Accum, class Coords, class Stager>
   __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
                                                const Coords& coords, const TileRows& rows,
-                                               const TileStager<T>& stager) {
+                                               const Stager& stager) {
     using cute::get;
     constexpr int kValues = decltype(cute::size(accum))::value;
     constexpr int kPasses = T::kBlockN / T::kBoxCols;

@@ -1,5 +1,6 @@
-// The expert GEMM's unit of work (one output tile of one expert's rows), shared by its producer side
-// (load_tile), its consumer side (compute_tile, the epilogues) and every persistent loop that runs them.
+// The GEMMs' units of work: the expert GEMM's (one output tile of one expert's rows, TileTask) and the weight
+// gradient's (one output tile of one expert's gradient, K = its rows, GradTileTask), shared by the producer
+// side (load_tile), the consumer side (compute_tile, the epilogues) and every persistent loop that runs them.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +22,27 @@ struct TileTask {
   template <int kClusterN>
   __device__ __forceinline__ TileTask for_cta(int cta_rank) const {
     TileTask t = *this;
+    t.n_block = n_block * kClusterN + cta_rank;
+    return t;
+  }
+};
+
+// One weight-gradient output tile, as the producer decodes it from a slot and the task ring carries it to the
+// consumers.
+struct GradTileTask {
+  int32_t expert;     // -1: no task (the slot lies past the last one)
+  int32_t m_block;    // gradient rows [m_block * kBlockM, + kBlockM) of the expert
+  int32_t n_block;    // gradient columns [n_block * kBlockN, + kBlockN)
+  int32_t row_begin;  // first schedule row of the expert's segment (the K offset)
+  int32_t k_blocks;   // kBlockK-row k-blocks of the segment; 0: the expert has no rows
+
+  // When a cluster of kClusterN CTAs runs one task (the backward megakernel's, in clusters of the expert
+  // GEMM's): n_block is the cluster's group of n-blocks; CTA cta_rank computes n-block kClusterN * n_block +
+  // cta_rank, of the same expert, m-block and rows (so both CTAs run the same k-blocks: see
+  // WeightGradTraitsInGemmLayout).
+  template <int kClusterN>
+  __device__ __forceinline__ GradTileTask for_cta(int cta_rank) const {
+    GradTileTask t = *this;
     t.n_block = n_block * kClusterN + cta_rank;
     return t;
   }

@@ -4,39 +4,23 @@
 //   a bf16 [rows, m], b bf16 [rows, n] row-major. In GEMM terms A = aᵀ (m x K) and B = bᵀ (n x K), both
 //   MN-major (the m or n index is contiguous), and K = the segment [row_offsets[e], min(row_offsets[e+1],
 //   scheduled_rows)) in whole k-blocks of kBlockK rows (segments are padded to 64 or 128 rows). fp32
-//   accumulation.
+//   accumulation (mainloop.cuh's collective with Bf16Mainloop<kMN, kMN>).
 //   kOutput: bf16 or fp32 written (rounded once from the accumulator), or fp32 added (out += grad_e).
+// A task is one output tile (GradTileTask: expert, m-block of 128 gradient rows, n-block of kBlockN columns;
+// order and slots: task_walker.cuh, TaskWalker<kKGrouped>); the standalone kernel is gemm_kernel.cuh's.
 //
-// A task is one output tile: (expert, m-block of kBlockM gradient rows, n-block of kBlockN columns). Every
-// expert has num_m_blocks * num_n_blocks tasks, an expert without rows too (it writes zeros, or adds
-// nothing). Slots come from an atomic ticket in order expert by expert (an expert's a and b rows, a few MB,
-// stay in L2 while its tiles run), n-blocks fastest.
-//
-// Roles (one CTA = 1 producer warpgroup + 2 consumer warpgroups; no cluster here, the backward megakernel's
-// clusters: weight_grad_in_gemm_layout.cuh):
-//   producer   one thread takes slots (TaskRing), decodes them (GradTaskWalker) and publishes the task to
-//              the consumers, then per k-block issues the TMA loads of the stage: kBlockM/64 boxes of a
-//              (kBlockK rows x 64 m-columns) and kBlockN/64 boxes of b, straight from the row-major buffers
-//              into MN-major 128B-swizzled layouts (Layout_MN_SW128_Atom: a box is kBlockK rows of 128 bytes).
-//              It runs ahead into the next tiles' k-blocks, as far as the stages allow, while the
-//              consumers write the previous tile.
-//   consumers  warpgroup w owns gradient rows [64w, 64w + 64) of the tile: wgmma 64 x kBlockN x 16 with
-//              both operands MN-major from shared memory (transposed bf16 operands), fp32 accumulators in
-//              registers, one batch in flight. Then the epilogue, below.
+// Loads: per k-block, kBlockM/64 boxes of a (kBlockK rows x 64 m-columns) and kBlockN/64 boxes of b, straight
+// from the row-major buffers into MN-major 128B-swizzled stages (a box is kBlockK rows of 128 bytes); wgmma
+// reads both operands transposed. Consumer warpgroup w owns gradient rows [64w, 64w + 64) of the tile.
 //
 // Epilogue: registers -> shared-memory boxes (64 rows x 128 bytes, the TMA's 128-byte swizzle) -> TMA
-// stores, or TMA reduce-adds for kAccumulateFloat32. Why through shared memory: with K of a few hundred
-// rows a tile's fp32 output (128 KB) costs as much time as its mainloop, so it must drain while the next
-// tile computes. The tile is staged in passes of kStagingColumns columns: the standalone kernel stages the
-// whole tile in one pass, its warpgroup's first thread issues the stores and goes on, and only the next
-// tile's epilogue waits until they have read the boxes. The backward megakernel's configuration
-// (weight_grad_in_gemm_layout.cuh) has only the expert GEMM's 16 KB per warpgroup: 2 passes (bf16) or 4
-// (fp32), each pass first waiting until the previous pass's stores have read the boxes (as the expert
-// GEMM's TileStager). Stores from registers would keep the warpgroup (and the tensor cores) waiting until
-// the memory system took every value. The
-// fragment-order writes are conflict-free: a warp's bf16x2 writes fill one 128-byte wavefront, its
-// float2 writes two (8 rows x 4 lanes; the swizzle spreads the 8 rows over all banks). Each box row is one
-// full 128-byte line of the output.
+// stores, or TMA reduce-adds for kAccumulateFloat32, through the GEMMs' TileStager (gemm_epilogue.cuh). Why
+// through shared memory: with K of a few hundred rows a tile's fp32 output (128 KB) costs as much time as its
+// mainloop, so it must drain while the next tile computes. The standalone kernel stages the whole tile in one
+// pass and only the next tile's epilogue waits until the stores have read the boxes; the megakernel's
+// configuration (WeightGradTraitsInGemmLayout) stages in 2 (bf16) or 4 (fp32) passes through 16 KB per
+// warpgroup. The fragment-order writes are conflict-free: a warp's bf16x2 writes fill one 128-byte wavefront,
+// its float2 writes two (8 rows x 4 lanes; the swizzle spreads the 8 rows over all banks).
 // kAccumulateFloat32 uses the TMA's reduce-add (cp.reduce.async.bulk.tensor .add): the L2 reads each fp32
 // value, adds the tile's value once and writes it back. One CTA owns each tile and each element gets
 // exactly one addition per call, so the result is out + grad_e rounded once, whichever CTA ran it and
@@ -52,24 +36,18 @@
 // warpgroup's 64 rows lie on one side of it; a tile that straddles the split writes its upper half to
 // `out` and its lower half to `out_split`.
 //
-// The unit of work is a GradTileTask: load_grad_tile() on the producer side and compute_grad_tile() on
-// the consumer side, each advancing a pipeline state that persists across tasks, so a persistent loop
-// (weight_grad_gemm_kernel below, the backward megakernel) can interleave them with other work. They take
-// only the pipeline object, not its cluster shape: the megakernel runs them on the expert GEMM's pipeline
-// and shared memory (weight_grad_in_gemm_layout.cuh: the configuration, the cluster argument, AnyWeightGradParams).
-//
 // Shared memory (kBlockM 128, kBlockN 256): stages of A (kBlockK x 256 bytes) and B (kBlockK x 512 bytes)
-// | staging, one pass of boxes per consumer warpgroup (the standalone kernel: kBlockN columns, bf16 32 KB,
-// fp32 64 KB) | pipeline barriers | task ring. bf16: 3 stages of 64 rows + 64 KB = 208 KB; fp32: 4 stages of
-// 32 rows + 128 KB = 224 KB (src/host/weight_grad_params.h says why).
-// Sync (docs/sync_protocol.md, "the weight-gradient GEMM"): PipelineTmaAsync full/empty per stage; the
-// task ring; per warpgroup a named barrier around each pass's staging writes and
-// cp.async.bulk.wait_group.read before the boxes are written again (next pass or tile). Every mbarrier wait is
-// bounded and reports a timeout in the status word, as the expert GEMM's (StandaloneWaits).
+// | staging, one pass of boxes per consumer warpgroup | pipeline barriers | task ring. bf16: 3 stages of 64
+// rows + 64 KB = 208 KB; fp32: 4 stages of 32 rows + 128 KB = 224 KB (src/host/weight_grad_params.h says why).
+// Sync (docs/sync_protocol.md, "the weight-gradient GEMM"): as the expert GEMM's, plus per warpgroup a named
+// barrier around each pass's staging writes and cp.async.bulk.wait_group.read before the boxes are written
+// again (next pass or tile). Every wait is bounded and reports a timeout in the status word.
 // Determinism: each output element is one fixed-order K reduction (ascending rows) by one thread of one
 // CTA; no value atomics; the result does not depend on which CTA takes which slot.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -77,36 +55,17 @@
 #include <cuda_bf16.h>
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "mok/weight_grad_gemm.h"
 #include "src/device/common/sync.cuh"
-#include "src/device/gemm/expert_gemm.cuh"
 #include "src/device/gemm/gemm_epilogue.cuh"
+#include "src/device/gemm/mainloop.cuh"
 #include "src/device/gemm/task_ring.cuh"
+#include "src/device/gemm/task_walker.cuh"
+#include "src/device/gemm/tile_task.cuh"
 
 namespace mok::gemm {
-
-// One output tile, as the producer decodes it from a slot and the task ring carries it to the consumers.
-struct GradTileTask {
-  int32_t expert;     // -1: no task (the slot lies past the last one)
-  int32_t m_block;    // gradient rows [m_block * kBlockM, + kBlockM) of the expert
-  int32_t n_block;    // gradient columns [n_block * kBlockN, + kBlockN)
-  int32_t row_begin;  // first schedule row of the expert's segment (the K offset)
-  int32_t k_blocks;   // kBlockK-row k-blocks of the segment; 0: the expert has no rows
-
-  // When a cluster of kClusterN CTAs runs one task (the backward megakernel's, in clusters of the expert
-  // GEMM's): n_block is the cluster's group of n-blocks; CTA cta_rank computes n-block kClusterN * n_block +
-  // cta_rank, of the same expert, m-block and rows (so both CTAs run the same k-blocks: see
-  // weight_grad_in_gemm_layout.cuh).
-  template <int kClusterN>
-  __device__ __forceinline__ GradTileTask for_cta(int cta_rank) const {
-    GradTileTask t = *this;
-    t.n_block = n_block * kClusterN + cta_rank;
-    return t;
-  }
-};
 
 // Kernel parameters; the TMA copies are built on the host (src/host/weight_grad_params.h).
 template <class TmaLoad, class TmaStore>
@@ -128,56 +87,36 @@ struct WeightGradParams {
   int32_t* ticket = {};     // zeroed before the launch; each CTA takes its next slot from it
 };
 
-// kStagingColumns_: output columns staged per epilogue pass (kBlockN: the whole tile in one pass).
+struct GradEpilogue;  // below: the traits name it
+
+// kStagingColumns_: output columns staged per epilogue pass (kBlockN: the whole tile in one pass). Operands:
+// both MN-major bf16 (mainloop.cuh, Bf16Mainloop<kMN, kMN>), 128 gradient rows a tile.
 template <GradOutput kOutput_, int kBlockN_, int kBlockK_, int kStages_, int kStagingColumns_ = kBlockN_>
-struct WeightGradTraits {
-  using Element = cutlass::bfloat16_t;
+struct WeightGradTraits
+    : CollectiveMainloop<Bf16Mainloop<OperandMajor::kMN, OperandMajor::kMN>, 128, kBlockN_, kBlockK_, kStages_> {
+  using Collective =
+      CollectiveMainloop<Bf16Mainloop<OperandMajor::kMN, OperandMajor::kMN>, 128, kBlockN_, kBlockK_, kStages_>;
+  using typename Collective::Element;
+  using Collective::kBlockM;  // gradient rows per tile: 64 per consumer warpgroup
+  using Collective::kBlockN;  // gradient columns per tile (wgmma N)
+  using Collective::kBlockK;  // schedule rows per k-block (one pipeline stage)
+  using Collective::kConsumerWarpgroups;
   static constexpr GradOutput kOutput = kOutput_;
   using OutElement = std::conditional_t<kOutput == GradOutput::kBFloat16, cutlass::bfloat16_t, float>;
-  static constexpr int kBlockM = 128;       // gradient rows per tile: 64 per consumer warpgroup
-  static constexpr int kBlockN = kBlockN_;  // gradient columns per tile (wgmma N)
-  static constexpr int kBlockK = kBlockK_;  // schedule rows per k-block (one pipeline stage)
-  static constexpr int kStages = kStages_;
-  static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N, and whole 64-column load boxes");
-  static_assert(kBlockK % 16 == 0 && 64 % kBlockK == 0, "wgmma K steps; segments (multiples of 64) are whole k-blocks");
+  static_assert(kBlockN % 64 == 0, "whole 64-column load boxes");
+  static_assert(64 % kBlockK == 0, "segments (multiples of 64) are whole k-blocks");
   // A load box: 64 m- (or n-) columns = one 128-byte swizzle row of bf16, by kBlockK schedule rows.
   static constexpr int kBoxColumns = 64;
   static constexpr int kBoxesA = kBlockM / kBoxColumns;
   static constexpr int kBoxesB = kBlockN / kBoxColumns;
-  static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static_assert(kConsumerWarpgroups == kBoxesA, "consumer warpgroup w computes the rows of A box w");
   static constexpr int kClusterN = 1;  // for start_pipeline: no multicast, the CTA is its own cluster
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-  // As in GemmTraits: setmaxnreg moves registers within the CTA's launch share, no more.
-  static constexpr int kProducerRegisters = 48;
-  static constexpr int kConsumerRegisters = 224;
-  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
-                "setmaxnreg redistributes the CTA's launch registers, no more");
 
-  // MN-major stages, atoms tiled along K first (CUTLASS's order for MN-major operands): each 64-column box
-  // of a stage is 64 x kBlockK contiguous (kBlockK rows of 128 bytes), which one TMA box fills.
-  using SmemAtom = decltype(cute::GMMA::Layout_MN_SW128_Atom<Element>{});
-  using SmemLayoutA = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::make_shape(cute::Int<kBlockM>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{}),
-      cute::Step<cute::_2, cute::_1, cute::_3>{}));
-  using SmemLayoutB = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::make_shape(cute::Int<kBlockN>{}, cute::Int<kBlockK>{}, cute::Int<kStages>{}),
-      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  // Each 64-column box of an MN-major stage is 64 x kBlockK contiguous (kBlockK rows of 128 bytes), which one
+  // TMA box fills.
   using SmemLayoutLoadBox = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::make_shape(cute::Int<kBoxColumns>{}, cute::Int<kBlockK>{})));
-
-  using TiledMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>,
-                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
-      cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
-
-  static constexpr int kTaskDepth = 4;  // tasks the producer may publish ahead of its consumers
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineState = cutlass::PipelineState<kStages>;
-  static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
+      typename Collective::Operands::SmemAtomMN{}, cute::make_shape(cute::Int<kBoxColumns>{}, cute::Int<kBlockK>{})));
 
   // Staging: per consumer warpgroup its 64 rows x kStagingColumns columns of one pass (kStagingPasses a
   // tile), as store boxes of 64 rows x 128 bytes (bf16: 64 columns, fp32: 32) in the TMA's 128-byte swizzle.
@@ -209,59 +148,23 @@ struct WeightGradTraits {
       SmemLayoutStoreBox{}));
   using Params = WeightGradParams<TmaLoad, TmaStore>;
 
-  struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>> a;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>> b;
-    // 1024-byte aligned boxes: the swizzle pattern is a function of the address bits [4, 10).
-    alignas(1024) uint8_t staging[kConsumerWarpgroups][kStoreBoxes][kStoreBoxBytes];
-    typename Pipeline::SharedStorage pipeline;
-    TaskRing<kTaskDepth, 4 * kConsumerWarpgroups, 1, GradTileTask> tasks;
-  };
+  // The tiles' bytes (in the megakernel's configuration, WeightGradTraitsInGemmLayout, the expert GEMM's
+  // TileStorage: the same type) and the standalone kernel's, with its task ring.
+  using TileStorage = typename Collective::template Storage<kStoreBoxes>;
+  using Walker = TaskWalker<TaskMode::kKGrouped, WeightGradTraits>;  // the standalone kernel's tasks
+  using Epilogue = GradEpilogue;
+  using SharedStorage = typename Collective::template Storage<
+      kStoreBoxes, TaskRing<Collective::kTaskDepth, 4 * kConsumerWarpgroups, 1, GradTileTask>>;
+  static_assert(TileStorage::kStagingBoxBytes == kStoreBoxBytes, "the storage's staging boxes are the store boxes");
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
-
-  // Named barriers (CUTLASS ids, offset past the reserved ones) around consumer warpgroup w's staging:
-  // kStagingBarrier + w, the ids the expert GEMM's epilogue (TileStager: 1 + w) uses for the same 128
-  // threads, so the two kinds of tile can share one kernel without a barrier of their own.
-  static constexpr int kStagingBarrier = 1;
-};
-
-// Slot -> task, for one thread that visits increasing slots (the producer): the expert's K range is read
-// once per expert, not per tile.
-template <class Traits>
-struct GradTaskWalker {
-  int32_t expert = -1;
-  int32_t row_begin = 0;
-  int32_t k_blocks = 0;
-  int32_t scheduled_rows = -1;  // read at the first task; 0 after a capacity overflow: every expert empty
-
-  // The task of `slot`; false (and expert -1) when the slot lies past the last task.
-  template <class Params>
-  __device__ __forceinline__ bool task_at(const Params& p, int32_t slot, GradTileTask& t) {
-    if (slot >= p.num_tasks) {
-      t = GradTileTask{-1, 0, 0, 0, 0};
-      return false;
-    }
-    const int32_t tiles = p.num_m_blocks * p.num_n_blocks;
-    const int32_t e = slot / tiles;
-    if (e != expert) {
-      if (scheduled_rows < 0) scheduled_rows = *p.scheduled_rows;
-      const int32_t begin = min(p.expert_row_offsets[e], scheduled_rows);
-      const int32_t end = min(p.expert_row_offsets[e + 1], scheduled_rows);
-      expert = e;
-      row_begin = begin;
-      k_blocks = max(end - begin, 0) / Traits::kBlockK;  // segments are whole k-blocks (padded to 64 or 128 rows)
-    }
-    const int32_t local = slot - e * tiles;
-    t = GradTileTask{e, local / p.num_n_blocks, local % p.num_n_blocks, row_begin, k_blocks};
-    return true;
-  }
 };
 
 // Producer side of one tile: its k-blocks through the pipeline, each stage the A boxes then the B boxes.
 // One thread calls this. False when a stage acquire gave up (`bound`): the rest of the tile is not issued.
-template <class Traits, class Params>
-__device__ __forceinline__ bool load_grad_tile(const Params& p, const GradTileTask& task,
-                                               typename Traits::SharedStorage& smem, typename Traits::Pipeline& pipeline,
+// (cta_rank: unused, no multicast; the expert GEMM's load_tile signature.)
+template <class Traits, class Params, class Storage>
+__device__ __forceinline__ bool load_tile(const Params& p, const GradTileTask& task, int /*cta_rank*/, Storage& smem,
+                                          typename Traits::Pipeline& pipeline,
                                                typename Traits::PipelineState& state,
                                                const device::HandoffBound& bound) {
   using namespace cute;
@@ -301,9 +204,9 @@ __device__ __forceinline__ bool load_grad_tile(const Params& p, const GradTileTa
 
 // Stores (or reduce-adds) consumer warpgroup `warpgroup`'s staged boxes of pass kPass to `tma`'s tensor of
 // `out_rows` rows, from row `row` on, skipping the boxes past n. Called by the warpgroup's first thread.
-template <class Traits, int kPass, class Params, class Tma>
+template <class Traits, int kPass, class Params, class Tma, class Storage>
 __device__ __forceinline__ void store_staged_rows(const Params& p, const Tma& tma, int64_t out_rows, int64_t row,
-                                                  int n_block, typename Traits::SharedStorage& smem, int warpgroup) {
+                                                  int n_block, Storage& smem, int warpgroup) {
   using namespace cute;
   using T = Traits;
   using OutElement = typename T::OutElement;
@@ -363,203 +266,124 @@ __device__ __forceinline__ void write_staging(const Accum& accum, int pass, uint
 // them, store_leader thread 0): its columns [kPass * kStagingColumns, + kStagingColumns) of the tile
 // through the staging boxes to the output (first_row: the warpgroup's first gradient row). A pass whose
 // columns all lie past n (a partial last n-block) is skipped: warpgroup-uniform, as p.n and the task are.
-// signal: see compute_grad_tile.
-template <class Traits, int kPass, class Params, class Accum>
+// signal: see compute_tile.
+template <class Traits, int kPass, class Params, class Accum, class Stager>
 __device__ __forceinline__ void store_grad_pass(const Params& p, const GradTileTask& task, const Accum& accum,
-                                                typename Traits::SharedStorage& smem, int warpgroup, int first_row,
-                                                int thread, bool store_leader, RowsDoneSignal* signal) {
-  using namespace cute;
+                                                const Stager& stager, int first_row, int thread) {
   using T = Traits;
   if constexpr (kPass > 0) {
     if (task.n_block * T::kBlockN + kPass * T::kStagingColumns >= p.n) return;
   }
-  // Why the wait: the previous pass's (or tile's) stores read the boxes we overwrite now; the barrier tells
-  // the whole warpgroup. A previous expert GEMM tile's late count goes out here (its stores are written by
-  // now; flush() waits for them).
-  if (store_leader) {
-    if (kPass == 0 && signal != nullptr && signal->pending != nullptr)
-      signal->flush();
-    else
-      tma_store_wait<0>();
-  }
-  cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
-  write_staging<T>(accum, kPass, smem.staging[warpgroup], thread);
-  // Why: the TMA (async proxy) reads what these threads wrote; fence, then wait for the whole warpgroup.
-  tma_store_fence();
-  cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
-  if (store_leader) {
+  // A previous expert GEMM tile's late count goes out at the first pass (its stores are written by now).
+  stager.begin_pass(kPass == 0);
+  write_staging<T>(accum, kPass, stager.smem.staging[stager.warpgroup], thread);
+  stager.end_pass_with([&] {
     const int64_t expert = task.expert;
     if (first_row < p.m_split)
       store_staged_rows<T, kPass>(p, p.tma_out, int64_t(p.local_experts) * p.m_split,
-                                  expert * p.m_split + first_row, task.n_block, smem, warpgroup);
+                                  expert * p.m_split + first_row, task.n_block, stager.smem, stager.warpgroup);
     else
       store_staged_rows<T, kPass>(p, p.tma_out_split, int64_t(p.local_experts) * (p.m - p.m_split),
-                                  expert * (p.m - p.m_split) + (first_row - p.m_split), task.n_block, smem,
-                                  warpgroup);
-    tma_store_arrive();
-  }
+                                  expert * (p.m - p.m_split) + (first_row - p.m_split), task.n_block, stager.smem,
+                                  stager.warpgroup);
+  });
 }
 
-// Consumer side of one tile: mainloop over the expert's k-blocks, then the epilogue. All consumer threads
-// call this; consumer_idx is the thread's index among the consumer warpgroups. Branches around wgmma are
-// on values broadcast with __shfl_sync (ptxas serializes every wgmma of the kernel, warning C7518, unless
-// it sees them warp-uniform).
-// signal (nullable; the megakernel's, the calling thread's own): the late completion count an expert GEMM
-// tile of this warpgroup left pending (RowsDoneSignal). It goes out before this tile blocks on its first
-// stage (whoever we wait for may wait for that count: not adding it could deadlock) or at the epilogue.
-template <class Traits, class Params>
-__device__ __forceinline__ void compute_grad_tile(const Params& p, const GradTileTask& task,
-                                                  typename Traits::SharedStorage& smem,
-                                                  typename Traits::Pipeline& pipeline,
-                                                  typename Traits::PipelineState& read_state, int consumer_idx,
-                                                  const device::HandoffBound& bound,
-                                                  RowsDoneSignal* signal = nullptr) {
-  using namespace cute;
-  using T = Traits;
-  typename T::TiledMma mma;
-  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
-  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-  auto thread_mma = mma.get_thread_slice(consumer_idx);
-  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
-  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
-  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
-  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
-  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
-
-  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  const int k_blocks = __shfl_sync(0xffffffff, task.k_blocks, 0);
-  const int first_row = __shfl_sync(0xffffffff, task.m_block, 0) * T::kBlockM + warpgroup * 64;  // of the gradient
-  const bool store_leader = consumer_idx % 128 == 0;
-  if (signal != nullptr && store_leader && signal->pending != nullptr && k_blocks > 0 &&
-      pipeline.consumer_try_wait(read_state) == cutlass::BarrierStatus::WaitAgain)
-    signal->flush();  // about to block on the first stage
-  if (first_row >= p.m) {
-    // Rows past m (a partial last m-block): the other warpgroup computes the tile alone.
-    for (int k_block = 0; k_block < k_blocks; ++k_block) {
-      consumer_wait_bounded(pipeline, read_state, bound);
-      pipeline.consumer_release(read_state);
-      ++read_state;
+// The weight gradient's epilogue policy (gemm_epilogue.cuh's interface), every output mode: pass by pass
+// (kStagingPasses; the standalone kernel's one pass is the whole tile) through the TileStager. Each pass index
+// is a compile-time constant: with one pass this compiles to the SASS of an epilogue without passes (a run-time
+// pass index, even a constant one after inlining, moved the store leader's column arithmetic out of the uniform
+// registers). rows_done: unused (a weight-gradient tile signals nothing; the megakernel passes null).
+struct GradEpilogue : NoPrefetch {
+  template <class T, class Params, class Tile, class Accum, class Mma, class Storage>
+  __device__ __forceinline__ static void finish(const Params& p, const GradTileTask& task, const Tile& tile,
+                                                const Accum& accum, Mma&, Storage& smem, int warpgroup,
+                                                int consumer_idx, bool store_leader, uint64_t*,
+                                                RowsDoneSignal* signal) {
+    if constexpr (T::kOutput == GradOutput::kAccumulateFloat32) {
+      if (tile.num_k_blocks == 0) return;  // no rows: adds nothing, out stays as it is
     }
-    return;
+    const TileStager<T, Storage> stager{smem, warpgroup, store_leader, signal, 0};
+    [&]<int... kPass>(std::integer_sequence<int, kPass...>) {
+      (store_grad_pass<T, kPass>(p, task, accum, stager, tile.first_row, consumer_idx % 128), ...);
+    }(std::make_integer_sequence<int, T::kStagingPasses>{});
   }
+};
 
-  // Mainloop: one wgmma batch (one stage) in flight; a stage is released once the batch after it issued
-  // and the batch that read it retired. The accumulators start at zero and every wgmma adds to them: an
-  // expert without rows gets a zero tile (the alternative, the first wgmma overwriting and a zero fill on
-  // the no-rows path, made ptxas spill the 168 registers the kernel has at launch).
-  typename T::PipelineState release_state = read_state;
-  clear(accum);
-  mma.accumulate_ = GMMA::ScaleOut::One;
-  for (int k_block = 0; k_block < k_blocks; ++k_block) {
-    consumer_wait_bounded(pipeline, read_state, bound);
-    const int stage = read_state.index();
-    warpgroup_fence_operand(accum);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(t_r_a); ++k) cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(accum);
-    if (k_block > 0) {
-      pipeline.consumer_release(release_state);
-      ++release_state;
-    }
-    ++read_state;
-  }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(accum);
-  if (k_blocks > 0) {
-    pipeline.consumer_release(release_state);
-    ++release_state;
-  } else if constexpr (T::kOutput == GradOutput::kAccumulateFloat32) {
-    return;  // no rows: adds nothing, out stays as it is
-  }
+// The backward megakernel's configuration (its tiles run beside the expert GEMM's on one pipeline): kBlockK 64
+// and 4 stages, so a stage is byte for byte the expert GEMM's (48 KB of transaction bytes; each kind of tile
+// lays out the stage it loads), and 2 staging boxes per warpgroup: its TileStorage is the expert GEMM's type.
+// The staging barrier (kStagingBarrier + w) and the store leader (thread 0 of the warpgroup) are the expert
+// GEMM's too; bulk async-groups are per thread, so each kind's first wait before it writes the boxes covers the
+// stores the other kind left in flight.
+// Clusters of 2 (the megakernel's, for its expert GEMM tiles' multicast A): both CTAs get the same task, with
+// n-blocks 2g and 2g + 1 (GradTileTask::for_cta), and load their own A and B without multicast, with the same
+// 48 KB of transaction bytes as a GEMM stage. A release that reaches the partner's empty barrier for a stage it
+// never read is only conservative, and the arrival counts match because both CTAs consume the same stage
+// sequence in lockstep (same tasks, same k-blocks). An n-block 2g + 1 past n still runs its k-blocks and stores
+// nothing; a warpgroup whose rows lie past m passes its stages back, in both CTAs alike.
+constexpr int grad_output_bytes(GradOutput output) { return output == GradOutput::kBFloat16 ? 2 : 4; }
+inline constexpr int kGemmLayoutStagingBoxes = 2;  // the expert GEMM's GemmTraits::kStagingBoxes
+template <GradOutput kOutput>
+using WeightGradTraitsInGemmLayout =
+    WeightGradTraits<kOutput, 256, 64, 4, kGemmLayoutStagingBoxes * 128 / grad_output_bytes(kOutput)>;
 
-  // Epilogue, pass by pass (kStagingPasses; the standalone kernel's one pass is the whole tile). Each pass
-  // index is a compile-time constant: with one pass this compiles to the SASS of an epilogue without passes
-  // (a run-time pass index, even a constant one after inlining, moved the store leader's column arithmetic
-  // out of the uniform registers).
-  [&]<int... kPass>(std::integer_sequence<int, kPass...>) {
-    (store_grad_pass<T, kPass>(p, task, accum, smem, warpgroup, first_row, consumer_idx % 128, store_leader, signal),
-     ...);
-  }(std::make_integer_sequence<int, T::kStagingPasses>{});
+// A megakernel task as the tile of (expert, m_block, n_block) over `rows` rows of the expert's segment from
+// row `row_begin` of a and b (a multiple of 64, the segment padding: whole k-blocks). With a cluster,
+// n_block is the cluster's group; then take .for_cta<kClusterN>(cta_rank).
+template <class Traits>
+__device__ __forceinline__ GradTileTask grad_tile_task(int32_t expert, int32_t m_block, int32_t n_block,
+                                                       int32_t row_begin, int32_t rows) {
+  static_assert(64 % Traits::kBlockK == 0, "segments of 64-row multiples are whole k-blocks");
+  return GradTileTask{expert, m_block, n_block, row_begin, rows / Traits::kBlockK};
 }
 
-enum class WeightGradRole : int { kProducer = 0, kConsumer = 1 };
+template <class Traits>
+struct TraitsTag {
+  using type = Traits;
+};
 
-// Producer thread of the standalone kernel: slots from the ticket until one lies past the last task (it
-// publishes that one too, so the consumers stop). Once the rank's abort word is set the slot is kStopSlot (past
-// every task: a failed step does no more work), and a hand-off that gave up ends the loop (its consumers' waits
-// give up too: kAbortHandoff).
-template <class Traits, class Params>
-__device__ __forceinline__ void run_grad_producer(const Params& p, const StandaloneWaits& waits,
-                                                  typename Traits::SharedStorage& smem,
-                                                  typename Traits::Pipeline& pipeline) {
-  auto state = cutlass::make_producer_start_state<typename Traits::Pipeline>();
-  GradTaskWalker<Traits> walker;
-  int32_t next_slot = smem.tasks.claim(p.ticket, waits.bound);  // one CTA per cluster: no mail
-  for (int k = 0;; ++k) {
-    GradTileTask task;
-    const bool more = walker.task_at(p, next_slot, task);  // kStopSlot: expert -1
-    if (!smem.tasks.publish(k, task, waits.bound) || !more) break;
-    // The next slot's atomic goes out before this tile's loads: its latency hides behind them (the thread
-    // waits for the value only at the next task_at).
-    next_slot = smem.tasks.claim(p.ticket, waits.bound);
-#if defined(MOK_TEST_ENTRIES)
-    if (waits.stall_producer) {  // no tail: see stall_stage
-      stall_stage(pipeline, state, waits.bound);
-      return;
-    }
-#endif
-    if (!load_grad_tile<Traits>(p, task, smem, pipeline, state, waits.bound)) break;
+// One weight-gradient GEMM's kernel parameters in the megakernel's configuration, its output mode a run-time
+// value: the mode's WeightGradParams in `storage`. Built on the host by detail::make_any_weight_grad_params
+// (src/host/weight_grad_params.h); read in a kernel through visit_weight_grad. A kernel parameter: the TMA
+// descriptors need 64-byte alignment in parameter space (CUtensorMap declares 128 with CUDA 13), hence the
+// storage's alignment, the largest of the three.
+struct AnyWeightGradParams {
+  template <GradOutput kOutput>
+  using ParamsOf = typename WeightGradTraitsInGemmLayout<kOutput>::Params;
+  static constexpr size_t kStorageBytes =
+      std::max({sizeof(ParamsOf<GradOutput::kBFloat16>), sizeof(ParamsOf<GradOutput::kFloat32>),
+                sizeof(ParamsOf<GradOutput::kAccumulateFloat32>)});
+  static constexpr size_t kStorageAlignment =
+      std::max({alignof(ParamsOf<GradOutput::kBFloat16>), alignof(ParamsOf<GradOutput::kFloat32>),
+                alignof(ParamsOf<GradOutput::kAccumulateFloat32>), size_t(64)});
+
+  GradOutput output = GradOutput::kBFloat16;
+  alignas(kStorageAlignment) unsigned char storage[kStorageBytes] = {};
+
+  template <GradOutput kOutput>
+  CUTE_HOST_DEVICE const ParamsOf<kOutput>& params() const {
+    static_assert(std::is_trivially_copyable_v<ParamsOf<kOutput>>, "copied into the storage as bytes");
+    return *reinterpret_cast<const ParamsOf<kOutput>*>(storage);
   }
-  // Why: the CTA must not exit while its consumers still read (and release) the last stages.
-  producer_tail_bounded(pipeline, state, waits.bound);
-}
+};
+static_assert(std::is_trivially_copyable_v<AnyWeightGradParams>, "a kernel parameter");
 
-// Consumer threads of the standalone kernel: the published tiles until "no task", or until a task-ring wait gave
-// up (the warpgroup's four warps agree first, as the megakernel's consumers do).
-template <class Traits, class Params>
-__device__ __forceinline__ void run_grad_consumers(const Params& p, const device::HandoffBound& bound,
-                                                   typename Traits::SharedStorage& smem,
-                                                   typename Traits::Pipeline& pipeline, int consumer_idx) {
-  typename Traits::PipelineState state;
-  // The warpgroup's hardware barrier: the one its epilogue syncs (kStagingBarrier + warpgroup), the same 128
-  // threads.
-  const int consumer_barrier = int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) +
-                               Traits::kStagingBarrier + __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  for (int k = 0;; ++k) {
-    GradTileTask task;
-    const bool arrived = smem.tasks.consume(k, task, bound);  // warp-uniform
-    // Why: a hand-off that gave up leaves the warpgroup's warps free to disagree; they must leave together.
-    if (!device::named_barrier_all(arrived, consumer_barrier, 128)) break;
-    if (task.expert < 0) break;
-    compute_grad_tile<Traits>(p, task, smem, pipeline, state, consumer_idx, bound);
-  }
-  // Why: the shared memory must outlive the last TMA stores' reads of it.
-  if (consumer_idx % 128 == 0) cute::tma_store_wait<0>();
-}
-
-// Standalone persistent launcher: one CTA per SM, tasks from the ticket. Used by MoeWorkspace's stage-kernel
-// backward, the tests and the bench.
-template <class Traits, class Params>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
-    weight_grad_gemm_kernel(const __grid_constant__ Params p, const __grid_constant__ StandaloneWaits waits) {
-  using T = Traits;
-  extern __shared__ __align__(1024) char shared_raw[];
-  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(shared_raw);
-  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 128, 0);  // uniform: see compute_grad_tile
-  const WeightGradRole role = warpgroup == 0 ? WeightGradRole::kProducer : WeightGradRole::kConsumer;
-  typename T::Pipeline pipeline = start_pipeline<T>(smem, smem.tasks, role == WeightGradRole::kConsumer);
-  switch (role) {
-    case WeightGradRole::kProducer:
-      cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
-      if (threadIdx.x == 0) run_grad_producer<T>(p, waits, smem, pipeline);
-      break;
-    case WeightGradRole::kConsumer:
-      cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-      run_grad_consumers<T>(p, waits.bound, smem, pipeline, static_cast<int>(threadIdx.x) - 128);
-      break;
+// f(TraitsTag<T>{}, params) for the stored output mode, T = WeightGradTraitsInGemmLayout<mode> and params
+// its WeightGradParams; returns what f returns (the same type for every mode). For consumers the mode must
+// be warp-uniform (it is when `p` is a kernel parameter indexed by a warp-uniform value): the branch
+// surrounds the tile's wgmma (see compute_tile).
+template <class F>
+__device__ __forceinline__ decltype(auto) visit_weight_grad(const AnyWeightGradParams& p, F&& f) {
+  switch (p.output) {
+    case GradOutput::kBFloat16:
+      return f(TraitsTag<WeightGradTraitsInGemmLayout<GradOutput::kBFloat16>>{},
+               p.params<GradOutput::kBFloat16>());
+    case GradOutput::kFloat32:
+      return f(TraitsTag<WeightGradTraitsInGemmLayout<GradOutput::kFloat32>>{}, p.params<GradOutput::kFloat32>());
+    default:  // kAccumulateFloat32: make_any_weight_grad_params admits no other mode
+      return f(TraitsTag<WeightGradTraitsInGemmLayout<GradOutput::kAccumulateFloat32>>{},
+               p.params<GradOutput::kAccumulateFloat32>());
   }
 }
 

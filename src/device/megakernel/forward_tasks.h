@@ -29,7 +29,7 @@ enum Gemm : int8_t { kSharedGateUpGemm, kSharedDownGemm, kExpertGateUpGemm, kExp
 // traits: the kernel picks them by this.
 MOK_HOST_DEVICE constexpr bool is_gate_up(int gemm) { return gemm == kSharedGateUpGemm || gemm == kExpertGateUpGemm; }
 
-// The counter arrays of ForwardParams::counters, in kCounters order.
+// The counter arrays of ForwardParams::common.counters, in kCounters order.
 enum Counter : int8_t { kRowsArrived, kHiddenReady, kOutputReady, kRowsCombined, kSharedHiddenReady, kNumCounters };
 
 inline constexpr CounterDesc kCounters[kNumCounters] = {

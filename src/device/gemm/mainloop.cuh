@@ -1,0 +1,305 @@
+// The collective mainloop every GEMM tile runs (Hopper: TMA + wgmma, warp-specialized): the expert GEMM's
+// (expert_gemm.cuh: forward, dgrads, recompute) and the weight gradients' (weight_grad_gemm.cuh), standalone
+// (gemm_kernel.cuh) and inside the megakernels.
+//
+//   accum[64 rows of a warpgroup, kBlockN] = sum over the tile's k-blocks, ascending, of A[rows, k] · B[k, cols]
+//   fp32 accumulators in registers, one wgmma batch (one stage) in flight.
+//
+// What differs between the GEMMs is a policy, not a second mainloop (as CUTLASS's collective, which derives
+// both operand majors from its strides):
+//   operands     Bf16Mainloop<A major, B major>: element type and majorness (expert GEMM: A K-major, B either;
+//                weight gradient, K = tokens: both MN-major). FP8 (e4m3) will be another operand policy, both
+//                operands K-major, its block scales loaded with the stages and promoted per k-block below.
+//   tile shape   CollectiveMainloop<operands, kBlockM, kBlockN, kBlockK, kStages>.
+//   task mode    T::Walker (task_walker.cuh): a tile's k-blocks, its idle warpgroups, AccumulatorStart (the first
+//                wgmma overwrites, or zeroed accumulators to which every wgmma adds: not the same bits for a -0
+//                product, so both stay).
+//   epilogue     T::Epilogue (gemm_epilogue.cuh's interface). The producers' loads stay with their GEMM.
+// Shared memory (GemmSharedStorage, one type per tile shape and staging size whatever the operand majors or
+// epilogue, so every tile kind of a megakernel shares it without reinterpretation): A stages | B stages |
+// per consumer warpgroup kStagingBoxes boxes of 64 rows x 128 bytes (the TMA's 128-byte swizzle) | pipeline
+// barriers | the kernel's task hand-off. A stage is laid out by the tile that loads it.
+// Sync: PipelineTmaAsync full/empty mbarriers per stage (producer: acquire empty, arm transaction bytes;
+// consumers: wait full, release after the wgmma that read the stage retired); every wait bounded
+// (device::HandoffBound), a timeout reported in the status word (docs/sync_protocol.md).
+// Determinism: each output element is one thread's fixed-order K reduction; no atomics.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "mok/expert_gemm.h"
+#include "src/device/common/sync.cuh"
+#include "src/device/gemm/gemm_epilogue.cuh"
+
+namespace mok::gemm {
+
+// Operand policy: bf16 operands, A and B each K-major or MN-major.
+template <OperandMajor kAMajor_, OperandMajor kBMajor_>
+struct Bf16Mainloop {
+  using Element = cutlass::bfloat16_t;
+  static constexpr OperandMajor kAMajor = kAMajor_;
+  static constexpr OperandMajor kBMajor = kBMajor_;
+  static constexpr bool kBKMajor = kBMajor == OperandMajor::kK;
+  static constexpr cute::GMMA::Major gmma_major(OperandMajor major) {
+    return major == OperandMajor::kK ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
+  }
+  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});  // K-major operands, output boxes
+  // MN-major atoms are 64 m (or n) x 8 k (128 bytes of m per k); stacked along k first (CUTLASS's order for
+  // MN-major operands), so that each 64-column slice of a stage is one contiguous block of kBlockK rows of
+  // 128 bytes: one TMA box, and the wgmma descriptor's m- (n-) stride.
+  using SmemAtomMN = decltype(cute::GMMA::Layout_MN_SW128_Atom<Element>{});
+  // The stages of an operand of kRows m (or n) rows and kCols k columns (only the chosen major's layout is
+  // formed: the other's atom need not divide the shape).
+  template <OperandMajor kMajor, int kRows, int kCols, int kStages>
+  static constexpr auto stage_layout() {
+    const auto shape = cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{}, cute::Int<kStages>{});
+    if constexpr (kMajor == OperandMajor::kK)
+      return cute::tile_to_shape(SmemAtom{}, shape);
+    else
+      return cute::tile_to_shape(SmemAtomMN{}, shape, cute::Step<cute::_2, cute::_1, cute::_3>{});
+  }
+  template <OperandMajor kMajor, int kRows, int kCols, int kStages>
+  using StageLayout = decltype(stage_layout<kMajor, kRows, kCols, kStages>());
+};
+
+// A configuration whose A stages the producer's threads write with cp.async (row_gather.cuh) instead of TMA.
+template <class T>
+concept GathersRows = requires { requires T::kGatherRows; };
+
+// How a tile's accumulators start (see the header).
+enum class AccumulatorStart : int { kFirstWgmmaOverwrites = 0, kZeroed = 1 };
+
+// The kernel's task hand-off when it keeps none beside the tiles' bytes (the megakernels keep theirs beside).
+struct NoTasks {};
+
+// A GEMM CTA's shared memory: one type for every tile kind of one shape and staging size, whatever its
+// operand majors or epilogue (no reinterpretation between tile kinds). Staging boxes are 64 rows x 128 bytes:
+// bf16 64 columns, fp32 32, in the TMA's 128-byte swizzle (1024-byte aligned: the swizzle is a function of the
+// address bits [4, 10)).
+template <class Element, int kBlockM, int kBlockN, int kBlockK, int kStages, int kStagingBoxes, class Tasks = NoTasks>
+struct GemmSharedStorage {
+  static constexpr int kStagingBoxBytes = 64 * 128;
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  // The same bytes without a task hand-off: the megakernels' tiles, beside their own task ring.
+  using Tiles = GemmSharedStorage<Element, kBlockM, kBlockN, kBlockK, kStages, kStagingBoxes>;
+
+  alignas(1024) cute::array_aligned<Element, kBlockM * kBlockK * kStages> a;
+  alignas(1024) cute::array_aligned<Element, kBlockN * kBlockK * kStages> b;
+  alignas(1024) uint8_t staging[kBlockM / 64][kStagingBoxes][kStagingBoxBytes];  // one pass of output columns
+  typename Pipeline::SharedStorage pipeline;
+  Tasks tasks;
+};
+
+// The collective: tile shape + operand policy -> stage layouts, the tiled wgmma, the pipeline, the register
+// budget and the shared memory. One consumer warpgroup per 64 rows of the tile, one producer warpgroup.
+template <class Operands_, int kBlockM_, int kBlockN_, int kBlockK_, int kStages_>
+struct CollectiveMainloop {
+  using Operands = Operands_;
+  using Element = typename Operands::Element;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;  // accumulator columns per tile (wgmma N)
+  static constexpr int kBlockK = kBlockK_;  // k per stage
+  static constexpr int kStages = kStages_;
+  static_assert(kBlockM == 64 || kBlockM == 128, "one consumer warpgroup per 64 rows");
+  static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N");
+  static_assert(kBlockK % 16 == 0 && kBlockK * sizeof(Element) <= 128, "wgmma K steps within one swizzle row");
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
+  // setmaxnreg only moves registers within what the CTA got at launch (65536 / kThreads, rounded down to
+  // 8, per thread): asking for more makes setmaxnreg.inc wait forever (a hang, seen with 48 / 232).
+  static constexpr int kProducerRegisters = 48;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 224 : 240;
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
+                "setmaxnreg redistributes the CTA's launch registers, no more");
+
+  using SmemLayoutA = typename Operands::template StageLayout<Operands::kAMajor, kBlockM, kBlockK, kStages>;
+  using SmemLayoutB = typename Operands::template StageLayout<Operands::kBMajor, kBlockN, kBlockK, kStages>;
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>,
+                                 Operands::gmma_major(Operands::kAMajor), Operands::gmma_major(Operands::kBMajor)>(),
+      cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
+
+  static constexpr int kTaskDepth = 4;  // tasks a producer may publish ahead of its consumers
+  // Named barrier (CUTLASS ids, offset past the reserved ones) of consumer warpgroup w's epilogue staging:
+  // kStagingBarrier + w, in every tile kind, so tiles of several kinds share one kernel without a barrier each.
+  static constexpr int kStagingBarrier = 1;
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+  static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
+
+  template <int kStagingBoxes, class Tasks = NoTasks>
+  using Storage = GemmSharedStorage<Element, kBlockM, kBlockN, kBlockK, kStages, kStagingBoxes, Tasks>;
+  static_assert(cute::cosize_v<SmemLayoutA> == kBlockM * kBlockK * kStages &&
+                    cute::cosize_v<SmemLayoutB> == kBlockN * kBlockK * kStages,
+                "GemmSharedStorage's stages hold the layouts exactly");
+};
+
+// Bounded pipeline waits (every GEMM kernel's: the megakernels' and the standalone ones'). The fast path is
+// CUTLASS's one try_wait; only a stage that is not ready yet polls the timer (docs/sync_protocol.md).
+// The producer's acquire returns false when it gave up (the caller stops issuing). The consumers' wait
+// goes on after a give-up as if the stage were full (garbage, in bounds): their control flow around wgmma
+// stays warp-uniform, and every later hand-off gives up at once (kAbortHandoff), so the kernel ends.
+// Waits until the consumers released `state`'s stage; false when the wait gave up.
+template <class Pipeline, class State>
+__device__ __forceinline__ bool stage_free_bounded(Pipeline& pipeline, const State& state,
+                                                   const device::HandoffBound& bound) {
+  const auto free = [&] { return pipeline.producer_try_acquire(state) == cutlass::BarrierStatus::WaitDone; };
+  return free() ||
+         device::handoff_wait_slow(free, bound, Role::kGemmProducer, CounterId::kPipelineEmpty, state.index());
+}
+
+template <class Pipeline, class State>
+__device__ __forceinline__ bool producer_acquire_bounded(Pipeline& pipeline, const State& state,
+                                                         const device::HandoffBound& bound) {
+  if (!stage_free_bounded(pipeline, state, bound)) return false;
+  pipeline.producer_acquire(state, cutlass::BarrierStatus::WaitDone);  // arms the transaction bytes; no wait left
+  return true;
+}
+
+// CUTLASS's producer_tail, bounded. Why: neither CTA may exit while its consumers, or the partner CTA's,
+// still release stages into it.
+template <class Pipeline, class State>
+__device__ __forceinline__ void producer_tail_bounded(Pipeline& pipeline, State state, const device::HandoffBound& bound) {
+  for (int stage = 0; stage < int(Pipeline::Stages); ++stage, ++state)
+    if (!stage_free_bounded(pipeline, state, bound)) return;
+}
+
+template <class Pipeline, class State>
+__device__ __forceinline__ void consumer_wait_bounded(Pipeline& pipeline, const State& state,
+                                                      const device::HandoffBound& bound) {
+  if (pipeline.consumer_try_wait(state) == cutlass::BarrierStatus::WaitDone) return;
+  device::handoff_wait_slow([&] { return pipeline.consumer_try_wait(state) == cutlass::BarrierStatus::WaitDone; },
+                            bound, Role::kGemmConsumer, CounterId::kPipelineFull, state.index());
+}
+
+// The stage hand-back of a consumer warpgroup whose rows are not part of the tile (a 64-row task, or rows
+// past m): the other warpgroup computes alone; this one waits for each stage and releases it at once.
+template <class Pipeline, class State>
+__device__ __forceinline__ void pass_stages_back(int num_k_blocks, Pipeline& pipeline, State& read_state,
+                                                 const device::HandoffBound& bound) {
+  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    consumer_wait_bounded(pipeline, read_state, bound);
+    pipeline.consumer_release(read_state);
+    ++read_state;
+  }
+}
+
+// The mainloop of an active consumer warpgroup: accum = its rows of A · B over num_k_blocks stages, one wgmma
+// batch in flight; a stage is released once the batch after it issued and the batch that read it retired.
+// (The FP8 seam: the per-k-block promotion of the wgmma partial sums with the block scales goes here.)
+template <class Collective, AccumulatorStart kStart, class Storage, class ThreadMma, class Accum>
+__device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typename Collective::Pipeline& pipeline,
+                                         typename Collective::PipelineState& read_state,
+                                         typename Collective::TiledMma& mma, const ThreadMma& thread_mma, Accum& accum,
+                                         const device::HandoffBound& bound) {
+  using namespace cute;
+  using C = Collective;
+  using Element = typename C::Element;
+  static_assert(sizeof(smem.a) == sizeof(Element) * cosize_v<typename C::SmemLayoutA> &&
+                    sizeof(smem.b) == sizeof(Element) * cosize_v<typename C::SmemLayoutB>,
+                "the tile's stages are the collective's");
+  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename C::SmemLayoutA{});
+  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename C::SmemLayoutB{});
+  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
+  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
+  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
+  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
+  typename C::PipelineState release_state = read_state;
+  if constexpr (kStart == AccumulatorStart::kZeroed) {
+    clear(accum);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  } else {
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+  }
+  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    consumer_wait_bounded(pipeline, read_state, bound);
+    // Why: gathered A chunks were written through the generic proxy; wgmma reads them through the async proxy.
+    if constexpr (GathersRows<C>) cutlass::arch::fence_view_async_shared();
+    const int stage = read_state.index();
+    warpgroup_fence_operand(accum);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(t_r_a); ++k) {
+      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), accum);
+      if constexpr (kStart == AccumulatorStart::kFirstWgmmaOverwrites) mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(accum);
+    if (k_block > 0) {
+      pipeline.consumer_release(release_state);
+      ++release_state;
+    }
+    ++read_state;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(accum);
+  if (num_k_blocks > 0) {
+    pipeline.consumer_release(release_state);
+    ++release_state;
+  }
+}
+
+// Consumer side of one tile, every GEMM's: mainloop over the tile's k-blocks, then the epilogue policy's
+// finish. All consumer threads call this; consumer_idx is the thread's index among the consumer warpgroups.
+// The task mode (T::Walker: task_walker.cuh) says how many k-blocks the tile has, whether this warpgroup's
+// rows are part of it (one that is not only passes the stages back: the other computes alone) and how the
+// accumulators start. signal (nullable; the megakernel's, the calling thread's own): the late completion count
+// a row tile of this warpgroup left pending (RowsDoneSignal); rows_done: see RowTileEpilogue.
+template <class T, class Params, class Task, class Storage>
+__device__ __forceinline__ void compute_tile(const Params& p, const Task& task, Storage& smem,
+                                             typename T::Pipeline& pipeline, typename T::PipelineState& read_state,
+                                             int consumer_idx, uint64_t* rows_done, RowsDoneSignal* signal,
+                                             const device::HandoffBound& bound) {
+  using namespace cute;
+  using Walker = typename T::Walker;
+  typename T::TiledMma mma;
+  auto thread_mma = mma.get_thread_slice(consumer_idx);
+  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+  // Why the shuffle: ptxas serializes every wgmma of the kernel (warning C7518) unless it can prove the
+  // branches around them warp-uniform; a value broadcast from lane 0 is (consumer_tile broadcasts its own).
+  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
+  const auto tile = Walker::consumer_tile(p, task, warpgroup);
+  const bool store_leader = consumer_idx % 128 == 0;
+  RowsDoneSignal::flush_before_blocking(signal, store_leader && tile.may_block, pipeline, read_state);
+  if (!tile.active) {
+    pass_stages_back(tile.num_k_blocks, pipeline, read_state, bound);
+    return;
+  }
+  T::Epilogue::template prefetch<T>(p, task, warpgroup, consumer_idx % 128);
+  mainloop<T, Walker::kAccumulatorStart>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
+                                         bound);
+  T::Epilogue::template finish<T>(p, task, tile, accum, mma, smem, warpgroup, consumer_idx, store_leader, rows_done,
+                                  signal);
+}
+
+// A persistent GEMM CTA's start: its TMA pipeline over `smem` and its task ring, initialized by thread 0,
+// then a barrier over the cluster. Why the cluster: the partner CTA arrives on our barriers and multicasts
+// into our shared memory; both CTAs' barrier initialization must be visible cluster-wide first.
+template <class T, class Storage, class TaskRingT>
+__device__ __forceinline__ typename T::Pipeline start_pipeline(Storage& smem, TaskRingT& tasks, bool consumer) {
+  typename T::Pipeline::Params params;
+  params.transaction_bytes = T::kStageTransactionBytes;
+  params.role = consumer ? T::Pipeline::ThreadCategory::Consumer : T::Pipeline::ThreadCategory::Producer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = 128 * T::kConsumerWarpgroups;
+  typename T::Pipeline pipeline(smem.pipeline, params, typename T::ClusterShape{});
+  if (threadIdx.x == 0) {
+    tasks.init();
+    cutlass::arch::fence_barrier_init();
+  }
+  if constexpr (T::kClusterN > 1)
+    cute::cluster_sync();
+  else
+    __syncthreads();
+  return pipeline;
+}
+
+}  // namespace mok::gemm
