@@ -976,8 +976,9 @@ def _assert_same(got, want, what):
         assert got[k] is None or torch.equal(got[k], want[k]), f"{what}: {k} differs"
 
 
-@pytest.mark.parametrize("main_grad", [False, True], ids=["grads", "main_grad"])
-def test_blocks_compiled_one_by_one_equal_eager_on_the_cpu_stand_in(cpu_workspace, main_grad):
+@pytest.mark.parametrize("main_grad, backend", [(False, "aot_eager"), (True, "aot_eager"), (True, "inductor")],
+                         ids=["grads-aot_eager", "main_grad-aot_eager", "main_grad-inductor"])
+def test_blocks_compiled_one_by_one_equal_eager_on_the_cpu_stand_in(cpu_workspace, main_grad, backend):
     """8 blocks sharing the workspace, a context each, the routing given, compiled block by block: one compiled
     frame for the 8, no graph break, two steps bitwise equal to eager (gradients, or main_grad accumulated)."""
     import torch._dynamo.testing
@@ -999,7 +1000,7 @@ def test_blocks_compiled_one_by_one_equal_eager_on_the_cpu_stand_in(cpu_workspac
     eager = [_step(blocks, blocks, x, idx, rw, d_out) for _ in range(2)]
     zero_main_grads()
     counters.clear()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = [torch.compile(b, fullgraph=True, backend=counter) for b in blocks]
     got = [_step(compiled, blocks, x, idx, rw, d_out) for _ in range(2)]
     assert counter.frame_count == 1, f"{counter.frame_count} frames compiled for 8 blocks of one shape"
