@@ -893,7 +893,7 @@ class ReferenceNative:
         ctx.x, ctx.weights = x.clone(), [None if w is None else w.clone() for w in weights]
 
     def forward(self, x, idx, rw, *rest):
-        weights, (out, ctx, stream, schedule_ready) = rest[:6], rest[6:]
+        weights, (out, ctx, stream, _) = rest[:6], rest[6:]
         self.build_schedule(idx, ctx, stream)
         self.recompute_forward_context(x, weights, ctx, stream)
         out.copy_(self.layer(x.float(), idx, rw, [None if w is None else w.float() for w in weights]))
