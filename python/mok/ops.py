@@ -195,7 +195,8 @@ class LayerFunction(torch.autograd.Function):
 
     main_grads (None each without main_grad), main_grad_targets (a MainGradTargets handle, or None), dummy_mask
     (Megatron's dummy gradients) and zero_mask (the dummies that are zeros: zero_out_wgrad) are read when the
-    forward runs (MainGradTargets.forward_args) and only tell the backward what to do.
+    forward runs (layer.layer_forward: MainGradTargets.main_grads, dummy_mask, zero_mask) and only tell the
+    backward what to do.
 
     What the backward needs is kept two ways. x, topk_idx, router_weights and the weights are saved
     (save_for_backward: an in-place change of one of them before the backward raises). The forward's token and
