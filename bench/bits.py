@@ -41,6 +41,7 @@ import ctypes
 import hashlib
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -114,7 +115,7 @@ def describe(tensor):
     picks = sorted({0, n // 3, 2 * n // 3, n - 1}) if n else []
     values = flat[torch.tensor(picks, dtype=torch.int64, device=flat.device)].tolist() if picks else []
     return dict(dtype=DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape),
-                digest=hashlib.sha256(sums.numpy().astype("<i8").tobytes()).hexdigest(),
+                digest=hashlib.sha256(struct.pack(f"<{sums.numel()}q", *sums.tolist())).hexdigest(),
                 chunks=[f"{s % 2**64:016x}" for s in sums.tolist()],
                 nonfinite=int(torch.stack(nonfinite).sum().item()) if nonfinite else 0,
                 samples=[repr(v) for v in values])

@@ -50,7 +50,7 @@ def mix_reference(i):
 def digest_reference(tensor, chunk):
     """The digest from the tensor's raw bytes: little-endian signed words, per chunk sum w_i * (mix(i) | 1) mod 2^64,
     sha256 of the sums as little-endian int64."""
-    raw = tensor.contiguous().flatten().view(torch.uint8).numpy().tobytes()
+    raw = bytes(tensor.contiguous().flatten().view(torch.uint8).tolist())  # no numpy: CI's venv has none
     size = tensor.element_size()
     words = struct.unpack(f"<{len(raw) // size}{'h' if size == 2 else 'i'}", raw)
     sums = []
