@@ -7,7 +7,7 @@ word.
     mok.check_status(ws)                                              # where you synchronize anyway
     ws.close()                                                        # collective for EP > 1 (or `with ws:`)
 
-Autograd: mok.forward is differentiable (the custom op's autograd formula calls the backward), for x,
+Autograd: mok.forward is differentiable (mok.ops.LayerFunction, whose backward calls the backward op), for x,
 router_weights and every weight that requires grad.
 
 A workspace on device "meta" has no memory and runs nothing: forward returns empty meta outputs (for shape
@@ -49,8 +49,9 @@ class ForwardContext:
 
     scheduled / written: whether it holds a schedule (forward, build_schedule) / the activations of that
     schedule (forward, recompute_forward_context); generation counts the calls that changed it. The ops set
-    them when they run (the autograd formula compares generations in eager mode: a backward whose context was
-    overwritten by a later forward raises)."""
+    them when they run; the forward returns its generation in its token and the backward ops compare it when
+    they run, so a backward whose context was overwritten by a later forward raises (eager, compiled, captured).
+    handle: the CPU int64 tensor [id] the ops find it by, declared written by every op that writes the context."""
 
     def __init__(self, workspace: "Workspace", native):
         self.workspace = workspace
@@ -330,8 +331,8 @@ def forward(ws: Workspace, x: torch.Tensor, topk_idx: torch.Tensor, router_weigh
                                "still writes it)")
         ctx = ws.pooled_context()
     _check_context(ws, ctx)
-    out, _ = torch.ops.mok.forward(ws.handle, ctx.handle, bool(schedule_ready), x, topk_idx, router_weights,
-                                   *weights.tensors(), None, 0, bool(recompute))
+    out = ops.LayerFunction.apply(ws.handle, ctx.handle, bool(schedule_ready), x, topk_idx, router_weights,
+                                  *weights.tensors(), *([None] * len(WEIGHT_NAMES)), None, 0, 0, bool(recompute))
     return out, ctx
 
 
@@ -342,10 +343,12 @@ def layer_forward(ws: Workspace, ctx: ForwardContext, x, topk_idx, router_weight
     ws.require_open()
     check_forward_args(ws.shape, ws.device, x, topk_idx, router_weights, weights)
     _check_context(ws, ctx)
-    out, _ = torch.ops.mok.forward(ws.handle, ctx.handle, False, x, topk_idx, router_weights, *weights.tensors(),
-                                   targets.handle if targets is not None else None,
-                                   targets.dummy_mask() if targets is not None else 0, recompute)
-    return out
+    if targets is None:
+        main = ([None] * len(WEIGHT_NAMES), None, 0, 0)
+    else:
+        main = (targets.main_grads(), targets.handle, targets.dummy_mask(), targets.zero_mask())
+    return ops.LayerFunction.apply(ws.handle, ctx.handle, False, x, topk_idx, router_weights, *weights.tensors(),
+                                   *main[0], *main[1:], recompute)
 
 
 def backward(ws: Workspace, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -381,7 +384,7 @@ def backward(ws: Workspace, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torc
                          f"given tensors, in their dtypes), got {grad_dtype}")
     if grads is None and main_grads is None:
         outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, topk_idx, router_weights, *weights.tensors(),
-                                      ops.ALL_WEIGHTS, grad_dtype == torch.float32, None, 0, False)
+                                      ops.ALL_WEIGHTS, grad_dtype == torch.float32)
         present = [w is not None for w in weights.tensors()]
         return outs[0], outs[1], Weights(*[g if p else None for g, p in zip(outs[2:], present)])
     accumulate = main_grads is not None

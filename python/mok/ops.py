@@ -1,14 +1,16 @@
 """The torch.library custom ops of the layer, so torch.compile(fullgraph=True) traces forward and backward and
-CUDA graphs capture them. Each has a fake (meta) implementation giving its output shapes.
+CUDA graphs capture them. Each has a fake (meta) implementation giving its output shapes. (a!): declared written.
 
-    mok::forward(workspace, context, schedule_ready, x, topk_idx, router_weights, <6 weights>, main_grads=None,
-                 dummy_mask=0, recompute=False) -> (out, seen)
-        autograd formula (register_autograd): mok::backward, for x, router_weights and the weights
-    mok::backward(workspace, context, d_out, x, topk_idx, router_weights, <6 weights>, grad_mask, fp32_grads,
-                  main_grads, dummy_mask, recompute, seen=None) -> [d_x, d_router_weights, <6 weight gradients>]
-    mok::backward_into(workspace, context, d_out, x, topk_idx, router_weights, <6 weights>, <6 gradients,
-                       mutated>, accumulate) -> (d_x, d_router_weights)
-    mok::recompute_forward_context(workspace, context, x, <6 weights>) -> ()
+    mok::forward(workspace, context(a!), schedule_ready, x, topk_idx, router_weights, <6 weights>)
+        -> (out, token)
+    mok::backward(workspace, context(a!), d_out, x, topk_idx, router_weights, <6 weights>, grad_mask, fp32_grads,
+                  recompute=False) -> (d_x, d_router_weights, <6 weight gradients>)
+    mok::backward_into(workspace, context(a!), d_out, x, topk_idx, router_weights, <6 weights>,
+                       <6 gradients(a!)>, accumulate, recompute=False, main_grad_targets=None)
+        -> (d_x, d_router_weights)
+    mok::recompute_forward_context(workspace, context(a!), x, <6 weights>) -> ()
+    autograd: LayerFunction (mok::forward; its backward calls mok::backward, or mok::backward_into adding into
+    the parameters' main_grad)
 
 <6 weights> are expert_gate, expert_up?, expert_down, shared_gate?, shared_up?, shared_down? (mok.Weights order;
 None where absent). The workspace, the forward context and a module's main-gradient targets are opaque Python
@@ -16,14 +18,16 @@ objects; the ops get them by handles into the weak tables below: small CPU int64
 so the schemas hold only tensors, ints and bools, and under torch.compile the handles are inputs of the graph
 (not constants: layers of one shape share a compiled graph).
 
-What the compiler does not see. forward writes the context and backward reads it; backward with main_grads
-adds into parameters' .main_grad tensors found through the handle. None of that is in the schemas, so the ops
-look pure: the order between them comes from data (autograd runs a layer's backward after its forward, and a
-backward's outputs feed the gradients); a backward whose context a later forward overwrote raises when it runs
-(mok::forward returns `seen`, the context's generation, which the backward compares), so in eager mode, under
-torch.compile and in CUDA-graph capture alike; and mok::recompute_forward_context (which returns nothing) and
-mok::backward (which may add into main_grad with no output used) are marked as having side effects, so that no
-dead-code elimination drops them.
+What the schemas say. Every op that writes the context declares its context argument written: the context's
+handle (forward, recompute_forward_context, and the backward ops called with a context), or, in autograd's
+backward, the forward's token ([context id, generation], a new tensor per forward, which names the state the
+forward left in the context). The gradient buffers of backward_into (Megatron's main_grad in autograd's backward)
+are declared written. So the compiler orders the ops by these arguments and keeps them all (an op with a
+declared write is never dead code: no torch.fx.node.has_side_effect); what is not in a schema is the
+workspace's symmetric buffers (scratch, rewritten by every call) and Megatron's grad_added_to_main_grad flag (a
+Python attribute, set when backward_into runs). A backward whose context a later forward overwrote raises when
+it runs (the token's generation against the context's), in eager mode, under torch.compile and in CUDA-graph
+capture alike.
 """
 from __future__ import annotations
 
@@ -115,21 +119,23 @@ class MainGradTargets:
                 mask |= 1 << i
         return mask
 
-    def main_grads(self, grad_mask: int) -> List[Optional[torch.Tensor]]:
-        """Each asked-for parameter's .main_grad, checked (fp32, the parameter's shape, contiguous, its device).
-        A frozen parameter asked for only as the other half of a gate/up pair gets fp32 zeros to add into,
-        thrown away: its main_grad stays as it is."""
+    def zero_mask(self) -> int:
+        """The weights whose dummy gradient is zeros (Megatron's zero_out_wgrad), else uninitialized."""
+        return sum(1 << i for i, p in enumerate(self.params) if p is not None and getattr(p, "zero_out_wgrad", False))
+
+    def main_grads(self) -> List[Optional[torch.Tensor]]:
+        """Each parameter's .main_grad (None for an absent or frozen parameter), checked (fp32, the parameter's
+        shape, contiguous, its device). Read when the forward runs: autograd's backward adds into these tensors
+        (mok::backward_into declares them written)."""
         grads: List[Optional[torch.Tensor]] = [None] * len(WEIGHT_NAMES)
         for i, p in enumerate(self.params):
-            if p is None or not grad_mask >> i & 1:
-                continue
-            if not p.requires_grad:
-                grads[i] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            if p is None or not p.requires_grad:
                 continue
             main_grad = getattr(p, "main_grad", None)
             if main_grad is None:
                 raise RuntimeError(f"{WEIGHT_NAMES[i]}.main_grad: missing; with main_grad=True the backward "
-                                   "accumulates into param.main_grad (module.allocate_main_grads(), or Megatron's DDP)")
+                                   "accumulates into param.main_grad (module.allocate_main_grads(), or Megatron's DDP, "
+                                   "before the forward)")
             check_tensor(f"{WEIGHT_NAMES[i]}.main_grad", main_grad, (torch.float32,), "the parameter's shape",
                          tuple(p.shape), p.device)
             grads[i] = main_grad
@@ -141,41 +147,39 @@ class MainGradTargets:
             if p is not None and grad_mask >> i & 1 and p.requires_grad and hasattr(p, "grad_added_to_main_grad"):
                 p.grad_added_to_main_grad = True
 
-    def dummy(self, i: int) -> torch.Tensor:
-        """Megatron's dummy gradient: zeros if the parameter has zero_out_wgrad, else uninitialized."""
-        p = self.params[i]
-        make = torch.zeros if getattr(p, "zero_out_wgrad", False) else torch.empty
-        return make(p.shape, dtype=p.dtype, device=p.device)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # mok::forward
 
 
-@torch.library.custom_op("mok::forward", mutates_args=(), device_types="cuda")
+def _token(ctx, context: torch.Tensor) -> torch.Tensor:
+    """A forward's token: [context id, the context's generation after the forward], a new CPU int64 tensor."""
+    return torch.tensor([int(context[0]), ctx.generation], dtype=torch.int64)
+
+
+@torch.library.custom_op("mok::forward", mutates_args=("context",), device_types="cuda")
 def forward_op(workspace: torch.Tensor, context: torch.Tensor, schedule_ready: bool, x: torch.Tensor,
                topk_idx: torch.Tensor, router_weights: torch.Tensor, expert_gate: torch.Tensor, expert_up: Optional[torch.Tensor],
                expert_down: torch.Tensor, shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],
-               shared_down: Optional[torch.Tensor], main_grads: Optional[torch.Tensor] = None,
-               dummy_mask: int = 0, recompute: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out [T, H] bf16 of the layer on this rank, seen: the context's generation after this forward, a CPU int64
-    tensor [1]); writes the context (schedule, expert-side activations). main_grads (a MainGradTargets handle),
-    dummy_mask and recompute only tell its backward what to do (see mok::backward); seen lets the backward
-    check, when it runs, that no later forward overwrote the context. Asynchronous on the current stream;
-    collective over the workspace's EP group."""
+               shared_down: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, H] bf16 of the layer on this rank, token); writes the context (schedule, expert-side
+    activations), declared as the mutation of its handle `context`. token: a new CPU int64 tensor [2], the
+    context's id and its generation after this forward, which the backward ops take as their context argument
+    (and check, when they run, that no later forward overwrote the context). Asynchronous on the current
+    stream; collective over the workspace's EP group."""
     ws = _lookup(_workspaces, workspace, "workspace", "forward")
     ctx = _lookup(_contexts, context, "forward context", "forward")
     out = torch.empty_like(x)
     ws._native.forward(*_plain(x, topk_idx, router_weights, expert_gate, expert_up, expert_down, shared_gate,
                                shared_up, shared_down), out, ctx._native, _stream(x), schedule_ready)
     ctx.mark_written()
-    return out, torch.tensor([ctx.generation], dtype=torch.int64)
+    return out, _token(ctx, context)
 
 
 @forward_op.register_fake
 def _forward_fake(workspace, context, schedule_ready, x, topk_idx, router_weights, expert_gate, expert_up,
-                  expert_down, shared_gate, shared_up, shared_down, main_grads=None, dummy_mask=0, recompute=False):
-    return torch.empty_like(x), torch.empty(1, dtype=torch.int64)
+                  expert_down, shared_gate, shared_up, shared_down):
+    return torch.empty_like(x), torch.empty(2, dtype=torch.int64)
 
 
 def _is_eager(t) -> bool:
@@ -183,41 +187,77 @@ def _is_eager(t) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling()
 
 
-def _forward_setup_context(ctx, inputs, output):
-    (workspace, context, _, x, topk_idx, router_weights, *weights, main_grads, dummy_mask, recompute) = inputs
-    ctx.mok_flags = (main_grads is not None, dummy_mask, recompute)
-    # The handles and `seen` are never written in place: saving them costs nothing, and under torch.compile they
-    # become inputs of the backward graph.
-    ctx.save_for_backward(x, topk_idx, router_weights, *weights, workspace, context, main_grads, output[1])
-    # Eager only: the context itself, held by the graph until it is freed (a pooled context, mok.forward(ctx=None),
-    # goes back to its pool only then; pooled contexts are refused under torch.compile and capture).
-    ctx.mok_context = _contexts.get(int(context[0])) if _is_eager(x) else None
+class LayerFunction(torch.autograd.Function):
+    """Autograd of mok::forward (an op that declares a mutation cannot have a register_autograd formula).
 
+    apply(workspace, context, schedule_ready, x, topk_idx, router_weights, <6 weights>, <6 main_grads>,
+          main_grad_targets, dummy_mask, zero_mask, recompute) -> out
 
-def _forward_backward(ctx, d_out, d_seen):
-    has_main_grads, dummy_mask, recompute = ctx.mok_flags
-    x, topk_idx, router_weights, *rest = ctx.saved_tensors
-    weights = rest[:len(WEIGHT_NAMES)]
-    workspace, context, main_grads, seen = rest[len(WEIGHT_NAMES):]
-    needs = ctx.needs_input_grad
-    needed = 0
-    for i, w in enumerate(weights):
-        if w is not None and needs[6 + i]:
-            needed |= 1 << i
-    grad_mask = with_partners(needed, weights)  # computed: the needed ones and their gate/up partners
-    dummy_mask &= needed
-    # mok::backward checks `seen` against the context when it runs (eager, compiled or captured alike).
-    grads = torch.ops.mok.backward(workspace, context, d_out.contiguous(), x, topk_idx, router_weights, *weights,
-                                   grad_mask, False, main_grads, dummy_mask, recompute, seen)
-    weight_grads = []
-    for i in range(len(weights)):
-        returned = needed >> i & 1 and (not has_main_grads or dummy_mask >> i & 1)
-        weight_grads.append(grads[2 + i] if returned else None)
-    return (None, None, None, grads[0] if needs[3] else None, None, grads[1] if needs[5] else None, *weight_grads,
-            None, None, None)
+    main_grads (None each without main_grad), main_grad_targets (a MainGradTargets handle, or None), dummy_mask
+    (Megatron's dummy gradients) and zero_mask (the dummies that are zeros: zero_out_wgrad) are read when the
+    forward runs (layer.layer_forward: MainGradTargets.main_grads, dummy_mask, zero_mask) and only tell the
+    backward what to do.
 
+    What the backward needs is kept two ways. x, topk_idx, router_weights and the weights are saved
+    (save_for_backward: an in-place change of one of them before the backward raises). The forward's token and
+    the main_grad tensors are stashed on ctx instead: the backward ops declare them written (the token when the
+    backward recomputes the context, main_grad every time), and autograd's saved-tensor version check would call
+    a second micro-batch's backward adding into the same main_grad, or a second layer recomputing into a shared
+    context, an in-place modification. PyTorch checks no version of tensors stashed on ctx, in eager mode and
+    under torch.compile alike (AOTAutograd's "saved with no version counter check"); mok's own generation check
+    in the backward ops is what catches an overwritten context."""
 
-forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+    @staticmethod
+    def forward(ctx, workspace, context, schedule_ready, x, topk_idx, router_weights, *rest):
+        weights = rest[:len(WEIGHT_NAMES)]
+        main_grads = rest[len(WEIGHT_NAMES):2 * len(WEIGHT_NAMES)]
+        targets, dummy_mask, zero_mask, recompute = rest[2 * len(WEIGHT_NAMES):]
+        out, token = torch.ops.mok.forward(workspace, context, schedule_ready, x, topk_idx, router_weights,
+                                           *weights)
+        ctx.save_for_backward(x, topk_idx, router_weights, *weights)
+        ctx.mok_token, ctx.mok_main_grads, ctx.mok_workspace = token, main_grads, workspace
+        ctx.mok_flags = (targets, dummy_mask, zero_mask, recompute)
+        # Eager only: the context itself, held by the graph until it is freed (a pooled context, mok.forward(ctx=None),
+        # goes back to its pool only then; pooled contexts are refused under torch.compile and capture).
+        ctx.mok_context = _contexts.get(int(context[0])) if _is_eager(x) else None
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        targets, dummy_mask, zero_mask, recompute = ctx.mok_flags
+        x, topk_idx, router_weights, *weights = ctx.saved_tensors
+        token, main_grads, workspace = ctx.mok_token, ctx.mok_main_grads, ctx.mok_workspace
+        needs = ctx.needs_input_grad
+        needed = 0
+        for i, w in enumerate(weights):
+            if w is not None and needs[6 + i]:
+                needed |= 1 << i
+        grad_mask = with_partners(needed, weights)  # computed: the needed ones and their gate/up partners
+        d_out = d_out.contiguous()
+        weight_grads = [None] * len(WEIGHT_NAMES)
+        if targets is not None:
+            # main_grad += this backward's gradient (declared: backward_into's gradient arguments); a frozen
+            # weight computed only as the other half of a gate/up pair adds into zeros, thrown away.
+            buffers = [None] * len(WEIGHT_NAMES)
+            for i, w in enumerate(weights):
+                if grad_mask >> i & 1:
+                    buffers[i] = main_grads[i] if needed >> i & 1 else \
+                        torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            d_x, d_router_weights = torch.ops.mok.backward_into(
+                workspace, token, d_out, x, topk_idx, router_weights, *weights, *buffers, True, recompute, targets)
+            for i, w in enumerate(weights):
+                if (dummy_mask & needed) >> i & 1:  # Megatron's dummy gradient: zeros with zero_out_wgrad
+                    make = torch.zeros if zero_mask >> i & 1 else torch.empty
+                    weight_grads[i] = make(w.shape, dtype=w.dtype, device=w.device)
+        else:
+            grads = torch.ops.mok.backward(workspace, token, d_out, x, topk_idx, router_weights, *weights,
+                                           grad_mask, False, recompute)
+            d_x, d_router_weights = grads[0], grads[1]
+            for i in range(len(WEIGHT_NAMES)):
+                if needed >> i & 1:
+                    weight_grads[i] = grads[2 + i]
+        return (None, None, None, d_x if needs[3] else None, None, d_router_weights if needs[5] else None,
+                *weight_grads, *([None] * len(WEIGHT_NAMES)), None, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,19 +265,19 @@ forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_con
 
 
 def _empty_slot(x: torch.Tensor) -> torch.Tensor:
-    """The output of a weight gradient that is not returned (absent weight, not asked for, or in main_grad)."""
+    """The output of a weight gradient that is not returned (absent weight, or not asked for)."""
     return x.new_empty(0)
 
 
-def _backward_outputs(x, router_weights, weights, grad_mask, fp32_grads, main_grads, dummy_mask, make):
-    """The shapes of mok::backward's outputs; make(i, like, dtype) allocates weight i's (fake or real)."""
+def _backward_outputs(x, router_weights, weights, grad_mask, fp32_grads):
+    """mok::backward's outputs (new tensors; fake ones under a fake mode)."""
     outs = [torch.empty_like(x), torch.empty_like(router_weights)]
     for i, w in enumerate(weights):
-        if w is None or not grad_mask >> i & 1 or (main_grads is not None and not dummy_mask >> i & 1):
+        if w is None or not grad_mask >> i & 1:
             outs.append(_empty_slot(x))
         else:
-            outs.append(make(i, w, torch.float32 if fp32_grads and main_grads is None else w.dtype))
-    return outs
+            outs.append(torch.empty_like(w, dtype=torch.float32 if fp32_grads else w.dtype))
+    return tuple(outs)
 
 
 def _check_training(ws, op: str) -> None:
@@ -251,65 +291,63 @@ def _check_written(ctx, op: str) -> None:
                            "mok.forward, or mok.recompute_forward_context after mok.build_schedule, with it first)")
 
 
-@torch.library.custom_op("mok::backward", mutates_args=(), device_types="cuda")
-def backward_op(workspace: torch.Tensor, context: torch.Tensor, d_out: torch.Tensor, x: torch.Tensor,
-                topk_idx: torch.Tensor, router_weights: torch.Tensor, expert_gate: torch.Tensor,
-                expert_up: Optional[torch.Tensor], expert_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
-                shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor], grad_mask: int,
-                fp32_grads: bool, main_grads: Optional[torch.Tensor], dummy_mask: int, recompute: bool,
-                seen: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
-    """[d_x bf16 [T, H], d_router_weights fp32 [T, k], then the six weight gradients] of the forward in `context`.
-
-    grad_mask: bit i asks for weight i's gradient (separate gate and up: both or neither, see with_partners); an
-    unasked or absent one is an empty tensor. Written in the
-    weight's dtype (bf16), or fp32 with fp32_grads; with main_grads (a MainGradTargets handle) instead added into
-    the parameters' fp32 .main_grad, and the output is Megatron's dummy where dummy_mask has bit i, else empty.
-    recompute: first rebuild the context from topk_idx, x and the weights (build_schedule and
-    recompute_forward_context), so the context may have served other forwards since this layer's. seen (the
-    forward's second output; None: unchecked): without recompute, the context must still hold that forward,
-    else RuntimeError, checked here when the op runs (eager, torch.compile and CUDA-graph capture alike)."""
-    ws = _lookup(_workspaces, workspace, "workspace", "backward")
-    ctx = _lookup(_contexts, context, "forward context", "backward")
-    if seen is not None and not recompute and ctx.generation != int(seen[0]):
+def _prepare_backward(ws, ctx, context, recompute, x, topk_idx, weights, op: str) -> None:
+    """What both backward ops do first: the generation check of a token (context [id, generation], the forward's)
+    or the rebuild of the context (recompute: build_schedule and recompute_forward_context from the saved
+    inputs; the token then names the rebuilt state), and the check that the context holds a forward."""
+    _check_training(ws, op)
+    token = context.numel() == 2
+    if token and not recompute and ctx.generation != int(context[1]):
         raise RuntimeError("mok: this layer's forward context was overwritten by a later forward before this "
                            "backward (the same context used by two forwards, e.g. one module called twice or "
                            "micro-batches interleaved): give each forward in flight its own context "
                            "(ws.make_context()), or use recompute=True")
-    targets = _lookup(_main_grad_targets, main_grads, "main-gradient targets", "backward") \
-        if main_grads is not None else None
-    weights = [expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down]
-    accumulated = targets.main_grads(grad_mask) if targets is not None else None
-    stream = _stream(x)
-    _check_training(ws, "backward")
     if recompute:
+        stream = _stream(x)
         ws._native.build_schedule(topk_idx, ctx._native, stream)
         ctx.mark_scheduled()
         ws._native.recompute_forward_context(x.detach(), _plain(*weights), ctx._native, stream)
         ctx.mark_written()
-    _check_written(ctx, "backward")
+        if token:
+            context[1] = ctx.generation
+    _check_written(ctx, op)
 
-    def make(i, like, dtype):
-        return targets.dummy(i) if targets is not None else torch.empty_like(like, dtype=dtype)
 
-    outs = _backward_outputs(x, router_weights, weights, grad_mask, fp32_grads, main_grads, dummy_mask, make)
-    if targets is not None:
-        grads = accumulated
-    else:
-        grads = [g if g.numel() else None for g in outs[2:]]
+@torch.library.custom_op("mok::backward", mutates_args=("context",), device_types="cuda")
+def backward_op(workspace: torch.Tensor, context: torch.Tensor, d_out: torch.Tensor, x: torch.Tensor,
+                topk_idx: torch.Tensor, router_weights: torch.Tensor, expert_gate: torch.Tensor,
+                expert_up: Optional[torch.Tensor], expert_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
+                shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor], grad_mask: int,
+                fp32_grads: bool, recompute: bool = False
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                           torch.Tensor, torch.Tensor]:
+    """(d_x bf16 [T, H], d_router_weights fp32 [T, k], then the six weight gradients) of the forward in the
+    context.
+
+    context: the context's handle ([id]: unchecked), or the token mok::forward returned ([id, generation]):
+    without recompute the context must still hold that forward, else RuntimeError, checked here when the op
+    runs (eager, torch.compile and CUDA-graph capture alike). Declared written: the backward reads the context
+    and, with recompute, first rebuilds it from topk_idx, x and the weights (build_schedule and
+    recompute_forward_context; the token then names the rebuilt state), so the context may have served other
+    forwards since this layer's. grad_mask: bit i asks for weight i's gradient (separate gate and up: both or
+    neither, see with_partners); an unasked or absent one is an empty tensor. Written in the weight's dtype
+    (bf16), or fp32 with fp32_grads."""
+    ws = _lookup(_workspaces, workspace, "workspace", "backward")
+    ctx = _lookup(_contexts, context, "forward context", "backward")
+    weights = [expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down]
+    _prepare_backward(ws, ctx, context, recompute, x, topk_idx, weights, "backward")
+    outs = _backward_outputs(x, router_weights, weights, grad_mask, fp32_grads)
+    grads = [g if g.numel() else None for g in outs[2:]]
     ws._native.backward(*_plain(d_out, x, topk_idx, router_weights), _plain(*weights), outs[0], outs[1],
-                        _plain(*grads), targets is not None, ctx._native, stream)
-    if targets is not None:
-        targets.mark_added(grad_mask)
+                        _plain(*grads), False, ctx._native, _stream(x))
     return outs
 
 
 @backward_op.register_fake
 def _backward_fake(workspace, context, d_out, x, topk_idx, router_weights, expert_gate, expert_up, expert_down,
-                   shared_gate, shared_up, shared_down, grad_mask, fp32_grads, main_grads, dummy_mask, recompute,
-                   seen=None):
+                   shared_gate, shared_up, shared_down, grad_mask, fp32_grads, recompute=False):
     weights = [expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down]
-    return _backward_outputs(x, router_weights, weights, grad_mask, fp32_grads, main_grads, dummy_mask,
-                             lambda i, like, dtype: torch.empty_like(like, dtype=dtype))
+    return _backward_outputs(x, router_weights, weights, grad_mask, fp32_grads)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -317,29 +355,35 @@ def _backward_fake(workspace, context, d_out, x, topk_idx, router_weights, exper
 
 
 @torch.library.custom_op("mok::backward_into", device_types="cuda",
-                         mutates_args=tuple(f"grad_{name}" for name in WEIGHT_NAMES))
+                         mutates_args=("context", *(f"grad_{name}" for name in WEIGHT_NAMES)))
 def backward_into_op(workspace: torch.Tensor, context: torch.Tensor, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
                      router_weights: torch.Tensor, expert_gate: torch.Tensor, expert_up: Optional[torch.Tensor],
                      expert_down: torch.Tensor, shared_gate: Optional[torch.Tensor], shared_up: Optional[torch.Tensor],
                      shared_down: Optional[torch.Tensor], grad_expert_gate: Optional[torch.Tensor],
                      grad_expert_up: Optional[torch.Tensor], grad_expert_down: Optional[torch.Tensor],
                      grad_shared_gate: Optional[torch.Tensor], grad_shared_up: Optional[torch.Tensor],
-                     grad_shared_down: Optional[torch.Tensor], accumulate: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(d_x, d_router_weights); each given grad_* is written (bf16 or fp32), or with accumulate added to (fp32)."""
+                     grad_shared_down: Optional[torch.Tensor], accumulate: bool, recompute: bool = False,
+                     main_grad_targets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(d_x, d_router_weights); each given grad_* is written (bf16 or fp32), or with accumulate added to (fp32):
+    Megatron's main_grad. context, recompute: as mok::backward's. main_grad_targets (a MainGradTargets handle,
+    autograd's backward with main_grad=True): afterwards Megatron's grad_added_to_main_grad is set on the
+    parameters whose gradient was added (a Python attribute, not a tensor)."""
     ws = _lookup(_workspaces, workspace, "workspace", "backward_into")
     ctx = _lookup(_contexts, context, "forward context", "backward_into")
-    _check_training(ws, "backward_into")
-    _check_written(ctx, "backward_into")
+    weights = [expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down]
+    grads = [grad_expert_gate, grad_expert_up, grad_expert_down, grad_shared_gate, grad_shared_up, grad_shared_down]
+    _prepare_backward(ws, ctx, context, recompute, x, topk_idx, weights, "backward_into")
     d_x, d_router_weights = torch.empty_like(x), torch.empty_like(router_weights)
-    ws._native.backward(*_plain(d_out, x, topk_idx, router_weights),
-                        _plain(expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down), d_x,
-                        d_router_weights, _plain(grad_expert_gate, grad_expert_up, grad_expert_down, grad_shared_gate,
-                                                 grad_shared_up, grad_shared_down), accumulate, ctx._native, _stream(x))
+    ws._native.backward(*_plain(d_out, x, topk_idx, router_weights), _plain(*weights), d_x, d_router_weights,
+                        _plain(*grads), accumulate, ctx._native, _stream(x))
+    if main_grad_targets is not None:
+        _lookup(_main_grad_targets, main_grad_targets, "main-gradient targets", "backward_into").mark_added(
+            sum(1 << i for i, g in enumerate(grads) if g is not None))
     return d_x, d_router_weights
 
 
 @backward_into_op.register_fake
-def _backward_into_fake(workspace, context, d_out, x, topk_idx, router_weights, *weights_grads_accumulate):
+def _backward_into_fake(workspace, context, d_out, x, topk_idx, router_weights, *rest):
     return torch.empty_like(x), torch.empty_like(router_weights)
 
 
@@ -347,7 +391,7 @@ def _backward_into_fake(workspace, context, d_out, x, topk_idx, router_weights, 
 # mok::recompute_forward_context
 
 
-@torch.library.custom_op("mok::recompute_forward_context", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("mok::recompute_forward_context", mutates_args=("context",), device_types="cuda")
 def recompute_op(workspace: torch.Tensor, context: torch.Tensor, x: torch.Tensor, expert_gate: torch.Tensor,
                  expert_up: Optional[torch.Tensor], expert_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
                  shared_up: Optional[torch.Tensor], shared_down: Optional[torch.Tensor]) -> None:
@@ -366,11 +410,3 @@ def recompute_op(workspace: torch.Tensor, context: torch.Tensor, x: torch.Tensor
 @recompute_op.register_fake
 def _recompute_fake(workspace, context, x, expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down):
     return None
-
-
-# Effects outside their outputs: recompute_forward_context's only effect is on the context, and a backward with
-# main_grads adds into .main_grad, also when autograd uses none of its outputs (no dummy gradients, x and the
-# router weights frozen). Keep both in traced graphs (no dead-code elimination).
-if hasattr(torch.fx.node, "has_side_effect"):
-    torch.fx.node.has_side_effect(torch.ops.mok.recompute_forward_context.default)
-    torch.fx.node.has_side_effect(torch.ops.mok.backward.default)

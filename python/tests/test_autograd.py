@@ -414,9 +414,11 @@ def test_megatron_main_grad_convention():
     assert (params["shared_down"].grad == 0).all(), "zero_out_wgrad: the dummy gradient must be zeros"
 
 
-def test_layers_sharing_one_context_with_recompute():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
+def test_layers_sharing_one_context_with_recompute(compiled):
     """Two stacked layers on one workspace and one context (recompute=True) give bitwise the outputs and
-    gradients of the same layers with a context each."""
+    gradients of the same layers with a context each; no false error from the declared writes of the context
+    (the second layer's backward rebuilds the context the first one's reads), eager and compiled per layer."""
     shape = SHAPES["shared"]
     ws = workspace(shape)
     shared_ctx = ws.make_context()
@@ -425,17 +427,55 @@ def test_layers_sharing_one_context_with_recompute():
     x, _, _ = make_inputs(shape, "cuda", seed=83)
     d_out = make_d_out(shape, 83)
 
-    def run(layers):
+    def run(modules, layers):
         leaf = x.detach().clone().requires_grad_(True)
         out = layers[1](layers[0](leaf))
         (out.float() * d_out.float()).sum().backward()
         mok.check_status(ws)
         got = {"out": out.detach(), "x": leaf.grad}
-        for i, layer in enumerate(layers):
-            got.update({f"{i}.{n}": p.grad for n, p in layer.named_parameters()})
+        for i, module in enumerate(modules):
+            got.update({f"{i}.{n}": p.grad for n, p in module.named_parameters()})
         return got
 
-    assert_same_bits(run(sharing), run(separate), "shared context + recompute vs a context each")
+    torch._dynamo.reset()
+    layers = [torch.compile(m, fullgraph=True, backend="aot_eager") for m in sharing] if compiled else sharing
+    assert_same_bits(run(sharing, layers), run(separate, separate), "shared context + recompute vs a context each")
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
+@pytest.mark.parametrize("order", ["together", "first-first", "last-first"])
+def test_micro_batches_forwards_then_backwards_add_into_one_main_grad(compiled, order):
+    """Two micro-batches' forwards, then both backwards (1F1B-like: one backward call, or either order), through
+    one layer with recompute=True and main_grad=True: every backward adds into the same main_grad (declared
+    written by mok::backward_into) and autograd raises no in-place-modification error; main_grad ends bitwise
+    as after the two micro-batches run forward + backward one after another, eagerly (g1 + g2)."""
+    shape = SHAPES["shared"]
+    moe = seeded_module(shape, 76, main_grad=True, recompute=True, num_tokens=shape.num_tokens)
+    moe.allocate_main_grads()
+    batches = [make_inputs(shape, "cuda", seed=s)[0] for s in (77, 78)]
+    d_outs = [make_d_out(shape, s) for s in (77, 78)]
+
+    def main_grads():
+        return {n: getattr(moe, n).main_grad.clone() for n in WEIGHT_NAMES}
+
+    for x, d in zip(batches, d_outs):  # one after another (gradient accumulation)
+        (moe(x).float() * d.float()).sum().backward()
+    mok.check_status(moe.workspace)
+    want = main_grads()
+    for n in WEIGHT_NAMES:
+        getattr(moe, n).main_grad.zero_()
+    torch._dynamo.reset()
+    layer = torch.compile(moe, fullgraph=True, backend="aot_eager") if compiled else moe
+    losses = [(layer(x).float() * d.float()).sum() for x, d in zip(batches, d_outs)]
+    if order == "together":
+        (losses[0] + losses[1]).backward()
+    else:
+        for i in ((0, 1) if order == "first-first" else (1, 0)):
+            losses[i].backward()
+    mok.check_status(moe.workspace)
+    assert_same_bits(main_grads(), want, f"main_grad after F F B B ({order}) vs F B F B")
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
@@ -457,16 +497,18 @@ def test_a_context_overwritten_before_its_backward_raises_and_the_next_step_is_c
     torch._dynamo.reset()
 
 
-def test_blocks_compiled_one_by_one_equal_eager_bitwise():
+@pytest.mark.parametrize("main_grad", [False, True], ids=["grads", "main_grad"])
+def test_blocks_compiled_one_by_one_equal_eager_bitwise(main_grad):
     """8 blocks of one shape sharing a workspace, each with its own context, routing given, compiled block by
-    block (torch.compile per block, as torchtitan does): one compiled frame serves all 8, and the input's and
-    every parameter's gradients equal eager's bitwise."""
+    block (torch.compile per block, as torchtitan does): one compiled frame serves all 8, no graph break, and
+    the input's and every parameter's gradients (or main_grad, added by mok::backward_into) equal eager's
+    bitwise."""
     import torch._dynamo.testing
     shape = SHAPES["shared"]
     ws = workspace(shape)
     torch.manual_seed(91)
     blocks = [mok.MoE(shape.hidden, shape.intermediate, shape.num_experts, shape.top_k, router=False, workspace=ws,
-                      context=ws.make_context()) for _ in range(8)]
+                      context=ws.make_context(), main_grad=main_grad) for _ in range(8)]
     x, idx, rw = make_inputs(shape, "cuda", seed=92)
     d_out = make_d_out(shape, 92)
 
@@ -475,20 +517,30 @@ def test_blocks_compiled_one_by_one_equal_eager_bitwise():
         for b in blocks:
             for p in b.parameters():
                 p.grad = None
+            if main_grad:
+                for p in b.weights().tensors():
+                    p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         h = h0
         for layer in layers:
             h = layer(h, idx, rw)
         (h.float() * d_out.float()).sum().backward()
         mok.check_status(ws)
         grads = {"x": h0.grad, "out": h.detach()}
-        grads.update({f"{n}.{name}": p.grad for n, b in enumerate(blocks) for name, p in b.named_parameters()})
+        if main_grad:  # no Megatron attributes: main_grad only, no .grad
+            grads.update({f"{n}.{name}.main_grad": getattr(b, name).main_grad for n, b in enumerate(blocks)
+                          for name in WEIGHT_NAMES})
+        else:
+            grads.update({f"{n}.{name}": p.grad for n, b in enumerate(blocks) for name, p in b.named_parameters()})
         return grads
 
     eager = run(blocks)
     torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = run([torch.compile(b, fullgraph=True, backend=counter) for b in blocks])
     assert counter.frame_count == 1, f"{counter.frame_count} frames compiled for 8 blocks of one shape"
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert_same_bits(compiled, eager, "8 blocks compiled one by one vs eager")
     torch._dynamo.reset()
 

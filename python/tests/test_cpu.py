@@ -242,11 +242,11 @@ def test_fake_tensor_mode_shapes():
     with FakeTensorMode(allow_non_fake_inputs=True):  # the handles are real (torch.compile fakes them itself)
         x, idx, rw = make_inputs(SHAPE, "cpu")
         w = make_weights(SHAPE, "cpu")
-        out, seen = torch.ops.mok.forward(ws.handle, ctx.handle, False, x, idx, rw, w.expert_gate, w.expert_up,
-                                          w.expert_down, w.shared_gate, w.shared_up, w.shared_down)
+        out, token = torch.ops.mok.forward(ws.handle, ctx.handle, False, x, idx, rw, w.expert_gate, w.expert_up,
+                                           w.expert_down, w.shared_gate, w.shared_up, w.shared_down)
         assert isinstance(out, FakeTensor)
         assert (out.shape, out.dtype) == ((256, 128), torch.bfloat16)
-        assert (seen.shape, seen.dtype, seen.device.type) == ((1,), torch.int64, "cpu")
+        assert (token.shape, token.dtype, token.device.type) == ((2,), torch.int64, "cpu")
 
 
 def test_opcheck_on_meta():
@@ -466,18 +466,19 @@ def test_fake_tensor_mode_shapes_of_the_backward_ops():
         w = make_weights(SHAPE, "cpu").tensors()
         d_out = torch.empty_like(x)
         # grad_mask 0b000101: expert_gate and expert_down, fp32
-        outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, idx, rw, *w, 0b000101, True, None, 0, False)
+        outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, idx, rw, *w, 0b000101, True)
         assert all(isinstance(t, FakeTensor) for t in outs)
         assert [(tuple(t.shape), t.dtype) for t in outs] == [
             ((256, 128), torch.bfloat16), ((256, 2), torch.float32), ((8, 64, 128), torch.float32), ((0,), torch.bfloat16),
             ((8, 128, 64), torch.float32), ((0,), torch.bfloat16), ((0,), torch.bfloat16), ((0,), torch.bfloat16)]
-        # main gradients: the weights in dummy_mask (0b100000: shared_down) get a dummy of the weight's dtype
-        targets = torch.tensor([7])  # a MainGradTargets handle (the fake kernel looks nothing up)
-        outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, idx, rw, *w, 0b111111, True, targets, 0b100000,
-                                      True)
-        assert [tuple(t.shape) for t in outs[2:]] == [(0,)] * 5 + [(128, 64)] and outs[7].dtype == torch.bfloat16
+        outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, idx, rw, *w, 0b111111, False, True)
+        assert [t.dtype for t in outs[2:]] == [torch.bfloat16] * 6
         grads = [torch.empty(GRAD_SHAPES[n], dtype=torch.float32) for n in GRAD_SHAPES]
         d_x, d_rw = torch.ops.mok.backward_into(ws.handle, ctx.handle, d_out, x, idx, rw, *w, *grads, True)
+        assert (d_x.shape, d_rw.shape) == ((256, 128), (256, 2))
+        targets = torch.tensor([7])  # a MainGradTargets handle (the fake kernel looks nothing up)
+        d_x, d_rw = torch.ops.mok.backward_into(ws.handle, ctx.handle, d_out, x, idx, rw, *w, *grads, True, True,
+                                                targets)
         assert (d_x.shape, d_rw.shape) == ((256, 128), (256, 2))
         assert torch.ops.mok.recompute_forward_context(ws.handle, ctx.handle, x, *w) is None
 
@@ -488,7 +489,7 @@ def test_opcheck_backward_ops_on_meta():
     _, ctx = mok.forward(ws, x, idx, rw, w)
     tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     base = (ws.handle, ctx.handle, d_out, x, idx, rw, *w.tensors())
-    torch.library.opcheck(torch.ops.mok.backward.default, (*base, 0b111111, False, None, 0, False), test_utils=tests)
+    torch.library.opcheck(torch.ops.mok.backward.default, (*base, 0b111111, False, False), test_utils=tests)
     grads = tuple(torch.empty(s, dtype=torch.float32, device="meta") for s in GRAD_SHAPES.values())
     torch.library.opcheck(torch.ops.mok.backward_into.default, (*base, *grads, True), test_utils=tests)
     torch.library.opcheck(torch.ops.mok.recompute_forward_context.default,
@@ -638,7 +639,14 @@ def _aot_graphs():
 
 
 def _targets(gm):
-    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    """The functions a graph calls; an op with declared writes appears inside auto_functionalized(_v2) (the
+    functional form AOTAutograd gives it): named by the op itself."""
+    names = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            functionalized = "auto_functionalized" in str(n.target)
+            names.add(str(n.args[0]) if functionalized else str(n.target))
+    return names
 
 
 def test_compile_fullgraph_traces_forward_and_backward():
@@ -829,3 +837,246 @@ def test_the_autograd_graph_holds_the_context_of_its_forward():
     del out
     gc.collect()
     assert held() is None, "the context must go with the graph"
+
+
+# -- Declared writes (docs/design.md, "Python package", custom ops): the schemas, and the training patterns on a
+# -- CPU stand-in of the kernels -------------------------------------------------------------------------------
+
+
+def _writes(op):
+    return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def test_the_schemas_declare_what_the_ops_write():
+    """Each op that writes the context declares its context argument written (the handle, or autograd's
+    per-forward token), backward_into its gradient buffers (Megatron's main_grad in autograd's backward); no op
+    relies on torch.fx.node.has_side_effect to stay in a traced graph."""
+    grads = [f"grad_{n}" for n in mok.checks.WEIGHT_NAMES]
+    assert _writes(torch.ops.mok.forward.default) == ["context"]
+    assert _writes(torch.ops.mok.backward.default) == ["context"]
+    assert _writes(torch.ops.mok.backward_into.default) == ["context", *grads]
+    assert _writes(torch.ops.mok.recompute_forward_context.default) == ["context"]
+    side_effectful = getattr(torch.fx.node, "_side_effectful_functions", set())
+    assert not [f for f in side_effectful if "mok" in str(f)], side_effectful
+
+
+class _RefContext:
+    """The stand-in's forward context: what a forward leaves for its backward (its inputs, as the real one holds
+    its schedule and activations)."""
+    idx = x = weights = None
+
+
+class ReferenceNative:
+    """The extension's workspace replaced by torch on the CPU (float32 from the bf16 inputs): forward writes the
+    context, backward computes the gradients of the forward the context holds (its x, ids and weights, not the
+    arguments: a backward of an overwritten context would give another forward's gradients), build_schedule and
+    recompute_forward_context rebuild it. Separate gate and up weights only."""
+
+    def make_context(self, stream):
+        return _RefContext()
+
+    @staticmethod
+    def layer(x, idx, rw, w):
+        def mlp(rows, gate, up, down):
+            return (torch.nn.functional.silu(rows @ gate.T) * (rows @ up.T)) @ down.T
+        out = mlp(x, w[3], w[4], w[5]) if w[3] is not None else torch.zeros_like(x)
+        for e in range(w[0].shape[0]):
+            tokens, slots = (idx == e).nonzero(as_tuple=True)
+            if tokens.numel():
+                out = out.index_add(0, tokens, rw[tokens, slots, None] * mlp(x[tokens], w[0][e], w[1][e], w[2][e]))
+        return out
+
+    def build_schedule(self, topk_idx, ctx, stream):
+        ctx.idx = topk_idx.clone()
+
+    def recompute_forward_context(self, x, weights, ctx, stream):
+        ctx.x, ctx.weights = x.clone(), [None if w is None else w.clone() for w in weights]
+
+    def forward(self, x, idx, rw, *rest):
+        weights, (out, ctx, stream, _) = rest[:6], rest[6:]
+        self.build_schedule(idx, ctx, stream)
+        self.recompute_forward_context(x, weights, ctx, stream)
+        out.copy_(self.layer(x.float(), idx, rw, [None if w is None else w.float() for w in weights]))
+
+    @staticmethod
+    def mlp_backward(rows, gate, up, down, dy):
+        """(d_rows, d_gate, d_up, d_down, y) of y = (silu(rows gate^T) * (rows up^T)) down^T (written out: the
+        ops run below autograd)."""
+        a, b = rows @ gate.T, rows @ up.T
+        s = torch.sigmoid(a)
+        z = a * s * b
+        dz = dy @ down
+        da, db = dz * b * s * (1 + a * (1 - s)), dz * a * s
+        return da @ gate + db @ up, da.T @ rows, db.T @ rows, dy.T @ z, z @ down.T
+
+    def backward(self, d_out, x, idx, rw, weights, d_x, d_rw, grads, accumulate, ctx, stream):
+        x, w, dy = ctx.x.float(), [None if t is None else t.float() for t in ctx.weights], d_out.float()
+        g = [torch.zeros_like(x), torch.zeros(rw.shape)] + [None if t is None else torch.zeros_like(t) for t in w]
+        if w[3] is not None:
+            dx, g[5], g[6], g[7], _ = self.mlp_backward(x, w[3], w[4], w[5], dy)
+            g[0] += dx
+        for e in range(w[0].shape[0]):
+            tokens, slots = (ctx.idx == e).nonzero(as_tuple=True)
+            if tokens.numel():
+                rows, r = x[tokens], rw[tokens, slots, None].float()
+                drows, dg, du, dd, y = self.mlp_backward(rows, w[0][e], w[1][e], w[2][e], r * dy[tokens])
+                g[0].index_add_(0, tokens, drows)
+                g[2][e], g[3][e], g[4][e] = dg, du, dd
+                g[1][tokens, slots] = (dy[tokens] * y).sum(-1)
+        d_x.copy_(g[0])
+        d_rw.copy_(g[1])
+        for buffer, grad in zip(grads, g[2:]):
+            if buffer is not None:
+                buffer.add_(grad) if accumulate else buffer.copy_(grad)
+
+
+@pytest.fixture
+def cpu_workspace(monkeypatch):
+    """A workspace on the CPU whose kernels are ReferenceNative's: the ops' real Python implementations run (the
+    handles, the token, the generation check, main_grad), registered as the ops' CPU kernels."""
+    for op in (mok.ops.forward_op, mok.ops.backward_op, mok.ops.backward_into_op, mok.ops.recompute_op):
+        if "cpu" not in op._backend_fns:
+            op.register_kernel("cpu")(op._init_fn)
+    monkeypatch.setattr(mok.ops, "_stream", lambda t: 0)
+    monkeypatch.setattr(mok.layer, "_cuda_stream", lambda device: 0)
+    torch._dynamo.reset()
+    yield mok.Workspace(SHAPE, mok.Config(), torch.device("cpu"), 0, ReferenceNative())
+    torch._dynamo.reset()
+
+
+def cpu_block(ws, seed, **kw):
+    torch.manual_seed(seed)
+    return mok.MoE(SHAPE.hidden, SHAPE.intermediate, SHAPE.num_experts, SHAPE.top_k, router=False, workspace=ws,
+                   **kw)
+
+
+def _step(layers, blocks, x, idx, rw, d_out):
+    """loss = sum(layers(x) * d_out), backward: the input's and every parameter's gradient and main_grad."""
+    for b in blocks:
+        for p in b.parameters():
+            p.grad = None
+    h0 = x.detach().clone().requires_grad_(True)
+    h = h0
+    for layer in layers:
+        h = layer(h, idx, rw)
+    (h.float() * d_out.float()).sum().backward()
+    got = {"x": h0.grad, "out": h.detach()}
+    for n, b in enumerate(blocks):
+        for name, p in b.named_parameters():
+            got[f"{n}.{name}"] = p.grad
+            if getattr(p, "main_grad", None) is not None:
+                got[f"{n}.{name}.main_grad"] = p.main_grad.clone()
+    return got
+
+
+def _assert_same(got, want, what):
+    assert got.keys() == want.keys(), what
+    for k in want:
+        assert (got[k] is None) == (want[k] is None), f"{what}: {k}"
+        assert got[k] is None or torch.equal(got[k], want[k]), f"{what}: {k} differs"
+
+
+@pytest.mark.parametrize("main_grad, backend", [(False, "aot_eager"), (True, "aot_eager"), (True, "inductor")],
+                         ids=["grads-aot_eager", "main_grad-aot_eager", "main_grad-inductor"])
+def test_blocks_compiled_one_by_one_equal_eager_on_the_cpu_stand_in(cpu_workspace, main_grad, backend):
+    """8 blocks sharing the workspace, a context each, the routing given, compiled block by block: one compiled
+    frame for the 8, no graph break, two steps bitwise equal to eager (gradients, or main_grad accumulated)."""
+    import torch._dynamo.testing
+    from torch._dynamo.utils import counters
+    ws = cpu_workspace
+    blocks = [cpu_block(ws, 90 + i, context=ws.make_context(), main_grad=main_grad) for i in range(8)]
+    if main_grad:
+        for b in blocks:
+            b.allocate_main_grads()
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=92)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(93)).to(torch.bfloat16)
+
+    def zero_main_grads():
+        for b in blocks:
+            for p in b.weights().tensors():
+                if getattr(p, "main_grad", None) is not None:
+                    p.main_grad.zero_()
+
+    eager = [_step(blocks, blocks, x, idx, rw, d_out) for _ in range(2)]
+    zero_main_grads()
+    counters.clear()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = [torch.compile(b, fullgraph=True, backend=counter) for b in blocks]
+    got = [_step(compiled, blocks, x, idx, rw, d_out) for _ in range(2)]
+    assert counter.frame_count == 1, f"{counter.frame_count} frames compiled for 8 blocks of one shape"
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    for step in range(2):
+        _assert_same(got[step], eager[step], f"step {step}: 8 blocks compiled one by one vs eager")
+    if main_grad:
+        assert all(g is None for k, g in got[1].items() if k.endswith(("gate", "up", "down"))), \
+            "with main_grad (no Megatron attributes) the weights get no .grad"
+        assert torch.equal(got[1]["0.expert_down.main_grad"], 2 * got[0]["0.expert_down.main_grad"])
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
+def test_a_context_overwritten_before_its_backward_raises_on_the_cpu_stand_in(cpu_workspace, backend):
+    ws = cpu_workspace
+    moe = cpu_block(ws, 85, context=ws.make_context())
+    layer = moe if backend is None else torch.compile(moe, fullgraph=True, backend=backend)
+    x1, idx1, rw1 = make_inputs(SHAPE, "cpu", seed=86)
+    x2, idx2, rw2 = make_inputs(SHAPE, "cpu", seed=87)
+    y1, y2 = layer(x1, idx1, rw1), layer(x2, idx2, rw2)
+    with pytest.raises(RuntimeError, match="overwritten by a later forward"):
+        (y1.float() + y2.float()).sum().backward()
+    d_out = torch.ones(x1.shape, dtype=torch.bfloat16)
+    want = _step([moe], [moe], x1, idx1, rw1, d_out)
+    _assert_same(_step([layer], [moe], x1, idx1, rw1, d_out), want, "the step after the refused backward")
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
+def test_layers_sharing_one_context_with_recompute_on_the_cpu_stand_in(cpu_workspace, backend):
+    """(a) Two layers on one context with recompute=True: no error (the second layer's backward rewrites the
+    context the first one's reads), gradients bitwise those of the same layers with a context each."""
+    ws = cpu_workspace
+    shared = ws.make_context()
+    sharing = [cpu_block(ws, 81 + i, recompute=True, context=shared) for i in range(2)]
+    separate = [cpu_block(ws, 81 + i, context=ws.make_context()) for i in range(2)]
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=83)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(84)).to(torch.bfloat16)
+    layers = sharing if backend is None else [torch.compile(b, fullgraph=True, backend=backend) for b in sharing]
+    got = _step(layers, sharing, x, idx, rw, d_out)
+    want = _step(separate, separate, x, idx, rw, d_out)
+    _assert_same({k: v for k, v in got.items()}, want, "shared context + recompute vs a context each")
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("order", ["together", "first-first", "last-first", "one-after-another"])
+def test_micro_batches_adding_into_one_main_grad_on_the_cpu_stand_in(cpu_workspace, backend, order):
+    """(b) Two micro-batches' forwards, then both backwards (1F1B-like, either order, or one backward call for
+    both), and (c) forward+backward one micro-batch after another: each backward adds into the same main_grad
+    (declared written) without autograd calling that an in-place modification; main_grad ends bitwise g1 + g2
+    (each g computed alone into zeros)."""
+    ws = cpu_workspace
+    moe = cpu_block(ws, 71, context=ws.make_context(), recompute=True, main_grad=True)
+    moe.allocate_main_grads()
+    layer = moe if backend is None else torch.compile(moe, fullgraph=True, backend=backend)
+    batches = [make_inputs(SHAPE, "cpu", seed=s) for s in (72, 74)]
+    d_outs = [torch.randn(SHAPE.num_tokens, SHAPE.hidden, generator=torch.Generator().manual_seed(s)).to(
+        torch.bfloat16) for s in (73, 75)]
+    alone = []
+    for (x, idx, rw), d in zip(batches, d_outs):  # each micro-batch's gradient alone, eagerly
+        for p in moe.weights().tensors():
+            p.main_grad.zero_()
+        (moe(x, idx, rw).float() * d.float()).sum().backward()
+        alone.append({n: p.main_grad.clone() for n, p in zip(mok.checks.WEIGHT_NAMES, moe.weights().tensors())})
+    for p in moe.weights().tensors():
+        p.main_grad.zero_()
+    losses = []
+    for (x, idx, rw), d in zip(batches, d_outs):
+        if order == "one-after-another":
+            (layer(x, idx, rw).float() * d.float()).sum().backward()
+        else:
+            losses.append((layer(x, idx, rw).float() * d.float()).sum())
+    if order == "together":
+        (losses[0] + losses[1]).backward()
+    elif order in ("first-first", "last-first"):
+        for i in ((0, 1) if order == "first-first" else (1, 0)):
+            losses[i].backward()
+    for n, p in zip(mok.checks.WEIGHT_NAMES, moe.weights().tensors()):
+        first, second = (alone[1][n], alone[0][n]) if order == "last-first" else (alone[0][n], alone[1][n])
+        assert torch.equal(p.main_grad, first + second), f"{n}: main_grad differs from g1 + g2"

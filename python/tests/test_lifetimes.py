@@ -260,5 +260,5 @@ def test_close_frees_the_workspace_and_later_calls_raise():
         with pytest.raises(RuntimeError, match="closed"):
             call()
     with pytest.raises(RuntimeError, match="closed"):  # the op itself, past the Python checks: the C++ refusal
-        torch.ops.mok.forward(ws.handle, ctx.handle, False, x, idx, rw, *w.tensors(), None, 0, False)
+        torch.ops.mok.forward(ws.handle, ctx.handle, False, x, idx, rw, *w.tensors())
     del ctx  # a context outlives its workspace's close: its memory is its own
