@@ -1,4 +1,5 @@
-// Grouped GEMM over the expert-major rows of a schedule (BF16 in, fp32 accumulation, BF16 out).
+// Grouped GEMM over the expert-major rows of a schedule (BF16 in, or FP8 with block scales; fp32 accumulation,
+// BF16 out).
 //
 //   kStore:  out[r, :] = row_scale[r] * (a[r, :] · W_e^T)                       W = b [E_local, n, k]
 //   kSwiGLU: out[r, :] = row_scale[r] * silu(min(g, L)) * clamp(u, -L, L)
@@ -21,6 +22,12 @@
 // [E_local, k, n] (n contiguous: the backward's dgrad through the forward's weights, unchanged in memory).
 // kMN with b_up (kStore only): K is the concatenation of b [E_local, k/2, n] and b_up [E_local, k/2, n]
 // (the gate/up dgrad over [d_g, d_u] with separate gate and up weights).
+//
+// Precision kFP8 (kStore and kSwiGLU, b_major kK; DeepSeek-V3's recipe, docs/design.md "FP8"): a and b hold
+// e4m3 values, each with fp32 block scales; the GEMM computes with a[r, c] * a_scales[c / 128, r] and
+// b[row, c] * b_scales[e, row / 128, c / 128] (row: the row of expert e's matrix, b_expert_rows = n, or 2n for
+// fused gate/up weights), promoting the tensor cores' partial sums to fp32 once per 128 of k. k may end with a
+// partial 128-column block. Tiles of 128 x 128 accumulators (kStore 128 output columns, kSwiGLU 64).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +39,11 @@
 namespace mok {
 
 enum class GemmEpilogue : int32_t { kStore = 0, kSwiGLU = 1, kSwiGLUBackward = 2 };
+
+enum class Precision : int32_t {
+  kBF16 = 0,  // bf16 operands
+  kFP8 = 1,   // e4m3 operands with fp32 block scales (1 x 128 for A, 128 x 128 for B)
+};
 
 enum class OperandMajor : int32_t {
   kK = 0,   // rows of the operand are contiguous along k
@@ -52,13 +64,17 @@ struct RowGatherArgs {
 
 struct ExpertGemmArgs {
   GemmEpilogue epilogue = GemmEpilogue::kStore;
-  const void* a = nullptr;      // bf16 [a_rows, k], 16-byte aligned rows
+  Precision precision = Precision::kBF16;
+  const void* a = nullptr;      // bf16 (kFP8: e4m3) [a_rows, k], 16-byte aligned rows
   int64_t a_rows = 0;           // rows allocated (the schedule's capacity)
   int k = 0;                    // multiple of 64
   const void* b = nullptr;      // bf16 weights, see above
   const void* b_up = nullptr;   // kSwiGLU with separate gate/up weights; nullptr: b is fused [E, 2n, k];
                                 // kStore with b_major kMN: the second half of K (see above)
   OperandMajor b_major = OperandMajor::kK;
+  const float* a_scales = nullptr;     // kFP8: [ceil(k / 128), a_rows] (rows contiguous), 16-byte aligned
+  const float* b_scales = nullptr;     // kFP8: b's, [local_experts, ceil(b_expert_rows / 128), ceil(k / 128)]
+  const float* b_up_scales = nullptr;  // kFP8 with b_up: b_up's, [local_experts, ceil(n / 128), ceil(k / 128)]
   int n = 0;                    // output columns, a multiple of 64; the last output tile (kStore and
                                 // kSwiGLUBackward 256 columns, kSwiGLU 128: gemm_n_blocks) is partial when n is
                                 // not a multiple of it
@@ -94,7 +110,8 @@ void validate(const ExpertGemmArgs& args);
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream);
 
-// Output tiles along n (the columns of kSwiGLUBackward's row_partials); the last one may be partial.
+// Output tiles along n (the columns of kSwiGLUBackward's row_partials) of a bf16 GEMM; the last one may be
+// partial.
 int gemm_n_blocks(GemmEpilogue epilogue, int n);
 
 // CTAs per cluster for a GEMM with `n` output columns: 2 (the A tile multicast to a pair of n-blocks) when

@@ -57,7 +57,27 @@ void launch_params(const ExpertGemmArgs& args, Params p, cudaStream_t stream) {
 
 template <class Traits>
 void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
-  launch_params<Traits>(args, detail::make_gemm_params<Traits>(args), stream);
+  if constexpr (gemm::BlockScaled<Traits>)
+    launch_params<Traits>(args, detail::make_block_scaled_params<Traits>(args), stream);
+  else
+    launch_params<Traits>(args, detail::make_gemm_params<Traits>(args), stream);
+}
+
+// Output tiles along n of a GEMM of either precision.
+int n_blocks(const ExpertGemmArgs& args) {
+  if (args.precision != Precision::kFP8) return gemm_n_blocks(args.epilogue, args.n);
+  const int columns = args.epilogue == GemmEpilogue::kSwiGLU ? detail::Fp8GemmTraits<gemm::SwiGLUEpilogue<false>, 1>::kOutCols
+                                                             : detail::Fp8GemmTraits<gemm::StoreEpilogue, 1>::kOutCols;
+  return (args.n + columns - 1) / columns;
+}
+
+// Precision::kFP8: the epilogue and cluster size become the kernel's policies.
+template <class Epilogue>
+void launch_fp8(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) {
+  if (cluster_n == 2)
+    launch<detail::Fp8GemmTraits<Epilogue, 2>>(args, stream);
+  else
+    launch<detail::Fp8GemmTraits<Epilogue, 1>>(args, stream);
 }
 
 // The gate/up GEMM with its A rows gathered by the producer warpgroup (src/device/gemm/row_gather.cuh).
@@ -97,8 +117,28 @@ void validate(const ExpertGemmArgs& args) {
                                            std::to_string(static_cast<int>(epilogue)));
   require(mn_major || args.b_major == OperandMajor::kK,
           "b_major must be kK or kMN, got " + std::to_string(static_cast<int>(args.b_major)));
-  require(args.a != nullptr && aligned16(args.a), "a must be a non-null, 16-byte aligned bf16 buffer");
-  require(args.b != nullptr && aligned16(args.b), "b must be a non-null, 16-byte aligned bf16 buffer");
+  const bool fp8 = args.precision == Precision::kFP8;
+  require(fp8 || args.precision == Precision::kBF16,
+          "precision must be kBF16 or kFP8, got " + std::to_string(static_cast<int>(args.precision)));
+  require(args.a != nullptr && aligned16(args.a), "a must be a non-null, 16-byte aligned bf16 (kFP8: e4m3) buffer");
+  require(args.b != nullptr && aligned16(args.b), "b must be a non-null, 16-byte aligned bf16 (kFP8: e4m3) buffer");
+  if (fp8) {
+    require(store || swiglu, "kFP8 supports kStore and kSwiGLU (the forward's GEMMs), got epilogue " +
+                                 std::to_string(static_cast<int>(epilogue)));
+    require(!mn_major, "kFP8 reads b K-major (FP8 wgmma takes both operands K-major): b_major must be kK");
+    require(args.gather.x == nullptr, "kFP8 does not gather rows (gather.x must be null)");
+    require(args.a_scales != nullptr && aligned16(args.a_scales),
+            "kFP8 needs a_scales: a non-null, 16-byte aligned fp32 [ceil(k / 128), a_rows] buffer");
+    require(args.b_scales != nullptr && reinterpret_cast<uintptr_t>(args.b_scales) % 4 == 0,
+            "kFP8 needs b_scales: a non-null fp32 [local_experts, ceil(b rows per expert / 128), ceil(k / 128)] buffer");
+    require((args.b_up == nullptr) == (args.b_up_scales == nullptr),
+            "kFP8: b_up_scales must be given exactly when b_up is (b_up's block scales)");
+    require(args.b_up_scales == nullptr || reinterpret_cast<uintptr_t>(args.b_up_scales) % 4 == 0,
+            "b_up_scales must be a 4-byte aligned fp32 buffer");
+  } else {
+    require(args.a_scales == nullptr && args.b_scales == nullptr && args.b_up_scales == nullptr,
+            "a_scales, b_scales and b_up_scales are only for precision kFP8");
+  }
   require(args.b_up == nullptr || ((swiglu || (store && mn_major)) && aligned16(args.b_up)),
           "b_up is only for kSwiGLU (separate gate and up weights) or kStore with b_major kMN (K split over b "
           "and b_up), and must be 16-byte aligned");
@@ -123,9 +163,9 @@ void validate(const ExpertGemmArgs& args) {
           "swiglu_limit must be finite and >= 0 (0: plain SwiGLU), got " + std::to_string(args.swiglu_limit));
   require(args.cluster_n == 0 || args.cluster_n == 1 || args.cluster_n == 2,
           "cluster_n must be 0 (choose), 1 or 2, got " + std::to_string(args.cluster_n));
-  require(args.cluster_n != 2 || gemm_n_blocks(args.epilogue, args.n) % 2 == 0,
-          "cluster_n = 2 pairs output tiles: n = " + std::to_string(args.n) + " gives an odd number of " +
-              std::to_string(output_tile_columns(args.epilogue)) + "-column tiles");
+  require(args.cluster_n != 2 || n_blocks(args) % 2 == 0,
+          "cluster_n = 2 pairs output tiles: n = " + std::to_string(args.n) + " gives an odd number (" +
+              std::to_string(n_blocks(args)) + ") of output tiles");
   require(args.local_experts > 0, "local_experts must be positive");
   require(args.tile_m == 64 || args.tile_m == 128, "tile_m must be 64 or 128, got " + std::to_string(args.tile_m));
   require(args.a_rows > 0 && args.a_rows % args.tile_m == 0, "a_rows must be a positive multiple of tile_m");
@@ -150,6 +190,16 @@ void validate(const ExpertGemmArgs& args) {
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);
+  if (args.precision == Precision::kFP8) {
+    const int cluster_n = args.cluster_n != 0 ? args.cluster_n : (n_blocks(args) % 2 == 0 ? 2 : 1);
+    if (args.epilogue == GemmEpilogue::kStore)
+      launch_fp8<gemm::StoreEpilogue>(args, cluster_n, stream);
+    else if (args.gate_up_out != nullptr)
+      launch_fp8<gemm::SwiGLUEpilogue<true>>(args, cluster_n, stream);
+    else
+      launch_fp8<gemm::SwiGLUEpilogue<false>>(args, cluster_n, stream);
+    return;
+  }
   const int cluster_n = args.cluster_n != 0 ? args.cluster_n : choose_cluster_n(args.epilogue, args.n);
   switch (args.epilogue) {
     case GemmEpilogue::kStore:

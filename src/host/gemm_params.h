@@ -27,6 +27,10 @@ template <int kClusterN>
 using SwiGLUTraits = ExpertGemmTraits<KMajorMainloop, gemm::SwiGLUEpilogue<false>, kClusterN>;
 template <int kClusterN>
 using StoreTraits = ExpertGemmTraits<KMajorMainloop, gemm::StoreEpilogue, kClusterN>;
+// FP8 (Precision::kFP8): 128 x 128 accumulator tiles (a k-block's partial sums beside the promoted ones: two
+// accumulator sets), k-blocks of 128, 5 stages of 32 KB.
+template <class Epilogue, int kClusterN>
+using Fp8GemmTraits = gemm::GemmTraits<128, 128, 5, gemm::Fp8Mainloop, Epilogue, kClusterN>;
 
 // A standalone GEMM launch's second kernel argument: its waits' bound (`waits` validated) and the test knob.
 inline gemm::StandaloneWaits standalone_waits(const WaitBound& waits, KernelId kernel) {
@@ -116,6 +120,27 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
   p.out_cols = out_cols;
   p.gate_up = static_cast<const __nv_bfloat16*>(args.gate_up);
   p.row_partials = args.row_partials;
+  return p;
+}
+
+// A block-scaled GEMM's parameters (Precision::kFP8): make_gemm_params' and the scales. `args` is validated.
+template <class Traits>
+auto make_block_scaled_params(const ExpertGemmArgs& args) {
+  using namespace cute;
+  using T = Traits;
+  auto base = make_gemm_params<T>(args);
+  const int k_blocks = T::num_k_blocks(args.k);
+  // a_scales [k_blocks, a_rows] as (row, k-block) coordinates: a box of kBlockM rows of one k-block per stage.
+  auto g_sa = make_tensor(make_gmem_ptr(args.a_scales), make_shape(args.a_rows, int64_t(k_blocks)),
+                          make_stride(_1{}, args.a_rows));
+  auto tma_sa = make_tma_copy(SM90_TMA_LOAD{}, g_sa, make_layout(make_shape(Int<T::kBlockM>{}, _1{})),
+                              Shape<Int<T::kBlockM>, _1>{}, Int<1>{});
+  gemm::BlockScaledParams<decltype(base), decltype(tma_sa)> p{base, tma_sa};
+  const bool separate_up = T::kEpilogue == GemmEpilogue::kSwiGLU && args.b_up != nullptr;
+  p.b_scales0 = args.b_scales;
+  p.b_scales1 = separate_up ? args.b_up_scales : args.b_scales;
+  p.b_scale_blocks = static_cast<int>((base.b_expert_rows + 127) / 128);
+  p.k_blocks = k_blocks;
   return p;
 }
 

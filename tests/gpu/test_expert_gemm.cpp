@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <stdexcept>
@@ -25,6 +26,7 @@
 #include "tests/common/device_status.h"
 #include "tests/common/gpu_env.h"
 #include "tests/common/bf16.h"
+#include "tests/common/fp8.h"
 #include "tests/common/schedule_harness.h"
 
 namespace mok {
@@ -1175,6 +1177,226 @@ TEST(ExpertGemmTest, GatherValidationNamesTheArgument) {
   args = base;
   args.cluster_n = 2;
   EXPECT_NE(message(args).find("gather runs in clusters of 1"), std::string::npos) << message(args);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Precision::kFP8 (e4m3 with block scales, tests/common/fp8.h). Exact inputs: integer e4m3 values in [-4, 4]
+// and power-of-two scales, so every k-block's partial sum is exact in the tensor cores and every promoted fp32
+// sum is exact: the output is the CPU's double result rounded once to bf16, bitwise.
+
+namespace fp8_tests {
+
+using testing::Fp8Matrix;
+
+// The FP8 fields of a call on the fixture's schedule.
+ExpertGemmArgs fp8_args(const GemmFixture& fx, GemmEpilogue epilogue, const DeviceArray<uint8_t>& a,
+                        const DeviceArray<float>& a_scales, int k, const DeviceArray<uint8_t>& b,
+                        const DeviceArray<float>& b_scales, int n, void* out) {
+  ExpertGemmArgs args = fx.args(epilogue, a.ptr, k, b.ptr, n, out);
+  args.precision = Precision::kFP8;
+  args.a_scales = a_scales.ptr;
+  args.b_scales = b_scales.ptr;
+  return args;
+}
+
+}  // namespace fp8_tests
+
+TEST(ExpertGemmTest, Fp8StoreIsBitwiseExactOnExactInputs) {
+  MOK_REQUIRE_GPUS(1);
+  using testing::Fp8Matrix;
+  const std::vector<int32_t> expert_counts = {0, 1, 63, 129, 300, 0, 128, 7};
+  const int num_experts = static_cast<int>(expert_counts.size());
+  struct Case { int tile_m, k, n; bool scaled; int cluster_n; };
+  // k 320: a partial last k-block (64 columns); n 384: three 128-column tiles (clusters of 1), n 512: four
+  // (clusters of 2 chosen), n 448: a partial last tile.
+  for (const Case c : {Case{128, 512, 512, false, 0}, Case{64, 320, 384, true, 0}, Case{128, 320, 448, false, 1},
+                       Case{64, 512, 512, true, 1}}) {
+    const uint64_t seed = 900 + c.tile_m + c.k + c.n + c.scaled;
+    const std::string label = "tile_m " + std::to_string(c.tile_m) + ", k " + std::to_string(c.k) + ", n " +
+                              std::to_string(c.n) + (c.scaled ? ", row scales" : "") + ", cluster_n " +
+                              std::to_string(c.cluster_n) + ", seed " + std::to_string(seed);
+    GemmFixture fx(expert_counts, 128, c.tile_m);
+    const auto a = Fp8Matrix::exact(fx.a_rows, fx.a_rows, c.k, true, seed);
+    const auto w = Fp8Matrix::exact(int64_t(num_experts) * c.n, c.n, c.k, false, seed + 2);
+    std::vector<float> row_scale(fx.a_rows);
+    for (int64_t r = 0; r < fx.a_rows; ++r) row_scale[r] = std::ldexp(1.0f, hashed_int(seed + 4, r, -1, 1));
+    DeviceArray<uint8_t> d_a(a.bits), d_w(w.bits);
+    DeviceArray<float> d_sa(a.scales), d_sw(w.scales), d_rs(row_scale);
+    DeviceArray<uint16_t> d_out(size_t(fx.a_rows) * c.n);
+    d_out.upload(std::vector<uint16_t>(d_out.count, kPoison));
+    ExpertGemmArgs args = fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, c.k, d_w, d_sw, c.n, d_out.ptr);
+    args.row_scale = c.scaled ? d_rs.ptr : nullptr;
+    args.cluster_n = c.cluster_n;
+    expert_gemm(args, nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    ASSERT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1) << ", " << label;
+    const auto got = d_out.download();
+    ASSERT_EQ(check_layout(got, fx.seg, fx.a_rows, c.n), "") << label;
+    for (int64_t row = 0; row < fx.seg.rows; ++row) {
+      if (!fx.seg.is_real(row)) continue;
+      const int e = fx.seg.expert_of(row);
+      for (int col = 0; col < c.n; ++col) {
+        const double want = a.dot(row, w, int64_t(e) * c.n + col) * (c.scaled ? row_scale[row] : 1.0f);
+        ASSERT_EQ(got[row * c.n + col], to_bf16_bits(static_cast<float>(want)))
+            << where("fp8 store", row, col, from_bf16_bits(got[row * c.n + col]), want) << ", " << label;
+      }
+    }
+  }
+}
+
+TEST(ExpertGemmTest, Fp8SwiGLUFusedAndSeparateWeights) {
+  MOK_REQUIRE_GPUS(1);
+  using testing::Fp8Matrix;
+  const std::vector<int32_t> expert_counts = {129, 0, 1, 255, 64};
+  const int num_experts = static_cast<int>(expert_counts.size());
+  const int k = 384;
+  for (const int n : {256, 192}) {  // 192: the up half of fused weights starts mid-block; 3 tiles of 64
+    const uint64_t seed = 950 + n;
+    const std::string label = "n " + std::to_string(n) + ", seed " + std::to_string(seed);
+    GemmFixture fx(expert_counts, 128, 64);
+    const auto a = Fp8Matrix::exact(fx.a_rows, fx.a_rows, k, true, seed);
+    // Fused [E, 2n, k] (blocks over each expert's 2n rows) and the same values as separate gate and up
+    // matrices (their own blocks): different scales, so each is checked against its own CPU result.
+    const auto fused = Fp8Matrix::exact(int64_t(num_experts) * 2 * n, 2 * n, k, false, seed + 2);
+    const auto gate = Fp8Matrix::exact(int64_t(num_experts) * n, n, k, false, seed + 4);
+    const auto up = Fp8Matrix::exact(int64_t(num_experts) * n, n, k, false, seed + 6);
+    DeviceArray<uint8_t> d_a(a.bits), d_fused(fused.bits), d_gate(gate.bits), d_up(up.bits);
+    DeviceArray<float> d_sa(a.scales), d_sfused(fused.scales), d_sgate(gate.scales), d_sup(up.scales);
+    DeviceArray<uint16_t> d_h(size_t(fx.a_rows) * n), d_gu(size_t(fx.a_rows) * 2 * n);
+    for (const bool separate : {false, true}) {
+      const std::string what = label + (separate ? ", separate weights" : ", fused weights");
+      d_h.upload(std::vector<uint16_t>(d_h.count, kPoison));
+      d_gu.upload(std::vector<uint16_t>(d_gu.count, kPoison));
+      ExpertGemmArgs args = separate
+          ? fp8_tests::fp8_args(fx, GemmEpilogue::kSwiGLU, d_a, d_sa, k, d_gate, d_sgate, n, d_h.ptr)
+          : fp8_tests::fp8_args(fx, GemmEpilogue::kSwiGLU, d_a, d_sa, k, d_fused, d_sfused, n, d_h.ptr);
+      if (separate) {
+        args.b_up = d_up.ptr;
+        args.b_up_scales = d_sup.ptr;
+      }
+      args.gate_up_out = d_gu.ptr;
+      expert_gemm(args, nullptr);
+      MOK_CHECK_CUDA(cudaDeviceSynchronize());
+      ASSERT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1) << ", " << what;
+      const auto h = d_h.download(), gu = d_gu.download();
+      ASSERT_EQ(check_layout(h, fx.seg, fx.a_rows, n), "") << what;
+      ASSERT_EQ(check_layout(gu, fx.seg, fx.a_rows, 2 * n), "") << what;
+      for (int64_t row = 0; row < fx.seg.rows; ++row) {
+        if (!fx.seg.is_real(row)) continue;
+        const int e = fx.seg.expert_of(row);
+        for (int c = 0; c < n; ++c) {
+          const double g = separate ? a.dot(row, gate, int64_t(e) * n + c) : a.dot(row, fused, int64_t(e) * 2 * n + c);
+          const double u = separate ? a.dot(row, up, int64_t(e) * n + c) : a.dot(row, fused, int64_t(e) * 2 * n + n + c);
+          // The raw g and u: exact sums rounded once, bitwise.
+          ASSERT_EQ(gu[row * 2 * n + c], to_bf16_bits(static_cast<float>(g)))
+              << where("g", row, c, from_bf16_bits(gu[row * 2 * n + c]), g) << ", " << what;
+          ASSERT_EQ(gu[row * 2 * n + n + c], to_bf16_bits(static_cast<float>(u)))
+              << where("u", row, c, from_bf16_bits(gu[row * 2 * n + n + c]), u) << ", " << what;
+          // h: bf16 rounding and __expf, as the bf16 SwiGLU test's budget.
+          const double want = g / (1 + std::exp(-g)) * u;
+          const float value = from_bf16_bits(h[row * n + c]);
+          ASSERT_FALSE(std::isnan(value)) << where("h NaN", row, c, value, want) << ", " << what;
+          ASSERT_LE(std::abs(value - want), std::abs(want) / 128 + 1e-3) << where("h", row, c, value, want) << ", " << what;
+        }
+      }
+    }
+  }
+}
+
+// Values of a normal distribution quantized by the recipe (tests/common/fp8.h, Fp8Matrix::quantize), against the
+// CPU's double product of the same quantized values. Budget: the bf16 output rounding (2^-9 relative) and the
+// tensor cores' accumulation of a k-block (fewer bits than fp32, DeepGEMM's reason for promoting every 128):
+// 2^-8 of |want| plus 2^-11 of the sum of |terms|.
+TEST(ExpertGemmTest, Fp8QuantizedNormalInputsWithinBudget) {
+  MOK_REQUIRE_GPUS(1);
+  using testing::Fp8Matrix;
+  const std::vector<int32_t> expert_counts = {300, 17, 0, 520};
+  const int num_experts = static_cast<int>(expert_counts.size());
+  const int k = 1024 + 64, n = 640;
+  const uint64_t seed = 977;
+  GemmFixture fx(expert_counts, 128, 128);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> a_values(size_t(fx.a_rows) * k), w_values(size_t(num_experts) * n * k);
+  for (auto& v : a_values) v = normal(rng) * 3.0f;
+  for (auto& v : w_values) v = normal(rng) * 0.02f;
+  const auto a = Fp8Matrix::quantize(a_values, fx.a_rows, fx.a_rows, k, true);
+  const auto w = Fp8Matrix::quantize(w_values, int64_t(num_experts) * n, n, k, false);
+  DeviceArray<uint8_t> d_a(a.bits), d_w(w.bits);
+  DeviceArray<float> d_sa(a.scales), d_sw(w.scales);
+  DeviceArray<uint16_t> d_out(size_t(fx.a_rows) * n), d_again(size_t(fx.a_rows) * n);
+  d_out.upload(std::vector<uint16_t>(d_out.count, kPoison));
+  d_again.upload(std::vector<uint16_t>(d_again.count, kPoison));
+  expert_gemm(fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, k, d_w, d_sw, n, d_out.ptr), nullptr);
+  ExpertGemmArgs single = fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, k, d_w, d_sw, n, d_again.ptr);
+  single.cluster_n = 1;
+  expert_gemm(single, nullptr);
+  MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  ASSERT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1);
+  const auto got = d_out.download();
+  ASSERT_EQ(got, d_again.download()) << "clusters of 2 and of 1 must give the same bits";
+  ASSERT_EQ(check_layout(got, fx.seg, fx.a_rows, n), "");
+  for (int64_t row = 0; row < fx.seg.rows; ++row) {
+    if (!fx.seg.is_real(row)) continue;
+    const int e = fx.seg.expert_of(row);
+    for (int col = 0; col < n; ++col) {
+      double want = 0, magnitude = 0;
+      for (int c = 0; c < k; ++c) {
+        const double term = a.value(row, c) * w.value(int64_t(e) * n + col, c);
+        want += term;
+        magnitude += std::abs(term);
+      }
+      const float value = from_bf16_bits(got[row * n + col]);
+      ASSERT_FALSE(std::isnan(value)) << where("fp8 NaN", row, col, value, want);
+      ASSERT_LE(std::abs(value - want), std::ldexp(std::abs(want), -8) + std::ldexp(magnitude, -11))
+          << where("fp8 store", row, col, value, want) << " seed " << seed;
+    }
+  }
+}
+
+TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
+  alignas(16) static uint16_t buffer[64];
+  alignas(16) static float scales[64];
+  static DeviceStatus status;  // validation does not read it
+  ExpertGemmArgs base;
+  base.precision = Precision::kFP8;
+  base.epilogue = GemmEpilogue::kStore;
+  base.a = base.b = base.out = buffer;
+  base.a_scales = base.b_scales = scales;
+  base.k = 256;
+  base.n = 256;
+  base.local_experts = 1;
+  base.a_rows = 128;
+  base.expert_counts = base.expert_row_offsets = base.scheduled_rows = reinterpret_cast<const int32_t*>(buffer);
+  base.ticket = reinterpret_cast<int32_t*>(buffer);
+  base.waits.status = &status;
+  auto message = [](const ExpertGemmArgs& args) {
+    try { validate(args); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
+    return std::string("no throw");
+  };
+  ASSERT_EQ(message(base), "no throw");
+  struct Bad { const char* name; std::function<void(ExpertGemmArgs&)> edit; const char* expected; };
+  const std::vector<Bad> bad = {
+      {"no a_scales", [](ExpertGemmArgs& a) { a.a_scales = nullptr; }, "kFP8 needs a_scales"},
+      {"misaligned a_scales", [](ExpertGemmArgs& a) { a.a_scales = scales + 1; }, "kFP8 needs a_scales"},
+      {"no b_scales", [](ExpertGemmArgs& a) { a.b_scales = nullptr; }, "kFP8 needs b_scales"},
+      {"b_up without scales", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.b_up = buffer; },
+       "b_up_scales must be given exactly when b_up is"},
+      {"scales without b_up", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.b_up_scales = scales; },
+       "b_up_scales must be given exactly when b_up is"},
+      {"MN-major b", [](ExpertGemmArgs& a) { a.b_major = OperandMajor::kMN; }, "kFP8 reads b K-major"},
+      {"SwiGLU backward", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; a.b_major = OperandMajor::kMN; },
+       "kFP8 supports kStore and kSwiGLU"},
+      {"unknown precision", [](ExpertGemmArgs& a) { a.precision = static_cast<Precision>(7); }, "precision must be"},
+      {"bf16 with scales", [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; },
+       "only for precision kFP8"},
+      {"odd tiles paired", [](ExpertGemmArgs& a) { a.n = 384; a.cluster_n = 2; }, "cluster_n = 2 pairs"},
+  };
+  for (const auto& b : bad) {
+    ExpertGemmArgs args = base;
+    b.edit(args);
+    EXPECT_NE(message(args).find(b.expected), std::string::npos) << b.name << ": " << message(args);
+  }
 }
 
 }  // namespace mok

@@ -55,18 +55,36 @@
 
 namespace mok::gemm {
 
-// GemmTraits = tile shape + operand policy (mainloop.cuh: Bf16Mainloop<A major, B major>; A is K-major here,
-// B either) + epilogue policy (gemm_epilogue.cuh) + the cluster size, over the collective mainloop.
+// One TMA box of a B stage, kRows n (K-major) or 64 n-columns (MN-major) by kCols k (only the chosen major's
+// layout is formed: the other's atom need not divide the box).
+template <class Mainloop, int kRows, int kCols>
+constexpr auto b_box_layout() {
+  const auto shape = cute::make_shape(cute::Int<kRows>{}, cute::Int<kCols>{});
+  if constexpr (Mainloop::kBKMajor)
+    return cute::tile_to_shape(typename Mainloop::SmemAtom{}, shape);
+  else
+    return cute::tile_to_shape(typename Mainloop::SmemAtomMN{}, shape, cute::Step<cute::_2, cute::_1>{});
+}
+
+// GemmTraits = tile shape + operand policy (mainloop.cuh: Bf16Mainloop<A major, B major>, A K-major here and B
+// either; or Fp8Mainloop, both K-major, block-scaled) + epilogue policy (gemm_epilogue.cuh) + the cluster size,
+// over the collective mainloop. Outputs are bf16 whatever the operands.
 template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_>
-struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, 64, kStages_> {
-  using Collective = CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, 64, kStages_>;
+struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_> {
+  using Collective = CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_>;
   using Mainloop = Mainloop_;
   using Epilogue = Epilogue_;
   using typename Collective::Element;
   using Collective::kBlockM;
   using Collective::kBlockN;  // accumulator columns per tile
-  using Collective::kBlockK;  // one 128-byte swizzle row of bf16
+  using Collective::kBlockK;  // one 128-byte swizzle row of the element: 64 bf16, 128 e4m3
   using Collective::kConsumerWarpgroups;
+  using OutElement = cutlass::bfloat16_t;
+  // k-blocks of a K: whole ones (bf16: k % 64 == 0); block-scaled, the last may be partial (the TMA fills
+  // its columns past k with zeros, and its scales cover the columns it has).
+  static constexpr int num_k_blocks(int k) {
+    return Collective::kBlockScaled ? (k + kBlockK - 1) / kBlockK : k / kBlockK;
+  }
   static constexpr GemmEpilogue kEpilogue = Epilogue::kKind;
   static constexpr OperandMajor kBMajor = Mainloop::kBMajor;
   static_assert(Mainloop::kAMajor == OperandMajor::kK, "A rows are the expert-major row buffer: K-major");
@@ -88,12 +106,7 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, 64, kStage
   static constexpr int kBoxRowsB = Mainloop::kBKMajor ? kHalfN : 64;
   static constexpr int kBoxesB = kBlockN / kBoxRowsB;
   static_assert(Mainloop::kBKMajor || kBlockN % 64 == 0, "MN-major B stages are whole 64-column boxes");
-  using SmemLayoutBBox = std::conditional_t<
-      Mainloop::kBKMajor,
-      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kBoxRowsB>{}, cute::Int<kBlockK>{}))),
-      decltype(cute::tile_to_shape(typename Mainloop::SmemAtomMN{},
-                                   cute::make_shape(cute::Int<kBoxRowsB>{}, cute::Int<kBlockK>{}),
-                                   cute::Step<cute::_2, cute::_1>{}))>;
+  using SmemLayoutBBox = decltype(b_box_layout<Mainloop, kBoxRowsB, kBlockK>());
   using SmemLayoutACta =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kCtaRowsA>{}, cute::Int<kBlockK>{})));
 
@@ -101,11 +114,11 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, 64, kStage
   // columns of bf16 (128 bytes a row, 128-byte swizzle), which TMA stores copy out. Staged in passes of
   // kStagingCols columns, which keeps 4 pipeline stages within shared memory.
   static constexpr int kBoxCols = 64;
-  static constexpr int kStagingBoxes = 2;
+  static constexpr int kStagingBoxes = kOutCols >= 2 * kBoxCols ? 2 : 1;
   static constexpr int kStagingCols = kStagingBoxes * kBoxCols;
   static_assert(kOutCols % kStagingCols == 0, "whole staging passes");
-  using SmemLayoutOutBox =
-      decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<64>{}, cute::Int<kBoxCols>{})));
+  using SmemLayoutOutBox = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<OutElement>{},
+                                                         cute::make_shape(cute::Int<64>{}, cute::Int<kBoxCols>{})));
 
   // The tiles' bytes (the megakernels': every GEMM of one pass, weight gradients included, has this type) and
   // the standalone kernel's, with its task ring.
@@ -150,6 +163,26 @@ struct GemmParams {
   uint64_t* trace = {};  // nullable: per (slot, CTA) consumer start / end ns, SM id | cycles<<16, expert<<48|group<<32|row
 };
 
+// A block-scaled (FP8) GEMM's parameters: the bf16 GEMM's and the scales (include/mok/expert_gemm.h has their
+// layouts). A's scales go through the pipeline with the stage (a TMA of kBlockM floats); B's, one float per
+// half tile per k-block, the consumers read from global memory one k-block ahead.
+template <class Base, class TmaScales>
+struct BlockScaledParams : Base {
+  TmaScales tma_a_scales;           // a_scales [a_rows, k_blocks] as (row, k-block) coordinates, rows contiguous
+  const float* b_scales0 = {};      // of tma_b0's weights: [E_local, b_scale_blocks, k_blocks]
+  const float* b_scales1 = {};      // of tma_b1's (b's again when gate and up are fused)
+  int b_scale_blocks = {};          // 128-row blocks per expert: ceil(b_expert_rows / 128)
+  int k_blocks = {};                // ceil(k / 128)
+
+  // The scales over k of half `half` of the task's B tile (kHalfN = 64 rows from a multiple of 64: inside
+  // one 128-row block).
+  __device__ __forceinline__ const float* b_scale_row(const TileTask& task, int half) const {
+    const int64_t first_row =
+        int64_t(task.n_block) * this->b_block_step + (half == 0 ? this->b_half_offset0 : this->b_half_offset1);
+    return (half == 0 ? b_scales0 : b_scales1) + (int64_t(task.expert) * b_scale_blocks + first_row / 128) * k_blocks;
+  }
+};
+
 // Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
 // False when a stage acquire gave up (`bound`): the rest of the tile is not issued.
 template <class Traits, class Params, class Storage>
@@ -176,7 +209,21 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
     else
       copy(p.tma_a.with(*full), t_a_g(_, k_block), t_a_s(_, stage));
   };
-  const int num_k_blocks = p.k / T::kBlockK;
+  const int num_k_blocks = T::num_k_blocks(p.k);
+  // Block-scaled: the tile rows' A scales of each k-block, into the stage's ScaleStages row (kBlockM floats;
+  // every CTA of a cluster loads its own, not multicast).
+  const auto load_a_scales = [&](int k_block, int stage, typename T::Pipeline::ProducerBarrierType* full) {
+    if constexpr (BlockScaled<T>) {
+      Tensor m_sa = p.tma_a_scales.get_tma_tensor(make_shape(p.a_rows, p.k_blocks));
+      Tensor s_sa = make_tensor(make_smem_ptr(&smem.a_scales[0][0]),
+                                make_layout(make_shape(Int<T::kBlockM>{}, _1{}, Int<T::kStages>{})));
+      Tensor g_sa = local_tile(domain_offset(make_coord(int64_t(task.buffer_row), _0{}), m_sa),
+                               Shape<Int<T::kBlockM>, _1>{}, make_coord(0, _));  // (M, 1, k-blocks)
+      auto [t_sa_g, t_sa_s] = tma_partition(p.tma_a_scales, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_sa),
+                                            group_modes<0, 2>(g_sa));
+      copy(p.tma_a_scales.with(*full), t_sa_g(_, k_block), t_sa_s(_, stage));
+    }
+  };
   if constexpr (T::Mainloop::kBKMajor) {
     // B rows by offset, not by tile index: an expert's rows (n, or 2n fused) need not be a multiple of the
     // half tile. A last, partial n-block reads rows of the next expert (or of the up half) into columns no
@@ -197,11 +244,13 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
       auto* full = pipeline.producer_get_barrier(state);
       const int stage = state.index();
       load_a(k_block, stage, full);
+      load_a_scales(k_block, stage, full);
       copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
       copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
       ++state;
     }
   } else {
+    static_assert(!BlockScaled<T>, "block-scaled operands are K-major");
     // MN-major B [b_rows, n] as (n, k-row) coordinates: box b of n-block nb holds columns nb * kBlockN + 64 b
     // of k-rows e * b_expert_rows + 64 k_block (of the second source once k_block >= b_k_blocks0). A last,
     // partial n-block's boxes past n lie outside the tensor: the TMA fills them with zeros (and still

@@ -117,7 +117,7 @@ struct TileStager {
       for (int box = 0; box < T::kStagingBoxes; ++box) {
         const int col = box_col(box);
         if (col < 0) break;
-        Tensor s_box = make_tensor(make_smem_ptr(reinterpret_cast<typename T::Element*>(smem.staging[warpgroup][box])),
+        Tensor s_box = make_tensor(make_smem_ptr(reinterpret_cast<typename T::OutElement*>(smem.staging[warpgroup][box])),
                                    typename T::SmemLayoutOutBox{});
         Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, col));
         auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));

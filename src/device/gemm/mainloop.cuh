@@ -8,8 +8,9 @@
 // What differs between the GEMMs is a policy, not a second mainloop (as CUTLASS's collective, which derives
 // both operand majors from its strides):
 //   operands     Bf16Mainloop<A major, B major>: element type and majorness (expert GEMM: A K-major, B either;
-//                weight gradient, K = tokens: both MN-major). FP8 (e4m3) will be another operand policy, both
-//                operands K-major, its block scales loaded with the stages and promoted per k-block below.
+//                weight gradient, K = tokens: both MN-major); Fp8Mainloop: e4m3, both K-major, block-scaled
+//                (A scales loaded with the stages, B scales read by the consumers; promoted per k-block:
+//                mainloop_block_scaled).
 //   tile shape   CollectiveMainloop<operands, kBlockM, kBlockN, kBlockK, kStages>.
 //   task mode    T::Walker (task_walker.cuh): a tile's k-blocks, its idle warpgroups, AccumulatorStart (the first
 //                wgmma overwrites, or zeroed accumulators to which every wgmma adds: not the same bits for a -0
@@ -37,17 +38,19 @@
 
 namespace mok::gemm {
 
-// Operand policy: bf16 operands, A and B each K-major or MN-major.
-template <OperandMajor kAMajor_, OperandMajor kBMajor_>
-struct Bf16Mainloop {
-  using Element = cutlass::bfloat16_t;
+// Operand policy: element type and the majorness of A and B. A stage's k-block is one 128-byte swizzle row
+// of the element: 64 bf16, 128 e4m3.
+template <class Element_, OperandMajor kAMajor_, OperandMajor kBMajor_>
+struct DenseOperands {
+  using Element = Element_;
   static constexpr OperandMajor kAMajor = kAMajor_;
   static constexpr OperandMajor kBMajor = kBMajor_;
   static constexpr bool kBKMajor = kBMajor == OperandMajor::kK;
+  static constexpr int kBlockK = 128 / static_cast<int>(sizeof(Element));
   static constexpr cute::GMMA::Major gmma_major(OperandMajor major) {
     return major == OperandMajor::kK ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
   }
-  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});  // K-major operands, output boxes
+  using SmemAtom = decltype(cute::GMMA::Layout_K_SW128_Atom<Element>{});  // K-major operands
   // MN-major atoms are 64 m (or n) x 8 k (128 bytes of m per k); stacked along k first (CUTLASS's order for
   // MN-major operands), so that each 64-column slice of a stage is one contiguous block of kBlockK rows of
   // 128 bytes: one TMA box, and the wgmma descriptor's m- (n-) stride.
@@ -66,6 +69,30 @@ struct Bf16Mainloop {
   using StageLayout = decltype(stage_layout<kMajor, kRows, kCols, kStages>());
 };
 
+// bf16 operands, A and B each K-major or MN-major; one wgmma batch accumulates the whole K.
+template <OperandMajor kAMajor_, OperandMajor kBMajor_>
+struct Bf16Mainloop : DenseOperands<cutlass::bfloat16_t, kAMajor_, kBMajor_> {};
+
+// e4m3 operands with DeepSeek-V3's block scales (docs/design.md, "FP8"): A scaled per row per 128 columns of
+// k (a_scales [k-blocks, rows], fp32), B per 128 x 128 block of each expert's [rows, k] matrix (b_scales
+// [E, ceil(rows / 128), k-blocks], fp32). FP8 wgmma reads both operands K-major. Each k-block's product goes
+// into fresh fp32 accumulators, then is promoted: acc += a_scale[row] * b_scale[block] * partial (once per
+// 128 of K, as DeepGEMM does: the tensor cores' FP8 accumulation keeps fewer bits than fp32).
+struct Fp8Mainloop : DenseOperands<cutlass::float_e4m3_t, OperandMajor::kK, OperandMajor::kK> {
+  static constexpr bool kBlockScaled = true;
+};
+
+template <class T>
+concept BlockScaled = requires { requires T::kBlockScaled; };
+
+// The A scales of every stage (block-scaled operands only; a base of GemmSharedStorage, empty otherwise, so
+// that a bf16 GEMM's bytes do not move): one fp32 per tile row per stage, written by the stage's TMA.
+template <int kStages, int kBlockM>
+struct ScaleStages {
+  alignas(128) float a_scales[kStages][kBlockM];
+};
+struct NoScales {};
+
 // A configuration whose A stages the producer's threads write with cp.async (row_gather.cuh) instead of TMA.
 template <class T>
 concept GathersRows = requires { requires T::kGatherRows; };
@@ -80,12 +107,13 @@ struct NoTasks {};
 // operand majors or epilogue (no reinterpretation between tile kinds). Staging boxes are 64 rows x 128 bytes:
 // bf16 64 columns, fp32 32, in the TMA's 128-byte swizzle (1024-byte aligned: the swizzle is a function of the
 // address bits [4, 10)).
-template <class Element, int kBlockM, int kBlockN, int kBlockK, int kStages, int kStagingBoxes, class Tasks = NoTasks>
-struct GemmSharedStorage {
+template <class Element, int kBlockM, int kBlockN, int kBlockK, int kStages, int kStagingBoxes, class Tasks = NoTasks,
+          class Scales = NoScales>
+struct GemmSharedStorage : Scales {
   static constexpr int kStagingBoxBytes = 64 * 128;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   // The same bytes without a task hand-off: the megakernels' tiles, beside their own task ring.
-  using Tiles = GemmSharedStorage<Element, kBlockM, kBlockN, kBlockK, kStages, kStagingBoxes>;
+  using Tiles = GemmSharedStorage<Element, kBlockM, kBlockN, kBlockK, kStages, kStagingBoxes, NoTasks, Scales>;
 
   alignas(1024) cute::array_aligned<Element, kBlockM * kBlockK * kStages> a;
   alignas(1024) cute::array_aligned<Element, kBlockN * kBlockK * kStages> b;
@@ -132,10 +160,16 @@ struct CollectiveMainloop {
   static constexpr int kStagingBarrier = 1;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
-  static constexpr uint32_t kStageTransactionBytes = (kBlockM + kBlockN) * kBlockK * sizeof(Element);
+  static constexpr bool kBlockScaled = BlockScaled<Operands>;
+  static constexpr int kBlockKCols = 128;  // columns of k per block scale
+  static_assert(!kBlockScaled || kBlockK == kBlockKCols, "a block-scaled stage is one scale block of k");
+  // A stage: A and B tiles, and with block scales the tile rows' A scales.
+  static constexpr uint32_t kStageTransactionBytes =
+      (kBlockM + kBlockN) * kBlockK * sizeof(Element) + (kBlockScaled ? kBlockM * sizeof(float) : 0);
+  using Scales = std::conditional_t<kBlockScaled, ScaleStages<kStages, kBlockM>, NoScales>;
 
   template <int kStagingBoxes, class Tasks = NoTasks>
-  using Storage = GemmSharedStorage<Element, kBlockM, kBlockN, kBlockK, kStages, kStagingBoxes, Tasks>;
+  using Storage = GemmSharedStorage<Element, kBlockM, kBlockN, kBlockK, kStages, kStagingBoxes, Tasks, Scales>;
   static_assert(cute::cosize_v<SmemLayoutA> == kBlockM * kBlockK * kStages &&
                     cute::cosize_v<SmemLayoutB> == kBlockN * kBlockK * kStages,
                 "GemmSharedStorage's stages hold the layouts exactly");
@@ -247,6 +281,62 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   }
 }
 
+// The mainloop of an active consumer warpgroup with block-scaled (FP8) operands: per k-block, the stage's
+// product into fresh fp32 accumulators (`partial`: the first wgmma overwrites), then
+//   accum[i] += (a_scale[row of i] * b_scale[half of i]) * partial[i]
+// in ascending k-block order, so each output element is one fixed-order sum (deterministic). The wgmma batch
+// is waited for before the promotion: the other consumer warpgroup's batch runs meanwhile (DeepGEMM's
+// overlap). row0 / row1: the tile rows of the thread's fragment rows (values i with (i / 2) % 2 = 0 / 1);
+// values [0, size / 2) are columns [0, kBlockN / 2), B half 0 (gemm_epilogue.cuh's fragment layout).
+// b_scales0 / b_scales1: the halves' B scales per k-block (read one k-block ahead).
+template <class Collective, class Storage, class ThreadMma, class Accum>
+__device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage& smem,
+                                                      typename Collective::Pipeline& pipeline,
+                                                      typename Collective::PipelineState& read_state,
+                                                      typename Collective::TiledMma& mma, const ThreadMma& thread_mma,
+                                                      Accum& accum, int row0, int row1, const float* b_scales0,
+                                                      const float* b_scales1, const device::HandoffBound& bound) {
+  using namespace cute;
+  using C = Collective;
+  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename C::SmemLayoutA{});
+  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename C::SmemLayoutB{});
+  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
+  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
+  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
+  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
+  Tensor partial = make_fragment_like(accum);
+  constexpr int kValues = decltype(size(accum))::value;
+  clear(accum);
+  float next_b0 = num_k_blocks > 0 ? __ldg(b_scales0) : 0.0f;
+  float next_b1 = num_k_blocks > 0 ? __ldg(b_scales1) : 0.0f;
+  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    consumer_wait_bounded(pipeline, read_state, bound);
+    const int stage = read_state.index();
+    const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
+    const float b0 = next_b0, b1 = next_b1;
+    if (k_block + 1 < num_k_blocks) {
+      next_b0 = __ldg(b_scales0 + k_block + 1);
+      next_b1 = __ldg(b_scales1 + k_block + 1);
+    }
+    warpgroup_fence_operand(partial);
+    warpgroup_arrive();
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(t_r_a); ++k) {
+      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), partial);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(partial);
+    pipeline.consumer_release(read_state);  // its operands and A scales are read
+    ++read_state;
+    const float scale[2][2] = {{a0 * b0, a0 * b1}, {a1 * b0, a1 * b1}};
+    CUTE_UNROLL
+    for (int i = 0; i < kValues; ++i) accum(i) += scale[(i / 2) % 2][i < kValues / 2 ? 0 : 1] * partial(i);
+  }
+}
+
 // Consumer side of one tile, every GEMM's: mainloop over the tile's k-blocks, then the epilogue policy's
 // finish. All consumer threads call this; consumer_idx is the thread's index among the consumer warpgroups.
 // The task mode (T::Walker: task_walker.cuh) says how many k-blocks the tile has, whether this warpgroup's
@@ -274,8 +364,15 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
     return;
   }
   T::Epilogue::template prefetch<T>(p, task, warpgroup, consumer_idx % 128);
-  mainloop<T, Walker::kAccumulatorStart>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
-                                         bound);
+  if constexpr (BlockScaled<T>) {
+    Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+    mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
+                             get<0>(coords(0)), get<0>(coords(2)), p.b_scale_row(task, 0), p.b_scale_row(task, 1),
+                             bound);
+  } else {
+    mainloop<T, Walker::kAccumulatorStart>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
+                                           bound);
+  }
   T::Epilogue::template finish<T>(p, task, tile, accum, mma, smem, warpgroup, consumer_idx, store_leader, rows_done,
                                   signal);
 }

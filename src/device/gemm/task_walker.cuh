@@ -103,7 +103,7 @@ struct TaskWalker<TaskMode::kRowTiles, Traits>
   }
   template <class Params>
   __device__ __forceinline__ static ConsumerTile consumer_tile(const Params& p, const TileTask& task, int warpgroup) {
-    return {warpgroup * kUnitRows < __shfl_sync(0xffffffff, task.rows, 0), p.k / Traits::kBlockK, true};
+    return {warpgroup * kUnitRows < __shfl_sync(0xffffffff, task.rows, 0), Traits::num_k_blocks(p.k), true};
   }
 };
 
