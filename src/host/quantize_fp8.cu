@@ -1,0 +1,171 @@
+// FP8 quantization kernels (include/mok/fp8.h): bf16 -> e4m3 with block scales.
+//   rows:    one warp per (row, 128-column block): 4 columns a lane, the block's amax by a butterfly (every lane
+//            the same value), the scale, then each lane converts its own columns.
+//   weights: one CTA of 256 threads per 128 x 128 block: each thread's amax over its values, a shared-memory
+//            reduction, then the conversion (the block is read twice; the second read hits L1/L2).
+// The scale and every quotient are IEEE fp32 (amax / 448, value / scale), so the CPU reference
+// (tests/common/fp8.h, Fp8Matrix::quantize) gives the same bits.
+#include "mok/fp8.h"
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "src/host/check.h"
+
+namespace mok {
+namespace {
+
+constexpr int kBlock = 128;
+constexpr float kE4m3Max = 448.0f;
+
+// The scale of a block whose largest |value| is `amax` (NaN when the block holds a NaN or an infinity).
+__device__ __forceinline__ float block_scale(float amax, bool finite, bool power_of_two) {
+  if (!finite) return __int_as_float(0x7fc00000);
+  if (amax == 0.0f) return 1.0f;
+  float scale = __fdiv_rn(amax, kE4m3Max);
+  if (power_of_two) {  // rounded up to a power of two (bit operations: exact, the CPU reference's too)
+    const uint32_t bits = __float_as_uint(scale);
+    const uint32_t exponent = bits & 0x7f800000u, mantissa = bits & 0x007fffffu;
+    if (exponent == 0)  // subnormal (amax below 2^-117), never zero: the next power of two of the mantissa
+      scale = (mantissa & (mantissa - 1)) == 0 ? scale : __uint_as_float(1u << (32 - __clz(mantissa)));
+    else if (mantissa != 0)
+      scale = __uint_as_float(exponent + 0x00800000u);
+  }
+  return scale;
+}
+
+__device__ __forceinline__ uint8_t to_e4m3(float value, float scale) {
+  return __nv_cvt_float_to_fp8(__fdiv_rn(value, scale), __NV_SATFINITE, __NV_E4M3);
+}
+
+__global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int k, uint8_t* out, float* scales,
+                                     bool power_of_two) {
+  const int k_blocks = (k + kBlock - 1) / kBlock;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= rows * k_blocks) return;  // warp-uniform
+  const int64_t row = warp / k_blocks;
+  const int block = static_cast<int>(warp % k_blocks);
+  const int col = block * kBlock + 4 * lane;
+  float v[4];
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < 4; ++i) {
+    v[i] = col + i < k ? __bfloat162float(in[row * k + col + i]) : 0.0f;
+    finite = finite && isfinite(v[i]);
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    finite = __all_sync(0xffffffffu, finite);
+  }
+  const float scale = block_scale(amax, finite, power_of_two);
+  for (int i = 0; i < 4; ++i)
+    if (col + i < k) out[row * k + col + i] = to_e4m3(v[i], scale);
+  if (lane == 0) scales[int64_t(block) * rows + row] = scale;
+}
+
+constexpr int kWeightThreads = 256;
+
+__global__ void quantize_weights_kernel(const __nv_bfloat16* in, int64_t rows, int k, uint8_t* out, float* scales,
+                                        bool power_of_two) {
+  // blockIdx.x: k-block, blockIdx.y: row block, blockIdx.z: expert.
+  const int64_t expert = blockIdx.z;
+  const int64_t row0 = int64_t(blockIdx.y) * kBlock;
+  const int col0 = blockIdx.x * kBlock;
+  const int64_t row_end = rows < row0 + kBlock ? rows : row0 + kBlock;
+  const int col_end = k < col0 + kBlock ? k : col0 + kBlock;
+  const __nv_bfloat16* base = in + expert * rows * k;
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = threadIdx.x; i < kBlock * kBlock; i += kWeightThreads) {
+    const int64_t r = row0 + i / kBlock;
+    const int c = col0 + i % kBlock;
+    if (r < row_end && c < col_end) {
+      const float v = __bfloat162float(base[r * k + c]);
+      finite = finite && isfinite(v);
+      amax = fmaxf(amax, fabsf(v));
+    }
+  }
+  __shared__ float warp_amax[kWeightThreads / 32];
+  __shared__ int warp_finite[kWeightThreads / 32];
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  finite = __all_sync(0xffffffffu, finite);
+  if (threadIdx.x % 32 == 0) {
+    warp_amax[threadIdx.x / 32] = amax;
+    warp_finite[threadIdx.x / 32] = finite;
+  }
+  __syncthreads();
+  amax = 0.0f;
+  finite = true;
+  for (int w = 0; w < kWeightThreads / 32; ++w) {
+    amax = fmaxf(amax, warp_amax[w]);
+    finite = finite && warp_finite[w];
+  }
+  const float scale = block_scale(amax, finite, power_of_two);
+  uint8_t* out_base = out + expert * rows * k;
+  for (int i = threadIdx.x; i < kBlock * kBlock; i += kWeightThreads) {
+    const int64_t r = row0 + i / kBlock;
+    const int c = col0 + i % kBlock;
+    if (r < row_end && c < col_end) out_base[r * k + c] = to_e4m3(__bfloat162float(base[r * k + c]), scale);
+  }
+  if (threadIdx.x == 0) {
+    const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
+    scales[(expert * row_blocks + blockIdx.y) * gridDim.x + blockIdx.x] = scale;
+  }
+}
+
+void require(bool condition, const char* entry, const std::string& message) {
+  if (!condition) throw std::invalid_argument(std::string(entry) + ": " + message);
+}
+
+void validate(const Fp8QuantizeArgs& a, const char* entry, bool rows_layout) {
+  require(a.in != nullptr && reinterpret_cast<uintptr_t>(a.in) % 16 == 0, entry,
+          "in must be a non-null, 16-byte aligned bf16 buffer");
+  require(a.out != nullptr, entry, "out must be a non-null e4m3 buffer");
+  require(a.scales != nullptr && reinterpret_cast<uintptr_t>(a.scales) % (rows_layout ? 16 : 4) == 0, entry,
+          rows_layout ? "scales must be a non-null, 16-byte aligned fp32 buffer"
+                      : "scales must be a non-null fp32 buffer");
+  require(a.experts >= 1 && (!rows_layout || a.experts == 1), entry,
+          rows_layout ? "experts must be 1 (rows of one matrix), got " + std::to_string(a.experts)
+                      : "experts must be positive, got " + std::to_string(a.experts));
+  require(a.rows >= 0, entry, "rows must be >= 0, got " + std::to_string(a.rows));
+  require(!rows_layout || a.rows % 4 == 0, entry,
+          "rows must be a multiple of 4 (the scales' rows are a TMA box's 16-byte aligned run), got " +
+              std::to_string(a.rows));
+  require(a.k > 0 && a.k % 8 == 0, entry, "k must be a positive multiple of 8, got " + std::to_string(a.k));
+  require(a.rows <= (int64_t(1) << 31) - 1, entry, "rows must be below 2^31");
+}
+
+}  // namespace
+
+void quantize_rows_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream) {
+  validate(args, "quantize_rows_fp8", true);
+  const int64_t warps = args.rows * ((args.k + kBlock - 1) / kBlock);
+  if (warps == 0) return;
+  constexpr int kThreads = 256;
+  const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
+  quantize_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(args.in), args.rows, args.k, static_cast<uint8_t*>(args.out), args.scales,
+      args.power_of_two_scales);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+void quantize_weights_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream) {
+  validate(args, "quantize_weights_fp8", false);
+  if (args.rows == 0) return;
+  const dim3 grid((args.k + kBlock - 1) / kBlock, static_cast<unsigned>((args.rows + kBlock - 1) / kBlock),
+                  static_cast<unsigned>(args.experts));
+  require(grid.y <= 65535 && grid.z <= 65535, "quantize_weights_fp8", "too many row blocks or experts for one launch");
+  quantize_weights_kernel<<<grid, kWeightThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(args.in), args.rows,
+                                                               args.k, static_cast<uint8_t*>(args.out), args.scales,
+                                                               args.power_of_two_scales);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace mok

@@ -1,0 +1,176 @@
+// FP8 quantization kernels (include/mok/fp8.h) against the CPU reference (tests/common/fp8.h,
+// Fp8Matrix::quantize): bitwise, values and scales, for both layouts and both scale modes, on bf16 inputs that
+// cover the edge cases: all-zero blocks, values past e4m3's range (the scale brings them into it), tiny values
+// (subnormal scales), a partial last k-block and row block, NaN and infinity (a NaN scale for their block only).
+// Outputs are poisoned first (0xff bytes, scale NaN with a payload): every element must be written.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "mok/fp8.h"
+#include "src/host/check.h"
+#include "tests/common/bf16.h"
+#include "tests/common/device_array.h"
+#include "tests/common/device_fill.h"
+#include "tests/common/fp8.h"
+#include "tests/common/gpu_env.h"
+
+namespace mok {
+namespace {
+
+using testing::DeviceArray;
+using testing::Fp8Matrix;
+using testing::from_bf16_bits;
+using testing::hashed_int;
+using testing::to_bf16_bits;
+
+constexpr uint32_t kScalePoison = 0x7fc0dead;
+
+uint32_t bits_of(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+// bf16 inputs [rows, k] with edge cases by block (b: the index of a 128 x 128 block or of a 1 x 128 block).
+std::vector<uint16_t> edge_inputs(int64_t rows, int k, uint64_t seed) {
+  std::vector<uint16_t> v(size_t(rows) * k);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < k; ++c) {
+      const int64_t i = r * k + c;
+      const int kind = hashed_int(seed, (r / 64) * 1000 + c / 128, 0, 9);  // one kind per 64 x 128 region
+      float x = float(hashed_int(seed + 1, i, -1000, 1000)) / 100.0f;
+      switch (kind) {
+        case 0: x = 0.0f; break;                               // all-zero blocks
+        case 1: x *= 1e30f; break;                             // far past 448
+        case 2: x *= 1e-38f; break;                            // tiny: subnormal scales
+        case 3: if (hashed_int(seed + 2, i, 0, 4000) == 0) x = NAN; break;
+        case 4: if (hashed_int(seed + 2, i, 0, 4000) == 0) x = -INFINITY; break;
+        default: break;
+      }
+      v[i] = to_bf16_bits(x);
+    }
+  return v;
+}
+
+std::vector<float> as_floats(const std::vector<uint16_t>& bf16) {
+  std::vector<float> f(bf16.size());
+  for (size_t i = 0; i < f.size(); ++i) f[i] = from_bf16_bits(bf16[i]);
+  return f;
+}
+
+void expect_same(const Fp8Matrix& want, const std::vector<uint8_t>& bits, const std::vector<float>& scales,
+                 const std::string& label) {
+  ASSERT_EQ(bits.size(), want.bits.size());
+  for (size_t i = 0; i < bits.size(); ++i)
+    ASSERT_EQ(bits[i], want.bits[i]) << "e4m3 at " << i << " (row " << i / want.k << ", col " << i % want.k << "), "
+                                     << label;
+  ASSERT_EQ(scales.size(), want.scales.size());
+  for (size_t i = 0; i < scales.size(); ++i)
+    ASSERT_EQ(bits_of(scales[i]), bits_of(want.scales[i]))
+        << "scale " << i << ": got " << scales[i] << ", expected " << want.scales[i] << ", " << label;
+}
+
+TEST(QuantizeFp8Test, RowsMatchTheCpuBitwise) {
+  MOK_REQUIRE_GPUS(1);
+  for (const bool pow2 : {false, true})
+    for (const int k : {512, 2880, 72}) {  // 2880: a partial last block of 64 columns; 72: one partial block
+      const int64_t rows = 388;
+      const uint64_t seed = 1200 + k + pow2;
+      const std::string label = "k " + std::to_string(k) + (pow2 ? ", power-of-two scales" : "") + ", seed " +
+                                std::to_string(seed);
+      const auto in = edge_inputs(rows, k, seed);
+      const auto want = Fp8Matrix::quantize(as_floats(in), rows, rows, k, true, pow2);
+      DeviceArray<uint16_t> d_in(in);
+      DeviceArray<uint8_t> d_out(std::vector<uint8_t>(in.size(), 0xff));
+      float poison;
+      std::memcpy(&poison, &kScalePoison, sizeof poison);
+      DeviceArray<float> d_scales(std::vector<float>(want.scales.size(), poison));
+      quantize_rows_fp8({.in = d_in.ptr, .rows = rows, .k = k, .out = d_out.ptr, .scales = d_scales.ptr,
+                         .power_of_two_scales = pow2},
+                        nullptr);
+      MOK_CHECK_CUDA(cudaDeviceSynchronize());
+      expect_same(want, d_out.download(), d_scales.download(), label);
+    }
+}
+
+TEST(QuantizeFp8Test, WeightsMatchTheCpuBitwise) {
+  MOK_REQUIRE_GPUS(1);
+  for (const bool pow2 : {false, true})
+    for (const auto& [rows, k] : {std::pair<int64_t, int>{256, 384}, {192, 2880}, {64, 136}}) {
+      const int experts = 3;
+      const uint64_t seed = 1300 + rows + k + pow2;
+      const std::string label = "rows " + std::to_string(rows) + ", k " + std::to_string(k) +
+                                (pow2 ? ", power-of-two scales" : "") + ", seed " + std::to_string(seed);
+      const auto in = edge_inputs(experts * rows, k, seed);
+      const auto want = Fp8Matrix::quantize(as_floats(in), experts * rows, rows, k, false, pow2);
+      DeviceArray<uint16_t> d_in(in);
+      DeviceArray<uint8_t> d_out(std::vector<uint8_t>(in.size(), 0xff));
+      float poison;
+      std::memcpy(&poison, &kScalePoison, sizeof poison);
+      DeviceArray<float> d_scales(std::vector<float>(want.scales.size(), poison));
+      quantize_weights_fp8({.in = d_in.ptr, .experts = experts, .rows = rows, .k = k, .out = d_out.ptr,
+                            .scales = d_scales.ptr, .power_of_two_scales = pow2},
+                           nullptr);
+      MOK_CHECK_CUDA(cudaDeviceSynchronize());
+      expect_same(want, d_out.download(), d_scales.download(), label);
+    }
+}
+
+TEST(QuantizeFp8Test, EdgeCasesAreWhatTheRecipeSays) {
+  // The CPU reference itself, on the cases the header names (no GPU needed).
+  const std::vector<float> row = {0, 0, 0, 0};
+  EXPECT_EQ(Fp8Matrix::quantize(row, 1, 1, 4, true).scales[0], 1.0f) << "an all-zero block's scale is 1";
+  const auto big = Fp8Matrix::quantize({896.0f, -448.0f, 1.0f, 0.0f}, 1, 1, 4, true);
+  EXPECT_EQ(big.scales[0], 2.0f);
+  EXPECT_EQ(testing::from_e4m3_bits(big.bits[0]) * big.scales[0], 896.0f);
+  EXPECT_EQ(testing::from_e4m3_bits(big.bits[1]) * big.scales[0], -448.0f);
+  const auto pow2 = Fp8Matrix::quantize({500.0f, 1.0f, 0.0f, 0.0f}, 1, 1, 4, true, true);
+  EXPECT_EQ(pow2.scales[0], 2.0f) << "500 / 448 rounded up to a power of two";
+  const auto nan = Fp8Matrix::quantize({1.0f, NAN, 2.0f, 3.0f}, 1, 1, 4, true);
+  EXPECT_TRUE(std::isnan(nan.scales[0]));
+}
+
+TEST(QuantizeFp8Test, ValidationNamesTheArgument) {
+  alignas(16) static uint16_t buffer[64];
+  alignas(16) static float scales[16];
+  const Fp8QuantizeArgs good{.in = buffer, .rows = 4, .k = 8, .out = buffer, .scales = scales};
+  auto message = [](auto fn, Fp8QuantizeArgs a) {
+    try {
+      fn(a, nullptr);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    } catch (const std::exception& e) {
+      return std::string("other: ") + e.what();
+    }
+    return std::string("no throw");
+  };
+  const auto rows_fn = [](const Fp8QuantizeArgs& a, cudaStream_t s) { quantize_rows_fp8(a, s); };
+  const auto weights_fn = [](const Fp8QuantizeArgs& a, cudaStream_t s) { quantize_weights_fp8(a, s); };
+  Fp8QuantizeArgs a = good;
+  a.in = nullptr;
+  EXPECT_NE(message(rows_fn, a).find("quantize_rows_fp8: in must be"), std::string::npos);
+  a = good;
+  a.k = 12;
+  EXPECT_NE(message(weights_fn, a).find("quantize_weights_fp8: k must be"), std::string::npos);
+  a = good;
+  a.rows = 6;
+  EXPECT_NE(message(rows_fn, a).find("rows must be a multiple of 4"), std::string::npos);
+  a = good;
+  a.experts = 2;
+  EXPECT_NE(message(rows_fn, a).find("experts must be 1"), std::string::npos);
+  a = good;
+  a.scales = nullptr;
+  EXPECT_NE(message(weights_fn, a).find("scales must be"), std::string::npos);
+  a = good;
+  a.out = nullptr;
+  EXPECT_NE(message(weights_fn, a).find("out must be"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace mok
