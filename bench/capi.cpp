@@ -395,6 +395,46 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
   }
 }
 
+// The expert GEMM in Precision::kFP8 (kStore: epilogue 0, kSwiGLU: 1; b K-major): a and b e4m3, their scales
+// as include/mok/expert_gemm.h lays them out (b_up and b_up_scales: separate up weights, else null). Waits and
+// returns as mok_bench_expert_gemm's.
+int mok_bench_expert_gemm_fp8(int epilogue, const void* a, const float* a_scales, int64_t a_rows, int k, const void* b,
+                              const float* b_scales, const void* b_up, const float* b_up_scales, int n,
+                              int local_experts, const int32_t* expert_counts, const int32_t* expert_row_offsets,
+                              const int32_t* scheduled_rows, int tile_m, const float* row_scale, void* out,
+                              void* gate_up_out, int cluster_n, int32_t* ticket, void* status, double wait_timeout_s,
+                              void* stream, char* error, int error_len) {
+  try {
+    mok::ExpertGemmArgs args;
+    args.epilogue = static_cast<mok::GemmEpilogue>(epilogue);
+    args.precision = mok::Precision::kFP8;
+    args.a = a;
+    args.a_scales = a_scales;
+    args.a_rows = a_rows;
+    args.k = k;
+    args.b = b;
+    args.b_scales = b_scales;
+    args.b_up = b_up;
+    args.b_up_scales = b_up_scales;
+    args.n = n;
+    args.local_experts = local_experts;
+    args.expert_counts = expert_counts;
+    args.expert_row_offsets = expert_row_offsets;
+    args.scheduled_rows = scheduled_rows;
+    args.tile_m = tile_m;
+    args.row_scale = row_scale;
+    args.out = out;
+    args.gate_up_out = gate_up_out;
+    args.cluster_n = cluster_n;
+    args.ticket = ticket;
+    args.waits = {static_cast<mok::DeviceStatus*>(status), wait_timeout_s, 0};
+    mok::expert_gemm(args, static_cast<cudaStream_t>(stream));
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
 // The weight-gradient GEMM (include/mok/weight_grad_gemm.h); output: 0 kBFloat16, 1 kFloat32,
 // 2 kAccumulateFloat32. out_split may be null (then m_split must be 0). Waits as mok_bench_expert_gemm's. Returns 0,
 // or 1 with a message.

@@ -16,8 +16,11 @@ CUDA-event timings in the steady power state: ours and torch._grouped_mm take tu
 ceiling is timed alone (see time_ms).
 With --gemm wgrad (or all, the default), the weight-gradient GEMMs of the same row counts follow
 (mok::weight_grad_gemm, k-grouped: grad_e = a_eᵀ b_e over expert e's rows; see wgrad_main).
+With --gemm fp8, the forward's two GEMMs in FP8 (Precision::kFP8, DeepSeek-V3's block scales) at one EP = --ep
+rank's row counts (default 8), next to ours in bf16, torch._scaled_grouped_mm (rowwise scales, weights
+pre-quantized) and the dense FP8 ceiling (torch._scaled_mm, rowwise); see fp8_main.
 Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--cluster 0|1|2]
-                     [--shapes A,B] [--only ours|torch|dense] [--trace DIR] [--gemm expert|wgrad|all]
+                     [--shapes A,B] [--only ours|torch|dense] [--trace DIR] [--gemm expert|wgrad|all|fp8] [--ep N]
 """
 import argparse
 import ctypes
@@ -88,10 +91,10 @@ def median(values):
     return sorted(values)[len(values) // 2]
 
 
-def rank0_counts(num_experts, top_k, tokens, gen):
-    logits = torch.randn(2 * tokens, num_experts, device="cuda", generator=gen)
+def rank0_counts(num_experts, top_k, tokens, gen, ep=2):
+    logits = torch.randn(ep * tokens, num_experts, device="cuda", generator=gen)
     ids = logits.topk(top_k, dim=1).indices.flatten()
-    counts = torch.bincount(ids, minlength=num_experts)[: num_experts // 2]
+    counts = torch.bincount(ids, minlength=num_experts)[: num_experts // ep]
     return counts.to(torch.int32)
 
 
@@ -105,11 +108,15 @@ def main():
     parser.add_argument("--cluster", type=int, default=0, help="CTAs sharing an A tile: 1, 2, 0 = library's choice")
     parser.add_argument("--only", default="", help="time only this one: ours, torch or dense (for profilers)")
     parser.add_argument("--trace", default="", help="folder for per-tile timings of ours (summary: bench/gemm_trace_stats.py)")
-    parser.add_argument("--gemm", default="all", choices=["expert", "wgrad", "all"],
-                        help="the expert GEMMs, the weight-gradient GEMMs or both (--only, --trace, --cluster: expert only)")
+    parser.add_argument("--gemm", default="all", choices=["expert", "wgrad", "all", "fp8"],
+                        help="the expert GEMMs, the weight-gradient GEMMs or both (--only, --trace, --cluster: expert "
+                        "only); fp8: the forward's GEMMs in FP8")
+    parser.add_argument("--ep", type=int, default=8, help="--gemm fp8: the EP size whose rank 0 row counts are used")
     args = parser.parse_args()
     if args.gemm == "wgrad":
         return wgrad_main(args)
+    if args.gemm == "fp8":
+        return fp8_main(args)
     ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
     lib = capi.load(os.path.abspath(args.lib))
     gemm = lib.mok_bench_expert_gemm
@@ -306,3 +313,133 @@ def wgrad_main(args):
 
 if __name__ == "__main__":
     main()
+
+
+E4M3_MAX = 448.0
+
+
+def quantize_rows_1x128(a):
+    """a [rows, k] -> (e4m3 [rows, k], scales [ceil(k/128), rows] fp32): DeepSeek-V3's activation scales."""
+    rows, k = a.shape
+    blocks = -(-k // 128)
+    padded = torch.nn.functional.pad(a.float(), (0, blocks * 128 - k)).view(rows, blocks, 128)
+    scales = padded.abs().amax(dim=2) / E4M3_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = (padded / scales[:, :, None]).view(rows, blocks * 128)[:, :k].to(torch.float8_e4m3fn)
+    return q.contiguous(), scales.t().contiguous()
+
+
+def quantize_blocks_128x128(w):
+    """w [E, rows, k] -> (e4m3 [E, rows, k], scales [E, ceil(rows/128), ceil(k/128)]): the weights' block scales."""
+    experts, rows, k = w.shape
+    rb, kb = -(-rows // 128), -(-k // 128)
+    padded = torch.nn.functional.pad(w.float(), (0, kb * 128 - k, 0, rb * 128 - rows)).view(experts, rb, 128, kb, 128)
+    scales = padded.abs().amax(dim=(2, 4)) / E4M3_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = (padded / scales[:, :, None, :, None]).view(experts, rb * 128, kb * 128)[:, :rows, :k].to(torch.float8_e4m3fn)
+    return q.contiguous(), scales.contiguous()
+
+
+def quantize_rowwise(t, dim):
+    """Per-row (dim=-1 amax) scales as torch's rowwise FP8 GEMMs take them: (e4m3, fp32 scales)."""
+    scales = (t.float().abs().amax(dim=dim, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
+    return (t.float() / scales).to(torch.float8_e4m3fn), scales
+
+
+def fp8_main(args):
+    """The forward's GEMMs in FP8 at one EP = args.ep rank's row counts: ours (block scales, SwiGLU fused into
+    gate/up) against ours in bf16, torch._scaled_grouped_mm (rowwise, the same weights quantized per output
+    column) and the dense FP8 rate (torch._scaled_mm over the same M, N, K). Quantization is not timed (the
+    weights are quantized once per optimizer step; the activations' quantization is fused into producers in
+    the layer). TFLOP/s: 2 * rows * N * K over real rows."""
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+    lib = capi.load(os.path.abspath(args.lib))
+    error = ctypes.create_string_buffer(512)
+    status = new_status(lib, error)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    stream = torch.cuda.current_stream().cuda_stream
+    commit = os.environ.get("MOK_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"FP8 expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
+          f"{args.tokens} tokens/rank, EP={args.ep} (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
+    print(f"{'shape':16s} {'gemm':8s} {'E':>4s} {'rows':>7s} {'fp8':>7s} {'bf16':>7s} {'t_fp8':>7s} {'d_fp8':>7s} "
+          f"{'fp8/bf16':>8s} {'fp8/t_fp8':>9s} {'fp8/d_fp8':>9s}   (TFLOP/s; t_fp8 torch._scaled_grouped_mm, "
+          "d_fp8 torch._scaled_mm)")
+    for name, num_experts, hidden, inter, top_k, _ in SHAPES:
+        if args.shapes and name not in args.shapes.split(','):
+            continue
+        tile_m = args.tile_m
+        local = num_experts // args.ep
+        counts = rank0_counts(num_experts, top_k, args.tokens, gen, args.ep)
+        padded = (counts + tile_m - 1) // tile_m * tile_m
+        offsets = torch.zeros(local + 1, dtype=torch.int32, device="cuda")
+        offsets[1:] = torch.cumsum(padded, 0)
+        rows_padded, rows = int(offsets[-1]), int(counts.sum())
+        scheduled = offsets[-1:].clone()
+        group_rows = (counts + TORCH_GROUP_ALIGN - 1) // TORCH_GROUP_ALIGN * TORCH_GROUP_ALIGN
+        torch_offs = torch.cumsum(group_rows, 0).to(torch.int32)
+        torch_rows = int(torch_offs[-1])
+        w13 = torch.randn(local, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+        w2 = torch.randn(local, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
+        for label, epilogue, k, n_out, weights, n_total in (("gate/up", 1, hidden, inter, w13, 2 * inter),
+                                                             ("down", 0, inter, hidden, w2, hidden)):
+            a = torch.randn(rows_padded, k, device="cuda", dtype=torch.bfloat16)
+            a_q, a_s = quantize_rows_1x128(a)
+            w_q, w_s = quantize_blocks_128x128(weights)
+            out = torch.empty(rows_padded, n_out, device="cuda", dtype=torch.bfloat16)
+
+            def ours_fp8():
+                rc = lib.mok_bench_expert_gemm_fp8(
+                    epilogue, a_q.data_ptr(), a_s.data_ptr(), rows_padded, k, w_q.data_ptr(), w_s.data_ptr(), None,
+                    None, n_out, local, counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None,
+                    out.data_ptr(), None, args.cluster, ticket.data_ptr(), status, WAIT_TIMEOUT_S, stream, error,
+                    len(error))
+                if rc != 0:
+                    raise RuntimeError(error.value.decode())
+
+            def ours_bf16():
+                rc = lib.mok_bench_expert_gemm(
+                    epilogue, a.data_ptr(), rows_padded, k, weights.data_ptr(), None, 0, n_out, local,
+                    counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None, 0.0, out.data_ptr(),
+                    None, None, None, 0, ticket.data_ptr(), None, status, WAIT_TIMEOUT_S, stream, error, len(error))
+                if rc != 0:
+                    raise RuntimeError(error.value.decode())
+
+            a_t, a_ts = quantize_rowwise(torch.randn(torch_rows, k, device="cuda", dtype=torch.bfloat16), -1)
+            w_t, w_ts = quantize_rowwise(weights, -1)  # [E, N, K], a scale per output column
+            w_t_kn = w_t.transpose(-2, -1)  # [E, K, N] column-major, as _scaled_grouped_mm takes it
+            a_ts, w_ts = a_ts.reshape(torch_rows), w_ts.reshape(local, n_total)
+
+            def torch_fp8():
+                return torch._scaled_grouped_mm(a_t, w_t_kn, a_ts, w_ts, offs=torch_offs, out_dtype=torch.bfloat16)
+
+            a_d, a_ds = quantize_rowwise(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), -1)
+            b_d, b_ds = quantize_rowwise(torch.randn(n_total, k, device="cuda", dtype=torch.bfloat16), -1)
+
+            def dense_fp8():
+                return torch._scaled_mm(a_d, b_d.t(), a_ds, b_ds.t(), out_dtype=torch.bfloat16)
+
+            flops = 2.0 * rows * n_total * k
+            fns = {"fp8": ours_fp8, "bf16": ours_bf16, "t_fp8": torch_fp8}
+            available = {}
+            for key, fn in fns.items():
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    available[key] = fn
+                except Exception as e:  # noqa: BLE001  (a peer that does not run here is reported, not fatal)
+                    print(f"  {name} {label}: {key} unavailable: {str(e).splitlines()[0][:160]}", flush=True)
+            times = dict(zip(available, time_ms(list(available.values()), args.iters)))
+            try:
+                (times["d_fp8"],) = time_ms([dense_fp8], args.iters)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name} {label}: d_fp8 unavailable: {str(e).splitlines()[0][:160]}", flush=True)
+            tf = {key: flops / t / 1e9 for key, t in times.items()}
+            cell = lambda key: f"{tf[key]:7.0f}" if key in tf else f"{'-':>7s}"
+            ratio = lambda key, width: f"{tf['fp8'] / tf[key]:{width}.2f}" if "fp8" in tf and key in tf else f"{'-':>{width}s}"
+            print(f"{name:16s} {label:8s} {local:4d} {rows:7d} {cell('fp8')} {cell('bf16')} {cell('t_fp8')} "
+                  f"{cell('d_fp8')} {ratio('bf16', 8)} {ratio('t_fp8', 9)} {ratio('d_fp8', 9)}", flush=True)
+            del a, a_q, a_s, w_q, w_s, out, a_t, w_t, w_t_kn, a_d, b_d
+        check_status(lib, status, stream, error)
+        del w13, w2
+        torch.cuda.empty_cache()
