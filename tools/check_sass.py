@@ -5,8 +5,8 @@
 
 For every kernel: no stack frame and no local memory (spilled or indexed registers live there), and no
 LDL/STL instructions in its SASS. For every kernel whose name matches a --require-hgmma regex: at least one
-HGMMA instruction (wgmma on the tensor cores; HMMA or FFMA alone means a slower path). Prints one line per
-kernel (registers, shared memory, HGMMA count). Exit 0 pass, 1 fail, 77 when no cuobjdump is available.
+wgmma instruction on the tensor cores (HGMMA for bf16, QGMMA for FP8; HMMA or FFMA alone means a slower path).
+Prints one line per kernel (registers, shared memory, wgmma count). Exit 0 pass, 1 fail, 77 when no cuobjdump is available.
 """
 import argparse
 import os
@@ -69,15 +69,15 @@ def main():
     failures = []
     for name, res in sorted(resources.items()):
         body = "\n".join(bodies.get(name, []))
-        hgmma = len(re.findall(r"\bHGMMA\b", body))
+        hgmma = len(re.findall(r"\b[HQ]GMMA\b", body))
         local_ops = len(re.findall(r"\b(LDL|STL)\b", body))
         short = demangled_short(name)
         print(f"{short:28s} REG {res.get('REG', 0):3d}  STACK {res.get('STACK', 0):4d}  LOCAL {res.get('LOCAL', 0):4d}  "
-              f"SHARED {res.get('SHARED', 0):6d}  HGMMA {hgmma:3d}  LDL/STL {local_ops}")
+              f"SHARED {res.get('SHARED', 0):6d}  GMMA {hgmma:3d}  LDL/STL {local_ops}")
         if res.get("STACK", 0) or res.get("LOCAL", 0) or local_ops:
             failures.append(f"{short}: stack/local memory in use (register spills or indexed arrays)")
         if any(re.search(pattern, name) for pattern in args.require_hgmma) and hgmma == 0:
-            failures.append(f"{short}: no HGMMA instruction")
+            failures.append(f"{short}: no wgmma (HGMMA / QGMMA) instruction")
     for failure in failures:
         print("FAIL", failure)
     if not any(any(re.search(p, n) for n in resources) for p in args.require_hgmma):
