@@ -67,6 +67,7 @@ struct ExpertGemmArgs {
   Precision precision = Precision::kBF16;
   const void* a = nullptr;      // bf16 (kFP8: e4m3) [a_rows, k], 16-byte aligned rows
   int64_t a_rows = 0;           // rows allocated (the schedule's capacity)
+  int64_t a_row_stride = 0;     // elements from one row of a to the next (16-byte multiple); 0: k
   int k = 0;                    // multiple of 64
   const void* b = nullptr;      // bf16 weights, see above
   const void* b_up = nullptr;   // kSwiGLU with separate gate/up weights; nullptr: b is fused [E, 2n, k];

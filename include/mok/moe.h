@@ -60,7 +60,7 @@ namespace backward {
 struct GradPullSources;  // src/device/backward/grad_rows.cuh
 }  // namespace backward
 
-enum class DType : int32_t { kBFloat16 = 0, kFloat32 = 1, kInt32 = 2, kInt64 = 3 };
+enum class DType : int32_t { kBFloat16 = 0, kFloat32 = 1, kInt32 = 2, kInt64 = 3, kFloat8E4M3 = 4 };
 
 // A dense, row-major tensor in device memory, owned by the caller. Validation reads dtype and shape.
 struct TensorRef {
@@ -140,9 +140,16 @@ struct MoeOptions {
                              // straight from x into its shared memory (docs/design.md, "Row gather in the
                              // gate/up producer"); the expert-major copy of x is then skipped at EP = 1 without
                              // backward (the context keeps it otherwise). Same bits. The fused path ignores it
+  Precision precision = Precision::kBF16;  // kFP8 (docs/design.md, "FP8"): the routed and shared experts' GEMMs in
+                             // e4m3 with DeepSeek-V3's block scales; x quantized per 1 x 128 once on its own rank
+                             // (the rows it sends are FP8 with their scales), h per 1 x 128 before the down GEMM,
+                             // the weights given quantized (MoeWeights' FP8 form, quantize_weights_fp8). For now:
+                             // the unfused path without backward (backward = false, gather_rows = false)
 };
 
-// One rank's weights, bf16.
+// One rank's weights: bf16, or with MoeOptions::precision kFP8 e4m3 (DType::kFloat8E4M3) of the same shapes,
+// each with its fp32 block scales (include/mok/fp8.h, quantize_weights_fp8: per 128 x 128 block of each
+// expert's matrix), [.., ceil(rows / 128), ceil(columns / 128)] for a weight [.., rows, columns].
 struct MoeWeights {
   TensorRef expert_gate;  // [E_local, I, H]; or gate and up fused [E_local, 2I, H] when expert_up is empty
   TensorRef expert_up;    // [E_local, I, H]
@@ -150,6 +157,13 @@ struct MoeWeights {
   TensorRef shared_gate;  // [I, H]   (the three shared tensors are empty without a shared expert)
   TensorRef shared_up;    // [I, H]
   TensorRef shared_down;  // [H, I]
+  // kFP8 only (empty otherwise): the block scales of the six above, in their order.
+  TensorRef expert_gate_scales;
+  TensorRef expert_up_scales;
+  TensorRef expert_down_scales;
+  TensorRef shared_gate_scales;
+  TensorRef shared_up_scales;
+  TensorRef shared_down_scales;
 };
 
 // How one weight gradient is produced.
@@ -215,6 +229,12 @@ class ForwardContext {
   void* shared_hidden_ = nullptr;
   void* gate_up_ = nullptr;
   void* shared_gate_up_ = nullptr;
+  // MoeOptions::precision kFP8 only: the A scales of the expert rows, h in e4m3 with its scales (routed, shared).
+  float* expert_row_scales_ = nullptr;
+  void* hidden_fp8_ = nullptr;
+  float* hidden_scales_ = nullptr;
+  void* shared_hidden_fp8_ = nullptr;
+  float* shared_hidden_scales_ = nullptr;
 };
 
 // One rank's arguments of a forward call. T, the call's token count on this rank, is topk_idx's first
@@ -385,6 +405,7 @@ class MoeWorkspace {
   bool backward_megakernel() const {
     return options_.backward && options_.path == ForwardPath::kFused && options_.fused.backward_megakernel;
   }
+  bool fp8() const { return options_.precision == Precision::kFP8; }
   void backward_epilogue(const RankBackward& b);
   // The shared (or routed) MLP's five backward GEMMs as both paths run them; the routed rows whose g | u
   // are copied from the context (a small ring's) and that copy; where the pull reads rows from.

@@ -146,6 +146,10 @@ void validate(const ExpertGemmArgs& args) {
   require(!backward || mn_major, "kSwiGLUBackward reads b = W_down [E, k, n] MN-major: b_major must be kMN");
   require(args.out != nullptr && aligned16(args.out), "out must be a non-null, 16-byte aligned bf16 buffer");
   require(args.k > 0 && args.k % 64 == 0, "k must be a positive multiple of 64, got " + std::to_string(args.k));
+  require(args.a_row_stride == 0 ||
+              (args.a_row_stride >= args.k && args.a_row_stride * (fp8 ? 1 : 2) % 16 == 0 && args.gather.x == nullptr),
+          "a_row_stride must be 0 (k) or at least k with 16-byte aligned rows, and 0 with gather, got " +
+              std::to_string(args.a_row_stride));
   require(!(mn_major && args.b_up != nullptr) || args.k % 128 == 0,
           "k must be a multiple of 128 when b and b_up each hold half of K (whole 64-row k-blocks), got " +
               std::to_string(args.k));

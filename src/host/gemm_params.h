@@ -46,8 +46,9 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
   constexpr GemmEpilogue kEpilogue = T::kEpilogue;
   static_assert(T::kBMajor == OperandMajor::kK || kEpilogue != GemmEpilogue::kSwiGLU, "SwiGLU reads B K-major");
 
+  const int64_t a_row_stride = args.a_row_stride != 0 ? args.a_row_stride : args.k;
   auto g_a = make_tensor(make_gmem_ptr(static_cast<const Element*>(args.a)), make_shape(args.a_rows, int64_t(args.k)),
-                         make_stride(int64_t(args.k), _1{}));
+                         make_stride(a_row_stride, _1{}));
   // With clusters, each CTA loads its share of the A tile's rows and multicasts it (the box is the share,
   // not split further across CTAs).
   using TmaLoadA = std::conditional_t<(T::kClusterN > 1), SM90_TMA_LOAD_MULTICAST, SM90_TMA_LOAD>;

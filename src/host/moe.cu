@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mok/expert_gemm.h"
+#include "mok/fp8.h"
 #include "src/device/combine/push_rows.cuh"
 #include "src/device/common/peer_barrier.cuh"
 #include "src/device/kernels/row_kernels.cuh"
@@ -25,6 +26,7 @@
 #include "src/host/moe_state.h"
 #include "src/host/teardown.h"
 #include "src/host/option_table.h"
+#include "src/host/quantize_fp8.h"
 
 namespace mok {
 using detail::DeviceGuard;
@@ -84,6 +86,11 @@ ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
     shared_hidden_ = other.shared_hidden_;
     gate_up_ = other.gate_up_;
     shared_gate_up_ = other.shared_gate_up_;
+    expert_row_scales_ = other.expert_row_scales_;
+    hidden_fp8_ = other.hidden_fp8_;
+    hidden_scales_ = other.hidden_scales_;
+    shared_hidden_fp8_ = other.shared_hidden_fp8_;
+    shared_hidden_scales_ = other.shared_hidden_scales_;
   }
   return *this;
 }
@@ -107,6 +114,14 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
               std::to_string(fused.minibatch_rows));
   require(fused.comm_ctas >= 0, "MoeOptions.fused.comm_ctas must be >= 0 (0: the producer warps copy)");
   require(fused.timeline_records >= 0, "MoeOptions.fused.timeline_records must be >= 0");
+  require(options_.precision == Precision::kBF16 || options_.precision == Precision::kFP8,
+          "MoeOptions.precision must be kBF16 or kFP8, got " + std::to_string(static_cast<int>(options_.precision)));
+  if (fp8()) {
+    require(options_.path == ForwardPath::kUnfused,
+            "MoeOptions.precision kFP8 runs on the unfused path for now: set MoeOptions.path = ForwardPath::kUnfused");
+    require(!options_.backward, "MoeOptions.precision kFP8 has no backward yet: set MoeOptions.backward = false");
+    require(!options_.gather_rows, "MoeOptions.precision kFP8 does not gather rows: set MoeOptions.gather_rows = false");
+  }
   ring_rows_ = detail::choose_ring_rows(shape_, options_, capacity_rows(), schedule_.schedule_elements(),
                                         padded_tokens_);
   require(options_.path == ForwardPath::kFused || ring_rows_ == capacity_rows(),
@@ -141,7 +156,7 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     const int64_t timeline_words =
         fused.timeline_records > 0 ? detail::fused_timeline_words(grid_ctas_, fused.timeline_records) : 0;
     const detail::RankScratchLayout layout =
-        detail::rank_scratch_layout(shape_, ring_rows_, padded_tokens_, counter_words, timeline_words);
+        detail::rank_scratch_layout(shape_, ring_rows_, padded_tokens_, counter_words, timeline_words, fp8());
     s.allocation = DeviceBuffer(s.device, layout.buffers.total_bytes());
     void* base = s.allocation.get();
     s.y = layout.y.in(base);
@@ -150,6 +165,7 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     s.shared_schedule = layout.shared_schedule.in<detail::SharedSchedule>(base);
     s.fused_counters = layout.fused_counters.in<uint64_t>(base);
     s.timeline = layout.timeline.in<uint64_t>(base);
+    s.x_scales = layout.x_scales.in<float>(base);
     const detail::SharedSchedule shared{{shape_.num_tokens},
                                         {0, static_cast<int32_t>(padded_tokens_)},
                                         {static_cast<int32_t>(padded_tokens_)}};
@@ -225,8 +241,8 @@ WaitBound MoeWorkspace::wait_bound(int rank) const {
 ForwardContext MoeWorkspace::make_context(int rank, cudaStream_t stream) const {
   require_open("make_context");
   const RankState& s = state(rank);
-  const detail::ContextLayout layout = detail::context_layout(shape_, options_.keep_gate_up,
-                                                              schedule_.schedule_elements(), ring_rows_, padded_tokens_);
+  const detail::ContextLayout layout = detail::context_layout(
+      shape_, options_.keep_gate_up, schedule_.schedule_elements(), ring_rows_, padded_tokens_, fp8());
   ForwardContext ctx;
   ctx.allocation_ = DeviceBuffer(s.device, layout.buffers.total_bytes());
   ctx.owner_ = this;
@@ -239,6 +255,11 @@ ForwardContext MoeWorkspace::make_context(int rank, cudaStream_t stream) const {
   ctx.shared_hidden_ = layout.shared_hidden.in(base);
   ctx.gate_up_ = layout.gate_up.in(base);
   ctx.shared_gate_up_ = layout.shared_gate_up.in(base);
+  ctx.expert_row_scales_ = layout.expert_row_scales.in<float>(base);
+  ctx.hidden_fp8_ = layout.hidden_fp8.in(base);
+  ctx.hidden_scales_ = layout.hidden_scales.in<float>(base);
+  ctx.shared_hidden_fp8_ = layout.shared_hidden_fp8.in(base);
+  ctx.shared_hidden_scales_ = layout.shared_hidden_scales.in<float>(base);
   ctx.schedule_ = schedule_.view(rank, ctx.schedule_buffer_);
   begin_call(rank, stream);
   DeviceGuard guard(s.device);
@@ -255,7 +276,7 @@ void MoeWorkspace::validate(const RankForward& f, bool needs_layer_inputs) const
     require(f.context != nullptr && f.context->owner_ == this && f.context->rank() == f.rank,
             "context: must be a ForwardContext made by this workspace's make_context(" + std::to_string(f.rank) + ")");
     detail::check_routing_inputs(f, shape_, s.device);
-    if (needs_layer_inputs) detail::check_layer_inputs(f, shape_, s.device);
+    if (needs_layer_inputs) detail::check_layer_inputs(f, shape_, s.device, options_.precision);
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument("MoeWorkspace: " + where + e.what());
   }
@@ -446,6 +467,14 @@ struct MlpGemms {  // the two GEMM launches of an MLP over the rows of a schedul
   void* out;
   int32_t* tickets;  // two: gate/up, down
   WaitBound waits;   // the rank's status word and timeout
+  // MoeOptions::precision kFP8 only: rows are FP8 rows (src/host/quantize_fp8.h) with these A scales; the weights'
+  // block scales; h quantized into hidden_fp8 / hidden_scales between the two GEMMs (run_mlp).
+  const float* row_scales = nullptr;
+  const float* gate_scales = nullptr;
+  const float* up_scales = nullptr;
+  const float* down_scales = nullptr;
+  void* hidden_fp8 = nullptr;
+  float* hidden_scales = nullptr;
 };
 
 // The two GEMMs of an MLP: gate/up with the SwiGLU epilogue, then down (tickets: m.tickets[0], [1]).
@@ -481,6 +510,27 @@ void mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& 
   down.out = m.out;
   down.gate_up_out = nullptr;
   down.ticket = m.tickets + 1;
+  if (options.precision == Precision::kFP8) {
+    gate_up.precision = down.precision = Precision::kFP8;
+    gate_up.a_row_stride = 2 * int64_t(shape.hidden);  // an FP8 row in the bf16 row's bytes
+    gate_up.a_scales = m.row_scales;
+    gate_up.b_scales = m.gate_scales;
+    gate_up.b_up_scales = m.up != nullptr ? m.up_scales : nullptr;
+    down.a = m.hidden_fp8;
+    down.a_scales = m.hidden_scales;
+    down.b_scales = m.down_scales;
+  }
+}
+
+// The two GEMMs of an MLP (mlp_args'); with FP8, h (gate_up's bf16 output) quantized per 1 x 128 between them
+// into the down GEMM's A and A scales.
+void run_mlp(const ExpertGemmArgs& gate_up, const ExpertGemmArgs& down, cudaStream_t stream) {
+  expert_gemm(gate_up, stream);
+  if (gate_up.precision == Precision::kFP8)
+    quantize_rows_fp8({.in = gate_up.out, .rows = gate_up.a_rows, .k = gate_up.n, .out = const_cast<void*>(down.a),
+                       .scales = const_cast<float*>(down.a_scales)},
+                      stream);
+  expert_gemm(down, stream);
 }
 
 }  // namespace
@@ -503,7 +553,13 @@ void MoeWorkspace::routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .gate_up = ctx.gate_up_,
             .out = s.y,
             .tickets = s.tickets + detail::kExpertGateUp,
-            .waits = wait_bound(f.rank)},
+            .waits = wait_bound(f.rank),
+            .row_scales = ctx.expert_row_scales_,
+            .gate_scales = static_cast<const float*>(w.expert_gate_scales.data),
+            .up_scales = static_cast<const float*>(w.expert_up_scales.data),
+            .down_scales = static_cast<const float*>(w.expert_down_scales.data),
+            .hidden_fp8 = ctx.hidden_fp8_,
+            .hidden_scales = ctx.hidden_scales_},
            gate_up, down);
 }
 
@@ -524,7 +580,13 @@ void MoeWorkspace::shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .gate_up = f.context->shared_gate_up_,
             .out = s.shared_out,
             .tickets = s.tickets + detail::kSharedGateUp,
-            .waits = wait_bound(f.rank)},
+            .waits = wait_bound(f.rank),
+            .row_scales = s.x_scales,
+            .gate_scales = static_cast<const float*>(w.shared_gate_scales.data),
+            .up_scales = static_cast<const float*>(w.shared_up_scales.data),
+            .down_scales = static_cast<const float*>(w.shared_down_scales.data),
+            .hidden_fp8 = f.context->shared_hidden_fp8_,
+            .hidden_scales = f.context->shared_hidden_scales_},
            gate_up, down);
 }
 
@@ -533,13 +595,15 @@ void MoeWorkspace::shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
 void MoeWorkspace::publish(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
-  publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
+  if (fp8())  // the rank's rows quantized once, as every peer pulls them (src/host/quantize_fp8.h)
+    detail::publish_fp8_rows(f.x.data, f.x.shape[0], padded_tokens_, shape_.hidden, x_.on(f.rank), s.x_scales, f.stream);
+  else
+    publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
   barrier_arrive(f.rank, f.stream);
   if (!shape_.shared_expert || options_.path == ForwardPath::kFused) return;  // the megakernel runs it
   ExpertGemmArgs gate_up, down;
   shared_gemms(f, gate_up, down);
-  expert_gemm(gate_up, f.stream);
-  expert_gemm(down, f.stream);
+  run_mlp(gate_up, down, f.stream);
 }
 
 // Phase 2: wait for every rank's x, pull the scheduled rows, the routed experts, push the outputs home,
@@ -555,6 +619,10 @@ void MoeWorkspace::compute(const RankForward& f) {
   // backward; the GEMM then reads the same values from either, so the same bits.
   const bool gather = options_.gather_rows;
   if (!gather || shape_.ep_size > 1 || options_.backward) pull_rows(f, capacity_rows());
+  // FP8: the pulled rows are FP8 rows; their scales into the GEMM's A-scale layout.
+  if (fp8())
+    detail::unpack_fp8_row_scales(f.context->expert_rows_, v.scheduled_rows, capacity_rows(), shape_.hidden,
+                                  f.context->expert_row_scales_, f.stream);
 
   ExpertGemmArgs gate_up, down;
   routed_gemms(f, gate_up, down);
@@ -564,8 +632,7 @@ void MoeWorkspace::compute(const RankForward& f) {
                       .num_tokens = shape_.num_tokens,
                       .top_k = shape_.top_k,
                       .rank = f.rank};
-  expert_gemm(gate_up, f.stream);
-  expert_gemm(down, f.stream);
+  run_mlp(gate_up, down, f.stream);
 
   const kernels::PushParams push{combined_.peers(f.rank), static_cast<const uint4*>(s.y), v.row_route,
                                  v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};

@@ -22,6 +22,7 @@ const char* dtype_name(DType dtype) {
     case DType::kFloat32: return "fp32";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kFloat8E4M3: return "e4m3";
   }
   return "unknown dtype";
 }
@@ -84,8 +85,38 @@ void check_tensor(const TensorRef& t, const char* name, DType dtype, std::initia
           std::string(name) + ": must be device memory of the rank's GPU " + std::to_string(device));
 }
 
+// The FP8 form of the weights (MoeOptions::precision kFP8): e4m3 of the bf16 shapes, with the block scales of each.
+void check_fp8_weights(const MoeWeights& w, const MoeShape& s, int device) {
+  const int64_t e = s.local_experts(), h = s.hidden, i = s.intermediate;
+  const auto blocks = [](int64_t extent) { return (extent + 127) / 128; };
+  const DType q = DType::kFloat8E4M3, f = DType::kFloat32;
+  if (w.expert_up.empty()) {
+    check_tensor(w.expert_gate, "weights.expert_gate (fused gate and up, FP8)", q, {e, 2 * i, h}, device, 16);
+    check_tensor(w.expert_gate_scales, "weights.expert_gate_scales", f, {e, blocks(2 * i), blocks(h)}, device, 4);
+    require(w.expert_up_scales.empty(), "weights.expert_up_scales: must be empty with fused gate and up weights");
+  } else {
+    check_tensor(w.expert_gate, "weights.expert_gate (FP8)", q, {e, i, h}, device, 16);
+    check_tensor(w.expert_up, "weights.expert_up (FP8)", q, {e, i, h}, device, 16);
+    check_tensor(w.expert_gate_scales, "weights.expert_gate_scales", f, {e, blocks(i), blocks(h)}, device, 4);
+    check_tensor(w.expert_up_scales, "weights.expert_up_scales", f, {e, blocks(i), blocks(h)}, device, 4);
+  }
+  check_tensor(w.expert_down, "weights.expert_down (FP8)", q, {e, h, i}, device, 16);
+  check_tensor(w.expert_down_scales, "weights.expert_down_scales", f, {e, blocks(h), blocks(i)}, device, 4);
+  if (s.shared_expert) {
+    check_tensor(w.shared_gate, "weights.shared_gate (FP8)", q, {i, h}, device, 16);
+    check_tensor(w.shared_up, "weights.shared_up (FP8)", q, {i, h}, device, 16);
+    check_tensor(w.shared_down, "weights.shared_down (FP8)", q, {h, i}, device, 16);
+    check_tensor(w.shared_gate_scales, "weights.shared_gate_scales", f, {blocks(i), blocks(h)}, device, 4);
+    check_tensor(w.shared_up_scales, "weights.shared_up_scales", f, {blocks(i), blocks(h)}, device, 4);
+    check_tensor(w.shared_down_scales, "weights.shared_down_scales", f, {blocks(h), blocks(i)}, device, 4);
+  }
+}
+
 void check_weights(const MoeWeights& w, const MoeShape& s, int device) {
   const int64_t e = s.local_experts(), h = s.hidden, i = s.intermediate;
+  for (const TensorRef* scales : {&w.expert_gate_scales, &w.expert_up_scales, &w.expert_down_scales,
+                                  &w.shared_gate_scales, &w.shared_up_scales, &w.shared_down_scales})
+    require(scales->empty(), "weights: block scales are for MoeOptions::precision kFP8; this workspace is bf16");
   if (w.expert_up.empty()) {
     check_tensor(w.expert_gate, "weights.expert_gate (fused gate and up)", DType::kBFloat16, {e, 2 * i, h}, device, 16);
   } else {
@@ -195,13 +226,16 @@ void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device)
   check_weight_grads(*b.weight_grads, *b.weights, s, device);
 }
 
-void check_layer_inputs(const RankForward& f, const MoeShape& s, int device) {
+void check_layer_inputs(const RankForward& f, const MoeShape& s, int device, Precision precision) {
   const int64_t t = call_tokens(f.topk_idx, "topk_idx", s), k = s.top_k, h = s.hidden;
   check_tensor(f.x, "x", DType::kBFloat16, {t, h}, device, 16);
   check_tensor(f.router_weights, "router_weights", DType::kFloat32, {t, k}, device, 4);
   check_tensor(f.out, "out", DType::kBFloat16, {t, h}, device, 16);
   require(f.weights != nullptr, "weights: must not be null");
-  check_weights(*f.weights, s, device);
+  if (precision == Precision::kFP8)
+    check_fp8_weights(*f.weights, s, device);
+  else
+    check_weights(*f.weights, s, device);
 }
 
 }  // namespace detail

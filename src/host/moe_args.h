@@ -11,7 +11,8 @@ int call_tokens(const TensorRef& t, const char* name, const MoeShape& s);
 // topk_idx of `f`: int32 or int64 [T, k] on `device` (T = call_tokens(topk_idx)).
 void check_routing_inputs(const RankForward& f, const MoeShape& s, int device);
 // x, router_weights, out (each with topk_idx's T) and every weight of `f`.
-void check_layer_inputs(const RankForward& f, const MoeShape& s, int device);
+// precision kFP8: the weights' FP8 form (MoeWeights).
+void check_layer_inputs(const RankForward& f, const MoeShape& s, int device, Precision precision = Precision::kBF16);
 // x and every weight of `f` (recompute_forward_context's inputs).
 void check_recompute_inputs(const RankForward& f, const MoeShape& s, int device);
 // Every tensor of `b`: the forward's inputs and weights as the forward checks them, d_out, d_x,

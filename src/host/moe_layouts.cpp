@@ -7,7 +7,7 @@ constexpr int64_t kBf16 = 2;
 }  // namespace
 
 ContextLayout context_layout(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
-                             int64_t padded_tokens) {
+                             int64_t padded_tokens, bool fp8) {
   const int64_t h = s.hidden, i = s.intermediate;
   ContextLayout l;
   l.schedule = l.buffers.add_array<int32_t>("schedule", schedule_elements);
@@ -17,11 +17,18 @@ ContextLayout context_layout(const MoeShape& s, bool keep_gate_up, int64_t sched
   l.gate_up = l.buffers.add("gate_up", keep_gate_up ? ring_rows * 2 * i * kBf16 : 0);
   l.shared_gate_up =
       l.buffers.add("shared_gate_up", keep_gate_up && s.shared_expert ? padded_tokens * 2 * i * kBf16 : 0);
+  const int64_t h_blocks = (h + 127) / 128, i_blocks = (i + 127) / 128;
+  const bool shared_fp8 = fp8 && s.shared_expert;
+  l.expert_row_scales = l.buffers.add_array<float>("expert_row_scales", fp8 ? h_blocks * ring_rows : 0);
+  l.hidden_fp8 = l.buffers.add("hidden_fp8", fp8 ? ring_rows * i : 0);
+  l.hidden_scales = l.buffers.add_array<float>("hidden_scales", fp8 ? i_blocks * ring_rows : 0);
+  l.shared_hidden_fp8 = l.buffers.add("shared_hidden_fp8", shared_fp8 ? padded_tokens * i : 0);
+  l.shared_hidden_scales = l.buffers.add_array<float>("shared_hidden_scales", shared_fp8 ? i_blocks * padded_tokens : 0);
   return l;
 }
 
 RankScratchLayout rank_scratch_layout(const MoeShape& s, int64_t ring_rows, int64_t padded_tokens,
-                                      int64_t counter_words, int64_t timeline_words) {
+                                      int64_t counter_words, int64_t timeline_words, bool fp8) {
   const int64_t h = s.hidden;
   RankScratchLayout l;
   l.y = l.buffers.add("y", ring_rows * h * kBf16);
@@ -30,6 +37,7 @@ RankScratchLayout rank_scratch_layout(const MoeShape& s, int64_t ring_rows, int6
   l.shared_schedule = l.buffers.add_array<SharedSchedule>("shared_schedule", 1);
   l.fused_counters = l.buffers.add_array<uint64_t>("fused_counters", counter_words);
   l.timeline = l.buffers.add_array<uint64_t>("timeline", timeline_words);
+  l.x_scales = l.buffers.add_array<float>("x_scales", fp8 ? (h + 127) / 128 * padded_tokens : 0);
   return l;
 }
 

@@ -45,9 +45,16 @@ struct ContextLayout {
   BufferSlot shared_hidden;   // bf16 [padded T, I]
   BufferSlot gate_up;         // bf16 [ring, 2I], keep_gate_up only
   BufferSlot shared_gate_up;  // bf16 [padded T, 2I], keep_gate_up with a shared expert only
+  // FP8 only (MoeOptions::precision): expert_rows then holds each row as x's published FP8 row (e4m3 [H] and
+  // its fp32 scales, in the bf16 row's 2H bytes); the GEMMs' A scales and h in e4m3 with its scales.
+  BufferSlot expert_row_scales;     // fp32 [ceil(H/128), ring]
+  BufferSlot hidden_fp8;            // e4m3 [ring, I]
+  BufferSlot hidden_scales;         // fp32 [ceil(I/128), ring]
+  BufferSlot shared_hidden_fp8;     // e4m3 [padded T, I], with a shared expert only
+  BufferSlot shared_hidden_scales;  // fp32 [ceil(I/128), padded T], with a shared expert only
 };
 ContextLayout context_layout(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
-                             int64_t padded_tokens);
+                             int64_t padded_tokens, bool fp8 = false);
 
 // A local rank's scratch of the forward (MoeWorkspace::RankState).
 struct RankScratchLayout {
@@ -58,9 +65,10 @@ struct RankScratchLayout {
   BufferSlot shared_schedule;  // SharedSchedule
   BufferSlot fused_counters;   // u64 [counter_words]
   BufferSlot timeline;         // u64 [timeline_words], absent when 0
+  BufferSlot x_scales;         // FP8 only: fp32 [ceil(H/128), padded T], the shared expert's A scales
 };
 RankScratchLayout rank_scratch_layout(const MoeShape& s, int64_t ring_rows, int64_t padded_tokens,
-                                      int64_t counter_words, int64_t timeline_words);
+                                      int64_t counter_words, int64_t timeline_words, bool fp8 = false);
 
 // What decides the backward scratch's buffers (MoeWorkspace::allocate_backward).
 struct BackwardScratchShape {

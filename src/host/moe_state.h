@@ -86,6 +86,8 @@ struct MoeWorkspace::RankState {
   detail::SharedSchedule* shared_schedule = nullptr;
   uint64_t* fused_counters = nullptr;  // detail::fused_counter_words
   uint64_t* timeline = nullptr;        // detail::fused_timeline_words, or null
+  float* x_scales = nullptr;           // MoeOptions::precision kFP8: fp32 [ceil(H/128), padded T], the rank's
+                                       // published x rows' scales (the shared expert's A scales)
   BackwardScratch backward;
   // The rank's last call issued outside a CUDA-graph capture: its stream, and an event recorded after its
   // last kernel. A call on another stream waits for that event first (the buffers above, the symmetric

@@ -115,7 +115,9 @@ constexpr OptionDesc option(std::string_view name, std::string_view path, Option
 }
 
 inline constexpr std::string_view kForwardPathNames[] = {"fused", "unfused"};  // ForwardPath's codes 0, 1
+inline constexpr std::string_view kPrecisionNames[] = {"bf16", "fp8"};          // Precision's codes 0, 1
 static_assert(static_cast<int>(ForwardPath::kFused) == 0 && static_cast<int>(ForwardPath::kUnfused) == 1);
+static_assert(static_cast<int>(Precision::kBF16) == 0 && static_cast<int>(Precision::kFP8) == 1);
 
 using L = LayerOptions;  // the table's rows spelled short
 using Shp = MoeShape;
@@ -157,6 +159,7 @@ inline constexpr OptionDesc kOptionTable[] = {
                                                  H::kConfig, true),
     option<&L::options, &Opt::keep_gate_up>("keep_gate_up", "MoeOptions.keep_gate_up", H::kConfig, true),
     option<&L::options, &Opt::gather_rows>("gather_rows", "MoeOptions.gather_rows", H::kConfig, true),
+    option<&L::options, &Opt::precision>("precision", "MoeOptions.precision", H::kCppOnly, true, kPrecisionNames),
 };
 
 constexpr bool names_are_unique() {

@@ -16,6 +16,7 @@
 #include <cuda_fp8.h>
 
 #include "src/host/check.h"
+#include "src/host/quantize_fp8.h"
 
 namespace mok {
 namespace {
@@ -68,6 +69,50 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int 
   for (int i = 0; i < 4; ++i)
     if (col + i < k) out[row * k + col + i] = to_e4m3(v[i], scale);
   if (lane == 0) scales[int64_t(block) * rows + row] = scale;
+}
+
+// One warp per (row, 128-column block) of x [tokens, h]: the FP8 row layout of src/host/quantize_fp8.h, plus the
+// scale again at [block, row] of `scales`. Rows past `tokens` (to padded_tokens): zeros, scale 1.
+__global__ void publish_fp8_rows_kernel(const __nv_bfloat16* x, int64_t tokens, int64_t padded_tokens, int h,
+                                        uint8_t* rows, float* scales) {
+  const int k_blocks = (h + kBlock - 1) / kBlock;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= padded_tokens * k_blocks) return;  // warp-uniform
+  const int64_t row = warp / k_blocks;
+  const int block = static_cast<int>(warp % k_blocks);
+  const int col = block * kBlock + 4 * lane;
+  float v[4];
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < 4; ++i) {
+    v[i] = row < tokens && col + i < h ? __bfloat162float(x[row * h + col + i]) : 0.0f;
+    finite = finite && isfinite(v[i]);
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    finite = __all_sync(0xffffffffu, finite);
+  }
+  const float scale = block_scale(amax, finite, false);
+  uint8_t* out = rows + row * 2 * int64_t(h);
+  for (int i = 0; i < 4; ++i)
+    if (col + i < h) out[col + i] = to_e4m3(v[i], scale);
+  if (lane == 0) {
+    reinterpret_cast<float*>(out + h)[block] = scale;
+    scales[int64_t(block) * padded_tokens + row] = scale;
+  }
+}
+
+__global__ void unpack_fp8_row_scales_kernel(const uint8_t* rows, const int32_t* scheduled_rows, int64_t row_limit,
+                                             int h, float* scales) {
+  const int k_blocks = (h + kBlock - 1) / kBlock;
+  const int64_t rows_used = *scheduled_rows < row_limit ? int64_t(*scheduled_rows) : row_limit;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows_used * k_blocks) return;
+  const int64_t row = i % rows_used;  // consecutive threads: consecutive rows, coalesced writes
+  const int block = static_cast<int>(i / rows_used);
+  scales[int64_t(block) * row_limit + row] = reinterpret_cast<const float*>(rows + row * 2 * int64_t(h) + h)[block];
 }
 
 constexpr int kWeightThreads = 256;
@@ -143,6 +188,26 @@ void validate(const Fp8QuantizeArgs& a, const char* entry, bool rows_layout) {
 }
 
 }  // namespace
+
+void detail::publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_tokens, int h, void* rows, float* scales,
+                              cudaStream_t stream) {
+  const int64_t warps = padded_tokens * ((h + kBlock - 1) / kBlock);
+  if (warps == 0) return;
+  constexpr int kThreads = 256;
+  publish_fp8_rows_kernel<<<static_cast<unsigned>((warps * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), tokens, padded_tokens, h, static_cast<uint8_t*>(rows), scales);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+void detail::unpack_fp8_row_scales(const void* rows, const int32_t* scheduled_rows, int64_t row_limit, int h,
+                                   float* scales, cudaStream_t stream) {
+  const int64_t threads = row_limit * ((h + kBlock - 1) / kBlock);  // an upper bound: the kernel reads the count
+  if (threads == 0) return;
+  constexpr int kThreads = 256;
+  unpack_fp8_row_scales_kernel<<<static_cast<unsigned>((threads + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(rows), scheduled_rows, row_limit, h, scales);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
 
 void quantize_rows_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream) {
   validate(args, "quantize_rows_fp8", true);

@@ -120,6 +120,31 @@ TEST(MoeLayouts, ContextLayoutIsTheContextBytes) {
   }
 }
 
+// MoeOptions::precision kFP8: the bf16 buffers as they are, plus the scales and h in e4m3.
+TEST(MoeLayouts, Fp8AddsScalesAndHiddenInE4m3) {
+  for (const MoeShape& s : shapes()) {
+    const int64_t h = s.hidden, i = s.intermediate, hb = (h + 127) / 128, ib = (i + 127) / 128;
+    const int64_t ring = 4096, schedule_elements = 5096, padded = (s.num_tokens + 127) / 128 * 128;
+    const std::string where = describe(s);
+    const detail::ContextLayout bf16 = detail::context_layout(s, false, schedule_elements, ring, padded);
+    const detail::ContextLayout l = detail::context_layout(s, false, schedule_elements, ring, padded, true);
+    check_layout(l.buffers, "FP8 context, " + where);
+    EXPECT_EQ(l.expert_rows.bytes, bf16.expert_rows.bytes) << where << ": FP8 rows live in the bf16 rows' bytes";
+    EXPECT_EQ(l.expert_row_scales.bytes, hb * ring * 4) << where;
+    EXPECT_EQ(l.hidden_fp8.bytes, ring * i) << where;
+    EXPECT_EQ(l.hidden_scales.bytes, ib * ring * 4) << where;
+    EXPECT_EQ(l.shared_hidden_fp8.bytes, s.shared_expert ? padded * i : 0) << where;
+    EXPECT_EQ(l.shared_hidden_scales.bytes, s.shared_expert ? ib * padded * 4 : 0) << where;
+    EXPECT_EQ(bf16.expert_row_scales.bytes + bf16.hidden_fp8.bytes + bf16.hidden_scales.bytes, 0) << where;
+    // An FP8 row (e4m3 [H] and its scales) fits in the bf16 row's 2H bytes.
+    EXPECT_LE(h + 4 * hb, 2 * h) << where;
+    const detail::RankScratchLayout r = detail::rank_scratch_layout(s, ring, padded, 777, 0, true);
+    check_layout(r.buffers, "FP8 rank scratch, " + where);
+    EXPECT_EQ(r.x_scales.bytes, hb * padded * 4) << where;
+    EXPECT_EQ(detail::rank_scratch_layout(s, ring, padded, 777, 0).x_scales.bytes, 0) << where;
+  }
+}
+
 TEST(MoeLayouts, RankScratchLayout) {
   for (const MoeShape& s : shapes()) {
     for (const int64_t timeline_words : {int64_t{0}, int64_t{12345}}) {

@@ -1,0 +1,23 @@
+// The layer's FP8 row kernels (MoeOptions::precision kFP8; src/host/quantize_fp8.cu). A published FP8 row lives in
+// the bf16 row's 2H bytes of the symmetric x buffer (the pull copies it as it copies a bf16 row):
+//   bytes [0, H)                     e4m3 values, quantized per 128 columns (include/mok/fp8.h)
+//   bytes [H, H + 4 * ceil(H/128))   the fp32 scales of its 128-column blocks
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace mok::detail {
+
+// x bf16 [tokens, h] -> FP8 rows [padded_tokens, 2h bytes] (rows past `tokens`: zeros, scales 1) and their scales
+// again as the GEMM's A scales, fp32 [ceil(h/128), padded_tokens].
+void publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_tokens, int h, void* rows, float* scales,
+                      cudaStream_t stream);
+
+// The scales of FP8 rows [row_limit, 2h bytes] (rows at or past *scheduled_rows are skipped) as the GEMM's A scales,
+// fp32 [ceil(h/128), row_limit].
+void unpack_fp8_row_scales(const void* rows, const int32_t* scheduled_rows, int64_t row_limit, int h, float* scales,
+                           cudaStream_t stream);
+
+}  // namespace mok::detail
