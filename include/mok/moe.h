@@ -406,6 +406,11 @@ class MoeWorkspace {
     return options_.backward && options_.path == ForwardPath::kFused && options_.fused.backward_megakernel;
   }
   bool fp8() const { return options_.precision == Precision::kFP8; }
+  // Bytes of a pulled x row: bf16 2H; FP8, the e4m3 values and their scales, rounded up to 16 (src/host/quantize_fp8.h).
+  int64_t pulled_row_bytes() const {
+    const int64_t h = shape_.hidden;
+    return fp8() ? (h + 4 * ((h + 127) / 128) + 15) / 16 * 16 : 2 * h;
+  }
   void backward_epilogue(const RankBackward& b);
   // The shared (or routed) MLP's five backward GEMMs as both paths run them; the routed rows whose g | u
   // are copied from the context (a small ring's) and that copy; where the pull reads rows from.

@@ -362,7 +362,8 @@ void MoeWorkspace::pull_rows(const RankForward& f, int64_t row_limit) const {
                                  .row_limit = row_limit,
                                  .num_tokens = shape_.num_tokens,
                                  .top_k = shape_.top_k,
-                                 .row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16)};
+                                 .row_vectors = static_cast<int>(shape_.hidden * kBf16Bytes / 16),
+                                 .copy_vectors = static_cast<int>(pulled_row_bytes() / 16)};
   kernels::pull_rows_kernel<<<row_kernel_ctas(row_limit, kernels::PullTraits::kWarps, s.num_sms),
                                kernels::PullTraits::kThreads, 0, f.stream>>>(pull);
   MOK_CHECK_CUDA(cudaGetLastError());

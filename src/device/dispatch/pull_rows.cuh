@@ -25,13 +25,15 @@ __device__ __forceinline__ const uint4* source_row(const PeerPointers& x, int32_
   return static_cast<const uint4*>(x.base[c.src]) + int64_t(c.token) * row_vectors;
 }
 
-// One row by one warp: the token's row of `route` from its source rank, or zeros for padding (route -1).
+// One row by one warp: the first copy_vectors 16-byte vectors of the token's row of `route` from its source rank
+// (rows of row_vectors vectors), or zeros for padding (route -1). copy_vectors < row_vectors: an FP8 row in a bf16
+// row's bytes (src/host/quantize_fp8.h), the rest of the row neither read nor written.
 __device__ __forceinline__ void pull_row(const PeerPointers& x, uint4* dst, int32_t route, int num_tokens, int top_k,
-                                         int row_vectors, int lane) {
+                                         int row_vectors, int copy_vectors, int lane) {
   if (route < 0)
-    device::zero_row_warp(dst, row_vectors, lane);
+    device::zero_row_warp(dst, copy_vectors, lane);
   else
-    device::copy_row_warp(source_row(x, route, num_tokens, top_k, row_vectors), dst, row_vectors, lane);
+    device::copy_row_warp(source_row(x, route, num_tokens, top_k, row_vectors), dst, copy_vectors, lane);
 }
 
 }  // namespace mok::dispatch

@@ -35,12 +35,14 @@ struct PullParams {
   int num_tokens;
   int top_k;
   int row_vectors;             // H * 2 / 16
+  int copy_vectors;            // of each row, the first ones pulled: row_vectors, or an FP8 row's (fewer)
 };
 
 __global__ void __launch_bounds__(PullTraits::kThreads) pull_rows_kernel(PullParams p) {
   const int64_t rows = *p.scheduled_rows < p.row_limit ? int64_t(*p.scheduled_rows) : p.row_limit;
   device::for_each_row_by_warp(rows, [&](int64_t row, int lane) {
-    dispatch::pull_row(p.x, p.dst + row * p.row_vectors, p.row_route[row], p.num_tokens, p.top_k, p.row_vectors, lane);
+    dispatch::pull_row(p.x, p.dst + row * p.row_vectors, p.row_route[row], p.num_tokens, p.top_k, p.row_vectors,
+                       p.copy_vectors, lane);
   });
 }
 
