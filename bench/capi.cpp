@@ -207,6 +207,55 @@ int mok_bench_layer_forward(void* handle, const void* x, const void* topk_idx, i
   }
 }
 
+// The forward of a layer made with precision "fp8" (MoeOptions::precision kFP8): the weights as
+// mok_bench_layer_forward's (separate gate and up), e4m3, each followed by its fp32 block scales (weights[2 n] the
+// values, weights[2 n + 1] the scales, n in MoeWeights' order; include/mok/moe.h has the scales' shapes). The
+// rest as mok_bench_layer_forward.
+int mok_bench_layer_forward_fp8(void* handle, const void* x, const void* topk_idx, int topk_dtype,
+                                const float* router_weights, const void* const* weights, void* out, void* stream,
+                                char* error, int error_len) {
+  try {
+    if (topk_dtype != 0 && topk_dtype != 1)
+      throw std::invalid_argument("topk_dtype: must be 0 (int32) or 1 (int64), got " + std::to_string(topk_dtype));
+    if (weights == nullptr) throw std::invalid_argument("weights: must hold 12 pointers");
+    auto* layer = static_cast<BenchLayer*>(handle);
+    const mok::MoeShape& s = layer->workspace->shape();
+    const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden, i = s.intermediate, e = s.local_experts();
+    const int64_t hb = (h + 127) / 128, ib = (i + 127) / 128;
+    using mok::DType;
+    using mok::TensorRef;
+    const DType q = DType::kFloat8E4M3, f32 = DType::kFloat32;
+    mok::MoeWeights w;
+    w.expert_gate = TensorRef(weights[0], q, {e, i, h});
+    w.expert_gate_scales = TensorRef(weights[1], f32, {e, ib, hb});
+    w.expert_up = TensorRef(weights[2], q, {e, i, h});
+    w.expert_up_scales = TensorRef(weights[3], f32, {e, ib, hb});
+    w.expert_down = TensorRef(weights[4], q, {e, h, i});
+    w.expert_down_scales = TensorRef(weights[5], f32, {e, hb, ib});
+    if (s.shared_expert) {
+      w.shared_gate = TensorRef(weights[6], q, {i, h});
+      w.shared_gate_scales = TensorRef(weights[7], f32, {ib, hb});
+      w.shared_up = TensorRef(weights[8], q, {i, h});
+      w.shared_up_scales = TensorRef(weights[9], f32, {ib, hb});
+      w.shared_down = TensorRef(weights[10], q, {h, i});
+      w.shared_down_scales = TensorRef(weights[11], f32, {hb, ib});
+    }
+    mok::RankForward f;
+    f.rank = layer->rank;
+    f.x = TensorRef(x, DType::kBFloat16, {t, h});
+    f.topk_idx = TensorRef(topk_idx, topk_dtype == 1 ? DType::kInt64 : DType::kInt32, {t, k});
+    f.router_weights = TensorRef(router_weights, DType::kFloat32, {t, k});
+    f.weights = &w;
+    f.out = TensorRef(out, DType::kBFloat16, {t, h});
+    f.context = &layer->context;
+    f.stream = static_cast<cudaStream_t>(stream);
+    layer->workspace->forward({&f, 1});
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
 // The backward of the layer's last forward (the context that forward filled), asynchronous on `stream`. The
 // forward's arguments again (x, ids, router weights, weights as in mok_bench_layer_forward), d_out bf16 [T, H];
 // writes d_x bf16 [T, H] and d_router_weights fp32 [T, k]. grads, grad_dtypes and grad_modes hold 6 entries

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""The layer's forward in FP8 (MoeOptions::precision "fp8", unfused path) against ours in BF16 (unfused and fused),
+one GPU, EP = 1, in one run: issue 27's forward ratios.
+
+Shapes: --shapes names of the model shapes (bench/gemm_bench.SHAPES) and --experts-per E_global / E: the default 8
+runs one EP = 8 rank's share of experts with all of the --tokens tokens routed among them (48 of Kimi-K2.7's 384:
+about 1360 rows each at 8192 tokens and top-8), as the issue's "one EP = 8 rank" rows; --experts-per 1 runs the
+full shapes (the weights stream from DRAM: FP8 halves their bytes). Each shape's weights are random bf16
+(N(0, 1/fan_in)); the FP8 layer's weights are those quantized by the recipe (128 x 128 blocks; quantization is not
+timed: it runs once per optimizer step). Time: median of CUDA-event timings, the three forwards in turns.
+Also printed: the FP8 output's normwise error against the BF16 output of the same inputs.
+Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
+"""
+import argparse
+import ctypes
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import capi  # noqa: E402
+from gemm_bench import SHAPES, quantize_blocks_128x128, time_ms  # noqa: E402
+
+ERROR = ctypes.create_string_buffer(1024)
+
+
+def check(rc):
+    if rc != 0:
+        raise RuntimeError(ERROR.value.decode(errors="replace"))
+
+
+def create(lib, **options):
+    layer = lib.mok_bench_layer_create(None, 0, torch.cuda.current_device(), *capi.layer_options(**options), ERROR,
+                                       len(ERROR))
+    if not layer:
+        raise RuntimeError(ERROR.value.decode(errors="replace"))
+    return layer
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lib", default="build/bench/libmok_bench_capi.so")
+    parser.add_argument("--shapes", default="Kimi-K2.7,GLM-5.2,DeepSeek-V4-Pro,Qwen3.5-397B")
+    parser.add_argument("--experts-per", type=int, default=8, help="run E_global / this many experts")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    lib = capi.load(os.path.abspath(args.lib))
+    stream = torch.cuda.current_stream().cuda_stream
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"FP8 layer forward, {torch.cuda.get_device_name()}, EP=1, {args.tokens} tokens, E = E_global / "
+          f"{args.experts_per}, median of {args.iters}")
+    print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} {'fp8/bf16':>8s} {'fp8/fused':>9s} "
+          f"{'fp8_TF':>7s} {'err':>8s}   (ratios: speed-ups; err: normwise |fp8 - bf16| / |bf16|)")
+    for name, num_experts, hidden, inter, top_k, shared in SHAPES:
+        if name not in args.shapes.split(","):
+            continue
+        experts, t = num_experts // args.experts_per, args.tokens
+        common = dict(ep_size=1, num_tokens=t, top_k=top_k, num_experts=experts, hidden=hidden, intermediate=inter,
+                      shared_expert=bool(shared), backward=False)
+        layers = {"fp8": create(lib, path="unfused", precision="fp8", **common),
+                  "bf16": create(lib, path="unfused", **common),
+                  "fused": create(lib, path="fused", **common)}
+        randn = lambda *s, scale=1.0: torch.randn(*s, device="cuda", dtype=torch.float32, generator=gen).mul_(
+            scale).bfloat16()
+        x = randn(t, hidden)
+        topk_idx = torch.randn(t, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.int()
+        rw = torch.rand(t, top_k, device="cuda", generator=gen)
+        w = [randn(experts, inter, hidden, scale=hidden**-0.5), randn(experts, inter, hidden, scale=hidden**-0.5),
+             randn(experts, hidden, inter, scale=inter**-0.5)]
+        w += [randn(inter, hidden, scale=hidden**-0.5), randn(inter, hidden, scale=hidden**-0.5),
+              randn(hidden, inter, scale=inter**-0.5)] if shared else [None, None, None]
+        fp8 = []  # each weight e4m3, then its scales (the 2-D shared weights quantized as one expert)
+        for tensor in w:
+            if tensor is None:
+                fp8 += [None, None]
+                continue
+            three = tensor.dim() == 3
+            q, s = quantize_blocks_128x128(tensor if three else tensor[None])
+            fp8 += [q if three else q[0].contiguous(), s if three else s[0].contiguous()]
+        pointers = (ctypes.c_void_p * 12)(*[0 if q is None else q.data_ptr() for q in fp8])
+        outs = {p: torch.empty(t, hidden, device="cuda", dtype=torch.bfloat16) for p in layers}
+        wp = [0 if v is None else v.data_ptr() for v in w]
+
+        def forward(path):
+            if path == "fp8":
+                return lambda: check(lib.mok_bench_layer_forward_fp8(layers[path], x.data_ptr(), topk_idx.data_ptr(),
+                                                                     0, rw.data_ptr(), pointers, outs[path].data_ptr(),
+                                                                     stream, ERROR, len(ERROR)))
+            return lambda: check(lib.mok_bench_layer_forward(layers[path], x.data_ptr(), topk_idx.data_ptr(), 0,
+                                                             rw.data_ptr(), *wp, outs[path].data_ptr(), stream, ERROR,
+                                                             len(ERROR)))
+
+        fns = [forward(p) for p in layers]
+        for fn in fns:
+            fn()
+        for layer in layers.values():
+            check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
+        err = ((outs["fp8"].float() - outs["bf16"].float()).norm() / outs["bf16"].float().norm()).item()
+        ms = dict(zip(layers, time_ms(fns, args.iters)))
+        flops = 6.0 * t * (top_k + int(bool(shared))) * hidden * inter
+        print(f"{name:16s} {experts:4d} {ms['fp8']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} "
+              f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8']:9.2f} {flops / ms['fp8'] / 1e9:7.0f} "
+              f"{err:8.4f}", flush=True)
+        for layer in layers.values():
+            check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
+            lib.mok_bench_layer_destroy(layer)
+        del x, w, fp8, outs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
