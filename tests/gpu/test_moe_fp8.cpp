@@ -185,6 +185,35 @@ TEST(MoeFp8Test, SameBitsAtEveryEpSize) {
   }
 }
 
+// Any token count up to the workspace's (issue 25's contract, FP8 too): a call with T tokens gives the bits of a
+// workspace made for exactly T, at EP = 2 with different T per rank (0 included).
+TEST(MoeFp8Test, FewerTokensGiveTheBitsOfAWorkspaceForExactlyThem) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = testing::moe_shape(2, 256, 4, 16, 256, 384, true);
+  const LayerData data = testing::random_layer(shape, 1700);
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape, fp8_options());
+  harness.upload(data);
+  std::vector<std::unique_ptr<Fp8Weights>> weights;
+  for (int r = 0; r < 2; ++r) {
+    weights.push_back(std::make_unique<Fp8Weights>(*harness.args(r).weights));
+    harness.args(r).weights = &weights.back()->weights;
+  }
+  // Each token's output depends only on its own routes and every stage's arithmetic is per row (x's and h's
+  // scales included), so the tokens a smaller call passes get the full call's bits.
+  const auto full = harness.run_checked(1);
+  for (const auto& [t0, t1] : {std::pair{100, 256}, {0, 37}, {129, 0}}) {
+    harness.set_call_tokens(0, t0);
+    harness.set_call_tokens(1, t1);
+    const auto got = harness.run_checked(1);
+    for (int r = 0; r < 2; ++r) {
+      const int t = r == 0 ? t0 : t1;
+      ASSERT_GE(got[r].size(), size_t(t) * shape.hidden);
+      for (size_t j = 0; j < size_t(t) * shape.hidden; ++j)
+        ASSERT_EQ(got[r][j], full[r][j]) << "rank " << r << " with " << t0 << " / " << t1 << " tokens, element " << j;
+    }
+  }
+}
+
 TEST(MoeFp8Test, ValidationNamesTheOption) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = testing::moe_shape(1, 128, 2, 8, 256, 256, true);
