@@ -24,6 +24,12 @@ struct Fp8QuantizeArgs {
   void* out = nullptr;        // e4m3 [experts, rows, k]
   float* scales = nullptr;    // see the header; rows: 16-byte aligned for quantize_rows_fp8
   bool power_of_two_scales = false;
+  // quantize_weights_fp8, optional (both or neither): each expert's matrix transposed, e4m3 [experts, k, rows],
+  // and its scales [experts, ceil(k/128), ceil(rows/128)]. A 128 x 128 block's scale serves its transpose, so
+  // these are the transposed values exactly (what a GEMM that reads the weight the other way round, K-major, needs:
+  // the backward's dgrad through it). 2 x the values' and the scales' bytes in all.
+  void* out_transposed = nullptr;
+  float* scales_transposed = nullptr;
 };
 
 void quantize_rows_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream);

@@ -118,7 +118,7 @@ __global__ void unpack_fp8_row_scales_kernel(const uint8_t* rows, const int32_t*
 constexpr int kWeightThreads = 256;
 
 __global__ void quantize_weights_kernel(const __nv_bfloat16* in, int64_t rows, int k, uint8_t* out, float* scales,
-                                        bool power_of_two) {
+                                        bool power_of_two, uint8_t* out_t, float* scales_t) {
   // blockIdx.x: k-block, blockIdx.y: row block, blockIdx.z: expert.
   const int64_t expert = blockIdx.z;
   const int64_t row0 = int64_t(blockIdx.y) * kBlock;
@@ -154,14 +154,32 @@ __global__ void quantize_weights_kernel(const __nv_bfloat16* in, int64_t rows, i
   }
   const float scale = block_scale(amax, finite, power_of_two);
   uint8_t* out_base = out + expert * rows * k;
+  // The transposed copy goes through shared memory: written by rows here, read by columns below (both
+  // coalesced in global memory). 129 bytes a row: the column reads spread over the banks.
+  __shared__ uint8_t block_t[kBlock][kBlock + 1];
   for (int i = threadIdx.x; i < kBlock * kBlock; i += kWeightThreads) {
     const int64_t r = row0 + i / kBlock;
     const int c = col0 + i % kBlock;
-    if (r < row_end && c < col_end) out_base[r * k + c] = to_e4m3(__bfloat162float(base[r * k + c]), scale);
+    if (r < row_end && c < col_end) {
+      const uint8_t q = to_e4m3(__bfloat162float(base[r * k + c]), scale);
+      out_base[r * k + c] = q;
+      if (out_t != nullptr) block_t[i / kBlock][i % kBlock] = q;
+    }
+  }
+  const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
+  if (out_t != nullptr) {
+    __syncthreads();
+    uint8_t* out_t_base = out_t + expert * rows * k;  // [k, rows] of this expert
+    for (int i = threadIdx.x; i < kBlock * kBlock; i += kWeightThreads) {
+      const int c = col0 + i / kBlock;
+      const int64_t r = row0 + i % kBlock;
+      if (r < row_end && c < col_end) out_t_base[int64_t(c) * rows + r] = block_t[i % kBlock][i / kBlock];
+    }
   }
   if (threadIdx.x == 0) {
-    const int64_t row_blocks = (rows + kBlock - 1) / kBlock;
     scales[(expert * row_blocks + blockIdx.y) * gridDim.x + blockIdx.x] = scale;
+    // The transposed matrix's block (column block, row block) is this block: the same scale.
+    if (scales_t != nullptr) scales_t[(expert * gridDim.x + blockIdx.x) * row_blocks + blockIdx.y] = scale;
   }
 }
 
@@ -211,6 +229,8 @@ void detail::unpack_fp8_row_scales(const void* rows, const int32_t* scheduled_ro
 
 void quantize_rows_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream) {
   validate(args, "quantize_rows_fp8", true);
+  require(args.out_transposed == nullptr && args.scales_transposed == nullptr, "quantize_rows_fp8",
+          "out_transposed and scales_transposed are for quantize_weights_fp8 (1 x 128 scales do not transpose)");
   const int64_t warps = args.rows * ((args.k + kBlock - 1) / kBlock);
   if (warps == 0) return;
   constexpr int kThreads = 256;
@@ -227,9 +247,11 @@ void quantize_weights_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream) {
   const dim3 grid((args.k + kBlock - 1) / kBlock, static_cast<unsigned>((args.rows + kBlock - 1) / kBlock),
                   static_cast<unsigned>(args.experts));
   require(grid.y <= 65535 && grid.z <= 65535, "quantize_weights_fp8", "too many row blocks or experts for one launch");
-  quantize_weights_kernel<<<grid, kWeightThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(args.in), args.rows,
-                                                               args.k, static_cast<uint8_t*>(args.out), args.scales,
-                                                               args.power_of_two_scales);
+  require((args.out_transposed == nullptr) == (args.scales_transposed == nullptr), "quantize_weights_fp8",
+          "out_transposed and scales_transposed go together (both, or neither)");
+  quantize_weights_kernel<<<grid, kWeightThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(args.in), args.rows, args.k, static_cast<uint8_t*>(args.out), args.scales,
+      args.power_of_two_scales, static_cast<uint8_t*>(args.out_transposed), args.scales_transposed);
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 

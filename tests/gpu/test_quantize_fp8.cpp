@@ -122,6 +122,36 @@ TEST(QuantizeFp8Test, WeightsMatchTheCpuBitwise) {
     }
 }
 
+TEST(QuantizeFp8Test, TransposedWeightsAreTheTransposeExactly) {
+  MOK_REQUIRE_GPUS(1);
+  for (const auto& [rows, k] : {std::pair<int64_t, int>{256, 384}, {192, 2880}, {64, 136}}) {
+    const int experts = 2;
+    const uint64_t seed = 1350 + rows + k;
+    const std::string label = "rows " + std::to_string(rows) + ", k " + std::to_string(k);
+    const auto in = edge_inputs(experts * rows, k, seed);
+    DeviceArray<uint16_t> d_in(in);
+    const int64_t rb = (rows + 127) / 128, kb = (k + 127) / 128;
+    DeviceArray<uint8_t> d_out(in.size()), d_out_t(std::vector<uint8_t>(in.size(), 0xff));
+    DeviceArray<float> d_scales(size_t(experts * rb * kb)), d_scales_t(std::vector<float>(size_t(experts * rb * kb), -1));
+    quantize_weights_fp8({.in = d_in.ptr, .experts = experts, .rows = rows, .k = k, .out = d_out.ptr,
+                          .scales = d_scales.ptr, .out_transposed = d_out_t.ptr, .scales_transposed = d_scales_t.ptr},
+                         nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    const auto q = d_out.download(), q_t = d_out_t.download();
+    const auto s = d_scales.download(), s_t = d_scales_t.download();
+    for (int e = 0; e < experts; ++e) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int c = 0; c < k; ++c)
+          ASSERT_EQ(q_t[(e * k + c) * rows + r], q[(e * rows + r) * k + c])
+              << "expert " << e << " row " << r << " col " << c << ", " << label;
+      for (int64_t i = 0; i < rb; ++i)
+        for (int64_t j = 0; j < kb; ++j)
+          ASSERT_EQ(bits_of(s_t[(e * kb + j) * rb + i]), bits_of(s[(e * rb + i) * kb + j]))
+              << "scale block " << i << ", " << j << " of expert " << e << ", " << label;
+    }
+  }
+}
+
 TEST(QuantizeFp8Test, EdgeCasesAreWhatTheRecipeSays) {
   // The CPU reference itself, on the cases the header names (no GPU needed).
   const std::vector<float> row = {0, 0, 0, 0};
@@ -170,6 +200,11 @@ TEST(QuantizeFp8Test, ValidationNamesTheArgument) {
   a = good;
   a.out = nullptr;
   EXPECT_NE(message(weights_fn, a).find("out must be"), std::string::npos);
+  a = good;
+  a.out_transposed = buffer;
+  EXPECT_NE(message(weights_fn, a).find("go together"), std::string::npos);
+  a.scales_transposed = scales;
+  EXPECT_NE(message(rows_fn, a).find("are for quantize_weights_fp8"), std::string::npos);
 }
 
 }  // namespace
