@@ -18,6 +18,7 @@ from . import arguments
 from .arguments import INT32_MAX, INT64_MAX
 
 PATHS = {"fused": 0, "unfused": 1}
+PRECISIONS = {"bf16": 0, "fp8": 1}
 MAX_EP_SIZE = 72  # kMaxEpSize, include/mok/routing.h
 MAX_ROWS = 2**30 - 1  # std::numeric_limits<int32_t>::max() / 2: routes and expert rows (int32 on the GPU)
 CHUNK_ROUTES = 1024  # schedule::kChunkRoutes, src/device/schedule/placement.h
@@ -56,6 +57,8 @@ class Config:
     gather_rows      unfused path: the routed gate/up GEMM reads this rank's token rows straight from x into its
                      shared memory, without the expert-major copy (skipped at ep_size 1 with backward=False; the
                      context keeps it otherwise). The same bits. True needs path="unfused"
+    precision        "bf16", or "fp8" (DeepSeek-V3's e4m3 with block scales: mok.quantize_weights and
+                     mok.forward_fp8); "fp8" needs path="unfused", backward=False, gather_rows=False for now
 
     Every field is checked when a Config is made (TypeError for a value of the wrong type, bool included where
     an int is expected; ValueError for a wrong value), naming it: "Config.tile_m: expected 64 or 128, got 100".
@@ -74,6 +77,7 @@ class Config:
     context_budget_bytes: int = 4 << 30
     backward_megakernel: bool = False
     gather_rows: bool = False
+    precision: str = "bf16"
 
     def __post_init__(self):
         # The C++ rules (MoeWorkspace's constructor, src/host/moe.cu; ScheduleOptions::validate,
@@ -105,6 +109,15 @@ class Config:
             raise ValueError("Config.backward_megakernel: expected False unless path='fused' and backward=True (the "
                              f"backward megakernel is the fused path's backward), got True with path={self.path!r}, "
                              f"backward={self.backward}")
+        if not isinstance(self.precision, str):
+            raise TypeError(f"Config.precision: expected one of {sorted(PRECISIONS)}, got "
+                            f"{arguments.describe(self.precision)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Config.precision: expected one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        if self.precision == "fp8" and (self.path != "unfused" or self.backward or self.gather_rows):
+            raise ValueError("Config.precision: 'fp8' runs with path='unfused', backward=False and gather_rows=False "
+                             f"for now (no fused or backward FP8 yet), got path={self.path!r}, "
+                             f"backward={self.backward}, gather_rows={self.gather_rows}")
         if self.gather_rows and self.path != "unfused":
             raise ValueError("Config.gather_rows: expected False unless path='unfused' (the fused path does not gather "
                              f"rows yet), got True with path={self.path!r}")

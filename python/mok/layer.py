@@ -314,6 +314,9 @@ def forward(ws: Workspace, x: torch.Tensor, topk_idx: torch.Tensor, router_weigh
     recompute_forward_context from the saved inputs), so layers may share one context (activation
     checkpointing of the expert-side activations)."""
     _check_workspace(ws)
+    if ws.config.precision != "bf16":
+        raise ValueError(f"mok.forward: the workspace is Config(precision={ws.config.precision!r}); its forward is "
+                         "mok.forward_fp8 with mok.quantize_weights' weights")
     arguments.check_bool("schedule_ready", schedule_ready)
     arguments.check_bool("recompute", recompute)
     if schedule_ready and ctx is None:

@@ -37,6 +37,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nccl.h>
 
+#include "mok/fp8.h"
 #include "mok/moe.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
@@ -74,10 +75,14 @@ bool is_c_contiguous(const Array& a) {
 }
 
 // A TensorRef on `a` after the checks the C++ API cannot make itself (it sees only a pointer).
-mok::TensorRef tensor_ref(const Array& a, const char* name, int device, bool allow_int64 = false) {
+// fp8: uint8 arrays are e4m3 (the Python side passes float8_e4m3fn tensors viewed as uint8: DLPack exports no
+// float8 type through every PyTorch version this package supports).
+mok::TensorRef tensor_ref(const Array& a, const char* name, int device, bool allow_int64 = false, bool fp8 = false) {
   const nb::dlpack::dtype t = a.dtype();
   mok::DType dtype;
-  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16 && t.lanes == 1) {
+  if (fp8 && t == nb::dtype<uint8_t>()) {
+    dtype = mok::DType::kFloat8E4M3;
+  } else if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && t.bits == 16 && t.lanes == 1) {
     dtype = mok::DType::kBFloat16;
   } else if (t == nb::dtype<float>()) {
     dtype = mok::DType::kFloat32;
@@ -118,6 +123,20 @@ constexpr int kNumWeights = 6;
 using WeightArrays = std::array<OptionalArray, kNumWeights>;
 constexpr std::array<const char*, kNumWeights> kWeightNames = {"expert_gate", "expert_up",  "expert_down",
                                                                "shared_gate", "shared_up", "shared_down"};
+
+// The FP8 form (MoeOptions::precision kFP8): the six weights as e4m3 (uint8 views) and their block scales.
+mok::MoeWeights fp8_weights_of(const WeightArrays& values, const WeightArrays& scales, int device) {
+  mok::MoeWeights w;
+  mok::TensorRef* refs[kNumWeights] = {&w.expert_gate, &w.expert_up, &w.expert_down,
+                                       &w.shared_gate, &w.shared_up, &w.shared_down};
+  mok::TensorRef* scale_refs[kNumWeights] = {&w.expert_gate_scales, &w.expert_up_scales, &w.expert_down_scales,
+                                             &w.shared_gate_scales, &w.shared_up_scales, &w.shared_down_scales};
+  for (int i = 0; i < kNumWeights; ++i) {
+    if (values[i]) *refs[i] = tensor_ref(*values[i], kWeightNames[i], device, false, /*fp8=*/true);
+    *scale_refs[i] = optional_ref(scales[i], kWeightNames[i], device);
+  }
+  return w;
+}
 
 mok::MoeWeights weights_of(const WeightArrays& a, int device) {
   mok::MoeWeights w;
@@ -251,6 +270,24 @@ class Workspace {
     } else {
       workspace_->forward({&f, 1});
     }
+  }
+
+  // The forward of an FP8 workspace (precision "fp8"): the weights as e4m3 (uint8 views) with their block scales,
+  // in MoeWeights order (None where absent).
+  void forward_fp8(const Array& x, const Array& topk_idx, const Array& router_weights, const WeightArrays& weights,
+                   const WeightArrays& scales, const Array& out, Context& context, uintptr_t stream) {
+    DeviceGuard guard(device_);
+    const mok::MoeWeights w = fp8_weights_of(weights, scales, device_);
+    mok::RankForward f;
+    f.rank = rank_;
+    f.x = tensor_ref(x, "x", device_);
+    f.topk_idx = tensor_ref(topk_idx, "topk_idx", device_, /*allow_int64=*/true);
+    f.router_weights = tensor_ref(router_weights, "router_weights", device_);
+    f.weights = &w;
+    f.out = tensor_ref(out, "out", device_);
+    f.context = &context.get();
+    f.stream = as_stream(stream);
+    workspace_->forward({&f, 1});
   }
 
   // d_x, d_router_weights and the weight gradients of the forward that filled `context` (MoeWorkspace::backward).
@@ -409,6 +446,52 @@ nb::object python_value(const mok::detail::OptionDesc& o, mok::detail::OptionVal
   return nb::none();
 }
 
+// quantize_weights_fp8 (include/mok/fp8.h) on arrays: weights bf16 [experts, rows, k] or [rows, k]; out uint8 of
+// the same shape (e4m3 bits); scales fp32 [.., ceil(rows/128), ceil(k/128)]; optionally the transposed pair.
+void quantize_weights_fp8(const Array& weights, const Array& out, const Array& scales,
+                          const OptionalArray& out_transposed, const OptionalArray& scales_transposed,
+                          bool power_of_two_scales, uintptr_t stream) {
+  const int device = weights.device_id();
+  DeviceGuard guard(device);
+  const mok::TensorRef w = tensor_ref(weights, "weights", device);
+  if (w.dtype != mok::DType::kBFloat16 || (w.ndim != 2 && w.ndim != 3))
+    throw std::invalid_argument("quantize_weights_fp8: weights must be bf16 [experts, rows, k] or [rows, k], got " +
+                                w.describe());
+  const bool three = w.ndim == 3;
+  const int64_t experts = three ? w.shape[0] : 1, rows = w.shape[three ? 1 : 0], k = w.shape[three ? 2 : 1];
+  const mok::TensorRef q = tensor_ref(out, "out", device, false, /*fp8=*/true);
+  const mok::TensorRef s = tensor_ref(scales, "scales", device);
+  const int64_t blocks = experts * ((rows + 127) / 128) * ((k + 127) / 128);
+  auto elements = [](const mok::TensorRef& t) {
+    int64_t n = 1;
+    for (int d = 0; d < t.ndim; ++d) n *= t.shape[d];
+    return n;
+  };
+  if (q.dtype != mok::DType::kFloat8E4M3 || elements(q) != experts * rows * k)
+    throw std::invalid_argument("quantize_weights_fp8: out must be uint8 (e4m3 bits) with the weights' elements, got " +
+                                q.describe());
+  if (s.dtype != mok::DType::kFloat32 || elements(s) != blocks)
+    throw std::invalid_argument("quantize_weights_fp8: scales must be fp32 with " + std::to_string(blocks) +
+                                " elements (one per 128 x 128 block), got " + s.describe());
+  mok::Fp8QuantizeArgs args{.in = w.data, .experts = static_cast<int>(experts), .rows = rows,
+                            .k = static_cast<int>(k), .out = q.mutable_data(),
+                            .scales = static_cast<float*>(s.mutable_data()),
+                            .power_of_two_scales = power_of_two_scales};
+  if (out_transposed || scales_transposed) {
+    if (!out_transposed || !scales_transposed)
+      throw std::invalid_argument("quantize_weights_fp8: out_transposed and scales_transposed go together");
+    const mok::TensorRef qt = tensor_ref(*out_transposed, "out_transposed", device, false, /*fp8=*/true);
+    const mok::TensorRef st = tensor_ref(*scales_transposed, "scales_transposed", device);
+    if (qt.dtype != mok::DType::kFloat8E4M3 || elements(qt) != experts * rows * k || st.dtype != mok::DType::kFloat32 ||
+        elements(st) != blocks)
+      throw std::invalid_argument("quantize_weights_fp8: the transposed pair must match out and scales, got " +
+                                  qt.describe() + " and " + st.describe());
+    args.out_transposed = qt.mutable_data();
+    args.scales_transposed = static_cast<float*>(st.mutable_data());
+  }
+  mok::quantize_weights_fp8(args, as_stream(stream));
+}
+
 // Every option: name, path (C++), kind, home ("shape": a LayerShape field, "config": a Config field, "cpp": the
 // C++ and C APIs only), agreed (equal on every rank), default (the C++ default, as Python spells it), choices.
 nb::list option_table() {
@@ -441,6 +524,12 @@ NB_MODULE(_mok, m) {
         "Every option of the layer (src/host/option_table.h): dicts of name, path, kind, home, agreed, default, "
         "choices");
 
+  m.def("quantize_weights_fp8", &quantize_weights_fp8, nb::arg("weights"), nb::arg("out"), nb::arg("scales"),
+        nb::arg("out_transposed").none(), nb::arg("scales_transposed").none(), nb::arg("power_of_two_scales"),
+        nb::arg("stream"),
+        "include/mok/fp8.h: bf16 weights [experts, rows, k] (or [rows, k]) -> e4m3 (uint8 view) and fp32 block "
+        "scales, optionally also transposed");
+
   nb::class_<Context>(m, "Context").def_prop_ro("ring_rows", &Context::ring_rows);
 
   nb::class_<Workspace>(m, "Workspace")
@@ -461,6 +550,8 @@ NB_MODULE(_mok, m) {
            nb::arg("expert_gate"), nb::arg("expert_up").none(), nb::arg("expert_down"), nb::arg("shared_gate").none(),
            nb::arg("shared_up").none(), nb::arg("shared_down").none(), nb::arg("out"), nb::arg("context"),
            nb::arg("stream"), nb::arg("schedule_ready"))
+      .def("forward_fp8", &Workspace::forward_fp8, nb::arg("x"), nb::arg("topk_idx"), nb::arg("router_weights"),
+           nb::arg("weights"), nb::arg("scales"), nb::arg("out"), nb::arg("context"), nb::arg("stream"))
       .def("backward", &Workspace::backward, nb::arg("d_out"), nb::arg("x"), nb::arg("topk_idx"),
            nb::arg("router_weights"), nb::arg("weights"), nb::arg("d_x"), nb::arg("d_router_weights"), nb::arg("grads"),
            nb::arg("accumulate"), nb::arg("context"), nb::arg("stream"))

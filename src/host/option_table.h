@@ -159,7 +159,7 @@ inline constexpr OptionDesc kOptionTable[] = {
                                                  H::kConfig, true),
     option<&L::options, &Opt::keep_gate_up>("keep_gate_up", "MoeOptions.keep_gate_up", H::kConfig, true),
     option<&L::options, &Opt::gather_rows>("gather_rows", "MoeOptions.gather_rows", H::kConfig, true),
-    option<&L::options, &Opt::precision>("precision", "MoeOptions.precision", H::kCppOnly, true, kPrecisionNames),
+    option<&L::options, &Opt::precision>("precision", "MoeOptions.precision", H::kConfig, true, kPrecisionNames),
 };
 
 constexpr bool names_are_unique() {

@@ -1,0 +1,76 @@
+"""The FP8 layer from Python (Config(precision="fp8"), mok.quantize_weights, mok.forward_fp8): against the BF16 layer
+(normwise error printed and bounded), reruns bitwise, the quantized weights' layout and memory, bad inputs with a
+clear error and the next good call correct. GPU tests; they skip without a Hopper GPU."""
+import pytest
+import torch
+
+import mok
+
+pytestmark = pytest.mark.gpu
+
+T, H, I, K, E = 256, 320, 384, 4, 16  # H 320: a partial last 128-column block
+
+
+def _inputs(seed, shared=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    randn = lambda *s, scale=1.0: (torch.randn(*s, device="cuda", generator=g) * scale).bfloat16()
+    x = randn(T, H)
+    idx = torch.randn(T, E, device="cuda", generator=g).topk(K, dim=1).indices.int()
+    rw = torch.rand(T, K, device="cuda", generator=g)
+    w = mok.Weights(randn(E, I, H, scale=H**-0.5), randn(E, I, H, scale=H**-0.5), randn(E, H, I, scale=I**-0.5),
+                    *((randn(I, H, scale=H**-0.5), randn(I, H, scale=H**-0.5), randn(H, I, scale=I**-0.5)) if shared
+                      else (None, None, None)))
+    return x, idx, rw, w
+
+
+def _fp8_workspace(shared=True):
+    return mok.get_workspace(mok.Config(precision="fp8", path="unfused", backward=False), None, T, H, I, K, E,
+                             shared_expert=shared)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_fp8_forward_against_bf16(shared):
+    x, idx, rw, w = _inputs(1800 + shared, shared)
+    with _fp8_workspace(shared) as ws8, mok.get_workspace(mok.Config(path="unfused", backward=False), None, T, H, I,
+                                                          K, E, shared_expert=shared) as ws16:
+        qw = mok.quantize_weights(w)
+        out8, ctx = mok.forward_fp8(ws8, x, idx, rw, qw)
+        again, _ = mok.forward_fp8(ws8, x, idx, rw, qw, ctx)
+        out16, _ = mok.forward(ws16, x, idx, rw, w)
+        mok.check_status(ws8)
+        mok.check_status(ws16)
+        assert not out8.isnan().any()
+        assert torch.equal(out8, again), "FP8 reruns differ"
+        err = ((out8.float() - out16.float()).norm() / out16.float().norm()).item()
+        print(f"FP8 vs BF16 normwise error (shared={shared}): {err:.4f}")
+        assert err < 0.10, err  # x's, the weights' and h's e4m3 roundings, about 3 % each
+
+
+def test_quantize_weights_layout_and_memory():
+    _, _, _, w = _inputs(1810)
+    qw = mok.quantize_weights(w)
+    assert qw.values[0].dtype == torch.float8_e4m3fn and qw.values[0].shape == (E, I, H)
+    assert qw.scales[0].shape == (E, 3, 3) and qw.scales[2].shape == (E, 3, 3) and qw.scales[3].shape == (3, 3)
+    assert qw.nbytes == sum(t.numel() for t in w.tensors()) + 4 * sum(s.numel() for s in qw.scales)
+    # Dequantized, the weights are within e4m3's rounding (2^-4 relative) of the bf16 ones, block by block.
+    q = qw.values[0].float().view(E, 3, 128, 3, 128) * qw.scales[0][:, :, None, :, None]
+    ref = w.expert_gate.float().view(E, 3, 128, 3, 128)
+    assert ((q - ref).abs() <= ref.abs() * 2**-4 + 1e-6).all()
+
+
+def test_bad_inputs_raise_and_the_next_call_works():
+    x, idx, rw, w = _inputs(1820)
+    with _fp8_workspace() as ws:
+        qw = mok.quantize_weights(w)
+        with pytest.raises(ValueError, match="mok.forward: the workspace is Config\\(precision='fp8'\\)"):
+            mok.forward(ws, x, idx, rw, w)
+        with pytest.raises(TypeError, match="expected mok.Fp8Weights"):
+            mok.forward_fp8(ws, x, idx, rw, w)
+        bad = mok.Fp8Weights(qw.values, (qw.scales[0][:, :2],) + qw.scales[1:])
+        with pytest.raises(ValueError, match="weights.expert_gate scales"):
+            mok.forward_fp8(ws, x, idx, rw, bad)
+        with pytest.raises(ValueError, match="bf16 CUDA tensor"):
+            mok.quantize_weights(mok.Weights(w.expert_gate.float(), *w.tensors()[1:]))
+        out, _ = mok.forward_fp8(ws, x, idx, rw, qw)
+        mok.check_status(ws)
+        assert not out.isnan().any()
