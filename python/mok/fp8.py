@@ -102,6 +102,8 @@ def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: tor
                          "Config(precision='fp8', path='unfused', backward=False)")
     if torch.compiler.is_compiling():
         raise RuntimeError("mok.forward_fp8 is eager only for now")
+    if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+        raise RuntimeError("mok.forward_fp8 has no backward yet: x requires grad (run under torch.no_grad())")
     t = call_tokens(ws.shape, "topk_idx", topk_idx)
     check_tensor("topk_idx", topk_idx, (torch.int32, torch.int64), "T, k", (t, ws.shape.top_k), ws.device)
     check_x(ws.shape, ws.device, x, tokens=t)

@@ -29,6 +29,7 @@ from . import arguments, ops
 from .arguments import check_type
 from .config import Config, LayerShape, Weights
 from .device import check_layer_device, layer_device
+from .fp8 import Fp8Weights, forward_fp8, quantize_weights
 from .layer import ForwardContext, Workspace, check_group, get_workspace, layer_forward
 
 
@@ -139,6 +140,7 @@ class MoE(torch.nn.Module):
 
         self._workspace = workspace
         self._context = context
+        self._fp8_cache = None  # Config(precision="fp8"): (parameter versions, Fp8Weights); see fp8_weights
         self._targets = ops.MainGradTargets(self.weights().tensors()) if self.main_grad else None
         if workspace is None and num_tokens is not None:
             self.prepare(num_tokens)
@@ -257,9 +259,27 @@ class MoE(torch.nn.Module):
             raise ValueError(f"x: {tokens.shape[0]} tokens, more than the layer's workspace takes per call "
                              f"({self._workspace.shape.num_tokens}): make the layer with num_tokens= the largest "
                              "token count of a call (or call prepare(num_tokens) before its first forward)")
+        if self.config.precision == "fp8":
+            if torch.is_grad_enabled() and (tokens.requires_grad or any(
+                    p is not None and p.requires_grad for p in self.weights().tensors())):
+                raise RuntimeError("mok.MoE with Config(precision='fp8') has no backward yet: run it under "
+                                   "torch.no_grad() or torch.inference_mode() (or freeze its parameters)")
+            out, _ = forward_fp8(self._workspace, tokens.contiguous(), topk_idx, router_weights, self.fp8_weights(),
+                                 self._context)
+            return out.view(x.shape)
         out = layer_forward(self._workspace, self._context, tokens.contiguous(), topk_idx, router_weights,
                             self.weights(), self._targets, self.recompute)
         return out.view(x.shape)
+
+    def fp8_weights(self) -> Fp8Weights:
+        """Config(precision="fp8"): the weights quantized (mok.quantize_weights), again whenever a parameter changed
+        since the last quantization (its version counter moved: an optimizer step, an in-place write, a new tensor):
+        never stale. Inference only (forward_fp8 has no backward yet)."""
+        params = self.weights().tensors()
+        key = tuple(None if p is None else (id(p), p._version) for p in params)
+        if self._fp8_cache is None or self._fp8_cache[0] != key:
+            self._fp8_cache = (key, quantize_weights(Weights(*[None if p is None else p.detach() for p in params])))
+        return self._fp8_cache[1]
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "

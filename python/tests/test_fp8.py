@@ -74,3 +74,21 @@ def test_bad_inputs_raise_and_the_next_call_works():
         out, _ = mok.forward_fp8(ws, x, idx, rw, qw)
         mok.check_status(ws)
         assert not out.isnan().any()
+
+
+def test_moe_requantizes_when_a_parameter_changes():
+    cfg = mok.Config(precision="fp8", path="unfused", backward=False)
+    moe = mok.MoE(H, I, E, K, num_tokens=T, config=cfg)
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    with pytest.raises(RuntimeError, match="has no backward yet"):
+        moe(x)
+    with torch.no_grad():
+        first = moe(x)
+        same = moe(x)
+        assert torch.equal(first, same)
+        cached = moe.fp8_weights()
+        assert moe.fp8_weights() is cached, "re-quantized without a change"
+        moe.expert_down.mul_(2)  # an in-place change, as an optimizer step makes
+        assert moe.fp8_weights() is not cached, "stale FP8 weights after a parameter changed"
+        changed = moe(x)
+        assert not torch.equal(first, changed)
