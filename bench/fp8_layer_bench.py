@@ -8,7 +8,11 @@ about 1360 rows each at 8192 tokens and top-8), as the issue's "one EP = 8 rank"
 full shapes (the weights stream from DRAM: FP8 halves their bytes). Each shape's weights are random bf16
 (N(0, 1/fan_in)); the FP8 layer's weights are those quantized by the recipe (128 x 128 blocks; quantization is not
 timed: it runs once per optimizer step). Time: median of CUDA-event timings, the three forwards in turns.
-Also printed: the FP8 output's normwise error against the BF16 output of the same inputs.
+Also printed: the FP8 output's normwise error against the BF16 output of the same inputs, and, where torchao
+imports (a 3 MB wheel: carry it), torchao's FP8 expert MLP forward of the same routed rows as a same-run peer
+(torchao.prototype.moe_training's rowwise FP8 grouped GEMM, quantizing its operands every call as its training
+does; rows grouped by expert and padded to 16 as torchtitan does; routed experts only, no dispatch or combine:
+a smaller job than our layer's).
 Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
 """
 import argparse
@@ -51,8 +55,14 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"FP8 layer forward, {torch.cuda.get_device_name()}, EP=1, {args.tokens} tokens, E = E_global / "
           f"{args.experts_per}, median of {args.iters}")
-    print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} {'fp8/bf16':>8s} {'fp8/fused':>9s} "
-          f"{'fp8_TF':>7s} {'err':>8s}   (ratios: speed-ups; err: normwise |fp8 - bf16| / |bf16|)")
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm as tao_gmm
+    except Exception as e:  # noqa: BLE001  (a peer that does not import is reported, not fatal)
+        tao_gmm = None
+        print(f"torchao FP8 grouped GEMM unavailable: {str(e).splitlines()[0][:160]}")
+    print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} {'tao_ms':>8s} {'fp8/bf16':>8s} "
+          f"{'fp8/fused':>9s} {'fp8/tao':>8s} {'fp8_TF':>7s} {'err':>8s}   (ratios: speed-ups; err: normwise "
+          "|fp8 - bf16| / |bf16|)")
     for name, num_experts, hidden, inter, top_k, shared in SHAPES:
         if name not in args.shapes.split(","):
             continue
@@ -93,15 +103,37 @@ def main():
                                                              len(ERROR)))
 
         fns = [forward(p) for p in layers]
+        if tao_gmm is not None:  # torchao's expert MLP over the routed rows, grouped by expert, groups padded to 16
+            counts = torch.bincount(topk_idx.flatten().long(), minlength=experts)
+            padded = (counts + 15) // 16 * 16
+            offs = torch.cumsum(padded, 0).to(torch.int32)
+            tao_rows = torch.randn(int(offs[-1]), hidden, device="cuda", generator=gen).bfloat16()
+            w13_t = torch.cat([w[0], w[1]], dim=1).transpose(-2, -1)  # [E, H, 2I], column-major per expert
+            w2_t = w[2].transpose(-2, -1)  # [E, I, H], column-major per expert
+
+            def tao_forward():
+                with torch.no_grad():
+                    gate, up = tao_gmm(tao_rows, w13_t, offs, pad_token_groups_for_grouped_mm=False).chunk(2, dim=-1)
+                    return tao_gmm((torch.nn.functional.silu(gate) * up).contiguous(), w2_t, offs,
+                                   pad_token_groups_for_grouped_mm=False)
+
+            try:
+                tao_forward()
+                torch.cuda.synchronize()
+                fns.append(tao_forward)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name}: torchao peer failed: {str(e).splitlines()[0][:160]}", flush=True)
         for fn in fns:
             fn()
         for layer in layers.values():
             check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
         err = ((outs["fp8"].float() - outs["bf16"].float()).norm() / outs["bf16"].float().norm()).item()
-        ms = dict(zip(layers, time_ms(fns, args.iters)))
+        ms = dict(zip(list(layers) + ["tao"], time_ms(fns, args.iters)))
         flops = 6.0 * t * (top_k + int(bool(shared))) * hidden * inter
-        print(f"{name:16s} {experts:4d} {ms['fp8']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} "
-              f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8']:9.2f} {flops / ms['fp8'] / 1e9:7.0f} "
+        tao = f"{ms['tao']:8.3f}" if "tao" in ms else f"{'-':>8s}"
+        tao_ratio = f"{ms['tao'] / ms['fp8']:8.2f}" if "tao" in ms else f"{'-':>8s}"
+        print(f"{name:16s} {experts:4d} {ms['fp8']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} {tao} "
+              f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8']:9.2f} {tao_ratio} {flops / ms['fp8'] / 1e9:7.0f} "
               f"{err:8.4f}", flush=True)
         for layer in layers.values():
             check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
