@@ -111,6 +111,25 @@ mok::WeightGrad weight_grad(void* const* grads, const int32_t* dtypes, const int
   return g;
 }
 
+// The layer's forward on `layer`'s rank with weights `w` (mok_bench_layer_forward's and _forward_fp8's).
+void forward_with(BenchLayer& layer, const void* x, const void* topk_idx, int topk_dtype, const float* router_weights,
+                  const mok::MoeWeights& w, void* out, void* stream) {
+  using mok::DType;
+  using mok::TensorRef;
+  const mok::MoeShape& s = layer.workspace->shape();
+  const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden;
+  mok::RankForward f;
+  f.rank = layer.rank;
+  f.x = TensorRef(x, DType::kBFloat16, {t, h});
+  f.topk_idx = TensorRef(topk_idx, topk_dtype == 1 ? DType::kInt64 : DType::kInt32, {t, k});
+  f.router_weights = TensorRef(router_weights, DType::kFloat32, {t, k});
+  f.weights = &w;
+  f.out = TensorRef(out, DType::kBFloat16, {t, h});
+  f.context = &layer.context;
+  f.stream = static_cast<cudaStream_t>(stream);
+  layer.workspace->forward({&f, 1});
+}
+
 }  // namespace
 
 extern "C" {
@@ -179,7 +198,7 @@ int mok_bench_layer_forward(void* handle, const void* x, const void* topk_idx, i
       throw std::invalid_argument("topk_dtype: must be 0 (int32) or 1 (int64), got " + std::to_string(topk_dtype));
     auto* layer = static_cast<BenchLayer*>(handle);
     const mok::MoeShape& s = layer->workspace->shape();
-    const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden, i = s.intermediate, e = s.local_experts();
+    const int64_t h = s.hidden, i = s.intermediate, e = s.local_experts();
     using mok::DType;
     using mok::TensorRef;
     mok::MoeWeights w;
@@ -191,16 +210,7 @@ int mok_bench_layer_forward(void* handle, const void* x, const void* topk_idx, i
       w.shared_up = TensorRef(shared_up, DType::kBFloat16, {i, h});
       w.shared_down = TensorRef(shared_down, DType::kBFloat16, {h, i});
     }
-    mok::RankForward f;
-    f.rank = layer->rank;
-    f.x = TensorRef(x, DType::kBFloat16, {t, h});
-    f.topk_idx = TensorRef(topk_idx, topk_dtype == 1 ? DType::kInt64 : DType::kInt32, {t, k});
-    f.router_weights = TensorRef(router_weights, DType::kFloat32, {t, k});
-    f.weights = &w;
-    f.out = TensorRef(out, DType::kBFloat16, {t, h});
-    f.context = &layer->context;
-    f.stream = static_cast<cudaStream_t>(stream);
-    layer->workspace->forward({&f, 1});
+    forward_with(*layer, x, topk_idx, topk_dtype, router_weights, w, out, stream);
     return 0;
   } catch (const std::exception& e) {
     return report(e, error, error_len);
@@ -220,7 +230,7 @@ int mok_bench_layer_forward_fp8(void* handle, const void* x, const void* topk_id
     if (weights == nullptr) throw std::invalid_argument("weights: must hold 12 pointers");
     auto* layer = static_cast<BenchLayer*>(handle);
     const mok::MoeShape& s = layer->workspace->shape();
-    const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden, i = s.intermediate, e = s.local_experts();
+    const int64_t h = s.hidden, i = s.intermediate, e = s.local_experts();
     const int64_t hb = (h + 127) / 128, ib = (i + 127) / 128;
     using mok::DType;
     using mok::TensorRef;
@@ -240,16 +250,7 @@ int mok_bench_layer_forward_fp8(void* handle, const void* x, const void* topk_id
       w.shared_down = TensorRef(weights[10], q, {h, i});
       w.shared_down_scales = TensorRef(weights[11], f32, {hb, ib});
     }
-    mok::RankForward f;
-    f.rank = layer->rank;
-    f.x = TensorRef(x, DType::kBFloat16, {t, h});
-    f.topk_idx = TensorRef(topk_idx, topk_dtype == 1 ? DType::kInt64 : DType::kInt32, {t, k});
-    f.router_weights = TensorRef(router_weights, DType::kFloat32, {t, k});
-    f.weights = &w;
-    f.out = TensorRef(out, DType::kBFloat16, {t, h});
-    f.context = &layer->context;
-    f.stream = static_cast<cudaStream_t>(stream);
-    layer->workspace->forward({&f, 1});
+    forward_with(*layer, x, topk_idx, topk_dtype, router_weights, w, out, stream);
     return 0;
   } catch (const std::exception& e) {
     return report(e, error, error_len);

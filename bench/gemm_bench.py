@@ -91,6 +91,16 @@ def median(values):
     return sorted(values)[len(values) // 2]
 
 
+def bench_setup(args):
+    """(library, ticket, error buffer, status word, generator, stream, commit) of a benchmark run."""
+    lib = capi.load(os.path.abspath(args.lib))
+    error = ctypes.create_string_buffer(512)
+    commit = os.environ.get("MOK_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return (lib, torch.zeros(1, dtype=torch.int32, device="cuda"), error, new_status(lib, error),
+            torch.Generator(device="cuda").manual_seed(0), torch.cuda.current_stream().cuda_stream, commit)
+
+
 def rank0_counts(num_experts, top_k, tokens, gen, ep=2):
     logits = torch.randn(ep * tokens, num_experts, device="cuda", generator=gen)
     ids = logits.topk(top_k, dim=1).indices.flatten()
@@ -117,20 +127,14 @@ def main():
         return wgrad_main(args)
     if args.gemm == "fp8":
         return fp8_main(args)
-    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
-    lib = capi.load(os.path.abspath(args.lib))
+    # status: the GEMMs' waits report here (bounded: a stalled kernel fails the run)
+    lib, ticket, error, status, gen, stream, commit = bench_setup(args)
     gemm = lib.mok_bench_expert_gemm
-    error = ctypes.create_string_buffer(512)
-    status = new_status(lib, error)  # the GEMMs' waits report here (bounded: a stalled kernel fails the run)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    commit = os.environ.get("MOK_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
           f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), tile_m {args.tile_m}, cluster {args.cluster or 'auto'}, median of {args.iters}")
     header = (f"{'shape':16s} {'gemm':8s} {'rows':>7s} {'pad%':>5s} {'ours':>7s} {'torch':>7s} {'dense':>7s} "
               f"{'ours/torch':>10s} {'ours/dense':>10s}")
     print(header + "   (TFLOP/s)")
-    stream = torch.cuda.current_stream().cuda_stream
     for name, num_experts, hidden, inter, top_k, _ in SHAPES:
         if args.shapes and name not in args.shapes.split(','):
             continue
@@ -225,15 +229,8 @@ def wgrad_main(args):
     output: the compute ceiling without the per-expert output traffic). TFLOP/s count 2 * real rows * m * n.
     f32 TB/s: the fp32 mode's output bytes per second (its HBM write floor at small K). --tokens 4096 gives
     the K of 8192 tokens at EP = 1 (~171 rows per Kimi expert)."""
-    lib = capi.load(os.path.abspath(args.lib))
+    lib, ticket, error, status, gen, stream, commit = bench_setup(args)
     wgrad = lib.mok_bench_weight_grad_gemm
-    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
-    error = ctypes.create_string_buffer(512)
-    status = new_status(lib, error)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    stream = torch.cuda.current_stream().cuda_stream
-    commit = os.environ.get("MOK_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"weight-gradient GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
           f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
     print(f"{'shape':16s} {'gemm':11s} {'rows':>7s} {'K/e':>5s} {'bf16':>6s} {'f32':>6s} {'acc':>6s} {'torch':>6s} "
@@ -352,14 +349,7 @@ def fp8_main(args):
     column) and the dense FP8 rate (torch._scaled_mm over the same M, N, K). Quantization is not timed (the
     weights are quantized once per optimizer step; the activations' quantization is fused into producers in
     the layer). TFLOP/s: 2 * rows * N * K over real rows."""
-    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
-    lib = capi.load(os.path.abspath(args.lib))
-    error = ctypes.create_string_buffer(512)
-    status = new_status(lib, error)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    stream = torch.cuda.current_stream().cuda_stream
-    commit = os.environ.get("MOK_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lib, ticket, error, status, gen, stream, commit = bench_setup(args)
     print(f"FP8 expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
           f"{args.tokens} tokens/rank, EP={args.ep} (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
     print(f"{'shape':16s} {'gemm':8s} {'E':>4s} {'rows':>7s} {'fp8':>7s} {'bf16':>7s} {'t_fp8':>7s} {'d_fp8':>7s} "

@@ -30,6 +30,9 @@ struct Fp8QuantizeArgs {
   // the backward's dgrad through it). 2 x the values' and the scales' bytes in all.
   void* out_transposed = nullptr;
   float* scales_transposed = nullptr;
+  // quantize_rows_fp8, optional: a device int32 count; rows at or past it are left as they are (a schedule's rows
+  // in a buffer of `rows` allocated: read on the GPU, no host synchronization).
+  const int32_t* rows_used = nullptr;
 };
 
 void quantize_rows_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream);

@@ -254,8 +254,21 @@ class Workspace {
                const OptionalArray& shared_up, const OptionalArray& shared_down, const Array& out,
                Context& context, uintptr_t stream, bool schedule_ready) {
     DeviceGuard guard(device_);
-    const mok::MoeWeights w =
-        weights_of({expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down}, device_);
+    run_forward(weights_of({expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down}, device_), x,
+                topk_idx, router_weights, out, context, stream, schedule_ready);
+  }
+
+  // The forward of an FP8 workspace (precision "fp8"): the weights as e4m3 (uint8 views) with their block scales,
+  // in MoeWeights order (None where absent).
+  void forward_fp8(const Array& x, const Array& topk_idx, const Array& router_weights, const WeightArrays& weights,
+                   const WeightArrays& scales, const Array& out, Context& context, uintptr_t stream) {
+    DeviceGuard guard(device_);
+    run_forward(fp8_weights_of(weights, scales, device_), x, topk_idx, router_weights, out, context, stream, false);
+  }
+
+  // MoeWorkspace::forward (or forward_with_schedule) of this rank with weights `w`.
+  void run_forward(const mok::MoeWeights& w, const Array& x, const Array& topk_idx, const Array& router_weights,
+                   const Array& out, Context& context, uintptr_t stream, bool schedule_ready) {
     mok::RankForward f;
     f.rank = rank_;
     f.x = tensor_ref(x, "x", device_);
@@ -270,24 +283,6 @@ class Workspace {
     } else {
       workspace_->forward({&f, 1});
     }
-  }
-
-  // The forward of an FP8 workspace (precision "fp8"): the weights as e4m3 (uint8 views) with their block scales,
-  // in MoeWeights order (None where absent).
-  void forward_fp8(const Array& x, const Array& topk_idx, const Array& router_weights, const WeightArrays& weights,
-                   const WeightArrays& scales, const Array& out, Context& context, uintptr_t stream) {
-    DeviceGuard guard(device_);
-    const mok::MoeWeights w = fp8_weights_of(weights, scales, device_);
-    mok::RankForward f;
-    f.rank = rank_;
-    f.x = tensor_ref(x, "x", device_);
-    f.topk_idx = tensor_ref(topk_idx, "topk_idx", device_, /*allow_int64=*/true);
-    f.router_weights = tensor_ref(router_weights, "router_weights", device_);
-    f.weights = &w;
-    f.out = tensor_ref(out, "out", device_);
-    f.context = &context.get();
-    f.stream = as_stream(stream);
-    workspace_->forward({&f, 1});
   }
 
   // d_x, d_router_weights and the weight gradients of the forward that filled `context` (MoeWorkspace::backward).

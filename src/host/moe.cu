@@ -529,7 +529,7 @@ void run_mlp(const ExpertGemmArgs& gate_up, const ExpertGemmArgs& down, cudaStre
   expert_gemm(gate_up, stream);
   if (gate_up.precision == Precision::kFP8)
     quantize_rows_fp8({.in = gate_up.out, .rows = gate_up.a_rows, .k = gate_up.n, .out = const_cast<void*>(down.a),
-                       .scales = const_cast<float*>(down.a_scales)},
+                       .scales = const_cast<float*>(down.a_scales), .rows_used = gate_up.scheduled_rows},
                       stream);
   expert_gemm(down, stream);
 }

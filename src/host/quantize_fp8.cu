@@ -44,20 +44,15 @@ __device__ __forceinline__ uint8_t to_e4m3(float value, float scale) {
   return __nv_cvt_float_to_fp8(__fdiv_rn(value, scale), __NV_SATFINITE, __NV_E4M3);
 }
 
-__global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int k, uint8_t* out, float* scales,
-                                     bool power_of_two) {
-  const int k_blocks = (k + kBlock - 1) / kBlock;
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (warp >= rows * k_blocks) return;  // warp-uniform
-  const int64_t row = warp / k_blocks;
-  const int block = static_cast<int>(warp % k_blocks);
-  const int col = block * kBlock + 4 * lane;
+// One warp's 128-column block of a row: lane l holds columns col + 0..3 (col = block start + 4 l; a null `src`, or
+// columns past k: zeros). Returns the block's scale (the same in every lane) and the lane's e4m3 values in q.
+__device__ __forceinline__ float quantize_block_warp(const __nv_bfloat16* src, int col, int k, bool power_of_two,
+                                                     uint8_t (&q)[4]) {
   float v[4];
   float amax = 0.0f;
   bool finite = true;
   for (int i = 0; i < 4; ++i) {
-    v[i] = col + i < k ? __bfloat162float(in[row * k + col + i]) : 0.0f;
+    v[i] = src != nullptr && col + i < k ? __bfloat162float(src[col + i]) : 0.0f;
     finite = finite && isfinite(v[i]);
     amax = fmaxf(amax, fabsf(v[i]));
   }
@@ -66,8 +61,24 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int 
     finite = __all_sync(0xffffffffu, finite);
   }
   const float scale = block_scale(amax, finite, power_of_two);
+  for (int i = 0; i < 4; ++i) q[i] = to_e4m3(v[i], scale);
+  return scale;
+}
+
+__global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int k, uint8_t* out, float* scales,
+                                     bool power_of_two, const int32_t* rows_used) {
+  const int k_blocks = (k + kBlock - 1) / kBlock;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t live_rows = rows_used != nullptr && *rows_used < rows ? int64_t(*rows_used) : rows;
+  if (warp >= live_rows * k_blocks) return;  // warp-uniform
+  const int64_t row = warp / k_blocks;
+  const int block = static_cast<int>(warp % k_blocks);
+  const int col = block * kBlock + 4 * lane;
+  uint8_t q[4];
+  const float scale = quantize_block_warp(in + row * k, col, k, power_of_two, q);
   for (int i = 0; i < 4; ++i)
-    if (col + i < k) out[row * k + col + i] = to_e4m3(v[i], scale);
+    if (col + i < k) out[row * k + col + i] = q[i];
   if (lane == 0) scales[int64_t(block) * rows + row] = scale;
 }
 
@@ -82,22 +93,11 @@ __global__ void publish_fp8_rows_kernel(const __nv_bfloat16* x, int64_t tokens, 
   const int64_t row = warp / k_blocks;
   const int block = static_cast<int>(warp % k_blocks);
   const int col = block * kBlock + 4 * lane;
-  float v[4];
-  float amax = 0.0f;
-  bool finite = true;
-  for (int i = 0; i < 4; ++i) {
-    v[i] = row < tokens && col + i < h ? __bfloat162float(x[row * h + col + i]) : 0.0f;
-    finite = finite && isfinite(v[i]);
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    finite = __all_sync(0xffffffffu, finite);
-  }
-  const float scale = block_scale(amax, finite, false);
+  uint8_t q[4];
+  const float scale = quantize_block_warp(row < tokens ? x + row * h : nullptr, col, h, false, q);
   uint8_t* out = rows + row * 2 * int64_t(h);
   for (int i = 0; i < 4; ++i)
-    if (col + i < h) out[col + i] = to_e4m3(v[i], scale);
+    if (col + i < h) out[col + i] = q[i];
   if (lane == 0) {
     reinterpret_cast<float*>(out + h)[block] = scale;
     scales[int64_t(block) * padded_tokens + row] = scale;
@@ -237,7 +237,7 @@ void quantize_rows_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream) {
   const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
   quantize_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(args.in), args.rows, args.k, static_cast<uint8_t*>(args.out), args.scales,
-      args.power_of_two_scales);
+      args.power_of_two_scales, args.rows_used);
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -249,6 +249,7 @@ void quantize_weights_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream) {
   require(grid.y <= 65535 && grid.z <= 65535, "quantize_weights_fp8", "too many row blocks or experts for one launch");
   require((args.out_transposed == nullptr) == (args.scales_transposed == nullptr), "quantize_weights_fp8",
           "out_transposed and scales_transposed go together (both, or neither)");
+  require(args.rows_used == nullptr, "quantize_weights_fp8", "rows_used is for quantize_rows_fp8");
   quantize_weights_kernel<<<grid, kWeightThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(args.in), args.rows, args.k, static_cast<uint8_t*>(args.out), args.scales,
       args.power_of_two_scales, static_cast<uint8_t*>(args.out_transposed), args.scales_transposed);

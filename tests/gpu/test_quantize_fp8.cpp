@@ -99,6 +99,34 @@ TEST(QuantizeFp8Test, RowsMatchTheCpuBitwise) {
     }
 }
 
+// rows_used (a device count, as the layer passes its schedule's): the rows below it as without, the rest untouched.
+TEST(QuantizeFp8Test, RowsUsedBoundsTheRowsWritten) {
+  MOK_REQUIRE_GPUS(1);
+  const int64_t rows = 256;
+  const int k = 384, used = 100;
+  const auto in = edge_inputs(rows, k, 1250);
+  const auto want = Fp8Matrix::quantize(as_floats(in), rows, rows, k, true);
+  DeviceArray<uint16_t> d_in(in);
+  DeviceArray<uint8_t> d_out(std::vector<uint8_t>(in.size(), 0xff));
+  float poison;
+  std::memcpy(&poison, &kScalePoison, sizeof poison);
+  DeviceArray<float> d_scales(std::vector<float>(want.scales.size(), poison));
+  DeviceArray<int32_t> d_used(std::vector<int32_t>{used});
+  quantize_rows_fp8({.in = d_in.ptr, .rows = rows, .k = k, .out = d_out.ptr, .scales = d_scales.ptr,
+                     .rows_used = d_used.ptr},
+                    nullptr);
+  MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  const auto bits = d_out.download();
+  const auto scales = d_scales.download();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < k; ++c)
+      ASSERT_EQ(bits[r * k + c], r < used ? want.bits[r * k + c] : uint8_t{0xff}) << "row " << r << " col " << c;
+  for (int b = 0; b < want.k_blocks(); ++b)
+    for (int64_t r = 0; r < rows; ++r)
+      ASSERT_EQ(bits_of(scales[b * rows + r]), r < used ? bits_of(want.scales[b * rows + r]) : kScalePoison)
+          << "scale of row " << r << " block " << b;
+}
+
 TEST(QuantizeFp8Test, WeightsMatchTheCpuBitwise) {
   MOK_REQUIRE_GPUS(1);
   for (const bool pow2 : {false, true})
