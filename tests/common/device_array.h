@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -31,5 +32,13 @@ struct DeviceArray {
     return host;
   }
 };
+
+// `count` elements of T from device memory at `src` (synchronous; none for count 0, any pointer then).
+template <typename T>
+std::vector<T> download(const void* src, int64_t count) {
+  std::vector<T> host(count);
+  if (count > 0) MOK_CHECK_CUDA(cudaMemcpy(host.data(), src, count * sizeof(T), cudaMemcpyDeviceToHost));
+  return host;
+}
 
 }  // namespace mok::testing

@@ -22,22 +22,17 @@
 #include "src/device/megakernel/forward_tasks.h"
 #include "src/host/check.h"
 #include "src/host/moe_fused.h"
+#include "tests/common/device_array.h"
 #include "tests/common/gpu_env.h"
 #include "tests/common/moe_harness.h"
 
 namespace mok {
 namespace {
 
+using testing::download;
 using testing::LayerData;
 using testing::MoeHarness;
 using testing::moe_shape;
-
-template <typename T>
-std::vector<T> download(const void* src, int64_t count) {
-  std::vector<T> host(count);
-  if (count > 0) MOK_CHECK_CUDA(cudaMemcpy(host.data(), src, count * sizeof(T), cudaMemcpyDeviceToHost));
-  return host;
-}
 
 // Each rank's output and what its context keeps: the expert-side rows of the first macrobatch.
 struct Result {

@@ -19,22 +19,17 @@
 #include "mok/moe.h"
 #include "reference/moe_reference.h"
 #include "src/host/check.h"
+#include "tests/common/device_array.h"
 #include "tests/common/gpu_env.h"
 #include "tests/common/moe_harness.h"
 
 namespace mok {
 namespace {
 
+using testing::download;
 using testing::LayerData;
 using testing::MoeHarness;
 using testing::moe_shape;
-
-template <typename T>
-std::vector<T> download(const void* src, int64_t count) {
-  std::vector<T> host(count);
-  if (count > 0) MOK_CHECK_CUDA(cudaMemcpy(host.data(), src, count * sizeof(T), cudaMemcpyDeviceToHost));
-  return host;
-}
 
 // Every rank's output and the hidden rows its context keeps (the gate/up GEMM's output, scheduled rows only).
 struct Result {
