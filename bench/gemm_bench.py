@@ -308,10 +308,6 @@ def wgrad_main(args):
         check_status(lib, status, stream, error)
 
 
-if __name__ == "__main__":
-    main()
-
-
 E4M3_MAX = 448.0
 
 
@@ -433,3 +429,7 @@ def fp8_main(args):
         check_status(lib, status, stream, error)
         del w13, w2
         torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -83,8 +83,8 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
   // kSwiGLU: n hidden columns from 2n accumulator columns; kSwiGLUBackward: d_g and d_u, 2n.
   const int64_t out_cols = kEpilogue == GemmEpilogue::kSwiGLUBackward ? 2 * int64_t(args.n) : args.n;
   auto make_store = [&](void* ptr, int64_t cols) {
-    auto g_out = make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)), make_shape(args.a_rows, cols),
-                             make_stride(cols, _1{}));
+    using Out = typename T::OutElement;  // bf16 whatever the operands (not T::Element: e4m3 in FP8)
+    auto g_out = make_tensor(make_gmem_ptr(static_cast<Out*>(ptr)), make_shape(args.a_rows, cols), make_stride(cols, _1{}));
     return make_tma_copy(SM90_TMA_STORE{}, g_out, typename T::SmemLayoutOutBox{});
   };
   auto tma_out = make_store(args.out, out_cols);
