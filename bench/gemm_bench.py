@@ -326,11 +326,18 @@ def quantize_blocks_128x128(w):
     """w [E, rows, k] -> (e4m3 [E, rows, k], scales [E, ceil(rows/128), ceil(k/128)]): the weights' block scales."""
     experts, rows, k = w.shape
     rb, kb = -(-rows // 128), -(-k // 128)
-    padded = torch.nn.functional.pad(w.float(), (0, kb * 128 - k, 0, rb * 128 - rows)).view(experts, rb, 128, kb, 128)
-    scales = padded.abs().amax(dim=(2, 4)) / E4M3_MAX
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = (padded / scales[:, :, None, :, None]).view(experts, rb * 128, kb * 128)[:, :rows, :k].to(torch.float8_e4m3fn)
-    return q.contiguous(), scales.contiguous()
+    q = torch.empty(experts, rows, k, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(experts, rb, kb, dtype=torch.float32, device=w.device)
+    chunk = max(1, (1 << 28) // (rb * kb * 128 * 128))  # experts per pass: about 1 GiB of fp32 at a time
+    for e in range(0, experts, chunk):
+        part = w[e:e + chunk]
+        padded = torch.nn.functional.pad(part.float(), (0, kb * 128 - k, 0, rb * 128 - rows))
+        padded = padded.view(part.shape[0], rb, 128, kb, 128)
+        s = padded.abs().amax(dim=(2, 4)) / E4M3_MAX
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q[e:e + chunk] = (padded / s[:, :, None, :, None]).view(part.shape[0], rb * 128, kb * 128)[:, :rows, :k]
+        scales[e:e + chunk] = s
+    return q, scales
 
 
 def quantize_rowwise(t, dim):
