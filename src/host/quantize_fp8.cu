@@ -13,36 +13,17 @@
 #include <string>
 
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 
+#include "src/device/common/fp8_quant.cuh"
 #include "src/host/check.h"
 #include "src/host/quantize_fp8.h"
 
 namespace mok {
 namespace {
 
+using device::to_e4m3;
+
 constexpr int kBlock = 128;
-constexpr float kE4m3Max = 448.0f;
-
-// The scale of a block whose largest |value| is `amax` (NaN when the block holds a NaN or an infinity).
-__device__ __forceinline__ float block_scale(float amax, bool finite, bool power_of_two) {
-  if (!finite) return __int_as_float(0x7fc00000);
-  if (amax == 0.0f) return 1.0f;
-  float scale = __fdiv_rn(amax, kE4m3Max);
-  if (power_of_two) {  // rounded up to a power of two (bit operations: exact, the CPU reference's too)
-    const uint32_t bits = __float_as_uint(scale);
-    const uint32_t exponent = bits & 0x7f800000u, mantissa = bits & 0x007fffffu;
-    if (exponent == 0)  // subnormal (amax below 2^-117), never zero: the next power of two of the mantissa
-      scale = (mantissa & (mantissa - 1)) == 0 ? scale : __uint_as_float(1u << (32 - __clz(mantissa)));
-    else if (mantissa != 0)
-      scale = __uint_as_float(exponent + 0x00800000u);
-  }
-  return scale;
-}
-
-__device__ __forceinline__ uint8_t to_e4m3(float value, float scale) {
-  return __nv_cvt_float_to_fp8(__fdiv_rn(value, scale), __NV_SATFINITE, __NV_E4M3);
-}
 
 // One warp's 128-column block of a row: lane l holds columns col + 0..3 (col = block start + 4 l; a null `src`, or
 // columns past k: zeros). Returns the block's scale (the same in every lane) and the lane's e4m3 values in q.
@@ -60,7 +41,7 @@ __device__ __forceinline__ float quantize_block_warp(const __nv_bfloat16* src, i
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     finite = __all_sync(0xffffffffu, finite);
   }
-  const float scale = block_scale(amax, finite, power_of_two);
+  const float scale = device::fp8_block_scale(amax, finite, power_of_two);
   for (int i = 0; i < 4; ++i) q[i] = to_e4m3(v[i], scale);
   return scale;
 }
@@ -152,7 +133,7 @@ __global__ void quantize_weights_kernel(const __nv_bfloat16* in, int64_t rows, i
     amax = fmaxf(amax, warp_amax[w]);
     finite = finite && warp_finite[w];
   }
-  const float scale = block_scale(amax, finite, power_of_two);
+  const float scale = device::fp8_block_scale(amax, finite, power_of_two);
   uint8_t* out_base = out + expert * rows * k;
   // The transposed copy goes through shared memory: written by rows here, read by columns below (both
   // coalesced in global memory). 129 bytes a row: the column reads spread over the banks.
