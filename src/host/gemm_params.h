@@ -144,6 +144,8 @@ auto make_block_scaled_params(const ExpertGemmArgs& args) {
   p.k_blocks = k_blocks;
   p.out_scales = args.out_scales;
   p.out_power_of_two = args.out_scales_power_of_two;
+  p.status = args.waits.status;
+  p.rank = args.waits.rank;
   return p;
 }
 

@@ -594,7 +594,8 @@ void MoeWorkspace::publish(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
   if (fp8())  // the rank's rows quantized once, as every peer pulls them (src/host/quantize_fp8.h)
-    detail::publish_fp8_rows(f.x.data, f.x.shape[0], padded_tokens_, shape_.hidden, x_.on(f.rank), s.x_scales, f.stream);
+    detail::publish_fp8_rows(f.x.data, f.x.shape[0], padded_tokens_, shape_.hidden, x_.on(f.rank), s.x_scales,
+                             schedule_.device_status(f.rank), f.rank, f.stream);
   else
     publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
   barrier_arrive(f.rank, f.stream);

@@ -15,6 +15,7 @@
 #include <cuda_bf16.h>
 
 #include "src/device/common/fp8_quant.cuh"
+#include "src/device/common/status.cuh"
 #include "src/host/check.h"
 #include "src/host/quantize_fp8.h"
 
@@ -64,9 +65,10 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int 
 }
 
 // One warp per (row, 128-column block) of x [tokens, h]: the FP8 row layout of src/host/quantize_fp8.h, plus the
-// scale again at [block, row] of `scales`. Rows past `tokens` (to padded_tokens): zeros, scale 1.
+// scale again at [block, row] of `scales`. Rows past `tokens` (to padded_tokens): zeros, scale 1. A block with a NaN
+// or an infinity is reported to `status` (kStatusNonFinite, the row and `rank`).
 __global__ void publish_fp8_rows_kernel(const __nv_bfloat16* x, int64_t tokens, int64_t padded_tokens, int h,
-                                        uint8_t* rows, float* scales) {
+                                        uint8_t* rows, float* scales, DeviceStatus* status, int rank) {
   const int k_blocks = (h + kBlock - 1) / kBlock;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -82,6 +84,7 @@ __global__ void publish_fp8_rows_kernel(const __nv_bfloat16* x, int64_t tokens, 
   if (lane == 0) {
     reinterpret_cast<float*>(out + h)[block] = scale;
     scales[int64_t(block) * padded_tokens + row] = scale;
+    if (isnan(scale)) device::record_nonfinite(status, NonFiniteWhere::kX, rank, row);
   }
 }
 
@@ -189,12 +192,12 @@ void validate(const Fp8QuantizeArgs& a, const char* entry, bool rows_layout) {
 }  // namespace
 
 void detail::publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_tokens, int h, void* rows, float* scales,
-                              cudaStream_t stream) {
+                              DeviceStatus* status, int rank, cudaStream_t stream) {
   const int64_t warps = padded_tokens * ((h + kBlock - 1) / kBlock);
   if (warps == 0) return;
   constexpr int kThreads = 256;
   publish_fp8_rows_kernel<<<static_cast<unsigned>((warps * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), tokens, padded_tokens, h, static_cast<uint8_t*>(rows), scales);
+      static_cast<const __nv_bfloat16*>(x), tokens, padded_tokens, h, static_cast<uint8_t*>(rows), scales, status, rank);
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 

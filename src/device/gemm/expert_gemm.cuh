@@ -176,6 +176,8 @@ struct BlockScaledParams : Base {
   int k_blocks = {};                // ceil(k / 128)
   float* out_scales = {};           // SwiGLUQuantEpilogue: h's scales [ceil(n / 128), a_rows]
   bool out_power_of_two = {};       // SwiGLUQuantEpilogue: those scales rounded up to powers of two
+  DeviceStatus* status = {};        // SwiGLUQuantEpilogue: where a non-finite h block is reported (the waits')
+  int rank = {};
 
   // The scales over k of half `half` of the task's B tile (kHalfN = 64 rows from a multiple of 64: inside
   // one 128-row block).

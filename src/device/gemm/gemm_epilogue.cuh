@@ -37,6 +37,7 @@
 
 #include "mok/expert_gemm.h"
 #include "src/device/common/fp8_quant.cuh"
+#include "src/device/common/status.cuh"
 #include "src/device/common/sync.cuh"
 #include "src/device/gemm/tile_task.cuh"
 
@@ -312,7 +313,8 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
 // bf16 h: the same bits as the bf16 SwiGLU epilogue followed by quantize_rows_fp8), staged as one 64 x 128-byte
 // box per warpgroup and stored by TMA; the scales go to out_scales[nb, row] (lane 0 of each quad). A last task of
 // 64 columns (n % 128 == 64) runs one pass; its block's scale covers the columns it has. Padding rows: zeros,
-// scale 1. No gate_up_out side output (the FP8 forward has no backward yet).
+// scale 1. A block holding a NaN or an infinity gets a NaN scale (that row's down outputs are NaN) and is reported
+// to the status word (kStatusNonFinite). No gate_up_out side output (the FP8 forward has no backward yet).
 struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLU;
   static constexpr bool kGateUpOut = false;
@@ -417,8 +419,11 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue> {
     stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) { return box == 0 ? task.n_block : -1; });
     if (threadIdx.x % 4 == 0) {
       CUTE_UNROLL
-      for (int half = 0; half < 2; ++half)
-        p.out_scales[int64_t(task.n_block) * p.a_rows + task.buffer_row + get<0>(coords(2 * half))] = scale[half];
+      for (int half = 0; half < 2; ++half) {
+        const int r = get<0>(coords(2 * half));
+        p.out_scales[int64_t(task.n_block) * p.a_rows + task.buffer_row + r] = scale[half];
+        if (isnan(scale[half])) device::record_nonfinite(p.status, NonFiniteWhere::kHidden, p.rank, task.row + r);
+      }
     }
   }
 };
