@@ -14,6 +14,7 @@ imports (a 3 MB wheel: carry it), torchao's FP8 expert MLP forward of the same r
 does; rows grouped by expert and padded to 16 as torchtitan does; routed experts only, no dispatch or combine:
 a smaller job than our layer's).
 Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
+       [--breakdown]
 """
 import argparse
 import ctypes
@@ -25,6 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import capi  # noqa: E402
 from gemm_bench import SHAPES, quantize_blocks_128x128, time_ms  # noqa: E402
+from layer_bench import kernel_breakdown  # noqa: E402
+
 
 ERROR = ctypes.create_string_buffer(1024)
 
@@ -49,6 +52,8 @@ def main():
     parser.add_argument("--experts-per", type=int, default=8, help="run E_global / this many experts")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also the GPU time per kernel of the FP8 and the bf16 unfused forward (torch.profiler)")
     args = parser.parse_args()
     lib = capi.load(os.path.abspath(args.lib))
     stream = torch.cuda.current_stream().cuda_stream
@@ -135,6 +140,10 @@ def main():
         print(f"{name:16s} {experts:4d} {ms['fp8']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} {tao} "
               f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8']:9.2f} {tao_ratio} {flops / ms['fp8'] / 1e9:7.0f} "
               f"{err:8.4f}", flush=True)
+        if args.breakdown:
+            for path in ("fp8", "bf16"):
+                for kernel, kernel_ms in kernel_breakdown(forward(path)):
+                    print(f"  {name} {path:5s} {kernel:40s} {kernel_ms:8.3f} ms per call", flush=True)
         for layer in layers.values():
             check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
             lib.mok_bench_layer_destroy(layer)
