@@ -403,6 +403,16 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue> {
       }
       scale[half] = device::fp8_block_scale(amax[half], finite[half], p.out_power_of_two);
     }
+    // The scales first: stored before the staging barrier in end_pass, so that a release after it (the
+    // megakernel's rows-done count) covers them as it covers the TMA stores.
+    if (threadIdx.x % 4 == 0) {
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const int r = get<0>(coords(2 * half));
+        p.out_scales[int64_t(task.n_block) * p.a_rows + task.buffer_row + r] = scale[half];
+        if (isnan(scale[half])) device::record_nonfinite(p.status, NonFiniteWhere::kHidden, p.rank, task.row + r);
+      }
+    }
     stager.begin_pass();
     CUTE_UNROLL
     for (int pass = 0; pass < kPasses; ++pass) {
@@ -417,14 +427,6 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue> {
       }
     }
     stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) { return box == 0 ? task.n_block : -1; });
-    if (threadIdx.x % 4 == 0) {
-      CUTE_UNROLL
-      for (int half = 0; half < 2; ++half) {
-        const int r = get<0>(coords(2 * half));
-        p.out_scales[int64_t(task.n_block) * p.a_rows + task.buffer_row + r] = scale[half];
-        if (isnan(scale[half])) device::record_nonfinite(p.status, NonFiniteWhere::kHidden, p.rank, task.row + r);
-      }
-    }
   }
 };
 
