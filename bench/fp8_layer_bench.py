@@ -66,8 +66,9 @@ def main():
         tao_gmm = None
         print(f"torchao FP8 grouped GEMM unavailable: {str(e).splitlines()[0][:160]}")
     print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} {'tao_ms':>8s} {'fp8/bf16':>8s} "
-          f"{'fp8/fused':>9s} {'fp8/tao':>8s} {'fp8_TF':>7s} {'err':>8s}   (ratios: speed-ups; err: normwise "
-          "|fp8 - bf16| / |bf16|)")
+          f"{'fp8/fused':>9s} {'fp8/tao':>8s} {'fp8_TF':>7s} {'err':>8s} {'w_MiB':>8s} {'w8_MiB':>8s}   (ratios: "
+          "speed-ups; err: normwise |fp8 - bf16| / |bf16|; w_MiB, w8_MiB: the rank's weights in bf16, and in e4m3 "
+          "with their block scales)")
     for name, num_experts, hidden, inter, top_k, shared in SHAPES:
         if name not in args.shapes.split(","):
             continue
@@ -95,6 +96,8 @@ def main():
             q, s = quantize_blocks_128x128(tensor if three else tensor[None])
             fp8 += [q if three else q[0].contiguous(), s if three else s[0].contiguous()]
         pointers = (ctypes.c_void_p * 12)(*[0 if q is None else q.data_ptr() for q in fp8])
+        weight_mib = sum(v.numel() * v.element_size() for v in w if v is not None) / 2**20
+        fp8_weight_mib = sum(v.numel() * v.element_size() for v in fp8 if v is not None) / 2**20
         outs = {p: torch.empty(t, hidden, device="cuda", dtype=torch.bfloat16) for p in layers}
         wp = [0 if v is None else v.data_ptr() for v in w]
 
@@ -139,7 +142,7 @@ def main():
         tao_ratio = f"{ms['tao'] / ms['fp8']:8.2f}" if "tao" in ms else f"{'-':>8s}"
         print(f"{name:16s} {experts:4d} {ms['fp8']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} {tao} "
               f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8']:9.2f} {tao_ratio} {flops / ms['fp8'] / 1e9:7.0f} "
-              f"{err:8.4f}", flush=True)
+              f"{err:8.4f} {weight_mib:8.1f} {fp8_weight_mib:8.1f}", flush=True)
         if args.breakdown:
             for path in ("fp8", "bf16"):
                 for kernel, kernel_ms in kernel_breakdown(forward(path)):
