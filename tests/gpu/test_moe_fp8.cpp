@@ -229,11 +229,7 @@ TEST(MoeFp8Test, ANonFiniteXIsReportedAndStaysInItsToken) {
   bad.inputs.x[(int64_t(bad_rank) * shape.num_tokens + bad_token) * shape.hidden + 7] = NAN;
   MoeHarness harness(PeerGroup::virtual_ranks(2), shape, fp8_options());
   harness.upload(clean);
-  std::vector<std::unique_ptr<Fp8Weights>> weights;
-  for (int r = 0; r < 2; ++r) {
-    weights.push_back(std::make_unique<Fp8Weights>(*harness.args(r).weights));
-    harness.args(r).weights = &weights.back()->weights;
-  }
+  const auto weights = use_fp8_weights(harness, 2);
   const auto want = harness.run_checked(1);
   harness.upload(bad);  // the same weights (the FP8 ones stay in args), x with the NaN
   harness.poison_outputs();
