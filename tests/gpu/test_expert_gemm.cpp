@@ -1507,7 +1507,7 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.gate_up_out = buffer; },
        "out_scales (h written quantized) is for kSwiGLU without gate_up_out"},
       {"misaligned out_scales",
-       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = reinterpret_cast<float*>(buffer + 2); },
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = reinterpret_cast<float*>(reinterpret_cast<char*>(scales) + 2); },
        "out_scales must be a 4-byte aligned"},
       {"quantized h paired, n % 256 != 0",
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.n = 128; a.cluster_n = 2; },
