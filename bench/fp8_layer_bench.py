@@ -14,6 +14,7 @@ imports (a 3 MB wheel: carry it), torchao's FP8 expert MLP forward of the same r
 does; rows grouped by expert and padded to 16 as torchtitan does; routed experts only, no dispatch or combine:
 a smaller job than our layer's).
 Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
+       [--breakdown]
 """
 import argparse
 import ctypes
@@ -25,6 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import capi  # noqa: E402
 from gemm_bench import SHAPES, quantize_blocks_128x128, time_ms  # noqa: E402
+from layer_bench import kernel_breakdown  # noqa: E402
+
 
 ERROR = ctypes.create_string_buffer(1024)
 
@@ -49,6 +52,8 @@ def main():
     parser.add_argument("--experts-per", type=int, default=8, help="run E_global / this many experts")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also the GPU time per kernel of the FP8 and the bf16 unfused forward (torch.profiler)")
     args = parser.parse_args()
     lib = capi.load(os.path.abspath(args.lib))
     stream = torch.cuda.current_stream().cuda_stream
@@ -61,8 +66,9 @@ def main():
         tao_gmm = None
         print(f"torchao FP8 grouped GEMM unavailable: {str(e).splitlines()[0][:160]}")
     print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} {'tao_ms':>8s} {'fp8/bf16':>8s} "
-          f"{'fp8/fused':>9s} {'fp8/tao':>8s} {'fp8_TF':>7s} {'err':>8s}   (ratios: speed-ups; err: normwise "
-          "|fp8 - bf16| / |bf16|)")
+          f"{'fp8/fused':>9s} {'fp8/tao':>8s} {'fp8_TF':>7s} {'err':>8s} {'w_MiB':>8s} {'w8_MiB':>8s}   (ratios: "
+          "speed-ups; err: normwise |fp8 - bf16| / |bf16|; w_MiB, w8_MiB: the rank's weights in bf16, and in e4m3 "
+          "with their block scales)")
     for name, num_experts, hidden, inter, top_k, shared in SHAPES:
         if name not in args.shapes.split(","):
             continue
@@ -90,6 +96,8 @@ def main():
             q, s = quantize_blocks_128x128(tensor if three else tensor[None])
             fp8 += [q if three else q[0].contiguous(), s if three else s[0].contiguous()]
         pointers = (ctypes.c_void_p * 12)(*[0 if q is None else q.data_ptr() for q in fp8])
+        weight_mib = sum(v.numel() * v.element_size() for v in w if v is not None) / 2**20
+        fp8_weight_mib = sum(v.numel() * v.element_size() for v in fp8 if v is not None) / 2**20
         outs = {p: torch.empty(t, hidden, device="cuda", dtype=torch.bfloat16) for p in layers}
         wp = [0 if v is None else v.data_ptr() for v in w]
 
@@ -134,7 +142,11 @@ def main():
         tao_ratio = f"{ms['tao'] / ms['fp8']:8.2f}" if "tao" in ms else f"{'-':>8s}"
         print(f"{name:16s} {experts:4d} {ms['fp8']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} {tao} "
               f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8']:9.2f} {tao_ratio} {flops / ms['fp8'] / 1e9:7.0f} "
-              f"{err:8.4f}", flush=True)
+              f"{err:8.4f} {weight_mib:8.1f} {fp8_weight_mib:8.1f}", flush=True)
+        if args.breakdown:
+            for path in ("fp8", "bf16"):
+                for kernel, kernel_ms in kernel_breakdown(forward(path)):
+                    print(f"  {name} {path:5s} {kernel:40s} {kernel_ms:8.3f} ms per call", flush=True)
         for layer in layers.values():
             check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
             lib.mok_bench_layer_destroy(layer)

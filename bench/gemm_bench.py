@@ -353,9 +353,9 @@ def fp8_main(args):
     lib, ticket, error, status, gen, stream, commit = bench_setup(args)
     print(f"FP8 expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
           f"{args.tokens} tokens/rank, EP={args.ep} (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
-    print(f"{'shape':16s} {'gemm':8s} {'E':>4s} {'rows':>7s} {'fp8':>7s} {'bf16':>7s} {'t_fp8':>7s} {'d_fp8':>7s} "
-          f"{'fp8/bf16':>8s} {'fp8/t_fp8':>9s} {'fp8/d_fp8':>9s}   (TFLOP/s; t_fp8 torch._scaled_grouped_mm, "
-          "d_fp8 torch._scaled_mm)")
+    print(f"{'shape':16s} {'gemm':8s} {'E':>4s} {'rows':>7s} {'fp8':>7s} {'fp8_q':>7s} {'bf16':>7s} {'t_fp8':>7s} "
+          f"{'d_fp8':>7s} {'fp8/bf16':>8s} {'fp8/t_fp8':>9s} {'fp8/d_fp8':>9s}   (TFLOP/s; fp8_q: gate/up writing h "
+          "quantized; t_fp8 torch._scaled_grouped_mm, d_fp8 torch._scaled_mm)")
     for name, num_experts, hidden, inter, top_k, _ in SHAPES:
         if args.shapes and name not in args.shapes.split(','):
             continue
@@ -370,13 +370,17 @@ def fp8_main(args):
             a_q, a_s = quantize_rows_1x128(a)
             w_q, w_s = quantize_blocks_128x128(weights)
             out = torch.empty(rows_padded, n_out, device="cuda", dtype=torch.bfloat16)
+            # gate/up also with h written quantized (the layer's FP8 gate/up: e4m3 h and its 1 x 128 scales)
+            out_q = torch.empty(rows_padded, n_out, device="cuda", dtype=torch.uint8)
+            out_qs = torch.empty((n_out + 127) // 128, rows_padded, device="cuda", dtype=torch.float32)
 
-            def ours_fp8():
+            def ours_fp8(quantized_out=False):
                 rc = lib.mok_bench_expert_gemm_fp8(
                     epilogue, a_q.data_ptr(), a_s.data_ptr(), rows_padded, k, w_q.data_ptr(), w_s.data_ptr(), None,
                     None, n_out, local, counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None,
-                    out.data_ptr(), None, args.cluster, ticket.data_ptr(), status, WAIT_TIMEOUT_S, stream, error,
-                    len(error))
+                    out_q.data_ptr() if quantized_out else out.data_ptr(),
+                    out_qs.data_ptr() if quantized_out else None, None, args.cluster, ticket.data_ptr(), status,
+                    WAIT_TIMEOUT_S, stream, error, len(error))
                 if rc != 0:
                     raise RuntimeError(error.value.decode())
 
@@ -404,6 +408,8 @@ def fp8_main(args):
 
             flops = 2.0 * rows * n_total * k
             fns = {"fp8": ours_fp8, "bf16": ours_bf16, "t_fp8": torch_fp8}
+            if epilogue == 1:
+                fns["fp8_q"] = lambda: ours_fp8(quantized_out=True)
             available = {}
             for key, fn in fns.items():
                 try:
@@ -420,9 +426,10 @@ def fp8_main(args):
             tf = {key: flops / t / 1e9 for key, t in times.items()}
             cell = lambda key: f"{tf[key]:7.0f}" if key in tf else f"{'-':>7s}"
             ratio = lambda key, width: f"{tf['fp8'] / tf[key]:{width}.2f}" if "fp8" in tf and key in tf else f"{'-':>{width}s}"
-            print(f"{name:16s} {label:8s} {local:4d} {rows:7d} {cell('fp8')} {cell('bf16')} {cell('t_fp8')} "
-                  f"{cell('d_fp8')} {ratio('bf16', 8)} {ratio('t_fp8', 9)} {ratio('d_fp8', 9)}", flush=True)
-            del a, a_q, a_s, w_q, w_s, out, a_t, w_t, w_t_kn, a_d, b_d
+            print(f"{name:16s} {label:8s} {local:4d} {rows:7d} {cell('fp8')} {cell('fp8_q')} {cell('bf16')} "
+                  f"{cell('t_fp8')} {cell('d_fp8')} {ratio('bf16', 8)} {ratio('t_fp8', 9)} {ratio('d_fp8', 9)}",
+                  flush=True)
+            del a, a_q, a_s, w_q, w_s, out, out_q, out_qs, a_t, w_t, w_t_kn, a_d, b_d
         check_status(lib, status, stream, error)
         del w13, w2
         torch.cuda.empty_cache()

@@ -328,7 +328,8 @@ def torch_side_bytes(local_experts, hidden, inter, shared, tokens, top_k, grad_b
 
 def kernel_breakdown(fn, iters=5):
     """GPU time per call by kernel (torch.profiler sees our library's kernels too): [(name, ms)], largest first.
-    Kernels of one template are told apart by their epilogue (the shared expert's GEMMs are in the same rows)."""
+    Kernels of one template are told apart by their epilogue (the shared expert's GEMMs are in the same rows), and
+    the FP8 expert GEMMs by their operands and epilogue type."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -342,7 +343,10 @@ def kernel_breakdown(fn, iters=5):
             continue
         match = re.search(r"(\w+_kernel)", event.key)
         label = match.group(1) if match else event.key[:40]
-        if label == "expert_gemm_kernel":
+        if label == "expert_gemm_kernel" and "Fp8Mainloop" in event.key:
+            epilogue = re.search(r"(\w*Epilogue)", event.key)
+            label += " fp8 " + (epilogue.group(1) if epilogue else "?")
+        elif label == "expert_gemm_kernel":
             label += " swiglu" if re.search(r"Epilogue\)1|kSwiGLU", event.key) else " store"
         totals[label] = totals.get(label, 0) + us / 1e3 / iters
     return sorted(totals.items(), key=lambda kv: -kv[1])

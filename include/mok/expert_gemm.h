@@ -28,6 +28,9 @@
 // b[row, c] * b_scales[e, row / 128, c / 128] (row: the row of expert e's matrix, b_expert_rows = n, or 2n for
 // fused gate/up weights), promoting the tensor cores' partial sums to fp32 once per 128 of k. k may end with a
 // partial 128-column block. Tiles of 128 x 128 accumulators (kStore 128 output columns, kSwiGLU 64).
+// kFP8 kSwiGLU with out_scales: h is written quantized as the down GEMM's A, e4m3 with one scale per row per 128
+// columns (include/mok/fp8.h's recipe applied to the bf16 h the plain kSwiGLU writes: the same bits as kSwiGLU
+// followed by quantize_rows_fp8); a task computes 128 h columns, one scale block (two 64-column tiles in turn).
 #pragma once
 
 #include <cstdint>
@@ -87,7 +90,10 @@ struct ExpertGemmArgs {
                                 // task on one consumer warpgroup
   const float* row_scale = nullptr;  // optional [a_rows]
   float swiglu_limit = 0;       // 0: plain SwiGLU
-  void* out = nullptr;          // bf16 [a_rows, n] (kSwiGLUBackward: [a_rows, 2n])
+  void* out = nullptr;          // bf16 [a_rows, n] (kSwiGLUBackward: [a_rows, 2n]); with out_scales e4m3 [a_rows, n]
+  float* out_scales = nullptr;  // kFP8 kSwiGLU, optional: h written quantized (see above) into out, its scales
+                                // here, fp32 [ceil(n / 128), a_rows] (the down GEMM's a and a_scales)
+  bool out_scales_power_of_two = false;  // with out_scales: scales rounded up to powers of two (include/mok/fp8.h)
   void* gate_up_out = nullptr;  // kSwiGLU, optional: bf16 [a_rows, 2n], the raw g (columns [0, n)) and u
                                 // ([n, 2n)) of every row, before the clamp (what the backward reads)
   const void* gate_up = nullptr;  // kSwiGLUBackward: bf16 [a_rows, 2n], the forward's g and u (gate_up_out)

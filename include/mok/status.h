@@ -22,6 +22,15 @@ enum StatusBit : uint32_t {
   kStatusBadExpertId = 1u << 0,      // a top-k id outside [-1, num_experts)
   kStatusCapacityOverflow = 1u << 1, // padded expert rows exceed the configured capacity
   kStatusWaitTimeout = 1u << 2,      // a spin-wait gave up (see timeout_* fields)
+  kStatusNonFinite = 1u << 3,        // FP8: a block the layer quantized (x, or h) held a NaN or an infinity
+                                     // (see nonfinite_key); only the rows of that block are NaN
+};
+
+// What a non-finite block was (DeviceStatus::nonfinite_key bits 60-63).
+enum class NonFiniteWhere : uint32_t {
+  kX = 0,       // a token row of x, quantized on its own rank before the dispatch
+  kHidden = 1,  // a row of h, quantized by an FP8 gate/up GEMM's epilogue (a schedule row; for the shared expert,
+                // a token)
 };
 
 // Which stage a spin-wait belongs to (reported with a timeout).
@@ -106,6 +115,9 @@ struct DeviceStatus {
   // Waits that gave up at once because `abort` was already set (after the first timeout), mod 2^32.
   uint32_t abandoned_waits;
   int32_t timeout_kernel;   // KernelId of the first timeout
+  // Non-finite FP8 input: key = where << 60 | rank << 40 | row; atomicMin keeps the smallest (x before h, then
+  // by rank and row: deterministic). UINT64_MAX when none.
+  uint64_t nonfinite_key;
 };
 
 // Where a standalone kernel's spin-waits report a timeout, and how long they may take (ExpertGemmArgs::waits,
@@ -132,6 +144,10 @@ struct StatusReport {
   // Global route id of the first bad expert id (src_rank * T * k + token * k + slot), -1 if none.
   int64_t bad_route() const;
   int32_t bad_expert_id() const;
+  // The first non-finite FP8 block (kStatusNonFinite): where, the rank, the row; row -1 if none.
+  NonFiniteWhere nonfinite_where() const;
+  int32_t nonfinite_rank() const;
+  int64_t nonfinite_row() const;
   // One line per error, e.g. "expert id 400 out of range [-1, 384) at route 17 (src rank 0, token 2, slot 1)".
   std::string describe(int num_tokens, int top_k, int num_experts) const;
 };

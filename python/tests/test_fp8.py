@@ -79,6 +79,26 @@ def test_bad_inputs_raise_and_the_next_call_works():
         assert not out.isnan().any()
 
 
+def test_a_nan_in_x_is_reported_and_stays_in_its_token():
+    x, idx, rw, w = _inputs(1830)
+    with _fp8_workspace() as ws:
+        qw = mok.quantize_weights(w)
+        clean, _ = mok.forward_fp8(ws, x, idx, rw, qw)
+        mok.check_status(ws)
+        bad_x = x.clone()
+        bad_x[9, 3] = float("nan")
+        out, _ = mok.forward_fp8(ws, bad_x, idx, rw, qw)
+        with pytest.raises(RuntimeError, match="NaN or infinity in x: token row 9 of rank 0"):
+            mok.check_status(ws)
+        assert out[9].isnan().all()
+        others = torch.arange(T, device="cuda") != 9
+        assert torch.equal(out[others], clean[others]), "a NaN in one token changed another token's output"
+        ws.reset_status()
+        again, _ = mok.forward_fp8(ws, x, idx, rw, qw)
+        mok.check_status(ws)
+        assert torch.equal(again, clean), "the next clean call"
+
+
 def test_moe_requantizes_when_a_parameter_changes():
     cfg = mok.Config(precision="fp8", path="unfused", backward=False)
     moe = mok.MoE(H, I, E, K, num_tokens=T, config=cfg)

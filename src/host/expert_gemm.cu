@@ -66,8 +66,9 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
 // Output tiles along n of a GEMM of either precision.
 int n_blocks(const ExpertGemmArgs& args) {
   if (args.precision != Precision::kFP8) return gemm_n_blocks(args.epilogue, args.n);
-  const int columns = args.epilogue == GemmEpilogue::kSwiGLU ? detail::Fp8GemmTraits<gemm::SwiGLUEpilogue<false>, 1>::kOutCols
-                                                             : detail::Fp8GemmTraits<gemm::StoreEpilogue, 1>::kOutCols;
+  const int columns = args.epilogue != GemmEpilogue::kSwiGLU ? detail::Fp8GemmTraits<gemm::StoreEpilogue, 1>::kOutCols
+                      : args.out_scales != nullptr ? detail::Fp8GemmTraits<gemm::SwiGLUQuantEpilogue, 1>::kOutCols
+                                                   : detail::Fp8GemmTraits<gemm::SwiGLUEpilogue<false>, 1>::kOutCols;
   return (args.n + columns - 1) / columns;
 }
 
@@ -135,16 +136,26 @@ void validate(const ExpertGemmArgs& args) {
             "kFP8: b_up_scales must be given exactly when b_up is (b_up's block scales)");
     require(args.b_up_scales == nullptr || reinterpret_cast<uintptr_t>(args.b_up_scales) % 4 == 0,
             "b_up_scales must be a 4-byte aligned fp32 buffer");
+    if (args.out_scales != nullptr) {
+      require(swiglu && args.gate_up_out == nullptr,
+              "out_scales (h written quantized) is for kSwiGLU without gate_up_out");
+      require(reinterpret_cast<uintptr_t>(args.out_scales) % 4 == 0,
+              "out_scales must be a 4-byte aligned fp32 [ceil(n / 128), a_rows] buffer");
+      // A cluster's two CTAs run the same stages (A is multicast): both tasks need their two halves.
+      require(args.cluster_n != 2 || args.n % 256 == 0,
+              "cluster_n = 2 with out_scales needs n a multiple of 256, got " + std::to_string(args.n));
+    }
   } else {
-    require(args.a_scales == nullptr && args.b_scales == nullptr && args.b_up_scales == nullptr,
-            "a_scales, b_scales and b_up_scales are only for precision kFP8");
+    require(args.a_scales == nullptr && args.b_scales == nullptr && args.b_up_scales == nullptr &&
+                args.out_scales == nullptr,
+            "a_scales, b_scales, b_up_scales and out_scales are only for precision kFP8");
   }
   require(args.b_up == nullptr || ((swiglu || (store && mn_major)) && aligned16(args.b_up)),
           "b_up is only for kSwiGLU (separate gate and up weights) or kStore with b_major kMN (K split over b "
           "and b_up), and must be 16-byte aligned");
   require(!swiglu || !mn_major, "kSwiGLU reads b K-major: b_major must be kK (kMN is for kStore and kSwiGLUBackward)");
   require(!backward || mn_major, "kSwiGLUBackward reads b = W_down [E, k, n] MN-major: b_major must be kMN");
-  require(args.out != nullptr && aligned16(args.out), "out must be a non-null, 16-byte aligned bf16 buffer");
+  require(args.out != nullptr && aligned16(args.out), "out must be a non-null, 16-byte aligned bf16 (with out_scales: e4m3) buffer");
   require(args.k > 0 && args.k % 64 == 0, "k must be a positive multiple of 64, got " + std::to_string(args.k));
   require(args.a_row_stride == 0 ||
               (args.a_row_stride >= args.k && args.a_row_stride * (fp8 ? 1 : 2) % 16 == 0 && args.gather.x == nullptr),
@@ -195,9 +206,12 @@ void validate(const ExpertGemmArgs& args) {
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);
   if (args.precision == Precision::kFP8) {
-    const int cluster_n = args.cluster_n != 0 ? args.cluster_n : (n_blocks(args) % 2 == 0 ? 2 : 1);
+    const bool pairs = n_blocks(args) % 2 == 0 && (args.out_scales == nullptr || args.n % 256 == 0);
+    const int cluster_n = args.cluster_n != 0 ? args.cluster_n : (pairs ? 2 : 1);
     if (args.epilogue == GemmEpilogue::kStore)
       launch_fp8<gemm::StoreEpilogue>(args, cluster_n, stream);
+    else if (args.out_scales != nullptr)
+      launch_fp8<gemm::SwiGLUQuantEpilogue>(args, cluster_n, stream);
     else if (args.gate_up_out != nullptr)
       launch_fp8<gemm::SwiGLUEpilogue<true>>(args, cluster_n, stream);
     else

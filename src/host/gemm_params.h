@@ -142,6 +142,10 @@ auto make_block_scaled_params(const ExpertGemmArgs& args) {
   p.b_scales1 = separate_up ? args.b_up_scales : args.b_scales;
   p.b_scale_blocks = static_cast<int>((base.b_expert_rows + 127) / 128);
   p.k_blocks = k_blocks;
+  p.out_scales = args.out_scales;
+  p.out_power_of_two = args.out_scales_power_of_two;
+  p.status = args.waits.status;
+  p.rank = args.waits.rank;
   return p;
 }
 

@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "mok/expert_gemm.h"
-#include "mok/fp8.h"
 #include "src/device/combine/push_rows.cuh"
 #include "src/device/common/peer_barrier.cuh"
 #include "src/device/kernels/row_kernels.cuh"
@@ -469,7 +468,7 @@ struct MlpGemms {  // the two GEMM launches of an MLP over the rows of a schedul
   int32_t* tickets;  // two: gate/up, down
   WaitBound waits;   // the rank's status word and timeout
   // MoeOptions::precision kFP8 only: rows are FP8 rows (src/host/quantize_fp8.h) with these A scales; the weights'
-  // block scales; h quantized into hidden_fp8 / hidden_scales between the two GEMMs (run_mlp).
+  // block scales; h written quantized by the gate/up GEMM into hidden_fp8 / hidden_scales (hidden unused).
   const float* row_scales = nullptr;
   const float* gate_scales = nullptr;
   const float* up_scales = nullptr;
@@ -517,20 +516,18 @@ void mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& 
     gate_up.a_scales = m.row_scales;
     gate_up.b_scales = m.gate_scales;
     gate_up.b_up_scales = m.up != nullptr ? m.up_scales : nullptr;
+    gate_up.out = m.hidden_fp8;  // h quantized per 1 x 128 by the SwiGLU epilogue: the down GEMM's A
+    gate_up.out_scales = m.hidden_scales;
+    gate_up.gate_up_out = nullptr;  // no backward in FP8 yet: nothing reads g and u
     down.a = m.hidden_fp8;
     down.a_scales = m.hidden_scales;
     down.b_scales = m.down_scales;
   }
 }
 
-// The two GEMMs of an MLP (mlp_args'); with FP8, h (gate_up's bf16 output) quantized per 1 x 128 between them
-// into the down GEMM's A and A scales.
+// The two GEMMs of an MLP (mlp_args').
 void run_mlp(const ExpertGemmArgs& gate_up, const ExpertGemmArgs& down, cudaStream_t stream) {
   expert_gemm(gate_up, stream);
-  if (gate_up.precision == Precision::kFP8)
-    quantize_rows_fp8({.in = gate_up.out, .rows = gate_up.a_rows, .k = gate_up.n, .out = const_cast<void*>(down.a),
-                       .scales = const_cast<float*>(down.a_scales), .rows_used = gate_up.scheduled_rows},
-                      stream);
   expert_gemm(down, stream);
 }
 
@@ -597,7 +594,8 @@ void MoeWorkspace::publish(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
   if (fp8())  // the rank's rows quantized once, as every peer pulls them (src/host/quantize_fp8.h)
-    detail::publish_fp8_rows(f.x.data, f.x.shape[0], padded_tokens_, shape_.hidden, x_.on(f.rank), s.x_scales, f.stream);
+    detail::publish_fp8_rows(f.x.data, f.x.shape[0], padded_tokens_, shape_.hidden, x_.on(f.rank), s.x_scales,
+                             schedule_.device_status(f.rank), f.rank, f.stream);
   else
     publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
   barrier_arrive(f.rank, f.stream);

@@ -12,11 +12,12 @@ ContextLayout context_layout(const MoeShape& s, bool keep_gate_up, int64_t sched
   ContextLayout l;
   l.schedule = l.buffers.add_array<int32_t>("schedule", schedule_elements);
   l.expert_rows = l.buffers.add("expert_rows", ring_rows * h * kBf16);
-  l.hidden = l.buffers.add("hidden", ring_rows * i * kBf16);
-  l.shared_hidden = l.buffers.add("shared_hidden", padded_tokens * i * kBf16);
-  l.gate_up = l.buffers.add("gate_up", keep_gate_up ? ring_rows * 2 * i * kBf16 : 0);
+  // FP8 (forward only): h is written quantized by the gate/up GEMM (hidden_fp8 below); no bf16 h, no g | u.
+  l.hidden = l.buffers.add("hidden", fp8 ? 0 : ring_rows * i * kBf16);
+  l.shared_hidden = l.buffers.add("shared_hidden", fp8 ? 0 : padded_tokens * i * kBf16);
+  l.gate_up = l.buffers.add("gate_up", keep_gate_up && !fp8 ? ring_rows * 2 * i * kBf16 : 0);
   l.shared_gate_up =
-      l.buffers.add("shared_gate_up", keep_gate_up && s.shared_expert ? padded_tokens * 2 * i * kBf16 : 0);
+      l.buffers.add("shared_gate_up", keep_gate_up && !fp8 && s.shared_expert ? padded_tokens * 2 * i * kBf16 : 0);
   const int64_t h_blocks = (h + 127) / 128, i_blocks = (i + 127) / 128;
   const bool shared_fp8 = fp8 && s.shared_expert;
   l.expert_row_scales = l.buffers.add_array<float>("expert_row_scales", fp8 ? h_blocks * ring_rows : 0);

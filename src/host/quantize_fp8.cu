@@ -13,36 +13,18 @@
 #include <string>
 
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 
+#include "src/device/common/fp8_quant.cuh"
+#include "src/device/common/status.cuh"
 #include "src/host/check.h"
 #include "src/host/quantize_fp8.h"
 
 namespace mok {
 namespace {
 
+using device::to_e4m3;
+
 constexpr int kBlock = 128;
-constexpr float kE4m3Max = 448.0f;
-
-// The scale of a block whose largest |value| is `amax` (NaN when the block holds a NaN or an infinity).
-__device__ __forceinline__ float block_scale(float amax, bool finite, bool power_of_two) {
-  if (!finite) return __int_as_float(0x7fc00000);
-  if (amax == 0.0f) return 1.0f;
-  float scale = __fdiv_rn(amax, kE4m3Max);
-  if (power_of_two) {  // rounded up to a power of two (bit operations: exact, the CPU reference's too)
-    const uint32_t bits = __float_as_uint(scale);
-    const uint32_t exponent = bits & 0x7f800000u, mantissa = bits & 0x007fffffu;
-    if (exponent == 0)  // subnormal (amax below 2^-117), never zero: the next power of two of the mantissa
-      scale = (mantissa & (mantissa - 1)) == 0 ? scale : __uint_as_float(1u << (32 - __clz(mantissa)));
-    else if (mantissa != 0)
-      scale = __uint_as_float(exponent + 0x00800000u);
-  }
-  return scale;
-}
-
-__device__ __forceinline__ uint8_t to_e4m3(float value, float scale) {
-  return __nv_cvt_float_to_fp8(__fdiv_rn(value, scale), __NV_SATFINITE, __NV_E4M3);
-}
 
 // One warp's 128-column block of a row: lane l holds columns col + 0..3 (col = block start + 4 l; a null `src`, or
 // columns past k: zeros). Returns the block's scale (the same in every lane) and the lane's e4m3 values in q.
@@ -60,7 +42,7 @@ __device__ __forceinline__ float quantize_block_warp(const __nv_bfloat16* src, i
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     finite = __all_sync(0xffffffffu, finite);
   }
-  const float scale = block_scale(amax, finite, power_of_two);
+  const float scale = device::fp8_block_scale(amax, finite, power_of_two);
   for (int i = 0; i < 4; ++i) q[i] = to_e4m3(v[i], scale);
   return scale;
 }
@@ -83,9 +65,10 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int 
 }
 
 // One warp per (row, 128-column block) of x [tokens, h]: the FP8 row layout of src/host/quantize_fp8.h, plus the
-// scale again at [block, row] of `scales`. Rows past `tokens` (to padded_tokens): zeros, scale 1.
+// scale again at [block, row] of `scales`. Rows past `tokens` (to padded_tokens): zeros, scale 1. A block with a NaN
+// or an infinity is reported to `status` (kStatusNonFinite, the row and `rank`).
 __global__ void publish_fp8_rows_kernel(const __nv_bfloat16* x, int64_t tokens, int64_t padded_tokens, int h,
-                                        uint8_t* rows, float* scales) {
+                                        uint8_t* rows, float* scales, DeviceStatus* status, int rank) {
   const int k_blocks = (h + kBlock - 1) / kBlock;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -101,6 +84,7 @@ __global__ void publish_fp8_rows_kernel(const __nv_bfloat16* x, int64_t tokens, 
   if (lane == 0) {
     reinterpret_cast<float*>(out + h)[block] = scale;
     scales[int64_t(block) * padded_tokens + row] = scale;
+    if (isnan(scale)) device::record_nonfinite(status, NonFiniteWhere::kX, rank, row);
   }
 }
 
@@ -152,7 +136,7 @@ __global__ void quantize_weights_kernel(const __nv_bfloat16* in, int64_t rows, i
     amax = fmaxf(amax, warp_amax[w]);
     finite = finite && warp_finite[w];
   }
-  const float scale = block_scale(amax, finite, power_of_two);
+  const float scale = device::fp8_block_scale(amax, finite, power_of_two);
   uint8_t* out_base = out + expert * rows * k;
   // The transposed copy goes through shared memory: written by rows here, read by columns below (both
   // coalesced in global memory). 129 bytes a row: the column reads spread over the banks.
@@ -208,12 +192,12 @@ void validate(const Fp8QuantizeArgs& a, const char* entry, bool rows_layout) {
 }  // namespace
 
 void detail::publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_tokens, int h, void* rows, float* scales,
-                              cudaStream_t stream) {
+                              DeviceStatus* status, int rank, cudaStream_t stream) {
   const int64_t warps = padded_tokens * ((h + kBlock - 1) / kBlock);
   if (warps == 0) return;
   constexpr int kThreads = 256;
   publish_fp8_rows_kernel<<<static_cast<unsigned>((warps * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), tokens, padded_tokens, h, static_cast<uint8_t*>(rows), scales);
+      static_cast<const __nv_bfloat16*>(x), tokens, padded_tokens, h, static_cast<uint8_t*>(rows), scales, status, rank);
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -75,6 +75,7 @@ DeviceStatus initial_device_status() {
   DeviceStatus status;
   std::memset(&status, 0, sizeof(status));
   status.bad_route_key = std::numeric_limits<uint64_t>::max();
+  status.nonfinite_key = std::numeric_limits<uint64_t>::max();
   return status;
 }
 
@@ -98,6 +99,13 @@ int64_t StatusReport::bad_route() const {
 
 int32_t StatusReport::bad_expert_id() const {
   return static_cast<int32_t>(static_cast<uint32_t>(raw.bad_route_key & 0xffffffffu));
+}
+
+NonFiniteWhere StatusReport::nonfinite_where() const { return static_cast<NonFiniteWhere>(raw.nonfinite_key >> 60); }
+int32_t StatusReport::nonfinite_rank() const { return static_cast<int32_t>((raw.nonfinite_key >> 40) & 0xfffff); }
+int64_t StatusReport::nonfinite_row() const {
+  if (!(raw.error_bits & kStatusNonFinite)) return -1;
+  return static_cast<int64_t>(raw.nonfinite_key & ((uint64_t(1) << 40) - 1));
 }
 
 namespace {
@@ -136,6 +144,16 @@ std::string StatusReport::describe(int num_tokens, int top_k, int num_experts) c
            counter_name(raw.timeout_counter), raw.timeout_index, raw.timeout_awaited, raw.timeout_seen);
     if (raw.abandoned_waits > 0)
       append(out, "%u later waits gave up at once (abort set)\n", raw.abandoned_waits);
+  }
+  if (raw.error_bits & kStatusNonFinite) {
+    if (nonfinite_where() == NonFiniteWhere::kX)
+      append(out, "NaN or infinity in x: token row %" PRId64 " of rank %d (FP8: its block's scale is NaN, so that "
+                  "token's outputs are NaN; other tokens are not affected)\n",
+             nonfinite_row(), nonfinite_rank());
+    else
+      append(out, "NaN or infinity in h (the down GEMM's input) at row %" PRId64 " of an FP8 gate/up GEMM on rank %d "
+                  "(that row's outputs are NaN; other rows are not affected)\n",
+             nonfinite_row(), nonfinite_rank());
   }
   if (!out.empty() && out.back() == '\n') out.pop_back();
   return out;

@@ -120,7 +120,8 @@ TEST(MoeLayouts, ContextLayoutIsTheContextBytes) {
   }
 }
 
-// MoeOptions::precision kFP8: the bf16 buffers as they are, plus the scales and h in e4m3.
+// MoeOptions::precision kFP8: the row buffers as they are, the scales and h in e4m3, and no bf16 h or g | u (the
+// gate/up GEMM writes h quantized; the FP8 forward keeps nothing for a backward).
 TEST(MoeLayouts, Fp8AddsScalesAndHiddenInE4m3) {
   for (const MoeShape& s : shapes()) {
     const int64_t h = s.hidden, i = s.intermediate, hb = (h + 127) / 128, ib = (i + 127) / 128;
@@ -129,6 +130,9 @@ TEST(MoeLayouts, Fp8AddsScalesAndHiddenInE4m3) {
     const detail::ContextLayout bf16 = detail::context_layout(s, false, schedule_elements, ring, padded);
     const detail::ContextLayout l = detail::context_layout(s, false, schedule_elements, ring, padded, true);
     check_layout(l.buffers, "FP8 context, " + where);
+    const detail::ContextLayout kept = detail::context_layout(s, true, schedule_elements, ring, padded, true);
+    EXPECT_EQ(kept.buffers.total_bytes(), l.buffers.total_bytes()) << where << ": keep_gate_up keeps nothing in FP8";
+    EXPECT_EQ(l.hidden.bytes + l.shared_hidden.bytes + l.gate_up.bytes + l.shared_gate_up.bytes, 0) << where;
     EXPECT_EQ(l.expert_rows.bytes, bf16.expert_rows.bytes) << where << ": FP8 rows live in the bf16 rows' bytes";
     EXPECT_EQ(l.expert_row_scales.bytes, hb * ring * 4) << where;
     EXPECT_EQ(l.hidden_fp8.bytes, ring * i) << where;

@@ -1303,6 +1303,116 @@ TEST(ExpertGemmTest, Fp8SwiGLUFusedAndSeparateWeights) {
   }
 }
 
+// kSwiGLU with out_scales (h written quantized, SwiGLUQuantEpilogue) against the plain FP8 kSwiGLU's bf16 h
+// quantized per 1 x 128 on the CPU (tests/common/fp8.h, the recipe's reference; the plain kSwiGLU is checked against
+// the CPU above): e4m3 values and scales bitwise for every scheduled row (padding rows: zeros, scale 1); rows past
+// the schedule untouched. n 256 (two-pass tasks, clusters of 1 and 2), 192 (a last task of one pass), fused and
+// separate weights, row scales, the clamp, power-of-two scales, and a row whose A holds a NaN (its blocks' scales
+// NaN, no other row touched).
+TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
+  MOK_REQUIRE_GPUS(1);
+  using testing::Fp8Matrix;
+  const std::vector<int32_t> expert_counts = {129, 0, 1, 255, 64};
+  const int num_experts = static_cast<int>(expert_counts.size());
+  const int k = 384 + 64;  // a partial last k-block
+  constexpr uint8_t kBytePoison = 0xab;
+  struct Case { int n, tile_m, cluster_n; bool separate, scaled, pow2; float limit; };
+  for (const Case c : {Case{256, 128, 1, false, false, false, 0.0f}, Case{256, 128, 2, true, true, true, 0.0f},
+                       Case{192, 64, 1, false, true, false, 7.0f}, Case{192, 128, 1, true, false, true, 0.0f}}) {
+    const uint64_t seed = 990 + c.n + c.tile_m + c.cluster_n + c.separate;
+    const std::string label = "n " + std::to_string(c.n) + ", tile_m " + std::to_string(c.tile_m) + ", cluster_n " +
+                              std::to_string(c.cluster_n) + (c.separate ? ", separate" : ", fused") + " weights" +
+                              (c.scaled ? ", row scales" : "") + (c.pow2 ? ", power-of-two scales" : "") +
+                              ", limit " + std::to_string(c.limit) + ", seed " + std::to_string(seed);
+    GemmFixture fx(expert_counts, 128, c.tile_m);
+    std::mt19937_64 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> a_values(size_t(fx.a_rows) * k), gate_values(size_t(num_experts) * 2 * c.n * k);
+    for (auto& v : a_values) v = normal(rng) * 2.0f;
+    for (auto& v : gate_values) v = normal(rng) * 0.05f;
+    auto a = Fp8Matrix::quantize(a_values, fx.a_rows, fx.a_rows, k, true);
+    const int64_t nan_row = 100;  // a real row of expert 0: its A holds a NaN
+    a.bits[nan_row * k + 5] = 0x7f;
+    // Fused [E, 2n, k], or gate and up [E, n, k] each (the same values split by expert rows).
+    std::vector<float> gate_only, up_only;
+    for (int e = 0; e < num_experts; ++e) {
+      const auto begin = gate_values.begin() + int64_t(e) * 2 * c.n * k;
+      gate_only.insert(gate_only.end(), begin, begin + int64_t(c.n) * k);
+      up_only.insert(up_only.end(), begin + int64_t(c.n) * k, begin + int64_t(2) * c.n * k);
+    }
+    const auto fused = Fp8Matrix::quantize(gate_values, int64_t(num_experts) * 2 * c.n, 2 * c.n, k, false);
+    const auto gate = Fp8Matrix::quantize(gate_only, int64_t(num_experts) * c.n, c.n, k, false);
+    const auto up = Fp8Matrix::quantize(up_only, int64_t(num_experts) * c.n, c.n, k, false);
+    std::vector<float> row_scale(fx.a_rows);
+    for (auto& v : row_scale) v = 0.25f + std::abs(normal(rng));
+    DeviceArray<uint8_t> d_a(a.bits), d_fused(fused.bits), d_gate(gate.bits), d_up(up.bits);
+    DeviceArray<float> d_sa(a.scales), d_sfused(fused.scales), d_sgate(gate.scales), d_sup(up.scales), d_rs(row_scale);
+    const int blocks = (c.n + 127) / 128;
+    DeviceArray<uint16_t> d_h(size_t(fx.a_rows) * c.n);
+    DeviceArray<uint8_t> d_q(size_t(fx.a_rows) * c.n);
+    DeviceArray<float> d_s(size_t(blocks) * fx.a_rows);
+    d_h.upload(std::vector<uint16_t>(d_h.count, kPoison));
+    d_q.upload(std::vector<uint8_t>(d_q.count, kBytePoison));
+    d_s.upload(float_poison(d_s.count));
+    auto args_for = [&](void* out) {
+      ExpertGemmArgs args =
+          c.separate ? fp8_tests::fp8_args(fx, GemmEpilogue::kSwiGLU, d_a, d_sa, k, d_gate, d_sgate, c.n, out)
+                     : fp8_tests::fp8_args(fx, GemmEpilogue::kSwiGLU, d_a, d_sa, k, d_fused, d_sfused, c.n, out);
+      if (c.separate) {
+        args.b_up = d_up.ptr;
+        args.b_up_scales = d_sup.ptr;
+      }
+      args.row_scale = c.scaled ? d_rs.ptr : nullptr;
+      args.swiglu_limit = c.limit;
+      return args;
+    };
+    expert_gemm(args_for(d_h.ptr), nullptr);
+    ExpertGemmArgs quantized = args_for(d_q.ptr);
+    quantized.out_scales = d_s.ptr;
+    quantized.out_scales_power_of_two = c.pow2;
+    quantized.cluster_n = c.cluster_n;
+    expert_gemm(quantized, nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    // The NaN row's h blocks are reported (without the clamp; with it fminf / fmaxf return the other operand, as
+    // in bf16, and h stays finite); nothing else is.
+    const StatusReport report = fx.status.read();
+    if (c.limit == 0.0f) {
+      ASSERT_EQ(report.raw.error_bits, uint32_t(kStatusNonFinite)) << report.describe(1, 1, 1) << ", " << label;
+      EXPECT_EQ(report.nonfinite_where(), NonFiniteWhere::kHidden) << label;
+      EXPECT_EQ(report.nonfinite_row(), nan_row) << label;
+      fx.status.reset();
+    } else {
+      ASSERT_TRUE(report.ok()) << report.describe(1, 1, 1) << ", " << label;
+    }
+    const auto h = d_h.download();
+    const auto q = d_q.download();
+    const auto s = d_s.download();
+    // The CPU's quantization of the GPU's bf16 h, scheduled rows only (the rest of h is poison).
+    std::vector<float> h_values(size_t(fx.seg.rows) * c.n);
+    for (size_t i = 0; i < h_values.size(); ++i) h_values[i] = from_bf16_bits(h[i]);
+    const auto want = Fp8Matrix::quantize(h_values, fx.seg.rows, fx.seg.rows, c.n, true, c.pow2);
+    for (int64_t row = 0; row < fx.a_rows; ++row) {
+      const bool scheduled = row < fx.seg.rows;
+      for (int col = 0; col < c.n; ++col) {
+        const uint8_t got = q[row * c.n + col];
+        const uint8_t expected = scheduled ? want.bits[row * c.n + col] : kBytePoison;
+        ASSERT_EQ(got, expected) << "h row " << row << " col " << col << (scheduled ? "" : " (past the schedule)")
+                                 << ", h bf16 " << (scheduled ? h_values[row * c.n + col] : 0.0f) << ", " << label;
+      }
+      for (int b = 0; b < blocks; ++b) {
+        const float got = s[int64_t(b) * fx.a_rows + row];
+        const uint32_t expected = scheduled ? float_bits(want.scales[int64_t(b) * fx.seg.rows + row]) : kFloatPoison;
+        ASSERT_EQ(float_bits(got), expected) << "scale of row " << row << " block " << b << ": got " << got
+                                             << (scheduled ? "" : " (past the schedule)") << ", " << label;
+      }
+    }
+    if (c.limit == 0.0f) {
+      ASSERT_TRUE(std::isnan(s[nan_row])) << "the NaN row's first block, " << label;
+    }
+    ASSERT_FALSE(std::isnan(s[nan_row + 1])) << "the row after the NaN row, " << label;
+  }
+}
+
 // Values of a normal distribution quantized by the recipe (tests/common/fp8.h, Fp8Matrix::quantize), against the
 // CPU's double product of the same quantized values. Budget: the bf16 output rounding (2^-9 relative) and the
 // tensor cores' accumulation of a k-block (fewer bits than fp32, DeepGEMM's reason for promoting every 128):
@@ -1391,6 +1501,20 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
       {"bf16 with scales", [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; },
        "only for precision kFP8"},
       {"odd tiles paired", [](ExpertGemmArgs& a) { a.n = 384; a.cluster_n = 2; }, "cluster_n = 2 pairs"},
+      {"quantized h from kStore", [](ExpertGemmArgs& a) { a.out_scales = scales; },
+       "out_scales (h written quantized) is for kSwiGLU without gate_up_out"},
+      {"quantized h with gate_up_out",
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.gate_up_out = buffer; },
+       "out_scales (h written quantized) is for kSwiGLU without gate_up_out"},
+      {"misaligned out_scales",
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = reinterpret_cast<float*>(reinterpret_cast<char*>(scales) + 2); },
+       "out_scales must be a 4-byte aligned"},
+      {"quantized h paired, n % 256 != 0",
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.n = 128; a.cluster_n = 2; },
+       "cluster_n = 2 with out_scales needs n a multiple of 256"},
+      {"bf16 with out_scales",
+       [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; a.a_scales = a.b_scales = nullptr; a.out_scales = scales; },
+       "only for precision kFP8"},
   };
   for (const auto& b : bad) {
     ExpertGemmArgs args = base;

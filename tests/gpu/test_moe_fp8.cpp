@@ -217,6 +217,50 @@ TEST(MoeFp8Test, FewerTokensGiveTheBitsOfAWorkspaceForExactlyThem) {
   }
 }
 
+// A NaN in one token's x (issue 27: reported through the status word, never spread silently): its rank's status
+// word names the token (kStatusNonFinite, x, the row), that token's outputs are NaN, every other token's output has
+// the bits of the run without it, and after a reset the next clean call is ok with the clean bits.
+TEST(MoeFp8Test, ANonFiniteXIsReportedAndStaysInItsToken) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = testing::moe_shape(2, 128, 4, 16, 256, 256, true);
+  const LayerData clean = testing::random_layer(shape, 1800);
+  LayerData bad = clean;
+  const int bad_rank = 1, bad_token = 5;
+  bad.inputs.x[(int64_t(bad_rank) * shape.num_tokens + bad_token) * shape.hidden + 7] = NAN;
+  MoeHarness harness(PeerGroup::virtual_ranks(2), shape, fp8_options());
+  harness.upload(clean);
+  const auto weights = use_fp8_weights(harness, 2);
+  const auto want = harness.run_checked(1);
+  harness.upload(bad);  // the same weights (the FP8 ones stay in args), x with the NaN
+  harness.poison_outputs();
+  harness.forward();
+  const StatusReport report = harness.status(bad_rank);
+  ASSERT_TRUE(report.raw.error_bits & kStatusNonFinite) << report.describe(shape.num_tokens, shape.top_k,
+                                                                            shape.num_experts);
+  EXPECT_EQ(report.nonfinite_where(), NonFiniteWhere::kX);
+  EXPECT_EQ(report.nonfinite_rank(), bad_rank);
+  EXPECT_EQ(report.nonfinite_row(), bad_token);
+  EXPECT_NE(report.describe(shape.num_tokens, shape.top_k, shape.num_experts).find("token row 5 of rank 1"),
+            std::string::npos)
+      << report.describe(shape.num_tokens, shape.top_k, shape.num_experts);
+  for (int r = 0; r < 2; ++r) {
+    const StatusReport other = harness.status(r);
+    ASSERT_EQ(other.raw.error_bits & ~uint32_t(kStatusNonFinite), 0u) << "rank " << r << ": only non-finite reports";
+    const auto got = harness.out_bits(r);
+    for (int t = 0; t < shape.num_tokens; ++t)
+      for (int c = 0; c < shape.hidden; ++c) {
+        const size_t j = size_t(t) * shape.hidden + c;
+        if (r == bad_rank && t == bad_token)
+          ASSERT_TRUE(std::isnan(from_bf16_bits(got[j]))) << "the bad token's output, column " << c;
+        else
+          ASSERT_EQ(got[j], want[r][j]) << "rank " << r << " token " << t << " column " << c << " changed";
+      }
+  }
+  harness.reset_status();
+  harness.upload(clean);
+  EXPECT_EQ(harness.run_checked(1), want) << "the next clean call";
+}
+
 TEST(MoeFp8Test, ValidationNamesTheOption) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = testing::moe_shape(1, 128, 2, 8, 256, 256, true);

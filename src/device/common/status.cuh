@@ -14,4 +14,14 @@ __device__ __forceinline__ void record_bad_expert_id(DeviceStatus* status, int64
   atomicMin(reinterpret_cast<unsigned long long*>(&status->bad_route_key), key);
 }
 
+// A block quantized to FP8 held a NaN or an infinity (row < 2^40, rank < 2^20): keeps the smallest key.
+__device__ __forceinline__ void record_nonfinite(DeviceStatus* status, NonFiniteWhere where, int32_t rank,
+                                                 int64_t row) {
+  atomicOr(&status->error_bits, kStatusNonFinite);
+  const unsigned long long key = (static_cast<unsigned long long>(where) << 60) |
+                                 (static_cast<unsigned long long>(static_cast<uint32_t>(rank) & 0xfffffu) << 40) |
+                                 static_cast<unsigned long long>(row);
+  atomicMin(reinterpret_cast<unsigned long long*>(&status->nonfinite_key), key);
+}
+
 }  // namespace mok::device

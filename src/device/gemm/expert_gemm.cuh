@@ -79,7 +79,8 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_:
   using Collective::kBlockN;  // accumulator columns per tile
   using Collective::kBlockK;  // one 128-byte swizzle row of the element: 64 bf16, 128 e4m3
   using Collective::kConsumerWarpgroups;
-  using OutElement = cutlass::bfloat16_t;
+  using OutElement = typename Epilogue::OutElement;  // bf16, or e4m3 (SwiGLUQuantEpilogue's h)
+  static constexpr int kPasses = Epilogue::kPasses;   // mainloops per task (SwiGLUQuantEpilogue: one per half)
   // k-blocks of a K: whole ones (bf16: k % 64 == 0); block-scaled, the last may be partial (the TMA fills
   // its columns past k with zeros, and its scales cover the columns it has).
   static constexpr int num_k_blocks(int k) {
@@ -110,10 +111,10 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_:
   using SmemLayoutACta =
       decltype(cute::tile_to_shape(SmemAtom{}, cute::make_shape(cute::Int<kCtaRowsA>{}, cute::Int<kBlockK>{})));
 
-  // Epilogue staging (gemm_epilogue.cuh): per consumer warpgroup, kStagingBoxes boxes of 64 rows x 64
-  // columns of bf16 (128 bytes a row, 128-byte swizzle), which TMA stores copy out. Staged in passes of
+  // Epilogue staging (gemm_epilogue.cuh): per consumer warpgroup, kStagingBoxes boxes of 64 rows x 128 bytes
+  // (64 bf16 columns, or 128 e4m3; the 128-byte swizzle), which TMA stores copy out. Staged in passes of
   // kStagingCols columns, which keeps 4 pipeline stages within shared memory.
-  static constexpr int kBoxCols = 64;
+  static constexpr int kBoxCols = 128 / static_cast<int>(sizeof(OutElement));
   static constexpr int kStagingBoxes = kOutCols >= 2 * kBoxCols ? 2 : 1;
   static constexpr int kStagingCols = kStagingBoxes * kBoxCols;
   static_assert(kOutCols % kStagingCols == 0, "whole staging passes");
@@ -173,6 +174,10 @@ struct BlockScaledParams : Base {
   const float* b_scales1 = {};      // of tma_b1's (b's again when gate and up are fused)
   int b_scale_blocks = {};          // 128-row blocks per expert: ceil(b_expert_rows / 128)
   int k_blocks = {};                // ceil(k / 128)
+  float* out_scales = {};           // SwiGLUQuantEpilogue: h's scales [ceil(n / 128), a_rows]
+  bool out_power_of_two = {};       // SwiGLUQuantEpilogue: those scales rounded up to powers of two
+  DeviceStatus* status = {};        // SwiGLUQuantEpilogue: where a non-finite h block is reported (the waits')
+  int rank = {};
 
   // The scales over k of half `half` of the task's B tile (kHalfN = 64 rows from a multiple of 64: inside
   // one 128-row block).

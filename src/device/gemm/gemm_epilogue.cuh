@@ -36,6 +36,8 @@
 #include <cutlass/arch/barrier.h>
 
 #include "mok/expert_gemm.h"
+#include "src/device/common/fp8_quant.cuh"
+#include "src/device/common/status.cuh"
 #include "src/device/common/sync.cuh"
 #include "src/device/gemm/tile_task.cuh"
 
@@ -98,11 +100,14 @@ struct TileStager {
     cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
   }
 
-  // Two adjacent columns at row r of the tile, column col of the pass's boxes (box col / 64).
-  __device__ __forceinline__ void stage(int r, int col, __nv_bfloat162 v) const {
+  // Two adjacent columns at row r of the tile, column col of the pass's boxes (box col / kBoxCols): V is
+  // __nv_bfloat162 for bf16 outputs, uint16_t (two e4m3 bytes, the lower column first) for FP8 ones.
+  template <class V>
+  __device__ __forceinline__ void stage(int r, int col, V v) const {
+    static_assert(sizeof(V) == 2 * sizeof(typename T::OutElement), "two output elements");
     char* box = reinterpret_cast<char*>(smem.staging[warpgroup][col / T::kBoxCols]);
-    const int byte = (r % kUnitRows) * 128 + (col % T::kBoxCols) * 2;
-    *reinterpret_cast<__nv_bfloat162*>(box + (byte ^ ((r % 8) << 4))) = v;  // the TMA's 128-byte swizzle
+    const int byte = (r % kUnitRows) * 128 + (col % T::kBoxCols) * int(sizeof(typename T::OutElement));
+    *reinterpret_cast<V*>(box + (byte ^ ((r % 8) << 4))) = v;  // the TMA's 128-byte swizzle
   }
 
   // Stores box b of the pass to box column box_col(b) of `tma`'s [a_rows, cols] tensor, for b = 0, 1, ...
@@ -163,8 +168,24 @@ struct NoPrefetch {
   __device__ __forceinline__ static void prefetch(const Params&, const Task&, int, int) {}
 };
 
+// The rows of task's tile that a thread's fragment holds (coords: its identity-tensor partition).
+template <class Params, class Coords>
+__device__ __forceinline__ TileRows tile_rows(const Params& p, const TileTask& task, const Coords& coords) {
+  TileRows rows;
+  rows.valid_rows = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert] - task.row;
+  CUTE_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const int r = cute::get<0>(coords(2 * half));
+    rows.row_scale[half] = p.row_scale != nullptr && r < rows.valid_rows ? p.row_scale[task.row + r] : 1.0f;
+  }
+  return rows;
+}
+
 template <class Derived>
 struct RowTileEpilogue : NoPrefetch {
+  using OutElement = cutlass::bfloat16_t;  // what the output boxes hold
+  static constexpr int kPasses = 1;        // mainloops per tile (SwiGLUQuantEpilogue: 2)
+
   template <class T, class Params, class Tile, class Accum, class Mma, class Storage>
   __device__ __forceinline__ static void finish(const Params& p, const TileTask& task, const Tile&, const Accum& accum,
                                                 Mma& mma, Storage& smem, int warpgroup, int consumer_idx,
@@ -179,13 +200,7 @@ struct RowTileEpilogue : NoPrefetch {
         mma.get_thread_slice(coords_idx).partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
     // A thread's fragment covers two rows (r0 and r0 + 8 of its warp's 16): value i lies in row half
     // (i / 2) % 2; load the two row scales once.
-    TileRows rows;
-    rows.valid_rows = p.expert_row_offsets[task.expert] + p.expert_counts[task.expert] - task.row;
-    CUTE_UNROLL
-    for (int half = 0; half < 2; ++half) {
-      const int r = get<0>(coords(2 * half));
-      rows.row_scale[half] = p.row_scale != nullptr && r < rows.valid_rows ? p.row_scale[task.row + r] : 1.0f;
-    }
+    const TileRows rows = tile_rows(p, task, coords);
     const TileStager<T, Storage> stager{smem, warpgroup, store_leader, signal,
                                         (task.buffer_row + warpgroup * kUnitRows) / kUnitRows};
     Derived::template store<T>(p, task, accum, coords, rows, stager);
@@ -286,6 +301,132 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
         });
       }
     }
+  }
+};
+
+// The FP8 gate/up GEMM's SwiGLU with h written quantized (DeepSeek-V3's 1 x 128 activation scales, the down
+// GEMM's A): a task is 128 h columns, one scale block, computed as two passes of the 128 x 128 FP8 tile (pass q:
+// the 64 gate and 64 up columns of h columns 128 nb + 64 q, a mainloop each; compute_tile runs them). After each
+// pass the thread's h values are rounded to bf16 and kept in registers (keep: 16 bf16 pairs a pass, two rows);
+// after the last, each row's amax over its 128 columns (the thread's 32 values, then the row's quad of lanes by a
+// butterfly: every lane the same), the block's scale and the e4m3 values (include/mok/fp8.h's arithmetic on the
+// bf16 h: the same bits as the bf16 SwiGLU epilogue followed by quantize_rows_fp8), staged as one 64 x 128-byte
+// box per warpgroup and stored by TMA; the scales go to out_scales[nb, row] (lane 0 of each quad). A last task of
+// 64 columns (n % 128 == 64) runs one pass; its block's scale covers the columns it has. Padding rows: zeros,
+// scale 1. A block holding a NaN or an infinity gets a NaN scale (that row's down outputs are NaN) and is reported
+// to the status word (kStatusNonFinite). No gate_up_out side output (the FP8 forward has no backward yet).
+struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue> {
+  static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLU;
+  static constexpr bool kGateUpOut = false;
+  static constexpr bool kOpaqueCoordinates = false;
+  using OutElement = cutlass::float_e4m3_t;
+  static constexpr int kPasses = 2;
+  static constexpr int out_cols(int block_n) { return kPasses * block_n / 2; }
+
+  // The thread's h of each pass: bf16 pairs, pair v = accumulator values 2v, 2v + 1 of the gate half (a
+  // warpgroup's 64 x kBlockN fragment is kBlockN / 2 values a thread, kBlockN / 8 pairs of h).
+  template <int kPairs>
+  struct Carry {
+    __nv_bfloat162 h[kPasses][kPairs];
+    int passes;
+  };
+  template <class T>
+  using CarryOf = Carry<T::kBlockN / 8>;
+
+  // Passes of a task (the producer and the consumers agree): two, or one for a last task of 64 columns.
+  template <class Params>
+  __device__ __forceinline__ static int passes(const Params& p, const TileTask& task) {
+    return task.n_block * 128 + 64 < p.n ? kPasses : 1;
+  }
+  // The 128 x 128 FP8 tile of pass q: its n-block in 64-column units (load_tile's and b_scale_row's).
+  __device__ __forceinline__ static TileTask pass_task(const TileTask& task, int pass) {
+    TileTask t = task;
+    t.n_block = task.n_block * kPasses + pass;
+    return t;
+  }
+
+  // After a pass's mainloop: the thread's h values of it (into `h`, that pass's part of the carry), as the bf16
+  // SwiGLU epilogue would store them.
+  template <class T, class Params, class Accum, class Coords, int kPairs>
+  __device__ __forceinline__ static void keep(const Params& p, const TileTask& task, const Accum& accum,
+                                              const Coords& coords, __nv_bfloat162 (&h_out)[kPairs]) {
+    using cute::get;
+    constexpr int kValues = decltype(cute::size(accum))::value;
+    constexpr int kHalf = kValues / 2;
+    const TileRows rows = tile_rows(p, task, coords);
+    const float limit = p.swiglu_limit;
+    CUTE_UNROLL
+    for (int i = 0; i < kHalf; i += 2) {
+      const float scale = rows.row_scale[(i / 2) % 2];
+      float h[2];
+      CUTE_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        float g = accum(i + j), u = accum(i + kHalf + j);
+        if (limit > 0.0f) {
+          g = fminf(g, limit);
+          u = fminf(fmaxf(u, -limit), limit);
+        }
+        h[j] = silu(g) * u * scale;
+      }
+      const bool real = get<0>(coords(i)) < rows.valid_rows;
+      h_out[i / 2] = real ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f);
+    }
+  }
+
+  template <class T, class Params, class C, class Coords, class Stager>
+  __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const C& carry,
+                                               const Coords& coords, const TileRows&, const Stager& stager) {
+    using cute::get;
+    constexpr int kPairs = sizeof(carry.h[0]) / sizeof(carry.h[0][0]);
+    static_assert(T::kOutCols == T::kBoxCols && T::kStagingBoxes == 1, "a task's h is one 128-byte box a row");
+    // Row half of pair v: (v % 2) (value 2v lies in row half (2v / 2) % 2).
+    float amax[2] = {0.0f, 0.0f};
+    bool finite[2] = {true, true};
+    CUTE_UNROLL
+    for (int pass = 0; pass < kPasses; ++pass) {
+      if (pass >= carry.passes) break;
+      CUTE_UNROLL
+      for (int v = 0; v < kPairs; ++v) {
+        const float2 h = __bfloat1622float2(carry.h[pass][v]);
+        finite[v % 2] = finite[v % 2] && isfinite(h.x) && isfinite(h.y);
+        amax[v % 2] = fmaxf(amax[v % 2], fmaxf(fabsf(h.x), fabsf(h.y)));
+      }
+    }
+    float scale[2];
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      // The row's quad (lanes 4q .. 4q + 3 hold its columns): every lane ends with the row's amax.
+      CUTE_UNROLL
+      for (int offset = 1; offset < 4; offset *= 2) {
+        amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], offset));
+        finite[half] = __shfl_xor_sync(0xffffffff, int(finite[half]), offset) != 0 && finite[half];
+      }
+      scale[half] = device::fp8_block_scale(amax[half], finite[half], p.out_power_of_two);
+    }
+    // The scales first: stored before the staging barrier in end_pass, so that a release after it (the
+    // megakernel's rows-done count) covers them as it covers the TMA stores.
+    if (threadIdx.x % 4 == 0) {
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const int r = get<0>(coords(2 * half));
+        p.out_scales[int64_t(task.n_block) * p.a_rows + task.buffer_row + r] = scale[half];
+        if (isnan(scale[half])) device::record_nonfinite(p.status, NonFiniteWhere::kHidden, p.rank, task.row + r);
+      }
+    }
+    stager.begin_pass();
+    CUTE_UNROLL
+    for (int pass = 0; pass < kPasses; ++pass) {
+      if (pass >= carry.passes) break;  // the box's columns past n are not stored
+      CUTE_UNROLL
+      for (int v = 0; v < kPairs; ++v) {
+        const int i = 2 * v;
+        const float2 h = __bfloat1622float2(carry.h[pass][v]);
+        const uint16_t q = uint16_t(device::to_e4m3(h.x, scale[v % 2])) |
+                           uint16_t(uint16_t(device::to_e4m3(h.y, scale[v % 2])) << 8);
+        stager.stage(get<0>(coords(i)), pass * T::kHalfN + get<1>(coords(i)), q);
+      }
+    }
+    stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) { return box == 0 ? task.n_block : -1; });
   }
 };
 

@@ -75,8 +75,17 @@ __device__ __forceinline__ void run_gemm_producer(const Params& p, const Standal
       return;
     }
 #endif
-    if (!load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state, waits.bound))
+    if constexpr (kTilePasses<T> > 1) {  // a task of several tiles along n, loaded in turn (SwiGLUQuantEpilogue)
+      const TileTask cta_task = task.template for_cta<T::kClusterN>(cta_rank);
+      const int passes = T::Epilogue::passes(p, cta_task);
+      bool loaded = true;
+      for (int pass = 0; pass < passes && loaded; ++pass)
+        loaded = load_tile<T>(p, T::Epilogue::pass_task(cta_task, pass), cta_rank, smem, pipeline, state, waits.bound);
+      if (!loaded) break;
+    } else if (!load_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), cta_rank, smem, pipeline, state,
+                             waits.bound)) {
       break;
+    }
   }
   // Why: neither CTA may exit while its consumers, or the partner CTA's, still release stages into it.
   producer_tail_bounded(pipeline, state, waits.bound);

@@ -93,6 +93,16 @@ struct ScaleStages {
 };
 struct NoScales {};
 
+// Mainloops per task: the traits' kPasses where they have one (the expert GEMM's: SwiGLUQuantEpilogue runs two),
+// else 1 (the weight gradient's).
+template <class T>
+inline constexpr int kTilePasses = [] {
+  if constexpr (requires { T::kPasses; })
+    return static_cast<int>(T::kPasses);
+  else
+    return 1;
+}();
+
 // A configuration whose A stages the producer's threads write with cp.async (row_gather.cuh) instead of TMA.
 template <class T>
 concept GathersRows = requires { requires T::kGatherRows; };
@@ -363,21 +373,45 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
   const bool store_leader = consumer_idx % 128 == 0;
   RowsDoneSignal::flush_before_blocking(signal, store_leader && tile.may_block, pipeline, read_state);
   if (!tile.active) {
-    pass_stages_back(tile.num_k_blocks, pipeline, read_state, bound);
+    if constexpr (kTilePasses<T> > 1)
+      pass_stages_back(tile.num_k_blocks * T::Epilogue::passes(p, task), pipeline, read_state, bound);
+    else
+      pass_stages_back(tile.num_k_blocks, pipeline, read_state, bound);
     return;
   }
   T::Epilogue::template prefetch<T>(p, task, warpgroup, consumer_idx % 128);
-  if constexpr (BlockScaled<T>) {
+  if constexpr (BlockScaled<T> && kTilePasses<T> > 1) {
+    // A task of several 128 x 128 tiles along n (SwiGLUQuantEpilogue): a mainloop per pass, its results kept in
+    // registers by the epilogue, which then writes the task's output from them.
     Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
-    mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
-                             get<0>(coords(0)), get<0>(coords(2)), p.b_scale_row(task, 0), p.b_scale_row(task, 1),
-                             bound);
+    typename T::Epilogue::template CarryOf<T> carry;
+    carry.passes = T::Epilogue::passes(p, task);
+    for (int pass = 0; pass < carry.passes; ++pass) {
+      const TileTask sub = T::Epilogue::pass_task(task, pass);
+      mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
+                               get<0>(coords(0)), get<0>(coords(2)), p.b_scale_row(sub, 0), p.b_scale_row(sub, 1),
+                               bound);
+      // A constant index into the carry (a runtime one would put it in local memory).
+      if (pass == 0)
+        T::Epilogue::template keep<T>(p, task, accum, coords, carry.h[0]);
+      else
+        T::Epilogue::template keep<T>(p, task, accum, coords, carry.h[1]);
+    }
+    T::Epilogue::template finish<T>(p, task, tile, carry, mma, smem, warpgroup, consumer_idx, store_leader, rows_done,
+                                    signal);
   } else {
-    mainloop<T, Walker::kAccumulatorStart>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
-                                           bound);
+    if constexpr (BlockScaled<T>) {
+      Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+      mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
+                               get<0>(coords(0)), get<0>(coords(2)), p.b_scale_row(task, 0), p.b_scale_row(task, 1),
+                               bound);
+    } else {
+      mainloop<T, Walker::kAccumulatorStart>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
+                                             bound);
+    }
+    T::Epilogue::template finish<T>(p, task, tile, accum, mma, smem, warpgroup, consumer_idx, store_leader, rows_done,
+                                    signal);
   }
-  T::Epilogue::template finish<T>(p, task, tile, accum, mma, smem, warpgroup, consumer_idx, store_leader, rows_done,
-                                  signal);
 }
 
 // A persistent GEMM CTA's start: its TMA pipeline over `smem` and its task ring, initialized by thread 0,
