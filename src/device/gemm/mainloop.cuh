@@ -225,6 +225,18 @@ __device__ __forceinline__ void pass_stages_back(int num_k_blocks, Pipeline& pip
   }
 }
 
+// A consumer warpgroup's wgmma operands: its partition of the A (B) stages as shared-memory descriptors.
+template <class C, class Storage, class ThreadMma>
+__device__ __forceinline__ auto stage_operand_a(Storage& smem, const ThreadMma& thread_mma) {
+  auto s_a = cute::make_tensor(cute::make_smem_ptr(smem.a.data()), typename C::SmemLayoutA{});
+  return thread_mma.make_fragment_A(thread_mma.partition_A(s_a));
+}
+template <class C, class Storage, class ThreadMma>
+__device__ __forceinline__ auto stage_operand_b(Storage& smem, const ThreadMma& thread_mma) {
+  auto s_b = cute::make_tensor(cute::make_smem_ptr(smem.b.data()), typename C::SmemLayoutB{});
+  return thread_mma.make_fragment_B(thread_mma.partition_B(s_b));
+}
+
 // The mainloop of an active consumer warpgroup: accum = its rows of A · B over num_k_blocks stages, one wgmma
 // batch in flight; a stage is released once the batch after it issued and the batch that read it retired.
 // (The FP8 seam: the per-k-block promotion of the wgmma partial sums with the block scales goes here.)
@@ -239,12 +251,8 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   static_assert(sizeof(smem.a) == sizeof(Element) * cosize_v<typename C::SmemLayoutA> &&
                     sizeof(smem.b) == sizeof(Element) * cosize_v<typename C::SmemLayoutB>,
                 "the tile's stages are the collective's");
-  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename C::SmemLayoutA{});
-  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename C::SmemLayoutB{});
-  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
-  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
-  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
-  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
+  Tensor t_r_a = stage_operand_a<C>(smem, thread_mma);  // (MMA, MMA_M, MMA_K, S)
+  Tensor t_r_b = stage_operand_b<C>(smem, thread_mma);  // (MMA, MMA_N, MMA_K, S)
   typename C::PipelineState release_state = read_state;
   if constexpr (kStart == AccumulatorStart::kZeroed) {
     clear(accum);
@@ -298,12 +306,8 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
                                                       const float* b_scales1, const device::HandoffBound& bound) {
   using namespace cute;
   using C = Collective;
-  Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename C::SmemLayoutA{});
-  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename C::SmemLayoutB{});
-  Tensor t_s_a = thread_mma.partition_A(s_a);  // (MMA, MMA_M, MMA_K, S)
-  Tensor t_s_b = thread_mma.partition_B(s_b);  // (MMA, MMA_N, MMA_K, S)
-  Tensor t_r_a = thread_mma.make_fragment_A(t_s_a);
-  Tensor t_r_b = thread_mma.make_fragment_B(t_s_b);
+  Tensor t_r_a = stage_operand_a<C>(smem, thread_mma);  // (MMA, MMA_M, MMA_K, S)
+  Tensor t_r_b = stage_operand_b<C>(smem, thread_mma);  // (MMA, MMA_N, MMA_K, S)
   Tensor partial = make_fragment_like(accum);
   constexpr int kValues = decltype(size(accum))::value;
   clear(accum);
