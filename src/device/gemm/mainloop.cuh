@@ -239,7 +239,6 @@ __device__ __forceinline__ auto stage_operand_b(Storage& smem, const ThreadMma& 
 
 // The mainloop of an active consumer warpgroup: accum = its rows of A · B over num_k_blocks stages, one wgmma
 // batch in flight; a stage is released once the batch after it issued and the batch that read it retired.
-// (The FP8 seam: the per-k-block promotion of the wgmma partial sums with the block scales goes here.)
 template <class Collective, AccumulatorStart kStart, class Storage, class ThreadMma, class Accum>
 __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typename Collective::Pipeline& pipeline,
                                          typename Collective::PipelineState& read_state,
