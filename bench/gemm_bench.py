@@ -108,6 +108,21 @@ def rank0_counts(num_experts, top_k, tokens, gen, ep=2):
     return counts.to(torch.int32)
 
 
+def rank0_schedule(num_experts, top_k, tokens, tile_m, gen, ep=2):
+    """One EP rank's routed rows as our GEMMs and torch's take them: (local experts, rows per expert, our segment
+    offsets [local + 1] padded to tile_m, our padded rows, real rows, the scheduled-rows count on the device,
+    torch's group offsets aligned to TORCH_GROUP_ALIGN, torch's rows)."""
+    local = num_experts // ep
+    counts = rank0_counts(num_experts, top_k, tokens, gen, ep)
+    padded = (counts + tile_m - 1) // tile_m * tile_m
+    offsets = torch.zeros(local + 1, dtype=torch.int32, device="cuda")
+    offsets[1:] = torch.cumsum(padded, 0)
+    torch_offs = torch.cumsum((counts + TORCH_GROUP_ALIGN - 1) // TORCH_GROUP_ALIGN * TORCH_GROUP_ALIGN,
+                              0).to(torch.int32)
+    return (local, counts, offsets, int(offsets[-1]), int(counts.sum()), offsets[-1:].clone(), torch_offs,
+            int(torch_offs[-1]))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lib", default="build/bench/libmok_bench_capi.so")
@@ -139,17 +154,8 @@ def main():
         if args.shapes and name not in args.shapes.split(','):
             continue
         tile_m = args.tile_m
-        local = num_experts // 2
-        counts = rank0_counts(num_experts, top_k, args.tokens, gen)
-        padded = (counts + tile_m - 1) // tile_m * tile_m
-        offsets = torch.zeros(local + 1, dtype=torch.int32, device="cuda")
-        offsets[1:] = torch.cumsum(padded, 0)
-        rows_padded = int(offsets[-1])
-        rows = int(counts.sum())
-        scheduled = offsets[-1:].clone()
-        group_rows = (counts + TORCH_GROUP_ALIGN - 1) // TORCH_GROUP_ALIGN * TORCH_GROUP_ALIGN
-        torch_offs = torch.cumsum(group_rows, 0).to(torch.int32)
-        torch_rows = int(torch_offs[-1])
+        local, counts, offsets, rows_padded, rows, scheduled, torch_offs, torch_rows = rank0_schedule(
+            num_experts, top_k, args.tokens, tile_m, gen)
 
         w13 = torch.randn(local, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
         w2 = torch.randn(local, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
@@ -240,20 +246,12 @@ def wgrad_main(args):
         if args.shapes and name not in args.shapes.split(','):
             continue
         tile_m = args.tile_m
-        local = num_experts // 2
-        counts = rank0_counts(num_experts, top_k, args.tokens, gen)
-        padded = (counts + tile_m - 1) // tile_m * tile_m
-        offsets = torch.zeros(local + 1, dtype=torch.int32, device="cuda")
-        offsets[1:] = torch.cumsum(padded, 0)
-        rows_padded = int(offsets[-1])
-        rows = int(counts.sum())
-        scheduled = offsets[-1:].clone()
+        local, counts, offsets, rows_padded, rows, scheduled, torch_offs, torch_rows = rank0_schedule(
+            num_experts, top_k, args.tokens, tile_m, gen)
         # Padding rows are zero in a (the contract: zero in a or in b).
         index = torch.arange(rows_padded, device="cuda", dtype=torch.int32)
         expert_of = torch.searchsorted(offsets[1:], index, right=True)
         real = (index - offsets[expert_of]) < counts.to(torch.int32)[expert_of]
-        torch_offs = torch.cumsum((counts + TORCH_GROUP_ALIGN - 1) // TORCH_GROUP_ALIGN * TORCH_GROUP_ALIGN, 0).to(torch.int32)
-        torch_rows = int(torch_offs[-1])
         k_mean = max(16, round(rows / local / 16) * 16)
         for label, m, n, m_split in (("dW_gate/up", 2 * inter, hidden, inter), ("dW_down", hidden, inter, 0)):
             a = torch.randn(rows_padded, m, device="cuda", dtype=torch.bfloat16) * real[:, None]
@@ -362,16 +360,8 @@ def fp8_main(args):
         if args.shapes and name not in args.shapes.split(','):
             continue
         tile_m = args.tile_m
-        local = num_experts // args.ep
-        counts = rank0_counts(num_experts, top_k, args.tokens, gen, args.ep)
-        padded = (counts + tile_m - 1) // tile_m * tile_m
-        offsets = torch.zeros(local + 1, dtype=torch.int32, device="cuda")
-        offsets[1:] = torch.cumsum(padded, 0)
-        rows_padded, rows = int(offsets[-1]), int(counts.sum())
-        scheduled = offsets[-1:].clone()
-        group_rows = (counts + TORCH_GROUP_ALIGN - 1) // TORCH_GROUP_ALIGN * TORCH_GROUP_ALIGN
-        torch_offs = torch.cumsum(group_rows, 0).to(torch.int32)
-        torch_rows = int(torch_offs[-1])
+        local, counts, offsets, rows_padded, rows, scheduled, torch_offs, torch_rows = rank0_schedule(
+            num_experts, top_k, args.tokens, tile_m, gen, args.ep)
         w13 = torch.randn(local, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
         w2 = torch.randn(local, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
         for label, epilogue, k, n_out, weights, n_total in (("gate/up", 1, hidden, inter, w13, 2 * inter),

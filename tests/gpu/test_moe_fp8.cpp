@@ -113,15 +113,22 @@ double normwise_error(const std::vector<uint16_t>& got, const float* want, int64
   return std::sqrt(diff / std::max(norm, 1e-30));
 }
 
+// Every rank's uploaded bf16 weights quantized on its GPU and given to its calls (the harness keeps pointing at
+// them; the returned owners must outlive the calls).
+std::vector<std::unique_ptr<Fp8Weights>> use_fp8_weights(MoeHarness& harness, int ep_size) {
+  std::vector<std::unique_ptr<Fp8Weights>> weights;
+  for (int r = 0; r < ep_size; ++r) {
+    weights.push_back(std::make_unique<Fp8Weights>(*harness.args(r).weights));
+    harness.args(r).weights = &weights.back()->weights;
+  }
+  return weights;
+}
+
 // Runs the FP8 layer on `data` (bf16 weights uploaded, then quantized on the GPU); every local rank's output.
 std::vector<std::vector<uint16_t>> run_fp8(const MoeShape& shape, const LayerData& data, int runs = 1) {
   MoeHarness harness(PeerGroup::virtual_ranks(shape.ep_size), shape, fp8_options());
   harness.upload(data);
-  std::vector<std::unique_ptr<Fp8Weights>> weights;
-  for (int r = 0; r < shape.ep_size; ++r) {
-    weights.push_back(std::make_unique<Fp8Weights>(*harness.args(r).weights));
-    harness.args(r).weights = &weights.back()->weights;
-  }
+  const auto weights = use_fp8_weights(harness, shape.ep_size);
   std::vector<std::vector<uint16_t>> outs;
   for (int run = 0; run < runs; ++run) {
     const auto got = harness.run_checked(1);
@@ -193,11 +200,7 @@ TEST(MoeFp8Test, FewerTokensGiveTheBitsOfAWorkspaceForExactlyThem) {
   const LayerData data = testing::random_layer(shape, 1700);
   MoeHarness harness(PeerGroup::virtual_ranks(2), shape, fp8_options());
   harness.upload(data);
-  std::vector<std::unique_ptr<Fp8Weights>> weights;
-  for (int r = 0; r < 2; ++r) {
-    weights.push_back(std::make_unique<Fp8Weights>(*harness.args(r).weights));
-    harness.args(r).weights = &weights.back()->weights;
-  }
+  const auto weights = use_fp8_weights(harness, 2);
   // Each token's output depends only on its own routes and every stage's arithmetic is per row (x's and h's
   // scales included), so the tokens a smaller call passes get the full call's bits.
   const auto full = harness.run_checked(1);
