@@ -187,7 +187,7 @@ def train(kind, args, titan, config, state, data, device):
             raise SystemExit("torchtitan_moe: the swap left MoE blocks as they were (above)")
     elif kind == "torchtitan_mm_loop":
         use_mm_loop(model)
-    if args.compile:
+    if args.compile and kind != "torchtitan_mm_loop":  # mm_loop reads the offsets on the host: it stays eager
         apply_compile(model, compile_config=CompileConfig(enable=True, backend="inductor"), parallel_dims=OneDevice())
     model.train()
     params = list(model.parameters())
