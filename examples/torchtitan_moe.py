@@ -35,6 +35,7 @@ import argparse
 import os
 import sys
 import time
+import types
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before torch loads it)
 
@@ -47,7 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_moe  # noqa: E402  (the data, the optimizer, the moving average and the loss-curve PNG)
 
 FLAVOR = "debugmodel"
-RUNS = (("ours run 1", "ours"), ("ours run 2", "ours"), ("torchtitan", "torchtitan"))
+RUNS = (("ours run 1", "ours"), ("ours run 2", "ours"), ("torchtitan", "torchtitan"),
+        ("torchtitan, mm loop", "torchtitan_mm_loop"))
 
 
 def make_parser():
@@ -144,6 +146,31 @@ def build_model(config, device, state=None, seed=None):
     return model
 
 
+def mm_loop(self, *, A, B_t, offs):
+    """GroupedExperts._grouped_mm (torchtitan's seam for other kernels) as one torch.mm per expert: the same
+    products, rounded by another kernel. Rows past the last offset are zeros. Reads the offsets on the host."""
+    pieces, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            pieces.append(A[start:end] @ B_t[e])
+        start = end
+    pieces.append(A.new_zeros(A.shape[0] - start, B_t.shape[-1]))
+    return torch.cat(pieces)
+
+
+def use_mm_loop(model):
+    """torchtitan's own experts computed by mm_loop: the floor of the gap between two implementations that round
+    differently (what the comparison with ours can be held to)."""
+    from torchtitan.models.common.moe import GroupedExperts
+    swapped = 0
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module._grouped_mm = types.MethodType(mm_loop, module)
+            swapped += 1
+    if swapped == 0:
+        raise SystemExit("torchtitan_moe: no GroupedExperts in the model for the mm-loop run")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Training
 
@@ -158,7 +185,9 @@ def train(kind, args, titan, config, state, data, device):
         print(report, flush=True)
         if report.refused or not report.swapped:
             raise SystemExit("torchtitan_moe: the swap left MoE blocks as they were (above)")
-    if args.compile:
+    elif kind == "torchtitan_mm_loop":
+        use_mm_loop(model)
+    if args.compile and kind != "torchtitan_mm_loop":  # mm_loop reads the offsets on the host: it stays eager
         apply_compile(model, compile_config=CompileConfig(enable=True, backend="inductor"), parallel_dims=OneDevice())
     model.train()
     params = list(model.parameters())
@@ -201,14 +230,16 @@ def expert_bias_range(state):
 
 def report(args, runs):
     """Prints the table and the checks; writes the CSV and the PNG. Returns the failed checks."""
-    ours1, ours2, ref = (runs[name][0].tolist() for name, _ in RUNS)
+    ours1, ours2, ref, loop = (runs[name][0].tolist() for name, _ in RUNS)
     steps = len(ours1)
-    print(f"\n{'step':>6} {'ours run 1':>12} {'ours run 2':>12} {'torchtitan':>12} {'ours - titan':>13}")
+    print(f"\n{'step':>6} {'ours run 1':>12} {'ours run 2':>12} {'torchtitan':>12} {'titan mm loop':>14} "
+          f"{'ours - titan':>13} {'loop - titan':>13}")
     for s in sorted(set(list(range(0, steps, max(1, steps // 15))) + [steps - 1])):
-        print(f"{s:>6} {ours1[s]:>12.5f} {ours2[s]:>12.5f} {ref[s]:>12.5f} {ours1[s] - ref[s]:>+13.5f}")
-    print(f"\n{'run':<12} {'tokens/s':>12}  {'max |expert bias|':>18}")
+        print(f"{s:>6} {ours1[s]:>12.5f} {ours2[s]:>12.5f} {ref[s]:>12.5f} {loop[s]:>14.5f} {ours1[s] - ref[s]:>+13.5f} "
+              f"{loop[s] - ref[s]:>+13.5f}")
+    print(f"\n{'run':<20} {'tokens/s':>12}  {'max |expert bias|':>18}")
     for name, (_, tokens_per_s, state) in runs.items():
-        print(f"{name:<12} {tokens_per_s:>12,.0f}  {expert_bias_range(state):>18.4f}")
+        print(f"{name:<20} {tokens_per_s:>12,.0f}  {expert_bias_range(state):>18.4f}")
     speedup = runs["ours run 1"][1] / runs["torchtitan"][1]
     print(f"ours / torchtitan tokens/s: {speedup:.3f} (run 1), {runs['ours run 2'][1] / runs['torchtitan'][1]:.3f} "
           "(run 2)")
@@ -216,6 +247,11 @@ def report(args, runs):
     mean_ours, mean_ref = sum(ours1[-tail:]) / tail, sum(ref[-tail:]) / tail
     gaps = [abs(a - b) for a, b in zip(train_moe.moving_average(ours1, 20), train_moe.moving_average(ref, 20))]
     worst = max(range(steps), key=lambda s: gaps[s])
+    # The floor: torchtitan against itself with its experts' products rounded by another kernel.
+    floor = [abs(a - b) for a, b in zip(train_moe.moving_average(loop, 20), train_moe.moving_average(ref, 20))]
+    floor_worst = max(range(steps), key=lambda s: floor[s])
+    print(f"floor: 20-step moving averages of torchtitan and torchtitan with its experts as one torch.mm each: "
+          f"largest gap {floor[floor_worst]:.4f} at step {floor_worst}, at the end {floor[-1]:.4f}")
     bitwise = torch.equal(runs["ours run 1"][0], runs["ours run 2"][0])
     state1, state2 = runs["ours run 1"][2], runs["ours run 2"][2]
     states_equal = state1.keys() == state2.keys() and all(torch.equal(state1[k], state2[k]) for k in state1)
@@ -231,9 +267,11 @@ def report(args, runs):
     ]
     print()
     failures = train_moe.print_checks(checks)
-    train_moe.write_losses(args.out, ["ours_run_1", "ours_run_2", "torchtitan"], [ours1, ours2, ref])
+    train_moe.write_losses(args.out, ["ours_run_1", "ours_run_2", "torchtitan", "torchtitan_mm_loop"],
+                           [ours1, ours2, ref, loop])
     path = os.path.join(args.out, "loss_curves.png")
-    curves = [("torchtitan's experts", ref, "#e6550d", False), ("mok, run 1", ours1, "#3182bd", False),
+    curves = [("torchtitan's experts", ref, "#e6550d", False),
+              ("torchtitan's experts, one torch.mm each", loop, "#fdae6b", True), ("mok, run 1", ours1, "#3182bd", False),
               ("mok, run 2 (bitwise equal)" if bitwise else "mok, run 2", ours2, "#08306b", True)]
     title = (f"torchtitan DeepSeek-V3 {FLAVOR}, {args.shared_experts} shared expert(s), "
              f"{'compiled per block' if args.compile else 'eager'}, 1 GPU")
