@@ -58,7 +58,7 @@ class Config:
                      shared memory, without the expert-major copy (skipped at ep_size 1 with backward=False; the
                      context keeps it otherwise). The same bits. True needs path="unfused"
     precision        "bf16", or "fp8" (DeepSeek-V3's e4m3 with block scales: mok.quantize_weights and
-                     mok.forward_fp8); "fp8" needs path="unfused", backward=False, gather_rows=False for now
+                     mok.forward_fp8); "fp8" needs backward=False and gather_rows=False for now (either path)
 
     Every field is checked when a Config is made (TypeError for a value of the wrong type, bool included where
     an int is expected; ValueError for a wrong value), naming it: "Config.tile_m: expected 64 or 128, got 100".
@@ -114,10 +114,9 @@ class Config:
                             f"{arguments.describe(self.precision)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Config.precision: expected one of {sorted(PRECISIONS)}, got {self.precision!r}")
-        if self.precision == "fp8" and (self.path != "unfused" or self.backward or self.gather_rows):
-            raise ValueError("Config.precision: 'fp8' runs with path='unfused', backward=False and gather_rows=False "
-                             f"for now (no fused or backward FP8 yet), got path={self.path!r}, "
-                             f"backward={self.backward}, gather_rows={self.gather_rows}")
+        if self.precision == "fp8" and (self.backward or self.gather_rows):
+            raise ValueError("Config.precision: 'fp8' runs with backward=False and gather_rows=False for now (no FP8 "
+                             f"backward yet), got backward={self.backward}, gather_rows={self.gather_rows}")
         if self.gather_rows and self.path != "unfused":
             raise ValueError("Config.gather_rows: expected False unless path='unfused' (the fused path does not gather "
                              f"rows yet), got True with path={self.path!r}")

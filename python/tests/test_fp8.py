@@ -46,6 +46,21 @@ def test_fp8_forward_against_bf16(shared):
         assert err < 0.10, err  # x's, the weights' and h's e4m3 roundings, about 3 % each
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_fused_fp8_gives_the_unfused_bits(shared):
+    """Config(precision="fp8") on the fused path (the forward megakernel) gives the unfused path's bits."""
+    x, idx, rw, w = _inputs(1830 + shared, shared)
+    qw = mok.quantize_weights(w)
+    fused = mok.Config(precision="fp8", backward=False, minibatch_rows=128)
+    with mok.get_workspace(fused, None, T, H, I, K, E, shared_expert=shared) as wsf, _fp8_workspace(shared) as wsu:
+        out_fused, _ = mok.forward_fp8(wsf, x, idx, rw, qw)
+        out_unfused, _ = mok.forward_fp8(wsu, x, idx, rw, qw)
+        mok.check_status(wsf)
+        mok.check_status(wsu)
+        assert not out_fused.isnan().any()
+        assert torch.equal(out_fused, out_unfused), "fused FP8 differs from unfused FP8"
+
+
 def test_quantize_weights_layout_and_memory():
     _, _, _, w = _inputs(1810)
     qw = mok.quantize_weights(w)

@@ -116,8 +116,6 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
   require(options_.precision == Precision::kBF16 || options_.precision == Precision::kFP8,
           "MoeOptions.precision must be kBF16 or kFP8, got " + std::to_string(static_cast<int>(options_.precision)));
   if (fp8()) {
-    require(options_.path == ForwardPath::kUnfused,
-            "MoeOptions.precision kFP8 runs on the unfused path for now: set MoeOptions.path = ForwardPath::kUnfused");
     require(!options_.backward, "MoeOptions.precision kFP8 has no backward yet: set MoeOptions.backward = false");
     require(!options_.gather_rows, "MoeOptions.precision kFP8 does not gather rows: set MoeOptions.gather_rows = false");
   }
@@ -141,8 +139,9 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
       // One grid for both megakernels (the timeline is sized by it): a backward cluster pair implies a
       // forward one (its GEMMs' output tiles pair up only if the forward's do), so a multiple of the forward's
       // cluster fits both.
-      const int cluster_n = detail::fused_cluster_n(shape_.hidden, shape_.intermediate);
-      int ctas = detail::fused_grid_ctas(shape_, options_.keep_gate_up, s.device);
+      const int cluster_n = detail::fused_cluster_n(shape_.hidden, shape_.intermediate, options_.precision);
+      int ctas = fp8() ? detail::fused_fp8_grid_ctas(shape_, s.device)
+                       : detail::fused_grid_ctas(shape_, options_.keep_gate_up, s.device);
       if (backward_megakernel())
         ctas = std::min(ctas, detail::fused_backward_grid_ctas(shape_, s.device)) / cluster_n * cluster_n;
       grid_ctas_ = grid_ctas_ == 0 ? ctas : std::min(grid_ctas_, ctas);
@@ -665,7 +664,9 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
                                 .x = x_.peers(f.rank),
                                 .combined = combined_.peers(f.rank),
                                 .expert_rows = ctx.expert_rows_,
-                                .expert_out = s.y},
+                                .expert_out = s.y,
+                                .expert_row_scales = ctx.expert_row_scales_,
+                                .fp8_row_vectors = static_cast<int>(pulled_row_bytes() / 16)},
                                f.stream);
   barrier_arrive(f.rank, f.stream);
 }
