@@ -29,6 +29,24 @@ int grid_ctas(int device) {
                                                                     "forward megakernel");
 }
 
+// The forward's task order for gate/up tiles T and down tiles TDown, and each GEMM's n-blocks (by forward::Gemm:
+// the shared and the routed gate/up and down GEMMs).
+struct ForwardOrder {
+  int32_t n_blocks[megakernel::forward::kNumGemms];
+  megakernel::TaskOrderShape shape;
+};
+template <class T, class TDown>
+ForwardOrder forward_order(const FusedForwardArgs& a) {
+  namespace forward = megakernel::forward;
+  const MegakernelArgs& c = a.common;
+  ForwardOrder o{{T::n_blocks(c.intermediate), TDown::n_blocks(c.hidden), T::n_blocks(c.intermediate),
+                  TDown::n_blocks(c.hidden)},
+                 {}};
+  o.shape = forward::task_order(c.expert_row_offsets, c.local_experts, c.shared_rows, a.ring_rows, c.minibatch_rows,
+                                o.n_blocks, T::kClusterN);
+  return o;
+}
+
 template <int kClusterN, bool kKeepGateUp>
 void launch(const FusedForwardArgs& a, cudaStream_t stream) {
   using T = GateUpTraits<kClusterN, kKeepGateUp>;
@@ -36,15 +54,11 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
   using GemmP = decltype(make_gemm_params<T>(ExpertGemmArgs{}));
   namespace forward = megakernel::forward;
   const MegakernelArgs& c = a.common;
-  // By forward::Gemm: the shared and the routed gate/up and down GEMMs.
-  const int32_t n_blocks[forward::kNumGemms] = {T::n_blocks(c.intermediate), TDown::n_blocks(c.hidden),
-                                                T::n_blocks(c.intermediate), TDown::n_blocks(c.hidden)};
-  const megakernel::TaskOrderShape order = forward::task_order(c.expert_row_offsets, c.local_experts, c.shared_rows,
-                                                               a.ring_rows, c.minibatch_rows, n_blocks, kClusterN);
+  const ForwardOrder order = forward_order<T, TDown>(a);
   const megakernel::ForwardParams<GemmP> p{
       .gemms = {make_gemm_params<T>(a.shared_gate_up), make_gemm_params<TDown>(a.shared_down),
                 make_gemm_params<T>(a.expert_gate_up), make_gemm_params<TDown>(a.expert_down)},
-      .common = megakernel_params(c, order, forward::kCounters, n_blocks),
+      .common = megakernel_params(c, order.shape, forward::kCounters, order.n_blocks),
       .x = a.x,
       .combined = a.combined,
       .expert_rows = static_cast<uint4*>(a.expert_rows),
@@ -83,15 +97,12 @@ void launch_fp8(const FusedForwardArgs& a, cudaStream_t stream) {
   using TDown = Fp8DownTraits<kClusterN>;
   namespace forward = megakernel::forward;
   const MegakernelArgs& c = a.common;
-  const int32_t n_blocks[forward::kNumGemms] = {T::n_blocks(c.intermediate), TDown::n_blocks(c.hidden),
-                                                T::n_blocks(c.intermediate), TDown::n_blocks(c.hidden)};
-  const megakernel::TaskOrderShape order = forward::task_order(c.expert_row_offsets, c.local_experts, c.shared_rows,
-                                                               a.ring_rows, c.minibatch_rows, n_blocks, kClusterN);
+  const ForwardOrder order = forward_order<T, TDown>(a);
   using Params = megakernel::Fp8ForwardParams<decltype(make_block_scaled_params<T>(ExpertGemmArgs{})),
                                               decltype(make_block_scaled_params<TDown>(ExpertGemmArgs{}))>;
   const Params p{.gate_up = {make_block_scaled_params<T>(a.shared_gate_up), make_block_scaled_params<T>(a.expert_gate_up)},
                  .down = {make_block_scaled_params<TDown>(a.shared_down), make_block_scaled_params<TDown>(a.expert_down)},
-                 .common = megakernel_params(c, order, forward::kCounters, n_blocks),
+                 .common = megakernel_params(c, order.shape, forward::kCounters, order.n_blocks),
                  .x = a.x,
                  .combined = a.combined,
                  .expert_rows = static_cast<uint4*>(a.expert_rows),

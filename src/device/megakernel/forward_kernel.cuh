@@ -49,6 +49,23 @@ struct ForwardParams {
   static constexpr KernelId kKernel = KernelId::kForwardMegakernel;  // named in a timeout's report
 };
 
+// GEMM `gemm`'s (forward::Gemm) parameters: one array of one type in bf16; Fp8ForwardParams (below) holds the gate/up
+// and the down GEMMs' in two arrays of their own types.
+template <class Params>
+__device__ __forceinline__ const auto& gate_up_params(const Params& p, int gemm) {
+  if constexpr (requires { p.gate_up; })
+    return p.gate_up[gemm / 2];
+  else
+    return p.gemms[gemm];
+}
+template <class Params>
+__device__ __forceinline__ const auto& down_params(const Params& p, int gemm) {
+  if constexpr (requires { p.down; })
+    return p.down[gemm / 2];
+  else
+    return p.gemms[gemm];
+}
+
 // The forward's task set: tiles of the gate/up GEMMs (traits T, SwiGLU epilogue) and the down GEMMs (TDown),
 // dispatch and combine copies.
 template <class TGateUp, class TDown>
@@ -83,11 +100,11 @@ struct ForwardTasks {
     const gemm::TileTask tile = tile_of<T::kClusterN>(task, cta_rank);
     // Two call sites, not four: each inlined compute_tile hoists its own loop invariants into registers.
     if (forward::is_gate_up(phase.gemm))
-      gemm::compute_tile<T>(p.gemms[phase.gemm], tile, smem, pipeline, state, consumer_idx, rows_done, &signal,
-                            bound);
+      gemm::compute_tile<T>(gate_up_params(p, phase.gemm), tile, smem, pipeline, state, consumer_idx, rows_done,
+                            &signal, bound);
     else
-      gemm::compute_tile<TDown>(p.gemms[phase.gemm], tile, smem, pipeline, state, consumer_idx, rows_done, &signal,
-                                bound);
+      gemm::compute_tile<TDown>(down_params(p, phase.gemm), tile, smem, pipeline, state, consumer_idx, rows_done,
+                                &signal, bound);
     return {tile.row, tile.rows, tile.n_block};
   }
 
@@ -210,7 +227,7 @@ struct Fp8ForwardParams {
   static constexpr KernelId kKernel = KernelId::kForwardMegakernel;  // named in a timeout's report
 };
 
-// The forward's FP8 task set: ForwardTasks' sequencing and combine copies; the gate/up tasks are two 128 x 128 tiles
+// The forward's FP8 task set: ForwardTasks' sequencing, tiles (compute) and combine copies; the gate/up tasks are two 128 x 128 tiles
 // in turn (SwiGLUQuantEpilogue's passes, loaded as the standalone producer loads them); a dispatched row is the
 // FP8 row's bytes, its scales also written into the ring's A-scale array (what unpack_fp8_row_scales does after the
 // unfused pull; zeros for a padding row, as the unfused pull's zeroed row gives) before the unit's release.
@@ -228,29 +245,14 @@ struct Fp8ForwardTasks : ForwardTasks<TGateUp, TDown> {
                                               int cta_rank, auto& smem, auto& pipeline, auto& state,
                                               const auto& bound) {
     const gemm::TileTask tile = tile_of<T::kClusterN>(task, cta_rank);
-    const int g = phase.gemm / 2;
     if (!forward::is_gate_up(phase.gemm))
-      return gemm::load_tile<TDown>(p.down[g], tile, cta_rank, smem, pipeline, state, bound);
-    const int passes = T::Epilogue::passes(p.gate_up[g], tile);
+      return gemm::load_tile<TDown>(down_params(p, phase.gemm), tile, cta_rank, smem, pipeline, state, bound);
+    const auto& params = gate_up_params(p, phase.gemm);
+    const int passes = T::Epilogue::passes(params, tile);
     for (int pass = 0; pass < passes; ++pass)
-      if (!gemm::load_tile<T>(p.gate_up[g], T::Epilogue::pass_task(tile, pass), cta_rank, smem, pipeline, state,
-                              bound))
+      if (!gemm::load_tile<T>(params, T::Epilogue::pass_task(tile, pass), cta_rank, smem, pipeline, state, bound))
         return false;
     return true;
-  }
-
-  template <class Params>
-  __device__ __forceinline__ static TileRecord compute(const Params& p, const PhaseDesc& phase, const ComputeTask& task,
-                                                       int cta_rank, auto& smem, auto& pipeline, auto& state,
-                                                       int consumer_idx, uint64_t* rows_done, auto& signal,
-                                                       const auto& bound) {
-    const gemm::TileTask tile = tile_of<T::kClusterN>(task, cta_rank);
-    const int g = phase.gemm / 2;
-    if (forward::is_gate_up(phase.gemm))
-      gemm::compute_tile<T>(p.gate_up[g], tile, smem, pipeline, state, consumer_idx, rows_done, &signal, bound);
-    else
-      gemm::compute_tile<TDown>(p.down[g], tile, smem, pipeline, state, consumer_idx, rows_done, &signal, bound);
-    return {tile.row, tile.rows, tile.n_block};
   }
 
   template <class Params>
