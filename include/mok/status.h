@@ -33,6 +33,17 @@ enum class NonFiniteWhere : uint32_t {
                 // a token)
 };
 
+// DeviceStatus::nonfinite_key's layout, written by the kernels and read by StatusReport: where << 60 | rank << 40 |
+// row (rank < 2^20, row < 2^40), so that the smallest key is x before h, then by rank and row.
+inline constexpr int kNonFiniteWhereShift = 60;
+inline constexpr int kNonFiniteRankShift = 40;
+inline constexpr uint64_t kNonFiniteRankMask = 0xfffff;
+constexpr uint64_t nonfinite_key(NonFiniteWhere where, int32_t rank, int64_t row) {
+  return (static_cast<uint64_t>(where) << kNonFiniteWhereShift) |
+         ((static_cast<uint64_t>(static_cast<uint32_t>(rank)) & kNonFiniteRankMask) << kNonFiniteRankShift) |
+         static_cast<uint64_t>(row);
+}
+
 // Which stage a spin-wait belongs to (reported with a timeout).
 enum class Role : int32_t {
   kNone = 0,
@@ -115,7 +126,7 @@ struct DeviceStatus {
   // Waits that gave up at once because `abort` was already set (after the first timeout), mod 2^32.
   uint32_t abandoned_waits;
   int32_t timeout_kernel;   // KernelId of the first timeout
-  // Non-finite FP8 input: key = where << 60 | rank << 40 | row; atomicMin keeps the smallest (x before h, then
+  // Non-finite FP8 input: nonfinite_key(where, rank, row); atomicMin keeps the smallest (x before h, then
   // by rank and row: deterministic). UINT64_MAX when none.
   uint64_t nonfinite_key;
 };

@@ -101,11 +101,15 @@ int32_t StatusReport::bad_expert_id() const {
   return static_cast<int32_t>(static_cast<uint32_t>(raw.bad_route_key & 0xffffffffu));
 }
 
-NonFiniteWhere StatusReport::nonfinite_where() const { return static_cast<NonFiniteWhere>(raw.nonfinite_key >> 60); }
-int32_t StatusReport::nonfinite_rank() const { return static_cast<int32_t>((raw.nonfinite_key >> 40) & 0xfffff); }
+NonFiniteWhere StatusReport::nonfinite_where() const {
+  return static_cast<NonFiniteWhere>(raw.nonfinite_key >> kNonFiniteWhereShift);
+}
+int32_t StatusReport::nonfinite_rank() const {
+  return static_cast<int32_t>((raw.nonfinite_key >> kNonFiniteRankShift) & kNonFiniteRankMask);
+}
 int64_t StatusReport::nonfinite_row() const {
   if (!(raw.error_bits & kStatusNonFinite)) return -1;
-  return static_cast<int64_t>(raw.nonfinite_key & ((uint64_t(1) << 40) - 1));
+  return static_cast<int64_t>(raw.nonfinite_key & ((uint64_t(1) << kNonFiniteRankShift) - 1));
 }
 
 namespace {

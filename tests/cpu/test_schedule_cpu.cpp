@@ -263,14 +263,14 @@ TEST(ScheduleCpuTest, StatusDescribesEveryError) {
   nonfinite.raw = initial_device_status();
   EXPECT_EQ(nonfinite.nonfinite_row(), -1);
   nonfinite.raw.error_bits = kStatusNonFinite;
-  nonfinite.raw.nonfinite_key = (uint64_t(NonFiniteWhere::kX) << 60) | (uint64_t(3) << 40) | 77;
+  nonfinite.raw.nonfinite_key = nonfinite_key(NonFiniteWhere::kX, 3, 77);
   EXPECT_EQ(nonfinite.nonfinite_where(), NonFiniteWhere::kX);
   EXPECT_EQ(nonfinite.nonfinite_rank(), 3);
   EXPECT_EQ(nonfinite.nonfinite_row(), 77);
   EXPECT_EQ(nonfinite.describe(100, 2, 8),
             "NaN or infinity in x: token row 77 of rank 3 (FP8: its block's scale is NaN, so that token's outputs are "
             "NaN; other tokens are not affected)");
-  nonfinite.raw.nonfinite_key = (uint64_t(NonFiniteWhere::kHidden) << 60) | (uint64_t(0) << 40) | 4100;
+  nonfinite.raw.nonfinite_key = nonfinite_key(NonFiniteWhere::kHidden, 0, 4100);
   EXPECT_EQ(nonfinite.describe(100, 2, 8),
             "NaN or infinity in h (the down GEMM's input) at row 4100 of an FP8 gate/up GEMM on rank 0 (that row's "
             "outputs are NaN; other rows are not affected)");

@@ -18,10 +18,8 @@ __device__ __forceinline__ void record_bad_expert_id(DeviceStatus* status, int64
 __device__ __forceinline__ void record_nonfinite(DeviceStatus* status, NonFiniteWhere where, int32_t rank,
                                                  int64_t row) {
   atomicOr(&status->error_bits, kStatusNonFinite);
-  const unsigned long long key = (static_cast<unsigned long long>(where) << 60) |
-                                 (static_cast<unsigned long long>(static_cast<uint32_t>(rank) & 0xfffffu) << 40) |
-                                 static_cast<unsigned long long>(row);
-  atomicMin(reinterpret_cast<unsigned long long*>(&status->nonfinite_key), key);
+  atomicMin(reinterpret_cast<unsigned long long*>(&status->nonfinite_key),
+            static_cast<unsigned long long>(nonfinite_key(where, rank, row)));
 }
 
 }  // namespace mok::device
