@@ -76,6 +76,10 @@ CASES = [
     ('mok.Config(gather_rows=True)', ValueError, "Config.gather_rows: expected False unless path='unfused'"),
     ('mok.Config(gather_rows=1, path="unfused")', TypeError, "Config.gather_rows: expected a bool"),
     ('mok.Config(precision="e5m2")', ValueError, "Config.precision: expected one of ['bf16', 'fp8']"),
+    ('mok.Config(fp8_power_of_two_scales=True)', ValueError,
+     "Config.fp8_power_of_two_scales: expected False unless precision='fp8'"),
+    ('mok.Config(fp8_power_of_two_scales=1, precision="fp8", backward=False)', TypeError,
+     "Config.fp8_power_of_two_scales: expected a bool"),
     ('mok.Config(precision="fp8", path="unfused")', ValueError,
      "Config.precision: 'fp8' runs with backward=False and gather_rows=False"),
     # mok.LayerShape (also the shape checks of get_workspace and mok.MoE)
