@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""The layer's forward in FP8 (MoeOptions::precision "fp8", unfused path) against ours in BF16 (unfused and fused),
-one GPU, EP = 1, in one run: issue 27's forward ratios.
+"""The layer's forward in FP8 (MoeOptions::precision "fp8", unfused and fused paths) against ours in BF16 (unfused
+and fused), one GPU, EP = 1, in one run: issue 27's forward ratios (the bar: fused FP8 against fused BF16).
 
 Shapes: --shapes names of the model shapes (bench/gemm_bench.SHAPES) and --experts-per E_global / E: the default 8
 runs one EP = 8 rank's share of experts with all of the --tokens tokens routed among them (48 of Kimi-K2.7's 384:
 about 1360 rows each at 8192 tokens and top-8), as the issue's "one EP = 8 rank" rows; --experts-per 1 runs the
 full shapes (the weights stream from DRAM: FP8 halves their bytes). Each shape's weights are random bf16
 (N(0, 1/fan_in)); the FP8 layer's weights are those quantized by the recipe (128 x 128 blocks; quantization is not
-timed: it runs once per optimizer step). Time: median of CUDA-event timings, the three forwards in turns.
+timed: it runs once per optimizer step). Time: median of CUDA-event timings, the forwards in turns.
 Also printed: the FP8 output's normwise error against the BF16 output of the same inputs, and, where torchao
 imports (a 3 MB wheel: carry it), torchao's FP8 expert MLP forward of the same routed rows as a same-run peer
 (torchao.prototype.moe_training's rowwise FP8 grouped GEMM, quantizing its operands every call as its training
@@ -53,7 +53,8 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--breakdown", action="store_true",
-                        help="also the GPU time per kernel of the FP8 and the bf16 unfused forward (torch.profiler)")
+                        help="also the GPU time per kernel of the FP8 (unfused, fused) and the bf16 unfused forward "
+                             "(torch.profiler)")
     args = parser.parse_args()
     lib = capi.load(os.path.abspath(args.lib))
     stream = torch.cuda.current_stream().cuda_stream
@@ -65,10 +66,11 @@ def main():
     except Exception as e:  # noqa: BLE001  (a peer that does not import is reported, not fatal)
         tao_gmm = None
         print(f"torchao FP8 grouped GEMM unavailable: {str(e).splitlines()[0][:160]}")
-    print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} {'tao_ms':>8s} {'fp8/bf16':>8s} "
-          f"{'fp8/fused':>9s} {'fp8/tao':>8s} {'fp8_TF':>7s} {'err':>8s} {'w_MiB':>8s} {'w8_MiB':>8s}   (ratios: "
-          "speed-ups; err: normwise |fp8 - bf16| / |bf16|; w_MiB, w8_MiB: the rank's weights in bf16, and in e4m3 "
-          "with their block scales)")
+    print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'fp8f_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} {'tao_ms':>8s} "
+          f"{'fp8/bf16':>8s} {'fp8f/fused':>10s} {'fp8f/tao':>8s} {'fp8f_TF':>7s} {'err':>8s} {'f==u':>5s} "
+          f"{'w_MiB':>8s} {'w8_MiB':>8s}   (fp8: the FP8 unfused path, fp8f the FP8 fused path; bf16 unfused, fused; "
+          "ratios: speed-ups; err: normwise |fp8 - bf16| / |bf16|; f==u: the FP8 fused output bitwise the unfused one; "
+          "w_MiB, w8_MiB: the rank's weights in bf16, and in e4m3 with their block scales)")
     for name, num_experts, hidden, inter, top_k, shared in SHAPES:
         if name not in args.shapes.split(","):
             continue
@@ -76,6 +78,7 @@ def main():
         common = dict(ep_size=1, num_tokens=t, top_k=top_k, num_experts=experts, hidden=hidden, intermediate=inter,
                       shared_expert=bool(shared), backward=False)
         layers = {"fp8": create(lib, path="unfused", precision="fp8", **common),
+                  "fp8f": create(lib, path="fused", precision="fp8", **common),
                   "bf16": create(lib, path="unfused", **common),
                   "fused": create(lib, path="fused", **common)}
         randn = lambda *s, scale=1.0: torch.randn(*s, device="cuda", dtype=torch.float32, generator=gen).mul_(
@@ -102,7 +105,7 @@ def main():
         wp = [0 if v is None else v.data_ptr() for v in w]
 
         def forward(path):
-            if path == "fp8":
+            if path.startswith("fp8"):
                 return lambda: check(lib.mok_bench_layer_forward_fp8(layers[path], x.data_ptr(), topk_idx.data_ptr(),
                                                                      0, rw.data_ptr(), pointers, outs[path].data_ptr(),
                                                                      stream, ERROR, len(ERROR)))
@@ -139,12 +142,13 @@ def main():
         ms = dict(zip(list(layers) + ["tao"], time_ms(fns, args.iters)))
         flops = 6.0 * t * (top_k + int(bool(shared))) * hidden * inter
         tao = f"{ms['tao']:8.3f}" if "tao" in ms else f"{'-':>8s}"
-        tao_ratio = f"{ms['tao'] / ms['fp8']:8.2f}" if "tao" in ms else f"{'-':>8s}"
-        print(f"{name:16s} {experts:4d} {ms['fp8']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} {tao} "
-              f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8']:9.2f} {tao_ratio} {flops / ms['fp8'] / 1e9:7.0f} "
-              f"{err:8.4f} {weight_mib:8.1f} {fp8_weight_mib:8.1f}", flush=True)
+        tao_ratio = f"{ms['tao'] / ms['fp8f']:8.2f}" if "tao" in ms else f"{'-':>8s}"
+        same = "yes" if torch.equal(outs["fp8f"], outs["fp8"]) else "NO"
+        print(f"{name:16s} {experts:4d} {ms['fp8']:8.3f} {ms['fp8f']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} {tao} "
+              f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8f']:10.2f} {tao_ratio} "
+              f"{flops / ms['fp8f'] / 1e9:7.0f} {err:8.4f} {same:>5s} {weight_mib:8.1f} {fp8_weight_mib:8.1f}", flush=True)
         if args.breakdown:
-            for path in ("fp8", "bf16"):
+            for path in ("fp8", "fp8f", "bf16"):
                 for kernel, kernel_ms in kernel_breakdown(forward(path)):
                     print(f"  {name} {path:5s} {kernel:40s} {kernel_ms:8.3f} ms per call", flush=True)
         for layer in layers.values():

@@ -144,7 +144,10 @@ struct MoeOptions {
                              // e4m3 with DeepSeek-V3's block scales; x quantized per 1 x 128 once on its own rank
                              // (the rows it sends are FP8 with their scales), h per 1 x 128 before the down GEMM,
                              // the weights given quantized (MoeWeights' FP8 form, quantize_weights_fp8). For now:
-                             // the unfused path without backward (backward = false, gather_rows = false)
+                             // no backward (backward = false, gather_rows = false); either forward path
+  bool fp8_power_of_two_scales = false;  // precision kFP8: the activations' scales (x's and h's, per 1 x 128)
+                             // rounded up to powers of two (include/mok/fp8.h; the weights' are chosen when they
+                             // are quantized: Fp8QuantizeArgs::power_of_two_scales)
 };
 
 // One rank's weights: bf16, or with MoeOptions::precision kFP8 e4m3 (DType::kFloat8E4M3) of the same shapes,

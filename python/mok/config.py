@@ -58,7 +58,10 @@ class Config:
                      shared memory, without the expert-major copy (skipped at ep_size 1 with backward=False; the
                      context keeps it otherwise). The same bits. True needs path="unfused"
     precision        "bf16", or "fp8" (DeepSeek-V3's e4m3 with block scales: mok.quantize_weights and
-                     mok.forward_fp8); "fp8" needs path="unfused", backward=False, gather_rows=False for now
+                     mok.forward_fp8); "fp8" needs backward=False and gather_rows=False for now (either path)
+    fp8_power_of_two_scales  precision="fp8": the activations' scales (x's and h's, per 1 x 128) rounded up to
+                     powers of two (the weights' are chosen by mok.quantize_weights(power_of_two_scales=...));
+                     True needs precision="fp8"
 
     Every field is checked when a Config is made (TypeError for a value of the wrong type, bool included where
     an int is expected; ValueError for a wrong value), naming it: "Config.tile_m: expected 64 or 128, got 100".
@@ -78,6 +81,7 @@ class Config:
     backward_megakernel: bool = False
     gather_rows: bool = False
     precision: str = "bf16"
+    fp8_power_of_two_scales: bool = False
 
     def __post_init__(self):
         # The C++ rules (MoeWorkspace's constructor, src/host/moe.cu; ScheduleOptions::validate,
@@ -103,7 +107,7 @@ class Config:
             raise TypeError(f"Config.path: expected one of {sorted(PATHS)}, got {arguments.describe(self.path)}")
         if self.path not in PATHS:
             raise ValueError(f"Config.path: expected one of {sorted(PATHS)}, got {self.path!r}")
-        for name in ("backward", "keep_gate_up", "backward_megakernel", "gather_rows"):
+        for name in ("backward", "keep_gate_up", "backward_megakernel", "gather_rows", "fp8_power_of_two_scales"):
             arguments.check_bool(f"Config.{name}", getattr(self, name))
         if self.backward_megakernel and (self.path != "fused" or not self.backward):
             raise ValueError("Config.backward_megakernel: expected False unless path='fused' and backward=True (the "
@@ -114,10 +118,12 @@ class Config:
                             f"{arguments.describe(self.precision)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Config.precision: expected one of {sorted(PRECISIONS)}, got {self.precision!r}")
-        if self.precision == "fp8" and (self.path != "unfused" or self.backward or self.gather_rows):
-            raise ValueError("Config.precision: 'fp8' runs with path='unfused', backward=False and gather_rows=False "
-                             f"for now (no fused or backward FP8 yet), got path={self.path!r}, "
-                             f"backward={self.backward}, gather_rows={self.gather_rows}")
+        if self.precision == "fp8" and (self.backward or self.gather_rows):
+            raise ValueError("Config.precision: 'fp8' runs with backward=False and gather_rows=False for now (no FP8 "
+                             f"backward yet), got backward={self.backward}, gather_rows={self.gather_rows}")
+        if self.fp8_power_of_two_scales and self.precision != "fp8":
+            raise ValueError("Config.fp8_power_of_two_scales: expected False unless precision='fp8' (it rounds the FP8 "
+                             f"activations' scales), got True with precision={self.precision!r}")
         if self.gather_rows and self.path != "unfused":
             raise ValueError("Config.gather_rows: expected False unless path='unfused' (the fused path does not gather "
                              f"rows yet), got True with path={self.path!r}")

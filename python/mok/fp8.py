@@ -1,8 +1,8 @@
 """FP8 (Config(precision="fp8"): DeepSeek-V3's recipe, docs/design.md "FP8"): the weights quantized once per
 optimizer step, then the layer's forward with them. Inference only for now (the FP8 backward is issue 28): the
-workspace needs Config(precision="fp8", path="unfused", backward=False).
+workspace needs Config(precision="fp8", backward=False) (the fused path, the default, or path="unfused").
 
-    ws = mok.get_workspace(mok.Config(precision="fp8", path="unfused", backward=False), None, T, H, I, k, E)
+    ws = mok.get_workspace(mok.Config(precision="fp8", backward=False), None, T, H, I, k, E)
     qw = mok.quantize_weights(w)                       # after every optimizer step (w: mok.Weights, bf16)
     out, ctx = mok.forward_fp8(ws, x, topk_idx, router_weights, qw)
 """
@@ -99,7 +99,7 @@ def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: tor
     _check_workspace(ws)
     if ws.config.precision != "fp8":
         raise ValueError(f"mok.forward_fp8: the workspace is Config(precision={ws.config.precision!r}); make it with "
-                         "Config(precision='fp8', path='unfused', backward=False)")
+                         "Config(precision='fp8', backward=False)")
     if torch.compiler.is_compiling():
         raise RuntimeError("mok.forward_fp8 is eager only for now")
     if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:

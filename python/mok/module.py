@@ -274,11 +274,13 @@ class MoE(torch.nn.Module):
     def fp8_weights(self) -> Fp8Weights:
         """Config(precision="fp8"): the weights quantized (mok.quantize_weights), again whenever a parameter changed
         since the last quantization (its version counter moved: an optimizer step, an in-place write, a new tensor):
-        never stale. Inference only (forward_fp8 has no backward yet)."""
+        never stale; with power-of-two block scales when the config's fp8_power_of_two_scales is set. Inference only
+        (forward_fp8 has no backward yet)."""
         params = self.weights().tensors()
         key = tuple(None if p is None else (id(p), p._version) for p in params)
         if self._fp8_cache is None or self._fp8_cache[0] != key:
-            self._fp8_cache = (key, quantize_weights(Weights(*[None if p is None else p.detach() for p in params])))
+            weights = Weights(*[None if p is None else p.detach() for p in params])
+            self._fp8_cache = (key, quantize_weights(weights, self.config.fp8_power_of_two_scales))
         return self._fp8_cache[1]
 
     def extra_repr(self) -> str:

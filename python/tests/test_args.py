@@ -76,8 +76,12 @@ CASES = [
     ('mok.Config(gather_rows=True)', ValueError, "Config.gather_rows: expected False unless path='unfused'"),
     ('mok.Config(gather_rows=1, path="unfused")', TypeError, "Config.gather_rows: expected a bool"),
     ('mok.Config(precision="e5m2")', ValueError, "Config.precision: expected one of ['bf16', 'fp8']"),
+    ('mok.Config(fp8_power_of_two_scales=True)', ValueError,
+     "Config.fp8_power_of_two_scales: expected False unless precision='fp8'"),
+    ('mok.Config(fp8_power_of_two_scales=1, precision="fp8", backward=False)', TypeError,
+     "Config.fp8_power_of_two_scales: expected a bool"),
     ('mok.Config(precision="fp8", path="unfused")', ValueError,
-     "Config.precision: 'fp8' runs with path='unfused', backward=False and gather_rows=False"),
+     "Config.precision: 'fp8' runs with backward=False and gather_rows=False"),
     # mok.LayerShape (also the shape checks of get_workspace and mok.MoE)
     ('mok.LayerShape(0, 256, 2, 8, 128, 64)', ValueError, "ep_size: expected the EP group's size, an int in [1, 72]"),
     ('mok.LayerShape(73, 256, 2, 73, 128, 64)', ValueError, "ep_size: expected the EP group's size"),

@@ -46,6 +46,54 @@ def test_fp8_forward_against_bf16(shared):
         assert err < 0.10, err  # x's, the weights' and h's e4m3 roundings, about 3 % each
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_fused_fp8_gives_the_unfused_bits(shared):
+    """Config(precision="fp8") on the fused path (the forward megakernel) gives the unfused path's bits."""
+    x, idx, rw, w = _inputs(1830 + shared, shared)
+    qw = mok.quantize_weights(w)
+    fused = mok.Config(precision="fp8", backward=False, minibatch_rows=128)
+    with mok.get_workspace(fused, None, T, H, I, K, E, shared_expert=shared) as wsf, _fp8_workspace(shared) as wsu:
+        out_fused, _ = mok.forward_fp8(wsf, x, idx, rw, qw)
+        out_unfused, _ = mok.forward_fp8(wsu, x, idx, rw, qw)
+        mok.check_status(wsf)
+        mok.check_status(wsu)
+        assert not out_fused.isnan().any()
+        assert torch.equal(out_fused, out_unfused), "fused FP8 differs from unfused FP8"
+
+
+def test_power_of_two_scales_through_the_layer():
+    """Config(fp8_power_of_two_scales=True) with weights quantized alike: within the same budget of the BF16 layer,
+    bitwise on a rerun and on the fused path, every weight scale a power of two, and not the bits of the plain
+    scales."""
+    x, idx, rw, w = _inputs(1815)
+    config = mok.Config(precision="fp8", path="unfused", backward=False, fp8_power_of_two_scales=True)
+    with mok.get_workspace(config, None, T, H, I, K, E, shared_expert=True) as ws2, _fp8_workspace() as ws8, \
+            mok.get_workspace(mok.Config(path="unfused", backward=False), None, T, H, I, K, E,
+                              shared_expert=True) as ws16:
+        qw2 = mok.quantize_weights(w, power_of_two_scales=True)
+        for s in qw2.scales:
+            if s is not None:
+                mantissa, _ = torch.frexp(s)
+                assert bool((mantissa == 0.5).all()), "a weight scale that is not a power of two"
+        out2, ctx = mok.forward_fp8(ws2, x, idx, rw, qw2)
+        again, _ = mok.forward_fp8(ws2, x, idx, rw, qw2, ctx)
+        with mok.get_workspace(mok.Config(precision="fp8", backward=False, fp8_power_of_two_scales=True), None, T, H,
+                               I, K, E, shared_expert=True) as wsf:
+            fused, _ = mok.forward_fp8(wsf, x, idx, rw, qw2)
+            mok.check_status(wsf)
+        assert torch.equal(fused, out2), "fused FP8 with power-of-two scales differs from unfused"
+        out8, _ = mok.forward_fp8(ws8, x, idx, rw, mok.quantize_weights(w))
+        out16, _ = mok.forward(ws16, x, idx, rw, w)
+        for ws in (ws2, ws8, ws16):
+            mok.check_status(ws)
+        assert not out2.isnan().any()
+        assert torch.equal(out2, again), "FP8 reruns differ"
+        assert not torch.equal(out2, out8), "power-of-two scales gave the plain scales' bits"
+        err = ((out2.float() - out16.float()).norm() / out16.float().norm()).item()
+        print(f"FP8 (power-of-two scales) vs BF16 normwise error: {err:.4f}")
+        assert err < 0.10, err
+
+
 def test_quantize_weights_layout_and_memory():
     _, _, _, w = _inputs(1810)
     qw = mok.quantize_weights(w)

@@ -116,11 +116,11 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
   require(options_.precision == Precision::kBF16 || options_.precision == Precision::kFP8,
           "MoeOptions.precision must be kBF16 or kFP8, got " + std::to_string(static_cast<int>(options_.precision)));
   if (fp8()) {
-    require(options_.path == ForwardPath::kUnfused,
-            "MoeOptions.precision kFP8 runs on the unfused path for now: set MoeOptions.path = ForwardPath::kUnfused");
     require(!options_.backward, "MoeOptions.precision kFP8 has no backward yet: set MoeOptions.backward = false");
     require(!options_.gather_rows, "MoeOptions.precision kFP8 does not gather rows: set MoeOptions.gather_rows = false");
   }
+  require(fp8() || !options_.fp8_power_of_two_scales,
+          "MoeOptions.fp8_power_of_two_scales is for precision kFP8 (the activations' scales), got precision kBF16");
   ring_rows_ = detail::choose_ring_rows(shape_, options_, capacity_rows(), schedule_.schedule_elements(),
                                         padded_tokens_);
   require(options_.path == ForwardPath::kFused || ring_rows_ == capacity_rows(),
@@ -141,8 +141,9 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
       // One grid for both megakernels (the timeline is sized by it): a backward cluster pair implies a
       // forward one (its GEMMs' output tiles pair up only if the forward's do), so a multiple of the forward's
       // cluster fits both.
-      const int cluster_n = detail::fused_cluster_n(shape_.hidden, shape_.intermediate);
-      int ctas = detail::fused_grid_ctas(shape_, options_.keep_gate_up, s.device);
+      const int cluster_n = detail::fused_cluster_n(shape_.hidden, shape_.intermediate, options_.precision);
+      int ctas = fp8() ? detail::fused_fp8_grid_ctas(shape_, s.device)
+                       : detail::fused_grid_ctas(shape_, options_.keep_gate_up, s.device);
       if (backward_megakernel())
         ctas = std::min(ctas, detail::fused_backward_grid_ctas(shape_, s.device)) / cluster_n * cluster_n;
       grid_ctas_ = grid_ctas_ == 0 ? ctas : std::min(grid_ctas_, ctas);
@@ -518,6 +519,7 @@ void mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& 
     gate_up.b_up_scales = m.up != nullptr ? m.up_scales : nullptr;
     gate_up.out = m.hidden_fp8;  // h quantized per 1 x 128 by the SwiGLU epilogue: the down GEMM's A
     gate_up.out_scales = m.hidden_scales;
+    gate_up.out_scales_power_of_two = options.fp8_power_of_two_scales;
     gate_up.gate_up_out = nullptr;  // no backward in FP8 yet: nothing reads g and u
     down.a = m.hidden_fp8;
     down.a_scales = m.hidden_scales;
@@ -595,7 +597,7 @@ void MoeWorkspace::publish(const RankForward& f) {
   DeviceGuard guard(s.device);
   if (fp8())  // the rank's rows quantized once, as every peer pulls them (src/host/quantize_fp8.h)
     detail::publish_fp8_rows(f.x.data, f.x.shape[0], padded_tokens_, shape_.hidden, x_.on(f.rank), s.x_scales,
-                             schedule_.device_status(f.rank), f.rank, f.stream);
+                             options_.fp8_power_of_two_scales, schedule_.device_status(f.rank), f.rank, f.stream);
   else
     publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
   barrier_arrive(f.rank, f.stream);
@@ -665,7 +667,9 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
                                 .x = x_.peers(f.rank),
                                 .combined = combined_.peers(f.rank),
                                 .expert_rows = ctx.expert_rows_,
-                                .expert_out = s.y},
+                                .expert_out = s.y,
+                                .expert_row_scales = ctx.expert_row_scales_,
+                                .fp8_row_vectors = static_cast<int>(pulled_row_bytes() / 16)},
                                f.stream);
   barrier_arrive(f.rank, f.stream);
 }

@@ -29,6 +29,24 @@ int grid_ctas(int device) {
                                                                     "forward megakernel");
 }
 
+// The forward's task order for gate/up tiles T and down tiles TDown, and each GEMM's n-blocks (by forward::Gemm:
+// the shared and the routed gate/up and down GEMMs).
+struct ForwardOrder {
+  int32_t n_blocks[megakernel::forward::kNumGemms];
+  megakernel::TaskOrderShape shape;
+};
+template <class T, class TDown>
+ForwardOrder forward_order(const FusedForwardArgs& a) {
+  namespace forward = megakernel::forward;
+  const MegakernelArgs& c = a.common;
+  ForwardOrder o{{T::n_blocks(c.intermediate), TDown::n_blocks(c.hidden), T::n_blocks(c.intermediate),
+                  TDown::n_blocks(c.hidden)},
+                 {}};
+  o.shape = forward::task_order(c.expert_row_offsets, c.local_experts, c.shared_rows, a.ring_rows, c.minibatch_rows,
+                                o.n_blocks, T::kClusterN);
+  return o;
+}
+
 template <int kClusterN, bool kKeepGateUp>
 void launch(const FusedForwardArgs& a, cudaStream_t stream) {
   using T = GateUpTraits<kClusterN, kKeepGateUp>;
@@ -36,15 +54,11 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
   using GemmP = decltype(make_gemm_params<T>(ExpertGemmArgs{}));
   namespace forward = megakernel::forward;
   const MegakernelArgs& c = a.common;
-  // By forward::Gemm: the shared and the routed gate/up and down GEMMs.
-  const int32_t n_blocks[forward::kNumGemms] = {T::n_blocks(c.intermediate), TDown::n_blocks(c.hidden),
-                                                T::n_blocks(c.intermediate), TDown::n_blocks(c.hidden)};
-  const megakernel::TaskOrderShape order = forward::task_order(c.expert_row_offsets, c.local_experts, c.shared_rows,
-                                                               a.ring_rows, c.minibatch_rows, n_blocks, kClusterN);
+  const ForwardOrder order = forward_order<T, TDown>(a);
   const megakernel::ForwardParams<GemmP> p{
       .gemms = {make_gemm_params<T>(a.shared_gate_up), make_gemm_params<TDown>(a.shared_down),
                 make_gemm_params<T>(a.expert_gate_up), make_gemm_params<TDown>(a.expert_down)},
-      .common = megakernel_params(c, order, forward::kCounters, n_blocks),
+      .common = megakernel_params(c, order.shape, forward::kCounters, order.n_blocks),
       .x = a.x,
       .combined = a.combined,
       .expert_rows = static_cast<uint4*>(a.expert_rows),
@@ -52,7 +66,69 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
   launch_megakernel<T>(kernel_of<kClusterN, kKeepGateUp>(), p, c, forward::kCounters, stream);
 }
 
+// FP8 (MoeOptions::precision kFP8): the gate/up GEMM writing h quantized and the store GEMM, 128 x 128 tiles; one
+// tile storage for both, with the store's two staging boxes (the quantizing epilogue stages one).
+template <class Base>
+struct Fp8MegakernelTraits : Base {
+  using TileStorage = typename Base::Collective::template Storage<2>;
+};
+template <int kClusterN>
+using Fp8GateUpTraits = Fp8MegakernelTraits<Fp8GemmTraits<gemm::SwiGLUQuantEpilogue, kClusterN>>;
+template <int kClusterN>
+using Fp8DownTraits = Fp8MegakernelTraits<Fp8GemmTraits<gemm::StoreEpilogue, kClusterN>>;
+
+template <int kClusterN>
+auto fp8_kernel_of() {
+  using T = Fp8GateUpTraits<kClusterN>;
+  using TDown = Fp8DownTraits<kClusterN>;
+  using Params = megakernel::Fp8ForwardParams<decltype(make_block_scaled_params<T>(ExpertGemmArgs{})),
+                                              decltype(make_block_scaled_params<TDown>(ExpertGemmArgs{}))>;
+  return megakernel::fp8_forward_kernel<T, TDown, Params>;
+}
+
+template <int kClusterN>
+int fp8_grid_ctas(int device) {
+  return megakernel_grid_ctas<Fp8GateUpTraits<kClusterN>>(fp8_kernel_of<kClusterN>(), device, "FP8 forward megakernel");
+}
+
+template <int kClusterN>
+void launch_fp8(const FusedForwardArgs& a, cudaStream_t stream) {
+  using T = Fp8GateUpTraits<kClusterN>;
+  using TDown = Fp8DownTraits<kClusterN>;
+  namespace forward = megakernel::forward;
+  const MegakernelArgs& c = a.common;
+  const ForwardOrder order = forward_order<T, TDown>(a);
+  using Params = megakernel::Fp8ForwardParams<decltype(make_block_scaled_params<T>(ExpertGemmArgs{})),
+                                              decltype(make_block_scaled_params<TDown>(ExpertGemmArgs{}))>;
+  const Params p{.gate_up = {make_block_scaled_params<T>(a.shared_gate_up), make_block_scaled_params<T>(a.expert_gate_up)},
+                 .down = {make_block_scaled_params<TDown>(a.shared_down), make_block_scaled_params<TDown>(a.expert_down)},
+                 .common = megakernel_params(c, order.shape, forward::kCounters, order.n_blocks),
+                 .x = a.x,
+                 .combined = a.combined,
+                 .expert_rows = static_cast<uint4*>(a.expert_rows),
+                 .expert_out = static_cast<const uint4*>(a.expert_out),
+                 .expert_row_scales = a.expert_row_scales,
+                 .fp8_row_vectors = a.fp8_row_vectors,
+                 .hidden = c.hidden,
+                 .k_blocks = (c.hidden + 127) / 128};
+  launch_megakernel<T>(fp8_kernel_of<kClusterN>(), p, c, forward::kCounters, stream);
+}
+
 }  // namespace
+
+int fused_cluster_n(int hidden, int intermediate, Precision precision) {
+  if (precision == Precision::kFP8)  // the quantizing gate/up pairs tiles only when both CTAs' tasks have 2 passes
+    return Fp8GateUpTraits<1>::n_blocks(intermediate) % 2 == 0 && intermediate % 256 == 0 &&
+                   Fp8DownTraits<1>::n_blocks(hidden) % 2 == 0
+               ? 2
+               : 1;
+  return fused_cluster_n(hidden, intermediate);
+}
+
+int fused_fp8_grid_ctas(const MoeShape& shape, int device) {
+  return fused_cluster_n(shape.hidden, shape.intermediate, Precision::kFP8) == 2 ? fp8_grid_ctas<2>(device)
+                                                                                 : fp8_grid_ctas<1>(device);
+}
 
 int fused_cluster_n(int hidden, int intermediate) {
   const bool pairs = GateUpTraits<1>::n_blocks(intermediate) % 2 == 0 &&
@@ -75,6 +151,13 @@ int64_t fused_timeline_words(int grid_ctas, int capacity) {
 }
 
 void launch_fused_forward(const FusedForwardArgs& args, cudaStream_t stream) {
+  if (args.expert_gate_up.precision == Precision::kFP8) {
+    if (fused_cluster_n(args.common.hidden, args.common.intermediate, Precision::kFP8) == 2)
+      launch_fp8<2>(args, stream);
+    else
+      launch_fp8<1>(args, stream);
+    return;
+  }
   const bool keep = args.expert_gate_up.gate_up_out != nullptr;  // MoeOptions::keep_gate_up
   if (fused_cluster_n(args.common.hidden, args.common.intermediate) == 2)
     keep ? launch<2, true>(args, stream) : launch<2, false>(args, stream);

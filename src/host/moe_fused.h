@@ -23,10 +23,18 @@ struct FusedForwardArgs {
   PeerPointers x, combined;
   void* expert_rows = nullptr;      // ring [ring_rows, H]
   const void* expert_out = nullptr;  // ring [ring_rows, H]
+  // Precision::kFP8 (the GEMMs' precision): expert_rows holds FP8 rows (src/host/quantize_fp8.h), x every rank's
+  // published FP8 rows; the dispatch writes the ring rows' A scales [ceil(H / 128), ring_rows] here.
+  float* expert_row_scales = nullptr;
+  int fp8_row_vectors = 0;           // 16-byte vectors of an FP8 row (values and scales)
 };
 
 // CTAs sharing an A tile in the megakernel: 2 when both GEMMs' output tiles pair up, else 1.
 int fused_cluster_n(int hidden, int intermediate);
+// The same for a precision (kFP8: the FP8 megakernel's tiles).
+int fused_cluster_n(int hidden, int intermediate, Precision precision);
+// fused_grid_ctas for the FP8 forward megakernel (no backward in FP8 yet).
+int fused_fp8_grid_ctas(const MoeShape& shape, int device);
 // CTAs of the persistent launch on `device`: as many clusters as fit at once, one CTA per SM. Also sets
 // the kernel's shared-memory attribute on the device: call it for every device before launching there.
 int fused_grid_ctas(const MoeShape& shape, bool keep_gate_up, int device);

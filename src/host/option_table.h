@@ -160,6 +160,8 @@ inline constexpr OptionDesc kOptionTable[] = {
     option<&L::options, &Opt::keep_gate_up>("keep_gate_up", "MoeOptions.keep_gate_up", H::kConfig, true),
     option<&L::options, &Opt::gather_rows>("gather_rows", "MoeOptions.gather_rows", H::kConfig, true),
     option<&L::options, &Opt::precision>("precision", "MoeOptions.precision", H::kConfig, true, kPrecisionNames),
+    option<&L::options, &Opt::fp8_power_of_two_scales>("fp8_power_of_two_scales", "MoeOptions.fp8_power_of_two_scales",
+                                                        H::kConfig, true),
 };
 
 constexpr bool names_are_unique() {

@@ -65,10 +65,12 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int 
 }
 
 // One warp per (row, 128-column block) of x [tokens, h]: the FP8 row layout of src/host/quantize_fp8.h, plus the
-// scale again at [block, row] of `scales`. Rows past `tokens` (to padded_tokens): zeros, scale 1. A block with a NaN
-// or an infinity is reported to `status` (kStatusNonFinite, the row and `rank`).
+// scale again at [block, row] of `scales`; power_of_two: scales rounded up to powers of two. Rows past `tokens` (to
+// padded_tokens): zeros, scale 1. A block with a NaN or an infinity is reported to `status` (kStatusNonFinite, the
+// row and `rank`).
 __global__ void publish_fp8_rows_kernel(const __nv_bfloat16* x, int64_t tokens, int64_t padded_tokens, int h,
-                                        uint8_t* rows, float* scales, DeviceStatus* status, int rank) {
+                                        uint8_t* rows, float* scales, bool power_of_two, DeviceStatus* status,
+                                        int rank) {
   const int k_blocks = (h + kBlock - 1) / kBlock;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -77,7 +79,7 @@ __global__ void publish_fp8_rows_kernel(const __nv_bfloat16* x, int64_t tokens, 
   const int block = static_cast<int>(warp % k_blocks);
   const int col = block * kBlock + 4 * lane;
   uint8_t q[4];
-  const float scale = quantize_block_warp(row < tokens ? x + row * h : nullptr, col, h, false, q);
+  const float scale = quantize_block_warp(row < tokens ? x + row * h : nullptr, col, h, power_of_two, q);
   uint8_t* out = rows + row * 2 * int64_t(h);
   for (int i = 0; i < 4; ++i)
     if (col + i < h) out[col + i] = q[i];
@@ -192,12 +194,13 @@ void validate(const Fp8QuantizeArgs& a, const char* entry, bool rows_layout) {
 }  // namespace
 
 void detail::publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_tokens, int h, void* rows, float* scales,
-                              DeviceStatus* status, int rank, cudaStream_t stream) {
+                              bool power_of_two, DeviceStatus* status, int rank, cudaStream_t stream) {
   const int64_t warps = padded_tokens * ((h + kBlock - 1) / kBlock);
   if (warps == 0) return;
   constexpr int kThreads = 256;
   publish_fp8_rows_kernel<<<static_cast<unsigned>((warps * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), tokens, padded_tokens, h, static_cast<uint8_t*>(rows), scales, status, rank);
+      static_cast<const __nv_bfloat16*>(x), tokens, padded_tokens, h, static_cast<uint8_t*>(rows), scales, power_of_two,
+      status, rank);
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -13,10 +13,11 @@
 namespace mok::detail {
 
 // x bf16 [tokens, h] -> FP8 rows [padded_tokens, 2h bytes] (rows past `tokens`: zeros, scales 1) and their scales
-// again as the GEMM's A scales, fp32 [ceil(h/128), padded_tokens]. A block holding a NaN or an infinity is reported
-// to `status` (kStatusNonFinite with the token row and `rank`).
+// again as the GEMM's A scales, fp32 [ceil(h/128), padded_tokens]; power_of_two: the scales rounded up to powers
+// of two (include/mok/fp8.h). A block holding a NaN or an infinity is reported to `status` (kStatusNonFinite with the
+// token row and `rank`).
 void publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_tokens, int h, void* rows, float* scales,
-                      DeviceStatus* status, int rank, cudaStream_t stream);
+                      bool power_of_two, DeviceStatus* status, int rank, cudaStream_t stream);
 
 // The scales of FP8 rows [row_limit, 2h bytes] (rows at or past *scheduled_rows are skipped) as the GEMM's A scales,
 // fp32 [ceil(h/128), row_limit].

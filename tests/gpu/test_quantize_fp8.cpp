@@ -14,9 +14,11 @@
 
 #include "mok/fp8.h"
 #include "src/host/check.h"
+#include "src/host/quantize_fp8.h"
 #include "tests/common/bf16.h"
 #include "tests/common/device_array.h"
 #include "tests/common/device_fill.h"
+#include "tests/common/device_status.h"
 #include "tests/common/fp8.h"
 #include "tests/common/gpu_env.h"
 
@@ -97,6 +99,53 @@ TEST(QuantizeFp8Test, RowsMatchTheCpuBitwise) {
       MOK_CHECK_CUDA(cudaDeviceSynchronize());
       expect_same(want, d_out.download(), d_scales.download(), label);
     }
+}
+
+// The layer's x quantizer (detail::publish_fp8_rows, MoeOptions::fp8_power_of_two_scales): each row's e4m3 values
+// and scales in its FP8 row, and the scales again in the GEMM's A layout, bitwise the CPU's; rows past `tokens` zeros
+// with scale 1; a non-finite block reported with its row.
+TEST(QuantizeFp8Test, PublishedRowsMatchTheCpuBitwise) {
+  MOK_REQUIRE_GPUS(1);
+  const int64_t tokens = 100, padded = 128;
+  const int h = 320;  // a partial last block of 64 columns
+  for (const bool pow2 : {false, true}) {
+    const uint64_t seed = 1270 + pow2;
+    const std::string label = std::string(pow2 ? "power-of-two scales" : "plain scales") + ", seed " +
+                              std::to_string(seed);
+    auto in = edge_inputs(tokens, h, seed);
+    in[37 * h + 200] = to_bf16_bits(NAN);  // at least one report, whatever the seed's regions hold
+    in[90 * h + 5] = to_bf16_bits(INFINITY);
+    std::vector<float> padded_in = as_floats(in);
+    padded_in.resize(size_t(padded) * h, 0.0f);
+    const auto want = Fp8Matrix::quantize(padded_in, padded, padded, h, true, pow2);
+    DeviceArray<uint16_t> d_in(in);
+    DeviceArray<uint8_t> d_rows(std::vector<uint8_t>(size_t(padded) * 2 * h, 0xff));
+    float poison;
+    std::memcpy(&poison, &kScalePoison, sizeof poison);
+    DeviceArray<float> d_scales(std::vector<float>(want.scales.size(), poison));
+    testing::DeviceStatusWord status;
+    detail::publish_fp8_rows(d_in.ptr, tokens, padded, h, d_rows.ptr, d_scales.ptr, pow2, status.word.ptr, 0, nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    const auto rows = d_rows.download();
+    std::vector<uint8_t> bits(size_t(padded) * h);
+    std::vector<float> row_scales(want.scales.size());
+    for (int64_t r = 0; r < padded; ++r) {
+      std::memcpy(bits.data() + r * h, rows.data() + r * 2 * h, size_t(h));
+      for (int b = 0; b < want.k_blocks(); ++b)
+        std::memcpy(&row_scales[size_t(b) * padded + r], rows.data() + r * 2 * h + h + 4 * b, 4);
+    }
+    expect_same(want, bits, d_scales.download(), label + " (values, A-layout scales)");
+    expect_same(want, bits, row_scales, label + " (the scales in the rows)");
+    int64_t first_nonfinite = -1;  // the report names the smallest row with a non-finite block
+    for (int64_t r = padded - 1; r >= 0; --r)
+      for (int b = 0; b < want.k_blocks(); ++b)
+        if (std::isnan(want.scales[size_t(b) * padded + r])) first_nonfinite = r;
+    ASSERT_GE(first_nonfinite, 0) << label;
+    const StatusReport report = status.read();
+    EXPECT_EQ(report.raw.error_bits, kStatusNonFinite) << label;
+    EXPECT_EQ(report.nonfinite_where(), NonFiniteWhere::kX) << label;
+    EXPECT_EQ(report.nonfinite_row(), first_nonfinite) << label;
+  }
 }
 
 // rows_used (a device count, as the layer passes its schedule's): the rows below it as without, the rest untouched.

@@ -49,6 +49,23 @@ struct ForwardParams {
   static constexpr KernelId kKernel = KernelId::kForwardMegakernel;  // named in a timeout's report
 };
 
+// GEMM `gemm`'s (forward::Gemm) parameters: one array of one type in bf16; Fp8ForwardParams (below) holds the gate/up
+// and the down GEMMs' in two arrays of their own types.
+template <class Params>
+__device__ __forceinline__ const auto& gate_up_params(const Params& p, int gemm) {
+  if constexpr (requires { p.gate_up; })
+    return p.gate_up[gemm / 2];
+  else
+    return p.gemms[gemm];
+}
+template <class Params>
+__device__ __forceinline__ const auto& down_params(const Params& p, int gemm) {
+  if constexpr (requires { p.down; })
+    return p.down[gemm / 2];
+  else
+    return p.gemms[gemm];
+}
+
 // The forward's task set: tiles of the gate/up GEMMs (traits T, SwiGLU epilogue) and the down GEMMs (TDown),
 // dispatch and combine copies.
 template <class TGateUp, class TDown>
@@ -83,11 +100,11 @@ struct ForwardTasks {
     const gemm::TileTask tile = tile_of<T::kClusterN>(task, cta_rank);
     // Two call sites, not four: each inlined compute_tile hoists its own loop invariants into registers.
     if (forward::is_gate_up(phase.gemm))
-      gemm::compute_tile<T>(p.gemms[phase.gemm], tile, smem, pipeline, state, consumer_idx, rows_done, &signal,
-                            bound);
+      gemm::compute_tile<T>(gate_up_params(p, phase.gemm), tile, smem, pipeline, state, consumer_idx, rows_done,
+                            &signal, bound);
     else
-      gemm::compute_tile<TDown>(p.gemms[phase.gemm], tile, smem, pipeline, state, consumer_idx, rows_done, &signal,
-                                bound);
+      gemm::compute_tile<TDown>(down_params(p, phase.gemm), tile, smem, pipeline, state, consumer_idx, rows_done,
+                                &signal, bound);
     return {tile.row, tile.rows, tile.n_block};
   }
 
@@ -189,6 +206,88 @@ struct ForwardTasks {
 template <class T, class TDown, class Params>
 __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_constant__ Params p) {
   run_megakernel<ForwardTasks<T, TDown>>(p);
+}
+
+// The forward in FP8 (MoeOptions::precision kFP8; docs/design.md, "FP8"): the same phases and tables, e4m3 GEMMs with
+// block scales. The gate/up GEMMs write h quantized (SwiGLUQuantEpilogue, an e4m3 output) and the down GEMMs bf16,
+// so their parameters have two types, held by GEMM (forward::Gemm / 2: 0 shared, 1 routed).
+template <class GateUpParams, class DownParams>
+struct Fp8ForwardParams {
+  GateUpParams gate_up[2];    // shared (A = this rank's published FP8 x), routed (A = the expert_rows ring)
+  DownParams down[2];
+  MegakernelParams common;    // with the forward's phase tables
+  PeerPointers x;             // every rank's published FP8 rows [padded T, 2H bytes] (src/host/quantize_fp8.h)
+  PeerPointers combined;      // every rank's symmetric combine buffer, bf16 [T * k, H]
+  uint4* expert_rows;         // FP8 rows ring [ring_rows, 2H bytes]
+  const uint4* expert_out;    // bf16 ring [ring_rows, H] (y)
+  float* expert_row_scales;   // the ring rows' A scales [ceil(H / 128), ring_rows] (the routed gate/up's a_scales)
+  int fp8_row_vectors;        // 16-byte vectors of an FP8 row: H e4m3 values and ceil(H / 128) fp32 scales
+  int hidden;
+  int k_blocks;               // ceil(H / 128)
+  static constexpr KernelId kKernel = KernelId::kForwardMegakernel;  // named in a timeout's report
+};
+
+// The forward's FP8 task set: ForwardTasks' sequencing, tiles (compute) and combine copies; the gate/up tasks are two 128 x 128 tiles
+// in turn (SwiGLUQuantEpilogue's passes, loaded as the standalone producer loads them); a dispatched row is the
+// FP8 row's bytes, its scales also written into the ring's A-scale array (what unpack_fp8_row_scales does after the
+// unfused pull; zeros for a padding row, as the unfused pull's zeroed row gives) before the unit's release.
+// Communication CTAs copy with warps (no bulk copies of FP8 rows).
+template <class TGateUp, class TDown>
+struct Fp8ForwardTasks : ForwardTasks<TGateUp, TDown> {
+  using Base = ForwardTasks<TGateUp, TDown>;
+  using T = TGateUp;
+  // The producer warpgroup's threads hold two parameter types and the A-scale loads (ptxas spilled at 56).
+  static constexpr int kProducerRegisters = 72;
+  static constexpr int kConsumerRegisters = 216;
+
+  template <class Params>
+  __device__ __forceinline__ static bool load(const Params& p, const PhaseDesc& phase, const ComputeTask& task,
+                                              int cta_rank, auto& smem, auto& pipeline, auto& state,
+                                              const auto& bound) {
+    const gemm::TileTask tile = tile_of<T::kClusterN>(task, cta_rank);
+    if (!forward::is_gate_up(phase.gemm))
+      return gemm::load_tile<TDown>(down_params(p, phase.gemm), tile, cta_rank, smem, pipeline, state, bound);
+    const auto& params = gate_up_params(p, phase.gemm);
+    const int passes = T::Epilogue::passes(params, tile);
+    for (int pass = 0; pass < passes; ++pass)
+      if (!gemm::load_tile<T>(params, T::Epilogue::pass_task(tile, pass), cta_rank, smem, pipeline, state, bound))
+        return false;
+    return true;
+  }
+
+  template <class Params>
+  __device__ __forceinline__ static void copy_rows(const Params& p, TaskKind kind, int32_t unit, int warp, int warps,
+                                                   int lane) {
+    if (kind != TaskKind::kDispatch) {
+      Base::copy_rows(p, kind, unit, warp, warps, lane);  // the combine: bf16 y rows
+      return;
+    }
+    const int32_t ring_rows = p.common.order.ring_rows;
+    for (int r = warp; r < kUnitRows; r += warps) {
+      const uint4* src;
+      uint4* dst;
+      Base::row_endpoints(p, kind, unit, r, src, dst);
+      if (src != nullptr)
+        device::copy_row_warp(src, dst, p.fp8_row_vectors, lane);
+      else
+        device::zero_row_warp(dst, p.fp8_row_vectors, lane);
+      const float* src_scales =
+          src == nullptr ? nullptr : reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(src) + p.hidden);
+      const int64_t slot = (int64_t(unit) * kUnitRows + r) % ring_rows;
+      for (int b = lane; b < p.k_blocks; b += 32)
+        p.expert_row_scales[int64_t(b) * ring_rows + slot] = src_scales == nullptr ? 0.0f : src_scales[b];
+    }
+  }
+
+  template <class Params>
+  __device__ __forceinline__ static void run_communication_cta(const Params& p, MegakernelSharedStorage<T>& storage) {
+    run_copy_cta<Fp8ForwardTasks>(p, storage.comm.task_word);
+  }
+};
+
+template <class T, class TDown, class Params>
+__global__ void __launch_bounds__(T::kThreads, 1) fp8_forward_kernel(const __grid_constant__ Params p) {
+  run_megakernel<Fp8ForwardTasks<T, TDown>>(p);
 }
 
 }  // namespace mok::megakernel
