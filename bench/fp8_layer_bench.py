@@ -5,7 +5,8 @@ and fused), one GPU, EP = 1, in one run: issue 27's forward ratios (the bar: fus
 Shapes: --shapes names of the model shapes (bench/gemm_bench.SHAPES) and --experts-per E_global / E: the default 8
 runs one EP = 8 rank's share of experts with all of the --tokens tokens routed among them (48 of Kimi-K2.7's 384:
 about 1360 rows each at 8192 tokens and top-8), as the issue's "one EP = 8 rank" rows; --experts-per 1 runs the
-full shapes (the weights stream from DRAM: FP8 halves their bytes). Each shape's weights are random bf16
+full shapes (the weights stream from DRAM: FP8 halves their bytes); a shape that does not fit runs again with half
+its experts, printed as "NAME E/2" (as bench/layer_bench.py does). Each shape's weights are random bf16
 (N(0, 1/fan_in)); the FP8 layer's weights are those quantized by the recipe (128 x 128 blocks; quantization is not
 timed: it runs once per optimizer step). Time: median of CUDA-event timings, the forwards in turns.
 Also printed: the FP8 output's normwise error against the BF16 output of the same inputs, and, where torchao
@@ -71,91 +72,106 @@ def main():
           f"{'w_MiB':>8s} {'w8_MiB':>8s}   (fp8: the FP8 unfused path, fp8f the FP8 fused path; bf16 unfused, fused; "
           "ratios: speed-ups; err: normwise |fp8 - bf16| / |bf16|; f==u: the FP8 fused output bitwise the unfused one; "
           "w_MiB, w8_MiB: the rank's weights in bf16, and in e4m3 with their block scales)")
-    for name, num_experts, hidden, inter, top_k, shared in SHAPES:
-        if name not in args.shapes.split(","):
-            continue
-        experts, t = num_experts // args.experts_per, args.tokens
+    def run_shape(name, experts, label, hidden, inter, top_k, shared):
+        t = args.tokens
         common = dict(ep_size=1, num_tokens=t, top_k=top_k, num_experts=experts, hidden=hidden, intermediate=inter,
                       shared_expert=bool(shared), backward=False)
         layers = {"fp8": create(lib, path="unfused", precision="fp8", **common),
                   "fp8f": create(lib, path="fused", precision="fp8", **common),
                   "bf16": create(lib, path="unfused", **common),
                   "fused": create(lib, path="fused", **common)}
-        randn = lambda *s, scale=1.0: torch.randn(*s, device="cuda", dtype=torch.float32, generator=gen).mul_(
-            scale).bfloat16()
-        x = randn(t, hidden)
-        topk_idx = torch.randn(t, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.int()
-        rw = torch.rand(t, top_k, device="cuda", generator=gen)
-        w = [randn(experts, inter, hidden, scale=hidden**-0.5), randn(experts, inter, hidden, scale=hidden**-0.5),
-             randn(experts, hidden, inter, scale=inter**-0.5)]
-        w += [randn(inter, hidden, scale=hidden**-0.5), randn(inter, hidden, scale=hidden**-0.5),
-              randn(hidden, inter, scale=inter**-0.5)] if shared else [None, None, None]
-        fp8 = []  # each weight e4m3, then its scales (the 2-D shared weights quantized as one expert)
-        for tensor in w:
-            if tensor is None:
-                fp8 += [None, None]
-                continue
-            three = tensor.dim() == 3
-            q, s = quantize_blocks_128x128(tensor if three else tensor[None])
-            fp8 += [q if three else q[0].contiguous(), s if three else s[0].contiguous()]
-        pointers = (ctypes.c_void_p * 12)(*[0 if q is None else q.data_ptr() for q in fp8])
-        weight_mib = sum(v.numel() * v.element_size() for v in w if v is not None) / 2**20
-        fp8_weight_mib = sum(v.numel() * v.element_size() for v in fp8 if v is not None) / 2**20
-        outs = {p: torch.empty(t, hidden, device="cuda", dtype=torch.bfloat16) for p in layers}
-        wp = [0 if v is None else v.data_ptr() for v in w]
+        try:
+            randn = lambda *s, scale=1.0: torch.randn(*s, device="cuda", dtype=torch.float32, generator=gen).mul_(
+                scale).bfloat16()
+            x = randn(t, hidden)
+            topk_idx = torch.randn(t, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.int()
+            rw = torch.rand(t, top_k, device="cuda", generator=gen)
+            w = [randn(experts, inter, hidden, scale=hidden**-0.5), randn(experts, inter, hidden, scale=hidden**-0.5),
+                 randn(experts, hidden, inter, scale=inter**-0.5)]
+            w += [randn(inter, hidden, scale=hidden**-0.5), randn(inter, hidden, scale=hidden**-0.5),
+                  randn(hidden, inter, scale=inter**-0.5)] if shared else [None, None, None]
+            fp8 = []  # each weight e4m3, then its scales (the 2-D shared weights quantized as one expert)
+            for tensor in w:
+                if tensor is None:
+                    fp8 += [None, None]
+                    continue
+                three = tensor.dim() == 3
+                q, s = quantize_blocks_128x128(tensor if three else tensor[None])
+                fp8 += [q if three else q[0].contiguous(), s if three else s[0].contiguous()]
+            pointers = (ctypes.c_void_p * 12)(*[0 if q is None else q.data_ptr() for q in fp8])
+            weight_mib = sum(v.numel() * v.element_size() for v in w if v is not None) / 2**20
+            fp8_weight_mib = sum(v.numel() * v.element_size() for v in fp8 if v is not None) / 2**20
+            outs = {p: torch.empty(t, hidden, device="cuda", dtype=torch.bfloat16) for p in layers}
+            wp = [0 if v is None else v.data_ptr() for v in w]
 
-        def forward(path):
-            if path.startswith("fp8"):
-                return lambda: check(lib.mok_bench_layer_forward_fp8(layers[path], x.data_ptr(), topk_idx.data_ptr(),
-                                                                     0, rw.data_ptr(), pointers, outs[path].data_ptr(),
-                                                                     stream, ERROR, len(ERROR)))
-            return lambda: check(lib.mok_bench_layer_forward(layers[path], x.data_ptr(), topk_idx.data_ptr(), 0,
-                                                             rw.data_ptr(), *wp, outs[path].data_ptr(), stream, ERROR,
-                                                             len(ERROR)))
+            def forward(path):
+                if path.startswith("fp8"):
+                    return lambda: check(lib.mok_bench_layer_forward_fp8(layers[path], x.data_ptr(), topk_idx.data_ptr(),
+                                                                         0, rw.data_ptr(), pointers, outs[path].data_ptr(),
+                                                                         stream, ERROR, len(ERROR)))
+                return lambda: check(lib.mok_bench_layer_forward(layers[path], x.data_ptr(), topk_idx.data_ptr(), 0,
+                                                                 rw.data_ptr(), *wp, outs[path].data_ptr(), stream, ERROR,
+                                                                 len(ERROR)))
 
-        fns = [forward(p) for p in layers]
-        if tao_gmm is not None:  # torchao's expert MLP over the routed rows, grouped by expert, groups padded to 16
-            counts = torch.bincount(topk_idx.flatten().long(), minlength=experts)
-            padded = (counts + 15) // 16 * 16
-            offs = torch.cumsum(padded, 0).to(torch.int32)
-            tao_rows = torch.randn(int(offs[-1]), hidden, device="cuda", generator=gen).bfloat16()
-            w13_t = torch.cat([w[0], w[1]], dim=1).transpose(-2, -1)  # [E, H, 2I], column-major per expert
-            w2_t = w[2].transpose(-2, -1)  # [E, I, H], column-major per expert
+            fns = [forward(p) for p in layers]
+            if tao_gmm is not None:  # torchao's expert MLP over the routed rows, grouped by expert, groups padded to 16
+                counts = torch.bincount(topk_idx.flatten().long(), minlength=experts)
+                padded = (counts + 15) // 16 * 16
+                offs = torch.cumsum(padded, 0).to(torch.int32)
+                tao_rows = torch.randn(int(offs[-1]), hidden, device="cuda", generator=gen).bfloat16()
+                w13_t = torch.cat([w[0], w[1]], dim=1).transpose(-2, -1)  # [E, H, 2I], column-major per expert
+                w2_t = w[2].transpose(-2, -1)  # [E, I, H], column-major per expert
 
-            def tao_forward():
-                with torch.no_grad():
-                    gate, up = tao_gmm(tao_rows, w13_t, offs, pad_token_groups_for_grouped_mm=False).chunk(2, dim=-1)
-                    return tao_gmm((torch.nn.functional.silu(gate) * up).contiguous(), w2_t, offs,
-                                   pad_token_groups_for_grouped_mm=False)
+                def tao_forward():
+                    with torch.no_grad():
+                        gate, up = tao_gmm(tao_rows, w13_t, offs, pad_token_groups_for_grouped_mm=False).chunk(2, dim=-1)
+                        return tao_gmm((torch.nn.functional.silu(gate) * up).contiguous(), w2_t, offs,
+                                       pad_token_groups_for_grouped_mm=False)
 
-            try:
-                tao_forward()
-                torch.cuda.synchronize()
-                fns.append(tao_forward)
-            except Exception as e:  # noqa: BLE001
-                print(f"  {name}: torchao peer failed: {str(e).splitlines()[0][:160]}", flush=True)
-        for fn in fns:
-            fn()
-        for layer in layers.values():
-            check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
-        err = ((outs["fp8"].float() - outs["bf16"].float()).norm() / outs["bf16"].float().norm()).item()
-        ms = dict(zip(list(layers) + ["tao"], time_ms(fns, args.iters)))
-        flops = 6.0 * t * (top_k + int(bool(shared))) * hidden * inter
-        tao = f"{ms['tao']:8.3f}" if "tao" in ms else f"{'-':>8s}"
-        tao_ratio = f"{ms['tao'] / ms['fp8f']:8.2f}" if "tao" in ms else f"{'-':>8s}"
-        same = "yes" if torch.equal(outs["fp8f"], outs["fp8"]) else "NO"
-        print(f"{name:16s} {experts:4d} {ms['fp8']:8.3f} {ms['fp8f']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} {tao} "
-              f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8f']:10.2f} {tao_ratio} "
-              f"{flops / ms['fp8f'] / 1e9:7.0f} {err:8.4f} {same:>5s} {weight_mib:8.1f} {fp8_weight_mib:8.1f}", flush=True)
-        if args.breakdown:
-            for path in ("fp8", "fp8f", "bf16"):
-                for kernel, kernel_ms in kernel_breakdown(forward(path)):
-                    print(f"  {name} {path:5s} {kernel:40s} {kernel_ms:8.3f} ms per call", flush=True)
-        for layer in layers.values():
-            check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
-            lib.mok_bench_layer_destroy(layer)
-        del x, w, fp8, outs
+                try:
+                    tao_forward()
+                    torch.cuda.synchronize()
+                    fns.append(tao_forward)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {name}: torchao peer failed: {str(e).splitlines()[0][:160]}", flush=True)
+            for fn in fns:
+                fn()
+            for layer in layers.values():
+                check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
+            err = ((outs["fp8"].float() - outs["bf16"].float()).norm() / outs["bf16"].float().norm()).item()
+            ms = dict(zip(list(layers) + ["tao"], time_ms(fns, args.iters)))
+            flops = 6.0 * t * (top_k + int(bool(shared))) * hidden * inter
+            tao = f"{ms['tao']:8.3f}" if "tao" in ms else f"{'-':>8s}"
+            tao_ratio = f"{ms['tao'] / ms['fp8f']:8.2f}" if "tao" in ms else f"{'-':>8s}"
+            same = "yes" if torch.equal(outs["fp8f"], outs["fp8"]) else "NO"
+            print(f"{label:16s} {experts:4d} {ms['fp8']:8.3f} {ms['fp8f']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} {tao} "
+                  f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8f']:10.2f} {tao_ratio} "
+                  f"{flops / ms['fp8f'] / 1e9:7.0f} {err:8.4f} {same:>5s} {weight_mib:8.1f} {fp8_weight_mib:8.1f}", flush=True)
+            if args.breakdown:
+                for path in ("fp8", "fp8f", "bf16"):
+                    for kernel, kernel_ms in kernel_breakdown(forward(path)):
+                        print(f"  {name} {path:5s} {kernel:40s} {kernel_ms:8.3f} ms per call", flush=True)
+            for layer in layers.values():
+                check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
+        finally:  # (an out-of-memory error included: the retry needs the memory back)
+            for layer in layers.values():
+                lib.mok_bench_layer_destroy(layer)
+
+    for name, num_experts, hidden, inter, top_k, shared in SHAPES:
+        if name not in args.shapes.split(","):
+            continue
+        experts = num_experts // args.experts_per
+        out_of_memory = False
+        try:
+            run_shape(name, experts, name, hidden, inter, top_k, shared)
+        except torch.OutOfMemoryError:  # as layer_bench: the shape again with half its experts ("NAME E/2")
+            out_of_memory = True  # retried below, once the exception no longer holds the failed run's tensors
         torch.cuda.empty_cache()
+        if out_of_memory:
+            print(f"  {name}: out of memory with {experts} experts; again with {experts // 2} (same tokens and top-k: "
+                  "twice the rows per expert)", flush=True)
+            run_shape(name, experts // 2, f"{name} E/2", hidden, inter, top_k, shared)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
