@@ -137,6 +137,9 @@ def main():
                         help="the expert GEMMs, the weight-gradient GEMMs or both (--only, --trace, --cluster: expert "
                         "only); fp8: the forward's GEMMs in FP8")
     parser.add_argument("--ep", type=int, default=8, help="--gemm fp8: the EP size whose rank 0 row counts are used")
+    parser.add_argument("--digest", action="store_true",
+                        help="--gemm fp8: print a fingerprint of our outputs per GEMM (inputs seeded), so that two "
+                             "builds' bits can be compared (--lib)")
     args = parser.parse_args()
     if args.gemm == "wgrad":
         return wgrad_main(args)
@@ -344,6 +347,13 @@ def quantize_rowwise(t, dim):
     return (t.float() / scales).to(torch.float8_e4m3fn), scales
 
 
+def fingerprint(t):
+    """A position-weighted sum of a tensor's bits (int64, hex): equal bits give equal prints."""
+    bits = t.contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
+    weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
+    return f"{int((bits * weights).sum()) & (2**64 - 1):016x}"
+
+
 def fp8_main(args):
     """The forward's GEMMs in FP8 at one EP = args.ep rank's row counts: ours (block scales, SwiGLU fused into
     gate/up) against ours in bf16, torch._scaled_grouped_mm (rowwise, the same weights quantized per output
@@ -351,6 +361,7 @@ def fp8_main(args):
     weights are quantized once per optimizer step; the activations' quantization is fused into producers in
     the layer). TFLOP/s: 2 * rows * N * K over real rows."""
     lib, ticket, error, status, gen, stream, commit = bench_setup(args)
+    torch.manual_seed(0)  # the operands (torch's default generator): the same inputs in every run
     print(f"FP8 expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
           f"{args.tokens} tokens/rank, EP={args.ep} (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
     print(f"{'shape':16s} {'gemm':8s} {'E':>4s} {'rows':>7s} {'fp8':>7s} {'fp8_q':>7s} {'bf16':>7s} {'t_fp8':>7s} "
@@ -418,6 +429,12 @@ def fp8_main(args):
                     available[key] = fn
                 except Exception as e:  # noqa: BLE001  (a peer that does not run here is reported, not fatal)
                     print(f"  {name} {label}: {key} unavailable: {str(e).splitlines()[0][:160]}", flush=True)
+            if args.digest and "fp8" in available:
+                ours_fp8()  # (ours_bf16 wrote `out` since)
+                prints = [f"fp8 {fingerprint(out)}"]
+                if "fp8_q" in available:
+                    prints.append(f"fp8_q {fingerprint(out_q)} scales {fingerprint(out_qs)}")
+                print(f"  digest {name} {label}: {', '.join(prints)}", flush=True)
             times = dict(zip(available, time_ms(list(available.values()), args.iters)))
             try:
                 (times["d_fp8"],) = time_ms([dense_fp8], args.iters)
