@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import capi  # noqa: E402
-from gemm_bench import SHAPES, quantize_blocks_128x128, time_ms  # noqa: E402
+import gemm_bench  # noqa: E402  (gemm_bench.LAST_CLOCKS: the SM clocks of the last timed turns)
+from gemm_bench import SHAPES, clock_line, quantize_blocks_128x128, time_ms  # noqa: E402
 from layer_bench import kernel_breakdown  # noqa: E402
 
 
@@ -140,6 +141,7 @@ def main():
                 check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
             err = ((outs["fp8"].float() - outs["bf16"].float()).norm() / outs["bf16"].float().norm()).item()
             ms = dict(zip(list(layers) + ["tao"], time_ms(fns, args.iters)))
+            clocks = dict(zip(list(layers) + ["tao"], gemm_bench.LAST_CLOCKS))
             flops = 6.0 * t * (top_k + int(bool(shared))) * hidden * inter
             tao = f"{ms['tao']:8.3f}" if "tao" in ms else f"{'-':>8s}"
             tao_ratio = f"{ms['tao'] / ms['fp8f']:8.2f}" if "tao" in ms else f"{'-':>8s}"
@@ -147,6 +149,9 @@ def main():
             print(f"{label:16s} {experts:4d} {ms['fp8']:8.3f} {ms['fp8f']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} {tao} "
                   f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8f']:10.2f} {tao_ratio} "
                   f"{flops / ms['fp8f'] / 1e9:7.0f} {err:8.4f} {same:>5s} {weight_mib:8.1f} {fp8_weight_mib:8.1f}", flush=True)
+            line = clock_line(list(clocks), list(clocks.values()))
+            if line:
+                print(f"  {label}: {line}", flush=True)
             if args.breakdown:
                 for path in ("fp8", "fp8f", "bf16"):
                     for kernel, kernel_ms in kernel_breakdown(forward(path)):

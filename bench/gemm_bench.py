@@ -73,18 +73,46 @@ def time_ms(fns, iters, warmup_s=0.3):
     return [median(t) for t in timed_turns(fns, iters)]
 
 
+# The SM clock after each timed call (bench/nvml.py), per function of the last timed_turns: LAST_CLOCKS[i] is the
+# median MHz of fns[i], or None without NVML. Sampled on the current device, once per process.
+LAST_CLOCKS = []
+_sm_clock = None
+
+
+def sm_clock():
+    global _sm_clock
+    if _sm_clock is None:
+        import nvml
+        _sm_clock = nvml.SmClock(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    return _sm_clock
+
+
 def timed_turns(fns, iters):
-    """iters rounds, each function called once per round and timed alone with CUDA events: [[ms] per function]."""
+    """iters rounds, each function called once per round and timed alone with CUDA events: [[ms] per function].
+    Also sets LAST_CLOCKS (the SM clock read after each call, outside the timed interval)."""
+    global LAST_CLOCKS
+    clock = sm_clock()
     times = [[] for _ in fns]
+    clocks = [[] for _ in fns]
     for _ in range(iters):
-        for fn, t in zip(fns, times):
+        for fn, t, c in zip(fns, times, clocks):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
             stop.record()
             stop.synchronize()
             t.append(start.elapsed_time(stop))
+            mhz = clock.mhz()
+            if mhz is not None:
+                c.append(mhz)
+    LAST_CLOCKS = [median(c) if c else None for c in clocks]
     return times
+
+
+def clock_line(names, clocks):
+    """'  SM clock (median MHz after each timed call): a 1755, b 1740', or '' without NVML."""
+    cells = [f"{n} {c}" for n, c in zip(names, clocks) if c is not None]
+    return f"SM clock (median MHz after each timed call): {', '.join(cells)}" if cells else ""
 
 
 def median(values):
@@ -211,12 +239,17 @@ def main():
             # alone, in its own steady state: it draws less power and keeps a higher clock, and timing it
             # between grouped GEMMs would lower the ceiling we compare against.
             t_ours, t_torch = time_ms([ours, grouped], args.iters)
+            clocks = list(LAST_CLOCKS)
             (t_dense,) = time_ms([dense], args.iters)
+            clocks += LAST_CLOCKS
             if args.trace:
                 save_trace("_hot")
             tf = [flops / t / 1e9 for t in (t_ours, t_torch, t_dense)]
             print(f"{name:16s} {label:8s} {rows:7d} {100.0 * (rows_padded - rows) / rows:5.1f} {tf[0]:7.0f} "
                   f"{tf[1]:7.0f} {tf[2]:7.0f} {tf[0] / tf[1]:10.2f} {tf[0] / tf[2]:10.2f}", flush=True)
+            line = clock_line(["ours", "torch", "dense"], clocks)
+            if line:
+                print(f"  {name} {label}: {line}", flush=True)
             del a, out, gate_up, partials, a_torch, a_dense, b_dense
         check_status(lib, status, stream, error)
         del w13, w2
@@ -436,8 +469,10 @@ def fp8_main(args):
                     prints.append(f"fp8_q {fingerprint(out_q)} scales {fingerprint(out_qs)}")
                 print(f"  digest {name} {label}: {', '.join(prints)}", flush=True)
             times = dict(zip(available, time_ms(list(available.values()), args.iters)))
+            clocks = dict(zip(available, LAST_CLOCKS))
             try:
                 (times["d_fp8"],) = time_ms([dense_fp8], args.iters)
+                clocks["d_fp8"] = LAST_CLOCKS[0]
             except Exception as e:  # noqa: BLE001
                 print(f"  {name} {label}: d_fp8 unavailable: {str(e).splitlines()[0][:160]}", flush=True)
             tf = {key: flops / t / 1e9 for key, t in times.items()}
@@ -446,6 +481,9 @@ def fp8_main(args):
             print(f"{name:16s} {label:8s} {local:4d} {rows:7d} {cell('fp8')} {cell('fp8_q')} {cell('bf16')} "
                   f"{cell('t_fp8')} {cell('d_fp8')} {ratio('bf16', 8)} {ratio('t_fp8', 9)} {ratio('d_fp8', 9)}",
                   flush=True)
+            line = clock_line(list(clocks), list(clocks.values()))
+            if line:
+                print(f"  {name} {label}: {line}", flush=True)
             del a, a_q, a_s, w_q, w_s, out, out_q, out_qs, a_t, w_t, w_t_kn, a_d, b_d
         check_status(lib, status, stream, error)
         del w13, w2

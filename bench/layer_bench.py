@@ -91,7 +91,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from capi import GRADS, grad_arrays, layer_options, load  # noqa: E402
 from chart_png import chart_title, draw_layer_chart  # noqa: E402
-from gemm_bench import TORCH_GROUP_ALIGN, median, timed_turns  # noqa: E402
+import gemm_bench  # noqa: E402  (gemm_bench.LAST_CLOCKS: the SM clocks of the last timed turns)
+from gemm_bench import TORCH_GROUP_ALIGN, clock_line, median, timed_turns  # noqa: E402
 from shapes import SPEC, check_shape, flops, select_shapes  # noqa: E402
 from timeline_stats import load_events, phase_table  # noqa: E402
 
@@ -628,6 +629,7 @@ def run_shape(lib, args, ep, rank, shape):
                 baseline_forward(ep=ep, **inputs).backward(d_out)
 
         times = {}
+        clocks = {}  # the SM clock of each timed call, printed after the timing (gemm_bench.timed_turns)
         fwd = dict(relerr=None, bitwise=None)
         bwd = dict(dx=None, drw=None, dw=None, worst="", bitwise=None, error=None)
         if args.only:
@@ -650,7 +652,9 @@ def run_shape(lib, args, ep, rank, shape):
                 # own steady state (it draws less power and keeps a higher clock).
                 times["fused"], times["unfused"], times["base"] = time_ms(
                     [ours_forward("fused"), ours_forward("unfused"), base_forward], args.iters)
+                clocks.update(zip(["fused", "unfused", "base"], gemm_bench.LAST_CLOCKS))
                 (times["dense"],) = time_ms([dense_ceiling(tokens, top_k, shared, hidden, inter)], args.iters)
+                clocks["dense"] = gemm_bench.LAST_CLOCKS[0]
             # Forward: fused vs the baseline, fused == unfused.
             for path in layers:
                 outs[path].fill_(float("nan"))  # a row ours does not write shows as NaN
@@ -667,10 +671,13 @@ def run_shape(lib, args, ep, rank, shape):
                          times["fb_base"]) = time_ms([ours_train("fused"), ours_train("unfused"),
                                                       ours_backward("fused"), ours_backward("unfused"), base_train],
                                                      args.iters)
+                        clocks.update(zip(["fb_fused", "fb_unfused", "bwd_fused", "bwd_unfused", "fb_base"],
+                                          gemm_bench.LAST_CLOCKS))
                         for t in leaves:
                             t.grad = None
                         (times["fb_dense"],) = time_ms([dense_training_ceiling(tokens, top_k, shared, hidden, inter)],
                                                        args.iters)
+                        clocks["fb_dense"] = gemm_bench.LAST_CLOCKS[0]
                         torch.cuda.empty_cache()
                     check_backward(lib, layers, stream, leaves, inputs, weights, grads, new_grads, arrays_of,
                                    grad_mode == "accumulate", d_x, d_rw, base_train, ours_train, bwd)
@@ -680,6 +687,9 @@ def run_shape(lib, args, ep, rank, shape):
                     bwd["error"] = str(e)
                     for t in leaves:
                         t.grad = None
+        line = clock_line(list(clocks), list(clocks.values()))
+        if line and rank == 0:
+            print(f"  {label}: {line}", flush=True)
         if args.timeline and "fused" in layers:
             os.makedirs(args.timeline, exist_ok=True)
             path = os.path.join(args.timeline, f"timeline_{name}_ep{ep}_rank{rank}.json")

@@ -74,7 +74,7 @@ if [ -n "$layer_args" ]; then
         echo "layer_bench FAILED: ${names[$i]} round $rep ($log)"
       echo "== ${names[$i]}, round $rep"
       grep -E "^(fwd|f\+b) " "$log" | grep -v " shape " | sort -u
-      grep -E "^ +(fused|unfused) (forward|backward) +[a-z_]+_kernel" "$log"
+      grep -E "^ +(fused|unfused) (forward|backward) +[a-z_]+_kernel|SM clock" "$log"
     done
   done
 fi
