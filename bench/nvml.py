@@ -2,8 +2,8 @@
 
 Why: under sustained load the H200 lowers its SM clock at its 700 W power limit, so two builds (or ours and a peer)
 timed in turns can differ by their clocks as well as by their code (docs/perf_notes.md, round 16: the bounded and
-the unbounded dgrad GEMM take the same cycles at a fixed clock and not the same time in the timed loop). The
-benchmarks sample the clock after each timed call and print each function's median next to its time.
+the unbounded dgrad GEMM take the same cycles at a fixed clock and not the same time in the timed loop). With
+MOK_BENCH_CLOCKS=1 the benchmarks sample the clock after each timed call and print each function's median.
 
 SmClock(device).mhz() -> int, or None where NVML does not load or does not know the device (no driver, a GPU that
 is not NVIDIA's, a CPU-only machine): the benchmarks then print no clocks; nothing else depends on it.

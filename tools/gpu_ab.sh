@@ -10,6 +10,8 @@
 #   MOK_AB_REPS=2                          rounds of the layer benchmark, each over every version in turn
 #   MOK_AB_LAYER_ARGS="--shapes Qwen3-30B-A3B --iters 30"   bench/layer_bench.py's arguments ("" skips it)
 #   MOK_AB_GEMM_ARGS=""                    bench/gemm_bench.py's arguments, e.g. "--gemm all" ("" skips it)
+#   MOK_BENCH_CLOCKS=1                     the benches print each timed function's SM clock ("SM clock" lines;
+#                                          only versions whose bench/*.py have it: from round 16 on)
 #   MOK_AB_BITS_SHAPES=""                  bench/bits.py (this tree's): --save with the first version, --check with
 #                                          every other one, on these shapes, e.g. "Qwen3-30B-A3B,Kimi-K2.7"
 #   MOK_AB_JOBS                            build jobs per version (default: the cores / the number of versions)
