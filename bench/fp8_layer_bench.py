@@ -107,12 +107,12 @@ def main():
 
             def forward(path):
                 if path.startswith("fp8"):
-                    return lambda: check(lib.mok_bench_layer_forward_fp8(layers[path], x.data_ptr(), topk_idx.data_ptr(),
-                                                                         0, rw.data_ptr(), pointers, outs[path].data_ptr(),
-                                                                         stream, ERROR, len(ERROR)))
-                return lambda: check(lib.mok_bench_layer_forward(layers[path], x.data_ptr(), topk_idx.data_ptr(), 0,
-                                                                 rw.data_ptr(), *wp, outs[path].data_ptr(), stream, ERROR,
-                                                                 len(ERROR)))
+                    return lambda: check(lib.mok_bench_layer_forward_fp8(
+                        layers[path], x.data_ptr(), topk_idx.data_ptr(), 0, rw.data_ptr(), pointers,
+                        outs[path].data_ptr(), stream, ERROR, len(ERROR)))
+                return lambda: check(lib.mok_bench_layer_forward(
+                    layers[path], x.data_ptr(), topk_idx.data_ptr(), 0, rw.data_ptr(), *wp, outs[path].data_ptr(),
+                    stream, ERROR, len(ERROR)))
 
             fns = [forward(p) for p in layers]
             if tao_gmm is not None:  # torchao's expert MLP over the routed rows, grouped by expert, groups padded to 16
@@ -125,7 +125,8 @@ def main():
 
                 def tao_forward():
                     with torch.no_grad():
-                        gate, up = tao_gmm(tao_rows, w13_t, offs, pad_token_groups_for_grouped_mm=False).chunk(2, dim=-1)
+                        gate, up = tao_gmm(tao_rows, w13_t, offs,
+                                           pad_token_groups_for_grouped_mm=False).chunk(2, dim=-1)
                         return tao_gmm((torch.nn.functional.silu(gate) * up).contiguous(), w2_t, offs,
                                        pad_token_groups_for_grouped_mm=False)
 
@@ -146,9 +147,10 @@ def main():
             tao = f"{ms['tao']:8.3f}" if "tao" in ms else f"{'-':>8s}"
             tao_ratio = f"{ms['tao'] / ms['fp8f']:8.2f}" if "tao" in ms else f"{'-':>8s}"
             same = "yes" if torch.equal(outs["fp8f"], outs["fp8"]) else "NO"
-            print(f"{label:16s} {experts:4d} {ms['fp8']:8.3f} {ms['fp8f']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} {tao} "
-                  f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8f']:10.2f} {tao_ratio} "
-                  f"{flops / ms['fp8f'] / 1e9:7.0f} {err:8.4f} {same:>5s} {weight_mib:8.1f} {fp8_weight_mib:8.1f}", flush=True)
+            print(f"{label:16s} {experts:4d} {ms['fp8']:8.3f} {ms['fp8f']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} "
+                  f"{tao} {ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8f']:10.2f} {tao_ratio} "
+                  f"{flops / ms['fp8f'] / 1e9:7.0f} {err:8.4f} {same:>5s} {weight_mib:8.1f} {fp8_weight_mib:8.1f}",
+                  flush=True)
             line = clock_line(list(clocks), list(clocks.values()))
             if line:
                 print(f"  {label}: {line}", flush=True)

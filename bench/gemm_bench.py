@@ -119,7 +119,7 @@ def timed_turns(fns, iters):
 
 
 def clock_line(names, clocks):
-    """'  SM clock (median MHz after each timed call): a 1755, b 1740', or '' without NVML."""
+    """'SM clock (median MHz after each timed call): a 1755, b 1740' for the functions sampled, '' if none was."""
     cells = [f"{n} {c}" for n, c in zip(names, clocks) if c is not None]
     return f"SM clock (median MHz after each timed call): {', '.join(cells)}" if cells else ""
 
