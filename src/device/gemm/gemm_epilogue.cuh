@@ -146,6 +146,22 @@ struct TileStager {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
+// h = silu(g) * u * scale of one accumulator pair of a SwiGLU tile (gate columns in values [0, kHalf), up in
+// [kHalf, 2 kHalf): value i and i + kHalf are the same h column), g and u clamped first when limit > 0
+// (gpt-oss's swiglu_limit). The one definition of the forward's h: the plain and the quantizing epilogue.
+template <int kHalf, class Accum>
+__device__ __forceinline__ void swiglu_pair(const Accum& accum, int i, float limit, float scale, float (&h)[2]) {
+  CUTE_UNROLL
+  for (int j = 0; j < 2; ++j) {
+    float g = accum(i + j), u = accum(i + kHalf + j);
+    if (limit > 0.0f) {
+      g = fminf(g, limit);
+      u = fminf(fmaxf(u, -limit), limit);
+    }
+    h[j] = silu(g) * u * scale;
+  }
+}
+
 // The epilogue interface of every GEMM (T: the GEMM's traits; compute_tile, mainloop.cuh, calls it):
 //   prefetch<T>(...)       before the tile's mainloop (consumer threads of an active warpgroup)
 //   finish<T>(...)         after it: the warpgroup's rows of the accumulators to the outputs
@@ -264,17 +280,8 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
     CUTE_UNROLL
     for (int i = 0; i < kHalf; i += 2) {
       const int r = get<0>(coords(i));
-      const float scale = rows.row_scale[(i / 2) % 2];
       float h[2];
-      CUTE_UNROLL
-      for (int j = 0; j < 2; ++j) {
-        float g = accum(i + j), u = accum(i + kHalf + j);
-        if (limit > 0.0f) {
-          g = fminf(g, limit);
-          u = fminf(fmaxf(u, -limit), limit);
-        }
-        h[j] = silu(g) * u * scale;
-      }
+      swiglu_pair<kHalf>(accum, i, limit, rows.row_scale[(i / 2) % 2], h);
       stager.stage(r, get<1>(coords(i)),
                    r < rows.valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f));
     }
@@ -357,17 +364,8 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue> {
     const float limit = p.swiglu_limit;
     CUTE_UNROLL
     for (int i = 0; i < kHalf; i += 2) {
-      const float scale = rows.row_scale[(i / 2) % 2];
       float h[2];
-      CUTE_UNROLL
-      for (int j = 0; j < 2; ++j) {
-        float g = accum(i + j), u = accum(i + kHalf + j);
-        if (limit > 0.0f) {
-          g = fminf(g, limit);
-          u = fminf(fmaxf(u, -limit), limit);
-        }
-        h[j] = silu(g) * u * scale;
-      }
+      swiglu_pair<kHalf>(accum, i, limit, rows.row_scale[(i / 2) % 2], h);
       const bool real = get<0>(coords(i)) < rows.valid_rows;
       h_out[i / 2] = real ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f);
     }
