@@ -23,8 +23,8 @@ def _inputs(seed, shared=True):
     return x, idx, rw, w
 
 
-def _fp8_workspace(shared=True):
-    return mok.get_workspace(mok.Config(precision="fp8", path="unfused", backward=False), None, T, H, I, K, E,
+def _fp8_workspace(shared=True, path="unfused"):
+    return mok.get_workspace(mok.Config(precision="fp8", path=path, backward=False), None, T, H, I, K, E,
                              shared_expert=shared)
 
 
@@ -127,9 +127,10 @@ def test_bad_inputs_raise_and_the_next_call_works():
         assert not out.isnan().any()
 
 
-def test_a_nan_in_x_is_reported_and_stays_in_its_token():
+@pytest.mark.parametrize("path", ["unfused", "fused"])
+def test_a_nan_in_x_is_reported_and_stays_in_its_token(path):
     x, idx, rw, w = _inputs(1830)
-    with _fp8_workspace() as ws:
+    with _fp8_workspace(path=path) as ws:
         qw = mok.quantize_weights(w)
         clean, _ = mok.forward_fp8(ws, x, idx, rw, qw)
         mok.check_status(ws)

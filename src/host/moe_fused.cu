@@ -117,11 +117,11 @@ void launch_fp8(const FusedForwardArgs& a, cudaStream_t stream) {
 }  // namespace
 
 int fused_cluster_n(int hidden, int intermediate, Precision precision) {
-  if (precision == Precision::kFP8)  // the quantizing gate/up pairs tiles only when both CTAs' tasks have 2 passes
-    return Fp8GateUpTraits<1>::n_blocks(intermediate) % 2 == 0 && intermediate % 256 == 0 &&
-                   Fp8DownTraits<1>::n_blocks(hidden) % 2 == 0
-               ? 2
-               : 1;
+  // FP8: a quantizing gate/up task covers 128 h columns in two passes (a last task of 64 columns, one), and the
+  // two CTAs of a pair run the same stages, so pairs need I % 256 == 0: whole two-pass tasks, an even number of them.
+  static_assert(Fp8GateUpTraits<1>::kOutCols == 128, "h columns per quantizing gate/up task");
+  if (precision == Precision::kFP8)
+    return intermediate % 256 == 0 && Fp8DownTraits<1>::n_blocks(hidden) % 2 == 0 ? 2 : 1;
   return fused_cluster_n(hidden, intermediate);
 }
 

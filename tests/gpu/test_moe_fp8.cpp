@@ -1,5 +1,6 @@
-// The layer in FP8 (MoeOptions::precision kFP8, the unfused path and the fused one; docs/design.md, "FP8"): x quantized once on its own
-// rank and pulled as FP8 rows, e4m3 GEMMs with block scales, h quantized per 1 x 128 before the down GEMM.
+// The layer in FP8 (MoeOptions::precision kFP8, the unfused path and the fused one; docs/design.md, "FP8"): x
+// quantized once on its own rank and pulled as FP8 rows, e4m3 GEMMs with block scales, h quantized per 1 x 128
+// before the down GEMM.
 // Checked against the CPU reference run on the same quantized x and weights (what remains is h's quantization,
 // which the reference does not do: a normwise budget), against the BF16 layer (the relative error is printed,
 // the figure issue 27 asks for), bitwise across reruns and across EP sizes of virtual ranks, and the
@@ -306,43 +307,49 @@ TEST(MoeFp8Test, FewerTokensGiveTheBitsOfAWorkspaceForExactlyThem) {
 // the bits of the run without it, and after a reset the next clean call is ok with the clean bits.
 TEST(MoeFp8Test, ANonFiniteXIsReportedAndStaysInItsToken) {
   MOK_REQUIRE_GPUS(1);
-  const MoeShape shape = testing::moe_shape(2, 128, 4, 16, 256, 256, true);
-  const LayerData clean = testing::random_layer(shape, 1800);
-  LayerData bad = clean;
-  const int bad_rank = 1, bad_token = 5;
-  bad.inputs.x[(int64_t(bad_rank) * shape.num_tokens + bad_token) * shape.hidden + 7] = NAN;
-  MoeHarness harness(PeerGroup::virtual_ranks(2), shape, fp8_options());
-  harness.upload(clean);
-  const auto weights = use_fp8_weights(harness, 2);
-  const auto want = harness.run_checked(1);
-  harness.upload(bad);  // the same weights (the FP8 ones stay in args), x with the NaN
-  harness.poison_outputs();
-  harness.forward();
-  const StatusReport report = harness.status(bad_rank);
-  ASSERT_TRUE(report.raw.error_bits & kStatusNonFinite) << report.describe(shape.num_tokens, shape.top_k,
-                                                                            shape.num_experts);
-  EXPECT_EQ(report.nonfinite_where(), NonFiniteWhere::kX);
-  EXPECT_EQ(report.nonfinite_rank(), bad_rank);
-  EXPECT_EQ(report.nonfinite_row(), bad_token);
-  EXPECT_NE(report.describe(shape.num_tokens, shape.top_k, shape.num_experts).find("token row 5 of rank 1"),
-            std::string::npos)
-      << report.describe(shape.num_tokens, shape.top_k, shape.num_experts);
-  for (int r = 0; r < 2; ++r) {
-    const StatusReport other = harness.status(r);
-    ASSERT_EQ(other.raw.error_bits & ~uint32_t(kStatusNonFinite), 0u) << "rank " << r << ": only non-finite reports";
-    const auto got = harness.out_bits(r);
-    for (int t = 0; t < shape.num_tokens; ++t)
-      for (int c = 0; c < shape.hidden; ++c) {
-        const size_t j = size_t(t) * shape.hidden + c;
-        if (r == bad_rank && t == bad_token)
-          ASSERT_TRUE(std::isnan(from_bf16_bits(got[j]))) << "the bad token's output, column " << c;
-        else
-          ASSERT_EQ(got[j], want[r][j]) << "rank " << r << " token " << t << " column " << c << " changed";
-      }
+  // Both forward paths: the fused one quantizes x with the same publish and h in the same epilogue.
+  for (const ForwardPath path : {ForwardPath::kUnfused, ForwardPath::kFused}) {
+    SCOPED_TRACE(path == ForwardPath::kFused ? "fused path" : "unfused path");
+    const MoeShape shape = testing::moe_shape(2, 128, 4, 16, 256, 256, true);
+    const LayerData clean = testing::random_layer(shape, 1800);
+    LayerData bad = clean;
+    const int bad_rank = 1, bad_token = 5;
+    bad.inputs.x[(int64_t(bad_rank) * shape.num_tokens + bad_token) * shape.hidden + 7] = NAN;
+    MoeOptions options = fp8_options();
+    options.path = path;
+    MoeHarness harness(PeerGroup::virtual_ranks(2), shape, options);
+    harness.upload(clean);
+    const auto weights = use_fp8_weights(harness, 2);
+    const auto want = harness.run_checked(1);
+    harness.upload(bad);  // the same weights (the FP8 ones stay in args), x with the NaN
+    harness.poison_outputs();
+    harness.forward();
+    const StatusReport report = harness.status(bad_rank);
+    ASSERT_TRUE(report.raw.error_bits & kStatusNonFinite) << report.describe(shape.num_tokens, shape.top_k,
+                                                                              shape.num_experts);
+    EXPECT_EQ(report.nonfinite_where(), NonFiniteWhere::kX);
+    EXPECT_EQ(report.nonfinite_rank(), bad_rank);
+    EXPECT_EQ(report.nonfinite_row(), bad_token);
+    EXPECT_NE(report.describe(shape.num_tokens, shape.top_k, shape.num_experts).find("token row 5 of rank 1"),
+              std::string::npos)
+        << report.describe(shape.num_tokens, shape.top_k, shape.num_experts);
+    for (int r = 0; r < 2; ++r) {
+      const StatusReport other = harness.status(r);
+      ASSERT_EQ(other.raw.error_bits & ~uint32_t(kStatusNonFinite), 0u) << "rank " << r << ": only non-finite reports";
+      const auto got = harness.out_bits(r);
+      for (int t = 0; t < shape.num_tokens; ++t)
+        for (int c = 0; c < shape.hidden; ++c) {
+          const size_t j = size_t(t) * shape.hidden + c;
+          if (r == bad_rank && t == bad_token)
+            ASSERT_TRUE(std::isnan(from_bf16_bits(got[j]))) << "the bad token's output, column " << c;
+          else
+            ASSERT_EQ(got[j], want[r][j]) << "rank " << r << " token " << t << " column " << c << " changed";
+        }
+    }
+    harness.reset_status();
+    harness.upload(clean);
+    EXPECT_EQ(harness.run_checked(1), want) << "the next clean call";
   }
-  harness.reset_status();
-  harness.upload(clean);
-  EXPECT_EQ(harness.run_checked(1), want) << "the next clean call";
 }
 
 TEST(MoeFp8Test, ValidationNamesTheOption) {
