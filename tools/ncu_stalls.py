@@ -30,8 +30,11 @@ def number(cell):
 def load(path):
     """(header, rows) of the per-instruction table of an `ncu --page source --csv --print-source sass` file."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", errors="replace") as f:
-        rows = list(csv.reader(f))
+    try:
+        with opener(path, "rt", errors="replace") as f:
+            rows = list(csv.reader(f))
+    except (OSError, EOFError, csv.Error) as e:  # missing, unreadable, not gzip, not CSV
+        sys.exit(f"{path}: cannot read it as an ncu source CSV{' (gzip)' if path.endswith('.gz') else ''}: {e}")
     head = next((i for i, r in enumerate(rows) if SAMPLES in r), None)
     if head is None:
         sys.exit(f"{path}: no '{SAMPLES}' column (was the report taken with --section SourceCounters?)")
@@ -54,6 +57,8 @@ def main():
     parser.add_argument("--compare", default="", help="a second report of the same kind, printed beside the first")
     parser.add_argument("--top", type=int, default=12, help="instructions with the most samples to print")
     args = parser.parse_args()
+    if args.top < 0:
+        parser.error(f"--top: at least 0, got {args.top}")
     runs = [summary(args.csv)] + ([summary(args.compare)] if args.compare else [])
     print("reports: " + ", ".join(f"{p}: {s['lines']} SASS lines, {s['total']:.0f} samples"
                                   for p, s in zip([args.csv, args.compare], runs)))
