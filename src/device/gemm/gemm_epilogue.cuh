@@ -430,8 +430,8 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue> {
 
 // The SwiGLU backward fused into the down dgrad's epilogue (acc = d_hu, 256 columns a tile). g and u come
 // from global memory: prefetched into L2 before the mainloop, loaded into registers pass by pass (64
-// columns: box 0 takes d_g, box 1 d_u), each pass's loads issued before it waits for the previous pass's
-// stores, so their latency overlaps that wait.
+// columns: box 0 takes d_g, box 1 d_u), the first half of each pass's loads issued before it waits for the
+// previous pass's stores, so their latency overlaps that wait.
 // The passes are a rolled loop over one pass's code. Why: unrolled, the four passes were about 8000 of the
 // kernel's 9000 instructions, more than the SM's instruction cache keeps: warps waited on instruction fetch
 // (Nsight Compute's no_instruction stall: 19 % of the samples, and a few hundred more instructions elsewhere,
@@ -513,7 +513,8 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
         if (v == kPairs / 2) load_half(1);
         const int i = 2 * v;
         const int half = (i / 2) % 2;
-        const float2 g_pair = __bfloat1622float2(g2[v % (kPairs / 2)]), u_pair = __bfloat1622float2(u2[v % (kPairs / 2)]);
+        const float2 g_pair = __bfloat1622float2(g2[v % (kPairs / 2)]);
+        const float2 u_pair = __bfloat1622float2(u2[v % (kPairs / 2)]);
         float d_g[2], d_u[2];
         CUTE_UNROLL
         for (int j = 0; j < 2; ++j) {
