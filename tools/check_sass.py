@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """Reads the compiled kernels of a CUDA object/archive and fails unless they are what we meant to build.
 
-  check_sass.py FILE [--cuobjdump PATH] [--require-hgmma REGEX ...]
+  check_sass.py FILE [--cuobjdump PATH] [--require-hgmma REGEX ...] [--max-instructions REGEX=N ...]
 
 For every kernel: no stack frame and no local memory (spilled or indexed registers live there), and no
 LDL/STL instructions in its SASS. For every kernel whose name matches a --require-hgmma regex: at least one
 wgmma instruction on the tensor cores (HGMMA for bf16, QGMMA for FP8; HMMA or FFMA alone means a slower path).
-Prints one line per kernel (registers, shared memory, wgmma count). Exit 0 pass, 1 fail, 77 when no cuobjdump is available.
+For every kernel whose name matches a --max-instructions regex: at most N SASS instructions. Why a size budget:
+a kernel that streams more code per tile than the SM's instruction cache keeps waits on instruction fetch (the
+down dgrad at 9,000 instructions: 19 % of its stall samples, 22 % slower; docs/perf_notes.md, round 17).
+Prints one line per kernel (registers, shared memory, wgmma count, instructions). Exit 0 pass, 1 fail, 77 when no
+cuobjdump is available.
 """
 import argparse
 import os
@@ -33,7 +37,14 @@ def main():
     parser.add_argument("file")
     parser.add_argument("--cuobjdump")
     parser.add_argument("--require-hgmma", action="append", default=[])
+    parser.add_argument("--max-instructions", action="append", default=[], metavar="REGEX=N")
     args = parser.parse_args()
+    budgets = []
+    for spec in args.max_instructions:
+        pattern, _, limit = spec.rpartition("=")
+        if not pattern or not limit.isdigit():
+            parser.error(f"--max-instructions: expected REGEX=N, got '{spec}'")
+        budgets.append((pattern, int(limit)))
     tool = find_cuobjdump(args.cuobjdump)
     if tool is None:
         print("check_sass: SKIPPED: no cuobjdump (install the CUDA toolkit's, or pip nvidia-cuda-cuobjdump)")
@@ -71,9 +82,14 @@ def main():
         body = "\n".join(bodies.get(name, []))
         hgmma = len(re.findall(r"\b[HQ]GMMA\b", body))
         local_ops = len(re.findall(r"\b(LDL|STL)\b", body))
+        instructions = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[^;]*;", body))
         short = demangled_short(name)
         print(f"{short:28s} REG {res.get('REG', 0):3d}  STACK {res.get('STACK', 0):4d}  LOCAL {res.get('LOCAL', 0):4d}  "
-              f"SHARED {res.get('SHARED', 0):6d}  GMMA {hgmma:3d}  LDL/STL {local_ops}")
+              f"SHARED {res.get('SHARED', 0):6d}  GMMA {hgmma:3d}  LDL/STL {local_ops}  SASS {instructions}")
+        for pattern, limit in budgets:
+            if re.search(pattern, name) and instructions > limit:
+                failures.append(f"{short}: {instructions} SASS instructions, over its budget of {limit} "
+                                f"(--max-instructions {pattern}={limit}: the instruction cache)")
         if res.get("STACK", 0) or res.get("LOCAL", 0) or local_ops:
             failures.append(f"{short}: stack/local memory in use (register spills or indexed arrays)")
         if any(re.search(pattern, name) for pattern in args.require_hgmma) and hgmma == 0:

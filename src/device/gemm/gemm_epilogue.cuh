@@ -430,8 +430,14 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue> {
 
 // The SwiGLU backward fused into the down dgrad's epilogue (acc = d_hu, 256 columns a tile). g and u come
 // from global memory: prefetched into L2 before the mainloop, loaded into registers pass by pass (64
-// columns: box 0 takes d_g, box 1 d_u), each pass's loads issued before it waits for the previous pass's
-// stores, so their latency overlaps that wait.
+// columns: box 0 takes d_g, box 1 d_u), the first half of each pass's loads issued before it waits for the
+// previous pass's stores, so their latency overlaps that wait.
+// The passes are a rolled loop over one pass's code. Why: unrolled, the four passes were about 8000 of the
+// kernel's 9000 instructions, more than the SM's instruction cache keeps: warps waited on instruction fetch
+// (Nsight Compute's no_instruction stall: 19 % of the samples, and a few hundred more instructions elsewhere,
+// the bounded waits', took the down dgrad from 577 to 703 us: docs/perf_notes.md, round 17). A pass reads values
+// [0, kPassValues) of `window`, which then shifts down by one pass; a value's fragment column is that of the
+// same value in pass 0 plus 64 columns per pass (the accumulator fragment repeats every 8 columns).
 // Row partials: each thread sums its columns of a row in a fixed order (pass by pass, ascending value
 // index), then the row's quad adds its four sums by a butterfly, x += shfl_xor(x, 1); x += shfl_xor(x, 2):
 // every lane computes (s0 + s1) + (s2 + s3) up to the order of the operands of each addition, and IEEE
@@ -463,6 +469,7 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
     constexpr int kPassValues = kValues / kPasses;  // 8 columns x 2 rows per 8-column group
     constexpr int kPairs = kPassValues / 2;         // bf16 pairs of g (and of u) a pass
     static_assert(kPassValues % 4 == 0, "a pass covers whole 8-column groups");
+    static_assert(kPassValues / 4 * 8 == T::kBoxCols, "a pass's values are pass 0's, 64 columns further");
     const int64_t n = p.n, tile_col = int64_t(task.n_block) * T::kBlockN;
     const float limit = p.swiglu_limit;
     const __nv_bfloat162* gate_up[2];  // the thread's two rows of g (u: n columns further)
@@ -476,24 +483,38 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
     }
     const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
     float partial[2] = {0.0f, 0.0f};
+    float window[kValues];
     CUTE_UNROLL
+    for (int i = 0; i < kValues; ++i) window[i] = accum(i);
+#pragma unroll 1
     for (int pass = 0; pass < kPasses; ++pass) {
       const int pass_begin = pass * T::kBoxCols;
       if (tile_col + pass_begin >= n) break;  // the partial last n-block (uniform over the warpgroup)
-      __nv_bfloat162 g2[kPairs], u2[kPairs];
-      CUTE_UNROLL
-      for (int v = 0; v < kPairs; ++v) {
-        const int i = pass * kPassValues + 2 * v;
-        const int half = (i / 2) % 2, c = get<1>(coords(i));  // c even: one 4-byte pair
-        g2[v] = real[half] ? gate_up[half][c / 2] : zero;
-        u2[v] = real[half] ? gate_up[half][(n + c) / 2] : zero;
-      }
+      // An opaque 0, new every pass. Why: the staging addresses are the same every pass; hoisted out of the
+      // loop they take 16 registers, which the consumers do not have (ptxas spilled).
+      int opaque_zero;
+      asm volatile("mov.u32 %0, 0;" : "=r"(opaque_zero));
+      // The pass's g and u in two halves of kPairs / 2 pairs: the second half's loads go out once the first
+      // half is staged (all at once, beside the 128 accumulators, ptxas spilled).
+      __nv_bfloat162 g2[kPairs / 2], u2[kPairs / 2];
+      const auto load_half = [&](int h) {
+        CUTE_UNROLL
+        for (int w = 0; w < kPairs / 2; ++w) {
+          const int i = 2 * (h * kPairs / 2 + w);
+          const int half = (i / 2) % 2, c = get<1>(coords(i)) + pass_begin;  // c even: one 4-byte pair
+          g2[w] = real[half] ? gate_up[half][c / 2] : zero;
+          u2[w] = real[half] ? gate_up[half][(n + c) / 2] : zero;
+        }
+      };
+      load_half(0);
       stager.begin_pass();
       CUTE_UNROLL
       for (int v = 0; v < kPairs; ++v) {
-        const int i = pass * kPassValues + 2 * v;
+        if (v == kPairs / 2) load_half(1);
+        const int i = 2 * v;
         const int half = (i / 2) % 2;
-        const float2 g_pair = __bfloat1622float2(g2[v]), u_pair = __bfloat1622float2(u2[v]);
+        const float2 g_pair = __bfloat1622float2(g2[v % (kPairs / 2)]);
+        const float2 u_pair = __bfloat1622float2(u2[v % (kPairs / 2)]);
         float d_g[2], d_u[2];
         CUTE_UNROLL
         for (int j = 0; j < 2; ++j) {
@@ -506,18 +527,20 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
           const float u_c = clamped ? fminf(fmaxf(u, -limit), limit) : u;
           const float s = 1.0f / (1.0f + __expf(-g_c));
           const float silu_g = g_c * s;
-          const float d_hu = accum(i + j);
+          const float d_hu = window[i + j];
           const float d_h = d_hu * rows.row_scale[half];
           d_g[j] = gate_passes ? d_h * u_c * (s * (1.0f + g_c * (1.0f - s))) : 0.0f;
           d_u[j] = up_passes ? d_h * silu_g : 0.0f;
           if (real[half]) partial[half] += d_hu * silu_g * u_c;
         }
-        const int r = get<0>(coords(i)), col = get<1>(coords(i)) - pass_begin;
+        const int r = get<0>(coords(i)), col = get<1>(coords(i)) + opaque_zero;  // the pass's column: pass 0's
         stager.stage(r, col, real[half] ? __floats2bfloat162_rn(d_g[0], d_g[1]) : zero);
         stager.stage(r, T::kBoxCols + col, real[half] ? __floats2bfloat162_rn(d_u[0], d_u[1]) : zero);
       }
       const int c = int(tile_col) + pass_begin;  // < n (see above); box 0: d_g, box 1: d_u
       stager.end_pass(p.tma_out, p.a_rows, 2 * n, [&](int box) { return (box * p.n + c) / T::kBoxCols; });
+      CUTE_UNROLL
+      for (int i = 0; i + kPassValues < kValues; ++i) window[i] = window[i + kPassValues];
     }
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {

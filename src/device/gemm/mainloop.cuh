@@ -391,11 +391,19 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
       mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
                                get<0>(coords(0)), get<0>(coords(2)), p.b_scale_row(sub, 0), p.b_scale_row(sub, 1),
                                bound);
-      // A constant index into the carry (a runtime one would put it in local memory).
-      if (pass == 0)
-        T::Epilogue::template keep<T>(p, task, accum, coords, carry.h[0]);
-      else
-        T::Epilogue::template keep<T>(p, task, accum, coords, carry.h[1]);
+      // One keep for both passes, then its values into the pass's part of the carry by constant indices (a
+      // runtime index would put the carry in local memory). Why not a keep per branch: each is the SwiGLU of 32
+      // values, and code size counts here: perf_notes round 17.
+      std::remove_reference_t<decltype(carry.h[0])> fresh;
+      T::Epilogue::template keep<T>(p, task, accum, coords, fresh);
+      constexpr int kPairs = sizeof(fresh) / sizeof(fresh[0]);
+      if (pass == 0) {
+        CUTE_UNROLL
+        for (int v = 0; v < kPairs; ++v) carry.h[0][v] = fresh[v];
+      } else {
+        CUTE_UNROLL
+        for (int v = 0; v < kPairs; ++v) carry.h[1][v] = fresh[v];
+      }
     }
     T::Epilogue::template finish<T>(p, task, tile, carry, mma, smem, warpgroup, consumer_idx, store_leader, rows_done,
                                     signal);
