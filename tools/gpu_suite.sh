@@ -27,6 +27,11 @@ mkdir -p "$out"
 # NVLink multicast must stay off on the shared machines (never use NVLS/multimem).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 commit=${MOK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The device machine's copy can hold a tree other than its HEAD's (round 18: a branch's files under main's HEAD):
+# say so rather than print a commit that was not what ran.
+if [ -z "${MOK_COMMIT:-}" ] && changed=$(git diff --name-only HEAD -- 2>/dev/null | wc -l) && [ "$changed" -gt 0 ]; then
+  commit="$commit with $changed tracked files changed"
+fi
 status=0
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader | tee "$out/gpus.txt"
 
