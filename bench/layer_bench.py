@@ -541,6 +541,10 @@ def run_shape(lib, args, ep, rank, shape):
                     # MoeOptions::gather_rows; without the backward the expert-major copy of x is skipped (EP = 1)
                     options["gather_rows"] = True
                     options["backward"] = bool(backward)
+                if args.scatter_rows:
+                    # MoeOptions::scatter_rows: the unfused down GEMM and the stage backward's gate/up dgrad write
+                    # the combine rows (the fused forward ignores it)
+                    options["scatter_rows"] = True
                 if args.minibatch:
                     options["minibatch_rows"] = args.minibatch
                 if args.load_factor:
@@ -885,6 +889,9 @@ def main():
     parser.add_argument("--gather-rows", action="store_true",
                         help="unfused path: the gate/up GEMM gathers its rows from x (MoeOptions::gather_rows; with "
                         "--no-backward at EP = 1 the expert-major copy of x is skipped)")
+    parser.add_argument("--scatter-rows", action="store_true",
+                        help="the unfused down GEMM and the stage-kernel backward's gate/up dgrad write each row to "
+                        "its token's combine row (MoeOptions::scatter_rows; the fused forward ignores it)")
     parser.add_argument("--comm-ctas", type=int, default=0,
                         help="fused path: CTAs given to communication (default 0: the producer warps copy)")
     parser.add_argument("--minibatch", type=int, default=0, help="fused path: minibatch rows (0: default)")

@@ -37,6 +37,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "mok/peer_group.h"
 #include "mok/status.h"
 
 namespace mok {
@@ -65,6 +66,21 @@ struct RowGatherArgs {
   int rank = 0;                        // this rank: routes from it read x
 };
 
+// Output rows scattered to their routes' combine rows instead of stored to `out` (kStore, bf16; docs/design.md,
+// "Row scatter in the store epilogue"): row r whose route row_route[r] = (src, token, slot) is not -1 goes to row
+// token * top_k + slot of rank src's combine buffer, combined.base[src] (bf16 [num_tokens * top_k, n]); padding
+// rows are written nowhere. The values are those `out` would hold, so the same bits as storing to `out` and
+// copying each row to its route's row afterwards (the forward's push_rows). The stores go to peers' memory:
+// each consumer thread fences at system scope before the kernel ends (a barrier arrive after it in the stream
+// then releases them).
+struct RowScatterArgs {
+  PeerPointers combined = {};          // per rank, bf16 [num_tokens * top_k, n], 16-byte aligned
+  const int32_t* row_route = nullptr;  // [a_rows] the schedule's route id per row; nullptr: no scatter
+  int num_tokens = 0;                  // T of the route ids (src * T * top_k + token * top_k + slot)
+  int top_k = 0;
+  int ranks = 0;                       // combined.base[0 .. ranks) are set: the routes' sources
+};
+
 struct ExpertGemmArgs {
   GemmEpilogue epilogue = GemmEpilogue::kStore;
   Precision precision = Precision::kBF16;
@@ -90,7 +106,8 @@ struct ExpertGemmArgs {
                                 // task on one consumer warpgroup
   const float* row_scale = nullptr;  // optional [a_rows]
   float swiglu_limit = 0;       // 0: plain SwiGLU
-  void* out = nullptr;          // bf16 [a_rows, n] (kSwiGLUBackward: [a_rows, 2n]); with out_scales e4m3 [a_rows, n]
+  void* out = nullptr;          // bf16 [a_rows, n] (kSwiGLUBackward: [a_rows, 2n]); with out_scales e4m3 [a_rows, n];
+                                // null with scatter (the rows go to the combine buffers instead)
   float* out_scales = nullptr;  // kFP8 kSwiGLU, optional: h written quantized (see above) into out, its scales
                                 // here, fp32 [ceil(n / 128), a_rows] (the down GEMM's a and a_scales)
   bool out_scales_power_of_two = false;  // with out_scales: scales rounded up to powers of two (include/mok/fp8.h)
@@ -107,6 +124,7 @@ struct ExpertGemmArgs {
                                 // output tile, consumer start and end (globaltimer ns), SM id | SM cycles
                                 // << 16, expert << 48 | n-block group << 32 | first row
   RowGatherArgs gather;         // optional: A rows gathered from x (see RowGatherArgs)
+  RowScatterArgs scatter;       // optional, kStore bf16: output rows to their routes' combine rows (out null)
   WaitBound waits;              // required: the status word the kernel's waits (its roles' hand-offs, all
                                 // bounded: 2 * waits.timeout_s + 1 s) report a timeout to, and the rank named.
                                 // Once that word's abort is set the GEMM takes no more tiles (out unspecified)

@@ -140,6 +140,11 @@ struct MoeOptions {
                              // straight from x into its shared memory (docs/design.md, "Row gather in the
                              // gate/up producer"); the expert-major copy of x is then skipped at EP = 1 without
                              // backward (the context keeps it otherwise). Same bits. The fused path ignores it
+  bool scatter_rows = false; // the routed store GEMMs write each row straight to its token's row of the combine
+                             // buffer on the token's rank (docs/design.md, "Row scatter in the store epilogue"),
+                             // with no expert-major output and no copy after them: the unfused forward's down
+                             // GEMM and the stage-kernel backward's gate/up dgrad (d_rw is still pushed). Same
+                             // bits. The forward and backward megakernels ignore it; precision kFP8 refuses it
   Precision precision = Precision::kBF16;  // kFP8 (docs/design.md, "FP8"): the routed and shared experts' GEMMs in
                              // e4m3 with DeepSeek-V3's block scales; x quantized per 1 x 128 once on its own rank
                              // (the rows it sends are FP8 with their scales), h per 1 x 128 before the down GEMM,

@@ -57,8 +57,12 @@ class Config:
     gather_rows      unfused path: the routed gate/up GEMM reads this rank's token rows straight from x into its
                      shared memory, without the expert-major copy (skipped at ep_size 1 with backward=False; the
                      context keeps it otherwise). The same bits. True needs path="unfused"
+    scatter_rows     the routed store GEMMs write each row straight to its token's row of the combine buffer,
+                     without the expert-major output and the copy after it: the unfused forward's down GEMM and the
+                     stage-kernel backward's gate/up dgrad (the fused forward and the backward megakernel do not
+                     scatter yet). The same bits
     precision        "bf16", or "fp8" (DeepSeek-V3's e4m3 with block scales: mok.quantize_weights and
-                     mok.forward_fp8); "fp8" needs backward=False and gather_rows=False for now (either path)
+                     mok.forward_fp8); "fp8" needs backward=False, gather_rows=False and scatter_rows=False for now (either path)
     fp8_power_of_two_scales  precision="fp8": the activations' scales (x's and h's, per 1 x 128) rounded up to
                      powers of two (the weights' are chosen by mok.quantize_weights(power_of_two_scales=...));
                      True needs precision="fp8"
@@ -80,6 +84,7 @@ class Config:
     context_budget_bytes: int = 4 << 30
     backward_megakernel: bool = False
     gather_rows: bool = False
+    scatter_rows: bool = False
     precision: str = "bf16"
     fp8_power_of_two_scales: bool = False
 
@@ -107,7 +112,8 @@ class Config:
             raise TypeError(f"Config.path: expected one of {sorted(PATHS)}, got {arguments.describe(self.path)}")
         if self.path not in PATHS:
             raise ValueError(f"Config.path: expected one of {sorted(PATHS)}, got {self.path!r}")
-        for name in ("backward", "keep_gate_up", "backward_megakernel", "gather_rows", "fp8_power_of_two_scales"):
+        for name in ("backward", "keep_gate_up", "backward_megakernel", "gather_rows", "scatter_rows",
+                     "fp8_power_of_two_scales"):
             arguments.check_bool(f"Config.{name}", getattr(self, name))
         if self.backward_megakernel and (self.path != "fused" or not self.backward):
             raise ValueError("Config.backward_megakernel: expected False unless path='fused' and backward=True (the "
@@ -118,9 +124,10 @@ class Config:
                             f"{arguments.describe(self.precision)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Config.precision: expected one of {sorted(PRECISIONS)}, got {self.precision!r}")
-        if self.precision == "fp8" and (self.backward or self.gather_rows):
-            raise ValueError("Config.precision: 'fp8' runs with backward=False and gather_rows=False for now (no FP8 "
-                             f"backward yet), got backward={self.backward}, gather_rows={self.gather_rows}")
+        if self.precision == "fp8" and (self.backward or self.gather_rows or self.scatter_rows):
+            raise ValueError("Config.precision: 'fp8' runs with backward=False, gather_rows=False and scatter_rows=False "
+                             f"for now (no FP8 backward yet), got backward={self.backward}, "
+                             f"gather_rows={self.gather_rows}, scatter_rows={self.scatter_rows}")
         if self.fp8_power_of_two_scales and self.precision != "fp8":
             raise ValueError("Config.fp8_power_of_two_scales: expected False unless precision='fp8' (it rounds the FP8 "
                              f"activations' scales), got True with precision={self.precision!r}")

@@ -44,8 +44,8 @@ def test_extension_exports_only_its_init():
 def test_config_defaults_are_the_cpp_defaults():
     c = mok.Config()
     assert (c.comm_ctas, c.minibatch_rows, c.macrobatch_rows, c.capacity_rows, c.tile_m, c.wait_timeout_s, c.path,
-            c.backward, c.keep_gate_up, c.context_budget_bytes, c.backward_megakernel, c.gather_rows, c.precision) == \
-        (0, 4096, 0, 0, 64, 10.0, "fused", True, True, 4 << 30, False, False, "bf16")
+            c.backward, c.keep_gate_up, c.context_budget_bytes, c.backward_megakernel, c.gather_rows, c.scatter_rows,
+            c.precision) == (0, 4096, 0, 0, 64, 10.0, "fused", True, True, 4 << 30, False, False, False, "bf16")
     assert c.load_factor == 2.0 and isinstance(c.load_factor, float)
 
 
@@ -116,6 +116,7 @@ def test_config_load_factor():
     ("wait_timeout_s", 0, ValueError), ("minibatch_rows", True, TypeError), ("backward", 1, TypeError),
     ("keep_gate_up", 1, TypeError), ("context_budget_bytes", -1, ValueError),
     ("backward_megakernel", "yes", TypeError), ("gather_rows", 1, TypeError), ("gather_rows", True, ValueError),
+    ("scatter_rows", 1, TypeError),
     ("precision", "fp16", ValueError), ("precision", 8, TypeError), ("precision", "fp8", ValueError)])
 def test_config_rejects(field, value, exception):
     """A wrong value: ValueError; a value of the wrong type (bool for an int, int for a bool): TypeError.

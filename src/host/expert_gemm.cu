@@ -6,6 +6,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "src/device/gemm/gemm_kernel.cuh"
 #include "src/host/check.h"
@@ -97,10 +98,31 @@ void launch_gather(const ExpertGemmArgs& args, cudaStream_t stream) {
   launch_params<T>(args, p, stream);
 }
 
+// The store GEMM with its rows scattered to the combine buffers (src/device/gemm/row_scatter.cuh).
+template <class Traits>
+void launch_scatter(const ExpertGemmArgs& args, cudaStream_t stream) {
+  auto base = detail::make_gemm_params<Traits>(args);
+  gemm::RowScatterParams<decltype(base)> p{base, {}};
+  p.scatter = {.combined = args.scatter.combined,
+               .row_route = args.scatter.row_route,
+               .num_tokens = args.scatter.num_tokens,
+               .top_k = args.scatter.top_k};
+  launch_params<Traits>(args, p, stream);
+}
+
 // The one place where the runtime choices become the kernel's policies (an instantiation per mainloop,
 // epilogue and cluster size).
 template <class Mainloop, class Epilogue>
 void launch_policies(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) {
+  if constexpr (std::is_same_v<Epilogue, gemm::StoreEpilogue>) {
+    if (args.scatter.row_route != nullptr) {
+      if (cluster_n == 2)
+        launch_scatter<ExpertGemmTraits<Mainloop, Epilogue, 2>>(args, stream);
+      else
+        launch_scatter<ExpertGemmTraits<Mainloop, Epilogue, 1>>(args, stream);
+      return;
+    }
+  }
   if (cluster_n == 2)
     launch<ExpertGemmTraits<Mainloop, Epilogue, 2>>(args, stream);
   else
@@ -155,7 +177,23 @@ void validate(const ExpertGemmArgs& args) {
           "and b_up), and must be 16-byte aligned");
   require(!swiglu || !mn_major, "kSwiGLU reads b K-major: b_major must be kK (kMN is for kStore and kSwiGLUBackward)");
   require(!backward || mn_major, "kSwiGLUBackward reads b = W_down [E, k, n] MN-major: b_major must be kMN");
-  require(args.out != nullptr && aligned16(args.out), "out must be a non-null, 16-byte aligned bf16 (with out_scales: e4m3) buffer");
+  const bool scatter = args.scatter.row_route != nullptr;
+  if (scatter) {
+    require(store && !fp8, "scatter (rows to the combine buffers) is only for kStore in kBF16");
+    require(args.out == nullptr, "out must be null with scatter (the rows go to scatter.combined)");
+    require(args.scatter.ranks >= 1 && args.scatter.ranks <= kMaxEpSize,
+            "scatter.ranks must be in [1, " + std::to_string(kMaxEpSize) + "], got " +
+                std::to_string(args.scatter.ranks));
+    for (int r = 0; r < args.scatter.ranks; ++r)
+      require(args.scatter.combined.base[r] != nullptr && aligned16(args.scatter.combined.base[r]),
+              "scatter.combined.base[" + std::to_string(r) + "] must be a non-null, 16-byte aligned bf16 buffer");
+    require(args.scatter.num_tokens > 0 && args.scatter.top_k > 0,
+            "scatter needs num_tokens > 0 and top_k > 0, got " + std::to_string(args.scatter.num_tokens) + ", " +
+                std::to_string(args.scatter.top_k));
+  } else {
+    require(args.out != nullptr && aligned16(args.out),
+            "out must be a non-null, 16-byte aligned bf16 (with out_scales: e4m3) buffer");
+  }
   require(args.k > 0 && args.k % 64 == 0, "k must be a positive multiple of 64, got " + std::to_string(args.k));
   require(args.a_row_stride == 0 ||
               (args.a_row_stride >= args.k && args.a_row_stride * (fp8 ? 1 : 2) % 16 == 0 && args.gather.x == nullptr),

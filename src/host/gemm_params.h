@@ -87,7 +87,9 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
     auto g_out = make_tensor(make_gmem_ptr(static_cast<Out*>(ptr)), make_shape(args.a_rows, cols), make_stride(cols, _1{}));
     return make_tma_copy(SM90_TMA_STORE{}, g_out, typename T::SmemLayoutOutBox{});
   };
-  auto tma_out = make_store(args.out, out_cols);
+  // A scattering GEMM (args.scatter) stores no rows to `out` (null): its descriptor stays empty, never used.
+  decltype(make_store(args.out, out_cols)) tma_out{};
+  if (args.out != nullptr) tma_out = make_store(args.out, out_cols);
   decltype(tma_out) tma_gate_up_out{};
   if constexpr (kEpilogue == GemmEpilogue::kSwiGLU) {
     if constexpr (T::Epilogue::kGateUpOut) tma_gate_up_out = make_store(args.gate_up_out, 2 * int64_t(args.n));

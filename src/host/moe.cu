@@ -118,6 +118,8 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
   if (fp8()) {
     require(!options_.backward, "MoeOptions.precision kFP8 has no backward yet: set MoeOptions.backward = false");
     require(!options_.gather_rows, "MoeOptions.precision kFP8 does not gather rows: set MoeOptions.gather_rows = false");
+    require(!options_.scatter_rows,
+            "MoeOptions.precision kFP8 does not scatter rows: set MoeOptions.scatter_rows = false");
   }
   require(fp8() || !options_.fp8_power_of_two_scales,
           "MoeOptions.fp8_power_of_two_scales is for precision kFP8 (the activations' scales), got precision kBF16");
@@ -633,13 +635,26 @@ void MoeWorkspace::compute(const RankForward& f) {
                       .num_tokens = shape_.num_tokens,
                       .top_k = shape_.top_k,
                       .rank = f.rank};
+  // MoeOptions::scatter_rows: the down GEMM writes each row to its route's combine row itself
+  // (src/device/gemm/row_scatter.cuh): no y, no push pass.
+  const bool scatter = options_.scatter_rows;
+  if (scatter) {
+    down.out = nullptr;
+    down.scatter = {.combined = combined_.peers(f.rank),
+                    .row_route = v.row_route,
+                    .num_tokens = shape_.num_tokens,
+                    .top_k = shape_.top_k,
+                    .ranks = shape_.ep_size};
+  }
   run_mlp(gate_up, down, f.stream);
 
-  const kernels::PushParams push{combined_.peers(f.rank), static_cast<const uint4*>(s.y), v.row_route,
-                                 v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};
-  kernels::push_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::PushTraits::kWarps, s.num_sms),
-                              kernels::PushTraits::kThreads, 0, f.stream>>>(push);
-  MOK_CHECK_CUDA(cudaGetLastError());
+  if (!scatter) {
+    const kernels::PushParams push{combined_.peers(f.rank), static_cast<const uint4*>(s.y), v.row_route,
+                                   v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};
+    kernels::push_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::PushTraits::kWarps, s.num_sms),
+                                kernels::PushTraits::kThreads, 0, f.stream>>>(push);
+    MOK_CHECK_CUDA(cudaGetLastError());
+  }
   barrier_arrive(f.rank, f.stream);
 }
 

@@ -416,12 +416,23 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   MOK_CHECK_CUDA(cudaGetLastError());
 
   copy_kept_gate_up(b);  // only the rows past them are recomputed
-  const detail::MlpBackwardGemms g = mlp_backward_gemms(b, false);
+  detail::MlpBackwardGemms g = mlp_backward_gemms(b, false);
+  // MoeOptions::scatter_rows: the gate/up dgrad writes each d_x_route row to its route's combine row itself
+  // (src/device/gemm/row_scatter.cuh); the push below then moves only d_rw.
+  const bool scatter = options_.scatter_rows;
+  if (scatter) {
+    g.gate_up_dgrad.out = nullptr;
+    g.gate_up_dgrad.scatter = {.combined = combined_.peers(b.rank),
+                               .row_route = v.row_route,
+                               .num_tokens = shape_.num_tokens,
+                               .top_k = shape_.top_k,
+                               .ranks = shape_.ep_size};
+  }
   int32_t* tickets = s.tickets + detail::kBackwardExpert;
   issue_dgrads(g, recomputes_gate_up(), tickets, b.stream);
 
   const kernels::GradPushParams push{.dst = {.combined = combined_.peers(b.rank), .d_rw = d_rw_.peers(b.rank)},
-                                     .d_x_rows = static_cast<const uint4*>(w.d_x_rows()),
+                                     .d_x_rows = scatter ? nullptr : static_cast<const uint4*>(w.d_x_rows()),
                                      .row_partials = w.row_partials,
                                      .n_blocks = w.n_blocks,
                                      .row_route = v.row_route,

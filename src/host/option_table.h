@@ -159,6 +159,7 @@ inline constexpr OptionDesc kOptionTable[] = {
                                                  H::kConfig, true),
     option<&L::options, &Opt::keep_gate_up>("keep_gate_up", "MoeOptions.keep_gate_up", H::kConfig, true),
     option<&L::options, &Opt::gather_rows>("gather_rows", "MoeOptions.gather_rows", H::kConfig, true),
+    option<&L::options, &Opt::scatter_rows>("scatter_rows", "MoeOptions.scatter_rows", H::kConfig, true),
     option<&L::options, &Opt::precision>("precision", "MoeOptions.precision", H::kConfig, true, kPrecisionNames),
     option<&L::options, &Opt::fp8_power_of_two_scales>("fp8_power_of_two_scales", "MoeOptions.fp8_power_of_two_scales",
                                                         H::kConfig, true),

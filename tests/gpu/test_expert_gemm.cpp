@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -1177,6 +1178,154 @@ TEST(ExpertGemmTest, GatherValidationNamesTheArgument) {
   args = base;
   args.cluster_n = 2;
   EXPECT_NE(message(args).find("gather runs in clusters of 1"), std::string::npos) << message(args);
+}
+
+// ExpertGemmArgs::scatter (src/device/gemm/row_scatter.cuh): each real row's output lands in its route's row of
+// its source rank's combine buffer, with the bits the plain store writes to `out`; no other row of any buffer is
+// written (the buffers are poisoned first, and every destination not taken by a row must keep the poison).
+// K-major and MN-major weights, tile_m 64 and 128, a partial last n-block (n 320), row scales, clusters of 1 and 2,
+// reruns; the plain store's output is itself checked against the CPU on every 7th column.
+TEST(ExpertGemmTest, StoreScatteredRowsLandInTheirRoutesRows) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> expert_counts = {129, 0, 1, 255, 64, 700};
+  const int num_experts = static_cast<int>(expert_counts.size());
+  const int k = 320, num_tokens = 200, top_k = 3, ranks = 3;
+  for (const OperandMajor major : {OperandMajor::kK, OperandMajor::kMN}) {
+    for (int n : {320, 512}) {
+      for (int tile_m : {64, 128}) {
+        const uint64_t seed = 800 + n + tile_m + 7 * int(major);
+        const std::string label = std::string(major == OperandMajor::kK ? "K-major" : "MN-major") + " n " +
+                                  std::to_string(n) + " tile_m " + std::to_string(tile_m) + " seed " +
+                                  std::to_string(seed);
+        GemmFixture fx(expert_counts, tile_m, tile_m);
+        const auto a = hashed_bf16(size_t(fx.a_rows) * k, seed, -2, 2);
+        const auto w = hashed_bf16(size_t(num_experts) * n * k, seed + 1, -2, 2);  // [E, n, k] or [E, k, n]
+        std::vector<float> scale(fx.a_rows);
+        for (int64_t r = 0; r < fx.a_rows; ++r) scale[r] = std::ldexp(1.0f, hashed_int(seed, r, -3, 3));
+        // Every destination (src, token, slot) taken by at most one real row: a shuffled prefix of all of them.
+        const int destinations = ranks * num_tokens * top_k;
+        std::vector<int32_t> ids(destinations);
+        for (int i = 0; i < destinations; ++i) ids[i] = i;
+        std::mt19937 rng(static_cast<uint32_t>(seed));
+        std::shuffle(ids.begin(), ids.end(), rng);
+        std::vector<int32_t> route(fx.a_rows, -1), row_of(destinations, -1);
+        int taken = 0;
+        for (int64_t row = 0; row < fx.seg.rows; ++row)
+          if (fx.seg.is_real(row)) {
+            route[row] = ids[taken++];
+            row_of[route[row]] = static_cast<int32_t>(row);
+          }
+        ASSERT_LE(taken, destinations);
+        DeviceArray<uint16_t> d_a(a), d_w(w), d_out(size_t(fx.a_rows) * n);
+        DeviceArray<float> d_scale(scale);
+        DeviceArray<int32_t> d_route(route);
+        std::vector<std::unique_ptr<DeviceArray<uint16_t>>> combined;
+        const size_t rank_elements = size_t(num_tokens) * top_k * n;
+        for (int r = 0; r < ranks; ++r) combined.push_back(std::make_unique<DeviceArray<uint16_t>>(rank_elements));
+        ExpertGemmArgs args = fx.args(GemmEpilogue::kStore, d_a.ptr, k, d_w.ptr, n, d_out.ptr);
+        args.b_major = major;
+        args.row_scale = d_scale.ptr;
+        args.cluster_n = 1;
+        d_out.upload(std::vector<uint16_t>(d_out.count, kPoison));
+        expert_gemm(args, nullptr);
+        MOK_CHECK_CUDA(cudaDeviceSynchronize());
+        const auto out = d_out.download();
+        ASSERT_EQ(check_layout(out, fx.seg, fx.a_rows, n), "") << label;
+        for (int64_t row = 0; row < fx.seg.rows; ++row) {
+          if (!fx.seg.is_real(row)) continue;
+          const int e = fx.seg.expert_of(row);
+          for (int c = 0; c < n; c += 7) {
+            const double sum = major == OperandMajor::kK ? cpu_dot(a, row, w, int64_t(e) * n + c, k)
+                                                         : cpu_dot_mn(a, row, w, e, k, n, c);
+            const float want = static_cast<float>(sum) * scale[row];
+            ASSERT_EQ(out[row * n + c], to_bf16_bits(want))
+                << where("store", row, c, from_bf16_bits(out[row * n + c]), want) << ", " << label;
+          }
+        }
+        ExpertGemmArgs scatter = args;
+        scatter.out = nullptr;
+        scatter.scatter.row_route = d_route.ptr;
+        scatter.scatter.num_tokens = num_tokens;
+        scatter.scatter.top_k = top_k;
+        scatter.scatter.ranks = ranks;
+        for (int r = 0; r < ranks; ++r) scatter.scatter.combined.base[r] = combined[r]->ptr;
+        for (int cluster_n : {1, 2, 1}) {
+          if (cluster_n == 2 && choose_cluster_n(GemmEpilogue::kStore, n) != 2) continue;
+          scatter.cluster_n = cluster_n;
+          for (auto& c : combined) c->upload(std::vector<uint16_t>(rank_elements, kPoison));
+          expert_gemm(scatter, nullptr);
+          MOK_CHECK_CUDA(cudaDeviceSynchronize());
+          for (int r = 0; r < ranks; ++r) {
+            const auto got = combined[r]->download();
+            for (int64_t dest = 0; dest < int64_t(num_tokens) * top_k; ++dest) {
+              const int32_t row = row_of[int64_t(r) * num_tokens * top_k + dest];
+              for (int c = 0; c < n; ++c) {
+                const uint16_t want = row >= 0 ? out[int64_t(row) * n + c] : kPoison;
+                ASSERT_EQ(got[dest * n + c], want)
+                    << "rank " << r << " combine row " << dest << " (token " << dest / top_k << ", slot "
+                    << dest % top_k << ") col " << c
+                    << (row >= 0 ? ": differs from the stored row " + std::to_string(row) : ": written, no row's route")
+                    << ", cluster_n " << cluster_n << ", " << label;
+              }
+            }
+          }
+        }
+        EXPECT_TRUE(fx.status.read().ok()) << label;
+      }
+    }
+  }
+}
+
+TEST(ExpertGemmTest, ScatterValidationNamesTheArgument) {
+  alignas(16) static uint16_t buffer[64];
+  static DeviceStatus status;  // validation does not read it
+  ExpertGemmArgs base;
+  base.epilogue = GemmEpilogue::kStore;
+  base.a = base.b = buffer;
+  base.k = 256;
+  base.n = 512;
+  base.local_experts = 2;
+  base.a_rows = 128;
+  base.expert_counts = base.expert_row_offsets = base.scheduled_rows = reinterpret_cast<const int32_t*>(buffer);
+  base.ticket = reinterpret_cast<int32_t*>(buffer);
+  base.waits.status = &status;
+  base.scatter.row_route = reinterpret_cast<const int32_t*>(buffer);
+  base.scatter.num_tokens = 8;
+  base.scatter.top_k = 2;
+  base.scatter.ranks = 2;
+  base.scatter.combined.base[0] = base.scatter.combined.base[1] = buffer;
+  auto message = [](const ExpertGemmArgs& args) {
+    try { validate(args); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
+    return std::string("no throw");
+  };
+  EXPECT_EQ(message(base), "no throw");
+  ExpertGemmArgs args = base;
+  args.b_major = OperandMajor::kMN;
+  EXPECT_EQ(message(args), "no throw");
+  args = base;
+  args.epilogue = GemmEpilogue::kSwiGLU;
+  EXPECT_NE(message(args).find("scatter (rows to the combine buffers) is only for kStore in kBF16"), std::string::npos)
+      << message(args);
+  args = base;
+  args.out = buffer;
+  EXPECT_NE(message(args).find("out must be null with scatter"), std::string::npos) << message(args);
+  args = base;
+  args.scatter.ranks = 0;
+  EXPECT_NE(message(args).find("scatter.ranks must be in [1, 72]"), std::string::npos) << message(args);
+  args = base;
+  args.scatter.combined.base[1] = nullptr;
+  EXPECT_NE(message(args).find("scatter.combined.base[1] must be a non-null, 16-byte aligned"), std::string::npos)
+      << message(args);
+  args = base;
+  args.scatter.combined.base[0] = buffer + 1;
+  EXPECT_NE(message(args).find("scatter.combined.base[0] must be a non-null, 16-byte aligned"), std::string::npos)
+      << message(args);
+  args = base;
+  args.scatter.top_k = 0;
+  EXPECT_NE(message(args).find("scatter needs num_tokens > 0 and top_k > 0"), std::string::npos) << message(args);
+  args = base;
+  args.scatter.row_route = nullptr;  // no scatter: then out is required
+  EXPECT_NE(message(args).find("out must be a non-null"), std::string::npos) << message(args);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -678,7 +678,7 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
     const char* name;
     MoeOptions options;
   };
-  std::vector<Variant> variants(9);
+  std::vector<Variant> variants(12);
   variants[0].name = "unfused forward";
   variants[0].options.path = ForwardPath::kUnfused;
   variants[1].name = "fused forward, ring 128";
@@ -703,6 +703,19 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
   variants[7].options.fused.macrobatch_rows = int64_t{1} << 30;
   variants[8].name = "fused forward, ring 256 (replay)";
   variants[8].options = replay_options();
+  // MoeOptions::scatter_rows: the unfused forward's down GEMM and the backward's gate/up dgrad write the combine
+  // rows themselves (the fused forward ignores it; its backward still scatters).
+  variants[9].name = "scatter rows, unfused forward";
+  variants[9].options.path = ForwardPath::kUnfused;
+  variants[9].options.scatter_rows = true;
+  variants[10].name = "scatter rows, fused forward, ring 256 (replay)";
+  variants[10].options = replay_options();
+  variants[10].options.scatter_rows = true;
+  variants[11].name = "scatter rows, tile_m 128, g/u recomputed, unfused forward";
+  variants[11].options.path = ForwardPath::kUnfused;
+  variants[11].options.schedule.tile_m = 128;
+  variants[11].options.keep_gate_up = false;
+  variants[11].options.scatter_rows = true;
   for (const Variant& v : variants) {
     MoeHarness harness(PeerGroup::virtual_ranks(4), shape, v.options);
     forward_backward(harness, data, d_out);

@@ -1,10 +1,13 @@
-// MoeOptions::gather_rows on the unfused forward (the routed gate/up GEMM reads this rank's rows straight from x:
-// src/device/gemm/row_gather.cuh), one GPU, virtual ranks:
+// MoeOptions::gather_rows and scatter_rows on the unfused forward (the routed gate/up GEMM reads this rank's rows
+// straight from x: src/device/gemm/row_gather.cuh; the down GEMM writes each row to its route's combine row:
+// src/device/gemm/row_scatter.cuh), one GPU, virtual ranks:
 //   - bitwise equal to the copy path (gather_rows off): every rank's output and the context's hidden rows, with
 //     and without the backward's buffers (at EP = 1 without them the expert-major copy is skipped), for partial
 //     n-blocks, skewed routing with empty experts, all routes to a few experts, top_k 1, tile_m 64 and 128,
 //     clamped SwiGLU, no shared expert, fused gate/up weights, calls of fewer tokens than the workspace's, and
 //     EP 2 and 4 (rows of other ranks come from the pulled copy);
+//   - the scatter, alone and with the gather, bitwise equal to the copy path on the same cases (at EP > 1 the rows
+//     land in other ranks' combine buffers);
 //   - the CPU reference: exact on the provenance problem (integer values that encode rank, token and expert),
 //     within the forward's error budget on random data.
 // The outputs are poisoned (NaN) before every call (MoeHarness::forward).
@@ -140,13 +143,51 @@ TEST(RowGatherTest, GatheredGateUpBitwiseEqualToTheCopyPath) {
   }
 }
 
-// Provenance: exact integers, so the gathered rows are checked value by value against what they encode.
+TEST(RowScatterTest, ScatteredDownBitwiseEqualToThePushPath) {
+  MOK_REQUIRE_GPUS(1);
+  uint64_t seed = 950;
+  for (const Case& c : cases()) {
+    LayerData data = testing::random_layer(c.shape, ++seed, c.skew, c.masked);
+    if (c.all_to_first_experts)
+      for (size_t q = 0; q < data.inputs.topk_idx.size(); ++q)
+        data.inputs.topk_idx[q] = static_cast<int32_t>(q % c.shape.top_k);
+    MoeOptions base = unfused_options(false, true, c.tile_m);
+    base.schedule.load_factor = std::max(2, c.shape.ep_size) * (c.skew > 0 || c.all_to_first_experts ? 4 : 1);
+    const Result want = run(c.shape, base, data, c.fused_weights, c.call_tokens);
+    for (bool gather : {false, true}) {
+      for (bool backward : {true, false}) {
+        MoeOptions scatter = base;
+        scatter.scatter_rows = true;
+        scatter.gather_rows = gather;
+        scatter.backward = backward;
+        const std::string label = c.name + (gather ? ", with the gather" : "") +
+                                  (backward ? ", backward buffers" : ", forward only") + ", seed " +
+                                  std::to_string(seed);
+        // A new workspace per run: its combine buffers are zero-filled, so a row the scatter missed is read as
+        // zeros by the combine and the output differs.
+        const Result got = run(c.shape, scatter, data, c.fused_weights, c.call_tokens);
+        expect_same(c.shape, got, want, label);
+        if (HasFatalFailure()) return;
+      }
+    }
+    std::printf("%-44s same bits\n", c.name.c_str());
+  }
+}
+
+// Provenance: exact integers, so the gathered rows and the scattered outputs are checked value by value against
+// what they encode.
 TEST(RowGatherTest, ProvenanceIsExact) {
   MOK_REQUIRE_GPUS(1);
+  struct Rows {
+    bool gather, scatter;
+  };
+  for (const Rows rows : {Rows{true, false}, Rows{false, true}, Rows{true, true}})
   for (int ep : {1, 2}) {
     const MoeShape shape = moe_shape(ep, 96, 4, 32, 256, 128);
     for (bool backward : {true, false}) {
-      MoeHarness harness(PeerGroup::virtual_ranks(ep), shape, unfused_options(true, backward));
+      MoeOptions options = unfused_options(rows.gather, backward);
+      options.scatter_rows = rows.scatter;
+      MoeHarness harness(PeerGroup::virtual_ranks(ep), shape, options);
       for (int hot = 0; hot < shape.top_k; ++hot) {
         const LayerData data = testing::provenance_layer(shape, 50 + hot, 0.1, hot);
         harness.upload(data);
@@ -155,7 +196,8 @@ TEST(RowGatherTest, ProvenanceIsExact) {
           ASSERT_TRUE(harness.status(r).ok()) << harness.status(r).describe(96, shape.top_k, shape.num_experts);
           const std::string mismatch = testing::check_provenance(data, r, harness.out_bits(r));
           ASSERT_TRUE(mismatch.empty()) << "EP=" << ep << (backward ? "" : " forward only") << " hot slot " << hot
-                                        << ": " << mismatch;
+                                        << " gather " << rows.gather << " scatter " << rows.scatter << ": "
+                                        << mismatch;
         }
       }
     }
@@ -169,6 +211,7 @@ TEST(RowGatherTest, MatchesCpuReference) {
   const MoeShape shape = moe_shape(1, 200, 6, 32, 512, 256);
   const LayerData data = testing::random_layer(shape, 77, 1.0, 0.05);
   MoeOptions options = unfused_options(true, false);
+  options.scatter_rows = true;
   options.schedule.load_factor = 4;
   MoeHarness harness(PeerGroup::virtual_ranks(1), shape, options);
   harness.upload(data);

@@ -109,8 +109,9 @@ __device__ __forceinline__ void push_grad_row(const GradPushDestinations& dst, c
                                               const float* partials, int n_blocks, int32_t route, int num_tokens,
                                               int top_k, int row_vectors, int lane) {
   if (route < 0) return;
-  device::copy_row_warp(d_x_row, combine::destination_row(dst.combined, route, num_tokens, top_k, row_vectors),
-                        row_vectors, lane);
+  if (d_x_row != nullptr)  // null: the gate/up dgrad scattered the row already (MoeOptions::scatter_rows)
+    device::copy_row_warp(d_x_row, combine::destination_row(dst.combined, route, num_tokens, top_k, row_vectors),
+                          row_vectors, lane);
   if (lane == 0) {
     float d_rw = partials[0];
     for (int nb = 1; nb < n_blocks; ++nb) d_rw = __fadd_rn(d_rw, partials[nb]);

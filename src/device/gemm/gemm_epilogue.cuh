@@ -39,6 +39,7 @@
 #include "src/device/common/fp8_quant.cuh"
 #include "src/device/common/status.cuh"
 #include "src/device/common/sync.cuh"
+#include "src/device/gemm/row_scatter.cuh"
 #include "src/device/gemm/tile_task.cuh"
 
 namespace mok::gemm {
@@ -129,6 +130,16 @@ struct TileStager {
         copy(tma, t_s, t_g);
       }
     });
+  }
+
+  // The end of a pass whose boxes the warpgroup's threads copy to the rows of `scatter` (row_scatter.cuh),
+  // columns col .. col + kStagingCols of n: no TMA store, so the next begin_pass waits for no bulk group.
+  template <class Scatter>
+  __device__ __forceinline__ void end_pass_scattered(const Scatter& scatter, int64_t col, int n) const {
+    // Why: each thread copies chunks that other threads of the warpgroup staged.
+    cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
+    scatter.copy(reinterpret_cast<const char*>(smem.staging[warpgroup][0]), int(sizeof(smem.staging[warpgroup][0])),
+                 col, n, int(threadIdx.x % 128));
   }
 
   // The end of a pass whose boxes `issue` (run by the store leader) stores: one bulk group.
@@ -237,6 +248,11 @@ struct StoreEpilogue : RowTileEpilogue<StoreEpilogue> {
     constexpr int kValues = decltype(cute::size(accum))::value;
     constexpr int kPasses = T::kOutCols / T::kStagingCols;
     constexpr int kPassValues = kValues / kPasses;  // a pass owns a contiguous range of values
+    // ExpertGemmArgs::scatter: the warpgroup's rows go to their routes' combine rows (row_scatter.cuh).
+    [[maybe_unused]] ScatterCopy<T::kStagingBoxes> scatter;
+    if constexpr (ScattersRows<Params>)
+      scatter.resolve(p.scatter, int64_t(task.row) + stager.warpgroup * kUnitRows,
+                      rows.valid_rows - stager.warpgroup * kUnitRows, p.n, int(threadIdx.x % 128));
     CUTE_UNROLL
     for (int pass = 0; pass < kPasses; ++pass) {
       const int pass_begin = pass * T::kStagingCols;
@@ -249,10 +265,14 @@ struct StoreEpilogue : RowTileEpilogue<StoreEpilogue> {
                      r < rows.valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
                                          : __floats2bfloat162_rn(0.0f, 0.0f));
       }
-      const int box_col = (task.n_block * T::kOutCols + pass_begin) / T::kBoxCols;
-      stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) {
-        return (box_col + box) * T::kBoxCols < p.out_cols ? box_col + box : -1;
-      });
+      if constexpr (ScattersRows<Params>) {
+        stager.end_pass_scattered(scatter, int64_t(task.n_block) * T::kOutCols + pass_begin, p.n);
+      } else {
+        const int box_col = (task.n_block * T::kOutCols + pass_begin) / T::kBoxCols;
+        stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) {
+          return (box_col + box) * T::kBoxCols < p.out_cols ? box_col + box : -1;
+        });
+      }
     }
   }
 };

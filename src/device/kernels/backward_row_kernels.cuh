@@ -3,7 +3,8 @@
 //   pull_grad_rows_kernel  every scheduled row: its d_out row, dy = bf16(rw * d_out), its router weight and
 //                          (when the context does not keep every row) its x row; zeros for padding rows
 //   push_grad_rows_kernel  every scheduled row with a route: its d_x_route row into the (token, slot) row of
-//                          the source rank's combine buffer, its d_rw into the source rank's d_rw
+//                          the source rank's combine buffer (unless d_x_rows is null: the gate/up dgrad scattered
+//                          them, MoeOptions::scatter_rows), its d_rw into the source rank's d_rw
 //   kept_rows_kernel       (one thread) kept = min(scheduled_rows, limit): the row count of
 //                          recompute_forward_context's gate/up GEMM over the rows a context keeps
 // Rows at or above scheduled_rows are not touched (no GEMM reads them; 0 rows after a capacity overflow).
@@ -49,7 +50,7 @@ __global__ void __launch_bounds__(GradRowTraits::kThreads) pull_grad_rows_kernel
 
 struct GradPushParams {
   backward::GradPushDestinations dst;
-  const uint4* d_x_rows;       // bf16 [capacity, H]
+  const uint4* d_x_rows;       // bf16 [capacity, H]; null: already in the combine rows (scattered by the dgrad)
   const float* row_partials;   // fp32 [capacity, n_blocks]
   int n_blocks;
   const int32_t* row_route;    // [capacity]
@@ -61,7 +62,8 @@ struct GradPushParams {
 
 __global__ void __launch_bounds__(GradRowTraits::kThreads) push_grad_rows_kernel(GradPushParams p) {
   device::for_each_row_by_warp(*p.scheduled_rows, [&](int64_t row, int lane) {
-    backward::push_grad_row(p.dst, p.d_x_rows + row * p.row_vectors, p.row_partials + row * p.n_blocks, p.n_blocks,
+    backward::push_grad_row(p.dst, p.d_x_rows != nullptr ? p.d_x_rows + row * p.row_vectors : nullptr,
+                            p.row_partials + row * p.n_blocks, p.n_blocks,
                             p.row_route[row], p.num_tokens, p.top_k, p.row_vectors, lane);
   });
   // Why: the barrier arrive after this kernel publishes these peer stores; order them at system scope.
