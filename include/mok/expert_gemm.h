@@ -68,18 +68,27 @@ struct RowGatherArgs {
 
 // Output rows scattered to their routes' combine rows instead of stored to `out` (kStore, bf16; docs/design.md,
 // "Row scatter in the store epilogue"): row r whose route row_route[r] = (src, token, slot) is not -1 goes to row
-// token * top_k + slot of rank src's combine buffer, combined.base[src] (bf16 [num_tokens * top_k, n]); padding
-// rows are written nowhere. The values are those `out` would hold, so the same bits as storing to `out` and
-// copying each row to its route's row afterwards (the forward's push_rows). The stores go to peers' memory:
-// each consumer thread fences at system scope before the kernel ends (a barrier arrive after it in the stream
-// then releases them).
+// token * top_k + slot of rank src's combine buffer (bf16 [num_tokens * top_k, n]); padding rows are written
+// nowhere. The values are those `out` would hold, so the same bits as storing to `out` and copying each row to its
+// route's row afterwards (the forward's push_rows). The rows are written by TMA through one tensor map per rank
+// (encode_row_scatter_maps); the stores go to peers' memory, and each consumer thread waits for them and fences at
+// system scope before the kernel ends (a barrier arrive after it in the stream then releases them).
 struct RowScatterArgs {
-  PeerPointers combined = {};          // per rank, bf16 [num_tokens * top_k, n], 16-byte aligned
+  const void* maps = nullptr;          // device memory, 64-byte aligned: `ranks` tensor maps of kRowScatterMapBytes
+                                       // each, rank r's from encode_row_scatter_maps (rows num_tokens * top_k, this n)
   const int32_t* row_route = nullptr;  // [a_rows] the schedule's route id per row; nullptr: no scatter
   int num_tokens = 0;                  // T of the route ids (src * T * top_k + token * top_k + slot)
   int top_k = 0;
-  int ranks = 0;                       // combined.base[0 .. ranks) are set: the routes' sources
+  int ranks = 0;                       // the routes' sources: maps holds this many
 };
+
+// Bytes of one rank's tensor map in RowScatterArgs::maps.
+inline constexpr int kRowScatterMapBytes = 128;
+
+// Writes the tensor maps of the combine buffers combined.base[0 .. ranks) (each bf16 [rows, n], 16-byte aligned,
+// addressable from the GPU that runs the GEMM) to host_maps (ranks * kRowScatterMapBytes bytes), for the caller to
+// copy to device memory (RowScatterArgs::maps). Host only; throws std::invalid_argument naming a bad argument.
+void encode_row_scatter_maps(const PeerPointers& combined, int ranks, int64_t rows, int n, void* host_maps);
 
 struct ExpertGemmArgs {
   GemmEpilogue epilogue = GemmEpilogue::kStore;

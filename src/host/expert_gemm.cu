@@ -8,6 +8,8 @@
 #include <string>
 #include <type_traits>
 
+#include <cutlass/cuda_host_adapter.hpp>
+
 #include "src/device/gemm/gemm_kernel.cuh"
 #include "src/host/check.h"
 #include "src/host/gemm_params.h"
@@ -103,7 +105,7 @@ template <class Traits>
 void launch_scatter(const ExpertGemmArgs& args, cudaStream_t stream) {
   auto base = detail::make_gemm_params<Traits>(args);
   gemm::RowScatterParams<decltype(base)> p{base, {}};
-  p.scatter = {.combined = args.scatter.combined,
+  p.scatter = {.maps = static_cast<const cute::TmaDescriptor*>(args.scatter.maps),
                .row_route = args.scatter.row_route,
                .num_tokens = args.scatter.num_tokens,
                .top_k = args.scatter.top_k};
@@ -184,9 +186,9 @@ void validate(const ExpertGemmArgs& args) {
     require(args.scatter.ranks >= 1 && args.scatter.ranks <= kMaxEpSize,
             "scatter.ranks must be in [1, " + std::to_string(kMaxEpSize) + "], got " +
                 std::to_string(args.scatter.ranks));
-    for (int r = 0; r < args.scatter.ranks; ++r)
-      require(args.scatter.combined.base[r] != nullptr && aligned16(args.scatter.combined.base[r]),
-              "scatter.combined.base[" + std::to_string(r) + "] must be a non-null, 16-byte aligned bf16 buffer");
+    require(args.scatter.maps != nullptr && reinterpret_cast<uintptr_t>(args.scatter.maps) % 64 == 0,
+            "scatter.maps must be a non-null, 64-byte aligned device array of the ranks' tensor maps "
+            "(encode_row_scatter_maps)");
     require(args.scatter.num_tokens > 0 && args.scatter.top_k > 0,
             "scatter needs num_tokens > 0 and top_k > 0, got " + std::to_string(args.scatter.num_tokens) + ", " +
                 std::to_string(args.scatter.top_k));
@@ -239,6 +241,37 @@ void validate(const ExpertGemmArgs& args) {
                 std::to_string(args.cluster_n));
   }
   validate(args.waits, "expert_gemm: ");
+}
+
+void encode_row_scatter_maps(const PeerPointers& combined, int ranks, int64_t rows, int n, void* host_maps) {
+  static_assert(sizeof(cute::TmaDescriptor) == kRowScatterMapBytes, "one CUtensorMap per rank");
+  require(ranks >= 1 && ranks <= kMaxEpSize,
+          "encode_row_scatter_maps: ranks must be in [1, " + std::to_string(kMaxEpSize) + "], got " +
+              std::to_string(ranks));
+  require(rows > 0 && rows < (int64_t{1} << 31),
+          "encode_row_scatter_maps: rows must be in [1, 2^31) (TMA row coordinates), got " + std::to_string(rows));
+  require(n > 0 && n % 64 == 0, "encode_row_scatter_maps: n must be a positive multiple of 64, got " + std::to_string(n));
+  require(host_maps != nullptr, "encode_row_scatter_maps: host_maps must be set");
+  for (int r = 0; r < ranks; ++r)
+    require(combined.base[r] != nullptr && aligned16(combined.base[r]),
+            "encode_row_scatter_maps: combined.base[" + std::to_string(r) + "] must be a non-null, 16-byte aligned "
+            "bf16 buffer");
+  auto* maps = static_cast<cute::TmaDescriptor*>(host_maps);
+  for (int r = 0; r < ranks; ++r) {
+    // bf16 [rows, n] as (column, row) coordinates; a box is one row's 64 columns (128 bytes), swizzled as the
+    // staged boxes are (src/device/gemm/row_scatter.cuh).
+    const cuuint64_t dims[2] = {cuuint64_t(n), cuuint64_t(rows)};
+    const cuuint64_t strides[1] = {cuuint64_t(n) * 2};
+    const cuuint32_t box[2] = {64, 1};
+    const cuuint32_t element_strides[2] = {1, 1};
+    const CUresult result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+        &maps[r], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, combined.base[r], dims, strides, box, element_strides,
+        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (result != CUDA_SUCCESS)
+      throw std::runtime_error("encode_row_scatter_maps: cuTensorMapEncodeTiled failed for rank " + std::to_string(r) +
+                               " (CUresult " + std::to_string(int(result)) + ")");
+  }
 }
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {

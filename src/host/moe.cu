@@ -4,6 +4,7 @@
 #include "mok/moe.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -172,6 +173,13 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
                                         {0, static_cast<int32_t>(padded_tokens_)},
                                         {static_cast<int32_t>(padded_tokens_)}};
     MOK_CHECK_CUDA(cudaMemcpy(s.shared_schedule, &shared, sizeof(shared), cudaMemcpyHostToDevice));
+    if (options_.scatter_rows) {  // every rank's combine buffer [T * k, H] as this rank addresses it
+      std::vector<std::byte> maps(size_t(shape_.ep_size) * kRowScatterMapBytes);
+      encode_row_scatter_maps(combined_.peers(r), shape_.ep_size, int64_t(shape_.num_tokens) * shape_.top_k,
+                              static_cast<int>(shape_.hidden), maps.data());
+      s.scatter_maps = DeviceBuffer(s.device, maps.size());
+      MOK_CHECK_CUDA(cudaMemcpy(s.scatter_maps.get(), maps.data(), maps.size(), cudaMemcpyHostToDevice));
+    }
     s.call_done = detail::CudaEvent(s.device);
   }
   if (options_.backward) allocate_backward();
@@ -640,7 +648,7 @@ void MoeWorkspace::compute(const RankForward& f) {
   const bool scatter = options_.scatter_rows;
   if (scatter) {
     down.out = nullptr;
-    down.scatter = {.combined = combined_.peers(f.rank),
+    down.scatter = {.maps = s.scatter_maps.get(),
                     .row_route = v.row_route,
                     .num_tokens = shape_.num_tokens,
                     .top_k = shape_.top_k,

@@ -422,7 +422,7 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   const bool scatter = options_.scatter_rows;
   if (scatter) {
     g.gate_up_dgrad.out = nullptr;
-    g.gate_up_dgrad.scatter = {.combined = combined_.peers(b.rank),
+    g.gate_up_dgrad.scatter = {.maps = s.scatter_maps.get(),
                                .row_route = v.row_route,
                                .num_tokens = shape_.num_tokens,
                                .top_k = shape_.top_k,

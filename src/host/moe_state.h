@@ -89,6 +89,8 @@ struct MoeWorkspace::RankState {
   float* x_scales = nullptr;           // MoeOptions::precision kFP8: fp32 [ceil(H/128), padded T], the rank's
                                        // published x rows' scales (the shared expert's A scales)
   BackwardScratch backward;
+  DeviceBuffer scatter_maps;  // MoeOptions::scatter_rows: the tensor maps of every rank's combine buffer as this
+                              // rank addresses it (encode_row_scatter_maps), for the scattering GEMMs
   // The rank's last call issued outside a CUDA-graph capture: its stream, and an event recorded after its
   // last kernel. A call on another stream waits for that event first (the buffers above, the symmetric
   // buffers, counters and tickets are shared by every call of the workspace).

@@ -1242,13 +1242,18 @@ TEST(ExpertGemmTest, StoreScatteredRowsLandInTheirRoutesRows) {
                 << where("store", row, c, from_bf16_bits(out[row * n + c]), want) << ", " << label;
           }
         }
+        PeerPointers bases{};
+        for (int r = 0; r < ranks; ++r) bases.base[r] = combined[r]->ptr;
+        std::vector<uint8_t> maps(size_t(ranks) * kRowScatterMapBytes);
+        encode_row_scatter_maps(bases, ranks, int64_t(num_tokens) * top_k, n, maps.data());
+        DeviceArray<uint8_t> d_maps(maps);
         ExpertGemmArgs scatter = args;
         scatter.out = nullptr;
+        scatter.scatter.maps = d_maps.ptr;
         scatter.scatter.row_route = d_route.ptr;
         scatter.scatter.num_tokens = num_tokens;
         scatter.scatter.top_k = top_k;
         scatter.scatter.ranks = ranks;
-        for (int r = 0; r < ranks; ++r) scatter.scatter.combined.base[r] = combined[r]->ptr;
         for (int cluster_n : {1, 2, 1}) {
           if (cluster_n == 2 && choose_cluster_n(GemmEpilogue::kStore, n) != 2) continue;
           scatter.cluster_n = cluster_n;
@@ -1293,7 +1298,8 @@ TEST(ExpertGemmTest, ScatterValidationNamesTheArgument) {
   base.scatter.num_tokens = 8;
   base.scatter.top_k = 2;
   base.scatter.ranks = 2;
-  base.scatter.combined.base[0] = base.scatter.combined.base[1] = buffer;
+  alignas(64) static uint8_t maps[2 * kRowScatterMapBytes];
+  base.scatter.maps = maps;
   auto message = [](const ExpertGemmArgs& args) {
     try { validate(args); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
     return std::string("no throw");
@@ -1313,12 +1319,12 @@ TEST(ExpertGemmTest, ScatterValidationNamesTheArgument) {
   args.scatter.ranks = 0;
   EXPECT_NE(message(args).find("scatter.ranks must be in [1, 72]"), std::string::npos) << message(args);
   args = base;
-  args.scatter.combined.base[1] = nullptr;
-  EXPECT_NE(message(args).find("scatter.combined.base[1] must be a non-null, 16-byte aligned"), std::string::npos)
+  args.scatter.maps = nullptr;
+  EXPECT_NE(message(args).find("scatter.maps must be a non-null, 64-byte aligned"), std::string::npos)
       << message(args);
   args = base;
-  args.scatter.combined.base[0] = buffer + 1;
-  EXPECT_NE(message(args).find("scatter.combined.base[0] must be a non-null, 16-byte aligned"), std::string::npos)
+  args.scatter.maps = maps + 16;
+  EXPECT_NE(message(args).find("scatter.maps must be a non-null, 64-byte aligned"), std::string::npos)
       << message(args);
   args = base;
   args.scatter.top_k = 0;
@@ -1326,6 +1332,19 @@ TEST(ExpertGemmTest, ScatterValidationNamesTheArgument) {
   args = base;
   args.scatter.row_route = nullptr;  // no scatter: then out is required
   EXPECT_NE(message(args).find("out must be a non-null"), std::string::npos) << message(args);
+  // The tensor maps' encoder names its bad arguments too.
+  PeerPointers bases{};
+  bases.base[0] = buffer;
+  const auto encode = [&](int ranks, int64_t rows, int n) {
+    try { encode_row_scatter_maps(bases, ranks, rows, n, maps); } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no throw");
+  };
+  EXPECT_NE(encode(2, 16, 512).find("combined.base[1] must be a non-null, 16-byte aligned"), std::string::npos);
+  EXPECT_NE(encode(0, 16, 512).find("ranks must be in [1, 72]"), std::string::npos);
+  EXPECT_NE(encode(1, 0, 512).find("rows must be in [1, 2^31)"), std::string::npos);
+  EXPECT_NE(encode(1, 16, 100).find("n must be a positive multiple of 64"), std::string::npos);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

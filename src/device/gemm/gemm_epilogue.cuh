@@ -132,14 +132,24 @@ struct TileStager {
     });
   }
 
-  // The end of a pass whose boxes the warpgroup's threads copy to the rows of `scatter` (row_scatter.cuh),
-  // columns col .. col + kStagingCols of n: no TMA store, so the next begin_pass waits for no bulk group.
-  template <class Scatter>
-  __device__ __forceinline__ void end_pass_scattered(const Scatter& scatter, int64_t col, int n) const {
-    // Why: each thread copies chunks that other threads of the warpgroup staged.
+  // A scattering epilogue's passes (row_scatter.cuh): every thread stores one row's box of the pass by TMA, so
+  // every thread waits for its own stores' reads before the boxes are overwritten.
+  __device__ __forceinline__ void begin_pass_scattered() const {
+    cute::tma_store_wait<0>();
     cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
-    scatter.copy(reinterpret_cast<const char*>(smem.staging[warpgroup][0]), int(sizeof(smem.staging[warpgroup][0])),
-                 col, n, int(threadIdx.x % 128));
+  }
+  // Row t % 64's box t / 64 of the pass (columns col + 64 (t / 64) of n) to its destination row.
+  __device__ __forceinline__ void end_pass_scattered(const ScatterRow& row, int64_t col, int n) const {
+    // Why: the TMA (async proxy) reads what the warpgroup's threads wrote; fence, then wait for all of them.
+    cute::tma_store_fence();
+    cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
+    const int thread = int(threadIdx.x % 128), box = thread / kUnitRows;
+    static_assert(T::kStagingBoxes * kUnitRows == 128, "one box of one row per thread");
+    if (row.map != nullptr && col + box * T::kBoxCols < n) {
+      cute::SM90_TMA_STORE_2D::copy(row.map, smem.staging[warpgroup][box] + (thread % kUnitRows) * 128,
+                                    int32_t(col) + box * T::kBoxCols, row.row);
+      cute::tma_store_arrive();
+    }
   }
 
   // The end of a pass whose boxes `issue` (run by the store leader) stores: one bulk group.
@@ -248,15 +258,21 @@ struct StoreEpilogue : RowTileEpilogue<StoreEpilogue> {
     constexpr int kValues = decltype(cute::size(accum))::value;
     constexpr int kPasses = T::kOutCols / T::kStagingCols;
     constexpr int kPassValues = kValues / kPasses;  // a pass owns a contiguous range of values
-    // ExpertGemmArgs::scatter: the warpgroup's rows go to their routes' combine rows (row_scatter.cuh).
-    [[maybe_unused]] ScatterCopy<T::kStagingBoxes> scatter;
-    if constexpr (ScattersRows<Params>)
-      scatter.resolve(p.scatter, int64_t(task.row) + stager.warpgroup * kUnitRows,
-                      rows.valid_rows - stager.warpgroup * kUnitRows, p.n, int(threadIdx.x % 128));
+    // ExpertGemmArgs::scatter: the warpgroup's rows go to their routes' combine rows (row_scatter.cuh); this
+    // thread stores row t % 64.
+    [[maybe_unused]] ScatterRow scatter_row;
+    if constexpr (ScattersRows<Params>) {
+      const int r = int(threadIdx.x % kUnitRows);
+      scatter_row = ScatterRow::resolve(p.scatter, int64_t(task.row) + stager.warpgroup * kUnitRows + r,
+                                        r < rows.valid_rows - stager.warpgroup * kUnitRows);
+    }
     CUTE_UNROLL
     for (int pass = 0; pass < kPasses; ++pass) {
       const int pass_begin = pass * T::kStagingCols;
-      stager.begin_pass();
+      if constexpr (ScattersRows<Params>)
+        stager.begin_pass_scattered();
+      else
+        stager.begin_pass();
       CUTE_UNROLL
       for (int i = pass * kPassValues; i < (pass + 1) * kPassValues; i += 2) {
         const int r = get<0>(coords(i));
@@ -266,7 +282,7 @@ struct StoreEpilogue : RowTileEpilogue<StoreEpilogue> {
                                          : __floats2bfloat162_rn(0.0f, 0.0f));
       }
       if constexpr (ScattersRows<Params>) {
-        stager.end_pass_scattered(scatter, int64_t(task.n_block) * T::kOutCols + pass_begin, p.n);
+        stager.end_pass_scattered(scatter_row, int64_t(task.n_block) * T::kOutCols + pass_begin, p.n);
       } else {
         const int box_col = (task.n_block * T::kOutCols + pass_begin) / T::kBoxCols;
         stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) {

@@ -167,9 +167,12 @@ __device__ __forceinline__ void run_gemm_consumers(const Params& p, const device
   }
   // Why: the shared memory must outlive the last TMA stores' reads of it.
   if (consumer_idx % 128 == 0) cute::tma_store_wait<0>();
-  // Why: a scattering GEMM's rows went to peers' combine buffers; the barrier arrive after the kernel releases
-  // them at system scope (row_scatter.cuh).
-  if constexpr (ScattersRows<Params>) device::fence_acq_rel_sys();
+  // Why: a scattering GEMM's rows went to peers' combine buffers by every thread's TMA stores; the barrier
+  // arrive after the kernel releases them at system scope once they are written (row_scatter.cuh).
+  if constexpr (ScattersRows<Params>) {
+    device::bulk_stores_written();
+    device::fence_acq_rel_sys();
+  }
 }
 
 // f(TraitsTag<T>{}, p): the parameters as they are...
