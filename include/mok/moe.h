@@ -414,6 +414,12 @@ class MoeWorkspace {
     return options_.backward && options_.path == ForwardPath::kFused && options_.fused.backward_megakernel;
   }
   bool fp8() const { return options_.precision == Precision::kFP8; }
+  // The local combine (docs/design.md, "The combine at EP = 1"): with one rank every expert row is this rank's,
+  // so the combine reads the expert-major rows through the schedule's route_row and nothing is pushed: the
+  // stage-kernel backward's d_x rows; not with scatter_rows (the rows are in the combine buffer then).
+  bool local_combine() const { return shape_.ep_size == 1 && !options_.scatter_rows; }
+  // The forward's: y must hold every row (the unfused path's does; the fused path's ring, the whole capacity).
+  bool combine_in_place() const { return local_combine() && ring_rows_ == capacity_rows(); }
   // Bytes of a pulled x row: bf16 2H; FP8, the e4m3 values and their scales, rounded up to 16 (src/host/quantize_fp8.h).
   int64_t pulled_row_bytes() const {
     const int64_t h = shape_.hidden;

@@ -30,6 +30,8 @@ struct ScheduleView {
   const int32_t* expert_src_counts = nullptr;   // [E_local][ep_size] routed rows per (expert, source rank)
   const int32_t* expert_row_offsets = nullptr;  // [E_local + 1] padded segment starts; last = rows needed
   const int32_t* row_route = nullptr;           // [capacity] global route id (src*T*k + t*k + j) or -1
+  const int32_t* route_row = nullptr;           // [ep_size * T * k] the row of each global route to a local
+                                                // expert (row_route's inverse), -1 for the others
   const int32_t* scheduled_rows = nullptr;      // [1] rows in use, 0 after a capacity overflow
   int64_t capacity_rows = 0;
 };
@@ -40,6 +42,7 @@ struct HostSchedule {
   std::vector<int32_t> expert_src_counts;
   std::vector<int32_t> expert_row_offsets;
   std::vector<int32_t> row_route;
+  std::vector<int32_t> route_row;
   int32_t scheduled_rows = 0;
   StatusReport status;
 };

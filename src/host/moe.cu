@@ -656,7 +656,7 @@ void MoeWorkspace::compute(const RankForward& f) {
   }
   run_mlp(gate_up, down, f.stream);
 
-  if (!scatter) {
+  if (!scatter && !combine_in_place()) {  // the combine reads y where it is
     const kernels::PushParams push{combined_.peers(f.rank), static_cast<const uint4*>(s.y), v.row_route,
                                    v.scheduled_rows, shape_.num_tokens, shape_.top_k, row_vectors};
     kernels::push_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::PushTraits::kWarps, s.num_sms),
@@ -691,6 +691,7 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
                                 .combined = combined_.peers(f.rank),
                                 .expert_rows = ctx.expert_rows_,
                                 .expert_out = s.y,
+                                .combine_in_place = combine_in_place(),
                                 .expert_row_scales = ctx.expert_row_scales_,
                                 .fp8_row_vectors = static_cast<int>(pulled_row_bytes() / 16)},
                                f.stream);
@@ -721,12 +722,14 @@ detail::MegakernelArgs MoeWorkspace::megakernel_args(int rank, const ScheduleVie
           .timeline_capacity = options_.fused.timeline_records};
 }
 
-// Phase 3: wait for every expert rank's rows, then out = shared + sum_j rw * y_j.
+// Phase 3: wait for every expert rank's rows, then out = shared + sum_j rw * y_j (at EP = 1 y_j read where the
+// down GEMM or the megakernel wrote it: combine_in_place).
 void MoeWorkspace::combine(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
   barrier_wait(f.rank, f.stream);
 
+  const bool local = combine_in_place();
   const combine::EpilogueParams p{
       .combined = static_cast<const uint4*>(combined_.on(f.rank)),
       .shared_out = shape_.shared_expert ? static_cast<const uint4*>(s.shared_out) : nullptr,
@@ -738,7 +741,9 @@ void MoeWorkspace::combine(const RankForward& f) {
       .num_tokens = static_cast<int>(f.topk_idx.shape[0]),  // the call's tokens
       .top_k = shape_.top_k,
       .num_experts = shape_.num_experts,
-      .row_vectors = static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns)};
+      .row_vectors = static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns),
+      .rows = local ? static_cast<const uint4*>(s.y) : nullptr,
+      .route_row = local ? f.context->schedule_.route_row : nullptr};
   detail::launch_combine_epilogue(p, f.topk_idx.dtype, s.num_sms, f.stream);
 }
 

@@ -431,8 +431,10 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   int32_t* tickets = s.tickets + detail::kBackwardExpert;
   issue_dgrads(g, recomputes_gate_up(), tickets, b.stream);
 
+  // local_combine: the epilogue reads the d_x_route rows where the dgrad wrote them; only d_rw is pushed.
+  const bool keep_rows = scatter || local_combine();
   const kernels::GradPushParams push{.dst = {.combined = combined_.peers(b.rank), .d_rw = d_rw_.peers(b.rank)},
-                                     .d_x_rows = scatter ? nullptr : static_cast<const uint4*>(w.d_x_rows()),
+                                     .d_x_rows = keep_rows ? nullptr : static_cast<const uint4*>(w.d_x_rows()),
                                      .row_partials = w.row_partials,
                                      .n_blocks = w.n_blocks,
                                      .row_route = v.row_route,
@@ -486,11 +488,13 @@ void MoeWorkspace::backward_fused(const RankBackward& b) {
 }
 
 // Phase 3: wait for every expert rank's rows, then d_x = shared dx + sum_j d_x_route_j (fp32, j ascending,
-// one rounding) and d_router_weights = the pushed d_rw (0 at masked and invalid routes).
+// one rounding) and d_router_weights = the pushed d_rw (0 at masked and invalid routes). The stage kernels at
+// EP = 1 (local_combine): d_x_route_j read where the gate/up dgrad wrote it.
 void MoeWorkspace::backward_epilogue(const RankBackward& b) {
   const RankState& s = state(b.rank);
   DeviceGuard guard(s.device);
   barrier_wait(b.rank, b.stream);
+  const bool local = !backward_megakernel() && local_combine();
   const combine::EpilogueParams p{
       .combined = static_cast<const uint4*>(combined_.on(b.rank)),
       .shared_out = shape_.shared_expert ? static_cast<const uint4*>(s.backward.shared_dx) : nullptr,
@@ -502,7 +506,9 @@ void MoeWorkspace::backward_epilogue(const RankBackward& b) {
       .num_tokens = static_cast<int>(b.topk_idx.shape[0]),  // the call's tokens
       .top_k = shape_.top_k,
       .num_experts = shape_.num_experts,
-      .row_vectors = static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns)};
+      .row_vectors = static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns),
+      .rows = local ? static_cast<const uint4*>(s.backward.d_x_rows()) : nullptr,
+      .route_row = local ? b.context->schedule_.route_row : nullptr};
   detail::launch_combine_epilogue(p, b.topk_idx.dtype, s.num_sms, b.stream);
 }
 

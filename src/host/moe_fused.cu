@@ -62,7 +62,8 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
       .x = a.x,
       .combined = a.combined,
       .expert_rows = static_cast<uint4*>(a.expert_rows),
-      .expert_out = static_cast<const uint4*>(a.expert_out)};
+      .expert_out = static_cast<const uint4*>(a.expert_out),
+      .combine_in_place = a.combine_in_place};
   launch_megakernel<T>(kernel_of<kClusterN, kKeepGateUp>(), p, c, forward::kCounters, stream);
 }
 
@@ -107,6 +108,7 @@ void launch_fp8(const FusedForwardArgs& a, cudaStream_t stream) {
                  .combined = a.combined,
                  .expert_rows = static_cast<uint4*>(a.expert_rows),
                  .expert_out = static_cast<const uint4*>(a.expert_out),
+                 .combine_in_place = a.combine_in_place,
                  .expert_row_scales = a.expert_row_scales,
                  .fp8_row_vectors = a.fp8_row_vectors,
                  .hidden = c.hidden,

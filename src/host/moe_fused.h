@@ -23,6 +23,8 @@ struct FusedForwardArgs {
   PeerPointers x, combined;
   void* expert_rows = nullptr;      // ring [ring_rows, H]
   const void* expert_out = nullptr;  // ring [ring_rows, H]
+  bool combine_in_place = false;     // the combine tasks copy nothing: the combine epilogue reads expert_out (the
+                                     // whole capacity) in place (EP = 1, MoeWorkspace::local_combine)
   // Precision::kFP8 (the GEMMs' precision): expert_rows holds FP8 rows (src/host/quantize_fp8.h), x every rank's
   // published FP8 rows; the dispatch writes the ring rows' A scales [ceil(H / 128), ring_rows] here.
   float* expert_row_scales = nullptr;

@@ -82,6 +82,7 @@ HostSchedule build_schedule_host(const RoutingShape& shape, const ScheduleOption
 
   // Place.
   out.row_route.assign(capacity, kNoRoute);
+  out.route_row.assign(size_t(ep) * routes, kNoRoute);
   if (fits) {
     for (int64_t g = 0; g < int64_t(ep) * routes; ++g) {
       const int32_t slot = route_slot[g];
@@ -93,6 +94,7 @@ HostSchedule build_schedule_host(const RoutingShape& shape, const ScheduleOption
       const int64_t row = out.expert_row_offsets[e] +
                           interleaved_offset(out.expert_src_counts.data() + size_t(e) * ep, ep, src, index);
       out.row_route[row] = static_cast<int32_t>(g);
+      out.route_row[g] = static_cast<int32_t>(row);
     }
   }
   return out;

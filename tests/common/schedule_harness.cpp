@@ -59,6 +59,9 @@ void ScheduleHarness::poison() {
     DeviceGuard guard(group_.device(r));
     const ScheduleView v = workspace_->view(r);
     MOK_CHECK_CUDA(cudaMemset(const_cast<int32_t*>(v.row_route), 0x7f, size_t(v.capacity_rows) * sizeof(int32_t)));
+    MOK_CHECK_CUDA(cudaMemset(const_cast<int32_t*>(v.route_row), 0x7f,
+                              size_t(workspace_->shape().ep_size) * workspace_->shape().routes_per_rank() *
+                                  sizeof(int32_t)));
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
   }
 }
@@ -111,7 +114,8 @@ std::string compare_schedules(const HostSchedule& expected, const HostSchedule& 
   for (auto [name, e, a] : {std::tuple{"expert_counts", &expected.expert_counts, &actual.expert_counts},
                             std::tuple{"expert_src_counts", &expected.expert_src_counts, &actual.expert_src_counts},
                             std::tuple{"expert_row_offsets", &expected.expert_row_offsets, &actual.expert_row_offsets},
-                            std::tuple{"row_route", &expected.row_route, &actual.row_route}}) {
+                            std::tuple{"row_route", &expected.row_route, &actual.row_route},
+                            std::tuple{"route_row", &expected.route_row, &actual.route_row}}) {
     std::string diff = compare_field(name, *e, *a);
     if (!diff.empty()) return diff;
   }

@@ -54,6 +54,10 @@ HostSchedule oracle_schedule(const RoutingShape& shape, int tile_m, int64_t capa
   s.scheduled_rows = fits ? static_cast<int32_t>(rows.size()) : 0;
   s.row_route.assign(capacity, -1);
   if (fits) std::copy(rows.begin(), rows.end(), s.row_route.begin());
+  s.route_row.assign(size_t(ep) * routes, -1);  // the inverse, written separately: each real row's route
+  if (fits)
+    for (size_t row = 0; row < rows.size(); ++row)
+      if (rows[row] >= 0) s.route_row[rows[row]] = static_cast<int32_t>(row);
   s.status.raw = initial_device_status();
   if (!fits) {
     s.status.raw.error_bits |= kStatusCapacityOverflow;

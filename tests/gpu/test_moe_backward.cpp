@@ -728,6 +728,69 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
   }
 }
 
+// EP = 1: the stage kernels' epilogue reads the d_x_route rows where the gate/up dgrad wrote them (and the unfused
+// forward's combine the y rows: MoeWorkspace::local_combine). The same bits as the paths that copy them into the
+// combine buffer first: the scattered dgrad (scatter_rows) and the backward megakernel's copies; the forward's
+// output too (unfused local == unfused scattered == fused). Skewed routing with empty experts, masked routes,
+// tile_m 128, fewer tokens than the workspace's; against the CPU reference once.
+TEST(MoeBackwardTest, EpOneCombinesFromTheExpertRowsBitwise) {
+  MOK_REQUIRE_GPUS(1);
+  struct Case {
+    MoeShape shape;
+    double skew, masked;
+    int tile_m, call_tokens;
+  };
+  const std::vector<Case> cases = {{moe_shape(1, 300, 8, 48, 512, 256), 0, 0.02, 64, -1},
+                                   {moe_shape(1, 257, 4, 16, 448, 192), 2.0, 0.1, 128, -1},
+                                   {moe_shape(1, 300, 6, 32, 256, 128), 0.5, 0, 64, 77}};
+  uint64_t seed = 640;
+  for (const Case& c : cases) {
+    const LayerData data = testing::random_layer(c.shape, ++seed, c.skew, c.masked);
+    const std::vector<float> d_out = testing::random_d_out(c.shape, seed + 5000);
+    const std::string label = describe(c.shape) + ", tile_m " + std::to_string(c.tile_m) + ", seed " +
+                              std::to_string(seed);
+    struct Variant {
+      const char* name;
+      MoeOptions options;
+    };
+    std::vector<Variant> variants(4);
+    for (Variant& v : variants) {
+      v.options.schedule.tile_m = c.tile_m;
+      v.options.schedule.load_factor = 4;  // the skewed routing's rows fit
+    }
+    variants[0].name = "unfused forward, local combine (the default at EP 1)";
+    variants[0].options.path = ForwardPath::kUnfused;
+    variants[1].name = "unfused forward, scatter_rows (combine buffer)";
+    variants[1].options.path = ForwardPath::kUnfused;
+    variants[1].options.scatter_rows = true;
+    variants[2].name = "fused forward, backward megakernel (combine buffer)";
+    variants[2].options.fused.backward_megakernel = true;
+    variants[3].name = "fused forward, stage backward with local combine";
+    RawGrads want;
+    std::vector<std::vector<uint16_t>> want_out;
+    for (size_t i = 0; i < variants.size(); ++i) {
+      MoeHarness harness(PeerGroup::virtual_ranks(1), c.shape, variants[i].options);
+      harness.upload(data);
+      harness.upload_d_out(d_out);
+      if (c.call_tokens >= 0) harness.set_call_tokens(0, c.call_tokens);
+      harness.forward();
+      harness.backward();
+      harness.check_status();
+      const RawGrads grads = raw_grads(harness);
+      const std::vector<uint16_t> out = harness.out_bits(0);
+      if (i == 0) {
+        if (c.call_tokens < 0) check_gradients(harness, data, d_out, label);
+        want = grads;
+        want_out = {out};
+        continue;
+      }
+      EXPECT_EQ(first_difference(grads, want), "") << variants[i].name << " vs " << variants[0].name << ", " << label;
+      EXPECT_TRUE(out == want_out[0]) << "forward output: " << variants[i].name << " vs " << variants[0].name << ", "
+                                      << label;
+    }
+  }
+}
+
 // forward + backward captured in one CUDA graph (virtual ranks: one stream) replays to the eager bits, and
 // reads its inputs at replay (alternating inputs give alternating results).
 TEST(MoeBackwardTest, CudaGraphReplayOfForwardAndBackward) {

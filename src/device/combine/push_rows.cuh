@@ -6,6 +6,9 @@
 //             writer on one rank.
 //   combine_epilogue_kernel (source rank, after the barrier)
 //       out[t, c] = bf16( s[t, c] + sum_{j = 0..k-1, id valid} rw[t, j] * combined[t * k + j, c] )
+//       or, where the expert rows are this rank's (EP = 1: MoeWorkspace's local combine, no push before it),
+//       the same sum over rows[route_row[t * k + j], c]: the expert-major rows themselves, read through the
+//       schedule's inverse map (the values push_row would have copied, so the same bits).
 //       s = shared expert output (0 without one); fp32 arithmetic, j ascending: bitwise deterministic.
 //       Masked routes (-1) and invalid ids (reported by the schedule) are skipped; their rows are never read.
 //       The backward's d_x is the same sum with rw = 1 (router_weights null; fma(1, y, acc) rounds like
@@ -49,7 +52,7 @@ struct EpilogueTraits {
 };
 
 struct EpilogueParams {
-  const uint4* combined;       // bf16 [T * k, H], this rank's combine buffer
+  const uint4* combined;       // bf16 [T * k, H], this rank's combine buffer (unused with rows)
   const uint4* shared_out;     // bf16 [padded T, H], or nullptr without a shared expert
   const float* router_weights; // [T, k]; nullptr: every weight is 1
   const void* topk_idx;        // int32 or int64 [T, k]
@@ -60,6 +63,8 @@ struct EpilogueParams {
   int top_k;
   int num_experts;
   int row_vectors;             // H / 8
+  const uint4* rows = nullptr;         // bf16 [capacity, H]: the expert-major rows, read instead of combined
+  const int32_t* route_row = nullptr;  // with rows: [T * k] the row of route t * k + j (-1: none, skipped)
 };
 
 template <typename Index>
@@ -98,7 +103,12 @@ __global__ void __launch_bounds__(EpilogueTraits::kThreads) combine_epilogue_ker
       const int64_t route = token * p.top_k + j;
       if (!is_valid_route(topk, route, p.num_experts)) continue;
       const float rw = p.router_weights != nullptr ? p.router_weights[route] : 1.f;
-      const uint4 y = p.combined[route * p.row_vectors + vector];
+      int64_t row = route;
+      if (p.rows != nullptr) {
+        row = p.route_row[route];
+        if (row < 0) continue;  // not placed: only after a capacity overflow (reported; out unspecified)
+      }
+      const uint4 y = (p.rows != nullptr ? p.rows : p.combined)[row * p.row_vectors + vector];
       const __nv_bfloat162* y2 = reinterpret_cast<const __nv_bfloat162*>(&y);
 #pragma unroll
       for (int c = 0; c < EpilogueTraits::kColumns / 2; ++c) {

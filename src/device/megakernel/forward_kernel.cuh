@@ -46,6 +46,8 @@ struct ForwardParams {
   PeerPointers combined;      // every rank's symmetric combine buffer, bf16 [T * k, H]
   uint4* expert_rows;         // bf16 ring [ring_rows, H]
   const uint4* expert_out;    // bf16 ring [ring_rows, H] (y)
+  bool combine_in_place;      // EP = 1 with the whole capacity in the ring: the combine tasks copy nothing (the
+                              // combine epilogue reads y in place: MoeWorkspace::local_combine)
   static constexpr KernelId kKernel = KernelId::kForwardMegakernel;  // named in a timeout's report
 };
 
@@ -109,7 +111,8 @@ struct ForwardTasks {
   }
 
   // Where row r of a dispatch or combine unit comes from and goes to (source, destination); a null source
-  // means nothing to copy (a padding row: dispatch zeroes it, combine leaves it).
+  // means nothing to copy (a padding row: dispatch zeroes it, combine leaves it; every combine row when the
+  // combine epilogue reads y in place).
   template <class Params>
   __device__ __forceinline__ static void row_endpoints(const Params& p, TaskKind kind, int32_t unit, int r,
                                                        const uint4*& src, uint4*& dst) {
@@ -121,7 +124,7 @@ struct ForwardTasks {
       dst = p.expert_rows + ring_offset;
       src = route < 0 ? nullptr : dispatch::source_row(p.x, route, c.num_tokens, c.top_k, c.row_vectors);
     } else {
-      src = route < 0 ? nullptr : p.expert_out + ring_offset;
+      src = route < 0 || p.combine_in_place ? nullptr : p.expert_out + ring_offset;
       dst = route < 0 ? nullptr : combine::destination_row(p.combined, route, c.num_tokens, c.top_k, c.row_vectors);
     }
   }
@@ -220,6 +223,7 @@ struct Fp8ForwardParams {
   PeerPointers combined;      // every rank's symmetric combine buffer, bf16 [T * k, H]
   uint4* expert_rows;         // FP8 rows ring [ring_rows, 2H bytes]
   const uint4* expert_out;    // bf16 ring [ring_rows, H] (y)
+  bool combine_in_place;      // as ForwardParams'
   float* expert_row_scales;   // the ring rows' A scales [ceil(H / 128), ring_rows] (the routed gate/up's a_scales)
   int fp8_row_vectors;        // 16-byte vectors of an FP8 row: H e4m3 values and ceil(H / 128) fp32 scales
   int hidden;

@@ -19,6 +19,8 @@
 //   expert_counts      [E]        real rows per expert
 //   expert_row_offsets [E+1]      padded segment starts; [E] = rows needed
 //   row_route          [capacity] global route id of each row, -1 for padding and unused rows
+//   route_row          [R][T*k]   row_route's inverse: the row of each route to a local expert, -1 for every other
+//                                 route (and for all of them when nothing is placed)
 //   scheduled_rows     [1]        rows needed when they fit the capacity, else 0 (nothing is placed)
 #pragma once
 
@@ -104,7 +106,7 @@ struct ScheduleLayout {
   int64_t num_chunks;  // per source
   int64_t capacity_rows;
   // Offsets in int32 elements from the base.
-  int64_t chunk_counts, route_slot, expert_src_counts, expert_counts, expert_row_offsets, row_route,
+  int64_t chunk_counts, route_slot, expert_src_counts, expert_counts, expert_row_offsets, row_route, route_row,
       scheduled_rows, total_elements;
 
   MOK_HOST_DEVICE static ScheduleLayout make(int ep_size, int local_experts, int64_t routes_per_rank,
@@ -123,6 +125,7 @@ struct ScheduleLayout {
     l.expert_counts = take(local_experts);
     l.expert_row_offsets = take(local_experts + 1);
     l.row_route = take(capacity_rows);
+    l.route_row = take(int64_t(ep_size) * routes_per_rank);
     l.scheduled_rows = take(1);
     l.total_elements = at;
     return l;

@@ -228,7 +228,8 @@ struct PlaceTraits {
   static constexpr int kThreads = 256;
 };
 
-// Writes every row of row_route exactly once: real rows by their route, the rest as padding.
+// Writes every row of row_route exactly once: real rows by their route, the rest as padding; and every entry of
+// route_row once (its inverse).
 __global__ void __launch_bounds__(PlaceTraits::kThreads) place_routes_kernel(ScheduleParams p) {
   const ScheduleLayout& l = p.layout;
   const int32_t* route_slots = p.schedule + l.route_slot;
@@ -237,22 +238,26 @@ __global__ void __launch_bounds__(PlaceTraits::kThreads) place_routes_kernel(Sch
   const int32_t* expert_counts = p.schedule + l.expert_counts;
   const int32_t* row_offsets = p.schedule + l.expert_row_offsets;
   int32_t* row_route = p.schedule + l.row_route;
+  int32_t* route_row = p.schedule + l.route_row;
   const int32_t scheduled_rows = p.schedule[l.scheduled_rows];
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
 
-  if (scheduled_rows > 0) {
-    const int64_t total_routes = int64_t(p.ep_size) * p.routes_per_rank;
-    for (int64_t g = first; g < total_routes; g += stride) {
-      const int32_t slot = route_slots[g];
-      if (slot == kNoRoute) continue;
-      const int src = static_cast<int>(g / p.routes_per_rank);
-      const int64_t chunk = (g % p.routes_per_rank) / kChunkRoutes;
-      const int32_t e = slot_expert(slot);
-      const int64_t index = chunk_prefix[(int64_t(src) * l.num_chunks + chunk) * p.local_experts + e] + slot_rank(slot);
-      const int64_t row = row_offsets[e] + interleaved_offset(src_counts + int64_t(e) * p.ep_size, p.ep_size, src, index);
-      row_route[row] = static_cast<int32_t>(g);
+  // Every route's entry of route_row, placed or not (nothing is placed after an overflow).
+  const int64_t total_routes = int64_t(p.ep_size) * p.routes_per_rank;
+  for (int64_t g = first; g < total_routes; g += stride) {
+    const int32_t slot = route_slots[g];
+    if (scheduled_rows == 0 || slot == kNoRoute) {
+      route_row[g] = kNoRoute;
+      continue;
     }
+    const int src = static_cast<int>(g / p.routes_per_rank);
+    const int64_t chunk = (g % p.routes_per_rank) / kChunkRoutes;
+    const int32_t e = slot_expert(slot);
+    const int64_t index = chunk_prefix[(int64_t(src) * l.num_chunks + chunk) * p.local_experts + e] + slot_rank(slot);
+    const int64_t row = row_offsets[e] + interleaved_offset(src_counts + int64_t(e) * p.ep_size, p.ep_size, src, index);
+    row_route[row] = static_cast<int32_t>(g);
+    route_row[g] = static_cast<int32_t>(row);
   }
   for (int64_t row = first; row < l.capacity_rows; row += stride) {
     bool padding = row >= scheduled_rows;
