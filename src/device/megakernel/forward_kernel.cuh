@@ -111,8 +111,7 @@ struct ForwardTasks {
   }
 
   // Where row r of a dispatch or combine unit comes from and goes to (source, destination); a null source
-  // means nothing to copy (a padding row: dispatch zeroes it, combine leaves it; every combine row when the
-  // combine epilogue reads y in place).
+  // means nothing to copy (a padding row: dispatch zeroes it, combine leaves it).
   template <class Params>
   __device__ __forceinline__ static void row_endpoints(const Params& p, TaskKind kind, int32_t unit, int r,
                                                        const uint4*& src, uint4*& dst) {
@@ -124,7 +123,7 @@ struct ForwardTasks {
       dst = p.expert_rows + ring_offset;
       src = route < 0 ? nullptr : dispatch::source_row(p.x, route, c.num_tokens, c.top_k, c.row_vectors);
     } else {
-      src = route < 0 || p.combine_in_place ? nullptr : p.expert_out + ring_offset;
+      src = route < 0 ? nullptr : p.expert_out + ring_offset;
       dst = route < 0 ? nullptr : combine::destination_row(p.combined, route, c.num_tokens, c.top_k, c.row_vectors);
     }
   }
@@ -133,6 +132,7 @@ struct ForwardTasks {
   template <class Params>
   __device__ __forceinline__ static void copy_rows(const Params& p, TaskKind kind, int32_t unit, int warp, int warps,
                                                    int lane) {
+    if (kind == TaskKind::kCombine && p.combine_in_place) return;  // the combine epilogue reads y in place
     for (int r = warp; r < kUnitRows; r += warps) {
       const uint4* src;
       uint4* dst;
@@ -164,6 +164,7 @@ struct ForwardTasks {
     device::BulkRowCopier copier{slots.slot[warp], &smem.slot_loaded[warp], CommSlots<T>::kSlotBytes,
                                  {c.status, c.timeout_ns, c.rank, Params::kKernel}, warp};
     auto copy_unit = [&](TaskKind kind, int32_t unit) {
+      if (kind == TaskKind::kCombine && p.combine_in_place) return;  // the combine epilogue reads y in place
       if (kind == TaskKind::kDispatch) {
         for (int r = warp; r < kUnitRows; r += kWarps) {
           const uint4* src;
