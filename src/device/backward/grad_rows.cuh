@@ -109,7 +109,7 @@ __device__ __forceinline__ void push_grad_row(const GradPushDestinations& dst, c
                                               const float* partials, int n_blocks, int32_t route, int num_tokens,
                                               int top_k, int row_vectors, int lane) {
   if (route < 0) return;
-  if (d_x_row != nullptr)  // null: the gate/up dgrad scattered the row already (MoeOptions::scatter_rows)
+  if (d_x_row != nullptr)  // null: the row stays (scattered by the gate/up dgrad, or read in place at EP = 1)
     device::copy_row_warp(d_x_row, combine::destination_row(dst.combined, route, num_tokens, top_k, row_vectors),
                           row_vectors, lane);
   if (lane == 0) {

@@ -4,7 +4,8 @@
 //                          (when the context does not keep every row) its x row; zeros for padding rows
 //   push_grad_rows_kernel  every scheduled row with a route: its d_x_route row into the (token, slot) row of
 //                          the source rank's combine buffer (unless d_x_rows is null: the gate/up dgrad scattered
-//                          them, MoeOptions::scatter_rows), its d_rw into the source rank's d_rw
+//                          them, MoeOptions::scatter_rows, or the combine reads them in place at EP = 1), its d_rw
+//                          into the source rank's d_rw
 //   kept_rows_kernel       (one thread) kept = min(scheduled_rows, limit): the row count of
 //                          recompute_forward_context's gate/up GEMM over the rows a context keeps
 // Rows at or above scheduled_rows are not touched (no GEMM reads them; 0 rows after a capacity overflow).
@@ -50,7 +51,7 @@ __global__ void __launch_bounds__(GradRowTraits::kThreads) pull_grad_rows_kernel
 
 struct GradPushParams {
   backward::GradPushDestinations dst;
-  const uint4* d_x_rows;       // bf16 [capacity, H]; null: already in the combine rows (scattered by the dgrad)
+  const uint4* d_x_rows;       // bf16 [capacity, H]; null: not moved (scattered by the dgrad, or read in place)
   const float* row_partials;   // fp32 [capacity, n_blocks]
   int n_blocks;
   const int32_t* row_route;    // [capacity]
