@@ -1141,25 +1141,34 @@ TEST(ExpertGemmTest, SwiGLUGatheredRowsEqualTheCopiedRowsBitwise) {
   }
 }
 
-TEST(ExpertGemmTest, GatherValidationNamesTheArgument) {
-  alignas(16) static uint16_t buffer[64];
+// The gather's and the scatter's validation tests: a call that validate() accepts (it reads none of the buffers,
+// so one small static buffer stands for all), and validate()'s message for a call ("no throw" when it accepts it).
+alignas(16) uint16_t validation_buffer[64];
+ExpertGemmArgs validation_args(GemmEpilogue epilogue) {
   static DeviceStatus status;  // validation does not read it
-  ExpertGemmArgs base;
-  base.epilogue = GemmEpilogue::kSwiGLU;
-  base.a = base.b = base.out = buffer;
-  base.k = 256;
-  base.n = 512;
-  base.local_experts = 2;
-  base.a_rows = 128;
-  base.expert_counts = base.expert_row_offsets = base.scheduled_rows = reinterpret_cast<const int32_t*>(buffer);
-  base.ticket = reinterpret_cast<int32_t*>(buffer);
-  base.waits.status = &status;
+  ExpertGemmArgs args;
+  args.epilogue = epilogue;
+  args.a = args.b = args.out = validation_buffer;
+  args.k = 256;
+  args.n = 512;
+  args.local_experts = 2;
+  args.a_rows = 128;
+  args.expert_counts = args.expert_row_offsets = args.scheduled_rows =
+      reinterpret_cast<const int32_t*>(validation_buffer);
+  args.ticket = reinterpret_cast<int32_t*>(validation_buffer);
+  args.waits.status = &status;
+  return args;
+}
+std::string message(const ExpertGemmArgs& args) {
+  try { validate(args); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
+  return std::string("no throw");
+}
+
+TEST(ExpertGemmTest, GatherValidationNamesTheArgument) {
+  uint16_t* buffer = validation_buffer;
+  ExpertGemmArgs base = validation_args(GemmEpilogue::kSwiGLU);
   base.gather = {.x = buffer, .row_route = reinterpret_cast<const int32_t*>(buffer), .num_tokens = 8, .top_k = 2,
                  .rank = 0};
-  auto message = [](const ExpertGemmArgs& args) {
-    try { validate(args); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
-    return std::string("no throw");
-  };
   EXPECT_EQ(message(base), "no throw");
   ExpertGemmArgs args = base;
   args.epilogue = GemmEpilogue::kStore;
@@ -1282,28 +1291,15 @@ TEST(ExpertGemmTest, StoreScatteredRowsLandInTheirRoutesRows) {
 }
 
 TEST(ExpertGemmTest, ScatterValidationNamesTheArgument) {
-  alignas(16) static uint16_t buffer[64];
-  static DeviceStatus status;  // validation does not read it
-  ExpertGemmArgs base;
-  base.epilogue = GemmEpilogue::kStore;
-  base.a = base.b = buffer;
-  base.k = 256;
-  base.n = 512;
-  base.local_experts = 2;
-  base.a_rows = 128;
-  base.expert_counts = base.expert_row_offsets = base.scheduled_rows = reinterpret_cast<const int32_t*>(buffer);
-  base.ticket = reinterpret_cast<int32_t*>(buffer);
-  base.waits.status = &status;
+  uint16_t* buffer = validation_buffer;
+  ExpertGemmArgs base = validation_args(GemmEpilogue::kStore);
+  base.out = nullptr;  // the rows go to the combine buffers
   base.scatter.row_route = reinterpret_cast<const int32_t*>(buffer);
   base.scatter.num_tokens = 8;
   base.scatter.top_k = 2;
   base.scatter.ranks = 2;
   alignas(64) static uint8_t maps[2 * kRowScatterMapBytes];
   base.scatter.maps = maps;
-  auto message = [](const ExpertGemmArgs& args) {
-    try { validate(args); } catch (const std::invalid_argument& e) { return std::string(e.what()); }
-    return std::string("no throw");
-  };
   EXPECT_EQ(message(base), "no throw");
   ExpertGemmArgs args = base;
   args.b_major = OperandMajor::kMN;

@@ -96,6 +96,20 @@ struct Case {
   bool fused_weights = false;
   int call_tokens = -1;
   bool all_to_first_experts = false;
+
+  LayerData data(uint64_t seed) const {
+    LayerData d = testing::random_layer(shape, seed, skew, masked);
+    if (all_to_first_experts)
+      for (size_t q = 0; q < d.inputs.topk_idx.size(); ++q) d.inputs.topk_idx[q] = static_cast<int32_t>(q % shape.top_k);
+    return d;
+  }
+  // The copy path (no gather, no scatter), with the backward's buffers: what the others must equal.
+  MoeOptions copy_path() const {
+    MoeOptions options = unfused_options(false, true, tile_m);
+    // Every routing here fits the worst case; skewed ones need more than the default capacity.
+    options.schedule.load_factor = std::max(2, shape.ep_size) * (skew > 0 || all_to_first_experts ? 4 : 1);
+    return options;
+  }
 };
 
 std::vector<Case> cases() {
@@ -121,13 +135,8 @@ TEST(RowGatherTest, GatheredGateUpBitwiseEqualToTheCopyPath) {
   MOK_REQUIRE_GPUS(1);
   uint64_t seed = 900;
   for (const Case& c : cases()) {
-    LayerData data = testing::random_layer(c.shape, ++seed, c.skew, c.masked);
-    if (c.all_to_first_experts)
-      for (size_t q = 0; q < data.inputs.topk_idx.size(); ++q)
-        data.inputs.topk_idx[q] = static_cast<int32_t>(q % c.shape.top_k);
-    MoeOptions base = unfused_options(false, true, c.tile_m);
-    // Every routing here fits the worst case; skewed ones need more than the default capacity.
-    base.schedule.load_factor = std::max(2, c.shape.ep_size) * (c.skew > 0 || c.all_to_first_experts ? 4 : 1);
+    const LayerData data = c.data(++seed);
+    const MoeOptions base = c.copy_path();
     const Result want = run(c.shape, base, data, c.fused_weights, c.call_tokens);
     for (bool backward : {true, false}) {
       MoeOptions gather = base;
@@ -147,12 +156,8 @@ TEST(RowScatterTest, ScatteredDownBitwiseEqualToThePushPath) {
   MOK_REQUIRE_GPUS(1);
   uint64_t seed = 950;
   for (const Case& c : cases()) {
-    LayerData data = testing::random_layer(c.shape, ++seed, c.skew, c.masked);
-    if (c.all_to_first_experts)
-      for (size_t q = 0; q < data.inputs.topk_idx.size(); ++q)
-        data.inputs.topk_idx[q] = static_cast<int32_t>(q % c.shape.top_k);
-    MoeOptions base = unfused_options(false, true, c.tile_m);
-    base.schedule.load_factor = std::max(2, c.shape.ep_size) * (c.skew > 0 || c.all_to_first_experts ? 4 : 1);
+    const LayerData data = c.data(++seed);
+    const MoeOptions base = c.copy_path();
     const Result want = run(c.shape, base, data, c.fused_weights, c.call_tokens);
     for (bool gather : {false, true}) {
       for (bool backward : {true, false}) {
