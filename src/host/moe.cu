@@ -183,6 +183,13 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     s.call_done = detail::CudaEvent(s.device);
   }
   if (options_.backward) allocate_backward();
+  // The constructor synchronizes its devices (docs/design.md, "No host synchronization in a step": setup may). A
+  // cudaMemcpy from pageable memory returns once its bytes are staged, before they land, and a cudaMemset is
+  // asynchronous; both run on the legacy stream, which a non-blocking stream's first forward does not wait for.
+  for (int r : group_.local_ranks()) {
+    DeviceGuard guard(ranks_[r].device);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  }
 }
 
 // Never a collective (docs/design.md, "Lifetimes"): the members free the local buffers; NCCL windows that

@@ -233,11 +233,7 @@ void MoeWorkspace::allocate_backward() {
     w.shared_d_gate_up = layout.shared_d_gate_up.in(base);
     w.shared_dx = layout.shared_dx.in(base);
     w.shared_row_partials = layout.shared_row_partials.in<float>(base);
-  }
-  for (int r : group_.local_ranks()) {
-    DeviceGuard guard(ranks_[r].device);
-    MOK_CHECK_CUDA(cudaDeviceSynchronize());
-  }
+  }  // the constructor synchronizes the devices after this
 }
 
 void MoeWorkspace::validate_backward(const RankBackward& b) const {
