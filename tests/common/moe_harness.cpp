@@ -349,6 +349,7 @@ void MoeHarness::upload(const LayerData& data, DType index_dtype) {
     f.topk_idx.dtype = index_dtype;
     MOK_CHECK_CUDA(cudaMemcpy(b.rw, data.inputs.router_weights.data() + r * t * k, t * k * 4, cudaMemcpyHostToDevice));
   }
+  landed();
 }
 
 void MoeHarness::use_fused_gate_up(const LayerData& data) {
@@ -366,6 +367,7 @@ void MoeHarness::use_fused_gate_up(const LayerData& data) {
     b.weights.expert_gate = TensorRef(fused, DType::kBFloat16, {e, 2 * i, h});
     b.weights.expert_up = TensorRef();
   }
+  landed();
   if (!backward_args_.empty()) set_grads(grad_setups_);  // the gradients follow the weights' layout
 }
 
@@ -385,8 +387,8 @@ void MoeHarness::fill_hashed(uint64_t seed, int range, float weight_scale, float
       fill_hashed_bf16(b.shared_up, i * h, seed + 5, -range, range, nullptr, weight_scale);
       fill_hashed_bf16(b.shared_down, h * i, seed + 6, -range, range, nullptr, weight_scale);
     }
-    MOK_CHECK_CUDA(cudaDeviceSynchronize());
   }
+  landed();
 }
 
 void MoeHarness::upload_routing(const std::vector<std::vector<int32_t>>& topk,
@@ -401,6 +403,7 @@ void MoeHarness::upload_routing(const std::vector<std::vector<int32_t>>& topk,
     MOK_CHECK_CUDA(cudaMemcpy(b.rw, weights[f.rank].data(), routes * 4, cudaMemcpyHostToDevice));
     f.topk_idx.dtype = DType::kInt32;
   }
+  landed();
 }
 
 RankForward& MoeHarness::local_args(int rank) {
@@ -430,11 +433,21 @@ void MoeHarness::poison_outputs() {
     DeviceGuard guard(buffers_[f.rank]->device);
     MOK_CHECK_CUDA(cudaMemcpy(buffers_[f.rank]->out, poison.data(), count * 2, cudaMemcpyHostToDevice));
   }
+  // Without this the last rank's poison could land after the forward wrote its output (round 21: a test process
+  // beside two others, their uploads keeping the copy engines busy, got rank 1's poison back unreported).
+  landed();
 }
 
 void MoeHarness::forward() {
   poison_outputs();
   workspace_->forward(args_);
+}
+
+void MoeHarness::landed() {
+  for (const RankForward& f : args_) {
+    DeviceGuard guard(buffers_[f.rank]->device);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  }
 }
 
 void MoeHarness::synchronize() {
@@ -534,6 +547,7 @@ void MoeHarness::upload_d_out(const std::vector<float>& d_out) {
     DeviceGuard guard(buffers_[f.rank]->device);
     copy_bf16(buffers_[f.rank]->d_out, d_out.data() + f.rank * t * h, t * h);
   }
+  landed();
 }
 
 void MoeHarness::set_grads(const GradSetups& setups) {
@@ -567,8 +581,8 @@ void MoeHarness::set_grads(const GradSetups& setups) {
       ref.data = b.grads[n];
       b.grad(which) = WeightGrad{ref, setups[n].mode};
     }
-    MOK_CHECK_CUDA(cudaDeviceSynchronize());
   }
+  landed();
 }
 
 void MoeHarness::poison_grads() {
@@ -584,8 +598,8 @@ void MoeHarness::poison_grads() {
       if (!g.grad.empty() && g.mode == GradMode::kWrite)
         MOK_CHECK_CUDA(cudaMemset(g.grad.mutable_data(), 0xff, tensor_bytes(g.grad)));
     }
-    MOK_CHECK_CUDA(cudaDeviceSynchronize());  // landed before a non-blocking stream reads the buffers
   }
+  landed();
 }
 
 void MoeHarness::zero_weight_grads() {
@@ -598,8 +612,8 @@ void MoeHarness::zero_weight_grads() {
       const WeightGrad& g = b.grad(static_cast<GradTensor>(n));
       if (!g.grad.empty()) MOK_CHECK_CUDA(cudaMemset(g.grad.mutable_data(), 0, tensor_bytes(g.grad)));
     }
-    MOK_CHECK_CUDA(cudaDeviceSynchronize());
   }
+  landed();
 }
 
 const std::vector<RankBackward>& MoeHarness::all_backward_args() {

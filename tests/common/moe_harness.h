@@ -78,7 +78,8 @@ class MoeHarness {
   MoeHarness(const MoeHarness&) = delete;
   MoeHarness& operator=(const MoeHarness&) = delete;
 
-  // Copies each local rank's slice of `data` to its GPU; ids as int32 or int64.
+  // Copies each local rank's slice of `data` to its GPU; ids as int32 or int64. Like every call below that
+  // writes device buffers from the host (fills, routing, poison, d_out), it returns when the bytes have landed.
   void upload(const LayerData& data, DType index_dtype = DType::kInt32);
   // Switches every rank's routed weights to one fused [E_local, 2I, H] tensor (each expert's gate rows, then
   // its up rows) holding `data`'s values; expert_up becomes empty. Call after upload.
@@ -155,6 +156,11 @@ class MoeHarness {
   std::unique_ptr<MoeWorkspace> workspace_;
   std::vector<cudaStream_t> streams_;
   void ensure_backward();
+  // Waits until every host copy and memset issued to the local ranks' devices has landed. The harness's streams
+  // are non-blocking: they do not wait for the legacy stream, where cudaMemcpy from pageable memory returns
+  // once its bytes are staged (before they land) and cudaMemset returns at once. Every call that writes device
+  // buffers from the host ends with it.
+  void landed();
   std::vector<std::unique_ptr<RankBuffers>> buffers_;  // [ep_size], null for non-local ranks
   std::vector<RankForward> args_;                      // local ranks
   std::vector<RankBackward> backward_args_;            // local ranks, once ensure_backward ran

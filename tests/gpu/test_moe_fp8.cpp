@@ -374,6 +374,9 @@ TEST(MoeFp8Test, ValidationNamesTheOption) {
   o.gather_rows = true;
   EXPECT_NE(message(o).find("does not gather"), std::string::npos) << message(o);
   o = fp8_options();
+  o.scatter_rows = true;
+  EXPECT_NE(message(o).find("does not scatter"), std::string::npos) << message(o);
+  o = fp8_options();
   o.precision = static_cast<Precision>(5);
   EXPECT_NE(message(o).find("MoeOptions.precision"), std::string::npos) << message(o);
   o = fp8_options();
