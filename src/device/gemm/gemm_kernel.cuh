@@ -119,7 +119,8 @@ __device__ __forceinline__ void run_gather_producer(const Params& p, const Stand
     if (!device::named_barrier_all(arrived, T::kGatherBarrier, T::kGatherThreads)) break;
     if (payload == kStopSlot) break;  // what payload() publishes past the last task
     const TileTask task = smem.tasks.decoded[q];
-    if (!gather_tile<T>(p, task, smem, pipeline, state, thread_idx, waits.bound)) break;
+    const bool gathered = gather_tile<T>(p, task, smem, pipeline, state, thread_idx, waits.bound);
+    if (!device::named_barrier_all(gathered, T::kGatherBarrier, T::kGatherThreads)) break;
   }
   // Why: no thread leaves with copies in flight into stages its consumers still read.
   cute::cp_async_wait<0>();

@@ -432,6 +432,9 @@ __device__ __forceinline__ typename T::Pipeline start_pipeline(Storage& smem, Ta
   params.role = consumer ? T::Pipeline::ThreadCategory::Consumer : T::Pipeline::ThreadCategory::Producer;
   params.is_leader = threadIdx.x == 0;
   params.num_consumers = 128 * T::kConsumerWarpgroups;
+  // A gathering configuration's full barrier: thread 0's arrive.expect_tx plus each gathering thread's
+  // cp.async.mbarrier.arrive.noinc (row_gather.cuh).
+  if constexpr (GathersRows<T>) params.num_producers = 1 + T::kGatherThreads;
   typename T::Pipeline pipeline(smem.pipeline, params, typename T::ClusterShape{});
   if (threadIdx.x == 0) {
     tasks.init();

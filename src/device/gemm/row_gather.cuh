@@ -12,13 +12,13 @@
 // (i < 8) of each stage with cp.async (zero-filled for padding: source size 0), into the 128-byte-swizzled
 // K-major layout the consumers' wgmma reads (addresses from the stage layout itself, SmemLayoutA); thread 0
 // also issues the B stage's TMA loads as load_tile does.
-// Sync, per stage (the pipeline of mainloop.cuh, full barrier count 1 as for TMA):
-//   every thread  waits for the stage to be free (bounded), issues its chunks, cp.async.mbarrier.arrive (the
-//                 form without .noinc: it adds one pending arrival now and removes it when the thread's copies
-//                 landed, so the phase cannot complete before them)
-//   thread 0      before its chunks: expect_tx(B bytes) and the B TMA loads; after a named barrier over the
-//                 warpgroup (why: every thread's pending arrival must be registered before the one counted
-//                 arrival can complete the phase): the stage's one arrival
+// Sync, per stage (the pipeline of mainloop.cuh; a gathering configuration's full barriers count 1 + 128
+// arrivals, start_pipeline):
+//   thread 0      arrive.expect_tx(B bytes), then the B TMA loads
+//   every thread  waits for the stage to be free (bounded), issues its chunks, then cp.async.mbarrier.arrive.noinc:
+//                 one of the phase's counted arrivals, made by the hardware once the thread's copies landed. No
+//                 barrier between the threads per stage (round 13's version had a named barrier per stage and
+//                 the form without .noinc); one per tile agrees on a give-up.
 //   consumers     wait for the full barrier, then fence.proxy.async (the chunks were written by the generic
 //                 proxy, wgmma reads through the async proxy), then the mainloop as before.
 // No A multicast: cp.async writes only this CTA's shared memory, so gathered tiles run in clusters of 1.
@@ -101,8 +101,8 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(zero ? 0u : 16u) : "memory");
 }
 
-// Producer warpgroup, one tile: K / 64 stages, A gathered by all threads, B by TMA from thread 0. False when a
-// stage wait gave up in any thread (all threads return false together).
+// Producer warpgroup, one tile: K / 64 stages, A gathered by all threads, B by TMA from thread 0. False when this
+// thread's stage wait gave up (it issues nothing more; the caller's per-tile barrier makes every thread agree).
 template <class T, class Params, class Storage>
 __device__ __forceinline__ bool gather_tile(const Params& p, const TileTask& task, Storage& smem,
                                             typename T::Pipeline& pipeline, typename T::PipelineState& state,
@@ -136,43 +136,37 @@ __device__ __forceinline__ bool gather_tile(const Params& p, const TileTask& tas
   static_assert(kRowPassBytes % 1024 == 0 && kStageBytesA % 1024 == 0, "whole swizzle periods");
   const int num_k_blocks = p.k / T::kBlockK;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    const bool free = stage_free_bounded(pipeline, state, bound);
+    if (!stage_free_bounded(pipeline, state, bound)) return false;
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
-    if (free) {
-      if (thread_idx == 0) {
-        // B as load_tile's K-major branch: two boxes of kHalfN rows, by offset.
-        device::mbarrier_expect_tx(full, T::kStageBytesB);
-        Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(p.b_rows, p.k));
-        Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-        Tensor s_b_boxes = flat_divide(s_b, Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{});  // (BR, BK, boxes, 1, S)
-        const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
-        Tensor g_b0 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset0, _0{}), m_b),
-                                 Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
-        Tensor g_b1 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset1, _0{}), m_b),
-                                 Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
-        auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
-                                              group_modes<0, 2>(s_b_boxes(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
-        auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
-                                              group_modes<0, 2>(s_b_boxes(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
-        copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
-        copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
-      }
-      const int64_t column = int64_t(k_block) * T::kBlockK + chunk * T::kChunkElements;
-      CUTE_UNROLL
-      for (int i = 0; i < T::kRowsPerThread; ++i) {
-        int32_t row = src_row[i];
-        // Why opaque: hoisted out of the k-loop, the eight rows' 64-bit addresses outgrow the 48 registers (spills).
-        asm volatile("" : "+r"(row));
-        const Element* src = row >= -1 ? g.x + int64_t(row < 0 ? 0 : row) * p.k : g.a + int64_t(-2 - row) * p.k;
-        cp_async_16(a_chunk0 + stage * kStageBytesA + i * kRowPassBytes, src + column, row == -1);
-      }
-      cutlass::arch::cpasync_barrier_arrive(full);
+    if (thread_idx == 0) {
+      // B as load_tile's K-major branch: two boxes of kHalfN rows, by offset.
+      device::mbarrier_arrive_expect_tx(full, T::kStageBytesB);
+      Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(p.b_rows, p.k));
+      Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+      Tensor s_b_boxes = flat_divide(s_b, Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{});  // (BR, BK, boxes, 1, S)
+      const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
+      Tensor g_b0 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset0, _0{}), m_b),
+                               Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
+      Tensor g_b1 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset1, _0{}), m_b),
+                               Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
+      auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
+                                            group_modes<0, 2>(s_b_boxes(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
+      auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
+                                            group_modes<0, 2>(s_b_boxes(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
+      copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
+      copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
     }
-    // Why: every thread's pending arrival (above) must be registered before thread 0's arrival, the one the
-    // barrier counts, can complete the phase.
-    if (!device::named_barrier_all(free, T::kGatherBarrier, T::kGatherThreads)) return false;
-    if (thread_idx == 0) device::mbarrier_arrive(full);
+    const int64_t column = int64_t(k_block) * T::kBlockK + chunk * T::kChunkElements;
+    CUTE_UNROLL
+    for (int i = 0; i < T::kRowsPerThread; ++i) {
+      int32_t row = src_row[i];
+      // Why opaque: hoisted out of the k-loop, the eight rows' 64-bit addresses outgrow the 48 registers (spills).
+      asm volatile("" : "+r"(row));
+      const Element* src = row >= -1 ? g.x + int64_t(row < 0 ? 0 : row) * p.k : g.a + int64_t(-2 - row) * p.k;
+      cp_async_16(a_chunk0 + stage * kStageBytesA + i * kRowPassBytes, src + column, row == -1);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(full);
     ++state;
   }
   return true;
