@@ -78,13 +78,16 @@ struct TensorRef {
 };
 
 struct MoeShape {
+  static constexpr int kMaxFeatures = 1 << 20;  // the most hidden and intermediate may be
   int ep_size = 1;
   int num_tokens = 0;    // the most tokens one call passes on a rank: each call may pass any T in
                          // [0, num_tokens] (x [T, H], ...), and the ranks of one call different ones
   int top_k = 0;
   int num_experts = 0;   // E, global; expert e lives on rank e / local_experts()
-  int hidden = 0;        // H: a multiple of 64 (fastest as a multiple of 256, the down GEMM's output tile)
-  int intermediate = 0;  // I: a multiple of 64 (fastest as a multiple of 128, the SwiGLU GEMM's output tile)
+  int hidden = 0;        // H: a multiple of 64 up to kMaxFeatures (fastest as a multiple of 256, the down
+                         // GEMM's output tile)
+  int intermediate = 0;  // I: a multiple of 64 up to kMaxFeatures (fastest as a multiple of 128, the SwiGLU
+                         // GEMM's output tile)
   bool shared_expert = true;
   float swiglu_limit = 0;  // > 0: clamped SwiGLU
 
@@ -105,7 +108,8 @@ struct FusedOptions {
                                 // copy the rows (faster on every model shape, docs/perf_notes.md round 6);
                                 // > 0: this many CTAs only copy (a multiple of the cluster size, 2 for the
                                 // model shapes)
-  int minibatch_rows = 4096;    // rows whose gate/up tiles are ordered before their down tiles; multiple of 128
+  int minibatch_rows = 4096;    // rows whose gate/up tiles are ordered before their down tiles; multiple of 128,
+                                // at most 2^30
   int64_t macrobatch_rows = 0;  // rows of the expert-side ring buffers (the context keeps the first
                                 // macrobatch, the backward replays the others); multiple of 128, at most the
                                 // capacity is used. 0: the balanced share of rows, within

@@ -20,6 +20,7 @@ from .arguments import INT32_MAX, INT64_MAX
 PATHS = {"fused": 0, "unfused": 1}
 PRECISIONS = {"bf16": 0, "fp8": 1}
 MAX_EP_SIZE = 72  # kMaxEpSize, include/mok/routing.h
+MAX_FEATURES = 2**20  # MoeShape::kMaxFeatures: the most hidden and intermediate may be
 MAX_ROWS = 2**30 - 1  # std::numeric_limits<int32_t>::max() / 2: routes and expert rows (int32 on the GPU)
 CHUNK_ROUTES = 1024  # schedule::kChunkRoutes, src/device/schedule/placement.h
 MAX_WAIT_TIMEOUT_S = 24 * 3600  # kMaxWaitTimeoutS, include/mok/routing.h: a day (integer nanoseconds on the GPU)
@@ -30,7 +31,8 @@ class Config:
     """How the layer runs. None of the knobs changes a bit of the results (the tests compare bitwise).
 
     comm_ctas        fused path: CTAs that only copy rows (0: every CTA computes, idle warps copy)
-    minibatch_rows   fused path: rows whose gate/up tiles are ordered before their down tiles (multiple of 128)
+    minibatch_rows   fused path: rows whose gate/up tiles are ordered before their down tiles (multiple of 128,
+                     at most 2^30)
     macrobatch_rows  fused path: rows of the expert-side ring buffers, the rows the context keeps (multiple of
                      128; 0: the balanced share, num_tokens * top_k plus padding, within context_budget_bytes);
                      the backward recomputes the rows past it (the unfused path: 0 or at least the capacity)
@@ -95,7 +97,8 @@ class Config:
             arguments.check_int(f"Config.{name}", getattr(self, name), expected, ok, maximum)
 
         check_int("comm_ctas", "a non-negative int", lambda v: v >= 0)
-        check_int("minibatch_rows", "a positive multiple of 128", lambda v: v > 0 and v % 128 == 0)
+        check_int("minibatch_rows", "a positive multiple of 128 up to 2^30",
+                  lambda v: v > 0 and v % 128 == 0 and v <= 2**30)
         check_int("macrobatch_rows", "0 (the balanced share) or a positive multiple of 128",
                   lambda v: v >= 0 and v % 128 == 0, INT64_MAX)
         check_int("tile_m", "64 or 128", lambda v: v in (64, 128))
@@ -161,7 +164,8 @@ class LayerShape:
         check_int("top_k", self.top_k, f"a positive int <= num_experts = {num_experts}",
                   lambda v: 0 < v <= num_experts)
         for name in ("hidden", "intermediate"):  # the GEMMs' K step and output store box
-            check_int(name, getattr(self, name), "a positive multiple of 64", lambda v: v > 0 and v % 64 == 0)
+            check_int(name, getattr(self, name), "a positive multiple of 64", lambda v: v > 0 and v % 64 == 0,
+                      MAX_FEATURES)
         arguments.check_bool("shared_expert", self.shared_expert)
         arguments.check_number("swiglu_limit", self.swiglu_limit, "a finite number >= 0 (0: plain SwiGLU; a float32)",
                                lambda v: 0 <= v <= arguments.FLOAT32_MAX)

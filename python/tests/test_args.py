@@ -44,7 +44,9 @@ CASES = [
     ('mok.Config(minibatch_rows=100)', ValueError, "Config.minibatch_rows: expected a positive multiple of 128"),
     ('mok.Config(minibatch_rows=0)', ValueError, "Config.minibatch_rows: expected a positive multiple of 128"),
     ('mok.Config(minibatch_rows=2**31)', ValueError,
-     "Config.minibatch_rows: expected a positive multiple of 128 up to 2147483647"),
+     "Config.minibatch_rows: expected a positive multiple of 128 up to 2^30, got 2147483648"),
+    ('mok.Config(minibatch_rows=2**30 + 128)', ValueError,
+     "Config.minibatch_rows: expected a positive multiple of 128 up to 2^30, got 1073741952"),
     ('mok.Config(macrobatch_rows=100)', ValueError,
      "Config.macrobatch_rows: expected 0 (the balanced share) or a positive multiple of 128"),
     ('mok.Config(macrobatch_rows=-128)', ValueError,
@@ -94,6 +96,10 @@ CASES = [
     ('mok.LayerShape(1, 256, 2, 8, 100, 64)', ValueError, "hidden: expected a positive multiple of 64, got 100"),
     ('mok.LayerShape(1, 256, 2, 8, 128.0, 64)', TypeError,
      "hidden: expected a positive multiple of 64, got float 128.0"),
+    ('mok.LayerShape(1, 256, 2, 8, 2**20 + 64, 64)', ValueError,
+     "hidden: expected a positive multiple of 64 up to 1048576, got 1048640"),
+    ('mok.LayerShape(1, 256, 2, 8, 128, 2**20 + 64)', ValueError,
+     "intermediate: expected a positive multiple of 64 up to 1048576, got 1048640"),
     ('mok.LayerShape(1, 256, 2, 8, 128, 32)', ValueError, "intermediate: expected a positive multiple of 64"),
     ('mok.LayerShape(1, 2**29, 4, 8, 128, 64)', ValueError,
      "num_tokens: expected ep_size * num_tokens * top_k below 2^30"),
@@ -255,6 +261,8 @@ def test_the_doc_table_is_the_test_table():
 def test_good_arguments_pass():
     """The other side of each rule: edge values that are valid are accepted (a check that refuses everything
     would pass the table)."""
+    mok.Config(minibatch_rows=2**30)
+    mok.LayerShape(1, 1, 1, 1, 2**20, 2**20)
     mok.Config(tile_m=128, minibatch_rows=128, macrobatch_rows=256, capacity_rows=1024, wait_timeout_s=86400,
                load_factor=float("inf"), comm_ctas=2, context_budget_bytes=0, path="unfused")
     mok.Config(backward_megakernel=True)

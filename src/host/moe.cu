@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -109,8 +110,9 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
   require(fused.macrobatch_rows >= 0 && fused.macrobatch_rows % 128 == 0,
           "MoeOptions.fused.macrobatch_rows must be 0 (the capacity) or a positive multiple of 128, got " +
               std::to_string(fused.macrobatch_rows));
-  require(fused.minibatch_rows > 0 && fused.minibatch_rows % 128 == 0,
-          "MoeOptions.fused.minibatch_rows must be a positive multiple of 128, got " +
+  // At most 2^30: the task order adds it to ring rows (< 2^30) in int32.
+  require(fused.minibatch_rows > 0 && fused.minibatch_rows % 128 == 0 && fused.minibatch_rows <= (1 << 30),
+          "MoeOptions.fused.minibatch_rows must be a positive multiple of 128 up to 2^30, got " +
               std::to_string(fused.minibatch_rows));
   require(fused.comm_ctas >= 0, "MoeOptions.fused.comm_ctas must be >= 0 (0: the producer warps copy)");
   require(fused.timeline_records >= 0, "MoeOptions.fused.timeline_records must be >= 0");
@@ -124,6 +126,11 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
   }
   require(fp8() || !options_.fp8_power_of_two_scales,
           "MoeOptions.fp8_power_of_two_scales is for precision kFP8 (the activations' scales), got precision kBF16");
+  const int64_t slots = detail::task_slot_bound(shape_, capacity_rows(), padded_tokens_);
+  require(slots < std::numeric_limits<int32_t>::max(),
+          "MoeShape: its GEMMs could take up to " + std::to_string(slots) +
+              " task slots, and slots are int32: fewer tokens, a smaller hidden or intermediate, or a smaller "
+              "capacity (ScheduleOptions.load_factor, capacity_rows)");
   ring_rows_ = detail::choose_ring_rows(shape_, options_, capacity_rows(), schedule_.schedule_elements(),
                                         padded_tokens_);
   require(options_.path == ForwardPath::kFused || ring_rows_ == capacity_rows(),

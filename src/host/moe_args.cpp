@@ -51,10 +51,14 @@ std::string TensorRef::describe() const {
 
 void MoeShape::validate() const {
   routing().validate();
-  // Multiples of 64: the GEMMs' K step and output store box (their last output tile may be partial).
-  require(hidden > 0 && hidden % 64 == 0, "MoeShape.hidden must be a positive multiple of 64, got " + std::to_string(hidden));
-  require(intermediate > 0 && intermediate % 64 == 0,
-          "MoeShape.intermediate must be a positive multiple of 64, got " + std::to_string(intermediate));
+  // Multiples of 64: the GEMMs' K step and output store box (their last output tile may be partial). At most
+  // kMaxFeatures: int32 sums such as 2 * intermediate stay far from overflowing, and it is beyond any model's.
+  require(hidden > 0 && hidden % 64 == 0 && hidden <= kMaxFeatures,
+          "MoeShape.hidden must be a positive multiple of 64 up to " + std::to_string(kMaxFeatures) + ", got " +
+              std::to_string(hidden));
+  require(intermediate > 0 && intermediate % 64 == 0 && intermediate <= kMaxFeatures,
+          "MoeShape.intermediate must be a positive multiple of 64 up to " + std::to_string(kMaxFeatures) +
+              ", got " + std::to_string(intermediate));
   require(swiglu_limit >= 0, "MoeShape.swiglu_limit must be >= 0 (0: plain SwiGLU)");
 }
 

@@ -42,6 +42,16 @@ RankScratchLayout rank_scratch_layout(const MoeShape& s, int64_t ring_rows, int6
   return l;
 }
 
+int64_t task_slot_bound(const MoeShape& s, int64_t capacity_rows, int64_t padded_tokens) {
+  const int64_t h_blocks = s.hidden / 64, i_blocks = s.intermediate / 64;
+  const int64_t row_tiles = capacity_rows / 64 + padded_tokens / 64;  // routed rows, then the shared expert's
+  // Forward: gate/up (2I) and down (H); backward: the recompute (2I), the down dgrad (I), the gate/up dgrad (H).
+  const int64_t row_tile_blocks = 5 * i_blocks + 2 * h_blocks;
+  // Weight gradients per expert (the shared one too): gate/up [2I, H] and down [H, I].
+  const int64_t grad_tiles = (s.local_experts() + 1) * 3 * i_blocks * h_blocks;
+  return row_tiles * row_tile_blocks + grad_tiles;
+}
+
 BackwardScratchLayout backward_scratch_layout(const MoeShape& s, const BackwardScratchShape& b) {
   const int64_t h = s.hidden, i = s.intermediate, cap = b.capacity_rows, pt = b.padded_tokens;
   const bool shared = s.shared_expert;

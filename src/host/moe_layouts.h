@@ -70,6 +70,12 @@ struct RankScratchLayout {
 RankScratchLayout rank_scratch_layout(const MoeShape& s, int64_t ring_rows, int64_t padded_tokens,
                                       int64_t counter_words, int64_t timeline_words, bool fp8 = false);
 
+// An upper bound on the task slots of any one of the workspace's GEMM launches or megakernels, forward or
+// backward: every row tile at 64 rows, every GEMM's output in 64-column blocks, every weight gradient in 64 x 64
+// tiles, all of them in one launch. The walkers' slots and tickets are int32 with kStopSlot = INT32_MAX
+// (task_ring.cuh), so the constructor refuses a shape and capacity whose bound reaches it.
+int64_t task_slot_bound(const MoeShape& s, int64_t capacity_rows, int64_t padded_tokens);
+
 // What decides the backward scratch's buffers (MoeWorkspace::allocate_backward).
 struct BackwardScratchShape {
   int64_t capacity_rows = 0;

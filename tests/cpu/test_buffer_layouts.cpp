@@ -3,11 +3,14 @@
 // 256-byte aligned and disjoint, absent buffers (0 bytes) carve to null, the total is the end of the last
 // buffer rounded up to 256, each buffer has the bytes its comment promises, and the context's total equals
 // the byte sum the workspace used before the layouts (every buffer rounded up to 256 bytes, written out here
-// from its definition), so the memory a context takes did not change.
+// from its definition), so the memory a context takes did not change. Also the limits that keep the kernels'
+// int32 task slots and sums from overflowing: task_slot_bound and MoeShape's bounds on H and I.
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -200,6 +203,45 @@ TEST(MoeLayouts, BackwardScratchLayout) {
       EXPECT_EQ(l.shared_row_partials.bytes, shared ? pt * b.n_blocks * 4 : 0) << where;
     }
   }
+}
+
+// task_slot_bound: every GEMM's tiles counted (checked by hand on a small shape); the largest legal model
+// workloads stay below int32 slots; an absurd one does not.
+TEST(MoeLayouts, TaskSlotBoundCountsEveryTileAndFitsTheModels) {
+  // H 128 (2 blocks), I 64 (1), 8 local experts; 1024 routed rows, 256 padded tokens: (16 + 4) row tiles x
+  // (5 * 1 + 2 * 2) blocks, plus (8 + 1) experts x 3 x 1 x 2 gradient tiles.
+  EXPECT_EQ(detail::task_slot_bound(shape_of(1, 256, 2, 8, 128, 64, true), 1024, 256), 20 * 9 + 9 * 3 * 2);
+  for (const reference::ModelShape& m : reference::model_shapes())
+    for (const int ep : {1, 8}) {
+      // 2^18 tokens per rank and every route on one rank, the worst-case capacity at 64-row tiles.
+      const MoeShape s = shape_of(ep, 1 << 18, m.top_k, m.num_experts, m.hidden, m.intermediate, true);
+      const int64_t capacity = worst_case_capacity_rows(s.routing(), 64);
+      EXPECT_LT(detail::task_slot_bound(s, capacity, s.num_tokens), std::numeric_limits<int32_t>::max())
+          << describe(s);
+    }
+  const MoeShape absurd = shape_of(1, 1 << 20, 16, 64, 16384, MoeShape::kMaxFeatures, true);
+  EXPECT_GT(detail::task_slot_bound(absurd, worst_case_capacity_rows(absurd.routing(), 64), absurd.num_tokens),
+            std::numeric_limits<int32_t>::max());
+}
+
+// H and I: positive multiples of 64 up to kMaxFeatures, the message naming the field and the bound.
+TEST(MoeShapeTest, HiddenAndIntermediateAreBounded) {
+  auto message = [](const MoeShape& s) {
+    try {
+      s.validate();
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no throw");
+  };
+  const int max = MoeShape::kMaxFeatures;
+  EXPECT_EQ(message(shape_of(1, 256, 2, 8, max, max, true)), "no throw");
+  EXPECT_EQ(message(shape_of(1, 256, 2, 8, max + 64, 64, true)),
+            "MoeShape.hidden must be a positive multiple of 64 up to 1048576, got 1048640");
+  EXPECT_EQ(message(shape_of(1, 256, 2, 8, 64, max + 64, true)),
+            "MoeShape.intermediate must be a positive multiple of 64 up to 1048576, got 1048640");
+  EXPECT_EQ(message(shape_of(1, 256, 2, 8, 100, 64, true)),
+            "MoeShape.hidden must be a positive multiple of 64 up to 1048576, got 100");
 }
 
 }  // namespace
