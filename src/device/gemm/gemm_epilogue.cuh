@@ -167,22 +167,20 @@ struct TileStager {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
-// h = silu(g) * u * scale, g and u clamped first when limit > 0 (gpt-oss's swiglu_limit). The one definition of
-// the forward's h: the plain and the quantizing epilogue.
-__device__ __forceinline__ float swiglu(float g, float u, float limit, float scale) {
-  if (limit > 0.0f) {
-    g = fminf(g, limit);
-    u = fminf(fmaxf(u, -limit), limit);
-  }
-  return silu(g) * u * scale;
-}
-
-// h of one accumulator pair of a SwiGLU tile (gate columns in values [0, kHalf), up in [kHalf, 2 kHalf): value i
-// and i + kHalf are the same h column).
+// h = silu(g) * u * scale of one accumulator pair of a SwiGLU tile (gate columns in values [0, kHalf), up in
+// [kHalf, 2 kHalf): value i and i + kHalf are the same h column), g and u clamped first when limit > 0
+// (gpt-oss's swiglu_limit). The one definition of the forward's h: the plain and the quantizing epilogue.
 template <int kHalf, class Accum>
 __device__ __forceinline__ void swiglu_pair(const Accum& accum, int i, float limit, float scale, float (&h)[2]) {
   CUTE_UNROLL
-  for (int j = 0; j < 2; ++j) h[j] = swiglu(accum(i + j), accum(i + kHalf + j), limit, scale);
+  for (int j = 0; j < 2; ++j) {
+    float g = accum(i + j), u = accum(i + kHalf + j);
+    if (limit > 0.0f) {
+      g = fminf(g, limit);
+      u = fminf(fmaxf(u, -limit), limit);
+    }
+    h[j] = silu(g) * u * scale;
+  }
 }
 
 // The epilogue interface of every GEMM (T: the GEMM's traits; compute_tile, mainloop.cuh, calls it):
@@ -295,13 +293,6 @@ struct StoreEpilogue : RowTileEpilogue<StoreEpilogue> {
   }
 };
 
-// The forward's gate/up epilogue (bf16 h; with kWritesGateUp also the raw g and u for the backward). h is written
-// by a rolled loop over its 64-column boxes, one box a pass, as SwiGLUBackwardEpilogue's passes (why: code size;
-// unrolled, the SwiGLU of every value made the gate/up GEMM 3,464-4,128 SASS instructions and the forward
-// megakernel 6,984-7,568, near what the instruction cache keeps: docs/perf_notes.md, round 21). A pass reads values
-// [0, kPassValues) of the gate and up windows, which then shift down by one pass; a value's fragment column is that
-// of the same value in pass 0 plus 64 columns per pass. The raw g | u side output goes first, from the
-// accumulators, so the windows are the last readers.
 template <bool kWritesGateUp>
 struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLU;
@@ -318,15 +309,24 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
     // the activation is register-local.
     constexpr int kValues = decltype(cute::size(accum))::value;
     constexpr int kHalf = kValues / 2;
-    constexpr int kPasses = T::kOutCols / T::kBoxCols;  // h boxes of the tile
-    constexpr int kPassValues = kHalf / kPasses;        // gate (and up) values of a box
-    static_assert(T::kOutCols == T::kStagingCols, "the SwiGLU output tile fits the staging boxes");
-    static_assert(kPassValues % 4 == 0 && kPassValues / 4 * 8 == T::kBoxCols,
-                  "a pass's values are pass 0's, 64 columns further");
+    static_assert(T::kOutCols == T::kStagingCols, "the SwiGLU output tile is staged in one pass");
     const int col = task.n_block * T::kOutCols;
     const float limit = p.swiglu_limit;
+    stager.begin_pass();
+    CUTE_UNROLL
+    for (int i = 0; i < kHalf; i += 2) {
+      const int r = get<0>(coords(i));
+      float h[2];
+      swiglu_pair<kHalf>(accum, i, limit, rows.row_scale[(i / 2) % 2], h);
+      stager.stage(r, get<1>(coords(i)),
+                   r < rows.valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f));
+    }
+    const int box_col = col / T::kBoxCols;
+    stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) {
+      return (box_col + box) * T::kBoxCols < p.out_cols ? box_col + box : -1;
+    });
     if constexpr (kWritesGateUp) {
-      // The raw g, then u, of the same columns, rounded once from the accumulators (h below never sees
+      // The raw g, then u, of the same columns, rounded once from the accumulators (h above never sees
       // these roundings): part 0 to gate_up_out[:, col + c], part 1 to gate_up_out[:, n + col + c].
       CUTE_UNROLL
       for (int part = 0; part < 2; ++part) {
@@ -342,37 +342,6 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
           const int c = col + box * T::kBoxCols;
           return c < p.n ? (part * p.n + c) / T::kBoxCols : -1;
         });
-      }
-    }
-    float gate[kHalf], up[kHalf];
-    CUTE_UNROLL
-    for (int i = 0; i < kHalf; ++i) {
-      gate[i] = accum(i);
-      up[i] = accum(kHalf + i);
-    }
-#pragma unroll 1
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int pass_col = col + pass * T::kBoxCols;
-      if (pass_col >= p.out_cols) break;  // the partial last n-block (uniform over the warpgroup)
-      // An opaque 0, new every pass. Why: as SwiGLUBackwardEpilogue's (staging addresses hoisted out of the loop
-      // take registers the consumers do not have).
-      int opaque_zero;
-      asm volatile("mov.u32 %0, 0;" : "=r"(opaque_zero));
-      stager.begin_pass();
-      CUTE_UNROLL
-      for (int i = 0; i < kPassValues; i += 2) {
-        const int r = get<0>(coords(i));
-        const float scale = rows.row_scale[(i / 2) % 2];
-        const float h0 = swiglu(gate[i], up[i], limit, scale), h1 = swiglu(gate[i + 1], up[i + 1], limit, scale);
-        stager.stage(r, get<1>(coords(i)) + opaque_zero,
-                     r < rows.valid_rows ? __floats2bfloat162_rn(h0, h1) : __floats2bfloat162_rn(0.0f, 0.0f));
-      }
-      stager.end_pass(p.tma_out, p.a_rows, p.out_cols,
-                      [&](int box) { return box == 0 ? pass_col / T::kBoxCols : -1; });
-      CUTE_UNROLL
-      for (int i = 0; i + kPassValues < kHalf; ++i) {
-        gate[i] = gate[i + kPassValues];
-        up[i] = up[i + kPassValues];
       }
     }
   }
