@@ -240,7 +240,9 @@ def main():
                 ours(trace.data_ptr())
                 torch.cuda.synchronize()
                 os.makedirs(args.trace, exist_ok=True)
-                torch.save(trace.cpu(), os.path.join(args.trace, f"{name}_{label.replace('/', '').replace(' ', '_')}{suffix}.pt"))
+                # With the segment offsets: gemm_trace_stats.py tells the tasks of 128 rows from the shorter ones.
+                torch.save({"trace": trace.cpu(), "offsets": offsets.cpu()},
+                           os.path.join(args.trace, f"{name}_{label.replace('/', '').replace(' ', '_')}{suffix}.pt"))
 
             if args.trace:
                 save_trace("")

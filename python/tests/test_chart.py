@@ -1,7 +1,7 @@
 """CPU tests of the benchmark's pictures: bench/png_canvas.py (PNG writer and reader, bitmap font),
 bench/chart_png.py (layer_bench.py's tables as a bar chart, built-in renderer and matplotlib), bench/layer_bench.py's
---json rows against its printed table, bench/timeline_stats.py (--breakdown's phase table) and tools/timeline_png.py
-(a trace with task kinds it does not know).
+--json rows against its printed table, bench/timeline_stats.py (--breakdown's phase table), tools/timeline_png.py
+(a trace with task kinds it does not know) and bench/gemm_trace_stats.py (task times by their rows).
 Fresh random values per run; the seed is in every failure message. matplotlib tests skip without matplotlib."""
 import argparse
 import importlib.util
@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import chart_png  # noqa: E402
+import gemm_trace_stats  # noqa: E402
 import png_canvas  # noqa: E402
 import timeline_stats  # noqa: E402
 
@@ -478,3 +479,30 @@ def test_phase_table_sums_each_kind_per_role(seed):
     per_cta = max(sum(1 for e in events if e["args"]["cta"] == c) for c in range(4))
     assert "filled their" in timeline_stats.phase_table(events, "x", capacity=per_cta)[-1]
     assert not any("filled" in line for line in timeline_stats.phase_table(events, "x", capacity=per_cta + 1))
+
+
+def test_gemm_trace_rows_tell_full_tiles_from_short_ones(seed):
+    """gemm_bench.py --trace records (start, end, SM | cycles, expert << 48 | group << 32 | row) per CTA; with the
+    segment offsets a task's rows are min(segment end - row, 128): the medians of each kind, and empty records
+    (start 0) left out."""
+    import torch
+    gen = random.Random(seed)
+    experts = gen.randint(2, 6)
+    segments = [gen.choice((64, 192, 320)) for _ in range(experts)]
+    offsets = torch.tensor([0] + [sum(segments[: e + 1]) for e in range(experts)], dtype=torch.int32)
+    records, full, short = [], [], []
+    for e in range(experts):
+        for row in range(int(offsets[e]), int(offsets[e + 1]), 128):
+            rows = min(int(offsets[e + 1]) - row, 128)
+            start = gen.randint(1, 10**6)
+            dur = gen.randint(1000, 10**6)
+            (full if rows == 128 else short).append(dur)
+            records.append([start, start + dur, 3, (e << 48) | (gen.randint(0, 7) << 32) | row])
+    records.append([0, 0, 0, 0])  # a slot no CTA took
+    line = gemm_trace_stats.rows_line(torch.tensor(records, dtype=torch.int64), offsets)
+    for label, durations in (("128-row", full), ("shorter", short)):
+        if durations:
+            median = float(torch.tensor(durations, dtype=torch.float64).median()) / 1e3
+            assert f"{label} tasks {len(durations)}: median {median:.1f} us" in line, f"seed {seed}: {line}"
+        else:
+            assert label not in line, f"seed {seed}: {line}"
