@@ -188,6 +188,32 @@ struct BlockScaledParams : Base {
   }
 };
 
+// The K-major B of a tile (the forward's weights): per stage two boxes of kHalfN rows, taken by offset, not by tile
+// index: an expert's rows (n, or 2n fused) need not be a multiple of the half tile. A last, partial n-block reads
+// rows of the next expert (or of the up half) into columns no epilogue stores, and the TMA fills rows past the last
+// expert with zeros. Returns load(k_block, stage, full), which issues the stage's two boxes on `full`; used by
+// load_tile and by the gathering producer (row_gather.cuh).
+template <class T, class Params, class Storage>
+__device__ __forceinline__ auto kmajor_b_loader(const Params& p, const TileTask& task, Storage& smem) {
+  using namespace cute;
+  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+  Tensor s_b_boxes = flat_divide(s_b, Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{});  // (BR, BK, boxes, 1, S)
+  Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(p.b_rows, p.k));
+  const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
+  Tensor g_b0 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset0, _0{}), m_b),
+                           Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
+  Tensor g_b1 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset1, _0{}), m_b),
+                           Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
+  const auto b0 = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_b_boxes(_, _, 0, 0, _)),
+                                group_modes<0, 2>(g_b0));
+  const auto b1 = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_b_boxes(_, _, 1, 0, _)),
+                                group_modes<0, 2>(g_b1));
+  return [&p, b0, b1](int k_block, int stage, typename T::Pipeline::ProducerBarrierType* full) {
+    copy(p.tma_b0.with(*full), get<0>(b0)(_, k_block), get<1>(b0)(_, stage));
+    copy(p.tma_b1.with(*full), get<0>(b1)(_, k_block), get<1>(b1)(_, stage));
+  };
+}
+
 // Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
 // False when a stage acquire gave up (`bound`): the rest of the tile is not issued.
 template <class Traits, class Params, class Storage>
@@ -198,8 +224,6 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
   using T = Traits;
   Tensor m_a = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.k));
   Tensor s_a = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
-  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-  Tensor s_b_boxes = flat_divide(s_b, Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{});  // (BR, BK, boxes, 1, S)
 
   // This CTA's share of the A tile: kCtaRowsA rows from buffer_row + cta_rank * kCtaRowsA (offset, then tile).
   Tensor s_a_shares = flat_divide(s_a, Shape<Int<T::kCtaRowsA>, Int<T::kBlockK>>{});  // (RA, BK, C, 1, S)
@@ -230,19 +254,7 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
     }
   };
   if constexpr (T::Mainloop::kBKMajor) {
-    // B rows by offset, not by tile index: an expert's rows (n, or 2n fused) need not be a multiple of the
-    // half tile. A last, partial n-block reads rows of the next expert (or of the up half) into columns no
-    // epilogue stores, and the TMA fills rows past the last expert with zeros.
-    Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(p.b_rows, p.k));
-    const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
-    Tensor g_b0 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset0, _0{}), m_b),
-                             Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
-    Tensor g_b1 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset1, _0{}), m_b),
-                             Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
-    auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
-                                          group_modes<0, 2>(s_b_boxes(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
-    auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
-                                          group_modes<0, 2>(s_b_boxes(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
+    const auto load_b = kmajor_b_loader<T>(p, task, smem);
     for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
       // Waits until the consumers of every CTA of the cluster released the stage: our A rows land in all.
       if (!producer_acquire_bounded(pipeline, state, bound)) return false;
@@ -250,12 +262,13 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
       const int stage = state.index();
       load_a(k_block, stage, full);
       load_a_scales(k_block, stage, full);
-      copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
-      copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
+      load_b(k_block, stage, full);
       ++state;
     }
   } else {
     static_assert(!BlockScaled<T>, "block-scaled operands are K-major");
+    Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+    Tensor s_b_boxes = flat_divide(s_b, Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{});  // (BR, BK, boxes, 1, S)
     // MN-major B [b_rows, n] as (n, k-row) coordinates: box b of n-block nb holds columns nb * kBlockN + 64 b
     // of k-rows e * b_expert_rows + 64 k_block (of the second source once k_block >= b_k_blocks0). A last,
     // partial n-block's boxes past n lie outside the tensor: the TMA fills them with zeros (and still

@@ -140,22 +140,8 @@ __device__ __forceinline__ bool gather_tile(const Params& p, const TileTask& tas
     auto* full = pipeline.producer_get_barrier(state);
     const int stage = state.index();
     if (thread_idx == 0) {
-      // B as load_tile's K-major branch: two boxes of kHalfN rows, by offset.
       device::mbarrier_arrive_expect_tx(full, T::kStageBytesB);
-      Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(p.b_rows, p.k));
-      Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-      Tensor s_b_boxes = flat_divide(s_b, Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{});  // (BR, BK, boxes, 1, S)
-      const int64_t b_base = int64_t(task.expert) * p.b_expert_rows + int64_t(task.n_block) * p.b_block_step;
-      Tensor g_b0 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset0, _0{}), m_b),
-                               Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
-      Tensor g_b1 = local_tile(domain_offset(make_coord(b_base + p.b_half_offset1, _0{}), m_b),
-                               Shape<Int<T::kHalfN>, Int<T::kBlockK>>{}, make_coord(0, _));
-      auto [t_b0_g, t_b0_s] = tma_partition(p.tma_b0, Int<0>{}, Layout<_1>{},
-                                            group_modes<0, 2>(s_b_boxes(_, _, 0, 0, _)), group_modes<0, 2>(g_b0));
-      auto [t_b1_g, t_b1_s] = tma_partition(p.tma_b1, Int<0>{}, Layout<_1>{},
-                                            group_modes<0, 2>(s_b_boxes(_, _, 1, 0, _)), group_modes<0, 2>(g_b1));
-      copy(p.tma_b0.with(*full), t_b0_g(_, k_block), t_b0_s(_, stage));
-      copy(p.tma_b1.with(*full), t_b1_g(_, k_block), t_b1_s(_, stage));
+      kmajor_b_loader<T>(p, task, smem)(k_block, stage, full);  // B as load_tile's K-major branch
     }
     const int64_t column = int64_t(k_block) * T::kBlockK + chunk * T::kChunkElements;
     CUTE_UNROLL
