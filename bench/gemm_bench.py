@@ -21,6 +21,7 @@ rank's row counts (default 8), next to ours in bf16, torch._scaled_grouped_mm (r
 pre-quantized) and the dense FP8 ceiling (torch._scaled_mm, rowwise); see fp8_main.
 Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--cluster 0|1|2]
                      [--shapes A,B] [--only ours|torch|dense] [--trace DIR] [--gemm expert|wgrad|all|fp8] [--ep N]
+                     [--block-n 0|128|192]
 """
 import argparse
 import ctypes
@@ -168,6 +169,8 @@ def main():
     parser.add_argument("--tile-m", type=int, default=DEFAULT_TILE_M)
     parser.add_argument("--shapes", default="")
     parser.add_argument("--cluster", type=int, default=0, help="CTAs sharing an A tile: 1, 2, 0 = library's choice")
+    parser.add_argument("--block-n", type=int, default=0, choices=[0, 128, 192],
+                        help="--gemm fp8: the store GEMM's tile width (ExpertGemmArgs::block_n), 0 = library's choice")
     parser.add_argument("--only", default="", help="time only this one: ours, torch or dense (for profilers)")
     parser.add_argument("--trace", default="", help="folder for per-tile timings of ours (summary: bench/gemm_trace_stats.py)")
     parser.add_argument("--gemm", default="all", choices=["expert", "wgrad", "all", "fp8"],
@@ -407,7 +410,8 @@ def fp8_main(args):
     lib, ticket, error, status, gen, stream, commit = bench_setup(args)
     torch.manual_seed(0)  # the operands (torch's default generator): the same inputs in every run
     print(f"FP8 expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
-          f"{args.tokens} tokens/rank, EP={args.ep} (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
+          f"{args.tokens} tokens/rank, EP={args.ep} (rank 0's experts), tile_m {args.tile_m}, store tile width "
+          f"{args.block_n or 'auto'}, median of {args.iters}")
     print(f"{'shape':16s} {'gemm':8s} {'E':>4s} {'rows':>7s} {'fp8':>7s} {'fp8_q':>7s} {'bf16':>7s} {'t_fp8':>7s} "
           f"{'d_fp8':>7s} {'fp8/bf16':>8s} {'fp8/t_fp8':>9s} {'fp8/d_fp8':>9s}   (TFLOP/s; fp8_q: gate/up writing h "
           "quantized; t_fp8 torch._scaled_grouped_mm, d_fp8 torch._scaled_mm)")
@@ -434,7 +438,8 @@ def fp8_main(args):
                     epilogue, a_q.data_ptr(), a_s.data_ptr(), rows_padded, k, w_q.data_ptr(), w_s.data_ptr(), None,
                     None, n_out, local, counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None,
                     out_q.data_ptr() if quantized_out else out.data_ptr(),
-                    out_qs.data_ptr() if quantized_out else None, None, args.cluster, ticket.data_ptr(), status,
+                    out_qs.data_ptr() if quantized_out else None, None, args.cluster,
+                    args.block_n if epilogue == 0 else 0, ticket.data_ptr(), status,
                     WAIT_TIMEOUT_S, stream, error, len(error))
                 if rc != 0:
                     raise RuntimeError(error.value.decode())

@@ -69,15 +69,24 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
 // Output tiles along n of a GEMM of either precision.
 int n_blocks(const ExpertGemmArgs& args) {
   if (args.precision != Precision::kFP8) return gemm_n_blocks(args.epilogue, args.n);
-  const int columns = args.epilogue != GemmEpilogue::kSwiGLU ? detail::Fp8GemmTraits<gemm::StoreEpilogue, 1>::kOutCols
+  const int columns = args.epilogue != GemmEpilogue::kSwiGLU ? fp8_store_block_n(args.block_n, args.n)
                       : args.out_scales != nullptr ? detail::Fp8GemmTraits<gemm::SwiGLUQuantEpilogue, 1>::kOutCols
                                                    : detail::Fp8GemmTraits<gemm::SwiGLUEpilogue<false>, 1>::kOutCols;
   return (args.n + columns - 1) / columns;
 }
 
-// Precision::kFP8: the epilogue and cluster size become the kernel's policies.
+// Precision::kFP8: the epilogue, the store tile's width and the cluster size become the kernel's policies.
 template <class Epilogue>
 void launch_fp8(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) {
+  if constexpr (std::is_same_v<Epilogue, gemm::StoreEpilogue>) {
+    if (fp8_store_block_n(args.block_n, args.n) == 192) {
+      if (cluster_n == 2)
+        launch<detail::Fp8WideStoreTraits<2>>(args, stream);
+      else
+        launch<detail::Fp8WideStoreTraits<1>>(args, stream);
+      return;
+    }
+  }
   if (cluster_n == 2)
     launch<detail::Fp8GemmTraits<Epilogue, 2>>(args, stream);
   else
@@ -218,6 +227,8 @@ void validate(const ExpertGemmArgs& args) {
           "swiglu_limit must be finite and >= 0 (0: plain SwiGLU), got " + std::to_string(args.swiglu_limit));
   require(args.cluster_n == 0 || args.cluster_n == 1 || args.cluster_n == 2,
           "cluster_n must be 0 (choose), 1 or 2, got " + std::to_string(args.cluster_n));
+  require(args.block_n == 0 || (fp8 && store && (args.block_n == 128 || args.block_n == 192)),
+          "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore, got " + std::to_string(args.block_n));
   require(args.cluster_n != 2 || n_blocks(args) % 2 == 0,
           "cluster_n = 2 pairs output tiles: n = " + std::to_string(args.n) + " gives an odd number (" +
               std::to_string(n_blocks(args)) + ") of output tiles");
@@ -273,6 +284,8 @@ void encode_row_scatter_maps(const PeerPointers& combined, int ranks, int64_t ro
                                " (CUresult " + std::to_string(int(result)) + ")");
   }
 }
+
+int fp8_store_block_n(int block_n, int /*n*/) { return block_n != 0 ? block_n : 128; }
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);

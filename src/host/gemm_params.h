@@ -31,6 +31,11 @@ using StoreTraits = ExpertGemmTraits<KMajorMainloop, gemm::StoreEpilogue, kClust
 // accumulator sets), k-blocks of 128, 5 stages of 32 KB.
 template <class Epilogue, int kClusterN>
 using Fp8GemmTraits = gemm::GemmTraits<128, 128, 5, gemm::Fp8Mainloop, Epilogue, kClusterN>;
+// The FP8 store GEMM's wide tile (ExpertGemmArgs::block_n 192): 128 x 192, 5 stages of 40 KB (about 220 KB of
+// shared memory with the staging); each A tile feeds 1.5x the output columns. Standalone only (the megakernel's
+// tiles share one shape).
+template <int kClusterN>
+using Fp8WideStoreTraits = gemm::GemmTraits<128, 192, 5, gemm::Fp8Mainloop, gemm::StoreEpilogue, kClusterN>;
 
 // A standalone GEMM launch's second kernel argument: its waits' bound (`waits` validated) and the test knob.
 inline gemm::StandaloneWaits standalone_waits(const WaitBound& waits, KernelId kernel) {

@@ -1370,15 +1370,21 @@ TEST(ExpertGemmTest, Fp8StoreIsBitwiseExactOnExactInputs) {
   using testing::Fp8Matrix;
   const std::vector<int32_t> expert_counts = {0, 1, 63, 129, 300, 0, 128, 7};
   const int num_experts = static_cast<int>(expert_counts.size());
-  struct Case { int tile_m, k, n; bool scaled; int cluster_n; };
+  struct Case { int tile_m, k, n; bool scaled; int cluster_n; int block_n = 0; };
   // k 320: a partial last k-block (64 columns); n 384: three 128-column tiles (clusters of 1), n 512: four
-  // (clusters of 2 chosen), n 448: a partial last tile.
+  // (clusters of 2 chosen), n 448: a partial last tile. block_n 192 (the wide tile): n 384 two tiles (a pair), n 576
+  // three (clusters of 1), n 448 a last tile of 64 columns, n 640 four (a pair) whose last has 64 columns (its
+  // other groups' B scales past the expert's rows: the clamped block); the middle 64-column group of each tile
+  // spans the two B halves, and tiles start at 128-row scale blocks or 64 rows into one.
   for (const Case c : {Case{128, 512, 512, false, 0}, Case{64, 320, 384, true, 0}, Case{128, 320, 448, false, 1},
-                       Case{64, 512, 512, true, 1}}) {
-    const uint64_t seed = 900 + c.tile_m + c.k + c.n + c.scaled;
+                       Case{64, 512, 512, true, 1}, Case{128, 320, 384, false, 0, 192},
+                       Case{64, 512, 576, true, 0, 192}, Case{128, 512, 448, true, 1, 192},
+                       Case{64, 320, 640, false, 0, 192}}) {
+    const uint64_t seed = 900 + c.tile_m + c.k + c.n + c.scaled + c.block_n;
     const std::string label = "tile_m " + std::to_string(c.tile_m) + ", k " + std::to_string(c.k) + ", n " +
                               std::to_string(c.n) + (c.scaled ? ", row scales" : "") + ", cluster_n " +
-                              std::to_string(c.cluster_n) + ", seed " + std::to_string(seed);
+                              std::to_string(c.cluster_n) + ", block_n " + std::to_string(c.block_n) + ", seed " +
+                              std::to_string(seed);
     GemmFixture fx(expert_counts, 128, c.tile_m);
     const auto a = Fp8Matrix::exact(fx.a_rows, fx.a_rows, c.k, true, seed);
     const auto w = Fp8Matrix::exact(int64_t(num_experts) * c.n, c.n, c.k, false, seed + 2);
@@ -1391,6 +1397,7 @@ TEST(ExpertGemmTest, Fp8StoreIsBitwiseExactOnExactInputs) {
     ExpertGemmArgs args = fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, c.k, d_w, d_sw, c.n, d_out.ptr);
     args.row_scale = c.scaled ? d_rs.ptr : nullptr;
     args.cluster_n = c.cluster_n;
+    args.block_n = c.block_n;
     expert_gemm(args, nullptr);
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
     ASSERT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1) << ", " << label;
@@ -1599,16 +1606,27 @@ TEST(ExpertGemmTest, Fp8QuantizedNormalInputsWithinBudget) {
   DeviceArray<uint8_t> d_a(a.bits), d_w(w.bits);
   DeviceArray<float> d_sa(a.scales), d_sw(w.scales);
   DeviceArray<uint16_t> d_out(size_t(fx.a_rows) * n), d_again(size_t(fx.a_rows) * n);
-  d_out.upload(std::vector<uint16_t>(d_out.count, kPoison));
-  d_again.upload(std::vector<uint16_t>(d_again.count, kPoison));
+  DeviceArray<uint16_t> d_wide(size_t(fx.a_rows) * n), d_wide_single(size_t(fx.a_rows) * n);
+  for (auto* buffer : {&d_out, &d_again, &d_wide, &d_wide_single})
+    buffer->upload(std::vector<uint16_t>(buffer->count, kPoison));
   expert_gemm(fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, k, d_w, d_sw, n, d_out.ptr), nullptr);
   ExpertGemmArgs single = fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, k, d_w, d_sw, n, d_again.ptr);
   single.cluster_n = 1;
   expert_gemm(single, nullptr);
+  // The wide tile (192 columns: n 640 is three full tiles and one of 64), paired and alone: each output element
+  // is the same k-block sums promoted in the same order, so the same bits.
+  ExpertGemmArgs wide = fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, k, d_w, d_sw, n, d_wide.ptr);
+  wide.block_n = 192;
+  expert_gemm(wide, nullptr);
+  wide.out = d_wide_single.ptr;
+  wide.cluster_n = 1;
+  expert_gemm(wide, nullptr);
   MOK_CHECK_CUDA(cudaDeviceSynchronize());
   ASSERT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1);
   const auto got = d_out.download();
   ASSERT_EQ(got, d_again.download()) << "clusters of 2 and of 1 must give the same bits";
+  ASSERT_EQ(got, d_wide.download()) << "the 192-column tile must give the 128-column tile's bits";
+  ASSERT_EQ(got, d_wide_single.download()) << "the 192-column tile alone must give the 128-column tile's bits";
   ASSERT_EQ(check_layout(got, fx.seg, fx.a_rows, n), "");
   for (int64_t row = 0; row < fx.seg.rows; ++row) {
     if (!fx.seg.is_real(row)) continue;
@@ -1665,6 +1683,14 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
       {"bf16 with scales", [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; },
        "only for precision kFP8"},
       {"odd tiles paired", [](ExpertGemmArgs& a) { a.n = 384; a.cluster_n = 2; }, "cluster_n = 2 pairs"},
+      {"odd wide tiles paired", [](ExpertGemmArgs& a) { a.n = 576; a.block_n = 192; a.cluster_n = 2; },
+       "cluster_n = 2 pairs"},
+      {"block_n 256", [](ExpertGemmArgs& a) { a.block_n = 256; }, "block_n must be 0 (choose), or 128 or 192"},
+      {"block_n for kSwiGLU", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.block_n = 192; },
+       "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
+      {"block_n in bf16",
+       [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; a.a_scales = a.b_scales = nullptr; a.block_n = 128; },
+       "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
       {"quantized h from kStore", [](ExpertGemmArgs& a) { a.out_scales = scales; },
        "out_scales (h written quantized) is for kSwiGLU without gate_up_out"},
       {"quantized h with gate_up_out",
@@ -1685,6 +1711,22 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
     b.edit(args);
     EXPECT_NE(message(args).find(b.expected), std::string::npos) << b.name << ": " << message(args);
   }
+  ExpertGemmArgs wide = base;
+  wide.n = 384;
+  wide.block_n = 192;
+  wide.cluster_n = 2;  // two wide tiles pair up (three 128-column ones would not)
+  EXPECT_EQ(message(wide), "no throw");
+}
+
+// The FP8 store GEMM's tile width: block_n 0 takes the 128-column tile at every n (the wide one is opt-in until it
+// has run on a GPU); a given width is kept.
+TEST(ExpertGemmTest, Fp8StoreTileWidthChoice) {
+  EXPECT_EQ(fp8_store_block_n(0, 4096), 128);
+  EXPECT_EQ(fp8_store_block_n(0, 7168), 128);
+  EXPECT_EQ(fp8_store_block_n(0, 4032), 128);
+  EXPECT_EQ(fp8_store_block_n(0, 2880), 128);
+  EXPECT_EQ(fp8_store_block_n(128, 7168), 128);
+  EXPECT_EQ(fp8_store_block_n(192, 384), 192);
 }
 
 }  // namespace mok

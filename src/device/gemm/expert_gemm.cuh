@@ -115,7 +115,7 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_:
   // (64 bf16 columns, or 128 e4m3; the 128-byte swizzle), which TMA stores copy out. Staged in passes of
   // kStagingCols columns, which keeps 4 pipeline stages within shared memory.
   static constexpr int kBoxCols = 128 / static_cast<int>(sizeof(OutElement));
-  static constexpr int kStagingBoxes = kOutCols >= 2 * kBoxCols ? 2 : 1;
+  static constexpr int kStagingBoxes = kOutCols % (2 * kBoxCols) == 0 ? 2 : 1;  // 192 columns: 3 passes of one
   static constexpr int kStagingCols = kStagingBoxes * kBoxCols;
   static_assert(kOutCols % kStagingCols == 0, "whole staging passes");
   using SmemLayoutOutBox = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<OutElement>{},
@@ -128,6 +128,7 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_:
   using SharedStorage = typename Collective::template Storage<
       kStagingBoxes, TaskRing<Collective::kTaskDepth, 4 * kConsumerWarpgroups, kClusterN>>;
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
+  static_assert(kSharedBytes <= 227 * 1024, "more shared memory than a Hopper CTA may have");
 };
 
 // Kernel parameters; the TMA copies are CuTe's, built on the host (src/host/gemm_params.h).
@@ -179,12 +180,18 @@ struct BlockScaledParams : Base {
   DeviceStatus* status = {};        // SwiGLUQuantEpilogue: where a non-finite h block is reported (the waits')
   int rank = {};
 
-  // The scales over k of half `half` of the task's B tile (kHalfN = 64 rows from a multiple of 64: inside
-  // one 128-row block).
-  __device__ __forceinline__ const float* b_scale_row(const TileTask& task, int half) const {
-    const int64_t first_row =
-        int64_t(task.n_block) * this->b_block_step + (half == 0 ? this->b_half_offset0 : this->b_half_offset1);
-    return (half == 0 ? b_scales0 : b_scales1) + (int64_t(task.expert) * b_scale_blocks + first_row / 128) * k_blocks;
+  // The scales over k of 64-column group `group` of the task's B tile (kHalfN wide halves: group g starts at column
+  // 64 g, in half 0 below kHalfN, else in half 1; 64 rows from a multiple of 64 lie inside one 128-row block). With
+  // 128 columns the groups are the halves; with 192 (the store GEMM, whose halves are consecutive rows) the middle
+  // group spans both. A group past the last expert's rows (a partial last n-block) reads the last block's scales:
+  // its columns are never stored.
+  template <int kHalfN>
+  __device__ __forceinline__ const float* b_scale_group(const TileTask& task, int group) const {
+    const bool first_half = 64 * group < kHalfN;
+    const int64_t first_row = int64_t(task.n_block) * this->b_block_step +
+                              (first_half ? this->b_half_offset0 + 64 * group : this->b_half_offset1 + 64 * group - kHalfN);
+    const int64_t block = min(first_row / 128, int64_t(b_scale_blocks) - 1);
+    return (first_half ? b_scales0 : b_scales1) + (int64_t(task.expert) * b_scale_blocks + block) * k_blocks;
   }
 };
 

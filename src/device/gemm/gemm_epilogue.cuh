@@ -381,7 +381,7 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue> {
   __device__ __forceinline__ static int passes(const Params& p, const TileTask& task) {
     return task.n_block * 128 + 64 < p.n ? kPasses : 1;
   }
-  // The 128 x 128 FP8 tile of pass q: its n-block in 64-column units (load_tile's and b_scale_row's).
+  // The 128 x 128 FP8 tile of pass q: its n-block in 64-column units (load_tile's and b_scale_group's).
   __device__ __forceinline__ static TileTask pass_task(const TileTask& task, int pass) {
     TileTask t = task;
     t.n_block = task.n_block * kPasses + pass;

@@ -150,8 +150,11 @@ struct CollectiveMainloop {
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
   // setmaxnreg only moves registers within what the CTA got at launch (65536 / kThreads, rounded down to
   // 8, per thread): asking for more makes setmaxnreg.inc wait forever (a hang, seen with 48 / 232).
-  static constexpr int kProducerRegisters = 48;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 224 : 240;
+  // A block-scaled tile wider than 128 columns keeps two accumulator sets of 96 values a thread: 232 registers
+  // for its consumers, 40 left to the producer (which only issues TMA loads).
+  static constexpr bool kWideBlockScaled = BlockScaled<Operands_> && kBlockN_ > 128;
+  static constexpr int kProducerRegisters = kWideBlockScaled ? 40 : 48;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? (kWideBlockScaled ? 232 : 224) : 240;
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
                 "setmaxnreg redistributes the CTA's launch registers, no more");
@@ -300,36 +303,41 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
 
 // The mainloop of an active consumer warpgroup with block-scaled (FP8) operands: per k-block, the stage's
 // product into fresh fp32 accumulators (`partial`: the first wgmma overwrites), then
-//   accum[i] += (a_scale[row of i] * b_scale[half of i]) * partial[i]
+//   accum[i] += (a_scale[row of i] * b_scale[64-column group of i]) * partial[i]
 // in ascending k-block order, so each output element is one fixed-order sum (deterministic). The wgmma batch
 // is waited for before the promotion: the other consumer warpgroup's batch runs meanwhile (DeepGEMM's
 // overlap). row0 / row1: the tile rows of the thread's fragment rows (values i with (i / 2) % 2 = 0 / 1);
-// values [0, size / 2) are columns [0, kBlockN / 2), B half 0 (gemm_epilogue.cuh's fragment layout).
-// b_scales0 / b_scales1: the halves' B scales per k-block (read one k-block ahead).
-template <class Collective, class Storage, class ThreadMma, class Accum>
+// values [32 g, 32 g + 32) are columns [64 g, 64 g + 64), group g (gemm_epilogue.cuh's fragment layout).
+// b_scales[g]: group g's B scales per k-block (read one k-block ahead; BlockScaledParams::b_scale_group).
+template <class Collective, class Storage, class ThreadMma, class Accum, int kGroups>
 __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage& smem,
                                                       typename Collective::Pipeline& pipeline,
                                                       typename Collective::PipelineState& read_state,
                                                       typename Collective::TiledMma& mma, const ThreadMma& thread_mma,
-                                                      Accum& accum, int row0, int row1, const float* b_scales0,
-                                                      const float* b_scales1, const device::HandoffBound& bound) {
+                                                      Accum& accum, int row0, int row1,
+                                                      const float* const (&b_scales)[kGroups],
+                                                      const device::HandoffBound& bound) {
   using namespace cute;
   using C = Collective;
   Tensor t_r_a = stage_operand_a<C>(smem, thread_mma);  // (MMA, MMA_M, MMA_K, S)
   Tensor t_r_b = stage_operand_b<C>(smem, thread_mma);  // (MMA, MMA_N, MMA_K, S)
   Tensor partial = make_fragment_like(accum);
   constexpr int kValues = decltype(size(accum))::value;
+  static_assert(kGroups * 64 == C::kBlockN && kValues == 32 * kGroups, "32 values a 64-column group");
   clear(accum);
-  float next_b0 = num_k_blocks > 0 ? __ldg(b_scales0) : 0.0f;
-  float next_b1 = num_k_blocks > 0 ? __ldg(b_scales1) : 0.0f;
+  float next_b[kGroups];
+  CUTE_UNROLL
+  for (int g = 0; g < kGroups; ++g) next_b[g] = num_k_blocks > 0 ? __ldg(b_scales[g]) : 0.0f;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     consumer_wait_bounded(pipeline, read_state, bound);
     const int stage = read_state.index();
     const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
-    const float b0 = next_b0, b1 = next_b1;
+    float b[kGroups];
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) b[g] = next_b[g];
     if (k_block + 1 < num_k_blocks) {
-      next_b0 = __ldg(b_scales0 + k_block + 1);
-      next_b1 = __ldg(b_scales1 + k_block + 1);
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) next_b[g] = __ldg(b_scales[g] + k_block + 1);
     }
     warpgroup_fence_operand(partial);
     warpgroup_arrive();
@@ -344,10 +352,23 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
     warpgroup_fence_operand(partial);
     pipeline.consumer_release(read_state);  // its operands and A scales are read
     ++read_state;
-    const float scale[2][2] = {{a0 * b0, a0 * b1}, {a1 * b0, a1 * b1}};
+    float scale[2][kGroups];
     CUTE_UNROLL
-    for (int i = 0; i < kValues; ++i) accum(i) += scale[(i / 2) % 2][i < kValues / 2 ? 0 : 1] * partial(i);
+    for (int g = 0; g < kGroups; ++g) {
+      scale[0][g] = a0 * b[g];
+      scale[1][g] = a1 * b[g];
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < kValues; ++i) accum(i) += scale[(i / 2) % 2][i / 32] * partial(i);
   }
+}
+
+// A block-scaled tile's B scale rows, one per 64-column group (BlockScaledParams::b_scale_group).
+template <class T, class Params>
+__device__ __forceinline__ void b_scale_groups(const Params& p, const TileTask& task,
+                                               const float* (&rows)[T::kBlockN / 64]) {
+  CUTE_UNROLL
+  for (int g = 0; g < T::kBlockN / 64; ++g) rows[g] = p.template b_scale_group<T::kHalfN>(task, g);
 }
 
 // Consumer side of one tile, every GEMM's: mainloop over the tile's k-blocks, then the epilogue policy's
@@ -388,9 +409,10 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
     carry.passes = T::Epilogue::passes(p, task);
     for (int pass = 0; pass < carry.passes; ++pass) {
       const TileTask sub = T::Epilogue::pass_task(task, pass);
+      const float* b_rows[T::kBlockN / 64];
+      b_scale_groups<T>(p, sub, b_rows);
       mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
-                               get<0>(coords(0)), get<0>(coords(2)), p.b_scale_row(sub, 0), p.b_scale_row(sub, 1),
-                               bound);
+                               get<0>(coords(0)), get<0>(coords(2)), b_rows, bound);
       // One keep for both passes, then its values into the pass's part of the carry by constant indices (a
       // runtime index would put the carry in local memory). Why not a keep per branch: each is the SwiGLU of 32
       // values, and code size counts here: perf_notes round 17.
@@ -410,9 +432,10 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
   } else {
     if constexpr (BlockScaled<T>) {
       Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+      const float* b_rows[T::kBlockN / 64];
+      b_scale_groups<T>(p, task, b_rows);
       mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
-                               get<0>(coords(0)), get<0>(coords(2)), p.b_scale_row(task, 0), p.b_scale_row(task, 1),
-                               bound);
+                               get<0>(coords(0)), get<0>(coords(2)), b_rows, bound);
     } else {
       mainloop<T, Walker::kAccumulatorStart>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
                                              bound);
