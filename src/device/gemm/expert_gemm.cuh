@@ -221,6 +221,36 @@ __device__ __forceinline__ auto kmajor_b_loader(const Params& p, const TileTask&
   };
 }
 
+// The MN-major B of a tile (the dgrads' weights, [b_rows, n] as (n, k-row) coordinates): box b of n-block nb holds
+// columns nb * kBlockN + 64 b of k-rows e * b_expert_rows + 64 k_block (of the second source once k_block >=
+// b_k_blocks0). A last, partial n-block's boxes past n lie outside the tensor: the TMA fills them with zeros (and
+// still counts their bytes), into columns no epilogue stores. Returns load(k_block, stage, full), as
+// kmajor_b_loader's; used by load_tile and by the gathering producer.
+template <class T, class Params, class Storage>
+__device__ __forceinline__ auto mn_major_b_loader(const Params& p, const TileTask& task, Storage& smem) {
+  using namespace cute;
+  static_assert(!BlockScaled<T>, "block-scaled operands are K-major");
+  Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+  Tensor s_b_boxes = flat_divide(s_b, Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{});  // (BR, BK, boxes, 1, S)
+  Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(int64_t(p.n), p.b_rows));  // both sources: same shape
+  const int64_t n_base = int64_t(task.n_block) * T::kBlockN;
+  const int64_t k_base = int64_t(task.expert) * p.b_expert_rows;
+  return [&p, s_b_boxes, m_b, n_base, k_base](int k_block, int stage,
+                                              typename T::Pipeline::ProducerBarrierType* full) {
+    const bool second = k_block >= p.b_k_blocks0;
+    const auto& tma_b = second ? p.tma_b1 : p.tma_b0;
+    const int64_t k_row = k_base + int64_t(second ? k_block - p.b_k_blocks0 : k_block) * T::kBlockK;
+    CUTE_UNROLL
+    for (int box = 0; box < T::kBoxesB; ++box) {
+      Tensor g_box = local_tile(domain_offset(make_coord(n_base + box * T::kBoxRowsB, k_row), m_b),
+                                Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{}, make_coord(0, 0));
+      auto [t_b_g, t_b_s] = tma_partition(tma_b, Int<0>{}, Layout<_1>{},
+                                          group_modes<0, 2>(s_b_boxes(_, _, box, 0, stage)), group_modes<0, 2>(g_box));
+      copy(tma_b.with(*full), t_b_g, t_b_s);
+    }
+  };
+}
+
 // Producer side of one tile: K / 64 stages of A and B through the pipeline. One thread calls this.
 // False when a stage acquire gave up (`bound`): the rest of the tile is not issued.
 template <class Traits, class Params, class Storage>
@@ -273,32 +303,13 @@ __device__ __forceinline__ bool load_tile(const Params& p, const TileTask& task,
       ++state;
     }
   } else {
-    static_assert(!BlockScaled<T>, "block-scaled operands are K-major");
-    Tensor s_b = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-    Tensor s_b_boxes = flat_divide(s_b, Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{});  // (BR, BK, boxes, 1, S)
-    // MN-major B [b_rows, n] as (n, k-row) coordinates: box b of n-block nb holds columns nb * kBlockN + 64 b
-    // of k-rows e * b_expert_rows + 64 k_block (of the second source once k_block >= b_k_blocks0). A last,
-    // partial n-block's boxes past n lie outside the tensor: the TMA fills them with zeros (and still
-    // counts their bytes), into columns no epilogue stores.
-    Tensor m_b = p.tma_b0.get_tma_tensor(make_shape(int64_t(p.n), p.b_rows));  // both sources: same shape
-    const int64_t n_base = int64_t(task.n_block) * T::kBlockN;
-    const int64_t k_base = int64_t(task.expert) * p.b_expert_rows;
+    const auto load_b = mn_major_b_loader<T>(p, task, smem);
     for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
       if (!producer_acquire_bounded(pipeline, state, bound)) return false;  // as above
       auto* full = pipeline.producer_get_barrier(state);
       const int stage = state.index();
       load_a(k_block, stage, full);
-      const bool second = k_block >= p.b_k_blocks0;
-      const auto& tma_b = second ? p.tma_b1 : p.tma_b0;
-      const int64_t k_row = k_base + int64_t(second ? k_block - p.b_k_blocks0 : k_block) * T::kBlockK;
-      CUTE_UNROLL
-      for (int box = 0; box < T::kBoxesB; ++box) {
-        Tensor g_box = local_tile(domain_offset(make_coord(n_base + box * T::kBoxRowsB, k_row), m_b),
-                                  Shape<Int<T::kBoxRowsB>, Int<T::kBlockK>>{}, make_coord(0, 0));
-        auto [t_b_g, t_b_s] = tma_partition(tma_b, Int<0>{}, Layout<_1>{},
-                                            group_modes<0, 2>(s_b_boxes(_, _, box, 0, stage)), group_modes<0, 2>(g_box));
-        copy(tma_b.with(*full), t_b_g, t_b_s);
-      }
+      load_b(k_block, stage, full);
       ++state;
     }
   }
