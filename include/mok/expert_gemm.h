@@ -54,10 +54,11 @@ enum class OperandMajor : int32_t {
   kMN = 1,  // rows of the operand are contiguous along m (A) or n (B): a transposed view, no copy
 };
 
-// A rows gathered by the GEMM's producer instead of read from `a` (kSwiGLU with b_major kK only; docs/design.md,
-// "Row gather in the gate/up producer"): row r of A is row `token` of x when row_route[r] is a route from
-// `rank`, row r of `a` when it is another rank's (a must then hold that row, pulled), zeros for padding
-// (route -1). The same A values as reading `a` after pull_rows, so the same bits. Runs in clusters of 1.
+// A rows gathered by the GEMM's producer instead of read from `a` (kSwiGLU with b_major kK: the forward's gate/up
+// from x; kSwiGLUBackward: the down dgrad from d_out; docs/design.md, "Row gather in the gate/up
+// producer"): row r of A is row `token` of x when row_route[r] is a route from `rank`, row r of `a` when it is
+// another rank's (a must then hold that row, pulled), zeros for padding (route -1). The same A values as reading
+// `a` after pull_rows (pull_grad_rows), so the same bits. Runs in clusters of 1.
 struct RowGatherArgs {
   const void* x = nullptr;             // bf16 [tokens, k], this rank's token rows; nullptr: no gather (A is `a`)
   const int32_t* row_route = nullptr;  // [a_rows] the schedule's route id per row (ScheduleView::row_route)

@@ -143,7 +143,9 @@ struct MoeOptions {
   bool gather_rows = false;  // unfused path: the routed gate/up GEMM reads the rows from this rank's tokens
                              // straight from x into its shared memory (docs/design.md, "Row gather in the
                              // gate/up producer"); the expert-major copy of x is then skipped at EP = 1 without
-                             // backward (the context keeps it otherwise). Same bits. The fused path ignores it
+                             // backward (the context keeps it otherwise). The stage-kernel backward's down dgrad
+                             // likewise reads this rank's d_out rows itself (pull_grad_rows copies only other
+                             // ranks'). Same bits. The fused forward and the backward megakernel ignore it
   bool scatter_rows = false; // the routed store GEMMs write each row straight to its token's row of the combine
                              // buffer on the token's rank (docs/design.md, "Row scatter in the store epilogue"),
                              // with no expert-major output and no copy after them: the unfused forward's down

@@ -58,7 +58,8 @@ class Config:
                      True needs path="fused" and backward=True
     gather_rows      unfused path: the routed gate/up GEMM reads this rank's token rows straight from x into its
                      shared memory, without the expert-major copy (skipped at ep_size 1 with backward=False; the
-                     context keeps it otherwise). The same bits. True needs path="unfused"
+                     context keeps it otherwise), and the backward's down dgrad reads this rank's d_out rows the
+                     same way. The same bits. True needs path="unfused"
     scatter_rows     the routed store GEMMs write each row straight to its token's row of the combine buffer,
                      without the expert-major output and the copy after it: the unfused forward's down GEMM and the
                      stage-kernel backward's gate/up dgrad (the fused forward and the backward megakernel do not

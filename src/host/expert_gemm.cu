@@ -93,10 +93,11 @@ void launch_fp8(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) 
     launch<detail::Fp8GemmTraits<Epilogue, 1>>(args, stream);
 }
 
-// The gate/up GEMM with its A rows gathered by the producer warpgroup (src/device/gemm/row_gather.cuh).
-template <class Epilogue>
+// A GEMM with its A rows gathered by the producer warpgroup (src/device/gemm/row_gather.cuh): the forward's
+// gate/up (K-major weights) or the backward's down dgrad (MN-major).
+template <class Mainloop, class Epilogue>
 void launch_gather(const ExpertGemmArgs& args, cudaStream_t stream) {
-  using T = gemm::RowGatherTraits<ExpertGemmTraits<KMajorMainloop, Epilogue, 1>>;
+  using T = gemm::RowGatherTraits<ExpertGemmTraits<Mainloop, Epilogue, 1>>;
   auto base = detail::make_gemm_params<T>(args);
   gemm::RowGatherParams<decltype(base)> p{base, {}};
   using Element = typename T::Element;
@@ -241,7 +242,9 @@ void validate(const ExpertGemmArgs& args) {
           "first_row must be a multiple of 128 in [0, a_rows], got " + std::to_string(args.first_row));
   require(args.ticket != nullptr, "ticket must point to an int32 of device memory");
   if (args.gather.x != nullptr) {
-    require(swiglu && !mn_major, "gather (A rows from x) is only for kSwiGLU with b_major kK (the forward's gate/up)");
+    require((swiglu && !mn_major) || backward,
+            "gather (A rows from x) is only for kSwiGLU with b_major kK (the forward's gate/up) or kSwiGLUBackward "
+            "(the down dgrad, A rows from d_out)");
     require(aligned16(args.gather.x), "gather.x must be a 16-byte aligned bf16 [tokens, k] buffer");
     require(args.gather.row_route != nullptr, "gather.row_route must be set (the schedule's route per row)");
     require(args.gather.num_tokens > 0 && args.gather.top_k > 0 && args.gather.rank >= 0,
@@ -313,16 +316,19 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
     case GemmEpilogue::kSwiGLU:
       if (args.gather.x != nullptr) {
         if (args.gate_up_out != nullptr)
-          launch_gather<gemm::SwiGLUEpilogue<true>>(args, stream);
+          launch_gather<KMajorMainloop, gemm::SwiGLUEpilogue<true>>(args, stream);
         else
-          launch_gather<gemm::SwiGLUEpilogue<false>>(args, stream);
+          launch_gather<KMajorMainloop, gemm::SwiGLUEpilogue<false>>(args, stream);
       } else if (args.gate_up_out != nullptr)
         launch_policies<KMajorMainloop, gemm::SwiGLUEpilogue<true>>(args, cluster_n, stream);
       else
         launch_policies<KMajorMainloop, gemm::SwiGLUEpilogue<false>>(args, cluster_n, stream);
       break;
     case GemmEpilogue::kSwiGLUBackward:
-      launch_policies<MNMajorMainloop, gemm::SwiGLUBackwardEpilogue>(args, cluster_n, stream);
+      if (args.gather.x != nullptr)
+        launch_gather<MNMajorMainloop, gemm::SwiGLUBackwardEpilogue>(args, stream);
+      else
+        launch_policies<MNMajorMainloop, gemm::SwiGLUBackwardEpilogue>(args, cluster_n, stream);
       break;
   }
 }

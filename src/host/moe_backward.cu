@@ -395,9 +395,13 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   barrier_wait(b.rank, b.stream);
 
   // A context that keeps every row (ring = capacity) is read in place; otherwise the x rows are gathered:
-  // the kept ones from the context, the others pulled again from their source ranks.
+  // the kept ones from the context, the others pulled again from their source ranks. MoeOptions::gather_rows:
+  // this rank's own routes get no d_out row (the down dgrad's producer reads them from d_out).
+  const bool gather = options_.gather_rows;
+  backward::GradPullSources sources = grad_pull_sources(b);
+  if (gather) sources.gathered_rank = b.rank;
   const kernels::GradPullParams pull{
-      .src = grad_pull_sources(b),
+      .src = sources,
       .x_rows = static_cast<uint4*>(w.x_rows),
       .d_out_rows = static_cast<uint4*>(w.d_out_rows),
       .dy_rows = static_cast<uint4*>(w.dy_rows),
@@ -413,6 +417,12 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
 
   copy_kept_gate_up(b);  // only the rows past them are recomputed
   detail::MlpBackwardGemms g = mlp_backward_gemms(b, false);
+  if (gather)  // the down dgrad's A rows: d_out's token rows for this rank's routes, the pulled rows for others'
+    g.down_dgrad.gather = {.x = d_out_.on(b.rank),
+                           .row_route = v.row_route,
+                           .num_tokens = shape_.num_tokens,
+                           .top_k = shape_.top_k,
+                           .rank = b.rank};
   // MoeOptions::scatter_rows: the gate/up dgrad writes each d_x_route row to its route's combine row itself
   // (src/device/gemm/row_scatter.cuh); the push below then moves only d_rw.
   const bool scatter = options_.scatter_rows;

@@ -1141,6 +1141,82 @@ TEST(ExpertGemmTest, SwiGLUGatheredRowsEqualTheCopiedRowsBitwise) {
   }
 }
 
+// The backward's down dgrad (kSwiGLUBackward, MN-major weights) with its A rows, d_out's, gathered from the token
+// rows: d_g | d_u and the row partials bitwise those of the copied rows, local and mixed sources, tile_m 64 and
+// 128, a partial last n-block (n 320), row scales with zeros, a clamped SwiGLU; the copied run is itself checked
+// against the CPU by SwiGLUBackwardWithinBudget.
+TEST(ExpertGemmTest, SwiGLUBackwardGatheredRowsEqualTheCopiedRowsBitwise) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> expert_counts = {129, 0, 1, 255, 64};
+  const int num_experts = static_cast<int>(expert_counts.size());
+  const int k = 320, n = 320;  // k: the hidden width (5 k-blocks); n: I, two 256-column n-blocks, the second partial
+  const int n_blocks = gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, n);
+  const int num_tokens = 300, top_k = 4, ranks = 3;
+  for (int tile_m : {64, 128}) {
+    for (bool mixed : {false, true}) {
+      const uint64_t seed = 760 + tile_m + mixed;
+      const std::string label = "tile_m " + std::to_string(tile_m) + (mixed ? ", mixed sources" : ", all local") +
+                                ", seed " + std::to_string(seed);
+      GemmFixture fx(expert_counts, tile_m, tile_m);
+      const int rank = mixed ? 2 : 0;
+      // d_out of every source rank [ranks, T, k]; this rank's is what the gather reads.
+      const auto d_out = hashed_bf16(size_t(ranks) * num_tokens * k, seed, -2, 2);
+      std::vector<int32_t> route(fx.a_rows, -1);
+      std::vector<uint16_t> copied(size_t(fx.a_rows) * k, 0), gathered_a(size_t(fx.a_rows) * k, kPoison);
+      for (int64_t row = 0; row < fx.seg.rows; ++row) {
+        if (!fx.seg.is_real(row)) continue;
+        const int src = mixed ? static_cast<int>(hashed_int(seed + 1, row, 0, ranks - 1)) : 0;
+        const int token = static_cast<int>(hashed_int(seed + 2, row, 0, num_tokens - 1));
+        const int slot = static_cast<int>(hashed_int(seed + 3, row, 0, top_k - 1));
+        route[row] = (src * num_tokens + token) * top_k + slot;
+        const auto from = d_out.begin() + (int64_t(src) * num_tokens + token) * k;
+        std::copy(from, from + k, copied.begin() + row * k);
+        if (src != rank) std::copy(from, from + k, gathered_a.begin() + row * k);
+      }
+      const auto w_down = hashed_bf16(size_t(num_experts) * k * n, seed + 4, -2, 2);  // [E, H, I]
+      std::vector<uint16_t> gate_up(size_t(fx.a_rows) * 2 * n);
+      for (size_t i = 0; i < gate_up.size(); ++i)
+        gate_up[i] = to_bf16_bits(hashed_int(seed + 5, int64_t(i), -48, 48) / 4.0f);
+      std::vector<float> scale(fx.a_rows);
+      for (int64_t r = 0; r < fx.a_rows; ++r) scale[r] = r % 3 == 0 ? 0.0f : hashed_int(seed + 6, r, 1, 8) / 4.0f;
+      DeviceArray<uint16_t> d_local(std::vector<uint16_t>(d_out.begin() + int64_t(rank) * num_tokens * k,
+                                                          d_out.begin() + int64_t(rank + 1) * num_tokens * k));
+      DeviceArray<uint16_t> d_copied(copied), d_gathered_a(gathered_a), d_w(w_down), d_gate_up(gate_up);
+      DeviceArray<uint16_t> d_grad(size_t(fx.a_rows) * 2 * n);
+      DeviceArray<float> d_scale(scale), d_partials(size_t(fx.a_rows) * n_blocks);
+      DeviceArray<int32_t> d_route(route);
+      auto run = [&](const ExpertGemmArgs& run_args) {
+        d_grad.upload(std::vector<uint16_t>(d_grad.count, kPoison));
+        d_partials.upload(float_poison(d_partials.count));
+        expert_gemm(run_args, nullptr);
+        MOK_CHECK_CUDA(cudaDeviceSynchronize());
+        return std::make_pair(d_grad.download(), d_partials.download());
+      };
+      ExpertGemmArgs copy_args = fx.args(GemmEpilogue::kSwiGLUBackward, d_copied.ptr, k, d_w.ptr, n, d_grad.ptr);
+      copy_args.b_major = OperandMajor::kMN;
+      copy_args.gate_up = d_gate_up.ptr;
+      copy_args.row_partials = d_partials.ptr;
+      copy_args.row_scale = d_scale.ptr;
+      copy_args.swiglu_limit = 7.0f;
+      copy_args.cluster_n = 1;
+      const auto want = run(copy_args);
+      ASSERT_EQ(check_layout(want.first, fx.seg, fx.a_rows, 2 * n), "") << "copied rows, " << label;
+      ExpertGemmArgs gather_args = copy_args;
+      gather_args.a = d_gathered_a.ptr;
+      gather_args.gather = {.x = d_local.ptr, .row_route = d_route.ptr, .num_tokens = num_tokens, .top_k = top_k,
+                            .rank = rank};
+      const auto got = run(gather_args);
+      for (size_t i = 0; i < want.first.size(); ++i)
+        ASSERT_EQ(got.first[i], want.first[i]) << "d_g | d_u differs from the copied rows' at row " << i / (2 * n)
+                                               << " col " << i % (2 * n) << ", " << label;
+      for (size_t i = 0; i < want.second.size(); ++i)
+        ASSERT_EQ(float_bits(got.second[i]), float_bits(want.second[i]))
+            << "row partial differs at row " << i / n_blocks << " n-block " << i % n_blocks << ", " << label;
+      EXPECT_TRUE(fx.status.read().ok()) << label;
+    }
+  }
+}
+
 // The gather's and the scatter's validation tests: a call that validate() accepts (it reads none of the buffers,
 // so one small static buffer stands for all), and validate()'s message for a call ("no throw" when it accepts it).
 alignas(16) uint16_t validation_buffer[64];
@@ -1172,8 +1248,17 @@ TEST(ExpertGemmTest, GatherValidationNamesTheArgument) {
   EXPECT_EQ(message(base), "no throw");
   ExpertGemmArgs args = base;
   args.epilogue = GemmEpilogue::kStore;
-  EXPECT_NE(message(args).find("gather (A rows from x) is only for kSwiGLU with b_major kK"), std::string::npos)
+  EXPECT_NE(message(args).find("gather (A rows from x) is only for kSwiGLU with b_major kK (the forward's gate/up) "
+                               "or kSwiGLUBackward"),
+            std::string::npos)
       << message(args);
+  // The down dgrad gathers d_out's rows (MN-major weights, no second source).
+  args = base;
+  args.epilogue = GemmEpilogue::kSwiGLUBackward;
+  args.b_major = OperandMajor::kMN;
+  args.gate_up = buffer;
+  args.row_partials = reinterpret_cast<float*>(buffer);
+  EXPECT_EQ(message(args), "no throw");
   args = base;
   args.gather.x = buffer + 1;
   EXPECT_NE(message(args).find("gather.x must be a 16-byte aligned"), std::string::npos) << message(args);

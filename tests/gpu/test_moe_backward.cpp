@@ -678,7 +678,7 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
     const char* name;
     MoeOptions options;
   };
-  std::vector<Variant> variants(12);
+  std::vector<Variant> variants(15);
   variants[0].name = "unfused forward";
   variants[0].options.path = ForwardPath::kUnfused;
   variants[1].name = "fused forward, ring 128";
@@ -716,6 +716,21 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
   variants[11].options.schedule.tile_m = 128;
   variants[11].options.keep_gate_up = false;
   variants[11].options.scatter_rows = true;
+  // MoeOptions::gather_rows: the unfused forward's gate/up GEMM and the stage backward's down dgrad read this
+  // rank's rows from x and d_out themselves (EP 4: the other ranks' rows from the pulled copies); the fused
+  // forward ignores it, its stage backward still gathers.
+  variants[12].name = "gather rows, unfused forward";
+  variants[12].options.path = ForwardPath::kUnfused;
+  variants[12].options.gather_rows = true;
+  variants[13].name = "gather rows, fused forward, ring 256 (replay)";
+  variants[13].options = replay_options();
+  variants[13].options.gather_rows = true;
+  variants[14].name = "gather and scatter rows, tile_m 128, g/u recomputed, unfused forward";
+  variants[14].options.path = ForwardPath::kUnfused;
+  variants[14].options.schedule.tile_m = 128;
+  variants[14].options.keep_gate_up = false;
+  variants[14].options.gather_rows = true;
+  variants[14].options.scatter_rows = true;
   for (const Variant& v : variants) {
     MoeHarness harness(PeerGroup::virtual_ranks(4), shape, v.options);
     forward_backward(harness, data, d_out);
@@ -730,8 +745,8 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
 
 // EP = 1: the stage kernels' epilogue reads the d_x_route rows where the gate/up dgrad wrote them (and the unfused
 // forward's combine the y rows: MoeWorkspace::local_combine). The same bits as the paths that copy them into the
-// combine buffer first: the scattered dgrad (scatter_rows) and the backward megakernel's copies; the forward's
-// output too (unfused local == unfused scattered == fused). Skewed routing with empty experts, masked routes,
+// combine buffer first: the scattered dgrad (scatter_rows) and the backward megakernel's copies; and the gathered
+// gate/up and down dgrad (gather_rows); the forward's output too (unfused local == unfused scattered == fused). Skewed routing with empty experts, masked routes,
 // tile_m 128, fewer tokens than the workspace's; against the CPU reference once.
 TEST(MoeBackwardTest, EpOneCombinesFromTheExpertRowsBitwise) {
   MOK_REQUIRE_GPUS(1);
@@ -753,7 +768,7 @@ TEST(MoeBackwardTest, EpOneCombinesFromTheExpertRowsBitwise) {
       const char* name;
       MoeOptions options;
     };
-    std::vector<Variant> variants(4);
+    std::vector<Variant> variants(5);
     for (Variant& v : variants) {
       v.options.schedule.tile_m = c.tile_m;
       v.options.schedule.load_factor = 4;  // the skewed routing's rows fit
@@ -766,6 +781,10 @@ TEST(MoeBackwardTest, EpOneCombinesFromTheExpertRowsBitwise) {
     variants[2].name = "fused forward, backward megakernel (combine buffer)";
     variants[2].options.fused.backward_megakernel = true;
     variants[3].name = "fused forward, stage backward with local combine";
+    // Every route local: the down dgrad gathers all of d_out's rows, pull_grad_rows copies none.
+    variants[4].name = "unfused forward, gather_rows (x and d_out rows read by the GEMMs' producers)";
+    variants[4].options.path = ForwardPath::kUnfused;
+    variants[4].options.gather_rows = true;
     RawGrads want;
     std::vector<std::vector<uint16_t>> want_out;
     for (size_t i = 0; i < variants.size(); ++i) {

@@ -5,7 +5,8 @@
 //
 //   pull_grad_row (expert rank, after the barrier that published every rank's x, d_out and router weights)
 //       row_route[row] = (src, token, slot), rw = rw_src[token * k + slot]:
-//       d_out_rows[row] = d_out_src[token]                      (peer read)
+//       d_out_rows[row] = d_out_src[token]                      (peer read; not for src == gathered_rank: the
+//                                                                down dgrad gathers those rows from d_out itself)
 //       dy_rows[row]    = bf16(rw * d_out_src[token])           one fp32 product and one rounding per element
 //       row_weight[row] = rw
 //       x_rows[row]     = kept_x_rows[row] when row < kept_rows (the context's copy), else x_src[token]
@@ -38,6 +39,7 @@ struct GradPullSources {
   PeerPointers router_weights;  // every rank's symmetric router weights, fp32 [T * k]
   const uint4* kept_x_rows;     // the context's x rows, bf16 [kept_rows, H] (schedule rows [0, kept_rows))
   int64_t kept_rows;
+  int gathered_rank = -1;       // routes from this rank get no d_out row (MoeOptions::gather_rows); -1: all do
 };
 
 // One scheduled row's outputs on this rank.
@@ -97,7 +99,7 @@ __device__ __forceinline__ void pull_grad_row(const GradPullSources& src, const 
     for (int u = 0; u < device::kRowCopyUnroll; ++u) {
       const int i = base + u * 32 + lane;
       if (i < row_vectors) {
-        dst.d_out[i] = v[u];
+        if (c.src != src.gathered_rank) dst.d_out[i] = v[u];
         dst.dy[i] = scale_bf16x8(v[u], rw);
       }
     }

@@ -1,6 +1,6 @@
-// Row gather in the expert GEMM's producer (issue 26 item 4, first part; docs/design.md, "Row gather in the
-// gate/up producer"): the A rows of a tile are read straight from their tokens' rows of x into the A stages,
-// with no materialized expert-major copy of x in between.
+// Row gather in the expert GEMM's producer (issue 26 item 4; docs/design.md, "Row gather in the gate/up
+// producer"): the A rows of a tile are read straight from their tokens' rows of x (the backward's down dgrad: of
+// d_out) into the A stages, with no materialized expert-major copy in between.
 //
 //   stage s of tile (row, expert):  A_s[r, c] = x[token(row + r), 64 s + c]    route(row + r) from `rank`
 //                                   A_s[r, c] = a[row + r, 64 s + c]           route from another rank (pulled)
@@ -73,15 +73,15 @@ struct RowGatherTasks : TaskRing<Base::Collective::kTaskDepth, 4 * Base::kConsum
   }
 };
 
-// An expert GEMM configuration whose producer warpgroup gathers A (Base: a GemmTraits with K-major B, clusters
-// of 1). The consumers are Base's; the task ring gets four more reader warps (the producer warpgroup's).
+// An expert GEMM configuration whose producer warpgroup gathers A (Base: a GemmTraits with clusters of 1; B
+// K-major for the forward's gate/up, MN-major for the backward's down dgrad, whose A rows are d_out's). The
+// consumers are Base's; the task ring gets four more reader warps (the producer warpgroup's).
 template <class Base>
 struct RowGatherTraits : Base {
   using typename Base::Element;
   static constexpr bool kGatherRows = true;  // mainloop.cuh: GathersRows
   static constexpr int kGatherThreads = 128;  // the producer warpgroup
   static_assert(Base::kClusterN == 1, "cp.async writes only this CTA's shared memory: no A multicast");
-  static_assert(Base::Mainloop::kBKMajor, "the forward's gate/up GEMM: K-major B");
   static constexpr int kChunkElements = 16 / int(sizeof(Element));
   static constexpr int kChunksPerRow = Base::kBlockK / kChunkElements;  // 8: one 128-byte swizzle row
   static constexpr int kRowsPerPass = kGatherThreads / kChunksPerRow;   // 16
@@ -141,7 +141,10 @@ __device__ __forceinline__ bool gather_tile(const Params& p, const TileTask& tas
     const int stage = state.index();
     if (thread_idx == 0) {
       device::mbarrier_arrive_expect_tx(full, T::kStageBytesB);
-      kmajor_b_loader<T>(p, task, smem)(k_block, stage, full);  // B as load_tile's K-major branch
+      if constexpr (T::Mainloop::kBKMajor)  // B as load_tile loads it
+        kmajor_b_loader<T>(p, task, smem)(k_block, stage, full);
+      else
+        mn_major_b_loader<T>(p, task, smem)(k_block, stage, full);
     }
     const int64_t column = int64_t(k_block) * T::kBlockK + chunk * T::kChunkElements;
     CUTE_UNROLL
