@@ -887,8 +887,9 @@ def main():
     parser.add_argument("--backward-megakernel", action="store_true",
                         help="the fused layer's backward as one persistent launch (FusedOptions::backward_megakernel)")
     parser.add_argument("--gather-rows", action="store_true",
-                        help="unfused path: the gate/up GEMM gathers its rows from x (MoeOptions::gather_rows; with "
-                        "--no-backward at EP = 1 the expert-major copy of x is skipped)")
+                        help="unfused path: the gate/up GEMM gathers its rows from x and the backward's down dgrad "
+                        "its rows from d_out (MoeOptions::gather_rows; with --no-backward at EP = 1 the expert-major "
+                        "copy of x is skipped)")
     parser.add_argument("--scatter-rows", action="store_true",
                         help="the unfused down GEMM and the stage-kernel backward's gate/up dgrad write each row to "
                         "its token's combine row (MoeOptions::scatter_rows; the fused forward ignores it)")
