@@ -298,6 +298,10 @@ TEST(MoeForwardTest, ValidationNamesTheArgument) {
   expect_error([&] { auto s = shape; s.intermediate = 100; s.validate(); }, "MoeShape.intermediate");
   expect_error([&] { auto s = shape; s.num_experts = 7; s.validate(); }, "num_experts");
   expect_error([&] { MoeWorkspace ws(PeerGroup::virtual_ranks(4), shape); }, "ep_size");
+  // A legal shape whose GEMMs could take more task slots than int32 holds (detail::task_slot_bound): refused by
+  // the constructor, naming the bound, before its large buffers are allocated.
+  expect_error([&] { MoeWorkspace ws(PeerGroup::virtual_ranks(1), moe_shape(1, 1 << 20, 16, 64, 16384, 1 << 20)); },
+               "task slots, and slots are int32");
 
   MoeOptions options;
   options.schedule.wait_timeout_s = 0.5;  // a half-issued forward would time out (and fail below) quickly

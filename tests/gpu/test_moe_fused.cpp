@@ -227,6 +227,12 @@ TEST(MoeFusedTest, InvalidFusedOptionsAreRejectedAtConstruction) {
   MoeOptions minibatch;
   minibatch.fused.minibatch_rows = 0;
   rejects(minibatch, "minibatch_rows");
+  // Past 2^30 the task order's ring rows + minibatch rows would overflow int32.
+  minibatch.fused.minibatch_rows = (1 << 30) + 128;
+  rejects(minibatch, "minibatch_rows must be a positive multiple of 128 up to 2^30");
+  MoeOptions huge_minibatch;
+  huge_minibatch.fused.minibatch_rows = 1 << 30;  // the bound itself is valid
+  EXPECT_NO_THROW(MoeWorkspace(PeerGroup::virtual_ranks(2), shape, huge_minibatch));
   MoeOptions unfused_ring;
   unfused_ring.path = ForwardPath::kUnfused;
   unfused_ring.fused.macrobatch_rows = 128;
