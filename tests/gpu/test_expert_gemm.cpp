@@ -682,6 +682,17 @@ TEST(ExpertGemmTest, SwiGLUGateUpOutHoldsTheRawGateAndUp) {
 // within 2^-7 |want| + 2^-17 (1 + |g_c|) |d_h| (bf16 output rounding: up to 2^-8); row partials within 2^-16 of the
 // sum of the terms' magnitudes (fp32 sums of <= 66 terms). Row scale null, set, or with exact zeros (then
 // d_g = d_u = 0 and the partials, unscaled, are still checked). Pairs and reruns: the same bits.
+// A kSwiGLUBackward call with its outputs poisoned first: d_g | d_u and the row partials.
+std::pair<std::vector<uint16_t>, std::vector<float>> run_swiglu_backward(const ExpertGemmArgs& args,
+                                                                          DeviceArray<uint16_t>& grad,
+                                                                          DeviceArray<float>& partials) {
+  grad.upload(std::vector<uint16_t>(grad.count, kPoison));
+  partials.upload(float_poison(partials.count));
+  expert_gemm(args, nullptr);
+  MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  return std::make_pair(grad.download(), partials.download());
+}
+
 TEST(ExpertGemmTest, SwiGLUBackwardWithinBudget) {
   MOK_REQUIRE_GPUS(1);
   enum class Scale { kNone, kSet, kWithZeros };
@@ -728,13 +739,7 @@ TEST(ExpertGemmTest, SwiGLUBackwardWithinBudget) {
     args.row_partials = d_partials.ptr;
     args.swiglu_limit = test_case.limit;
     if (test_case.scale != Scale::kNone) args.row_scale = d_scale.ptr;
-    auto run = [&](const ExpertGemmArgs& run_args) {
-      d_grad.upload(std::vector<uint16_t>(d_grad.count, kPoison));
-      d_partials.upload(float_poison(d_partials.count));
-      expert_gemm(run_args, nullptr);
-      MOK_CHECK_CUDA(cudaDeviceSynchronize());
-      return std::make_pair(d_grad.download(), d_partials.download());
-    };
+    auto run = [&](const ExpertGemmArgs& run_args) { return run_swiglu_backward(run_args, d_grad, d_partials); };
     args.cluster_n = 1;
     const auto [grad, partials] = run(args);
     ASSERT_EQ(check_layout(grad, fx.seg, fx.a_rows, 2 * n), "") << "d_g / d_u, " << shape;
@@ -1052,6 +1057,31 @@ TEST(ExpertGemmTest, ValidationRejectsBadCombinations) {
 // holds NaN in every row it must not read (local and padding rows), so a wrong source shows. Integer inputs: g
 // and u (gate_up_out) exact against the CPU. Segments with 1, 64, 129, 255 rows and an empty expert; tile_m 64
 // (64-row half tiles) and 128; fused and separate weights; every row local (EP = 1), and a mix of sources.
+// The rows of a gathered GEMM test: each real schedule row gets a random route (source rank: 0, or any of `ranks`
+// when mixed; token; slot); `copied` is A as the pull writes it (the source's token row of `rows_of_ranks`,
+// [ranks, T, k]), `gathered_a` holds only the rows of other ranks' routes (what the gather reads from `a`), poison
+// elsewhere.
+struct GatheredRows {
+  std::vector<int32_t> route;
+  std::vector<uint16_t> copied, gathered_a;
+};
+GatheredRows gathered_rows(const GemmFixture& fx, const std::vector<uint16_t>& rows_of_ranks, int k, int num_tokens,
+                           int top_k, int ranks, int rank, bool mixed, uint64_t seed) {
+  GatheredRows g{std::vector<int32_t>(fx.a_rows, -1), std::vector<uint16_t>(size_t(fx.a_rows) * k, 0),
+                 std::vector<uint16_t>(size_t(fx.a_rows) * k, kPoison)};
+  for (int64_t row = 0; row < fx.seg.rows; ++row) {
+    if (!fx.seg.is_real(row)) continue;
+    const int src = mixed ? static_cast<int>(hashed_int(seed + 1, row, 0, ranks - 1)) : 0;
+    const int token = static_cast<int>(hashed_int(seed + 2, row, 0, num_tokens - 1));
+    const int slot = static_cast<int>(hashed_int(seed + 3, row, 0, top_k - 1));
+    g.route[row] = (src * num_tokens + token) * top_k + slot;
+    const auto from = rows_of_ranks.begin() + (int64_t(src) * num_tokens + token) * k;
+    std::copy(from, from + k, g.copied.begin() + row * k);
+    if (src != rank) std::copy(from, from + k, g.gathered_a.begin() + row * k);
+  }
+  return g;
+}
+
 TEST(ExpertGemmTest, SwiGLUGatheredRowsEqualTheCopiedRowsBitwise) {
   MOK_REQUIRE_GPUS(1);
   const std::vector<int32_t> expert_counts = {129, 0, 1, 255, 64};
@@ -1069,18 +1099,7 @@ TEST(ExpertGemmTest, SwiGLUGatheredRowsEqualTheCopiedRowsBitwise) {
         const int rank = mixed ? 1 : 0;
         // x of every source rank [ranks, T, k]; this rank's is what the gather reads.
         const auto x = hashed_bf16(size_t(ranks) * num_tokens * k, seed, -2, 2);
-        std::vector<int32_t> route(fx.a_rows, -1);
-        std::vector<uint16_t> copied(size_t(fx.a_rows) * k, 0), gathered_a(size_t(fx.a_rows) * k, kPoison);
-        for (int64_t row = 0; row < fx.seg.rows; ++row) {
-          if (!fx.seg.is_real(row)) continue;
-          const int src = mixed ? static_cast<int>(hashed_int(seed + 1, row, 0, ranks - 1)) : 0;
-          const int token = static_cast<int>(hashed_int(seed + 2, row, 0, num_tokens - 1));
-          const int slot = static_cast<int>(hashed_int(seed + 3, row, 0, top_k - 1));
-          route[row] = (src * num_tokens + token) * top_k + slot;
-          const auto from = x.begin() + (int64_t(src) * num_tokens + token) * k;
-          std::copy(from, from + k, copied.begin() + row * k);
-          if (src != rank) std::copy(from, from + k, gathered_a.begin() + row * k);
-        }
+        const auto [route, copied, gathered_a] = gathered_rows(fx, x, k, num_tokens, top_k, ranks, rank, mixed, seed);
         const auto w_gate = hashed_bf16(size_t(num_experts) * n * k, seed + 4, -1, 1);
         const auto w_up = hashed_bf16(size_t(num_experts) * n * k, seed + 5, -1, 1);
         std::vector<uint16_t> w_fused;  // [E, 2n, k]
@@ -1161,18 +1180,8 @@ TEST(ExpertGemmTest, SwiGLUBackwardGatheredRowsEqualTheCopiedRowsBitwise) {
       const int rank = mixed ? 2 : 0;
       // d_out of every source rank [ranks, T, k]; this rank's is what the gather reads.
       const auto d_out = hashed_bf16(size_t(ranks) * num_tokens * k, seed, -2, 2);
-      std::vector<int32_t> route(fx.a_rows, -1);
-      std::vector<uint16_t> copied(size_t(fx.a_rows) * k, 0), gathered_a(size_t(fx.a_rows) * k, kPoison);
-      for (int64_t row = 0; row < fx.seg.rows; ++row) {
-        if (!fx.seg.is_real(row)) continue;
-        const int src = mixed ? static_cast<int>(hashed_int(seed + 1, row, 0, ranks - 1)) : 0;
-        const int token = static_cast<int>(hashed_int(seed + 2, row, 0, num_tokens - 1));
-        const int slot = static_cast<int>(hashed_int(seed + 3, row, 0, top_k - 1));
-        route[row] = (src * num_tokens + token) * top_k + slot;
-        const auto from = d_out.begin() + (int64_t(src) * num_tokens + token) * k;
-        std::copy(from, from + k, copied.begin() + row * k);
-        if (src != rank) std::copy(from, from + k, gathered_a.begin() + row * k);
-      }
+      const auto [route, copied, gathered_a] =
+          gathered_rows(fx, d_out, k, num_tokens, top_k, ranks, rank, mixed, seed);
       const auto w_down = hashed_bf16(size_t(num_experts) * k * n, seed + 4, -2, 2);  // [E, H, I]
       std::vector<uint16_t> gate_up(size_t(fx.a_rows) * 2 * n);
       for (size_t i = 0; i < gate_up.size(); ++i)
@@ -1185,13 +1194,7 @@ TEST(ExpertGemmTest, SwiGLUBackwardGatheredRowsEqualTheCopiedRowsBitwise) {
       DeviceArray<uint16_t> d_grad(size_t(fx.a_rows) * 2 * n);
       DeviceArray<float> d_scale(scale), d_partials(size_t(fx.a_rows) * n_blocks);
       DeviceArray<int32_t> d_route(route);
-      auto run = [&](const ExpertGemmArgs& run_args) {
-        d_grad.upload(std::vector<uint16_t>(d_grad.count, kPoison));
-        d_partials.upload(float_poison(d_partials.count));
-        expert_gemm(run_args, nullptr);
-        MOK_CHECK_CUDA(cudaDeviceSynchronize());
-        return std::make_pair(d_grad.download(), d_partials.download());
-      };
+      auto run = [&](const ExpertGemmArgs& run_args) { return run_swiglu_backward(run_args, d_grad, d_partials); };
       ExpertGemmArgs copy_args = fx.args(GemmEpilogue::kSwiGLUBackward, d_copied.ptr, k, d_w.ptr, n, d_grad.ptr);
       copy_args.b_major = OperandMajor::kMN;
       copy_args.gate_up = d_gate_up.ptr;
