@@ -127,8 +127,8 @@ struct ExpertGemmArgs {
   float* row_partials = nullptr;  // kSwiGLUBackward: fp32 [a_rows, gemm_n_blocks(kSwiGLUBackward, n)]
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);
                                 // 0: choose_cluster_n
-  int block_n = 0;              // kFP8 kStore: output columns per tile, 128 or 192 (opt-in: not yet run on a
-                                // GPU); 0: fp8_store_block_n. Other GEMMs: 0
+  int block_n = 0;              // kFP8 kStore: output columns per tile, 128 or 192; 0: fp8_store_block_n.
+                                // Other GEMMs: 0
   int32_t first_row = 0;        // rows below it are not computed (their outputs untouched): a multiple of 128
   int32_t* ticket = nullptr;    // one int32 of device memory, zeroed by the call on its stream: the task
                                 // ticket (one per GEMM in flight at a time)
@@ -151,9 +151,8 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream);
 // partial.
 int gemm_n_blocks(GemmEpilogue epilogue, int n);
 
-// Output columns per tile of the FP8 store GEMM: block_n, or for 0 the 128-column tile. The 192-column one was
-// 6-10 % faster at n >= 4096 and 3 % slower at n = 2880 in round 18 (a branch since lost); rebuilt in round 21
-// without a GPU, it stays opt-in until it has run (docs/perf_notes.md, round 21), then 0 takes it from n = 4096.
+// Output columns per tile of the FP8 store GEMM: block_n, or for 0 the 192-column tile from n = 4096 on (7-10 %
+// faster there, the same bits: docs/perf_notes.md, round 21; 3 % slower at n = 2880 in round 18), else 128.
 int fp8_store_block_n(int block_n, int n);
 
 // CTAs per cluster for a GEMM with `n` output columns: 2 (the A tile multicast to a pair of n-blocks) when

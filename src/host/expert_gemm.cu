@@ -288,7 +288,7 @@ void encode_row_scatter_maps(const PeerPointers& combined, int ranks, int64_t ro
   }
 }
 
-int fp8_store_block_n(int block_n, int /*n*/) { return block_n != 0 ? block_n : 128; }
+int fp8_store_block_n(int block_n, int n) { return block_n != 0 ? block_n : n >= 4096 ? 192 : 128; }
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);
