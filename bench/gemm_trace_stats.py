@@ -54,11 +54,14 @@ def main(folder):
         sp = torch.tensor(spreads)
         busy = float(dur.sum()) * 1.0 / (len(torch.unique(sm)) * total)
         pair = (t[:, 1, 0] - t[:, 0, 0]).abs().double()
-        print(f"{os.path.basename(f)}: tiles {ctas} (cluster pairs), kernel {total/1e3:.0f} us, task median {med/1e3:.1f} us "
-              f"(p10 {float(dur.quantile(0.1))/1e3:.1f}, p90 {float(dur.quantile(0.9))/1e3:.1f}), consumer busy {busy:.3f}; "
-              f"start spread of blocks sharing weights: median {float(sp.median())/med:.3f} p90 {float(sp.quantile(0.9))/med:.3f} "
-              f"max {float(sp.max())/med:.3f} tasks; >0.1 task: {float((sp > 0.1 * med).double().mean()):.2f}; "
-              f"cluster pair start delta median {float(pair.median())/1e3:.2f} us, SM clock median {float((cycles / dur).median()) * 1e3:.0f} MHz")
+        print(f"{os.path.basename(f)}: tiles {ctas} (cluster pairs), kernel {total/1e3:.0f} us, "
+              f"task median {med/1e3:.1f} us (p10 {float(dur.quantile(0.1))/1e3:.1f}, "
+              f"p90 {float(dur.quantile(0.9))/1e3:.1f}), consumer busy {busy:.3f}; "
+              f"start spread of blocks sharing weights: median {float(sp.median())/med:.3f} "
+              f"p90 {float(sp.quantile(0.9))/med:.3f} max {float(sp.max())/med:.3f} tasks; "
+              f">0.1 task: {float((sp > 0.1 * med).double().mean()):.2f}; "
+              f"cluster pair start delta median {float(pair.median())/1e3:.2f} us, "
+              f"SM clock median {float((cycles / dur).median()) * 1e3:.0f} MHz")
 
 
 if __name__ == "__main__":

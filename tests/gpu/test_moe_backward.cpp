@@ -746,8 +746,9 @@ TEST(MoeBackwardTest, BitwiseEqualAcrossPathsRingsTileHeightsCapacitiesKeptGateU
 // EP = 1: the stage kernels' epilogue reads the d_x_route rows where the gate/up dgrad wrote them (and the unfused
 // forward's combine the y rows: MoeWorkspace::local_combine). The same bits as the paths that copy them into the
 // combine buffer first: the scattered dgrad (scatter_rows) and the backward megakernel's copies; and the gathered
-// gate/up and down dgrad (gather_rows); the forward's output too (unfused local == unfused scattered == fused). Skewed routing with empty experts, masked routes,
-// tile_m 128, fewer tokens than the workspace's; against the CPU reference once.
+// gate/up and down dgrad (gather_rows); the forward's output too (unfused local == unfused scattered == fused).
+// Skewed routing with empty experts, masked routes, tile_m 128, fewer tokens than the workspace's; against the CPU
+// reference once.
 TEST(MoeBackwardTest, EpOneCombinesFromTheExpertRowsBitwise) {
   MOK_REQUIRE_GPUS(1);
   struct Case {

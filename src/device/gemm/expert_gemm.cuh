@@ -188,8 +188,8 @@ struct BlockScaledParams : Base {
   template <int kHalfN>
   __device__ __forceinline__ const float* b_scale_group(const TileTask& task, int group) const {
     const bool first_half = 64 * group < kHalfN;
-    const int64_t first_row = int64_t(task.n_block) * this->b_block_step +
-                              (first_half ? this->b_half_offset0 + 64 * group : this->b_half_offset1 + 64 * group - kHalfN);
+    const int64_t in_tile = first_half ? this->b_half_offset0 + 64 * group : this->b_half_offset1 + 64 * group - kHalfN;
+    const int64_t first_row = int64_t(task.n_block) * this->b_block_step + in_tile;
     const int64_t block = min(first_row / 128, int64_t(b_scale_blocks) - 1);
     return (first_half ? b_scales0 : b_scales1) + (int64_t(task.expert) * b_scale_blocks + block) * k_blocks;
   }
