@@ -104,6 +104,7 @@ enum class ForwardPath : int32_t {
 
 // The megakernel's knobs. None of them changes a bit of the results (tests compare bitwise).
 struct FusedOptions {
+  static constexpr int kMaxTimelineRecords = 1 << 20;  // the most timeline_records may be
   int comm_ctas = 0;            // 0: every CTA computes and the three idle warps of each producer warpgroup
                                 // copy the rows (faster on every model shape, docs/perf_notes.md round 6);
                                 // > 0: this many CTAs only copy (a multiple of the cluster size, 2 for the
@@ -115,7 +116,7 @@ struct FusedOptions {
                                 // capacity is used. 0: the balanced share of rows, within
                                 // MoeOptions::context_budget_bytes (see there)
   int timeline_records = 0;     // > 0: record up to this many GEMM tiles and as many copies per CTA
-                                // (MoeWorkspace::read_timeline)
+                                // (MoeWorkspace::read_timeline), at most kMaxTimelineRecords
   bool backward_megakernel = false;  // the backward as one persistent launch per rank (backward_kernel.cuh),
                                      // bitwise the default's stage kernels; false because it is slower on
                                      // the H200 today (docs/perf_notes.md, rounds 9-10)
@@ -231,10 +232,11 @@ class ForwardContext {
 
  private:
   friend class MoeWorkspace;
-  const void* owner_ = nullptr;  // the workspace that made it (its buffers are sized for that shape)
+  uint64_t owner_ = 0;           // the id of the workspace that made it (its buffers are sized for that shape)
   int rank_ = -1;
   DeviceBuffer allocation_;      // detail::context_layout (src/host/moe_layouts.h)
   int num_tokens_ = -1;
+  bool layer_written_ = false;   // a forward (or recompute_forward_context) filled it on its current schedule
   int32_t* schedule_buffer_ = nullptr;
   ScheduleView schedule_;
   int64_t ring_rows_ = 0;
@@ -289,8 +291,11 @@ struct RankBackward {
 class MoeWorkspace {
  public:
   // Allocates the symmetric buffers (collective for NCCL groups) and per-rank scratch. Synchronous. Every
-  // allocation is owned (DeviceBuffer, SymmetricAllocation), so a throw at any step frees what was made
-  // (NCCL windows already registered excepted: leaked with a warning, see close).
+  // rule of the shape and the options (and comm_ctas against the devices' grid) is checked on every rank, and
+  // the outcome all-gathered, before the first collective allocation: a rejected argument makes every rank throw
+  // with nothing allocated. Every allocation is owned (DeviceBuffer, SymmetricAllocation), so a throw at a later
+  // step (a CUDA error) frees what was made (NCCL windows already registered excepted: leaked with a warning, see
+  // close).
   MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options = {});
   // Frees the local buffers and never calls a collective (docs/design.md, "Lifetimes"): if the workspace holds
   // NCCL windows (an nccl group, not closed) it prints one warning on stderr and leaks them.
@@ -321,7 +326,7 @@ class MoeWorkspace {
   // one phase before any rank's next phase. That order is what virtual ranks need (their kernels share
   // one GPU and stream); other groups get each rank's work on its own stream, unsynchronized with the
   // host. Every call validates all arguments of all ranks before it issues anything
-  // (std::invalid_argument naming the rank and the argument).
+  // (std::invalid_argument naming the rank and the argument); a rank passed twice in one call is refused.
 
   // Streams. Calls of one workspace share its buffers (symmetric x and combine buffers, scratch, counters,
   // tickets, the status word), so they must not overlap. Calls issued outside a CUDA-graph capture are
@@ -346,7 +351,9 @@ class MoeWorkspace {
   //   d_x[t] = shared dgrad + sum_j d_x_route[t, j] (fp32, j ascending, one rounding)
   //   dW_down_e = sum (rw * d_out)ᵀ h, dW_gate/up_e = sum d_{g,u}ᵀ x over the expert's rows (fixed order)
   // The expert's rank pulls d_out rows from the token's rank and pushes d_x_route rows and d_rw back into
-  // the token's (token, slot) slots. Bitwise deterministic; asynchronous, no host synchronization.
+  // the token's (token, slot) slots. Bitwise deterministic; asynchronous, no host synchronization. A context
+  // whose schedule no forward (or recompute_forward_context) filled yet, a fresh one or one after a lone
+  // build_schedule, is refused (std::invalid_argument).
   void backward(std::span<const RankBackward> ranks);
   // Rebuilds each rank's context (expert-major x rows, hidden rows, the shared expert's hidden rows) from x,
   // the weights and the schedule already in the context, without producing `out`: for activation
@@ -477,6 +484,8 @@ class MoeWorkspace {
   SymmetricAllocation d_rw_;    // fp32 [T * k]
   int64_t backward_bytes_ = 0;
   bool closed_ = false;
+  uint64_t id_ = 0;             // unique in the process: what a context names its workspace by (an address of a
+                                // destroyed workspace may come back as a new one's)
   std::unique_ptr<RankState[]> ranks_;
 };
 

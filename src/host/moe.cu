@@ -4,9 +4,11 @@
 #include "mok/moe.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -37,36 +39,64 @@ using detail::row_kernel_ctas;
 
 namespace {
 
-// Every rank must build the same workspace. Each rank's shape and options (the agreed rows of the option table,
-// src/host/option_table.h), and whether they passed its own validation (MoeShape's and ScheduleOptions'), are
-// all-gathered over the group first
-// (PeerGroup::all_gather, a collective for NCCL groups), so a rank that rejects its arguments or disagrees with a
-// peer makes every rank throw, naming the field, instead of leaving the others waiting in the collective
-// allocations that follow.
-MoeShape agreed(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options) {
-  std::string error;
+// The megakernels' persistent grid on the local ranks' devices (0 on the unfused path; the same GPU model on
+// every rank): one grid for both megakernels (the timeline is sized by it). A backward cluster pair implies a
+// forward one (its GEMMs' output tiles pair up only if the forward's do), so a multiple of the forward's
+// cluster fits both. Also checks MoeOptions.fused.comm_ctas against it. Device queries only (it prepares the
+// kernels on each device), nothing allocated.
+int fused_grid(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options) {
+  if (options.path != ForwardPath::kFused) return 0;
+  const bool fp8 = options.precision == Precision::kFP8;
+  const int cluster_n = detail::fused_cluster_n(shape.hidden, shape.intermediate, options.precision);
+  int grid = 0;
+  for (int r : group.local_ranks()) {
+    const int device = group.device(r);
+    DeviceGuard guard(device);
+    int ctas = fp8 ? detail::fused_fp8_grid_ctas(shape, device)
+                   : detail::fused_grid_ctas(shape, options.keep_gate_up, device);
+    if (options.fused.backward_megakernel)  // plan_workspace: only with the backward
+      ctas = std::min(ctas, detail::fused_backward_grid_ctas(shape, device)) / cluster_n * cluster_n;
+    grid = grid == 0 ? ctas : std::min(grid, ctas);
+  }
+  const int comm_ctas = options.fused.comm_ctas;
+  require(comm_ctas % cluster_n == 0 && comm_ctas <= grid - cluster_n,
+          "MoeOptions.fused.comm_ctas must be a multiple of " + std::to_string(cluster_n) +
+              " (CTAs per cluster for this shape) leaving at least one compute cluster of the " + std::to_string(grid) +
+              " CTAs, got " + std::to_string(comm_ctas));
+  return grid;
+}
+
+// Every rank must build the same workspace, and no rank may leave the others waiting in a collective. Before the
+// first collective allocation each rank checks its shape and options (detail::plan_workspace) and its devices'
+// grid (fused_grid); whether that passed and the agreed rows of the option table (src/host/option_table.h) are
+// all-gathered over the group (PeerGroup::all_gather, a collective for NCCL groups). So a rank that rejects its
+// arguments (its own error rethrown) or disagrees with a peer makes every rank throw, naming the field, with
+// nothing allocated. Returns the grid.
+int agreed_grid(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options) {
+  std::exception_ptr failure;
+  int grid = 0;
   try {
-    shape.validate();
-    options.schedule.validate(shape.routing());  // also the options no rank compares (wait_timeout_s)
-  } catch (const std::invalid_argument& e) {
-    error = e.what();
+    detail::plan_workspace(shape, options);  // also the options no rank compares (wait_timeout_s)
+    grid = fused_grid(group, shape, options);
+  } catch (...) {
+    failure = std::current_exception();
   }
   const detail::LayerOptions layer{shape, options};
-  std::vector<int64_t> mine = {error.empty() ? 1 : 0};  // "validation", then the agreed options
+  std::vector<int64_t> mine = {failure ? 0 : 1};  // "validation", then the agreed options
   const std::vector<int64_t> words = detail::agreement_words(layer);
   mine.insert(mine.end(), words.begin(), words.end());
   const std::vector<int64_t> all = group.all_gather(mine);
-  if (!error.empty()) throw std::invalid_argument(error);
+  if (failure) std::rethrow_exception(failure);
   std::vector<int64_t> options_of_all;
   for (int r = 0; r < group.size(); ++r) {
     const int64_t* theirs = all.data() + r * mine.size();
     require(theirs[0] == 1, "MoeWorkspace: rank " + std::to_string(r) +
-                                " rejected its MoeShape or ScheduleOptions (its own error names the field); every rank "
+                                " rejected its MoeShape or MoeOptions (its own error names the field); every rank "
                                 "must build the same workspace");
     options_of_all.insert(options_of_all.end(), theirs + 1, theirs + mine.size());
   }
   detail::check_agreement(options_of_all, group.size(), layer);
-  return shape;
+  return grid;
 }
 
 }  // namespace
@@ -75,10 +105,11 @@ ForwardContext::ForwardContext(ForwardContext&& other) noexcept { *this = std::m
 
 ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
   if (this != &other) {
-    owner_ = std::exchange(other.owner_, nullptr);
+    owner_ = std::exchange(other.owner_, 0);
     rank_ = std::exchange(other.rank_, -1);
     allocation_ = std::move(other.allocation_);
     num_tokens_ = std::exchange(other.num_tokens_, -1);
+    layer_written_ = std::exchange(other.layer_written_, false);
     schedule_buffer_ = other.schedule_buffer_;
     schedule_ = other.schedule_;
     ring_rows_ = other.ring_rows_;
@@ -98,44 +129,16 @@ ForwardContext& ForwardContext::operator=(ForwardContext&& other) noexcept {
 
 MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options)
     : group_(group),
-      shape_(agreed(group, shape, options)),
+      shape_(shape),
       options_(options),
+      grid_ctas_(agreed_grid(group_, shape_, options_)),  // every check before schedule_'s collective allocation
       schedule_(group_, shape.routing(), options.schedule) {
-  const int tile_m = options_.schedule.tile_m;
-  require(tile_m == 64 || tile_m == 128, "MoeOptions.schedule.tile_m must be 64 or 128 (the GEMM's row tiles), got " +
-                                             std::to_string(tile_m));
-  require(schedule_.capacity_rows() % tile_m == 0, "MoeOptions.schedule.capacity_rows must be a multiple of tile_m");
-  padded_tokens_ = schedule::round_up(shape_.num_tokens, tile_m);
+  const detail::WorkspacePlan plan = detail::plan_workspace(shape_, options_);
+  padded_tokens_ = plan.padded_tokens;
+  ring_rows_ = plan.ring_rows;
+  static std::atomic<uint64_t> workspaces{0};
+  id_ = ++workspaces;
   const FusedOptions& fused = options_.fused;
-  require(fused.macrobatch_rows >= 0 && fused.macrobatch_rows % 128 == 0,
-          "MoeOptions.fused.macrobatch_rows must be 0 (the capacity) or a positive multiple of 128, got " +
-              std::to_string(fused.macrobatch_rows));
-  // At most 2^30: the task order adds it to ring rows (< 2^30) in int32.
-  require(fused.minibatch_rows > 0 && fused.minibatch_rows % 128 == 0 && fused.minibatch_rows <= (1 << 30),
-          "MoeOptions.fused.minibatch_rows must be a positive multiple of 128 up to 2^30, got " +
-              std::to_string(fused.minibatch_rows));
-  require(fused.comm_ctas >= 0, "MoeOptions.fused.comm_ctas must be >= 0 (0: the producer warps copy)");
-  require(fused.timeline_records >= 0, "MoeOptions.fused.timeline_records must be >= 0");
-  require(options_.precision == Precision::kBF16 || options_.precision == Precision::kFP8,
-          "MoeOptions.precision must be kBF16 or kFP8, got " + std::to_string(static_cast<int>(options_.precision)));
-  if (fp8()) {
-    require(!options_.backward, "MoeOptions.precision kFP8 has no backward yet: set MoeOptions.backward = false");
-    require(!options_.gather_rows, "MoeOptions.precision kFP8 does not gather rows: set MoeOptions.gather_rows = false");
-    require(!options_.scatter_rows,
-            "MoeOptions.precision kFP8 does not scatter rows: set MoeOptions.scatter_rows = false");
-  }
-  require(fp8() || !options_.fp8_power_of_two_scales,
-          "MoeOptions.fp8_power_of_two_scales is for precision kFP8 (the activations' scales), got precision kBF16");
-  const int64_t slots = detail::task_slot_bound(shape_, capacity_rows(), padded_tokens_);
-  require(slots < std::numeric_limits<int32_t>::max(),
-          "MoeShape: its GEMMs could take up to " + std::to_string(slots) +
-              " task slots, and slots are int32: fewer tokens, a smaller hidden or intermediate, or a smaller "
-              "capacity (ScheduleOptions.load_factor, capacity_rows)");
-  ring_rows_ = detail::choose_ring_rows(shape_, options_, capacity_rows(), schedule_.schedule_elements(),
-                                        padded_tokens_);
-  require(options_.path == ForwardPath::kFused || ring_rows_ == capacity_rows(),
-          "MoeOptions.fused.macrobatch_rows below the capacity needs ForwardPath::kFused (the unfused path holds "
-          "every row at once)");
   const int64_t h = shape_.hidden;
   x_ = group_.allocate(padded_tokens_ * h * kBf16Bytes);
   combined_ = group_.allocate(int64_t(shape_.num_tokens) * shape_.top_k * h * kBf16Bytes);
@@ -147,21 +150,6 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     s.device = group_.device(r);
     DeviceGuard guard(s.device);
     MOK_CHECK_CUDA(cudaDeviceGetAttribute(&s.num_sms, cudaDevAttrMultiProcessorCount, s.device));
-    if (options_.path == ForwardPath::kFused) {  // also prepares the kernel on this device
-      // One grid for both megakernels (the timeline is sized by it): a backward cluster pair implies a
-      // forward one (its GEMMs' output tiles pair up only if the forward's do), so a multiple of the forward's
-      // cluster fits both.
-      const int cluster_n = detail::fused_cluster_n(shape_.hidden, shape_.intermediate, options_.precision);
-      int ctas = fp8() ? detail::fused_fp8_grid_ctas(shape_, s.device)
-                       : detail::fused_grid_ctas(shape_, options_.keep_gate_up, s.device);
-      if (backward_megakernel())
-        ctas = std::min(ctas, detail::fused_backward_grid_ctas(shape_, s.device)) / cluster_n * cluster_n;
-      grid_ctas_ = grid_ctas_ == 0 ? ctas : std::min(grid_ctas_, ctas);
-      require(fused.comm_ctas % cluster_n == 0 && fused.comm_ctas <= grid_ctas_ - cluster_n,
-              "MoeOptions.fused.comm_ctas must be a multiple of " + std::to_string(cluster_n) +
-                  " (CTAs per cluster for this shape) leaving at least one compute cluster of the " +
-                  std::to_string(grid_ctas_) + " CTAs, got " + std::to_string(fused.comm_ctas));
-    }
     const int64_t counter_words = detail::fused_counter_words(capacity_rows() / 64, padded_tokens_ / 64);
     const int64_t timeline_words =
         fused.timeline_records > 0 ? detail::fused_timeline_words(grid_ctas_, fused.timeline_records) : 0;
@@ -269,7 +257,7 @@ ForwardContext MoeWorkspace::make_context(int rank, cudaStream_t stream) const {
       shape_, options_.keep_gate_up, schedule_.schedule_elements(), ring_rows_, padded_tokens_, fp8());
   ForwardContext ctx;
   ctx.allocation_ = DeviceBuffer(s.device, layout.buffers.total_bytes());
-  ctx.owner_ = this;
+  ctx.owner_ = id_;
   ctx.rank_ = rank;
   ctx.ring_rows_ = ring_rows_;
   void* base = ctx.allocation_.get();
@@ -297,7 +285,7 @@ void MoeWorkspace::validate(const RankForward& f, bool needs_layer_inputs) const
   const std::string where = "rank " + std::to_string(f.rank) + ": ";
   try {
     const RankState& s = state(f.rank);
-    require(f.context != nullptr && f.context->owner_ == this && f.context->rank() == f.rank,
+    require(f.context != nullptr && f.context->owner_ == id_ && f.context->rank() == f.rank,
             "context: must be a ForwardContext made by this workspace's make_context(" + std::to_string(f.rank) + ")");
     detail::check_routing_inputs(f, shape_, s.device);
     if (needs_layer_inputs) detail::check_layer_inputs(f, shape_, s.device, options_.precision);
@@ -315,7 +303,9 @@ void MoeWorkspace::forward_with_schedule(std::span<const RankForward> ranks) { i
 void MoeWorkspace::forward(std::span<const RankForward> ranks) { issue_call(ranks, true, true); }
 
 void MoeWorkspace::issue_call(std::span<const RankForward> ranks, bool schedule, bool layer) {
-  require_open(!layer ? "build_schedule" : schedule ? "forward" : "forward_with_schedule");
+  const char* call = !layer ? "build_schedule" : schedule ? "forward" : "forward_with_schedule";
+  require_open(call);
+  detail::require_distinct_ranks(ranks, std::string("MoeWorkspace::") + call);
   for (const RankForward& f : ranks) validate(f, layer);
   if (!schedule) {  // the layer on a schedule built before: of the same tokens
     for (const RankForward& f : ranks)
@@ -431,6 +421,7 @@ void MoeWorkspace::issue_schedule(std::span<const RankForward> ranks) {
   for (const RankForward& f : ranks) {
     schedule_.build(f.rank, f.stream, f.context->schedule_buffer_);
     f.context->num_tokens_ = static_cast<int>(f.topk_idx.shape[0]);
+    f.context->layer_written_ = false;  // until a forward or recompute_forward_context fills it
   }
 }
 
@@ -443,6 +434,7 @@ void MoeWorkspace::issue_layer(std::span<const RankForward> ranks) {
       compute(f);
   }
   for (const RankForward& f : ranks) combine(f);
+  for (const RankForward& f : ranks) f.context->layer_written_ = true;
 }
 
 StatusReport MoeWorkspace::read_status(int rank, cudaStream_t stream) const {

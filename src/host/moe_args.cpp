@@ -1,6 +1,8 @@
 // Host-side argument types and validation of the MoE layer (include/mok/moe.h): every error names the
 // argument and says what was expected and what was given.
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -10,6 +12,7 @@
 #include "mok/moe.h"
 #include "src/host/check.h"
 #include "src/host/moe_args.h"
+#include "src/device/schedule/placement.h"
 #include "src/host/moe_layouts.h"
 
 namespace mok {
@@ -59,7 +62,9 @@ void MoeShape::validate() const {
   require(intermediate > 0 && intermediate % 64 == 0 && intermediate <= kMaxFeatures,
           "MoeShape.intermediate must be a positive multiple of 64 up to " + std::to_string(kMaxFeatures) +
               ", got " + std::to_string(intermediate));
-  require(swiglu_limit >= 0, "MoeShape.swiglu_limit must be >= 0 (0: plain SwiGLU)");
+  // Also rejects NaN and infinity (no limit is 0, not infinity; the GEMMs refuse a non-finite one mid-call).
+  require(std::isfinite(swiglu_limit) && swiglu_limit >= 0,
+          "MoeShape.swiglu_limit must be a finite number >= 0 (0: plain SwiGLU), got " + std::to_string(swiglu_limit));
 }
 
 namespace detail {
@@ -273,6 +278,60 @@ int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t c
   require(ring >= 128, "MoeOptions.context_budget_bytes " + std::to_string(budget) + " leaves no 128-row ring: one " +
                            "needs " + std::to_string(bytes(128)) + " bytes for this shape");
   return ring;
+}
+
+WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options) {
+  shape.validate();
+  options.schedule.validate(shape.routing());
+  const int tile_m = options.schedule.tile_m;
+  require(tile_m == 64 || tile_m == 128, "MoeOptions.schedule.tile_m must be 64 or 128 (the GEMM's row tiles), got " +
+                                             std::to_string(tile_m));
+  WorkspacePlan plan;
+  plan.capacity_rows = resolved_capacity_rows(shape.routing(), options.schedule);
+  require(plan.capacity_rows % tile_m == 0, "MoeOptions.schedule.capacity_rows must be a multiple of tile_m (" +
+                                                std::to_string(tile_m) + "), got " + std::to_string(plan.capacity_rows));
+  plan.padded_tokens = schedule::round_up(shape.num_tokens, tile_m);
+  const FusedOptions& fused = options.fused;
+  require(fused.macrobatch_rows >= 0 && fused.macrobatch_rows % 128 == 0,
+          "MoeOptions.fused.macrobatch_rows must be 0 (the capacity) or a positive multiple of 128, got " +
+              std::to_string(fused.macrobatch_rows));
+  // At most 2^30: the task order adds it to ring rows (< 2^30) in int32.
+  require(fused.minibatch_rows > 0 && fused.minibatch_rows % 128 == 0 && fused.minibatch_rows <= (1 << 30),
+          "MoeOptions.fused.minibatch_rows must be a positive multiple of 128 up to 2^30, got " +
+              std::to_string(fused.minibatch_rows));
+  // The upper bound needs the megakernel's grid: the constructor checks it with its device queries.
+  require(fused.comm_ctas >= 0, "MoeOptions.fused.comm_ctas must be >= 0 (0: the producer warps copy), got " +
+                                    std::to_string(fused.comm_ctas));
+  require(fused.timeline_records >= 0 && fused.timeline_records <= FusedOptions::kMaxTimelineRecords,
+          "MoeOptions.fused.timeline_records must be in [0, " + std::to_string(FusedOptions::kMaxTimelineRecords) +
+              "] (records per CTA and track), got " + std::to_string(fused.timeline_records));
+  require(!fused.backward_megakernel || (options.path == ForwardPath::kFused && options.backward),
+          "MoeOptions.fused.backward_megakernel needs ForwardPath::kFused and MoeOptions.backward = true (it is the "
+          "fused path's backward)");
+  require(options.precision == Precision::kBF16 || options.precision == Precision::kFP8,
+          "MoeOptions.precision must be kBF16 or kFP8, got " + std::to_string(static_cast<int>(options.precision)));
+  if (options.precision == Precision::kFP8) {
+    require(!options.backward, "MoeOptions.precision kFP8 has no backward yet: set MoeOptions.backward = false");
+    require(!options.gather_rows, "MoeOptions.precision kFP8 does not gather rows: set MoeOptions.gather_rows = false");
+    require(!options.scatter_rows,
+            "MoeOptions.precision kFP8 does not scatter rows: set MoeOptions.scatter_rows = false");
+  }
+  require(options.precision == Precision::kFP8 || !options.fp8_power_of_two_scales,
+          "MoeOptions.fp8_power_of_two_scales is for precision kFP8 (the activations' scales), got precision kBF16");
+  const int64_t slots = task_slot_bound(shape, plan.capacity_rows, plan.padded_tokens);
+  require(slots < std::numeric_limits<int32_t>::max(),
+          "MoeShape: its GEMMs could take up to " + std::to_string(slots) +
+              " task slots, and slots are int32: fewer tokens, a smaller hidden or intermediate, or a smaller "
+              "capacity (ScheduleOptions.load_factor, capacity_rows)");
+  const RoutingShape routing = shape.routing();
+  const int64_t schedule_elements = schedule::ScheduleLayout::make(routing.ep_size, routing.local_experts(),
+                                                                   routing.routes_per_rank(), plan.capacity_rows)
+                                        .total_elements;
+  plan.ring_rows = choose_ring_rows(shape, options, plan.capacity_rows, schedule_elements, plan.padded_tokens);
+  require(options.path == ForwardPath::kFused || plan.ring_rows == plan.capacity_rows,
+          "MoeOptions.fused.macrobatch_rows below the capacity needs ForwardPath::kFused (the unfused path holds "
+          "every row at once)");
+  return plan;
 }
 
 }  // namespace detail

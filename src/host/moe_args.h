@@ -2,9 +2,23 @@
 // std::invalid_argument naming the argument, what was expected and what was given.
 #pragma once
 
+#include <span>
+#include <string>
+
 #include "mok/moe.h"
+#include "src/host/check.h"
 
 namespace mok::detail {
+
+// The ranks of one call (RankForward or RankBackward): each at most once. A rank passed twice would wait for
+// its own second arrival at the call's barriers until the timeout.
+template <class RankArgs>
+void require_distinct_ranks(std::span<const RankArgs> ranks, const std::string& call) {
+  for (size_t i = 0; i < ranks.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      require(ranks[i].rank != ranks[j].rank, call + ": rank " + std::to_string(ranks[i].rank) +
+                                                  " is passed twice (one argument set per rank and call)");
+}
 
 // The call's token count T: `t`'s first extent, in [0, s.num_tokens] (the workspace's maximum per call).
 int call_tokens(const TensorRef& t, const char* name, const MoeShape& s);
@@ -37,5 +51,16 @@ int64_t context_bytes(const MoeShape& s, bool keep_gate_up, int64_t schedule_ele
 // Throws std::invalid_argument naming the option when the budget leaves no 128 rows.
 int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t capacity_rows,
                          int64_t schedule_elements, int64_t padded_tokens);
+
+// What MoeWorkspace's constructor resolves from its shape and options alone, with no device and nothing
+// allocated. Checks MoeShape::validate, ScheduleOptions::validate and every MoeOptions rule, each
+// std::invalid_argument naming the field. The constructor runs it on every rank, and all-gathers the outcome
+// before its first collective allocation, so a rejected argument leaves no NCCL window behind.
+struct WorkspacePlan {
+  int64_t capacity_rows = 0;  // resolved_capacity_rows (include/mok/routing.h)
+  int64_t padded_tokens = 0;  // MoeShape::num_tokens rounded up to the row tile
+  int64_t ring_rows = 0;      // choose_ring_rows
+};
+WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options);
 
 }  // namespace mok::detail

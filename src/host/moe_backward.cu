@@ -242,9 +242,13 @@ void MoeWorkspace::validate_backward(const RankBackward& b) const {
     require(options_.backward, "the workspace was built with MoeOptions.backward = false (an inference-only "
                                "workspace has no backward buffers)");
     const RankState& s = state(b.rank);
-    require(b.context != nullptr && b.context->owner_ == this && b.context->rank() == b.rank,
+    require(b.context != nullptr && b.context->owner_ == id_ && b.context->rank() == b.rank,
             "context: must be a ForwardContext made by this workspace's make_context(" + std::to_string(b.rank) +
                 ") and filled by its forward (or recompute_forward_context)");
+    require(b.context->layer_written_,
+            "context: holds no forward of its schedule (a fresh context, or build_schedule without "
+            "forward_with_schedule or recompute_forward_context after it): the backward needs that forward's "
+            "activations");
     detail::check_backward_inputs(b, shape_, s.device);
     require(b.context->num_tokens() == b.topk_idx.shape[0],
             "topk_idx: " + std::to_string(b.topk_idx.shape[0]) + " tokens, but the context holds a forward of " +
@@ -260,7 +264,7 @@ void MoeWorkspace::validate_recompute(const RankForward& f) const {
     require(options_.backward, "the workspace was built with MoeOptions.backward = false (an inference-only "
                                "workspace has no backward buffers)");
     const RankState& s = state(f.rank);
-    require(f.context != nullptr && f.context->owner_ == this && f.context->rank() == f.rank,
+    require(f.context != nullptr && f.context->owner_ == id_ && f.context->rank() == f.rank,
             "context: must be a ForwardContext made by this workspace's make_context(" + std::to_string(f.rank) + ")");
     detail::check_recompute_inputs(f, shape_, s.device);
     require(f.context->num_tokens() == f.x.shape[0],
@@ -274,6 +278,7 @@ void MoeWorkspace::validate_recompute(const RankForward& f) const {
 // Every argument of every rank is checked before anything is issued (see issue_call).
 void MoeWorkspace::backward(std::span<const RankBackward> ranks) {
   require_open("backward");
+  detail::require_distinct_ranks(ranks, "MoeWorkspace::backward");
   for (const RankBackward& b : ranks) validate_backward(b);
   for (const RankBackward& b : ranks) begin_call(b.rank, b.stream);
   for (const RankBackward& b : ranks) backward_publish(b);
@@ -522,11 +527,13 @@ void MoeWorkspace::backward_epilogue(const RankBackward& b) {
 // the down GEMMs and the combine. Two barriers like every call: the second says "done pulling your x".
 void MoeWorkspace::recompute_forward_context(std::span<const RankForward> ranks) {
   require_open("recompute_forward_context");
+  detail::require_distinct_ranks(ranks, "MoeWorkspace::recompute_forward_context");
   for (const RankForward& f : ranks) validate_recompute(f);
   for (const RankForward& f : ranks) begin_call(f.rank, f.stream);
   for (const RankForward& f : ranks) recompute_publish(f);
   for (const RankForward& f : ranks) recompute_rows(f);
   for (const RankForward& f : ranks) recompute_finish(f);
+  for (const RankForward& f : ranks) f.context->layer_written_ = true;
   for (const RankForward& f : ranks) end_call(f.rank, f.stream);
 }
 

@@ -19,6 +19,9 @@ void RoutingShape::validate() const {
   require(num_tokens >= 1, "RoutingShape.num_tokens must be >= 1, got " + std::to_string(num_tokens));
   require(top_k >= 1, "RoutingShape.top_k must be >= 1, got " + std::to_string(top_k));
   require(num_experts >= 1, "RoutingShape.num_experts must be >= 1, got " + std::to_string(num_experts));
+  // A token's k routes go to k distinct experts (the router's top-k).
+  require(top_k <= num_experts, "RoutingShape.top_k must be at most num_experts (" + std::to_string(num_experts) +
+                                    "), got " + std::to_string(top_k));
   require(num_experts % ep_size == 0, "RoutingShape.num_experts (" + std::to_string(num_experts) +
                                           ") must be a multiple of ep_size (" + std::to_string(ep_size) + ")");
   // Route ids and row indices are int32 on the device.

@@ -48,6 +48,13 @@ ScheduleWorkspace::ScheduleWorkspace(const PeerGroup& group, const RoutingShape&
     throw std::invalid_argument("ScheduleWorkspace: peer group has " + std::to_string(group.size()) +
                                 " ranks, RoutingShape.ep_size is " + std::to_string(shape.ep_size));
   capacity_rows_ = resolved_capacity_rows(shape_, options_);
+  // The count kernel's histogram holds one int32 per local expert. Checked before the collective allocation
+  // below: a throw after it would leak its NCCL windows.
+  const int histogram_bytes = shape_.local_experts() * int(sizeof(int32_t));
+  for (int r : group.local_ranks())
+    if (histogram_bytes > detail::device_limits(group.device(r)).max_shared_bytes)
+      throw std::invalid_argument("ScheduleWorkspace: " + std::to_string(shape_.local_experts()) +
+                                  " local experts exceed the shared-memory histogram limit");
   gather_ = group.allocate(schedule::GatherLayout::bytes(shape_.ep_size, shape_.routes_per_rank()));
 
   detail::BufferLayout layout;
@@ -67,15 +74,9 @@ ScheduleWorkspace::ScheduleWorkspace(const PeerGroup& group, const RoutingShape&
     state.schedule = schedule.in<int32_t>(state.allocation.get());
     const DeviceStatus initial = initial_device_status();
     MOK_CHECK_CUDA(cudaMemcpy(state.status, &initial, sizeof(initial), cudaMemcpyHostToDevice));
-    // The count kernel's histogram holds one int32 per local expert.
-    const int histogram_bytes = shape_.local_experts() * int(sizeof(int32_t));
-    if (histogram_bytes > 48 * 1024) {
-      if (histogram_bytes > detail::device_limits(state.device).max_shared_bytes)
-        throw std::invalid_argument("ScheduleWorkspace: " + std::to_string(shape_.local_experts()) +
-                                    " local experts exceed the shared-memory histogram limit");
+    if (histogram_bytes > 48 * 1024)  // past the default dynamic shared memory
       detail::prepare_kernel(reinterpret_cast<const void*>(schedule::count_chunks_kernel), histogram_bytes,
                              state.device, "count_chunks_kernel");
-    }
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
   }
 }

@@ -464,6 +464,9 @@ class BadInputMatrix {
                   [&](RankForward&, MoeWeights& w) { w.shared_down.data = offset(w.shared_down.data, 8); });
     rejected_case("out + 2 bytes", "out: data must be 16-byte aligned",
                   [&](RankForward& f, MoeWeights&) { f.out.data = offset(f.out.data, 2); });
+    rejected_case("rank 0 passed twice (rank 1's arguments as rank 0's)",
+                  "MoeWorkspace::forward: rank 0 is passed twice",
+                  [](RankForward& f, MoeWeights&) { f.rank = 0; });
   }
 
   int64_t e_bytes() const {  // the largest tensor a pinned stand-in replaces
@@ -779,6 +782,22 @@ class BackwardBadInputs {
                     "context: must be a ForwardContext made by this workspace's make_context(1)",
                     [&](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.context = plain.args(1).context; });
     }
+    {
+      // Contexts holding no forward: fresh ones, then the same after a build_schedule of this call's ids.
+      std::vector<ForwardContext> fresh;
+      for (int r = 0; r < 2; ++r) fresh.push_back(ws_->workspace().make_context(r));
+      const auto fresh_context = [&](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.context = &fresh[1]; };
+      rejected_case("a fresh context (make_context, no forward)", "context: holds no forward of its schedule",
+                    fresh_context);
+      std::vector<RankForward> scheduled = ws_->all_args();
+      for (int r = 0; r < 2; ++r) scheduled[r].context = &fresh[r];
+      ws_->workspace().build_schedule(scheduled);
+      rejected_case("a context holding a schedule and no forward (build_schedule alone)",
+                    "context: holds no forward of its schedule", fresh_context);
+    }
+    rejected_case("rank 0 passed twice (rank 1's arguments as rank 0's)",
+                  "MoeWorkspace::backward: rank 0 is passed twice",
+                  [](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.rank = 0; });
     rejected_case("rank 5", "rank 5", [](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.rank = 5; });
     rejected_case("weight_grads null", "weight_grads: must not be null",
                   [](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.weight_grads = nullptr; });

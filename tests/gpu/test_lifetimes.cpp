@@ -9,12 +9,14 @@
 //   - make_context, forward, backward, build_schedule and recompute_forward_context return while another
 //     stream of the device is held by a blocked host function: none of them waits for the device
 //     (cudaDeviceSynchronize would wait for the blocker), and the results equal an unblocked run bitwise
+//   - a context of a destroyed workspace is refused by the workspace built at its address
 // NCCL's side (close deregisters, the destructor warns and leaks) is in tests/multigpu/test_moe_multigpu.cpp.
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -182,6 +184,37 @@ TEST(LifetimesTest, DestroyingAnUnclosedInProcessWorkspaceIsSilent) {
   EXPECT_EQ(err.find("without close"), std::string::npos) << err;
   EXPECT_EQ(err.find("teardown"), std::string::npos) << err;
   EXPECT_EQ(detail::live_device_allocations(), live_start) << "the destructor left allocations behind";
+}
+
+// A context names its workspace by a process-unique id, not by address: a workspace built where a destroyed one
+// stood (the same object storage, so the same `this`) refuses the old workspace's context, whose buffers are sized
+// for another shape, in every call that takes one.
+TEST(LifetimesTest, AContextOfADestroyedWorkspaceIsRefusedAtTheSameAddress) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape small = moe_shape(1, 64, 2, 8, 128, 64), large = moe_shape(1, 256, 4, 16, 256, 128);
+  std::optional<MoeWorkspace> ws;
+  ws.emplace(PeerGroup::virtual_ranks(1), small);
+  const MoeWorkspace* first = &*ws;
+  ForwardContext stale = ws->make_context(0);
+  ws.reset();
+  ws.emplace(PeerGroup::virtual_ranks(1), large);
+  ASSERT_EQ(&*ws, first) << "std::optional keeps its storage";
+  RankForward f;  // the context is checked before any tensor
+  f.rank = 0;
+  f.context = &stale;
+  const std::string refused = "context: must be a ForwardContext made by this workspace's make_context(0)";
+  for (const auto& [name, call] : std::vector<std::pair<const char*, std::function<void()>>>{
+           {"forward", [&] { ws->forward({&f, 1}); }},
+           {"build_schedule", [&] { ws->build_schedule({&f, 1}); }},
+           {"recompute_forward_context", [&] { ws->recompute_forward_context({&f, 1}); }}}) {
+    try {
+      call();
+      ADD_FAILURE() << name << ": the stale context passed";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(refused), std::string::npos) << name << ": " << e.what();
+    }
+  }
+  MOK_CHECK_CUDA(cudaDeviceSynchronize());
 }
 
 // A non-blocking stream held by a host function until release (or 20 s, so that a call which waits for the

@@ -25,7 +25,7 @@ inline constexpr int kTimelineRecordWords = 4;
 
 enum TimelineTrack : int { kGemmTrack = 0, kCopyTrack = 1, kTimelineTracks = 2 };
 
-MOK_HOST_DEVICE int64_t timeline_block_words(int capacity) { return int64_t(capacity + 1) * kTimelineRecordWords; }
+MOK_HOST_DEVICE int64_t timeline_block_words(int capacity) { return (int64_t(capacity) + 1) * kTimelineRecordWords; }
 MOK_HOST_DEVICE int64_t timeline_block_offset(int64_t cta, int track, int capacity) {
   return (cta * kTimelineTracks + track) * timeline_block_words(capacity);
 }
