@@ -54,6 +54,12 @@ struct BenchLayer {
   }
 };
 
+// The layer behind a handle of mok_bench_layer_create; a null handle is an argument error, not a crash.
+BenchLayer& layer_of(void* handle) {
+  if (handle == nullptr) throw std::invalid_argument("handle: null (mok_bench_layer_create returned NULL?)");
+  return *static_cast<BenchLayer*>(handle);
+}
+
 mok::DType index_dtype(int topk_dtype) {
   if (topk_dtype != 0 && topk_dtype != 1)
     throw std::invalid_argument("topk_dtype: must be 0 (int32) or 1 (int64), got " + std::to_string(topk_dtype));
@@ -138,6 +144,7 @@ int mok_bench_nccl_unique_id(void* out, char* error, int error_len) {
   try {
     static_assert(sizeof(ncclUniqueId) == NCCL_UNIQUE_ID_BYTES, "the Python side passes 128 bytes");
     ncclUniqueId id;
+    if (out == nullptr) throw std::invalid_argument("out: must point to 128 bytes");
     check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
     std::memcpy(out, &id, sizeof(id));
     return 0;
@@ -172,6 +179,9 @@ void* mok_bench_layer_create(const void* nccl_unique_id, int rank, int device, i
     layer->device = device;
     if (cudaSetDevice(device) != cudaSuccess) throw std::runtime_error("cudaSetDevice failed");
     if (ep_size > 1) {
+      if (nccl_unique_id == nullptr)
+        throw std::invalid_argument("nccl_unique_id: null, but ep_size = " + std::to_string(ep_size) +
+                                    " needs the 128 bytes of mok_bench_nccl_unique_id");
       ncclUniqueId id;
       std::memcpy(&id, nccl_unique_id, sizeof(id));
       check_nccl(ncclCommInitRank(&layer->comm, ep_size, id, rank), "ncclCommInitRank");
@@ -196,7 +206,7 @@ int mok_bench_layer_forward(void* handle, const void* x, const void* topk_idx, i
   try {
     if (topk_dtype != 0 && topk_dtype != 1)
       throw std::invalid_argument("topk_dtype: must be 0 (int32) or 1 (int64), got " + std::to_string(topk_dtype));
-    auto* layer = static_cast<BenchLayer*>(handle);
+    auto* layer = &layer_of(handle);
     const mok::MoeShape& s = layer->workspace->shape();
     const int64_t h = s.hidden, i = s.intermediate, e = s.local_experts();
     using mok::DType;
@@ -228,7 +238,7 @@ int mok_bench_layer_forward_fp8(void* handle, const void* x, const void* topk_id
     if (topk_dtype != 0 && topk_dtype != 1)
       throw std::invalid_argument("topk_dtype: must be 0 (int32) or 1 (int64), got " + std::to_string(topk_dtype));
     if (weights == nullptr) throw std::invalid_argument("weights: must hold 12 pointers");
-    auto* layer = static_cast<BenchLayer*>(handle);
+    auto* layer = &layer_of(handle);
     const mok::MoeShape& s = layer->workspace->shape();
     const int64_t h = s.hidden, i = s.intermediate, e = s.local_experts();
     const int64_t hb = (h + 127) / 128, ib = (i + 127) / 128;
@@ -272,7 +282,7 @@ int mok_bench_layer_backward(void* handle, const void* x, const void* topk_idx, 
   try {
     const mok::DType ids = index_dtype(topk_dtype);
     check_grad_codes(grads, grad_dtypes, grad_modes);
-    auto* layer = static_cast<BenchLayer*>(handle);
+    auto* layer = &layer_of(handle);
     const mok::MoeShape& s = layer->workspace->shape();
     const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden, i = s.intermediate, e = s.local_experts();
     using mok::DType;
@@ -311,7 +321,7 @@ int mok_bench_layer_backward(void* handle, const void* x, const void* topk_idx, 
 // from its forward to its backward. -1 with the message in `error` on failure.
 int64_t mok_bench_layer_context_bytes(void* handle, char* error, int error_len) {
   try {
-    const auto* layer = static_cast<const BenchLayer*>(handle);
+    const auto* layer = &layer_of(handle);
     return layer->context.bytes();
   } catch (const std::exception& e) {
     report(e, error, error_len);
@@ -322,7 +332,7 @@ int64_t mok_bench_layer_context_bytes(void* handle, char* error, int error_len) 
 // Clears the layer's status word (it stays set until this call). Asynchronous on `stream`.
 int mok_bench_layer_reset_status(void* handle, void* stream, char* error, int error_len) {
   try {
-    auto* layer = static_cast<BenchLayer*>(handle);
+    auto* layer = &layer_of(handle);
     layer->workspace->reset_status(layer->rank, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {
@@ -333,7 +343,7 @@ int mok_bench_layer_reset_status(void* handle, void* stream, char* error, int er
 // Synchronizes `stream`; 1 with the status report when the GPU recorded an error.
 int mok_bench_layer_check_status(void* handle, void* stream, char* error, int error_len) {
   try {
-    auto* layer = static_cast<BenchLayer*>(handle);
+    auto* layer = &layer_of(handle);
     const mok::MoeShape& s = layer->workspace->shape();
     const mok::StatusReport r = layer->workspace->read_status(layer->rank, static_cast<cudaStream_t>(stream));
     if (!r.ok()) throw std::runtime_error(r.describe(s.num_tokens, s.top_k, s.num_experts));
@@ -346,7 +356,8 @@ int mok_bench_layer_check_status(void* handle, void* stream, char* error, int er
 // Writes the task records of the layer's last forward as Chrome-trace JSON to `path`. Synchronizes `stream`.
 int mok_bench_layer_write_timeline(void* handle, void* stream, const char* path, char* error, int error_len) {
   try {
-    auto* layer = static_cast<BenchLayer*>(handle);
+    auto* layer = &layer_of(handle);
+    if (path == nullptr) throw std::invalid_argument("path: must not be null");
     const auto records = layer->workspace->read_timeline(layer->rank, static_cast<cudaStream_t>(stream));
     const std::string json = mok::chrome_trace_json(records, layer->rank);
     FILE* file = std::fopen(path, "w");
@@ -360,11 +371,16 @@ int mok_bench_layer_write_timeline(void* handle, void* stream, const char* path,
   }
 }
 
-// The communication CTAs the layer's fused path uses (its resolved default when created with 0).
-int mok_bench_layer_comm_ctas(void* handle) { return static_cast<BenchLayer*>(handle)->workspace->comm_ctas(); }
+// The communication CTAs the layer's fused path uses (its resolved default when created with 0); -1 for a null
+// handle.
+int mok_bench_layer_comm_ctas(void* handle) {
+  return handle == nullptr ? -1 : static_cast<BenchLayer*>(handle)->workspace->comm_ctas();
+}
 
-// Collective with EP > 1 (every rank calls it): closes the workspace and destroys the communicator.
+// Collective with EP > 1 (every rank calls it): closes the workspace and destroys the communicator. A null handle:
+// nothing.
 void mok_bench_layer_destroy(void* handle) {
+  if (handle == nullptr) return;
   auto* layer = static_cast<BenchLayer*>(handle);
   try {
     layer->close();
@@ -392,6 +408,7 @@ int mok_bench_status_new(void** out, char* error, int error_len) {
 // Synchronizes `stream`; 1 with the report when the status word holds an error (a GEMM's wait timed out).
 int mok_bench_status_check(void* status, void* stream, char* error, int error_len) {
   try {
+    if (status == nullptr) throw std::invalid_argument("status: null (mok_bench_status_new's)");
     const auto s = static_cast<cudaStream_t>(stream);
     mok::StatusReport r;
     MOK_CHECK_CUDA(cudaMemcpyAsync(&r.raw, status, sizeof(r.raw), cudaMemcpyDeviceToHost, s));

@@ -309,7 +309,19 @@ class Matrix:
              "ScheduleOptions.wait_timeout_s must be a finite number of seconds"),
             ("create with wait_timeout_s 1e30", dict(wait_timeout_s=1e30),
              "ScheduleOptions.wait_timeout_s must be a finite number of seconds"),
+            ("create with swiglu_limit inf", dict(swiglu_limit=float("inf")),
+             "MoeShape.swiglu_limit must be a finite number >= 0"),
+            ("create with top_k 17 > num_experts 16", dict(top_k=17), "RoutingShape.top_k must be at most num_experts"),
+            ("create with timeline_records 2^31 - 1", dict(timeline_records=2**31 - 1),
+             "MoeOptions.fused.timeline_records must be in [0, 1048576]"),
+            ("create with ep_size 2 and no NCCL id", dict(ep_size=2), "nccl_unique_id: null"),
         ]
+        if self.fused:
+            bad_creates.append(("create with comm_ctas 100000", dict(comm_ctas=100000),
+                                "MoeOptions.fused.comm_ctas must be a multiple of"))
+        else:
+            bad_creates.append(("create with backward_megakernel on the unfused path", dict(backward_megakernel="true"),
+                                "MoeOptions.fused.backward_megakernel needs ForwardPath::kFused"))
         for name, changes, needle in bad_creates:
             options = dict(shape_options(), path=self.path)
             options.update(changes)
@@ -326,6 +338,46 @@ class Matrix:
                                             None, None, None, 1, None, None, None, 10.0, None, ERROR, len(ERROR))
         record("expert_gemm with null operands", self.path, "error (no crash)", rc == 1 and len(message()) > 0,
                message() if rc else "no error", self.next_call())
+        # The FP8 GEMM's tile width: every pointer valid for the checks before it (one device buffer), block_n 100.
+        buf = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+        p = buf.data_ptr()
+        rc = self.lib.mok_bench_expert_gemm_fp8(0, p, p, 128, 128, p, p, None, None, 128, 1, p, p, p, 64, None, p,
+                                                None, None, 0, 100, p, p, 10.0, self.layer.stream, ERROR, len(ERROR))
+        record("expert_gemm_fp8 with block_n 100", self.path, "error naming block_n",
+               rc == 1 and message().startswith("expert_gemm: block_n must be 0 (choose), or 128 or 192"),
+               message() if rc else "no error", self.next_call())
+        self.null_handles()
+
+    def null_handles(self):
+        """A null handle (or path, id, status) through every entry point that takes one: an error, never a crash."""
+        lib, g, out = self.lib, self.good, poisoned(T)
+        weights = [g[n].data_ptr() for n in ("expert_gate", "expert_up", "expert_down", "shared_gate", "shared_up",
+                                             "shared_down")]
+        calls = [
+            ("layer_forward with a null handle", lambda: lib.mok_bench_layer_forward(
+                None, g["x"].data_ptr(), g["topk_idx"].data_ptr(), 0, g["router_weights"].data_ptr(), *weights,
+                out.data_ptr(), self.layer.stream, ERROR, len(ERROR)), 1, "handle: null"),
+            ("layer_reset_status with a null handle", lambda: lib.mok_bench_layer_reset_status(
+                None, self.layer.stream, ERROR, len(ERROR)), 1, "handle: null"),
+            ("layer_check_status with a null handle", lambda: lib.mok_bench_layer_check_status(
+                None, self.layer.stream, ERROR, len(ERROR)), 1, "handle: null"),
+            ("layer_context_bytes with a null handle", lambda: lib.mok_bench_layer_context_bytes(
+                None, ERROR, len(ERROR)), -1, "handle: null"),
+            ("layer_write_timeline with a null path", lambda: lib.mok_bench_layer_write_timeline(
+                self.layer.handle, self.layer.stream, None, ERROR, len(ERROR)), 1, "path: must not be null"),
+            ("nccl_unique_id into a null buffer", lambda: lib.mok_bench_nccl_unique_id(None, ERROR, len(ERROR)), 1,
+             "out: must point to 128 bytes"),
+            ("status_check of a null status", lambda: lib.mok_bench_status_check(
+                None, self.layer.stream, ERROR, len(ERROR)), 1, "status: null"),
+            ("layer_comm_ctas with a null handle", lambda: lib.mok_bench_layer_comm_ctas(None), -1, ""),
+            ("layer_destroy with a null handle", lambda: lib.mok_bench_layer_destroy(None), None, ""),
+        ]
+        for name, call, want_rc, needle in calls:
+            ERROR.value = b""
+            rc = call()
+            ok = rc == want_rc and needle in message() and (needle != "" or message() == "")
+            record(name, self.path, f"returns {want_rc}" + (f", error naming it ({needle})" if needle else ""), ok,
+                   f"rc {rc}" + (f": {message()}" if message() else ""), self.next_call())
 
     def backward_arguments(self):
         """mok_bench_layer_backward's own argument checks (and context_bytes): an error naming the
