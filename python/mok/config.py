@@ -92,7 +92,7 @@ class Config:
     fp8_power_of_two_scales: bool = False
 
     def __post_init__(self):
-        # The C++ rules (MoeWorkspace's constructor, src/host/moe.cu; ScheduleOptions::validate,
+        # The C++ rules (detail::plan_workspace, src/host/moe_args.cpp; ScheduleOptions::validate,
         # src/host/routing.cpp), checked here so that a bad option fails in Python naming Config's field.
         def check_int(name, expected, ok, maximum=INT32_MAX):
             arguments.check_int(f"Config.{name}", getattr(self, name), expected, ok, maximum)

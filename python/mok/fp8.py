@@ -79,14 +79,14 @@ def _check_fp8_weights(ws, weights: Fp8Weights) -> None:
             continue
         letters, shape = dims[name]
         if not isinstance(value, torch.Tensor) or value.dtype != E4M3 or tuple(value.shape) != shape or \
-                value.device != ws.device:
-            raise ValueError(f"weights.{name}: expected float8_e4m3fn [{letters}] = {list(shape)} on {ws.device}, got "
-                             f"{arguments.describe(value)}")
+                value.device != ws.device or not value.is_contiguous():
+            raise ValueError(f"weights.{name}: expected a contiguous float8_e4m3fn [{letters}] = {list(shape)} on "
+                             f"{ws.device}, got {arguments.describe(value)}")
         scale_shape = shape[:-2] + (_blocks(shape[-2]), _blocks(shape[-1]))
         if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != scale_shape \
-                or scale.device != ws.device:
-            raise ValueError(f"weights.{name} scales: expected fp32 {list(scale_shape)} on {ws.device}, got "
-                             f"{arguments.describe(scale)}")
+                or scale.device != ws.device or not scale.is_contiguous():
+            raise ValueError(f"weights.{name} scales: expected a contiguous fp32 {list(scale_shape)} on {ws.device}, "
+                             f"got {arguments.describe(scale)}")
 
 
 def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: torch.Tensor, weights: Fp8Weights,

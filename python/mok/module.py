@@ -254,7 +254,11 @@ class MoE(torch.nn.Module):
                 raise RuntimeError("mok.MoE: the workspace is made at the first forward, which cannot be under "
                                    "torch.compile or CUDA-graph capture: call module.prepare(num_tokens) (or run "
                                    "one forward) first")
-            self.prepare(tokens.shape[0])
+            if self._workspace is None and tokens.shape[0] == 0:
+                raise ValueError("x: 0 tokens at the layer's first forward, which makes the workspace for its token "
+                                 "count: make the layer with num_tokens= (the most tokens of a call) or call "
+                                 "prepare(num_tokens) first")
+            self.prepare(max(tokens.shape[0], 1))  # with a workspace given, only the context is made
         elif tokens.shape[0] > self._workspace.shape.num_tokens:
             raise ValueError(f"x: {tokens.shape[0]} tokens, more than the layer's workspace takes per call "
                              f"({self._workspace.shape.num_tokens}): make the layer with num_tokens= the largest "

@@ -133,7 +133,7 @@ mok::MoeWeights fp8_weights_of(const WeightArrays& values, const WeightArrays& s
                                              &w.shared_gate_scales, &w.shared_up_scales, &w.shared_down_scales};
   for (int i = 0; i < kNumWeights; ++i) {
     if (values[i]) *refs[i] = tensor_ref(*values[i], kWeightNames[i], device, false, /*fp8=*/true);
-    *scale_refs[i] = optional_ref(scales[i], kWeightNames[i], device);
+    *scale_refs[i] = optional_ref(scales[i], (std::string(kWeightNames[i]) + "_scales").c_str(), device);
   }
   return w;
 }

@@ -184,6 +184,8 @@ CASES = [
     ('mok.MoE(128, 64, 8, 2, device="meta").prepare(0)', ValueError, "num_tokens: expected a positive int"),
     ('mok.MoE(128, 64, 8, 2, device="meta")([[0.0]])', TypeError,
      "x: expected a bf16 tensor [..., H] with H = 128, got list"),
+    ('mok.MoE(128, 64, 8, 2, device="meta")(torch.empty(0, 128, dtype=torch.bfloat16, device="meta"))', ValueError,
+     "x: 0 tokens at the layer's first forward, which makes the workspace for its token count"),
     # mok.Weights.of (the weights of forward, backward, recompute_forward_context, main_grads)
     ('mok.Weights.of([w.expert_gate])', TypeError, "weights: expected a mok.Weights or a dict, got list"),
     ('mok.Weights.of({"expert_gate": w.expert_gate})', TypeError,

@@ -324,6 +324,22 @@ def test_forward_on_meta_returns_the_input_shape_and_dtype(dtype):
     assert routed.workspace.shape.num_tokens == 64
 
 
+def test_zero_tokens_at_the_first_forward():
+    """A first forward of 0 tokens cannot size the workspace: a clear error without max_tokens, the workspace of
+    max_tokens with it (and an empty output)."""
+    moe = make_moe()
+    mok_titan.swap_moe_experts(Holder(moe))
+    with pytest.raises(ValueError, match=r"x_BLD: 0 tokens at this block's first forward"):
+        moe.routed_experts(*routed_inputs(t=0))
+    moe = make_moe()
+    model = Holder(moe)
+    mok_titan.swap_moe_experts(model, max_tokens=64)
+    mok_titan.close_moe_workspaces(model)  # the next forward makes the workspace again, for max_tokens
+    out = moe.routed_experts(*routed_inputs(t=0))
+    assert out.shape[-1] == 256 and out.numel() == 0
+    assert moe.routed_experts.workspace.shape.num_tokens == 64
+
+
 def test_prepare_and_close():
     model = Holder(make_moe(), make_moe(), make_moe(width=128))
     mok_titan.swap_moe_experts(model)

@@ -285,7 +285,11 @@ class MokRoutedExperts(torch.nn.Module):
                 raise RuntimeError("mok: the workspace of a swapped torchtitan MoE block is made eagerly, not under "
                                    "torch.compile or CUDA-graph capture: pass max_tokens= to swap_moe_experts for a "
                                    "model on its GPU, or call prepare_moe_experts(model, max_tokens) first")
-            self.prepare(t)
+            if t == 0 and self._pool.max_tokens is None:
+                raise ValueError("x_BLD: 0 tokens at this block's first forward, which makes the workspace for its "
+                                 "token count: pass max_tokens= (the largest local batch * sequence length) to "
+                                 "swap_moe_experts, or call prepare_moe_experts(model, max_tokens) first")
+            self.prepare(max(t, 1))  # the pool makes it for max(t, max_tokens) tokens
         elif t > ws.shape.num_tokens:
             raise ValueError(f"x_BLD: {t} tokens, more than this block's workspace takes per call "
                              f"({ws.shape.num_tokens}): pass max_tokens= (the largest local batch * sequence length) "
