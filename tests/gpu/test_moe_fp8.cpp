@@ -156,34 +156,37 @@ std::vector<std::vector<uint16_t>> run_fp8(const MoeShape& shape, const LayerDat
 TEST(MoeFp8Test, MatchesTheReferenceOnQuantizedInputsAndReportsTheErrorAgainstBf16) {
   MOK_REQUIRE_GPUS(1);
   // H 320: a partial last 128-column block of x (and of the down GEMM's output rows); I 384: three blocks of h.
-  for (const int ep : {1, 2}) {
-    for (const bool shared : {true, false}) {
-      const MoeShape shape = testing::moe_shape(ep, 256, 4, 16, 320, 384, shared);
-      const uint64_t seed = 1400 + 2 * ep + shared;
-      const std::string label = "EP " + std::to_string(ep) + (shared ? ", shared expert" : "") + ", seed " +
-                                std::to_string(seed);
-      const LayerData data = testing::random_layer(shape, seed, 0, 0.02);
-      const auto fp8 = run_fp8(shape, data, 2);
-      const reference::ForwardTrace<float> ref_q =
-          reference::forward(data.shape, quantized_problem(data, shape).params, quantized_problem(data, shape).inputs);
-      const reference::ForwardTrace<float> ref = reference::forward(data.shape, data.params, data.inputs);
-      const int64_t per_rank = int64_t(shape.num_tokens) * shape.hidden;
-      for (int r = 0; r < ep; ++r) {
-        ASSERT_EQ(fp8[r], fp8[ep + r]) << "rerun differs, rank " << r << ", " << label;
-        int64_t nan_at = -1;
-        const double against_quantized = normwise_error(fp8[r], ref_q.out.data() + r * per_rank, per_rank, &nan_at);
-        ASSERT_LT(nan_at, 0) << "NaN at " << nan_at << ", rank " << r << ", " << label;
-        const double against_bf16 = normwise_error(fp8[r], ref.out.data() + r * per_rank, per_rank, &nan_at);
-        std::printf("[ fp8 ] %s, rank %d: normwise error %.4f against the reference on the quantized inputs, %.4f "
-                    "against the BF16 reference\n",
-                    label.c_str(), r, against_quantized, against_bf16);
-        // Against the quantized inputs what is left is h's e4m3 rounding (3 mantissa bits: at most 2^-4 relative,
-        // about 2.7 % RMS with random signs) and the bf16 roundings; against BF16, the roundings of x and of the
-        // weights add theirs. A wrong layout or scale gives errors of order 1 (a neighbouring block's scale: tens
-        // of percent).
-        EXPECT_LT(against_quantized, 0.05) << "rank " << r << ", " << label;
-        EXPECT_LT(against_bf16, 0.10) << "rank " << r << ", " << label;
-      }
+  // I 320 (EP 1, H 256): a last h block of 64 columns (the quantizing gate/up's one-pass last task) and a partial
+  // last k-block of the down GEMM.
+  struct Case { int ep; bool shared; int h, i; };
+  const Case cases[] = {{1, true, 320, 384}, {1, false, 320, 384}, {2, true, 320, 384}, {2, false, 320, 384},
+                        {1, true, 256, 320}};
+  for (const auto& [ep, shared, h, i] : cases) {
+    const MoeShape shape = testing::moe_shape(ep, 256, 4, 16, h, i, shared);
+    const uint64_t seed = 1400 + 2 * ep + shared + (i == 320 ? 10 : 0);
+    const std::string label = "EP " + std::to_string(ep) + (shared ? ", shared expert" : "") + ", H " +
+                              std::to_string(h) + ", I " + std::to_string(i) + ", seed " + std::to_string(seed);
+    const LayerData data = testing::random_layer(shape, seed, 0, 0.02);
+    const auto fp8 = run_fp8(shape, data, 2);
+    const reference::ForwardTrace<float> ref_q =
+        reference::forward(data.shape, quantized_problem(data, shape).params, quantized_problem(data, shape).inputs);
+    const reference::ForwardTrace<float> ref = reference::forward(data.shape, data.params, data.inputs);
+    const int64_t per_rank = int64_t(shape.num_tokens) * shape.hidden;
+    for (int r = 0; r < ep; ++r) {
+      ASSERT_EQ(fp8[r], fp8[ep + r]) << "rerun differs, rank " << r << ", " << label;
+      int64_t nan_at = -1;
+      const double against_quantized = normwise_error(fp8[r], ref_q.out.data() + r * per_rank, per_rank, &nan_at);
+      ASSERT_LT(nan_at, 0) << "NaN at " << nan_at << ", rank " << r << ", " << label;
+      const double against_bf16 = normwise_error(fp8[r], ref.out.data() + r * per_rank, per_rank, &nan_at);
+      std::printf("[ fp8 ] %s, rank %d: normwise error %.4f against the reference on the quantized inputs, %.4f "
+                  "against the BF16 reference\n",
+                  label.c_str(), r, against_quantized, against_bf16);
+      // Against the quantized inputs what is left is h's e4m3 rounding (3 mantissa bits: at most 2^-4 relative,
+      // about 2.7 % RMS with random signs) and the bf16 roundings; against BF16, the roundings of x and of the
+      // weights add theirs. A wrong layout or scale gives errors of order 1 (a neighbouring block's scale: tens
+      // of percent).
+      EXPECT_LT(against_quantized, 0.05) << "rank " << r << ", " << label;
+      EXPECT_LT(against_bf16, 0.10) << "rank " << r << ", " << label;
     }
   }
 }
@@ -242,7 +245,8 @@ TEST(MoeFp8Test, SameBitsAtEveryEpSize) {
 
 // The fused path (the forward megakernel in FP8) gives the unfused path's bits (issue 27 item 3): the same tiles, the
 // same quantization of x and h, whatever the minibatch, the macrobatch ring, the communication CTAs, the cluster
-// size (I 384: clusters of 1; I 512 with H 512: pairs), with and without the shared expert, at EP 1 and 2.
+// size (I 384: clusters of 1; I 512 with H 512: pairs; I 320: a last h block of 64 columns), with and without the
+// shared expert, at EP 1 and 2.
 TEST(MoeFp8Test, FusedGivesTheUnfusedBits) {
   MOK_REQUIRE_GPUS(1);
   struct Knobs { const char* name; int32_t minibatch_rows; int64_t macrobatch_rows; int32_t comm_ctas; };
@@ -252,7 +256,7 @@ TEST(MoeFp8Test, FusedGivesTheUnfusedBits) {
                          {"2 communication CTAs", 4096, 0, 2}};
   for (const int ep : {1, 2}) {
     for (const bool shared : {true, false}) {
-      for (const auto& [h, i] : {std::pair{320, 384}, {512, 512}}) {
+      for (const auto& [h, i] : {std::pair{320, 384}, {512, 512}, {256, 320}}) {
         const MoeShape shape = testing::moe_shape(ep, 256, 4, 16, h, i, shared);
         const uint64_t seed = 1750 + 4 * ep + 2 * shared + (i == 512);
         const LayerData data = testing::random_layer(shape, seed, 0, 0.02);
