@@ -57,13 +57,15 @@ RUNS = (("ours run 1", "ours"), ("ours run 2", "ours"), ("torchtitan", "torchtit
 def make_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each run (the first 10 are not timed)")
-    p.add_argument("--batch", type=int, default=16, help="sequences per step")
-    p.add_argument("--seq", type=int, default=512, help="tokens per sequence (batch * seq: mok's tokens per call)")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW's peak learning rate (10 warm-up steps, then "
-                   "cosine down to a tenth). torchtitan's debug configs use 8e-4; there this model's loss spikes at "
-                   "steps that rounding decides, so two correct implementations drift apart by up to 0.44 nats "
-                   "(docs/perf_notes.md)")
+    p.add_argument("--steps", type=train_moe.positive_int, default=300,
+                   help="optimizer steps of each run (the first 10 are not timed)")
+    p.add_argument("--batch", type=train_moe.positive_int, default=16, help="sequences per step")
+    p.add_argument("--seq", type=train_moe.positive_int, default=512,
+                   help="tokens per sequence (batch * seq: mok's tokens per call)")
+    p.add_argument("--lr", type=train_moe.positive_float, default=1e-4,
+                   help="AdamW's peak learning rate (10 warm-up steps, then cosine down to a tenth). torchtitan's "
+                   "debug configs use 8e-4; there this model's loss spikes at steps that rounding decides, so two "
+                   "correct implementations drift apart by up to 0.44 nats (docs/perf_notes.md)")
     p.add_argument("--seed", type=int, default=1, help="seed of the data and of the initial parameters")
     p.add_argument("--shared-experts", type=int, default=2, choices=(1, 2),
                    help="shared experts of each MoE block (torchtitan's debugmodel has 2, one SwiGLU of twice the "

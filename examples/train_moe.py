@@ -43,22 +43,47 @@ VOCAB = 64
 FOLLOW_TABLE = 0.8  # probability that the next token is TABLE[previous, current]
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
 def make_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps of each run (the first 10 are not timed)")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks, each with its own MoE FFN")
+    p.add_argument("--steps", type=positive_int, default=300,
+                   help="optimizer steps of each run (the first 10 are not timed)")
+    p.add_argument("--layers", type=positive_int, default=4, help="transformer blocks, each with its own MoE FFN")
     p.add_argument("--out", default="train_moe_out", help="folder for losses.csv and loss_curves.png")
-    p.add_argument("--batch", type=int, default=16, help="sequences per step per rank")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence (batch * seq: mok.MoE's tokens per call)")
-    p.add_argument("--hidden", type=int, default=256, help="model width H (a multiple of 64)")
-    p.add_argument("--intermediate", type=int, default=256,
+    p.add_argument("--batch", type=positive_int, default=16, help="sequences per step per rank")
+    p.add_argument("--seq", type=positive_int, default=128,
+                   help="tokens per sequence (batch * seq: mok.MoE's tokens per call)")
+    p.add_argument("--hidden", type=positive_int, default=256, help="model width H (a multiple of 64)")
+    p.add_argument("--intermediate", type=positive_int, default=256,
                    help="width I of each expert and of the shared expert (a multiple of 64)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (must divide --hidden)")
-    p.add_argument("--experts", type=int, default=8, help="routed experts E (a multiple of the number of processes)")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token")
-    p.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate (10 warm-up steps, then cosine "
-                   "down to a tenth)")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads (must divide --hidden)")
+    p.add_argument("--experts", type=positive_int, default=8,
+                   help="routed experts E (a multiple of the number of processes)")
+    p.add_argument("--top-k", type=positive_int, default=2, help="experts per token (at most --experts)")
+    p.add_argument("--lr", type=positive_float, default=2e-3, help="AdamW's peak learning rate (10 warm-up steps, "
+                   "then cosine down to a tenth)")
     p.add_argument("--seed", type=int, default=1, help="seed of the data and of the initial parameters")
     p.add_argument("--load-factor", type=float, default=0,
                    help="mok.Config.load_factor (0: the EP size, the worst case, which never overflows: no balance "
@@ -69,7 +94,17 @@ def make_parser():
 
 
 def parse_args(argv=None):
-    return make_parser().parse_args(argv)
+    """The options, each checked (argparse's usage error, exit status 2, naming the option); the layer's own rules
+    (multiples of 64, E a multiple of the processes) are mok's, checked when the model is built."""
+    p = make_parser()
+    args = p.parse_args(argv)
+    if args.hidden % args.heads:
+        p.error(f"--heads {args.heads} must divide --hidden {args.hidden}")
+    if args.top_k > args.experts:
+        p.error(f"--top-k {args.top_k} must be at most --experts {args.experts}")
+    if args.load_factor != 0 and not args.load_factor >= 1:
+        p.error(f"--load-factor must be 0 (the EP size) or a number >= 1, got {args.load_factor}")
+    return args
 
 
 # ---------------------------------------------------------------------------------------------------------------

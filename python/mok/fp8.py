@@ -12,10 +12,16 @@ from typing import Optional, Tuple
 import torch
 
 from . import arguments
-from .checks import WEIGHT_NAMES, call_tokens, check_tensor, check_x, weight_dims
+from .checks import WEIGHT_NAMES, _describe as _describe_tensor, call_tokens, check_tensor, check_x, weight_dims
 from .config import Weights
 
 E4M3 = torch.float8_e4m3fn
+
+
+def _describe(value) -> str:
+    """A value in an error message: a tensor by dtype, device, shape and layout (not its values), anything else by
+    its type and repr."""
+    return _describe_tensor(value) if isinstance(value, torch.Tensor) else arguments.describe(value)
 
 
 def _blocks(extent: int) -> int:
@@ -55,7 +61,7 @@ def quantize_weights(weights, power_of_two_scales: bool = False) -> Fp8Weights:
             continue
         if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.device.type != "cuda" or w.dim() not in (2, 3):
             raise ValueError(f"weights.{name}: expected a bf16 CUDA tensor [E_local, rows, cols] or [rows, cols], got "
-                             f"{arguments.describe(w)}")
+                             f"{_describe(w)}")
         w = w.detach().contiguous()
         rows, cols = w.shape[-2], w.shape[-1]
         q = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
@@ -81,12 +87,12 @@ def _check_fp8_weights(ws, weights: Fp8Weights) -> None:
         if not isinstance(value, torch.Tensor) or value.dtype != E4M3 or tuple(value.shape) != shape or \
                 value.device != ws.device or not value.is_contiguous():
             raise ValueError(f"weights.{name}: expected a contiguous float8_e4m3fn [{letters}] = {list(shape)} on "
-                             f"{ws.device}, got {arguments.describe(value)}")
+                             f"{ws.device}, got {_describe(value)}")
         scale_shape = shape[:-2] + (_blocks(shape[-2]), _blocks(shape[-1]))
         if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != scale_shape \
                 or scale.device != ws.device or not scale.is_contiguous():
             raise ValueError(f"weights.{name} scales: expected a contiguous fp32 {list(scale_shape)} on {ws.device}, "
-                             f"got {arguments.describe(scale)}")
+                             f"got {_describe(scale)}")
 
 
 def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: torch.Tensor, weights: Fp8Weights,
@@ -110,7 +116,7 @@ def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: tor
     check_tensor("router_weights", router_weights, (torch.float32,), "T, k", (t, ws.shape.top_k), ws.device)
     _check_fp8_weights(ws, weights)
     if ctx is None:
-        ctx = ws.make_context()
+        ctx = ws.pooled_context()  # returned to the pool when the caller drops it: steady state allocates nothing
     _check_context(ws, ctx)
     out = torch.empty_like(x)
     if ws.is_meta:

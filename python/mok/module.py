@@ -20,7 +20,9 @@ no gradient (param.grad stays None). The router's gradient goes through autograd
 """
 from __future__ import annotations
 
+import copy
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -139,9 +141,10 @@ class MoE(torch.nn.Module):
             self._broadcast_replicated(group)
 
         self._workspace = workspace
+        self._own_workspace = workspace is None  # made by prepare(): remade when the module moves to another device
         self._context = context
-        self._fp8_cache = None  # Config(precision="fp8"): (parameter versions, Fp8Weights); see fp8_weights
-        self._targets = ops.MainGradTargets(self.weights().tensors()) if self.main_grad else None
+        self._fp8_cache = None  # Config(precision="fp8"): (parameter identities and versions, Fp8Weights)
+        self._targets = None  # main_grad: the MainGradTargets of the current parameters (_main_grad_targets)
         if workspace is None and num_tokens is not None:
             self.prepare(num_tokens)
 
@@ -230,10 +233,12 @@ class MoE(torch.nn.Module):
         softmax(x W_router^T) computed in fp32, renormalized with normalize_router_weights."""
         if self.router is None:
             raise TypeError("mok.MoE(router=False): forward needs topk_idx and router_weights")
-        logits = torch.nn.functional.linear(x.float(), self.router.weight.float())
-        router_weights, topk_idx = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
-        if self.normalize_router_weights:
-            router_weights = router_weights / router_weights.sum(dim=-1, keepdim=True)
+        # fp32 under autocast too (a bf16 autocast would round the logits and change which experts are chosen).
+        with torch.autocast("cuda" if x.is_cuda else "cpu", enabled=False):
+            logits = torch.nn.functional.linear(x.float(), self.router.weight.float())
+            router_weights, topk_idx = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+            if self.normalize_router_weights:
+                router_weights = router_weights / router_weights.sum(dim=-1, keepdim=True)
         return topk_idx, router_weights.contiguous()
 
     def forward(self, x: torch.Tensor, topk_idx: Optional[torch.Tensor] = None,
@@ -249,6 +254,10 @@ class MoE(torch.nn.Module):
             raise TypeError("topk_idx, router_weights: pass both (the caller's routing) or neither (the router's)")
         if topk_idx is None:
             topk_idx, router_weights = self.route(tokens)
+        else:  # the caller's routing, [..., k] like x's [..., H]: as [T, k]
+            topk_idx, router_weights = self._caller_routing(tokens.shape[0], topk_idx, router_weights)
+        if self._workspace is not None and self._workspace.device != tokens.device:
+            self._moved_to(tokens.device)
         if self._workspace is None or self._context is None:
             if torch.compiler.is_compiling() or _capturing():
                 raise RuntimeError("mok.MoE: the workspace is made at the first forward, which cannot be under "
@@ -272,20 +281,90 @@ class MoE(torch.nn.Module):
                                  self._context)
             return out.view(x.shape)
         out = layer_forward(self._workspace, self._context, tokens.contiguous(), topk_idx, router_weights,
-                            self.weights(), self._targets, self.recompute)
+                            self.weights(), self._main_grad_targets() if self.main_grad else None, self.recompute)
         return out.view(x.shape)
+
+    def _caller_routing(self, tokens: int, topk_idx, router_weights):
+        """The caller's topk_idx and router_weights as [T, k] (contiguous), T the tokens of x; a clear error when
+        their sizes do not match x's. The dtypes and devices are checked by the layer."""
+        k = self.top_k
+        for name, t in (("topk_idx", topk_idx), ("router_weights", router_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a tensor [..., k] with k = {k}, got {arguments.describe(t)}")
+            if t.dim() == 0 or t.shape[-1] != k or t.numel() != tokens * k:
+                raise ValueError(f"{name}: expected [..., k] with k = {k} and x's {tokens} tokens ({tokens * k} "
+                                 f"values), got shape {list(t.shape)}")
+        return topk_idx.reshape(tokens, k).contiguous(), router_weights.reshape(tokens, k).contiguous()
+
+    def _moved_to(self, device: torch.device) -> None:
+        """The module's parameters moved (module.to(), .to_empty() from meta) after its workspace was made on another
+        device: a workspace the module made is made again at this forward (closed first: every rank of the group
+        moves its module alike); one passed as workspace= is the caller's, so that is an error."""
+        if not self._own_workspace:
+            raise ValueError(f"x: on {device}, but this layer's workspace (passed as workspace=) is on "
+                             f"{self._workspace.device}: make the workspace on the device the layer runs on")
+        if torch.compiler.is_compiling() or _capturing():
+            raise RuntimeError(f"mok.MoE: the layer moved to {device} after its workspace was made on "
+                               f"{self._workspace.device}; it is made again at the next eager forward, not under "
+                               "torch.compile or CUDA-graph capture: call module.prepare(num_tokens) first")
+        num_tokens = self._workspace.shape.num_tokens
+        self._workspace.close()
+        self._workspace, self._context, self._fp8_cache = None, None, None
+        self.prepare(num_tokens)
+
+    def _main_grad_targets(self) -> "ops.MainGradTargets":
+        """main_grad: the parameters whose .main_grad the backward adds into, as they are now (made again when one
+        was replaced since the last forward: `module.expert_down = nn.Parameter(...)`, load_state_dict(...,
+        assign=True), to_empty())."""
+        params = self.weights().tensors()
+        if self._targets is None or any(a is not b for a, b in zip(self._targets.params, params)):
+            self._targets = ops.MainGradTargets(params)
+        return self._targets
 
     def fp8_weights(self) -> Fp8Weights:
         """Config(precision="fp8"): the weights quantized (mok.quantize_weights), again whenever a parameter changed
-        since the last quantization (its version counter moved: an optimizer step, an in-place write, a new tensor):
-        never stale; with power-of-two block scales when the config's fp8_power_of_two_scales is set. Inference only
-        (forward_fp8 has no backward yet)."""
+        since the last quantization: its version counter moved (an optimizer step, an in-place write, a
+        load_state_dict) or it is another tensor (a parameter replaced, even by one at a freed one's address);
+        with power-of-two block scales when the config's fp8_power_of_two_scales is set. A write through
+        `param.data` bypasses the version counter, so it is not seen: call refresh_fp8_weights() after one.
+        Inference only (forward_fp8 has no backward yet)."""
         params = self.weights().tensors()
-        key = tuple(None if p is None else (id(p), p._version) for p in params)
-        if self._fp8_cache is None or self._fp8_cache[0] != key:
+        key = tuple(None if p is None else (p._version, p.data_ptr()) for p in params)
+        cache = self._fp8_cache
+        if cache is None or cache[1] != key or any((r is None) != (p is None) or (r is not None and r() is not p)
+                                                   for r, p in zip(cache[0], params)):
             weights = Weights(*[None if p is None else p.detach() for p in params])
-            self._fp8_cache = (key, quantize_weights(weights, self.config.fp8_power_of_two_scales))
-        return self._fp8_cache[1]
+            refs = tuple(None if p is None else weakref.ref(p) for p in params)
+            self._fp8_cache = (refs, key, quantize_weights(weights, self.config.fp8_power_of_two_scales))
+        return self._fp8_cache[2]
+
+    def refresh_fp8_weights(self) -> None:
+        """Forget the quantized weights: the next forward quantizes the parameters again (needed only after a write
+        that bypasses the version counter, through `param.data`)."""
+        self._fp8_cache = None
+
+    def __deepcopy__(self, memo):
+        """copy.deepcopy: the parameters and buffers copied; the workspace shared (layers of one shape share one);
+        a context, main_grad targets and FP8 cache of the copy's own (made at its first forward): the original's
+        name the original's parameters and activations."""
+        copied = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            if name in ("_workspace", "group"):
+                copied.__dict__[name] = value
+            elif name in ("_context", "_targets", "_fp8_cache"):
+                copied.__dict__[name] = None
+            else:
+                copied.__dict__[name] = copy.deepcopy(value, memo)
+        return copied
+
+    def __getstate__(self):
+        """pickle (torch.save of the module): without the device state (workspace, context, main_grad targets, FP8
+        cache), which a loaded module makes again at its first forward. The parameters are what a checkpoint
+        holds; prefer state_dict()."""
+        state = self.__dict__.copy()
+        state.update(_workspace=None, _own_workspace=True, _context=None, _targets=None, _fp8_cache=None)
+        return state
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, intermediate={self.intermediate}, num_experts={self.num_experts}, "

@@ -64,7 +64,7 @@ def _register(table, obj) -> torch.Tensor:
     block) share one compiled graph."""
     handle_id = next(_next_handle)
     table[handle_id] = obj
-    return torch.tensor([handle_id], dtype=torch.int64)
+    return torch.tensor([handle_id], dtype=torch.int64, device="cpu")  # whatever torch's default device
 
 
 def register_workspace(workspace) -> torch.Tensor:
@@ -154,7 +154,7 @@ class MainGradTargets:
 
 def _token(ctx, context: torch.Tensor) -> torch.Tensor:
     """A forward's token: [context id, the context's generation after the forward], a new CPU int64 tensor."""
-    return torch.tensor([int(context[0]), ctx.generation], dtype=torch.int64)
+    return torch.tensor([int(context[0]), ctx.generation], dtype=torch.int64, device="cpu")
 
 
 @torch.library.custom_op("mok::forward", mutates_args=("context",), device_types="cuda")
@@ -179,7 +179,7 @@ def forward_op(workspace: torch.Tensor, context: torch.Tensor, schedule_ready: b
 @forward_op.register_fake
 def _forward_fake(workspace, context, schedule_ready, x, topk_idx, router_weights, expert_gate, expert_up,
                   expert_down, shared_gate, shared_up, shared_down):
-    return torch.empty_like(x), torch.empty(2, dtype=torch.int64)
+    return torch.empty_like(x), torch.empty(2, dtype=torch.int64, device="cpu")
 
 
 def _is_eager(t) -> bool:
@@ -198,14 +198,18 @@ class LayerFunction(torch.autograd.Function):
     forward runs (layer.layer_forward: MainGradTargets.main_grads, dummy_mask, zero_mask) and only tell the
     backward what to do.
 
-    What the backward needs is kept two ways. x, topk_idx, router_weights and the weights are saved
-    (save_for_backward: an in-place change of one of them before the backward raises). The forward's token and
-    the main_grad tensors are stashed on ctx instead: the backward ops declare them written (the token when the
-    backward recomputes the context, main_grad every time), and autograd's saved-tensor version check would call
-    a second micro-batch's backward adding into the same main_grad, or a second layer recomputing into a shared
-    context, an in-place modification. PyTorch checks no version of tensors stashed on ctx, in eager mode and
-    under torch.compile alike (AOTAutograd's "saved with no version counter check"); mok's own generation check
-    in the backward ops is what catches an overwritten context."""
+    What the backward needs is kept two ways. x, topk_idx, router_weights, the weights and the forward's token are
+    saved (save_for_backward: an in-place change of one of them before the backward raises). The token is saved,
+    not stashed, for activation checkpointing: torch.utils.checkpoint(use_reentrant=False) drops the saved tensors
+    and gives the backward those of its recomputation, whose mok::forward rewrote the context (the same bits) under
+    a new generation; the recomputed token names it, so the generation check passes, while a context that another
+    forward overwrote still fails it. The backward ops take a copy of the token (they declare it written: with
+    recompute they set it to the rebuilt generation), so the saved one is never modified. The main_grad tensors are
+    stashed on ctx instead: the backward ops declare them written every time, and autograd's saved-tensor version
+    check would call a second micro-batch's backward adding into the same main_grad an in-place modification.
+    PyTorch checks no version of tensors stashed on ctx, in eager mode and under torch.compile alike (AOTAutograd's
+    "saved with no version counter check"); mok's own generation check in the backward ops is what catches an
+    overwritten context."""
 
     @staticmethod
     def forward(ctx, workspace, context, schedule_ready, x, topk_idx, router_weights, *rest):
@@ -214,8 +218,8 @@ class LayerFunction(torch.autograd.Function):
         targets, dummy_mask, zero_mask, recompute = rest[2 * len(WEIGHT_NAMES):]
         out, token = torch.ops.mok.forward(workspace, context, schedule_ready, x, topk_idx, router_weights,
                                            *weights)
-        ctx.save_for_backward(x, topk_idx, router_weights, *weights)
-        ctx.mok_token, ctx.mok_main_grads, ctx.mok_workspace = token, main_grads, workspace
+        ctx.save_for_backward(x, topk_idx, router_weights, *weights, token)
+        ctx.mok_main_grads, ctx.mok_workspace = main_grads, workspace
         ctx.mok_flags = (targets, dummy_mask, zero_mask, recompute)
         # Eager only: the context itself, held by the graph until it is freed (a pooled context, mok.forward(ctx=None),
         # goes back to its pool only then; pooled contexts are refused under torch.compile and capture).
@@ -223,10 +227,12 @@ class LayerFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward ops have no derivative: a double backward says so
     def backward(ctx, d_out):
         targets, dummy_mask, zero_mask, recompute = ctx.mok_flags
-        x, topk_idx, router_weights, *weights = ctx.saved_tensors
-        token, main_grads, workspace = ctx.mok_token, ctx.mok_main_grads, ctx.mok_workspace
+        x, topk_idx, router_weights, *weights, token = ctx.saved_tensors
+        token = token.clone()  # the ops may rewrite it (recompute); the saved one stays as saved
+        main_grads, workspace = ctx.mok_main_grads, ctx.mok_workspace
         needs = ctx.needs_input_grad
         needed = 0
         for i, w in enumerate(weights):

@@ -186,6 +186,11 @@ CASES = [
      "x: expected a bf16 tensor [..., H] with H = 128, got list"),
     ('mok.MoE(128, 64, 8, 2, device="meta")(torch.empty(0, 128, dtype=torch.bfloat16, device="meta"))', ValueError,
      "x: 0 tokens at the layer's first forward, which makes the workspace for its token count"),
+    ('mok.MoE(128, 64, 8, 2, router=False, workspace=ws)(x, idx[:-1], rw[:-1])', ValueError,
+     "topk_idx: expected [..., k] with k = 2 and x's 256 tokens (512 values), got shape [255, 2]"),
+    ('mok.MoE(128, 64, 8, 2, router=False, workspace=ws)(torch.zeros(256, 128, dtype=torch.bfloat16), '
+     'torch.zeros(256, 2, dtype=torch.int32), torch.ones(256, 2))', ValueError,
+     "x: on cpu, but this layer's workspace (passed as workspace=) is on meta"),
     # mok.Weights.of (the weights of forward, backward, recompute_forward_context, main_grads)
     ('mok.Weights.of([w.expert_gate])', TypeError, "weights: expected a mok.Weights or a dict, got list"),
     ('mok.Weights.of({"expert_gate": w.expert_gate})', TypeError,

@@ -1030,6 +1030,139 @@ def test_a_context_overwritten_before_its_backward_raises_on_the_cpu_stand_in(cp
     _assert_same(_step([layer], [moe], x1, idx1, rw1, d_out), want, "the step after the refused backward")
 
 
+def test_main_grad_follows_replaced_parameters_on_the_cpu_stand_in(cpu_workspace):
+    """main_grad=True: a parameter replaced after a forward (module.expert_down = Parameter(...), what
+    load_state_dict(assign=True) and to_empty do) gets the next backward's gradient in its own main_grad; the old
+    one's main_grad is left as it was."""
+    ws = cpu_workspace
+    moe = cpu_block(ws, 51, context=ws.make_context(), main_grad=True)
+    moe.allocate_main_grads()
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=52)
+    (moe(x, idx, rw).float().sum()).backward()
+    old = moe.expert_down
+    old_main_grad = old.main_grad.clone()
+    moe.expert_down = torch.nn.Parameter(old.detach().clone())
+    moe.allocate_main_grads()
+    (moe(x, idx, rw).float().sum()).backward()
+    assert torch.equal(old.main_grad, old_main_grad), "the replaced parameter's main_grad changed"
+    assert torch.equal(moe.expert_down.main_grad, old_main_grad), "the new parameter did not get the gradient"
+
+
+def test_deepcopy_and_pickle_of_a_block_on_the_cpu_stand_in(cpu_workspace):
+    """copy.deepcopy: the copy shares the workspace, gets a context and main_grad targets of its own, and the two
+    run interleaved (both forwards, then both backwards) with the gradients of each alone. pickle: the device state
+    is left out (made again at the first forward), the parameters kept."""
+    import copy
+    import pickle
+    ws = cpu_workspace
+    moe = cpu_block(ws, 41, context=ws.make_context(), main_grad=True)
+    moe.allocate_main_grads()
+    twin = copy.deepcopy(moe)
+    assert twin.workspace is ws and twin._context is None and twin.expert_down is not moe.expert_down
+    twin.prepare(SHAPE.num_tokens)
+    twin.allocate_main_grads()  # a deep-copied Parameter has no main_grad attribute (torch copies the data only)
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=42)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(43)).to(torch.bfloat16)
+    want = _step([moe], [moe], x, idx, rw, d_out)
+    for p in moe.weights().tensors():
+        p.main_grad.zero_()
+    y1, y2 = moe(x, idx, rw), twin(x, idx, rw)
+    ((y1.float() + y2.float()) * d_out.float()).sum().backward()
+    assert torch.equal(moe.expert_down.main_grad, want["0.expert_down.main_grad"])
+    assert torch.equal(twin.expert_down.main_grad, want["0.expert_down.main_grad"])
+    loaded = pickle.loads(pickle.dumps(moe))
+    assert loaded.workspace is None and loaded._context is None
+    assert torch.equal(loaded.expert_down, moe.expert_down)
+
+
+def test_caller_routing_shaped_like_x_on_the_cpu_stand_in(cpu_workspace):
+    """mok.MoE with the caller's routing: x [B, S, H] with topk_idx and router_weights [B, S, k] (non-contiguous
+    too) gives the [T, k] call's bits."""
+    ws = cpu_workspace
+    moe = cpu_block(ws, 31, context=ws.make_context())
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=32)
+    want = moe(x, idx, rw)
+    b = 4
+    got = moe(x.view(b, -1, SHAPE.hidden), idx.view(b, -1, SHAPE.top_k).transpose(0, 1).contiguous().transpose(0, 1),
+              rw.view(b, -1, SHAPE.top_k))
+    assert torch.equal(got.view(want.shape), want)
+
+
+def test_fp8_weights_are_quantized_again_when_a_parameter_changes(monkeypatch):
+    """mok.MoE(precision="fp8")'s quantized weights (quantize_weights counted, on meta): kept while the parameters
+    are unchanged; made again after an in-place write (the version counter), after a parameter is replaced (another
+    tensor), and after refresh_fp8_weights() (for writes through .data, which bypass the counter)."""
+    calls = []
+    monkeypatch.setattr(mok.module, "quantize_weights", lambda weights, pow2: calls.append(weights) or len(calls))
+    moe = mok.MoE(128, 128, 8, 2, config=mok.Config(precision="fp8", backward=False), device="meta")
+    assert moe.fp8_weights() == 1 and moe.fp8_weights() == 1
+    with torch.no_grad():
+        moe.expert_down.add_(1)
+    assert moe.fp8_weights() == 2
+    moe.expert_down = torch.nn.Parameter(torch.empty_like(moe.expert_down))
+    assert moe.fp8_weights() == 3
+    moe.expert_down.data.zero_()
+    assert moe.fp8_weights() == 3, "a write through .data is not seen (documented)"
+    moe.refresh_fp8_weights()
+    assert moe.fp8_weights() == 4
+
+
+def test_a_double_backward_says_it_is_not_supported_on_the_cpu_stand_in(cpu_workspace):
+    """The layer is once differentiable: differentiating its gradient raises torch's own error for that (its
+    gradient has no graph: "does not require grad", or once_differentiable's where an input of the backward
+    requires grad), not a hint to register a formula the ops cannot have."""
+    ws = cpu_workspace
+    moe = cpu_block(ws, 21, context=ws.make_context())
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=22)
+    x.requires_grad_(True)
+    (d_x,) = torch.autograd.grad(moe(x, idx, rw).float().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad|marked with @once_differentiable"):
+        d_x.float().sum().backward()
+
+
+def test_the_router_computes_in_fp32_under_autocast_on_the_cpu_stand_in(cpu_workspace):
+    """mok.MoE's router under a bf16 autocast: the same experts and weights as without it (fp32 logits)."""
+    moe = mok.MoE(SHAPE.hidden, SHAPE.intermediate, SHAPE.num_experts, SHAPE.top_k, workspace=cpu_workspace)
+    x, _, _ = make_inputs(SHAPE, "cpu", seed=58)
+    want = moe.route(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = moe.route(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[1].dtype == torch.float32
+
+
+def test_handles_made_under_another_default_device_on_the_cpu_stand_in(cpu_workspace):
+    """A context made inside `with torch.device("meta")` (a module built there) still has a CPU handle, and its
+    forward and backward give the bits of a context made outside."""
+    ws = cpu_workspace
+    with torch.device("meta"):
+        context = ws.make_context()
+    assert context.handle.device.type == "cpu"
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=56)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(57)).to(torch.bfloat16)
+    inside, outside = cpu_block(ws, 55, context=context), cpu_block(ws, 55, context=ws.make_context())
+    _assert_same(_step([inside], [inside], x, idx, rw, d_out), _step([outside], [outside], x, idx, rw, d_out),
+                 "a context made under the meta default device vs outside")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_non_reentrant_checkpointing_on_the_cpu_stand_in(cpu_workspace, compiled):
+    """torch.utils.checkpoint(use_reentrant=False), the activation checkpointing torchtitan applies, around two
+    blocks with a context each: the backward's recomputation runs mok::forward again (a new generation of the
+    context, with the same bits) and the backward takes that forward's token, so no "overwritten" error, and every
+    gradient bitwise the step without checkpointing. A context really overwritten still raises (the test above)."""
+    from torch.utils.checkpoint import checkpoint
+    ws = cpu_workspace
+    blocks = [cpu_block(ws, 61 + i, context=ws.make_context()) for i in range(2)]
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=63)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(64)).to(torch.bfloat16)
+    want = _step(blocks, blocks, x, idx, rw, d_out)
+    layers = [torch.compile(b, fullgraph=True, backend="aot_eager") for b in blocks] if compiled else blocks
+    checkpointed = [lambda h, i, r, layer=layer: checkpoint(layer, h, i, r, use_reentrant=False) for layer in layers]
+    for step in range(2):
+        _assert_same(_step(checkpointed, blocks, x, idx, rw, d_out), want, f"step {step}: checkpointed vs plain")
+
+
 @pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["eager", "aot_eager"])
 def test_layers_sharing_one_context_with_recompute_on_the_cpu_stand_in(cpu_workspace, backend):
     """(a) Two layers on one context with recompute=True: no error (the second layer's backward rewrites the

@@ -64,6 +64,22 @@ def test_help_lists_every_option_with_its_default(example):
     assert not missing, f"options without a help text: {missing}"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "argument --steps: expected a positive int, got 0"),
+    (["--batch", "-4"], "argument --batch: expected a positive int, got -4"),
+    (["--lr", "nan"], "argument --lr: expected a positive number, got nan"),
+    (["--heads", "3"], "--heads 3 must divide --hidden 256"),
+    (["--top-k", "9"], "--top-k 9 must be at most --experts 8"),
+    (["--load-factor", "0.5"], "--load-factor must be 0 (the EP size) or a number >= 1, got 0.5"),
+])
+def test_bad_options_are_usage_errors(example, capsys, argv, message):
+    """A bad option stops the example at parsing (argparse's usage error, status 2) naming it, before any work."""
+    with pytest.raises(SystemExit) as stop:
+        example.parse_args(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_stops_with_the_hopper_message_without_a_hopper_gpu():
     if mok.device.hopper_problem() is None:
         pytest.skip("this machine has a Hopper GPU: the example would train")
