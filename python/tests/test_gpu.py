@@ -326,3 +326,26 @@ def test_any_token_count_up_to_the_workspaces(path):
         assert xt.grad.shape == (t, shape.hidden)
     with pytest.raises(ValueError, match="more than the layer's workspace takes per call"):
         moe(torch.randn(shape.num_tokens + 1, shape.hidden, device="cuda", dtype=torch.bfloat16))
+
+
+def test_a_module_built_on_meta_runs_after_to_empty():
+    """mok.MoE built on meta with num_tokens= (its workspace made there), moved with to_empty and initialized on
+    the GPU: the first forward makes the workspace again on the GPU (the meta one closed), and the output matches
+    the float64 reference; a second forward reuses it."""
+    shape = SHAPES["shared"]
+    moe = mok.MoE(shape.hidden, shape.intermediate, shape.num_experts, shape.top_k, router=False,
+                  num_tokens=shape.num_tokens, device="meta")
+    assert moe.workspace.device.type == "meta"
+    moe.to_empty(device="cuda")
+    moe.reset_parameters()
+    x, idx, rw = make_inputs(shape, "cuda", seed=5)
+    with torch.no_grad():
+        out = moe(x, idx, rw)
+    ws = moe.workspace
+    assert ws.device.type == "cuda"
+    w = mok.Weights(*[None if p is None else p.detach() for p in moe.weights().tensors()])
+    want = reference(shape, x, idx, rw, w)
+    assert torch.linalg.norm(out.double() - want) / torch.linalg.norm(want) < TOLERANCE
+    with torch.no_grad():
+        again = moe(x, idx, rw)
+    assert moe.workspace is ws and torch.equal(again, out)
