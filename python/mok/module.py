@@ -301,8 +301,9 @@ class MoE(torch.nn.Module):
         device: a workspace the module made is made again at this forward (closed first: every rank of the group
         moves its module alike); one passed as workspace= is the caller's, so that is an error."""
         if not self._own_workspace:
-            raise ValueError(f"x: on {device}, but this layer's workspace (passed as workspace=) is on "
-                             f"{self._workspace.device}: make the workspace on the device the layer runs on")
+            raise ValueError(f"x: on {device}, but this layer's workspace (passed as workspace=, or shared with the "
+                             f"layer it was deep-copied from) is on {self._workspace.device}: make the workspace on "
+                             "the device the layer runs on")
         if torch.compiler.is_compiling() or _capturing():
             raise RuntimeError(f"mok.MoE: the layer moved to {device} after its workspace was made on "
                                f"{self._workspace.device}; it is made again at the next eager forward, not under "
@@ -356,6 +357,7 @@ class MoE(torch.nn.Module):
                 copied.__dict__[name] = None
             else:
                 copied.__dict__[name] = copy.deepcopy(value, memo)
+        copied._own_workspace = False  # shared with the original, which may still run on it
         return copied
 
     def __getstate__(self):

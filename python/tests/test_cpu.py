@@ -1059,6 +1059,7 @@ def test_deepcopy_and_pickle_of_a_block_on_the_cpu_stand_in(cpu_workspace):
     moe.allocate_main_grads()
     twin = copy.deepcopy(moe)
     assert twin.workspace is ws and twin._context is None and twin.expert_down is not moe.expert_down
+    assert not twin._own_workspace  # shared: a moved copy does not close the original's workspace
     twin.prepare(SHAPE.num_tokens)
     twin.allocate_main_grads()  # a deep-copied Parameter has no main_grad attribute (torch copies the data only)
     x, idx, rw = make_inputs(SHAPE, "cpu", seed=42)
