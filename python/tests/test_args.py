@@ -190,7 +190,8 @@ CASES = [
      "topk_idx: expected [..., k] with k = 2 and x's 256 tokens (512 values), got shape [255, 2]"),
     ('mok.MoE(128, 64, 8, 2, router=False, workspace=ws)(torch.zeros(256, 128, dtype=torch.bfloat16), '
      'torch.zeros(256, 2, dtype=torch.int32), torch.ones(256, 2))', ValueError,
-     "x: on cpu, but this layer's workspace (passed as workspace=, or shared with the layer it was deep-copied from) is on meta"),
+     "x: on cpu, but this layer's workspace (passed as workspace=, or shared with the layer it was deep-copied "
+     "from) is on meta"),
     # mok.Weights.of (the weights of forward, backward, recompute_forward_context, main_grads)
     ('mok.Weights.of([w.expert_gate])', TypeError, "weights: expected a mok.Weights or a dict, got list"),
     ('mok.Weights.of({"expert_gate": w.expert_gate})', TypeError,
