@@ -21,20 +21,12 @@
 #include "src/device/megakernel/timeline_record.h"
 #include "src/device/schedule/placement.h"
 #include "src/host/moe_args.h"
+#include "tests/common/moe_harness.h"
 
 namespace mok {
 namespace {
 
-MoeShape small_shape() {
-  MoeShape s;
-  s.ep_size = 2;
-  s.num_tokens = 300;
-  s.top_k = 4;
-  s.num_experts = 16;
-  s.hidden = 256;
-  s.intermediate = 128;
-  return s;
-}
+MoeShape small_shape() { return testing::moe_shape(2, 300, 4, 16, 256, 128); }
 
 // The error plan_workspace throws, or "no throw".
 std::string plan_error(const MoeShape& shape, const MoeOptions& options) {
@@ -140,14 +132,8 @@ TEST(WorkspacePlan, ResolvesTheCapacityPaddingAndRing) {
     for (const int ep : {1, 8})
       for (const ForwardPath path : {ForwardPath::kFused, ForwardPath::kUnfused})
         for (const int tile_m : {64, 128}) {
-          MoeShape s;
-          s.ep_size = ep;
-          s.num_tokens = 1000;
-          s.top_k = m.top_k;
-          s.num_experts = m.num_experts;
-          s.hidden = m.hidden;
-          s.intermediate = m.intermediate;
-          s.shared_expert = m.shared_expert;
+          const MoeShape s = testing::moe_shape(ep, 1000, m.top_k, m.num_experts, m.hidden, m.intermediate,
+                                                m.shared_expert);
           MoeOptions o;
           o.path = path;
           o.schedule.tile_m = tile_m;
