@@ -71,12 +71,15 @@ int fused_grid(const PeerGroup& group, const MoeShape& shape, const MoeOptions& 
 // grid (fused_grid); whether that passed and the agreed rows of the option table (src/host/option_table.h) are
 // all-gathered over the group (PeerGroup::all_gather, a collective for NCCL groups). So a rank that rejects its
 // arguments (its own error rethrown) or disagrees with a peer makes every rank throw, naming the field, with
-// nothing allocated. Returns the grid.
-int agreed_grid(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options) {
+// nothing allocated. Returns the grid; the plan's padded tokens and ring rows go to `padded_tokens`, `ring_rows`.
+int agreed_grid(const PeerGroup& group, const MoeShape& shape, const MoeOptions& options, int64_t& padded_tokens,
+                int64_t& ring_rows) {
   std::exception_ptr failure;
   int grid = 0;
   try {
-    detail::plan_workspace(shape, options);  // also the options no rank compares (wait_timeout_s)
+    const detail::WorkspacePlan plan = detail::plan_workspace(shape, options);  // also the options no rank compares
+    padded_tokens = plan.padded_tokens;
+    ring_rows = plan.ring_rows;
     grid = fused_grid(group, shape, options);
   } catch (...) {
     failure = std::current_exception();
@@ -131,11 +134,10 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
     : group_(group),
       shape_(shape),
       options_(options),
-      grid_ctas_(agreed_grid(group_, shape_, options_)),  // every check before schedule_'s collective allocation
+      // Every check before schedule_'s collective allocation; padded_tokens_ and ring_rows_ (declared before
+      // grid_ctas_, so already initialized) receive the plan's.
+      grid_ctas_(agreed_grid(group_, shape_, options_, padded_tokens_, ring_rows_)),
       schedule_(group_, shape.routing(), options.schedule) {
-  const detail::WorkspacePlan plan = detail::plan_workspace(shape_, options_);
-  padded_tokens_ = plan.padded_tokens;
-  ring_rows_ = plan.ring_rows;
   static std::atomic<uint64_t> workspaces{0};
   id_ = ++workspaces;
   const FusedOptions& fused = options_.fused;
