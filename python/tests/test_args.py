@@ -186,6 +186,8 @@ CASES = [
      "x: expected a bf16 tensor [..., H] with H = 128, got list"),
     ('mok.MoE(128, 64, 8, 2, device="meta")(torch.empty(0, 128, dtype=torch.bfloat16, device="meta"))', ValueError,
      "x: 0 tokens at the layer's first forward, which makes the workspace for its token count"),
+    ('mok.MoE(128, 64, 8, 2, router=False, workspace=ws)(x, [[0, 1]], rw)', TypeError,
+     "topk_idx: expected a tensor [..., k] with k = 2, got list"),
     ('mok.MoE(128, 64, 8, 2, router=False, workspace=ws)(x, idx[:-1], rw[:-1])', ValueError,
      "topk_idx: expected [..., k] with k = 2 and x's 256 tokens (512 values), got shape [255, 2]"),
     ('mok.MoE(128, 64, 8, 2, router=False, workspace=ws)(torch.zeros(256, 128, dtype=torch.bfloat16), '
