@@ -340,7 +340,9 @@ class MoeWorkspace {
   // All-gathers the top-k ids and builds each rank's schedule into its context. Uses rank, topk_idx,
   // context and stream.
   void build_schedule(std::span<const RankForward> ranks);
-  // The layer on the schedules already in the contexts.
+  // The layer on the schedules already in the contexts. Each rank's topk_idx must be the ids its context's
+  // schedule was built from: a difference is reported in the status word (kStatusIdsMismatch, the first route),
+  // and that call's out is unspecified.
   void forward_with_schedule(std::span<const RankForward> ranks);
   // build_schedule, then forward_with_schedule.
   void forward(std::span<const RankForward> ranks);
@@ -353,7 +355,9 @@ class MoeWorkspace {
   // The expert's rank pulls d_out rows from the token's rank and pushes d_x_route rows and d_rw back into
   // the token's (token, slot) slots. Bitwise deterministic; asynchronous, no host synchronization. A context
   // whose schedule no forward (or recompute_forward_context) filled yet, a fresh one or one after a lone
-  // build_schedule, is refused (std::invalid_argument).
+  // build_schedule, is refused (std::invalid_argument). topk_idx must be the ids the context's schedule was
+  // built from (the forward's): a difference is reported in the status word (kStatusIdsMismatch), and that
+  // call's d_x and d_router_weights are unspecified.
   void backward(std::span<const RankBackward> ranks);
   // Rebuilds each rank's context (expert-major x rows, hidden rows, the shared expert's hidden rows) from x,
   // the weights and the schedule already in the context, without producing `out`: for activation
@@ -402,7 +406,9 @@ class MoeWorkspace {
   // the rank's previous call, issue the schedule and/or the layer, record the call's event.
   void issue_call(std::span<const RankForward> ranks, bool schedule, bool layer);
   void issue_schedule(std::span<const RankForward> ranks);
-  void issue_layer(std::span<const RankForward> ranks);
+  // check_ids: the call did not build its schedule (forward_with_schedule), so the combine checks its topk_idx
+  // against the ids the schedule was built from.
+  void issue_layer(std::span<const RankForward> ranks, bool check_ids);
   void publish(const RankForward& f);
   void compute(const RankForward& f);
   void compute_fused(const RankForward& f);
@@ -414,7 +420,7 @@ class MoeWorkspace {
   // paths run them (the fused one inside its kernel).
   void routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, ExpertGemmArgs& down) const;
   void shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, ExpertGemmArgs& down) const;
-  void combine(const RankForward& f);
+  void combine(const RankForward& f, bool check_ids);
   // The backward's phases (src/host/moe_backward.cu): publish x, d_out and router weights, then the
   // shared expert's backward; pull rows, the routed experts' dgrads, push d_x rows and d_rw, then their
   // weight gradients; the token-side epilogue.

@@ -32,6 +32,8 @@ struct ScheduleView {
   const int32_t* row_route = nullptr;           // [capacity] global route id (src*T*k + t*k + j) or -1
   const int32_t* route_row = nullptr;           // [ep_size * T * k] the row of each global route to a local
                                                 // expert (row_route's inverse), -1 for the others
+  const int32_t* own_ids = nullptr;             // [T * k] this rank's ids as the schedule read them (int32,
+                                                // saturated; -1 past the call's tokens)
   const int32_t* scheduled_rows = nullptr;      // [1] rows in use, 0 after a capacity overflow
   int64_t capacity_rows = 0;
 };
@@ -43,6 +45,7 @@ struct HostSchedule {
   std::vector<int32_t> expert_row_offsets;
   std::vector<int32_t> row_route;
   std::vector<int32_t> route_row;
+  std::vector<int32_t> own_ids;
   int32_t scheduled_rows = 0;
   StatusReport status;
 };

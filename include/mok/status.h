@@ -24,6 +24,9 @@ enum StatusBit : uint32_t {
   kStatusWaitTimeout = 1u << 2,      // a spin-wait gave up (see timeout_* fields)
   kStatusNonFinite = 1u << 3,        // FP8: a block the layer quantized (x, or h) held a NaN or an infinity
                                      // (see nonfinite_key); only the rows of that block are NaN
+  kStatusIdsMismatch = 1u << 4,      // a forward_with_schedule's or a backward's topk_idx differ from the ids the
+                                     // context's schedule was built from (see ids_mismatch_key); that call's
+                                     // outputs are unspecified
 };
 
 // What a non-finite block was (DeviceStatus::nonfinite_key bits 60-63).
@@ -129,6 +132,9 @@ struct DeviceStatus {
   // Non-finite FP8 input: nonfinite_key(where, rank, row); atomicMin keeps the smallest (x before h, then
   // by rank and row: deterministic). UINT64_MAX when none.
   uint64_t nonfinite_key;
+  // topk_idx differing from the schedule's: (route << 32) | uint32(the call's id, saturated to int32), route = t * k + j
+  // of this rank's tokens; atomicMin keeps the first route. UINT64_MAX when none.
+  uint64_t ids_mismatch_key;
 };
 
 // Where a standalone kernel's spin-waits report a timeout, and how long they may take (ExpertGemmArgs::waits,
@@ -159,6 +165,10 @@ struct StatusReport {
   NonFiniteWhere nonfinite_where() const;
   int32_t nonfinite_rank() const;
   int64_t nonfinite_row() const;
+  // The first route (t * k + j, this rank's tokens) whose id differed from the schedule's, and the call's id
+  // there (saturated to int32); route -1 if none.
+  int64_t ids_mismatch_route() const;
+  int32_t ids_mismatch_id() const;
   // One line per error, e.g. "expert id 400 out of range [-1, 384) at route 17 (src rank 0, token 2, slot 1)".
   std::string describe(int num_tokens, int top_k, int num_experts) const;
 };

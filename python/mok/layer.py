@@ -304,7 +304,7 @@ def forward(ws: Workspace, x: torch.Tensor, topk_idx: torch.Tensor, router_weigh
     workspace's pool (Workspace.pooled_context: reused once the graph of the forward that last used it is gone,
     so steady-state calls allocate nothing; under torch.compile and CUDA-graph capture pass one made outside).
     schedule_ready: ctx holds the schedule
-    of these topk_idx from build_schedule. Returns (out bf16 [T, H], ctx). Asynchronous on torch's current
+    of these topk_idx from build_schedule (other ids are reported by check_status). Returns (out bf16 [T, H], ctx). Asynchronous on torch's current
     stream, collective over the EP group; data-dependent errors (bad expert ids, capacity overflow) go to the
     status word: check_status(ws) where you synchronize anyway (out is unspecified after an error).
 
@@ -360,7 +360,7 @@ def backward(ws: Workspace, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torc
     """The gradients of the forward that filled ctx, for d_out = dL/d(out): (d_x bf16 [T, H], d_router_weights
     fp32 [T, k], weight_grads: a mok.Weights of the weights' gradients).
 
-    x, topk_idx, router_weights, weights: the forward's. Where the weight gradients go (one of):
+    x, topk_idx, router_weights, weights: the forward's (other ids are reported by check_status). Where the weight gradients go (one of):
       default      new tensors of the weights' shapes in grad_dtype (bf16 like the weights, or torch.float32);
       grads=       your tensors (a mok.Weights or a dict; bf16 or fp32, the weights' shapes), written;
       main_grads=  your fp32 tensors, accumulated in place: main_grad += this call's gradient (Megatron's

@@ -156,6 +156,40 @@ def test_bad_expert_id_reports_and_recovers():
     assert torch.equal(again, good), "the call after a bad one differs from the first good one"
 
 
+def test_ids_differing_from_the_schedule_report_and_recover():
+    """A forward on a schedule built from other ids (schedule_ready=True) and a backward given other ids than
+    the forward's: both report through the status word, naming the first differing route; the next calls with the
+    right ids are bitwise the first ones."""
+    shape = SHAPES["shared"]
+    ws = workspace(shape)
+    x, idx, rw = make_inputs(shape, "cuda", seed=31)
+    w = make_weights(shape, "cuda", seed=32)
+    d_out = torch.randn_like(x)
+    ctx = ws.make_context()
+    mok.build_schedule(ws, idx, ctx)
+    good, _ = mok.forward(ws, x, idx, rw, w, ctx, schedule_ready=True)
+    good_dx, good_drw, _ = mok.backward(ws, d_out, x, idx, rw, w, ctx)
+    mok.check_status(ws)
+    other = idx.clone()
+    other[5, 1] = 0 if int(idx[5, 1]) < 0 else (int(idx[5, 1]) + 1) % shape.num_experts
+    message = r"topk_idx differ from the ids the context's schedule was built from, first at token 5, slot 1"
+    mok.build_schedule(ws, idx, ctx)
+    mok.forward(ws, x, other, rw, w, ctx, schedule_ready=True)
+    with pytest.raises(RuntimeError, match=message):
+        mok.check_status(ws)
+    ws.reset_status()
+    again, _ = mok.forward(ws, x, idx, rw, w, ctx)
+    mok.check_status(ws)
+    assert torch.equal(again, good), "the forward after a mismatched one differs from the first"
+    mok.backward(ws, d_out, x, other, rw, w, ctx)
+    with pytest.raises(RuntimeError, match=message):
+        mok.check_status(ws)
+    ws.reset_status()
+    dx, drw, _ = mok.backward(ws, d_out, x, idx, rw, w, ctx)
+    mok.check_status(ws)
+    assert torch.equal(dx, good_dx) and torch.equal(drw, good_drw), "the backward after a mismatched one differs"
+
+
 def test_out_of_range_ids_act_as_masked_and_never_wrap():
     """Out-of-range ids (int64 ones that would wrap to a valid int32 id among them) report through the status
     word, contribute nothing (out == the same call with that route masked), and the next call is correct."""

@@ -318,7 +318,7 @@ void MoeWorkspace::issue_call(std::span<const RankForward> ranks, bool schedule,
   }
   for (const RankForward& f : ranks) begin_call(f.rank, f.stream);
   if (schedule) issue_schedule(ranks);
-  if (layer) issue_layer(ranks);
+  if (layer) issue_layer(ranks, !schedule);
   for (const RankForward& f : ranks) end_call(f.rank, f.stream);
 }
 
@@ -427,7 +427,7 @@ void MoeWorkspace::issue_schedule(std::span<const RankForward> ranks) {
   }
 }
 
-void MoeWorkspace::issue_layer(std::span<const RankForward> ranks) {
+void MoeWorkspace::issue_layer(std::span<const RankForward> ranks, bool check_ids) {
   for (const RankForward& f : ranks) publish(f);
   for (const RankForward& f : ranks) {
     if (options_.path == ForwardPath::kFused)
@@ -435,7 +435,7 @@ void MoeWorkspace::issue_layer(std::span<const RankForward> ranks) {
     else
       compute(f);
   }
-  for (const RankForward& f : ranks) combine(f);
+  for (const RankForward& f : ranks) combine(f, check_ids);
   for (const RankForward& f : ranks) f.context->layer_written_ = true;
 }
 
@@ -732,7 +732,7 @@ detail::MegakernelArgs MoeWorkspace::megakernel_args(int rank, const ScheduleVie
 
 // Phase 3: wait for every expert rank's rows, then out = shared + sum_j rw * y_j (at EP = 1 y_j read where the
 // down GEMM or the megakernel wrote it: combine_in_place).
-void MoeWorkspace::combine(const RankForward& f) {
+void MoeWorkspace::combine(const RankForward& f, bool check_ids) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
   barrier_wait(f.rank, f.stream);
@@ -751,7 +751,9 @@ void MoeWorkspace::combine(const RankForward& f) {
       .num_experts = shape_.num_experts,
       .row_vectors = static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns),
       .rows = local ? static_cast<const uint4*>(s.y) : nullptr,
-      .route_row = local ? f.context->schedule_.route_row : nullptr};
+      .route_row = local ? f.context->schedule_.route_row : nullptr,
+      .schedule_ids = check_ids ? f.context->schedule_.own_ids : nullptr,
+      .status = schedule_.device_status(f.rank)};
   detail::launch_combine_epilogue(p, f.topk_idx.dtype, s.num_sms, f.stream);
 }
 

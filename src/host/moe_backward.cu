@@ -519,7 +519,9 @@ void MoeWorkspace::backward_epilogue(const RankBackward& b) {
       .num_experts = shape_.num_experts,
       .row_vectors = static_cast<int>(shape_.hidden / combine::EpilogueTraits::kColumns),
       .rows = local ? static_cast<const uint4*>(s.backward.d_x_rows()) : nullptr,
-      .route_row = local ? b.context->schedule_.route_row : nullptr};
+      .route_row = local ? b.context->schedule_.route_row : nullptr,
+      .schedule_ids = b.context->schedule_.own_ids,  // the call's topk_idx against the forward's
+      .status = schedule_.device_status(b.rank)};
   detail::launch_combine_epilogue(p, b.topk_idx.dtype, s.num_sms, b.stream);
 }
 

@@ -203,6 +203,7 @@ ScheduleView ScheduleWorkspace::view(int rank, const int32_t* schedule) const {
   v.expert_row_offsets = base + l.expert_row_offsets;
   v.row_route = base + l.row_route;
   v.route_row = base + l.route_row;
+  v.own_ids = base + l.own_ids;
   v.scheduled_rows = base + l.scheduled_rows;
   v.capacity_rows = capacity_rows_;
   return v;
@@ -227,6 +228,7 @@ HostSchedule ScheduleWorkspace::download(int rank, cudaStream_t stream, const in
   out.expert_row_offsets.resize(local_experts + 1);
   out.row_route.resize(capacity_rows_);
   out.route_row.resize(size_t(shape_.ep_size) * shape_.routes_per_rank());
+  out.own_ids.resize(shape_.routes_per_rank());
   auto copy = [stream](auto& dst, const int32_t* src) {
     MOK_CHECK_CUDA(cudaMemcpyAsync(dst.data(), src, dst.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   };
@@ -235,6 +237,7 @@ HostSchedule ScheduleWorkspace::download(int rank, cudaStream_t stream, const in
   copy(out.expert_row_offsets, v.expert_row_offsets);
   copy(out.row_route, v.row_route);
   copy(out.route_row, v.route_row);
+  copy(out.own_ids, v.own_ids);
   MOK_CHECK_CUDA(cudaMemcpyAsync(&out.scheduled_rows, v.scheduled_rows, sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   out.status = read_status(rank, stream);  // synchronizes the stream
   return out;

@@ -28,6 +28,7 @@ HostSchedule build_schedule_host(const RoutingShape& shape, const ScheduleOption
 
   HostSchedule out;
   out.status.raw = initial_device_status();
+  out.own_ids.assign(gathered_topk.begin() + int64_t(rank) * routes, gathered_topk.begin() + int64_t(rank + 1) * routes);
   std::vector<int32_t> chunk_counts(size_t(ep) * chunks * local_experts, 0);
   std::vector<int32_t> route_slot(size_t(ep) * routes, kNoRoute);
 

@@ -76,6 +76,7 @@ DeviceStatus initial_device_status() {
   std::memset(&status, 0, sizeof(status));
   status.bad_route_key = std::numeric_limits<uint64_t>::max();
   status.nonfinite_key = std::numeric_limits<uint64_t>::max();
+  status.ids_mismatch_key = std::numeric_limits<uint64_t>::max();
   return status;
 }
 
@@ -110,6 +111,14 @@ int32_t StatusReport::nonfinite_rank() const {
 int64_t StatusReport::nonfinite_row() const {
   if (!(raw.error_bits & kStatusNonFinite)) return -1;
   return static_cast<int64_t>(raw.nonfinite_key & ((uint64_t(1) << kNonFiniteRankShift) - 1));
+}
+
+int64_t StatusReport::ids_mismatch_route() const {
+  if (!(raw.error_bits & kStatusIdsMismatch)) return -1;
+  return static_cast<int64_t>(raw.ids_mismatch_key >> 32);
+}
+int32_t StatusReport::ids_mismatch_id() const {
+  return static_cast<int32_t>(static_cast<uint32_t>(raw.ids_mismatch_key & 0xffffffffu));
 }
 
 namespace {
@@ -158,6 +167,13 @@ std::string StatusReport::describe(int num_tokens, int top_k, int num_experts) c
       append(out, "NaN or infinity in h (the down GEMM's input) at row %" PRId64 " of an FP8 gate/up GEMM on rank %d "
                   "(that row's outputs are NaN; other rows are not affected)\n",
              nonfinite_row(), nonfinite_rank());
+  }
+  if (raw.error_bits & kStatusIdsMismatch) {
+    const int64_t route = ids_mismatch_route();
+    append(out, "topk_idx differ from the ids the context's schedule was built from, first at token %" PRId64
+                ", slot %" PRId64 " (id %d in this call): pass the forward's topk_idx, or build_schedule with these "
+                "first (this call's outputs are unspecified)\n",
+           route / top_k, route % top_k, ids_mismatch_id());
   }
   if (!out.empty() && out.back() == '\n') out.pop_back();
   return out;

@@ -62,6 +62,8 @@ void ScheduleHarness::poison() {
     MOK_CHECK_CUDA(cudaMemset(const_cast<int32_t*>(v.route_row), 0x7f,
                               size_t(workspace_->shape().ep_size) * workspace_->shape().routes_per_rank() *
                                   sizeof(int32_t)));
+    MOK_CHECK_CUDA(cudaMemset(const_cast<int32_t*>(v.own_ids), 0x7f,
+                              size_t(workspace_->shape().routes_per_rank()) * sizeof(int32_t)));
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
   }
 }
@@ -115,7 +117,8 @@ std::string compare_schedules(const HostSchedule& expected, const HostSchedule& 
                             std::tuple{"expert_src_counts", &expected.expert_src_counts, &actual.expert_src_counts},
                             std::tuple{"expert_row_offsets", &expected.expert_row_offsets, &actual.expert_row_offsets},
                             std::tuple{"row_route", &expected.row_route, &actual.row_route},
-                            std::tuple{"route_row", &expected.route_row, &actual.route_row}}) {
+                            std::tuple{"route_row", &expected.route_row, &actual.route_row},
+                            std::tuple{"own_ids", &expected.own_ids, &actual.own_ids}}) {
     std::string diff = compare_field(name, *e, *a);
     if (!diff.empty()) return diff;
   }

@@ -24,6 +24,7 @@ HostSchedule oracle_schedule(const RoutingShape& shape, int tile_m, int64_t capa
   const int ep = shape.ep_size, local_experts = shape.local_experts();
   const int64_t routes = shape.routes_per_rank();
   HostSchedule s;
+  s.own_ids.assign(gathered.begin() + rank * routes, gathered.begin() + (rank + 1) * routes);
   s.expert_counts.assign(local_experts, 0);
   s.expert_src_counts.assign(size_t(local_experts) * ep, 0);
   s.expert_row_offsets.assign(local_experts + 1, 0);
@@ -278,6 +279,18 @@ TEST(ScheduleCpuTest, StatusDescribesEveryError) {
   EXPECT_EQ(nonfinite.describe(100, 2, 8),
             "NaN or infinity in h (the down GEMM's input) at row 4100 of an FP8 gate/up GEMM on rank 0 (that row's "
             "outputs are NaN; other rows are not affected)");
+  // topk_idx differing from the schedule's ids: the route decoded as token and slot, the call's id.
+  StatusReport mismatch;
+  mismatch.raw = initial_device_status();
+  EXPECT_EQ(mismatch.ids_mismatch_route(), -1);
+  mismatch.raw.error_bits = kStatusIdsMismatch;
+  mismatch.raw.ids_mismatch_key = (uint64_t(22) << 32) | uint32_t(-1);
+  EXPECT_EQ(mismatch.ids_mismatch_route(), 22);
+  EXPECT_EQ(mismatch.ids_mismatch_id(), -1);
+  EXPECT_EQ(mismatch.describe(100, 4, 8),
+            "topk_idx differ from the ids the context's schedule was built from, first at token 5, slot 2 (id -1 in this "
+            "call): pass the forward's topk_idx, or build_schedule with these first (this call's outputs are "
+            "unspecified)");
   report.raw.timeout_kernel = static_cast<int32_t>(KernelId::kForwardMegakernel);
   report.raw.timeout_role = static_cast<int32_t>(Role::kDispatch);
   report.raw.timeout_counter = static_cast<int32_t>(CounterId::kBulkCopy);
@@ -296,6 +309,8 @@ TEST(ScheduleCpuTest, BadExpertIdsReportTheFirstRoute) {
   EXPECT_EQ(s.status.bad_route(), 150);
   EXPECT_EQ(s.status.bad_expert_id(), 8);
   EXPECT_EQ(s.status.describe(100, 2, 8), "expert id 8 out of range [-1, 8) at route 150 (src rank 0, token 75, slot 0)");
+  // The rank's own ids are kept as gathered, bad ones too (the combine compares a later call's with them).
+  EXPECT_EQ(s.own_ids, std::vector<int32_t>(ids.begin(), ids.begin() + shape.routes_per_rank()));
   // Bad ids are skipped, never placed.
   for (int32_t route : s.row_route) EXPECT_TRUE(route != 150 && route != 260);
 }

@@ -122,6 +122,39 @@ struct Row {
   bool pass;
 };
 
+// One element of a device tensor, landed on return: a copy from pageable memory may still be in flight when
+// cudaMemcpy returns, and the harness's non-blocking streams would not wait for it (perf_notes round 21).
+template <typename Index>
+void write_element(const void* base, int64_t index, Index value) {
+  MOK_CHECK_CUDA(cudaMemcpy(static_cast<char*>(const_cast<void*>(base)) + index * int64_t(sizeof(Index)), &value,
+                            sizeof(Index), cudaMemcpyHostToDevice));
+  MOK_CHECK_CUDA(cudaDeviceSynchronize());
+}
+
+// Rank 1's route (token 5, slot 2; k = 4 in every workspace of this file) given another valid expert than
+// `data`'s: the id a call differing from its schedule's ids carries there.
+constexpr int64_t kChangedRoute = 5 * 4 + 2;
+int32_t changed_id(const LayerData& data) {
+  const int32_t id = data.inputs.topk_idx[int64_t(data.shape.tokens_per_rank) * data.shape.top_k + kChangedRoute];
+  return id < 0 ? 0 : (id + 1) % data.shape.num_experts;
+}
+
+// Rank 1 reports kStatusIdsMismatch at kChangedRoute with `id`, rank 0 nothing. "" on success, else what it saw.
+std::string expect_ids_mismatch(const std::vector<StatusReport>& reports, int32_t id, const MoeShape& shape) {
+  std::string observed;
+  bool ok = reports.size() == 2 && reports[0].ok();
+  for (size_t r = 0; r < reports.size(); ++r)
+    observed += "rank " + std::to_string(r) + ": " +
+                reports[r].describe(shape.num_tokens, shape.top_k, shape.num_experts) + "; ";
+  if (reports.size() == 2) {
+    const StatusReport& s = reports[1];
+    ok = ok && s.raw.error_bits == kStatusIdsMismatch && s.ids_mismatch_route() == kChangedRoute &&
+         s.ids_mismatch_id() == id &&
+         s.describe(shape.num_tokens, shape.top_k, shape.num_experts).find("token 5, slot 2") != std::string::npos;
+  }
+  return ok ? "" : "FAIL " + observed;
+}
+
 // Runs `call`; returns the std::invalid_argument's message, or a description of what happened instead.
 std::pair<bool, std::string> expect_invalid_argument(const std::function<void()>& call, const std::string& needle) {
   try {
@@ -153,6 +186,7 @@ class BadInputMatrix {
     bad_ids_int64();
     nonfinite_inputs();
     routing_edges();
+    ids_differ_from_the_schedules();
     host_validation();
     if (path_ == ForwardPath::kUnfused) stalled_gemm_producer();  // the fused path has no standalone GEMM
     peers_that_never_arrive();  // last on the shared workspace: a late peer must bring the counters back in step
@@ -217,12 +251,6 @@ class BadInputMatrix {
                      const std::string& observed) {
     reset_status(*ws_);
     record(name, expected, outcome_ok, observed, good_call(*ws_, good_, fresh_good_));
-  }
-
-  template <typename Index>
-  void write_element(const void* base, int64_t index, Index value) {
-    MOK_CHECK_CUDA(cudaMemcpy(static_cast<char*>(const_cast<void*>(base)) + index * int64_t(sizeof(Index)), &value,
-                              sizeof(Index), cudaMemcpyHostToDevice));
   }
 
   // Two bad routes: the first by route id (rank 0, token 60, slot 1 = route 241) carries `value`, a later one
@@ -403,6 +431,24 @@ class BadInputMatrix {
       to_rank1.inputs.topk_idx[q] = static_cast<int32_t>(8 + q % shape_.top_k);
     reference_case("every route to rank 1's experts (rank 0 receives nothing)", "defined: correct (CPU reference)",
                    to_rank1);
+  }
+
+  // forward_with_schedule on a schedule built from other ids (rank 1's route kChangedRoute changed after
+  // build_schedule): a status report naming the route and the call's id; out unspecified.
+  void ids_differ_from_the_schedules() {
+    ws_->upload(good_);
+    ws_->poison_outputs();
+    std::vector<RankForward> args = ws_->all_args();
+    ws_->workspace().build_schedule(args);
+    const int32_t id = changed_id(good_);
+    write_element<int32_t>(args[1].topk_idx.data, kChangedRoute, id);
+    ws_->workspace().forward_with_schedule(args);
+    std::vector<StatusReport> reports;
+    for (const RankForward& f : args) reports.push_back(ws_->status(f.rank));
+    const std::string check = expect_ids_mismatch(reports, id, shape_);
+    record_shared("forward_with_schedule: topk_idx differ from the schedule's (rank 1, token 5, slot 2)",
+                  "status kStatusIdsMismatch on rank 1 naming token 5, slot 2 and the call's id; out unspecified",
+                  check.empty(), check.empty() ? "reported on rank 1 only" : check);
   }
 
   // A call with one edited argument of rank 1: std::invalid_argument naming it, nothing issued (outputs still
@@ -648,6 +694,7 @@ class BackwardBadInputs {
 
   void run() {
     rejected_calls();
+    ids_differ_from_the_forwards();
     if (path_ == "backward") {  // the stage kernels' standalone GEMMs (the megakernel has none)
       stalled_gemm_producer(KernelId::kExpertGemm);
       stalled_gemm_producer(KernelId::kWeightGradGemm);
@@ -741,6 +788,24 @@ class BackwardBadInputs {
     reset_status(*ws_);
     record(name, "std::invalid_argument naming " + needle + "; nothing issued", ok, observed,
            good_backward(*ws_, fresh_));
+  }
+
+  // A backward whose topk_idx differ from the forward's (rank 1's route kChangedRoute): a status report naming
+  // the route and the call's id; its gradients unspecified. The ids restored, the next backward is fresh's.
+  void ids_differ_from_the_forwards() {
+    const int32_t id = changed_id(good_);
+    const void* topk = ws_->all_backward_args()[1].topk_idx.data;
+    write_element<int32_t>(topk, kChangedRoute, id);
+    ws_->backward();
+    std::vector<StatusReport> reports;
+    for (const RankForward& f : ws_->all_args()) reports.push_back(ws_->status(f.rank));
+    const std::string check = expect_ids_mismatch(reports, id, shape_);
+    write_element<int32_t>(topk, kChangedRoute,
+                           good_.inputs.topk_idx[int64_t(shape_.num_tokens) * shape_.top_k + kChangedRoute]);
+    reset_status(*ws_);
+    record("backward: topk_idx differ from the forward's (rank 1, token 5, slot 2)",
+           "status kStatusIdsMismatch on rank 1 naming token 5, slot 2 and the call's id; gradients unspecified",
+           check.empty(), check.empty() ? "reported on rank 1 only" : check, good_backward(*ws_, fresh_));
   }
 
   void rejected_calls() {

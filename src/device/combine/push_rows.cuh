@@ -14,6 +14,8 @@
 //       The backward's d_x is the same sum with rw = 1 (router_weights null; fma(1, y, acc) rounds like
 //       acc + y), s = the shared expert's d_x partial, combined = the pushed d_x_route rows; it also writes
 //       route_out[t, j] = route_values[t * k + j] (the pushed d_rw) at valid routes and 0 elsewhere.
+//       A call on a schedule built before (forward_with_schedule, the backward) passes the schedule's own_ids:
+//       every route whose id differs from it is reported (kStatusIdsMismatch); the sum is the same either way.
 //
 // Roles: push is one warp per row (copy_row_warp over NVLink); the epilogue is one thread per 8 columns.
 // Sync: every pushing thread fences at system scope before its kernel exits, so the barrier arrive that
@@ -26,6 +28,7 @@
 
 #include "mok/peer_group.h"
 #include "src/device/common/row_copy.cuh"
+#include "src/device/common/status.cuh"
 #include "src/device/common/sync.cuh"
 #include "src/device/schedule/placement.h"
 
@@ -65,6 +68,9 @@ struct EpilogueParams {
   int row_vectors;             // H / 8
   const uint4* rows = nullptr;         // bf16 [capacity, H]: the expert-major rows, read instead of combined
   const int32_t* route_row = nullptr;  // with rows: [T * k] the row of route t * k + j (-1: none, skipped)
+  const int32_t* schedule_ids = nullptr;  // [T * k] the ids the schedule was built from, checked against
+                                          // topk_idx (nullptr: no check, the call built its schedule)
+  DeviceStatus* status = nullptr;         // with schedule_ids: where a difference is reported
 };
 
 template <typename Index>
@@ -78,9 +84,15 @@ __global__ void __launch_bounds__(EpilogueTraits::kThreads) combine_epilogue_ker
   const int64_t total = int64_t(p.num_tokens) * p.row_vectors;
   const Index* topk = static_cast<const Index*>(p.topk_idx);
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
-  if (p.route_out != nullptr) {
-    for (int64_t route = first; route < int64_t(p.num_tokens) * p.top_k; route += stride)
-      p.route_out[route] = is_valid_route(topk, route, p.num_experts) ? p.route_values[route] : 0.f;
+  if (p.route_out != nullptr || p.schedule_ids != nullptr) {
+    for (int64_t route = first; route < int64_t(p.num_tokens) * p.top_k; route += stride) {
+      if (p.schedule_ids != nullptr) {
+        const int32_t id = schedule::saturate_id(static_cast<int64_t>(topk[route]));
+        if (id != p.schedule_ids[route]) device::record_ids_mismatch(p.status, route, id);
+      }
+      if (p.route_out != nullptr)
+        p.route_out[route] = is_valid_route(topk, route, p.num_experts) ? p.route_values[route] : 0.f;
+    }
   }
   for (int64_t i = first; i < total; i += stride) {
     const int64_t token = i / p.row_vectors;

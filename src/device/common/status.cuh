@@ -22,4 +22,11 @@ __device__ __forceinline__ void record_nonfinite(DeviceStatus* status, NonFinite
             static_cast<unsigned long long>(nonfinite_key(where, rank, row)));
 }
 
+// A call's topk_idx differ from the schedule's ids at this rank's route `route` (t * k + j): keeps the first.
+__device__ __forceinline__ void record_ids_mismatch(DeviceStatus* status, int64_t route, int32_t call_id) {
+  atomicOr(&status->error_bits, kStatusIdsMismatch);
+  const unsigned long long key = (static_cast<unsigned long long>(route) << 32) | static_cast<uint32_t>(call_id);
+  atomicMin(reinterpret_cast<unsigned long long*>(&status->ids_mismatch_key), key);
+}
+
 }  // namespace mok::device

@@ -21,6 +21,8 @@
 //   row_route          [capacity] global route id of each row, -1 for padding and unused rows
 //   route_row          [R][T*k]   row_route's inverse: the row of each route to a local expert, -1 for every other
 //                                 route (and for all of them when nothing is placed)
+//   own_ids            [T*k]      this rank's own ids as the schedule read them (saturate_id; -1 past the call's
+//                                 tokens): the combine checks a later call's topk_idx against them
 //   scheduled_rows     [1]        rows needed when they fit the capacity, else 0 (nothing is placed)
 #pragma once
 
@@ -53,6 +55,12 @@ MOK_HOST_DEVICE int32_t local_expert_of(int32_t expert_id, int rank, int local_e
 
 MOK_HOST_DEVICE bool is_valid_expert_id(int32_t expert_id, int num_experts) {
   return expert_id >= -1 && expert_id < num_experts;
+}
+
+// A caller's id (int32 or int64) as the schedule stores it: saturated into int32 (anything outside [-1, E) is
+// reported by the count kernel, so the saturation never hides an error).
+MOK_HOST_DEVICE int32_t saturate_id(int64_t id) {
+  return static_cast<int32_t>(id < INT32_MIN ? INT32_MIN : (id > INT32_MAX ? INT32_MAX : id));
 }
 
 // route_slot packs the local expert and the rank inside (chunk, expert).
@@ -107,7 +115,7 @@ struct ScheduleLayout {
   int64_t capacity_rows;
   // Offsets in int32 elements from the base.
   int64_t chunk_counts, route_slot, expert_src_counts, expert_counts, expert_row_offsets, row_route, route_row,
-      scheduled_rows, total_elements;
+      own_ids, scheduled_rows, total_elements;
 
   MOK_HOST_DEVICE static ScheduleLayout make(int ep_size, int local_experts, int64_t routes_per_rank,
                                              int64_t capacity_rows) {
@@ -126,6 +134,7 @@ struct ScheduleLayout {
     l.expert_row_offsets = take(local_experts + 1);
     l.row_route = take(capacity_rows);
     l.route_row = take(int64_t(ep_size) * routes_per_rank);
+    l.own_ids = take(routes_per_rank);
     l.scheduled_rows = take(1);
     l.total_elements = at;
     return l;

@@ -2,7 +2,7 @@
 //
 //   gather_topk_kernel   (on each source rank)  ids[T][k] -> every peer's gathered[parity][src][T*k]
 //                                               (a call's T' <= T tokens: the routes past T' * k are -1)
-//   count_chunks_kernel  (on each expert rank)  wait for ids; route_slot[s][q], chunk_counts[s][c][e]
+//   count_chunks_kernel  (on each expert rank)  wait for ids; route_slot[s][q], chunk_counts[s][c][e]; own_ids
 //   scan_experts_kernel  (one CTA)              per-(expert, source) prefixes, padded segment offsets,
 //                                               capacity check, epoch += 1
 //   place_routes_kernel                          row_route[row] = global route id, -1 for padding
@@ -90,9 +90,7 @@ __global__ void __launch_bounds__(GatherTraits::kThreads)
       const int64_t q = begin + int64_t(i) * GatherTraits::kThreads + threadIdx.x;
       if (q >= p.routes_per_rank) break;
       // Routes of the tokens a call did not pass (a call of fewer than num_tokens tokens) are masked.
-      const int64_t id = q < valid_routes ? static_cast<int64_t>(topk[q]) : int64_t{-1};
-      // Saturate 64-bit ids into int32; anything outside [-1, E) is reported by the count kernel.
-      dst[q] = static_cast<int32_t>(id < INT32_MIN ? INT32_MIN : (id > INT32_MAX ? INT32_MAX : id));
+      dst[q] = q < valid_routes ? saturate_id(static_cast<int64_t>(topk[q])) : kNoRoute;
     }
   }
   // Why: the peer's count kernel reads these ids after acquiring topk_arrived; every thread's stores must
@@ -113,12 +111,24 @@ __global__ void __launch_bounds__(32) count_chunks_kernel(ScheduleParams p) {
   const int lane = threadIdx.x;
 
   const uint64_t epoch = *p.epoch;
+  const int32_t* ids = GatherLayout::gathered(p.gather_base, static_cast<int>(epoch & 1), p.ep_size,
+                                              p.routes_per_rank) + int64_t(src) * p.routes_per_rank;
   const uint64_t expected = (epoch + 1) * uint64_t(gather_ctas(p.routes_per_rank));
   const device::WaitSite site{p.rank, Role::kScheduleCount, CounterId::kTopkArrived, src, KernelId::kSchedule};
   const bool arrived = lane == 0 ? device::wait_at_least(GatherLayout::topk_arrived(p.gather_base) + src,
                                                          expected, site, p.status, p.timeout_ns)
                                  : true;
-  if (!__shfl_sync(0xffffffffu, arrived ? 1 : 0, 0)) {
+  const bool all_arrived = __shfl_sync(0xffffffffu, arrived ? 1 : 0, 0);
+  // Why: lane 0's acquire covers the ids for lane 0 only; the warp barrier extends the ordering to the
+  // other lanes of the warp (CTA-scope morally strong synchronization).
+  __syncwarp();
+  if (src == p.rank) {
+    // This rank's own ids, kept with the schedule for the combine's check of a later call's topk_idx. Copied
+    // after a failed wait too (then the ids of this rank's own gather, earlier in its stream, when one ran).
+    for (int64_t q = chunk * kChunkRoutes + lane; q < p.routes_per_rank && q < (chunk + 1) * kChunkRoutes; q += 32)
+      p.schedule[p.layout.own_ids + q] = ids[q];
+  }
+  if (!all_arrived) {
     // The ids never came (or an earlier wait timed out): this chunk counts as empty, so the schedule the
     // later kernels build stays consistent and in bounds instead of mixing in a previous build's counts.
     for (int64_t q = chunk * kChunkRoutes + lane; q < p.routes_per_rank && q < (chunk + 1) * kChunkRoutes; q += 32)
@@ -128,15 +138,10 @@ __global__ void __launch_bounds__(32) count_chunks_kernel(ScheduleParams p) {
     for (int e = lane; e < p.local_experts; e += 32) counts[e] = 0;
     return;
   }
-  // Why: lane 0's acquire covers the ids for lane 0 only; the warp barrier extends the ordering to the
-  // other lanes of the warp (CTA-scope morally strong synchronization).
-  __syncwarp();
 
   for (int e = lane; e < p.local_experts; e += 32) histogram[e] = 0;
   __syncwarp();
 
-  const int32_t* ids = GatherLayout::gathered(p.gather_base, static_cast<int>(epoch & 1), p.ep_size,
-                                              p.routes_per_rank) + int64_t(src) * p.routes_per_rank;
   int32_t* route_slot = p.schedule + p.layout.route_slot + int64_t(src) * p.routes_per_rank;
   const uint32_t lanes_below = (1u << lane) - 1u;
   for (int step = 0; step < kChunkRoutes / 32; ++step) {
