@@ -17,6 +17,8 @@
 #include "mok/timeline.h"
 #include "mok/weight_grad_gemm.h"
 #include "src/host/check.h"
+#include "src/host/moe_args.h"
+#include "src/host/nccl_setup.h"
 #include "src/host/option_table.h"
 
 namespace {
@@ -48,9 +50,11 @@ struct BenchLayer {
     if (comm != nullptr) ncclCommDestroy(comm);
     comm = nullptr;
   }
-  // A create that threw (every rank throws together: MoeWorkspace agrees on the shape first) holds no windows.
+  // A create that threw holds no windows: every rank threw together (MoeWorkspace agrees on the shape first), or
+  // this one gave up waiting for the others (setup_timeout_s) with an operation of the communicator still
+  // pending. Either way abort it: local, it never waits for a peer (ncclCommDestroy would wait for that operation).
   ~BenchLayer() {
-    if (workspace == nullptr && comm != nullptr) ncclCommDestroy(comm);
+    if (workspace == nullptr && comm != nullptr) (void)ncclCommAbort(comm);
   }
 };
 
@@ -184,8 +188,11 @@ void* mok_bench_layer_create(const void* nccl_unique_id, int rank, int device, i
                                     " needs the 128 bytes of mok_bench_nccl_unique_id");
       ncclUniqueId id;
       std::memcpy(&id, nccl_unique_id, sizeof(id));
-      check_nccl(ncclCommInitRank(&layer->comm, ep_size, id, rank), "ncclCommInitRank");
-      layer->group = std::make_unique<mok::PeerGroup>(mok::PeerGroup::nccl({layer->comm}));
+      // Nonblocking, so that every setup wait is bounded by setup_timeout_s (src/host/nccl_setup.h).
+      const double timeout_s = options.options.setup_timeout_s;
+      mok::detail::validate_setup_timeout(timeout_s);
+      layer->comm = mok::detail::init_nccl_comm(ep_size, id, rank, timeout_s);
+      layer->group = std::make_unique<mok::PeerGroup>(mok::PeerGroup::nccl({layer->comm}, timeout_s));
     } else {
       layer->group = std::make_unique<mok::PeerGroup>(mok::PeerGroup::virtual_ranks(1, device));
     }

@@ -160,6 +160,12 @@ struct MoeOptions {
   bool fp8_power_of_two_scales = false;  // precision kFP8: the activations' scales (x's and h's, per 1 x 128)
                              // rounded up to powers of two (include/mok/fp8.h; the weights' are chosen when they
                              // are quantized: Fp8QuantizeArgs::power_of_two_scales)
+  // How long setup waits for the other ranks (docs/design.md, "Setup waits"): the constructor's agreement (an
+  // all-gather; NCCL groups), and the communicator the C API and Python create for the workspace. Past it, a
+  // std::runtime_error (detail::SetupTimeout) says a rank never arrived. Finite, in (0, kMaxWaitTimeoutS]. Bounded
+  // with a nonblocking communicator (ncclConfig_t::blocking = 0: the C API's and Python's); a blocking one may
+  // wait inside NCCL's own calls first.
+  double setup_timeout_s = kDefaultSetupTimeoutS;
 };
 
 // One rank's weights: bf16, or with MoeOptions::precision kFP8 e4m3 (DType::kFloat8E4M3) of the same shapes,

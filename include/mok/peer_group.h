@@ -76,6 +76,7 @@ class SymmetricAllocation {
   std::vector<int> devices_;
   std::vector<ncclComm_t> comms_;    // nccl kind: [ep_size] communicator of each local rank
   std::vector<ncclWindow_t> windows_;  // nccl kind: [ep_size] registered window, nullptr when none
+  double setup_timeout_s_ = kDefaultSetupTimeoutS;  // the group's, for close()
   size_t bytes_ = 0;
   bool closed_ = false;
 };
@@ -91,7 +92,10 @@ class PeerGroup {
   // The ranks of `comms` (communicators of one NCCL clique, one per local GPU, each created on its device);
   // the group is the communicator's whole world. Throws if the world is not one NVLink (LSA) domain or
   // exceeds kMaxEpSize. The communicators stay the caller's; they must outlive the group's allocations.
-  static PeerGroup nccl(const std::vector<ncclComm_t>& comms);
+  // setup_timeout_s bounds the waits of allocate() and SymmetricAllocation::close() for the other ranks (with
+  // nonblocking communicators, ncclConfig_t::blocking = 0; a blocking one may wait inside NCCL's calls first):
+  // past it they throw detail::SetupTimeout, a std::runtime_error, and the communicator must be aborted.
+  static PeerGroup nccl(const std::vector<ncclComm_t>& comms, double setup_timeout_s = kDefaultSetupTimeoutS);
 
   int size() const { return static_cast<int>(devices_.size()); }
   bool is_virtual() const { return is_virtual_; }
@@ -110,12 +114,14 @@ class PeerGroup {
   // Every rank's `values` (the same count on every rank), rank-major: [size() * values.size()]. For the nccl
   // kind a collective (ncclAllGather) that every process calls, synchronously, with its local ranks all
   // giving the same values; the other kinds are one process, so every rank's values are the caller's.
-  // For setup-time agreement checks (MoeWorkspace: every rank must build the same shape).
-  std::vector<int64_t> all_gather(const std::vector<int64_t>& values) const;
+  // For setup-time agreement checks (MoeWorkspace: every rank must build the same shape). Waits at most
+  // timeout_s for the other ranks (nonblocking communicators, as above), then throws detail::SetupTimeout.
+  std::vector<int64_t> all_gather(const std::vector<int64_t>& values, double timeout_s = kDefaultSetupTimeoutS) const;
 
  private:
   std::vector<int> devices_;        // [ep_size] GPU of each local rank, -1 for other processes' ranks
   std::vector<ncclComm_t> comms_;   // nccl kind: [ep_size] communicator of each local rank, else empty
+  double setup_timeout_s_ = kDefaultSetupTimeoutS;
   bool is_virtual_ = false;
 };
 

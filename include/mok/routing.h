@@ -26,6 +26,9 @@ struct RoutingShape {
 
 // The longest spin-wait timeout (a day): the kernels count it in integer nanoseconds.
 inline constexpr double kMaxWaitTimeoutS = 24 * 3600;
+// How long setup (creating a communicator and a workspace) waits for the other ranks by default: 10 minutes, as
+// torch.distributed's default timeout (MoeOptions::setup_timeout_s, PeerGroup::nccl).
+inline constexpr double kDefaultSetupTimeoutS = 600;
 
 struct ScheduleOptions {
   int tile_m = 64;            // each expert's rows are padded up to a multiple of this. The GEMM takes 64 or

@@ -69,6 +69,9 @@ class Config:
     fp8_power_of_two_scales  precision="fp8": the activations' scales (x's and h's, per 1 x 128) rounded up to
                      powers of two (the weights' are chosen by mok.quantize_weights(power_of_two_scales=...));
                      True needs precision="fp8"
+    setup_timeout_s  EP > 1: making the workspace (its NCCL communicator and first collectives) waits this long for
+                     the other ranks (seconds, finite, in (0, 86400]; 600, torch.distributed's default), then raises
+                     RuntimeError instead of waiting forever for a rank that never comes
 
     Every field is checked when a Config is made (TypeError for a value of the wrong type, bool included where
     an int is expected; ValueError for a wrong value), naming it: "Config.tile_m: expected 64 or 128, got 100".
@@ -90,6 +93,7 @@ class Config:
     scatter_rows: bool = False
     precision: str = "bf16"
     fp8_power_of_two_scales: bool = False
+    setup_timeout_s: float = 600.0
 
     def __post_init__(self):
         # The C++ rules (detail::plan_workspace, src/host/moe_args.cpp; ScheduleOptions::validate,
@@ -112,6 +116,9 @@ class Config:
                                f"a finite number of seconds in (0, {MAX_WAIT_TIMEOUT_S}] (the spin-waits' timeout, "
                                "an integer count of nanoseconds on the GPU)",
                                lambda v: 0 < v <= MAX_WAIT_TIMEOUT_S)
+        arguments.check_number("Config.setup_timeout_s", self.setup_timeout_s,
+                               f"a finite number of seconds in (0, {MAX_WAIT_TIMEOUT_S}] (how long making the "
+                               "workspace waits for the other ranks)", lambda v: 0 < v <= MAX_WAIT_TIMEOUT_S)
         if not isinstance(self.path, str):
             raise TypeError(f"Config.path: expected one of {sorted(PATHS)}, got {arguments.describe(self.path)}")
         if self.path not in PATHS:

@@ -41,6 +41,8 @@
 #include "mok/moe.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
+#include "src/host/moe_args.h"
+#include "src/host/nccl_setup.h"
 #include "src/host/option_table.h"
 
 namespace nb = nanobind;
@@ -190,15 +192,21 @@ class Workspace {
       }
       std::memcpy(&id, nccl_id->c_str(), sizeof(id));
     }
+    mok::detail::validate_setup_timeout(options.setup_timeout_s);
     nb::gil_scoped_release release;  // collective: NCCL init and the symmetric allocations wait for peers
     DeviceGuard guard(device);
-    if (ep_size > 1) check_nccl(ncclCommInitRank(&comm_, ep_size, id, rank), "ncclCommInitRank");
+    // Nonblocking, so that every setup wait is bounded by setup_timeout_s (src/host/nccl_setup.h).
+    if (ep_size > 1) comm_ = mok::detail::init_nccl_comm(ep_size, id, rank, options.setup_timeout_s);
     try {
-      group_ = std::make_unique<mok::PeerGroup>(ep_size > 1 ? mok::PeerGroup::nccl({comm_})
+      group_ = std::make_unique<mok::PeerGroup>(ep_size > 1 ? mok::PeerGroup::nccl({comm_}, options.setup_timeout_s)
                                                             : mok::PeerGroup::virtual_ranks(1, device));
       workspace_ = std::make_unique<mok::MoeWorkspace>(*group_, shape, options);
-    } catch (...) {  // a rejected shape: the communicator must not outlive the failed constructor
-      if (comm_ != nullptr) ncclCommDestroy(comm_);
+    } catch (...) {
+      // A rejected shape (every rank throws together) or a rank that never came (setup_timeout_s, with an
+      // operation of the communicator pending): the communicator must not outlive the failed constructor, and
+      // aborting it is local (ncclCommDestroy would wait for that operation).
+      if (comm_ != nullptr) (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
       throw;
     }
   }
@@ -227,7 +235,9 @@ class Workspace {
     if (comm_ != nullptr && !workspace_->needs_close()) {
       const ncclResult_t result = ncclCommDestroy(comm_);
       comm_ = nullptr;
-      if (result != ncclSuccess && error.empty()) error = std::string("ncclCommDestroy: ") + ncclGetErrorString(result);
+      // ncclInProgress: a nonblocking communicator finishes its teardown in the background.
+      if (result != ncclSuccess && result != ncclInProgress && error.empty())
+        error = std::string("ncclCommDestroy: ") + ncclGetErrorString(result);
     }
     if (!error.empty()) throw std::runtime_error(error);
   }

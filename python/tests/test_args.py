@@ -67,6 +67,10 @@ CASES = [
     ('mok.Config(wait_timeout_s=float("nan"))', ValueError, "Config.wait_timeout_s: expected a finite number"),
     ('mok.Config(wait_timeout_s=1e30)', ValueError, "Config.wait_timeout_s: expected a finite number"),
     ('mok.Config(wait_timeout_s=True)', TypeError, "Config.wait_timeout_s: expected a finite number"),
+    ('mok.Config(setup_timeout_s=0)', ValueError, "Config.setup_timeout_s: expected a finite number of seconds in (0, "
+                                                  "86400]"),
+    ('mok.Config(setup_timeout_s=float("nan"))', ValueError, "Config.setup_timeout_s: expected a finite number"),
+    ('mok.Config(setup_timeout_s="600")', TypeError, "Config.setup_timeout_s: expected a finite number"),
     ('mok.Config(path="megakernel")', ValueError, "Config.path: expected one of ['fused', 'unfused']"),
     ('mok.Config(path=0)', TypeError, "Config.path: expected one of ['fused', 'unfused'], got int 0"),
     ('mok.Config(backward=1)', TypeError, "Config.backward: expected a bool (True or False), got int 1"),
@@ -277,6 +281,7 @@ def test_good_arguments_pass():
                load_factor=float("inf"), comm_ctas=2, context_budget_bytes=0, path="unfused")
     mok.Config(backward_megakernel=True)
     mok.Config(wait_timeout_s=1)  # an int of seconds
+    mok.Config(setup_timeout_s=86400)
     shape = mok.LayerShape(1, 1, 1, 1, 64, 64, shared_expert=False, swiglu_limit=7)
     assert isinstance(shape.swiglu_limit, float) and shape.swiglu_limit == 7.0
     mok.LayerShape(72, 1, 72, 72, 64, 64)

@@ -280,9 +280,17 @@ int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t c
   return ring;
 }
 
+void validate_setup_timeout(double setup_timeout_s) {
+  // Also rejects NaN and infinity.
+  require(setup_timeout_s > 0 && setup_timeout_s <= kMaxWaitTimeoutS,
+          "MoeOptions.setup_timeout_s must be a finite number of seconds in (0, " +
+              std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " + std::to_string(setup_timeout_s));
+}
+
 WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options) {
   shape.validate();
   options.schedule.validate(shape.routing());
+  validate_setup_timeout(options.setup_timeout_s);
   const int tile_m = options.schedule.tile_m;
   require(tile_m == 64 || tile_m == 128, "MoeOptions.schedule.tile_m must be 64 or 128 (the GEMM's row tiles), got " +
                                              std::to_string(tile_m));

@@ -62,5 +62,8 @@ struct WorkspacePlan {
   int64_t ring_rows = 0;      // choose_ring_rows
 };
 WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options);
+// MoeOptions::setup_timeout_s's rule (plan_workspace checks it; the C API and Python before they make a
+// communicator with it): std::invalid_argument naming it unless finite in (0, kMaxWaitTimeoutS].
+void validate_setup_timeout(double setup_timeout_s);
 
 }  // namespace mok::detail

@@ -127,7 +127,8 @@ using Fus = FusedOptions;
 using H = OptionHome;
 
 // The table. Python: LayerShape's fields are the kShape rows, Config's the kConfig rows (same names and defaults).
-// Not agreed: wait_timeout_s (each rank's own spin-waits; the kernels' results do not depend on it).
+// Not agreed: wait_timeout_s (each rank's own spin-waits; the kernels' results do not depend on it) and
+// setup_timeout_s (each rank's own wait for the others).
 inline constexpr OptionDesc kOptionTable[] = {
     option<&L::shape, &Shp::ep_size>("ep_size", "MoeShape.ep_size", H::kShape, true),
     option<&L::shape, &Shp::num_tokens>("num_tokens", "MoeShape.num_tokens", H::kShape, true),
@@ -163,6 +164,7 @@ inline constexpr OptionDesc kOptionTable[] = {
     option<&L::options, &Opt::precision>("precision", "MoeOptions.precision", H::kConfig, true, kPrecisionNames),
     option<&L::options, &Opt::fp8_power_of_two_scales>("fp8_power_of_two_scales", "MoeOptions.fp8_power_of_two_scales",
                                                         H::kConfig, true),
+    option<&L::options, &Opt::setup_timeout_s>("setup_timeout_s", "MoeOptions.setup_timeout_s", H::kConfig, false),
 };
 
 constexpr bool names_are_unique() {

@@ -13,6 +13,7 @@
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
 #include "src/host/failure_injection.h"
+#include "src/host/nccl_setup.h"
 #include "src/host/nccl_windows.h"
 #include "src/host/teardown.h"
 
@@ -39,6 +40,7 @@ SymmetricAllocation& SymmetricAllocation::operator=(SymmetricAllocation&& other)
     devices_ = std::move(other.devices_);
     comms_ = std::move(other.comms_);
     windows_ = std::move(other.windows_);
+    setup_timeout_s_ = other.setup_timeout_s_;
     bytes_ = other.bytes_;
     closed_ = other.closed_;
     other.ptrs_.clear();
@@ -100,8 +102,9 @@ void SymmetricAllocation::close() {
   if (needs_close()) {
     // Deregistration is collective like registration: one NCCL group call, so one process may drive
     // several ranks; every process closes its allocations in the same order.
-    auto note = [&error](ncclResult_t result, const char* call) {
-      if (result != ncclSuccess && error.empty()) error = std::string(call) + ": " + ncclGetErrorString(result);
+    auto note = [&error](ncclResult_t result, const char* call) {  // ncclInProgress: the group end finishes it
+      if (result != ncclSuccess && result != ncclInProgress && error.empty())
+        error = std::string(call) + ": " + ncclGetErrorString(result);
     };
     int previous = -1;  // the collective is reached even when this fails (the peers wait in it)
     if (cudaGetDevice(&previous) != cudaSuccess) (void)cudaGetLastError();
@@ -113,7 +116,15 @@ void SymmetricAllocation::close() {
       else
         note(ncclCommWindowDeregister(comms_[r], windows_[r]), "ncclCommWindowDeregister");
     }
-    note(ncclGroupEnd(), "ncclGroupEnd");
+    // A nonblocking communicator finishes the group in the background (ncclInProgress): wait for it, bounded.
+    try {
+      std::vector<ncclComm_t> local;
+      for (size_t r = 0; r < windows_.size(); ++r)
+        if (windows_[r] != nullptr) local.push_back(comms_[r]);
+      detail::finish_nccl(local, ncclGroupEnd(), "ncclGroupEnd (ncclCommWindowDeregister)", setup_timeout_s_);
+    } catch (const std::exception& e) {
+      if (error.empty()) error = e.what();
+    }
     if (previous >= 0) detail::check_teardown(cudaSetDevice(previous), "cudaSetDevice (restoring the caller's device)");
     if (error.empty())
       for (ncclWindow_t& window : windows_) window = nullptr;  // deregistered: the memory can go
@@ -178,14 +189,19 @@ PeerGroup PeerGroup::device_peers(const std::vector<int>& devices) {
   return group;
 }
 
-PeerGroup PeerGroup::nccl(const std::vector<ncclComm_t>& comms) {
+PeerGroup PeerGroup::nccl(const std::vector<ncclComm_t>& comms, double setup_timeout_s) {
   if (comms.empty()) throw std::invalid_argument("PeerGroup::nccl: comms is empty");
+  if (!(setup_timeout_s > 0 && setup_timeout_s <= kMaxWaitTimeoutS))
+    throw std::invalid_argument("PeerGroup::nccl: setup_timeout_s must be a finite number of seconds in (0, " +
+                                std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " +
+                                std::to_string(setup_timeout_s));
   int ep_size = 0;
   check_nccl(ncclCommCount(comms[0], &ep_size), "ncclCommCount");
   check_ep_size(ep_size);
   PeerGroup group;
   group.devices_.assign(ep_size, -1);
   group.comms_.assign(ep_size, nullptr);
+  group.setup_timeout_s_ = setup_timeout_s;
   for (ncclComm_t comm : comms) {
     int count = 0, rank = 0, device = 0;
     check_nccl(ncclCommCount(comm, &count), "ncclCommCount");
@@ -238,6 +254,7 @@ SymmetricAllocation PeerGroup::allocate(size_t bytes) const {
   const std::vector<int> local = local_ranks();
   if (is_nccl()) {
     allocation.comms_ = comms_;
+    allocation.setup_timeout_s_ = setup_timeout_s_;
     allocation.windows_.assign(size(), nullptr);
     for (int r : local) {
       detail::construction_step("ncclMemAlloc");
@@ -249,15 +266,18 @@ SymmetricAllocation PeerGroup::allocate(size_t bytes) const {
       MOK_CHECK_CUDA(cudaMemset(allocation.ptrs_[r], 0, bytes));
       MOK_CHECK_CUDA(cudaDeviceSynchronize());
     }
-    // Registration is collective over the communicator; a group call lets one process drive several ranks.
+    // Registration is collective over the communicator; a group call lets one process drive several ranks. A
+    // nonblocking communicator fills the windows in the background (ncclInProgress) until finish_nccl says done.
     check_nccl(ncclGroupStart(), "ncclGroupStart");
+    std::vector<ncclComm_t> local_comms;
     for (int r : local) {
       DeviceGuard guard(devices_[r]);
-      check_nccl(ncclCommWindowRegister(comms_[r], allocation.ptrs_[r], bytes, &allocation.windows_[r],
-                                        NCCL_WIN_COLL_SYMMETRIC),
-                 "ncclCommWindowRegister");
+      const ncclResult_t result = ncclCommWindowRegister(comms_[r], allocation.ptrs_[r], bytes,
+                                                         &allocation.windows_[r], NCCL_WIN_COLL_SYMMETRIC);
+      if (result != ncclInProgress) check_nccl(result, "ncclCommWindowRegister");
+      local_comms.push_back(comms_[r]);
     }
-    check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    detail::finish_nccl(local_comms, ncclGroupEnd(), "ncclGroupEnd (ncclCommWindowRegister)", setup_timeout_s_);
     for (int r : local) {
       DeviceGuard guard(devices_[r]);
       allocation.tables_[r] = detail::window_peer_pointers(allocation.windows_[r], size());
@@ -283,13 +303,16 @@ SymmetricAllocation PeerGroup::allocate(size_t bytes) const {
   return allocation;
 }
 
-std::vector<int64_t> PeerGroup::all_gather(const std::vector<int64_t>& values) const {
+std::vector<int64_t> PeerGroup::all_gather(const std::vector<int64_t>& values, double timeout_s) const {
   const size_t count = values.size();
   std::vector<int64_t> gathered;
   if (!is_nccl()) {
     for (int r = 0; r < size(); ++r) gathered.insert(gathered.end(), values.begin(), values.end());
     return gathered;
   }
+  if (!(timeout_s > 0 && timeout_s <= kMaxWaitTimeoutS))
+    throw std::invalid_argument("PeerGroup::all_gather: timeout_s must be a finite number of seconds in (0, " +
+                                std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " + std::to_string(timeout_s));
   gathered.assign(size() * count, 0);
   const std::vector<int> local = local_ranks();
   std::vector<DeviceBuffer> buffers(size());  // [size() * count] gathered, then this rank's values
@@ -299,17 +322,27 @@ std::vector<int64_t> PeerGroup::all_gather(const std::vector<int64_t>& values) c
     MOK_CHECK_CUDA(cudaMemcpy(static_cast<int64_t*>(buffers[r].get()) + size() * count, values.data(),
                               count * sizeof(int64_t), cudaMemcpyHostToDevice));
   }
-  // One process may drive several ranks: a group call, as for the window registration.
-  check_nccl(ncclGroupStart(), "ncclGroupStart");
-  for (int r : local) {
-    DeviceGuard guard(devices_[r]);
-    int64_t* buffer = static_cast<int64_t*>(buffers[r].get());
-    check_nccl(ncclAllGather(buffer + size() * count, buffer, count, ncclInt64, comms_[r], nullptr), "ncclAllGather");
-  }
-  check_nccl(ncclGroupEnd(), "ncclGroupEnd");
-  for (int r : local) {
-    DeviceGuard guard(devices_[r]);
-    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+  // One process may drive several ranks: a group call, as for the window registration. Bounded: a rank that
+  // never calls it leaves the others waiting (in NCCL's connection setup for a nonblocking communicator, then in
+  // the collective's kernel, on the legacy stream); past timeout_s this throws detail::SetupTimeout, and the
+  // buffers are leaked, as the pending collective may still write them (freeing would wait for it).
+  std::vector<ncclComm_t> local_comms;
+  std::vector<int> local_devices;
+  try {
+    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    for (int r : local) {
+      DeviceGuard guard(devices_[r]);
+      int64_t* buffer = static_cast<int64_t*>(buffers[r].get());
+      const ncclResult_t result = ncclAllGather(buffer + size() * count, buffer, count, ncclInt64, comms_[r], nullptr);
+      if (result != ncclInProgress) check_nccl(result, "ncclAllGather");
+      local_comms.push_back(comms_[r]);
+      local_devices.push_back(devices_[r]);
+    }
+    detail::finish_nccl(local_comms, ncclGroupEnd(), "ncclGroupEnd (ncclAllGather)", timeout_s);
+    detail::wait_legacy_streams(local_devices, timeout_s, "PeerGroup::all_gather");
+  } catch (const detail::SetupTimeout&) {
+    (void)new std::vector<DeviceBuffer>(std::move(buffers));  // leaked on purpose (above)
+    throw;
   }
   DeviceGuard guard(devices_[local.front()]);
   MOK_CHECK_CUDA(cudaMemcpy(gathered.data(), buffers[local.front()].get(), size() * count * sizeof(int64_t),

@@ -17,6 +17,8 @@ except ImportError as e:
     sys.exit(77)
 import ctypes  # noqa: E402
 import os  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 from capi import GRADS, grad_arrays, layer_options, load  # noqa: E402  (the C entry points' declarations)
@@ -315,6 +317,8 @@ class Matrix:
             ("create with timeline_records 2^31 - 1", dict(timeline_records=2**31 - 1),
              "MoeOptions.fused.timeline_records must be in [0, 1048576]"),
             ("create with ep_size 2 and no NCCL id", dict(ep_size=2), "nccl_unique_id: null"),
+            ("create with setup_timeout_s 0", dict(setup_timeout_s=0.0),
+             "MoeOptions.setup_timeout_s must be a finite number of seconds in (0, 86400]"),
         ]
         if self.fused:
             bad_creates.append(("create with comm_ctas 100000", dict(comm_ctas=100000),
@@ -429,6 +433,46 @@ class Matrix:
         self.layer.close()
 
 
+# A child process: rank 0 of an EP = 2 layer whose rank 1 never comes (setup_timeout_s 2), then a good EP = 1 layer
+# in the same process. It prints the create's error, or HUNG is what the parent sees when it never returns.
+MISSING_PEER = r'''
+import ctypes, sys, time
+sys.path.insert(0, sys.argv[2])
+from capi import layer_options, load
+lib = load(sys.argv[1])
+error = ctypes.create_string_buffer(2048)
+nccl_id = ctypes.create_string_buffer(128)
+assert lib.mok_bench_nccl_unique_id(nccl_id, error, len(error)) == 0, error.value
+shape = dict(num_tokens=64, top_k=2, num_experts=8, hidden=256, intermediate=128)
+start = time.monotonic()
+handle = lib.mok_bench_layer_create(nccl_id, 0, 0, *layer_options(ep_size=2, setup_timeout_s=2.0, **shape),
+                                    error, len(error))
+print(f"create: {'NULL' if not handle else 'a layer'} after {time.monotonic() - start:.1f} s: "
+      f"{error.value.decode(errors='replace')}")
+good = lib.mok_bench_layer_create(None, 0, 0, *layer_options(**shape), error, len(error))
+print("next create:", "ok" if good else error.value.decode(errors="replace"))
+if good:
+    lib.mok_bench_layer_destroy(good)
+'''
+
+
+def missing_peer(lib_path):
+    """A rank that never comes: the create gives up after setup_timeout_s (NULL, an error naming the wait), in
+    bounded time, and the process makes a good layer next. In a child process, so that a hang fails this row only."""
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+    start = time.monotonic()
+    try:
+        child = subprocess.run([sys.executable, "-c", MISSING_PEER, lib_path, bench], capture_output=True, text=True,
+                               timeout=120)
+        observed = (child.stdout.strip() or child.stderr.strip()[-300:]).replace("\n", "; ")
+    except subprocess.TimeoutExpired:
+        observed = "HUNG (killed after 120 s)"
+    ok = "create: NULL" in observed and "did not all arrive within 2 s" in observed and "next create: ok" in observed
+    record("create, EP = 2, rank 1 never comes (setup_timeout_s 2)", "-",
+           "NULL after about 2 s, error naming the wait; the next create in the process works", ok,
+           f"{observed} ({time.monotonic() - start:.0f} s in all)", "-")
+
+
 def main():
     if len(sys.argv) != 2:
         print(__doc__)
@@ -446,6 +490,7 @@ def main():
             Matrix(lib, fused).run()
         except Exception as e:  # a setup failure is a failed row, not a crash
             record("setup", "fused" if fused else "unfused", "runs", False, f"{type(e).__name__}: {e}", "-")
+    missing_peer(sys.argv[1])
     print("case | path | expected | observed | next call")
     failed = 0
     for case, path, expected, observed, next_call, passed in ROWS:
