@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import capi  # noqa: E402
 import gemm_bench  # noqa: E402  (gemm_bench.LAST_CLOCKS: the SM clocks of the last timed turns)
-from gemm_bench import SHAPES, clock_line, quantize_blocks_128x128, time_ms  # noqa: E402
+from gemm_bench import SHAPES, clock_line, positive_int, quantize_blocks_128x128, time_ms  # noqa: E402
 from layer_bench import kernel_breakdown  # noqa: E402
 
 
@@ -51,9 +51,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lib", default="build/bench/libmok_bench_capi.so")
     parser.add_argument("--shapes", default="Kimi-K2.7,GLM-5.2,DeepSeek-V4-Pro,Qwen3.5-397B")
-    parser.add_argument("--experts-per", type=int, default=8, help="run E_global / this many experts")
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--experts-per", type=positive_int, default=8, help="run E_global / this many experts")
+    parser.add_argument("--tokens", type=positive_int, default=8192)
+    parser.add_argument("--iters", type=positive_int, default=20)
     parser.add_argument("--breakdown", action="store_true",
                         help="also the GPU time per kernel of the FP8 (unfused, fused) and the bf16 unfused forward "
                              "(torch.profiler)")

@@ -35,6 +35,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import capi  # noqa: E402
 
+
+def positive_int(text):
+    """argparse type of the benches' counts (--iters, --tokens, ...): an int > 0, or a usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
 SHAPES = [  # name, experts, hidden, intermediate, top_k, shared expert (of width intermediate); as reference/routing_gen.cpp
     ("Kimi-K2.7", 384, 7168, 2048, 8, True),
     ("GLM-5.2", 256, 6144, 2048, 8, True),
@@ -164,9 +175,9 @@ def rank0_schedule(num_experts, top_k, tokens, tile_m, gen, ep=2):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lib", default="build/bench/libmok_bench_capi.so")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--tile-m", type=int, default=DEFAULT_TILE_M)
+    parser.add_argument("--iters", type=positive_int, default=20)
+    parser.add_argument("--tokens", type=positive_int, default=8192)
+    parser.add_argument("--tile-m", type=int, default=DEFAULT_TILE_M, choices=[64, 128])
     parser.add_argument("--shapes", default="")
     parser.add_argument("--cluster", type=int, default=0, help="CTAs sharing an A tile: 1, 2, 0 = library's choice")
     parser.add_argument("--block-n", type=int, default=0, choices=[0, 128, 192],
@@ -176,7 +187,7 @@ def main():
     parser.add_argument("--gemm", default="all", choices=["expert", "wgrad", "all", "fp8"],
                         help="the expert GEMMs, the weight-gradient GEMMs or both (--only, --trace, --cluster: expert "
                         "only); fp8: the forward's GEMMs in FP8")
-    parser.add_argument("--ep", type=int, default=8, help="--gemm fp8: the EP size whose rank 0 row counts are used")
+    parser.add_argument("--ep", type=positive_int, default=8, help="--gemm fp8: the EP size whose rank 0 row counts are used")
     parser.add_argument("--digest", action="store_true",
                         help="--gemm fp8: print a fingerprint of our outputs per GEMM (inputs seeded), so that two "
                              "builds' bits can be compared (--lib)")

@@ -92,7 +92,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from capi import GRADS, grad_arrays, layer_options, load  # noqa: E402
 from chart_png import chart_title, draw_layer_chart  # noqa: E402
 import gemm_bench  # noqa: E402  (gemm_bench.LAST_CLOCKS: the SM clocks of the last timed turns)
-from gemm_bench import TORCH_GROUP_ALIGN, clock_line, median, timed_turns  # noqa: E402
+from gemm_bench import TORCH_GROUP_ALIGN, clock_line, median, positive_int, timed_turns  # noqa: E402
 from shapes import SPEC, check_shape, flops, select_shapes  # noqa: E402
 from timeline_stats import load_events, phase_table  # noqa: E402
 
@@ -859,8 +859,8 @@ def check_backward(lib, layers, stream, leaves, inputs, weights, grads, new_grad
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lib", default="build/bench/libmok_bench_capi.so")
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
-    parser.add_argument("--iters", type=int, default=20, help="timed calls per function (median)")
+    parser.add_argument("--tokens", type=positive_int, default=8192, help="tokens per rank")
+    parser.add_argument("--iters", type=positive_int, default=20, help="timed calls per function (median)")
     parser.add_argument("--shapes", default="",
                         help=f"comma-separated names of model shapes, or custom shapes {SPEC} (default: every model "
                         "shape, unless --shape is given)")
