@@ -99,6 +99,18 @@ void expect_twin_matches_oracle(const RoutingShape& shape, int tile_m, const std
   }
 }
 
+// The int32 form of a caller's id that the gather stores and the combine's ids check compares: 64-bit ids
+// saturate, so no out-of-range id wraps onto a valid expert.
+TEST(PlacementTest, IdsSaturateIntoInt32) {
+  EXPECT_EQ(schedule::saturate_id(-1), -1);
+  EXPECT_EQ(schedule::saturate_id(7), 7);
+  EXPECT_EQ(schedule::saturate_id(int64_t(1) << 31), INT32_MAX);
+  EXPECT_EQ(schedule::saturate_id((int64_t(1) << 32) + 3), INT32_MAX);
+  EXPECT_EQ(schedule::saturate_id(-(int64_t(1) << 40)), INT32_MIN);
+  EXPECT_EQ(schedule::saturate_id(INT64_MIN), INT32_MIN);
+  EXPECT_EQ(schedule::saturate_id(INT32_MIN), INT32_MIN);
+}
+
 TEST(PlacementTest, InterleavedOffsetsFollowTheRotation) {
   // Counts {3, 1, 2}: rows are s0#0 s1#0 s2#0 s0#1 s2#1 s0#2.
   const int32_t counts[3] = {3, 1, 2};
