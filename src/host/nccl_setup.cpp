@@ -63,42 +63,35 @@ ncclComm_t init_nccl_comm(int nranks, const ncclUniqueId& id, int rank, double t
   return comm;
 }
 
-void wait_legacy_streams(std::span<const int> devices, double timeout_s, const std::string& what) {
-  std::vector<cudaEvent_t> events;
-  for (int device : devices) {
-    DeviceGuard guard(device);
-    cudaEvent_t event = nullptr;
-    MOK_CHECK_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    events.push_back(event);
-    MOK_CHECK_CUDA(cudaEventRecord(event, cudaStreamLegacy));
-  }
+void wait_streams(std::span<const int> devices, std::span<const cudaStream_t> streams, double timeout_s,
+                  const std::string& what) {
   const Clock::time_point deadline = deadline_after(timeout_s);
-  cudaError_t outcome = cudaSuccess;
-  bool timed_out = false;
-  for (size_t n = 0; n < events.size() && outcome == cudaSuccess && !timed_out; ++n) {
+  for (size_t n = 0; n < streams.size(); ++n) {
     DeviceGuard guard(devices[n]);
     while (true) {
-      const cudaError_t query = cudaEventQuery(events[n]);
+      const cudaError_t query = cudaStreamQuery(streams[n]);
       if (query != cudaErrorNotReady) {
-        outcome = query;
+        MOK_CHECK_CUDA(query);
         break;
       }
-      if (Clock::now() > deadline) {
-        timed_out = true;
-        break;
-      }
+      if (Clock::now() > deadline)
+        throw SetupTimeout(what + ": the other ranks did not all arrive within " + seconds(timeout_s) +
+                           " s (setup_timeout_s): a rank that never made its workspace; the communicator's "
+                           "collective is still pending, so the communicator is unusable (abort it)");
       pause();
     }
   }
-  for (size_t n = 0; n < events.size(); ++n) {
-    DeviceGuard guard(devices[n]);
-    (void)cudaEventDestroy(events[n]);  // destroying a pending event is allowed: it is released once it completes
-  }
-  if (timed_out)
-    throw SetupTimeout(what + ": the other ranks did not all arrive within " + seconds(timeout_s) +
-                       " s (setup_timeout_s): a rank that never made its workspace; the communicator's collective is "
-                       "still pending, so the communicator is unusable (abort it)");
-  MOK_CHECK_CUDA(outcome);
+}
+
+NcclGroup::NcclGroup() { check_nccl(ncclGroupStart(), "ncclGroupStart"); }
+
+NcclGroup::~NcclGroup() {
+  if (open_) (void)ncclGroupEnd();
+}
+
+ncclResult_t NcclGroup::end() {
+  open_ = false;
+  return ncclGroupEnd();
 }
 
 }  // namespace mok::detail

@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 
+#include <cuda_runtime_api.h>
 #include <nccl.h>
 
 namespace mok::detail {
@@ -33,8 +34,23 @@ void finish_nccl(std::span<const ncclComm_t> comms, ncclResult_t result, const c
 // (the half-made communicator aborted) when the other ranks do not all arrive within `timeout_s` seconds.
 ncclComm_t init_nccl_comm(int nranks, const ncclUniqueId& id, int rank, double timeout_s);
 
-// Waits for the work issued so far on the legacy stream of each of `devices` (an NCCL collective's kernel among
-// it), polling, for at most `timeout_s` seconds: SetupTimeout naming `what` after that.
-void wait_legacy_streams(std::span<const int> devices, double timeout_s, const std::string& what);
+// Waits for the work issued so far on `streams[n]` (on `devices[n]`; an NCCL collective's kernel among it),
+// polling, for at most `timeout_s` seconds: SetupTimeout naming `what` after that.
+void wait_streams(std::span<const int> devices, std::span<const cudaStream_t> streams, double timeout_s,
+                  const std::string& what);
+
+// An NCCL group call that a throw cannot leave open: the destructor ends the group if end() was not reached (an
+// open group would hold back this thread's later NCCL calls, a communicator's abort among them).
+class NcclGroup {
+ public:
+  NcclGroup();
+  ~NcclGroup();
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+  ncclResult_t end();  // ncclGroupEnd's result (ncclInProgress for a nonblocking communicator: finish_nccl it)
+
+ private:
+  bool open_ = true;
+};
 
 }  // namespace mok::detail

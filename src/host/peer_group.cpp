@@ -1,7 +1,9 @@
 // Peer groups: virtual ranks on one GPU, one rank per GPU with CUDA peer access, or NCCL symmetric windows.
 #include "mok/peer_group.h"
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
@@ -21,6 +23,14 @@ namespace mok {
 using detail::check_nccl;
 using detail::DeviceGuard;
 namespace {
+
+// Streams are destroyed at once even with work pending (CUDA releases them when it is done).
+void destroy_streams(const std::vector<int>& devices, const std::vector<cudaStream_t>& streams) {
+  for (size_t n = 0; n < streams.size(); ++n) {
+    detail::TeardownDeviceGuard guard(devices[n]);
+    if (guard.ok()) detail::check_teardown(cudaStreamDestroy(streams[n]), "cudaStreamDestroy");
+  }
+}
 
 void check_ep_size(int ep_size) {
   if (ep_size < 1 || ep_size > kMaxEpSize)
@@ -195,6 +205,8 @@ PeerGroup PeerGroup::nccl(const std::vector<ncclComm_t>& comms, double setup_tim
     throw std::invalid_argument("PeerGroup::nccl: setup_timeout_s must be a finite number of seconds in (0, " +
                                 std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " +
                                 std::to_string(setup_timeout_s));
+  // A nonblocking communicator may still be in its init: its queries below need it ready (bounded, as above).
+  detail::finish_nccl(comms, ncclInProgress, "the communicators' init (PeerGroup::nccl)", setup_timeout_s);
   int ep_size = 0;
   check_nccl(ncclCommCount(comms[0], &ep_size), "ncclCommCount");
   check_ep_size(ep_size);
@@ -267,17 +279,26 @@ SymmetricAllocation PeerGroup::allocate(size_t bytes) const {
       MOK_CHECK_CUDA(cudaDeviceSynchronize());
     }
     // Registration is collective over the communicator; a group call lets one process drive several ranks. A
-    // nonblocking communicator fills the windows in the background (ncclInProgress) until finish_nccl says done.
-    check_nccl(ncclGroupStart(), "ncclGroupStart");
+    // nonblocking communicator registers in the background (ncclInProgress), writing windows_[r] at the end.
     std::vector<ncclComm_t> local_comms;
-    for (int r : local) {
-      DeviceGuard guard(devices_[r]);
-      const ncclResult_t result = ncclCommWindowRegister(comms_[r], allocation.ptrs_[r], bytes,
-                                                         &allocation.windows_[r], NCCL_WIN_COLL_SYMMETRIC);
-      if (result != ncclInProgress) check_nccl(result, "ncclCommWindowRegister");
-      local_comms.push_back(comms_[r]);
+    for (int r : local) local_comms.push_back(comms_[r]);
+    try {
+      detail::NcclGroup group;
+      for (int r : local) {
+        DeviceGuard guard(devices_[r]);
+        const ncclResult_t result = ncclCommWindowRegister(comms_[r], allocation.ptrs_[r], bytes,
+                                                           &allocation.windows_[r], NCCL_WIN_COLL_SYMMETRIC);
+        if (result != ncclInProgress) check_nccl(result, "ncclCommWindowRegister");
+      }
+      detail::finish_nccl(local_comms, group.end(), "ncclGroupEnd (ncclCommWindowRegister)", setup_timeout_s_);
+    } catch (const detail::SetupTimeout&) {
+      // The background registration still holds the memory and will write &windows_[r]: both are left to it
+      // (leaked; the communicator must be aborted anyway).
+      (void)new std::vector<ncclWindow_t>(std::move(allocation.windows_));
+      allocation.windows_.clear();
+      allocation.ptrs_.assign(size(), nullptr);
+      throw;
     }
-    detail::finish_nccl(local_comms, ncclGroupEnd(), "ncclGroupEnd (ncclCommWindowRegister)", setup_timeout_s_);
     for (int r : local) {
       DeviceGuard guard(devices_[r]);
       allocation.tables_[r] = detail::window_peer_pointers(allocation.windows_[r], size());
@@ -322,28 +343,41 @@ std::vector<int64_t> PeerGroup::all_gather(const std::vector<int64_t>& values, d
     MOK_CHECK_CUDA(cudaMemcpy(static_cast<int64_t*>(buffers[r].get()) + size() * count, values.data(),
                               count * sizeof(int64_t), cudaMemcpyHostToDevice));
   }
-  // One process may drive several ranks: a group call, as for the window registration. Bounded: a rank that
-  // never calls it leaves the others waiting (in NCCL's connection setup for a nonblocking communicator, then in
-  // the collective's kernel, on the legacy stream); past timeout_s this throws detail::SetupTimeout, and the
-  // buffers are leaked, as the pending collective may still write them (freeing would wait for it).
+  // One process may drive several ranks: a group call, as for the window registration, on a stream of its own per
+  // rank (a wait on it sees only the collective). Bounded: a rank that never calls it leaves the others waiting (in
+  // NCCL's connection setup for a nonblocking communicator, then in the collective's kernel); past timeout_s in
+  // all, this throws detail::SetupTimeout. After any throw the buffers are leaked, as a pending collective may still
+  // write them (and freeing them would wait for it).
   std::vector<ncclComm_t> local_comms;
   std::vector<int> local_devices;
+  std::vector<cudaStream_t> streams;
+  const auto start = std::chrono::steady_clock::now();
   try {
-    check_nccl(ncclGroupStart(), "ncclGroupStart");
     for (int r : local) {
       DeviceGuard guard(devices_[r]);
-      int64_t* buffer = static_cast<int64_t*>(buffers[r].get());
-      const ncclResult_t result = ncclAllGather(buffer + size() * count, buffer, count, ncclInt64, comms_[r], nullptr);
-      if (result != ncclInProgress) check_nccl(result, "ncclAllGather");
+      cudaStream_t stream = nullptr;
+      MOK_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      streams.push_back(stream);
       local_comms.push_back(comms_[r]);
       local_devices.push_back(devices_[r]);
     }
-    detail::finish_nccl(local_comms, ncclGroupEnd(), "ncclGroupEnd (ncclAllGather)", timeout_s);
-    detail::wait_legacy_streams(local_devices, timeout_s, "PeerGroup::all_gather");
-  } catch (const detail::SetupTimeout&) {
+    detail::NcclGroup group;
+    for (size_t n = 0; n < local.size(); ++n) {
+      DeviceGuard guard(local_devices[n]);
+      int64_t* buffer = static_cast<int64_t*>(buffers[local[n]].get());
+      const ncclResult_t result =
+          ncclAllGather(buffer + size() * count, buffer, count, ncclInt64, local_comms[n], streams[n]);
+      if (result != ncclInProgress) check_nccl(result, "ncclAllGather");
+    }
+    detail::finish_nccl(local_comms, group.end(), "ncclGroupEnd (ncclAllGather)", timeout_s);
+    const double spent = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    detail::wait_streams(local_devices, streams, std::max(timeout_s - spent, 1e-3), "PeerGroup::all_gather");
+  } catch (...) {
     (void)new std::vector<DeviceBuffer>(std::move(buffers));  // leaked on purpose (above)
+    destroy_streams(local_devices, streams);
     throw;
   }
+  destroy_streams(local_devices, streams);
   DeviceGuard guard(devices_[local.front()]);
   MOK_CHECK_CUDA(cudaMemcpy(gathered.data(), buffers[local.front()].get(), size() * count * sizeof(int64_t),
                             cudaMemcpyDeviceToHost));

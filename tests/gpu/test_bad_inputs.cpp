@@ -122,10 +122,13 @@ struct Row {
   bool pass;
 };
 
-// One element of a device tensor, landed on return: a copy from pageable memory may still be in flight when
-// cudaMemcpy returns, and the harness's non-blocking streams would not wait for it (perf_notes round 21).
+// One element of a device tensor, after every call issued before it and landed on return: the copy runs on the
+// legacy stream, which the harness's non-blocking streams neither wait for nor order behind their own kernels
+// (a kernel still reading the element could see the new value), and a copy from pageable memory may still be in
+// flight when cudaMemcpy returns (perf_notes round 21).
 template <typename Index>
 void write_element(const void* base, int64_t index, Index value) {
+  MOK_CHECK_CUDA(cudaDeviceSynchronize());
   MOK_CHECK_CUDA(cudaMemcpy(static_cast<char*>(const_cast<void*>(base)) + index * int64_t(sizeof(Index)), &value,
                             sizeof(Index), cudaMemcpyHostToDevice));
   MOK_CHECK_CUDA(cudaDeviceSynchronize());
