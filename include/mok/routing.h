@@ -34,7 +34,8 @@ struct ScheduleOptions {
   int tile_m = 64;            // each expert's rows are padded up to a multiple of this. The GEMM takes 64 or
                               // 128; 64 never costs it more work (docs/perf_notes.md, round 3)
   // Expert-major rows a rank can hold (its context, backward scratch and megakernel counters are sized by
-  // them). 0 selects expected_load_capacity_rows(shape, tile_m, load_factor); > 0 overrides load_factor.
+  // them). 0 selects expected_load_capacity_rows(shape, tile_m, load_factor); > 0 overrides load_factor (which
+  // must still be valid, >= 1).
   int64_t capacity_rows = 0;
   // Headroom of the default capacity over the rows balanced routing brings a rank (T * k), >= 1. A step whose
   // routing needs more rows on a rank reports kStatusCapacityOverflow (rows needed and held) in that rank's

@@ -204,11 +204,13 @@ def capacity_rows(shape: LayerShape, config: Config) -> int:
     if config.capacity_rows > 0:
         return config.capacity_rows
     tile_m, local = config.tile_m, shape.local_experts
-    worst = _round_up(shape.ep_size * shape.num_tokens * shape.top_k + local * (tile_m - 1), tile_m)
+    routes = shape.ep_size * shape.num_tokens * shape.top_k
+    # Padding: at most one tile's worth for each local expert that has a route, min(local, routes) of them.
+    worst = _round_up(routes + min(local, routes) * (tile_m - 1), tile_m)
     if config.load_factor >= shape.ep_size:
         return worst
-    rows = math.ceil(shape.num_tokens * shape.top_k * config.load_factor) + local * (tile_m - 1)
-    return min(_round_up(rows, tile_m), worst)
+    balanced = math.ceil(shape.num_tokens * shape.top_k * config.load_factor)
+    return min(_round_up(balanced + min(local, balanced) * (tile_m - 1), tile_m), worst)
 
 
 def check_config_for_shape(config: Config, shape: LayerShape) -> None:

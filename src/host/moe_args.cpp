@@ -251,8 +251,8 @@ void check_layer_inputs(const RankForward& f, const MoeShape& s, int device, Pre
 namespace detail {
 
 int64_t context_bytes(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
-                      int64_t padded_tokens) {
-  return context_layout(s, keep_gate_up, schedule_elements, ring_rows, padded_tokens).buffers.total_bytes();
+                      int64_t padded_tokens, bool fp8) {
+  return context_layout(s, keep_gate_up, schedule_elements, ring_rows, padded_tokens, fp8).buffers.total_bytes();
 }
 
 int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t capacity_rows,
@@ -268,15 +268,19 @@ int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t c
   const int64_t balanced = expected_load_capacity_rows(s.routing(), options.schedule.tile_m, 1.0);
   const int64_t share = std::max<int64_t>(128, balanced / 128 * 128);
   const int64_t limit = balanced >= capacity_rows ? capacity_rows : std::min(capacity_rows, share);
+  // The layout make_context allocates, FP8's included (its rows cost other bytes than bf16's).
   const auto bytes = [&](int64_t rows) {
-    return context_bytes(s, options.keep_gate_up, schedule_elements, rows, padded_tokens);
+    return context_bytes(s, options.keep_gate_up, schedule_elements, rows, padded_tokens,
+                         options.precision == Precision::kFP8);
   };
   if (budget == 0 || bytes(limit) <= budget) return limit;
-  const int64_t per_row = (int64_t(s.hidden) + s.intermediate + (options.keep_gate_up ? 2 * s.intermediate : 0)) * 2;
-  int64_t ring = std::min<int64_t>((budget - bytes(0)) / per_row / 128 * 128, limit / 128 * 128);
+  const int64_t smallest = std::min<int64_t>(128, limit);  // the ring's unit; a smaller capacity is kept whole
+  const int64_t per_128_rows = bytes(128) - bytes(0);      // the layout is linear in rows but for its rounding
+  int64_t ring = std::min<int64_t>(std::max<int64_t>(budget - bytes(0), 0) / per_128_rows * 128, limit / 128 * 128);
   while (ring > 0 && bytes(ring) > budget) ring -= 128;  // the 256-byte rounding of each buffer
-  require(ring >= 128, "MoeOptions.context_budget_bytes " + std::to_string(budget) + " leaves no 128-row ring: one " +
-                           "needs " + std::to_string(bytes(128)) + " bytes for this shape");
+  require(ring >= smallest, "MoeOptions.context_budget_bytes " + std::to_string(budget) + " leaves no " +
+                                std::to_string(smallest) + "-row ring: one needs " + std::to_string(bytes(smallest)) +
+                                " bytes for this shape");
   return ring;
 }
 

@@ -34,6 +34,8 @@ std::string all_names() {
 // An option's value as one integer word: the integer, or the floating-point value's bits.
 int64_t word_of(const OptionDesc& option, OptionValue v) {
   int64_t word = v.integer;
+  // By bits, with -0 as 0: ranks that give equal values agree (swiglu_limit -0.0 and 0.0 are both "plain SwiGLU").
+  if (v.real == 0) v.real = 0;
   if (option.kind == OptionKind::kFloat64) {
     std::memcpy(&word, &v.real, sizeof(word));
   } else if (option.kind == OptionKind::kFloat32) {

@@ -37,23 +37,37 @@ void ScheduleOptions::validate(const RoutingShape& shape) const {
   // Also rejects NaN. Checked before resolved_capacity_rows, which would throw with another function's name.
   require(load_factor >= 1, "ScheduleOptions.load_factor must be >= 1 (ep_size or more: the worst case), got " +
                                 std::to_string(load_factor));
-  require(resolved_capacity_rows(shape, *this) < std::numeric_limits<int32_t>::max() / 2,
-          "ScheduleOptions.capacity_rows too large for int32 row indices");
+  const int64_t capacity = resolved_capacity_rows(shape, *this);
+  require(capacity < std::numeric_limits<int32_t>::max() / 2,
+          "ScheduleOptions.capacity_rows: the capacity " + std::to_string(capacity) + " rows (" +
+              (capacity_rows > 0 ? std::string("capacity_rows") : "from load_factor " + std::to_string(load_factor)) +
+              ", with each local expert's padding to tile_m) is too large for int32 row indices (below 2^30): set "
+              "capacity_rows or lower load_factor");
   // Also rejects NaN and infinity (the kernels get it as an integer count of nanoseconds).
   require(wait_timeout_s > 0 && wait_timeout_s <= kMaxWaitTimeoutS,
           "ScheduleOptions.wait_timeout_s must be a finite number of seconds in (0, " +
               std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " + std::to_string(wait_timeout_s));
 }
 
+namespace {
+
+// The most padding `rows` routes can need: each local expert with a route pads to tile_m, and at most
+// min(local experts, rows) of them have one (decode-sized steps: far fewer routes than experts).
+int64_t worst_padding(const RoutingShape& shape, int tile_m, int64_t rows) {
+  return std::min<int64_t>(shape.local_experts(), rows) * (tile_m - 1);
+}
+
+}  // namespace
+
 int64_t worst_case_capacity_rows(const RoutingShape& shape, int tile_m) {
-  return schedule::round_up(shape.total_routes() + int64_t(shape.local_experts()) * (tile_m - 1), tile_m);
+  return schedule::round_up(shape.total_routes() + worst_padding(shape, tile_m, shape.total_routes()), tile_m);
 }
 
 int64_t expected_load_capacity_rows(const RoutingShape& shape, int tile_m, double load_factor) {
   require(load_factor >= 1, "expected_load_capacity_rows: load_factor must be >= 1, got " + std::to_string(load_factor));
   if (load_factor >= shape.ep_size) return worst_case_capacity_rows(shape, tile_m);  // (also for an infinite one)
-  const double balanced = double(shape.num_tokens) * shape.top_k * load_factor;
-  const int64_t rows = static_cast<int64_t>(std::ceil(balanced)) + int64_t(shape.local_experts()) * (tile_m - 1);
+  const int64_t balanced = static_cast<int64_t>(std::ceil(double(shape.num_tokens) * shape.top_k * load_factor));
+  const int64_t rows = balanced + worst_padding(shape, tile_m, balanced);
   return std::min(schedule::round_up(rows, tile_m), worst_case_capacity_rows(shape, tile_m));
 }
 

@@ -48,9 +48,11 @@ int64_t bytes(const MoeShape& s, const MoeOptions& o, int64_t rows) {
 }
 
 // The balanced share of rows the default ring keeps: expected_load_capacity_rows at load factor 1 rounded
-// down to 128 (written out here from its definition: T * k + E_local * (tile_m - 1), rounded up to tile_m).
+// down to 128 (written out here from its definition: T * k + min(E_local, T * k) * (tile_m - 1), rounded up to
+// tile_m).
 int64_t balanced_share(const MoeShape& s, int tile_m) {
-  const int64_t rows = int64_t(s.num_tokens) * s.top_k + int64_t(s.local_experts()) * (tile_m - 1);
+  const int64_t routes = int64_t(s.num_tokens) * s.top_k;
+  const int64_t rows = routes + std::min<int64_t>(s.local_experts(), routes) * (tile_m - 1);
   return (rows + tile_m - 1) / tile_m * tile_m / 128 * 128;
 }
 
@@ -186,6 +188,44 @@ TEST(ContextBudget, BadBudgetsNameTheOption) {
       EXPECT_NE(std::string(e.what()).find("context_budget_bytes"), std::string::npos) << e.what();
     }
   }
+}
+
+// FP8 workspaces (MoeOptions::precision kFP8) allocate another layout (FP8 h and the rows' scales, no g | u): the
+// ring is sized by that layout, so the context never exceeds the budget, a budget that holds FP8's 128-row ring is
+// accepted, and keep_gate_up (which FP8 does not keep) does not change the ring.
+TEST(ContextBudget, Fp8RingIsSizedByTheFp8Layout) {
+  const auto fp8_bytes = [](const MoeShape& s, int64_t rows) {
+    return detail::context_bytes(s, false, kScheduleElements, rows, kPaddedTokens, /*fp8=*/true);
+  };
+  for (const MoeShape& s : {shape_of(8, 256, 7168, 192, 8, true), shape_of(8, 256, 7168, 2048, 8, true),
+                            shape_of(1, 384, 7168, 2048, 8, true)}) {
+    const int64_t capacity = worst_case_capacity_rows(s.routing(), 64);
+    MoeOptions o;
+    o.precision = Precision::kFP8;
+    o.backward = false;
+    for (const int64_t budget : {fp8_bytes(s, 128), fp8_bytes(s, 4096) + 1000, int64_t{1} << 30}) {
+      o.context_budget_bytes = budget;
+      for (const bool keep : {true, false}) {
+        o.keep_gate_up = keep;
+        const int64_t r = ring(s, o, capacity);
+        EXPECT_LE(fp8_bytes(s, r), budget) << "H " << s.hidden << " I " << s.intermediate << " budget " << budget;
+        // The largest multiple of 128 that fits (or the whole share).
+        if (r % 128 == 0 && r + 128 <= capacity && r < balanced_share(s, 64))
+          EXPECT_GT(fp8_bytes(s, r + 128), budget) << "H " << s.hidden << " I " << s.intermediate << " ring " << r;
+      }
+    }
+  }
+}
+
+// A decode-sized step (fewer routes than local experts): only experts with a route pad, so the worst case is
+// T * k rows padded to one tile each, not one tile for every local expert.
+TEST(ContextBudget, FewRoutesPadOnlyTheirExperts) {
+  const RoutingShape decode{1, 1, 8, 256};
+  EXPECT_EQ(worst_case_capacity_rows(decode, 64), 8 * 64);
+  EXPECT_EQ(worst_case_capacity_rows(decode, 128), 8 * 128);
+  EXPECT_EQ(expected_load_capacity_rows(RoutingShape{8, 1, 8, 2048}, 64, 2.0), 16 * 64);
+  // Enough routes for every expert: one tile's padding per expert, as before.
+  EXPECT_EQ(worst_case_capacity_rows(RoutingShape{1, 8192, 8, 256}, 64), 65536 + 256 * 63);
 }
 
 }  // namespace

@@ -248,6 +248,12 @@ TEST(OptionTableTest, AgreementNamesTheOptionThatDiffers) {
                 "MoeWorkspace: the ranks disagree on MoeOptions.schedule.load_factor: 2 here, 2.5 on rank 1", 0),
             0u);
   other = mine;
+  other.shape.swiglu_limit = -0.0f;  // equal to 0 (plain SwiGLU): not a disagreement of bits
+  EXPECT_EQ(error_of([&] { check_agreement(gathered(other), 2, mine); }), "no error");
+  other = mine;
+  other.options.setup_timeout_s = 5;  // each rank's own
+  EXPECT_EQ(error_of([&] { check_agreement(gathered(other), 2, mine); }), "no error");
+  other = mine;
   other.shape.swiglu_limit = 7;
   EXPECT_EQ(error_of([&] { check_agreement(gathered(other), 2, mine); }).rfind(
                 "MoeWorkspace: the ranks disagree on MoeShape.swiglu_limit: 0 here, 7 on rank 1", 0),
