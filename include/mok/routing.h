@@ -49,7 +49,8 @@ struct ScheduleOptions {
   void validate(const RoutingShape& shape) const;
 };
 
-// Rows needed when every route of every rank lands on one rank, plus the worst padding: never overflows.
+// Rows needed when every route of every rank lands on one rank, plus the worst padding (tile_m - 1 rows for each
+// local expert that can get a route: min(local experts, routes) of them): never overflows.
 int64_t worst_case_capacity_rows(const RoutingShape& shape, int tile_m);
 
 // A capacity sized by the expected load instead of the worst case: the rows a rank receives when the routing
