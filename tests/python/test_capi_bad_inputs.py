@@ -393,7 +393,7 @@ class Matrix:
         grads = {n: torch.full_like(g[n], float("nan")) for n in GRADS}
         self.layer.run(g)  # a context to read
 
-        def call(topk_dtype=0, dtypes=None, modes=None, null_arrays=False):
+        def call(topk_dtype=0, dtypes=None, modes=None, null_arrays=False, topk=None):
             arrays = grad_arrays(grads, {}, {})
             if dtypes is not None:
                 arrays = (arrays[0], (ctypes.c_int32 * len(GRADS))(*dtypes), arrays[2])
@@ -402,7 +402,7 @@ class Matrix:
             if null_arrays:
                 arrays = (None, None, None)
             rc = self.lib.mok_bench_layer_backward(
-                self.layer.handle, g["x"].data_ptr(), g["topk_idx"].data_ptr(), topk_dtype,
+                self.layer.handle, g["x"].data_ptr(), (g["topk_idx"] if topk is None else topk).data_ptr(), topk_dtype,
                 *[g[n].data_ptr() for n in ("router_weights",) + GRADS], d_out.data_ptr(), d_x.data_ptr(),
                 d_rw.data_ptr(), *arrays, self.layer.stream, ERROR, len(ERROR))
             torch.cuda.synchronize()
@@ -418,6 +418,16 @@ class Matrix:
             rc, text, untouched = call(**kwargs)
             record(name, self.path, f"error naming the argument ({needle}), outputs untouched",
                    rc == 1 and needle in text and untouched, text, self.next_call())
+        # Other ids than the forward's: issued (rc 0), then reported by the status word naming the first route.
+        other = g["topk_idx"].clone()
+        other[5, 1] = 0 if int(other[5, 1]) < 0 else (int(other[5, 1]) + 1) % E
+        rc, text, _ = call(topk=other)
+        status_rc, status_text = self.layer.status()
+        self.layer.reset()
+        needle = "topk_idx differ from the ids the context's schedule was built from, first at token 5, slot 1"
+        record("backward with other ids than the forward's", self.path, f"issued, then a status report ({needle})",
+               rc == 0 and status_rc == 1 and needle in status_text, f"rc {rc}; status: {status_text or 'ok'}",
+               self.next_call())
         size = self.lib.mok_bench_layer_context_bytes(self.layer.handle, ERROR, len(ERROR))
         record("context_bytes", self.path, "bytes > 0", size > 0, f"{size} bytes" if size >= 0 else message(), "-")
 
