@@ -88,9 +88,8 @@ int agreed_grid(const PeerGroup& group, const MoeShape& shape, const MoeOptions&
   std::vector<int64_t> mine = {failure ? 0 : 1};  // "validation", then the agreed options
   const std::vector<int64_t> words = detail::agreement_words(layer);
   mine.insert(mine.end(), words.begin(), words.end());
-  // Bounded by the option whatever the arguments: a rejected value must not make this rank wait forever.
-  const bool timeout_valid = options.setup_timeout_s > 0 && options.setup_timeout_s <= kMaxWaitTimeoutS;
-  const std::vector<int64_t> all = group.all_gather(mine, timeout_valid ? options.setup_timeout_s : kDefaultSetupTimeoutS);
+  // Bounded by the option once the plan has checked it (a rank that rejected its arguments waits the default).
+  const std::vector<int64_t> all = group.all_gather(mine, failure ? kDefaultSetupTimeoutS : options.setup_timeout_s);
   if (failure) std::rethrow_exception(failure);
   std::vector<int64_t> options_of_all;
   for (int r = 0; r < group.size(); ++r) {

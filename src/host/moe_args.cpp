@@ -12,6 +12,7 @@
 #include "mok/moe.h"
 #include "src/host/check.h"
 #include "src/host/moe_args.h"
+#include "src/host/nccl_setup.h"
 #include "src/device/schedule/placement.h"
 #include "src/host/moe_layouts.h"
 
@@ -285,10 +286,7 @@ int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t c
 }
 
 void validate_setup_timeout(double setup_timeout_s) {
-  // Also rejects NaN and infinity.
-  require(setup_timeout_s > 0 && setup_timeout_s <= kMaxWaitTimeoutS,
-          "MoeOptions.setup_timeout_s must be a finite number of seconds in (0, " +
-              std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " + std::to_string(setup_timeout_s));
+  require_setup_timeout(setup_timeout_s, "MoeOptions.setup_timeout_s");
 }
 
 WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options) {

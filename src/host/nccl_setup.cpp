@@ -7,16 +7,17 @@
 
 #include <cuda_runtime_api.h>
 
+#include "mok/routing.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
 
 namespace mok::detail {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using Clock = SetupClock;
 
-Clock::time_point deadline_after(double timeout_s) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+Clock::time_point deadline_after(Clock::time_point since, double timeout_s) {
+  return since + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
 }
 
 std::string seconds(double timeout_s) {
@@ -30,10 +31,18 @@ void pause() { std::this_thread::sleep_for(std::chrono::milliseconds(1)); }
 
 }  // namespace
 
-void finish_nccl(std::span<const ncclComm_t> comms, ncclResult_t result, const char* call, double timeout_s) {
+void require_setup_timeout(double timeout_s, const std::string& name) {
+  // Also rejects NaN and infinity.
+  require(timeout_s > 0 && timeout_s <= kMaxWaitTimeoutS,
+          name + " must be a finite number of seconds in (0, " + std::to_string(static_cast<int>(kMaxWaitTimeoutS)) +
+              "], got " + std::to_string(timeout_s));
+}
+
+void finish_nccl(std::span<const ncclComm_t> comms, ncclResult_t result, const char* call, double timeout_s,
+                 Clock::time_point since) {
   if (result == ncclSuccess) return;
   if (result != ncclInProgress) check_nccl(result, call);
-  const Clock::time_point deadline = deadline_after(timeout_s);
+  const Clock::time_point deadline = deadline_after(since, timeout_s);
   for (ncclComm_t comm : comms) {
     ncclResult_t state = ncclInProgress;
     while (true) {
@@ -64,8 +73,8 @@ ncclComm_t init_nccl_comm(int nranks, const ncclUniqueId& id, int rank, double t
 }
 
 void wait_streams(std::span<const int> devices, std::span<const cudaStream_t> streams, double timeout_s,
-                  const std::string& what) {
-  const Clock::time_point deadline = deadline_after(timeout_s);
+                  const std::string& what, Clock::time_point since) {
+  const Clock::time_point deadline = deadline_after(since, timeout_s);
   for (size_t n = 0; n < streams.size(); ++n) {
     DeviceGuard guard(devices[n]);
     while (true) {

@@ -9,6 +9,7 @@
 // C++ caller's own. With a blocking one the waits below still work, but NCCL's own calls may wait first.
 #pragma once
 
+#include <chrono>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -25,19 +26,26 @@ class SetupTimeout : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+using SetupClock = std::chrono::steady_clock;
+
+// std::invalid_argument "<name> must be a finite number of seconds in (0, 86400], got ..." unless it is one (the
+// rule of MoeOptions::setup_timeout_s and of PeerGroup's setup waits).
+void require_setup_timeout(double timeout_s, const std::string& name);
+
 // Finishes an NCCL call on `comms`: ncclSuccess returns at once, ncclInProgress polls every communicator's
 // ncclCommGetAsyncError until it leaves ncclInProgress. Throws std::runtime_error naming `call` on an NCCL error,
-// SetupTimeout after `timeout_s` seconds.
-void finish_nccl(std::span<const ncclComm_t> comms, ncclResult_t result, const char* call, double timeout_s);
+// SetupTimeout once `timeout_s` seconds have passed since `since`.
+void finish_nccl(std::span<const ncclComm_t> comms, ncclResult_t result, const char* call, double timeout_s,
+                 SetupClock::time_point since = SetupClock::now());
 
 // A nonblocking communicator of `nranks` (rank `rank`, on the current device), its init bounded: SetupTimeout
 // (the half-made communicator aborted) when the other ranks do not all arrive within `timeout_s` seconds.
 ncclComm_t init_nccl_comm(int nranks, const ncclUniqueId& id, int rank, double timeout_s);
 
 // Waits for the work issued so far on `streams[n]` (on `devices[n]`; an NCCL collective's kernel among it),
-// polling, for at most `timeout_s` seconds: SetupTimeout naming `what` after that.
+// polling, until `timeout_s` seconds have passed since `since`: SetupTimeout naming `what` after that.
 void wait_streams(std::span<const int> devices, std::span<const cudaStream_t> streams, double timeout_s,
-                  const std::string& what);
+                  const std::string& what, SetupClock::time_point since = SetupClock::now());
 
 // An NCCL group call that a throw cannot leave open: the destructor ends the group if end() was not reached (an
 // open group would hold back this thread's later NCCL calls, a communicator's abort among them).

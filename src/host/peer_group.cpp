@@ -1,9 +1,7 @@
 // Peer groups: virtual ranks on one GPU, one rank per GPU with CUDA peer access, or NCCL symmetric windows.
 #include "mok/peer_group.h"
 
-#include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
@@ -201,10 +199,7 @@ PeerGroup PeerGroup::device_peers(const std::vector<int>& devices) {
 
 PeerGroup PeerGroup::nccl(const std::vector<ncclComm_t>& comms, double setup_timeout_s) {
   if (comms.empty()) throw std::invalid_argument("PeerGroup::nccl: comms is empty");
-  if (!(setup_timeout_s > 0 && setup_timeout_s <= kMaxWaitTimeoutS))
-    throw std::invalid_argument("PeerGroup::nccl: setup_timeout_s must be a finite number of seconds in (0, " +
-                                std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " +
-                                std::to_string(setup_timeout_s));
+  detail::require_setup_timeout(setup_timeout_s, "PeerGroup::nccl: setup_timeout_s");
   // A nonblocking communicator may still be in its init: its queries below need it ready (bounded, as above).
   detail::finish_nccl(comms, ncclInProgress, "the communicators' init (PeerGroup::nccl)", setup_timeout_s);
   int ep_size = 0;
@@ -331,9 +326,7 @@ std::vector<int64_t> PeerGroup::all_gather(const std::vector<int64_t>& values, d
     for (int r = 0; r < size(); ++r) gathered.insert(gathered.end(), values.begin(), values.end());
     return gathered;
   }
-  if (!(timeout_s > 0 && timeout_s <= kMaxWaitTimeoutS))
-    throw std::invalid_argument("PeerGroup::all_gather: timeout_s must be a finite number of seconds in (0, " +
-                                std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " + std::to_string(timeout_s));
+  detail::require_setup_timeout(timeout_s, "PeerGroup::all_gather: timeout_s");
   gathered.assign(size() * count, 0);
   const std::vector<int> local = local_ranks();
   std::vector<DeviceBuffer> buffers(size());  // [size() * count] gathered, then this rank's values
@@ -351,7 +344,7 @@ std::vector<int64_t> PeerGroup::all_gather(const std::vector<int64_t>& values, d
   std::vector<ncclComm_t> local_comms;
   std::vector<int> local_devices;
   std::vector<cudaStream_t> streams;
-  const auto start = std::chrono::steady_clock::now();
+  const detail::SetupClock::time_point start = detail::SetupClock::now();  // one deadline for both waits
   try {
     for (int r : local) {
       DeviceGuard guard(devices_[r]);
@@ -369,9 +362,8 @@ std::vector<int64_t> PeerGroup::all_gather(const std::vector<int64_t>& values, d
           ncclAllGather(buffer + size() * count, buffer, count, ncclInt64, local_comms[n], streams[n]);
       if (result != ncclInProgress) check_nccl(result, "ncclAllGather");
     }
-    detail::finish_nccl(local_comms, group.end(), "ncclGroupEnd (ncclAllGather)", timeout_s);
-    const double spent = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    detail::wait_streams(local_devices, streams, std::max(timeout_s - spent, 1e-3), "PeerGroup::all_gather");
+    detail::finish_nccl(local_comms, group.end(), "ncclGroupEnd (ncclAllGather)", timeout_s, start);
+    detail::wait_streams(local_devices, streams, timeout_s, "PeerGroup::all_gather", start);
   } catch (...) {
     (void)new std::vector<DeviceBuffer>(std::move(buffers));  // leaked on purpose (above)
     destroy_streams(local_devices, streams);

@@ -210,8 +210,9 @@ TEST(ContextBudget, Fp8RingIsSizedByTheFp8Layout) {
         const int64_t r = ring(s, o, capacity);
         EXPECT_LE(fp8_bytes(s, r), budget) << "H " << s.hidden << " I " << s.intermediate << " budget " << budget;
         // The largest multiple of 128 that fits (or the whole share).
-        if (r % 128 == 0 && r + 128 <= capacity && r < balanced_share(s, 64))
+        if (r % 128 == 0 && r + 128 <= capacity && r < balanced_share(s, 64)) {
           EXPECT_GT(fp8_bytes(s, r + 128), budget) << "H " << s.hidden << " I " << s.intermediate << " ring " << r;
+        }
       }
     }
   }
