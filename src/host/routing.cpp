@@ -40,9 +40,10 @@ void ScheduleOptions::validate(const RoutingShape& shape) const {
   const int64_t capacity = resolved_capacity_rows(shape, *this);
   require(capacity < std::numeric_limits<int32_t>::max() / 2,
           "ScheduleOptions.capacity_rows: the capacity " + std::to_string(capacity) + " rows (" +
-              (capacity_rows > 0 ? std::string("capacity_rows") : "from load_factor " + std::to_string(load_factor)) +
-              ", with each local expert's padding to tile_m) is too large for int32 row indices (below 2^30): set "
-              "capacity_rows or lower load_factor");
+              (capacity_rows > 0 ? std::string("as given")
+                                 : "from load_factor " + std::to_string(load_factor) +
+                                       ", the padding of each expert's rows to tile_m included") +
+              ") is too large for int32 row indices (below 2^30): set capacity_rows or lower load_factor");
   // Also rejects NaN and infinity (the kernels get it as an integer count of nanoseconds).
   require(wait_timeout_s > 0 && wait_timeout_s <= kMaxWaitTimeoutS,
           "ScheduleOptions.wait_timeout_s must be a finite number of seconds in (0, " +
