@@ -845,6 +845,7 @@ class BackwardBadInputs {
                     [&](RankBackward& b, MoeWeights&, MoeWeightGrads&) { b.context = other.args(1).context; });
       MoeOptions inference = options_;
       inference.backward = false;
+      inference.fused.backward_megakernel = false;  // the backward megakernel needs the backward (refused otherwise)
       MoeHarness plain(PeerGroup::virtual_ranks(2), shape_, inference);
       rejected_case("a context of a workspace built with backward = false",
                     "context: must be a ForwardContext made by this workspace's make_context(1)",
@@ -1008,6 +1009,7 @@ class BackwardBadInputs {
   void inference_only_workspace() {
     MoeOptions inference = options_;
     inference.backward = false;
+    inference.fused.backward_megakernel = false;  // the backward megakernel needs the backward (refused otherwise)
     MoeHarness plain(PeerGroup::virtual_ranks(2), shape_, inference);
     plain.upload(good_);
     plain.upload_d_out(d_out_);
