@@ -52,6 +52,7 @@ __device__ __forceinline__ void push_row(const PeerPointers& combined, const uin
 struct EpilogueTraits {
   static constexpr int kThreads = 256;
   static constexpr int kColumns = 8;  // one 16-byte vector of bf16 per thread
+  static constexpr int kRouteBatch = 4;  // routes whose rows a thread loads before it adds them
 };
 
 struct EpilogueParams {
@@ -111,22 +112,40 @@ __global__ void __launch_bounds__(EpilogueTraits::kThreads) combine_epilogue_ker
 #pragma unroll
       for (int c = 0; c < EpilogueTraits::kColumns; ++c) acc[c] = 0.f;
     }
-    for (int j = 0; j < p.top_k; ++j) {
-      const int64_t route = token * p.top_k + j;
-      if (!is_valid_route(topk, route, p.num_experts)) continue;
-      const float rw = p.router_weights != nullptr ? p.router_weights[route] : 1.f;
-      int64_t row = route;
-      if (p.rows != nullptr) {
-        row = p.route_row[route];
-        if (row < 0) continue;  // not placed: only after a capacity overflow (reported; out unspecified)
-      }
-      const uint4 y = (p.rows != nullptr ? p.rows : p.combined)[row * p.row_vectors + vector];
-      const __nv_bfloat162* y2 = reinterpret_cast<const __nv_bfloat162*>(&y);
+    // The token's routes in batches: a batch's ids and row indices, then its rows, are loaded before any row is
+    // added, so a thread has a batch of loads in flight at each step instead of one (a row's address waits on two
+    // loads: the id and route_row). Those two are read for every route of the batch (clamped to the token's last
+    // one: in bounds), so that no load waits on another's value; a masked or invalid route's row is never read.
+    // The sum's order is unchanged: j ascending, within and across batches.
+    const uint4* source = p.rows != nullptr ? p.rows : p.combined;
+    for (int j0 = 0; j0 < p.top_k; j0 += EpilogueTraits::kRouteBatch) {
+      int32_t row[EpilogueTraits::kRouteBatch];  // route ids and rows are int32 (RoutingShape: below 2^30)
 #pragma unroll
-      for (int c = 0; c < EpilogueTraits::kColumns / 2; ++c) {
-        const float2 f = __bfloat1622float2(y2[c]);
-        acc[2 * c] = __fmaf_rn(rw, f.x, acc[2 * c]);
-        acc[2 * c + 1] = __fmaf_rn(rw, f.y, acc[2 * c + 1]);
+      for (int b = 0; b < EpilogueTraits::kRouteBatch; ++b) {
+        const int64_t route = token * p.top_k + min(j0 + b, p.top_k - 1);
+        const int64_t id = static_cast<int64_t>(topk[route]);
+        const int32_t placed = p.rows != nullptr ? p.route_row[route] : static_cast<int32_t>(route);
+        // -1: past k, masked, invalid, or not placed (only after a capacity overflow: reported)
+        row[b] = j0 + b < p.top_k && id >= 0 && id < p.num_experts ? placed : -1;
+      }
+      uint4 y[EpilogueTraits::kRouteBatch];
+      float rw[EpilogueTraits::kRouteBatch];
+#pragma unroll
+      for (int b = 0; b < EpilogueTraits::kRouteBatch; ++b) {
+        if (row[b] < 0) continue;
+        y[b] = source[int64_t(row[b]) * p.row_vectors + vector];
+        rw[b] = p.router_weights != nullptr ? p.router_weights[token * p.top_k + j0 + b] : 1.f;
+      }
+#pragma unroll
+      for (int b = 0; b < EpilogueTraits::kRouteBatch; ++b) {
+        if (row[b] < 0) continue;
+        const __nv_bfloat162* y2 = reinterpret_cast<const __nv_bfloat162*>(&y[b]);
+#pragma unroll
+        for (int c = 0; c < EpilogueTraits::kColumns / 2; ++c) {
+          const float2 f = __bfloat1622float2(y2[c]);
+          acc[2 * c] = __fmaf_rn(rw[b], f.x, acc[2 * c]);
+          acc[2 * c + 1] = __fmaf_rn(rw[b], f.y, acc[2 * c + 1]);
+        }
       }
     }
     uint4 o;
