@@ -17,7 +17,8 @@
 //
 // Steps on every rank (sync in docs/sync_protocol.md):
 //   schedule   all-gather the top-k ids; count, prefix-sum and place routes into the context's schedule
-//   publish    copy x into the rank's symmetric x buffer; barrier arrive ("x is readable"); barrier wait
+//   publish    copy x into the rank's symmetric x buffer (not at EP = 1 without a shared expert: the kernels
+//              read x in place); barrier arrive ("x is readable"); barrier wait
 //   layer      ForwardPath::kFused (default): one persistent megakernel (src/device/megakernel) whose
 //              communication CTAs pull rows and push outputs while its compute CTAs run the shared expert,
 //              then the routed experts minibatch by minibatch.
@@ -468,9 +469,17 @@ class MoeWorkspace {
   void barrier_wait(int rank, cudaStream_t stream) const;
   // Pulls schedule rows [0, min(scheduled rows, row_limit)) of f's context from their source ranks' x.
   void pull_rows(const RankForward& f, int64_t row_limit) const;
+  // Token rows read in place (docs/design.md, "Token rows at EP = 1"): with one rank, no shared expert and bf16
+  // rows, no peer reads a call's x, d_out or router weights and no kernel reads past its tokens, so the kernels
+  // read the caller's tensors, nothing is published, and x_, d_out_ and rw_ are not allocated.
+  bool reads_token_rows_in_place() const { return shape_.ep_size == 1 && !shape_.shared_expert && !fp8(); }
+  // What the kernels read a call's token rows (or router weights) from: `buffer`'s copies, or the call's own
+  // tensor `call_rows` when they are read in place.
+  PeerPointers token_rows(const SymmetricAllocation& buffer, int rank, const void* call_rows) const;
   // Copies a call's `tokens` rows [tokens, H] (bf16) into the rank's symmetric `dst` [padded T, H] and zeroes
   // rows [tokens, padded T): rows past a call's tokens read as zeros (the shared expert's GEMMs read whole
-  // padded tiles, and its weight gradients sum over them). Asynchronous on `stream`.
+  // padded tiles, and its weight gradients sum over them). Asynchronous on `stream`. Not called when the rows
+  // are read in place.
   void publish_token_rows(void* dst, const void* src, int64_t tokens, cudaStream_t stream) const;
   const RankState& state(int rank) const;
   void require_open(const char* call) const;  // std::logic_error "MoeWorkspace::<call>: ... closed" after close
@@ -486,13 +495,13 @@ class MoeWorkspace {
   int64_t ring_rows_ = 0;       // expert-side rows held at once (the fused path's macrobatch)
   int grid_ctas_ = 0;           // the megakernel's persistent grid (the same GPU model on every rank)
   ScheduleWorkspace schedule_;
-  SymmetricAllocation x_;       // bf16 [padded T, H] per rank: the rows peers pull
+  SymmetricAllocation x_;       // bf16 [padded T, H] per rank: the rows peers pull (none when read in place)
   SymmetricAllocation combined_;  // bf16 [T * k, H] per rank: expert outputs pushed by the experts' ranks
   SymmetricAllocation flags_;   // barrier counters, see src/device/common/peer_barrier.cuh
   // The backward's (MoeOptions::backward): d_out and the router weights published for the experts' ranks
   // to pull, and d_rw pushed back into (token, slot); the combine buffer takes the d_x_route rows.
-  SymmetricAllocation d_out_;   // bf16 [padded T, H] per rank (padding rows stay zero)
-  SymmetricAllocation rw_;      // fp32 [T * k]
+  SymmetricAllocation d_out_;   // bf16 [padded T, H] per rank (padding rows stay zero; none when read in place)
+  SymmetricAllocation rw_;      // fp32 [T * k] (none when read in place)
   SymmetricAllocation d_rw_;    // fp32 [T * k]
   int64_t backward_bytes_ = 0;
   bool closed_ = false;

@@ -143,7 +143,7 @@ MoeWorkspace::MoeWorkspace(const PeerGroup& group, const MoeShape& shape, const 
   id_ = ++workspaces;
   const FusedOptions& fused = options_.fused;
   const int64_t h = shape_.hidden;
-  x_ = group_.allocate(padded_tokens_ * h * kBf16Bytes);
+  if (!reads_token_rows_in_place()) x_ = group_.allocate(padded_tokens_ * h * kBf16Bytes);
   combined_ = group_.allocate(int64_t(shape_.num_tokens) * shape_.top_k * h * kBf16Bytes);
   flags_ = group_.allocate(device::BarrierLayout::bytes());
 
@@ -361,6 +361,13 @@ void MoeWorkspace::barrier_wait(int rank, cudaStream_t stream) const {
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 
+PeerPointers MoeWorkspace::token_rows(const SymmetricAllocation& buffer, int rank, const void* call_rows) const {
+  if (!reads_token_rows_in_place()) return buffer.peers(rank);
+  PeerPointers in_place{};
+  in_place.base[rank] = const_cast<void*>(call_rows);  // read only
+  return in_place;
+}
+
 void MoeWorkspace::publish_token_rows(void* dst, const void* src, int64_t tokens, cudaStream_t stream) const {
   const int64_t row_bytes = int64_t(shape_.hidden) * kBf16Bytes;
   if (tokens > 0) MOK_CHECK_CUDA(cudaMemcpyAsync(dst, src, tokens * row_bytes, cudaMemcpyDeviceToDevice, stream));
@@ -372,7 +379,7 @@ void MoeWorkspace::pull_rows(const RankForward& f, int64_t row_limit) const {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
   const ScheduleView& v = f.context->schedule_;
-  const kernels::PullParams pull{.x = x_.peers(f.rank),
+  const kernels::PullParams pull{.x = token_rows(x_, f.rank, f.x.data),
                                  .dst = static_cast<uint4*>(f.context->expert_rows_),
                                  .row_route = v.row_route,
                                  .scheduled_rows = v.scheduled_rows,
@@ -617,7 +624,7 @@ void MoeWorkspace::publish(const RankForward& f) {
   if (fp8())  // the rank's rows quantized once, as every peer pulls them (src/host/quantize_fp8.h)
     detail::publish_fp8_rows(f.x.data, f.x.shape[0], padded_tokens_, shape_.hidden, x_.on(f.rank), s.x_scales,
                              options_.fp8_power_of_two_scales, schedule_.device_status(f.rank), f.rank, f.stream);
-  else
+  else if (!reads_token_rows_in_place())
     publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
   barrier_arrive(f.rank, f.stream);
   if (!shape_.shared_expert || options_.path == ForwardPath::kFused) return;  // the megakernel runs it
@@ -647,7 +654,7 @@ void MoeWorkspace::compute(const RankForward& f) {
   ExpertGemmArgs gate_up, down;
   routed_gemms(f, gate_up, down);
   if (gather)
-    gate_up.gather = {.x = x_.on(f.rank),
+    gate_up.gather = {.x = token_rows(x_, f.rank, f.x.data).base[f.rank],
                       .row_route = v.row_route,
                       .num_tokens = shape_.num_tokens,
                       .top_k = shape_.top_k,
@@ -696,7 +703,7 @@ void MoeWorkspace::compute_fused(const RankForward& f) {
                                 .expert_down = routed_down,
                                 .common = megakernel_args(f.rank, v, s.fused_counters, s.tickets),
                                 .ring_rows = static_cast<int32_t>(ring_rows_),
-                                .x = x_.peers(f.rank),
+                                .x = token_rows(x_, f.rank, f.x.data),
                                 .combined = combined_.peers(f.rank),
                                 .expert_rows = ctx.expert_rows_,
                                 .expert_out = s.y,

@@ -196,8 +196,10 @@ void MoeWorkspace::allocate_backward() {
   const int64_t pt = padded_tokens_, cap = capacity_rows();
   // Rows past a call's tokens are zeroed by every publish (publish_token_rows), so the shared expert's GEMMs,
   // which read whole padded tiles and sum its weight gradients over them, see zeros there (x_ likewise).
-  d_out_ = group_.allocate(pt * h * kBf16Bytes);
-  rw_ = group_.allocate(t * k * kFloatBytes);
+  if (!reads_token_rows_in_place()) {
+    d_out_ = group_.allocate(pt * h * kBf16Bytes);
+    rw_ = group_.allocate(t * k * kFloatBytes);
+  }
   d_rw_ = group_.allocate(t * k * kFloatBytes);
   const int n_blocks = gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, shape_.intermediate);
   const detail::BackwardScratchLayout layout = detail::backward_scratch_layout(
@@ -293,11 +295,13 @@ void MoeWorkspace::backward_publish(const RankBackward& b) {
   const RankState& s = state(b.rank);
   DeviceGuard guard(s.device);
   const int64_t t = b.topk_idx.shape[0], k = shape_.top_k;  // the call's tokens
-  publish_token_rows(x_.on(b.rank), b.x.data, t, b.stream);
-  publish_token_rows(d_out_.on(b.rank), b.d_out.data, t, b.stream);
-  if (t > 0)  // read only at the call's routes
-    MOK_CHECK_CUDA(cudaMemcpyAsync(rw_.on(b.rank), b.router_weights.data, t * k * kFloatBytes,
-                                   cudaMemcpyDeviceToDevice, b.stream));
+  if (!reads_token_rows_in_place()) {
+    publish_token_rows(x_.on(b.rank), b.x.data, t, b.stream);
+    publish_token_rows(d_out_.on(b.rank), b.d_out.data, t, b.stream);
+    if (t > 0)  // read only at the call's routes
+      MOK_CHECK_CUDA(cudaMemcpyAsync(rw_.on(b.rank), b.router_weights.data, t * k * kFloatBytes,
+                                     cudaMemcpyDeviceToDevice, b.stream));
+  }
   barrier_arrive(b.rank, b.stream);
   if (shape_.shared_expert && !backward_megakernel()) shared_backward(b);
 }
@@ -423,7 +427,7 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   copy_kept_gate_up(b);  // only the rows past them are recomputed
   detail::MlpBackwardGemms g = mlp_backward_gemms(b, false);
   if (gather)  // the down dgrad's A rows: d_out's token rows for this rank's routes, the pulled rows for others'
-    g.down_dgrad.gather = {.x = d_out_.on(b.rank),
+    g.down_dgrad.gather = {.x = token_rows(d_out_, b.rank, b.d_out.data).base[b.rank],
                            .row_route = v.row_route,
                            .num_tokens = shape_.num_tokens,
                            .top_k = shape_.top_k,
@@ -462,9 +466,9 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
 }
 
 backward::GradPullSources MoeWorkspace::grad_pull_sources(const RankBackward& b) const {
-  return {.x = x_.peers(b.rank),
-          .d_out = d_out_.peers(b.rank),
-          .router_weights = rw_.peers(b.rank),
+  return {.x = token_rows(x_, b.rank, b.x.data),
+          .d_out = token_rows(d_out_, b.rank, b.d_out.data),
+          .router_weights = token_rows(rw_, b.rank, b.router_weights.data),
           .kept_x_rows = static_cast<const uint4*>(b.context->expert_rows_),
           .kept_rows = b.context->ring_rows_};
 }
@@ -543,7 +547,7 @@ void MoeWorkspace::recompute_forward_context(std::span<const RankForward> ranks)
 void MoeWorkspace::recompute_publish(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
-  publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
+  if (!reads_token_rows_in_place()) publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
   barrier_arrive(f.rank, f.stream);
   if (!shape_.shared_expert) return;
   ExpertGemmArgs gate_up, down;  // the forward's shared gate/up GEMM: the same bits in shared_hidden

@@ -756,9 +756,13 @@ TEST(MoeBackwardTest, EpOneCombinesFromTheExpertRowsBitwise) {
     double skew, masked;
     int tile_m, call_tokens;
   };
+  // Without a shared expert the kernels read x, d_out and the router weights where the caller keeps them (no
+  // symmetric copies at EP 1): the last two cases.
   const std::vector<Case> cases = {{moe_shape(1, 300, 8, 48, 512, 256), 0, 0.02, 64, -1},
                                    {moe_shape(1, 257, 4, 16, 448, 192), 2.0, 0.1, 128, -1},
-                                   {moe_shape(1, 300, 6, 32, 256, 128), 0.5, 0, 64, 77}};
+                                   {moe_shape(1, 300, 6, 32, 256, 128), 0.5, 0, 64, 77},
+                                   {moe_shape(1, 257, 4, 16, 448, 192, false), 1.0, 0.05, 64, -1},
+                                   {moe_shape(1, 300, 6, 32, 256, 128, false), 0.5, 0.02, 128, 77}};
   uint64_t seed = 640;
   for (const Case& c : cases) {
     const LayerData data = testing::random_layer(c.shape, ++seed, c.skew, c.masked);
@@ -1054,13 +1058,14 @@ TEST(MoeBackwardTest, AnyTokenCountPerRankUpToTheWorkspaces) {
 }
 
 // A call of T tokens on a workspace made for more gives the bits of a workspace made for exactly T (out and
-// every gradient; EP 1 and EP 2 with T on both ranks), on both paths, and the two paths agree bitwise.
+// every gradient; EP 1 with and without a shared expert -- without one the kernels read the caller's tensors
+// in place -- and EP 2 with T on both ranks), on both paths, and the two paths agree bitwise.
 TEST(MoeBackwardTest, FewerTokensGiveTheBitsOfAWorkspaceOfExactlyThatMany) {
   MOK_REQUIRE_GPUS(1);
   uint64_t seed = 400;
-  for (const int ep : {1, 2}) {
+  for (const auto& [ep, shared] : {std::pair{1, true}, std::pair{1, false}, std::pair{2, true}}) {
     for (const int tokens : {100, 64, 1}) {
-      const MoeShape shape = moe_shape(ep, 256, 4, 8, 256, 192);
+      const MoeShape shape = moe_shape(ep, 256, 4, 8, 256, 192, shared);
       const LayerData data = testing::random_layer(shape, ++seed, 0, 0.05);
       const std::vector<float> d_out = testing::random_d_out(shape, seed);
       const auto [exact_data, exact_d_out] = exactly_tokens(data, d_out, tokens);
