@@ -31,8 +31,11 @@ forward's GEMM work. TFLOP/s per GPU, the shared expert counting as one more rou
   forward + backward 18 * (T + T*k) * H * I / t      (18 * T*k * H * I without a shared expert)
   backward alone     12 * (T + T*k) * H * I / t      (12 * T*k * H * I without a shared expert)
 and, in SonicMoE's convention (routed experts only, whatever else the layer computes; bench/shapes.py, flops):
-sonic_TF = 6 * T*k * H * I / t of the fused forward, sonic_bwd_TF = 12 * T*k * H * I / t of the fused backward
-alone. Without a shared expert (gpt-oss-120b, Qwen3-30B-A3B, a custom shape without one) the two conventions agree.
+sonic_TF = 6 * T*k * H * I / t of the fused forward; sonic_bwd_TF = 12 * T*k * H * I / (t(fused forward +
+backward) - t(fused forward)), SonicMoE's own backward time (its benchmarks/moe-cute.py: "Bwd" = the fwd+bwd time
+minus the training-mode forward's). Our bwd_TF times the backward alone, each call starting on an idle GPU; the two
+differ by more than the count (round 24: 24.3 ms alone, 21.6-22.3 ms as the difference, at I = 1024).
+Without a shared expert (gpt-oss-120b, Qwen3-30B-A3B, a custom shape without one) the counts agree.
 Shapes: the model shapes by name (--shapes, default all) at --tokens per rank, and custom ones, --shape
 name:T:H:I:E:k[:shared] (repeatable; or as an entry of --shapes): T tokens per rank, shared the shared expert's
 width (0 or absent: none, so the run is routed experts only; else I, the library's only width), checked by
@@ -732,17 +735,20 @@ class ShapeResult:
 
     def tflops(self):
         """TFLOP/s of every timed call in our convention (shapes.flops "ours": 6 (forward), 18 (fwd+bwd) or 12
-        (backward) x routes x H x I, the shared expert counting as a route), keyed as times; plus sonic_fused and
-        sonic_bwd_fused: the fused forward and the fused backward alone in SonicMoE's (routed experts only)."""
-        def rate(key, kind, convention="ours"):
-            t = self.times.get(key)
+        (backward) x routes x H x I, the shared expert counting as a route), keyed as times; plus, in SonicMoE's
+        convention (routed experts only), sonic_fused: the fused forward; sonic_bwd_fused: the fused backward timed
+        as SonicMoE times its own, fb_fused - fused (none when that is not positive)."""
+        def rate(key, kind, convention="ours", t=None):
+            t = self.times.get(key) if t is None else t
             count = flops(kind, convention, self.tokens, self.top_k, self.hidden, self.inter, self.shared)
-            return t and count / t / 1e9
+            return t and t > 0 and count / t / 1e9
 
         kinds = dict(fused="fwd", unfused="fwd", base="fwd", dense="fwd", fb_fused="f+b", fb_unfused="f+b",
                      fb_base="f+b", fb_dense="f+b", bwd_fused="bwd", bwd_unfused="bwd")
         rates = {k: rate(k, kind) for k, kind in kinds.items()}
-        rates.update(sonic_fused=rate("fused", "fwd", "sonic"), sonic_bwd_fused=rate("bwd_fused", "bwd", "sonic"))
+        fb, fwd = self.times.get("fb_fused"), self.times.get("fused")
+        rates.update(sonic_fused=rate("fused", "fwd", "sonic"),
+                     sonic_bwd_fused=fb and fwd and rate(None, "bwd", "sonic", fb - fwd))
         return {k: v for k, v in rates.items() if v}
 
     def dims(self):
