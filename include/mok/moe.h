@@ -396,8 +396,9 @@ class MoeWorkspace {
   int64_t padded_tokens() const { return padded_tokens_; }
   int64_t ring_rows() const { return ring_rows_; }
   int comm_ctas() const { return options_.fused.comm_ctas; }  // the fused path's dedicated communication CTAs
-  // Device memory per rank that the backward's buffers take (symmetric d_out, router weights and d_rw,
-  // and the per-rank scratch; docs/design.md, "Backward"); 0 without MoeOptions::backward.
+  // Device memory per rank that the backward's buffers take (symmetric d_out and router weights -- none at EP = 1
+  // without a shared expert --, d_rw, and the per-rank scratch; docs/design.md, "Backward"); 0 without
+  // MoeOptions::backward.
   int64_t backward_bytes() const { return backward_bytes_; }
   // Whether the backward recomputes routed rows' g, u and h: all rows without MoeOptions::keep_gate_up; with
   // it, the rows past a fused forward's ring when the ring is below the capacity (the kept ones are copied).

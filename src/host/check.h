@@ -8,6 +8,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "mok/routing.h"  // kMaxWaitTimeoutS
+
 namespace mok::detail {
 
 [[noreturn]] inline void throw_cuda_error(cudaError_t error, const char* call, const char* file, int line) {
@@ -21,6 +23,15 @@ inline void check_nccl(ncclResult_t result, const char* call) {
 
 inline void require(bool condition, const std::string& message) {
   if (!condition) throw std::invalid_argument(message);
+}
+
+// Every bound on a wait (ScheduleOptions::wait_timeout_s, WaitBound::timeout_s, MoeOptions::setup_timeout_s, a
+// setup call's timeout): std::invalid_argument "<name> must be a finite number of seconds in (0, 86400], got ..."
+// otherwise. The comparisons also reject NaN and infinity (the kernels count waits in integer nanoseconds).
+inline void require_seconds(double seconds, const std::string& name) {
+  require(seconds > 0 && seconds <= kMaxWaitTimeoutS, name + " must be a finite number of seconds in (0, " +
+                                                         std::to_string(static_cast<int>(kMaxWaitTimeoutS)) +
+                                                         "], got " + std::to_string(seconds));
 }
 
 }  // namespace mok::detail

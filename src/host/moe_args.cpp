@@ -286,7 +286,7 @@ int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t c
 }
 
 void validate_setup_timeout(double setup_timeout_s) {
-  require_setup_timeout(setup_timeout_s, "MoeOptions.setup_timeout_s");
+  require_seconds(setup_timeout_s, "MoeOptions.setup_timeout_s");
 }
 
 WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options) {

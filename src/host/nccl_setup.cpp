@@ -7,7 +7,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include "mok/routing.h"
 #include "src/host/check.h"
 #include "src/host/device_guard.h"
 
@@ -30,13 +29,6 @@ std::string seconds(double timeout_s) {
 void pause() { std::this_thread::sleep_for(std::chrono::milliseconds(1)); }
 
 }  // namespace
-
-void require_setup_timeout(double timeout_s, const std::string& name) {
-  // Also rejects NaN and infinity.
-  require(timeout_s > 0 && timeout_s <= kMaxWaitTimeoutS,
-          name + " must be a finite number of seconds in (0, " + std::to_string(static_cast<int>(kMaxWaitTimeoutS)) +
-              "], got " + std::to_string(timeout_s));
-}
 
 void finish_nccl(std::span<const ncclComm_t> comms, ncclResult_t result, const char* call, double timeout_s,
                  Clock::time_point since) {

@@ -28,10 +28,6 @@ class SetupTimeout : public std::runtime_error {
 
 using SetupClock = std::chrono::steady_clock;
 
-// std::invalid_argument "<name> must be a finite number of seconds in (0, 86400], got ..." unless it is one (the
-// rule of MoeOptions::setup_timeout_s and of PeerGroup's setup waits).
-void require_setup_timeout(double timeout_s, const std::string& name);
-
 // Finishes an NCCL call on `comms`: ncclSuccess returns at once, ncclInProgress polls every communicator's
 // ncclCommGetAsyncError until it leaves ncclInProgress. Throws std::runtime_error naming `call` on an NCCL error,
 // SetupTimeout once `timeout_s` seconds have passed since `since`.

@@ -199,7 +199,7 @@ PeerGroup PeerGroup::device_peers(const std::vector<int>& devices) {
 
 PeerGroup PeerGroup::nccl(const std::vector<ncclComm_t>& comms, double setup_timeout_s) {
   if (comms.empty()) throw std::invalid_argument("PeerGroup::nccl: comms is empty");
-  detail::require_setup_timeout(setup_timeout_s, "PeerGroup::nccl: setup_timeout_s");
+  detail::require_seconds(setup_timeout_s, "PeerGroup::nccl: setup_timeout_s");
   // A nonblocking communicator may still be in its init: its queries below need it ready (bounded, as above).
   detail::finish_nccl(comms, ncclInProgress, "the communicators' init (PeerGroup::nccl)", setup_timeout_s);
   int ep_size = 0;
@@ -326,7 +326,7 @@ std::vector<int64_t> PeerGroup::all_gather(const std::vector<int64_t>& values, d
     for (int r = 0; r < size(); ++r) gathered.insert(gathered.end(), values.begin(), values.end());
     return gathered;
   }
-  detail::require_setup_timeout(timeout_s, "PeerGroup::all_gather: timeout_s");
+  detail::require_seconds(timeout_s, "PeerGroup::all_gather: timeout_s");
   gathered.assign(size() * count, 0);
   const std::vector<int> local = local_ranks();
   std::vector<DeviceBuffer> buffers(size());  // [size() * count] gathered, then this rank's values

@@ -44,10 +44,7 @@ void ScheduleOptions::validate(const RoutingShape& shape) const {
                                  : "from load_factor " + std::to_string(load_factor) +
                                        ", the padding of each expert's rows to tile_m included") +
               ") is too large for int32 row indices (below 2^30): set capacity_rows or lower load_factor");
-  // Also rejects NaN and infinity (the kernels get it as an integer count of nanoseconds).
-  require(wait_timeout_s > 0 && wait_timeout_s <= kMaxWaitTimeoutS,
-          "ScheduleOptions.wait_timeout_s must be a finite number of seconds in (0, " +
-              std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " + std::to_string(wait_timeout_s));
+  detail::require_seconds(wait_timeout_s, "ScheduleOptions.wait_timeout_s");
 }
 
 namespace {

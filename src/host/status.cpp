@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "mok/routing.h"
+#include "src/host/check.h"
 
 namespace mok {
 namespace {
@@ -84,11 +85,7 @@ void validate(const WaitBound& bound, const std::string& prefix) {
   if (bound.status == nullptr)
     throw std::invalid_argument(prefix + "waits.status must point to the DeviceStatus (device memory) that the "
                                          "kernel's spin-waits report a timeout to");
-  // Also rejects NaN and infinity (the kernels count it in integer nanoseconds).
-  if (!(bound.timeout_s > 0 && bound.timeout_s <= kMaxWaitTimeoutS))
-    throw std::invalid_argument(prefix + "waits.timeout_s must be a finite number of seconds in (0, " +
-                                std::to_string(static_cast<int>(kMaxWaitTimeoutS)) + "], got " +
-                                std::to_string(bound.timeout_s));
+  detail::require_seconds(bound.timeout_s, prefix + "waits.timeout_s");
 }
 
 uint64_t timeout_ns(const WaitBound& bound) { return static_cast<uint64_t>(bound.timeout_s * 1e9); }
