@@ -35,7 +35,10 @@ sonic_TF = 6 * T*k * H * I / t of the fused forward; sonic_bwd_TF = 12 * T*k * H
 backward) - t(fused forward)), SonicMoE's own backward time (its benchmarks/moe-cute.py: "Bwd" = the fwd+bwd time
 minus the training-mode forward's). Our bwd_TF times the backward alone, each call starting on an idle GPU; the two
 differ by more than the count (round 24: 24.3 ms alone, 21.6-22.3 ms as the difference, at I = 1024).
-Without a shared expert (gpt-oss-120b, Qwen3-30B-A3B, a custom shape without one) the counts agree.
+With --sonic-timing both sonic columns come from times taken as SonicMoE's benchmark takes them
+(triton.testing.do_bench: calls back to back, the L2 cleared before each, the mean; back_to_back_ms), else from
+our per-call times. Without a shared expert (gpt-oss-120b, Qwen3-30B-A3B, a custom shape without one) the counts
+agree.
 Shapes: the model shapes by name (--shapes, default all) at --tokens per rank, and custom ones, --shape
 name:T:H:I:E:k[:shared] (repeatable; or as an entry of --shapes): T tokens per rank, shared the shared expert's
 width (0 or absent: none, so the run is routed experts only; else I, the library's only width), checked by
@@ -142,6 +145,24 @@ def time_ms(fns, iters, warmup_s=0.3):
     times = timed_turns(fns, iters)
     slowest = max_over_ranks(torch.tensor(times, dtype=torch.float64, device="cuda")).tolist()
     return [median(t) for t in slowest]
+
+
+def back_to_back_ms(fn, iters, flush_bytes=256 << 20):
+    """SonicMoE's timing (its benchmarks/moe-cute.py times with triton.testing.do_bench): one call to warm up, then
+    iters calls back to back (no synchronization between them, so the host's launch time hides behind the GPU's
+    work), each after an L2-clearing write of flush_bytes and between its own CUDA events; the mean in ms, the
+    slowest rank's (every rank makes the same calls)."""
+    cache = torch.empty(flush_bytes, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, stop in events:
+        cache.zero_()
+        start.record()
+        fn()
+        stop.record()
+    torch.cuda.synchronize()
+    return max_value_over_ranks(sum(start.elapsed_time(stop) for start, stop in events) / iters)
 
 
 def make_inputs(num_experts, hidden, inter, top_k, shared, tokens, ep, rank, skew, seed):
@@ -697,6 +718,16 @@ def run_shape(lib, args, ep, rank, shape):
         line = clock_line(list(clocks), list(clocks.values()))
         if line and rank == 0:
             print(f"  {label}: {line}", flush=True)
+        if args.sonic_timing and "fused" in layers and not args.only and not args.check_only:
+            # --sonic-timing: the fused forward and forward + backward timed as SonicMoE's benchmark times its own
+            times["sonic_fused"] = back_to_back_ms(ours_forward("fused"), args.iters)
+            if backward and not bwd["error"]:
+                times["sonic_fb_fused"] = back_to_back_ms(ours_train("fused"), args.iters)
+            timed = f"forward {times['sonic_fused']:.2f} ms"
+            if "sonic_fb_fused" in times:
+                timed += f", forward + backward {times['sonic_fb_fused']:.2f} ms"
+            notes.append(f"{name}: sonic_TF and sonic_bwd_TF timed as SonicMoE's benchmark times its own (calls back "
+                         f"to back, the L2 cleared before each, the mean of {args.iters}): {timed}")
         if args.timeline and "fused" in layers:
             os.makedirs(args.timeline, exist_ok=True)
             path = os.path.join(args.timeline, f"timeline_{name}_ep{ep}_rank{rank}.json")
@@ -737,7 +768,8 @@ class ShapeResult:
         """TFLOP/s of every timed call in our convention (shapes.flops "ours": 6 (forward), 18 (fwd+bwd) or 12
         (backward) x routes x H x I, the shared expert counting as a route), keyed as times; plus, in SonicMoE's
         convention (routed experts only), sonic_fused: the fused forward; sonic_bwd_fused: the fused backward timed
-        as SonicMoE times its own, fb_fused - fused (none when that is not positive)."""
+        as SonicMoE times its own, forward + backward minus forward (none when that is not positive). Both from the
+        back-to-back times of --sonic-timing (times sonic_fused, sonic_fb_fused) when it ran, else from ours."""
         def rate(key, kind, convention="ours", t=None):
             t = self.times.get(key) if t is None else t
             count = flops(kind, convention, self.tokens, self.top_k, self.hidden, self.inter, self.shared)
@@ -746,8 +778,9 @@ class ShapeResult:
         kinds = dict(fused="fwd", unfused="fwd", base="fwd", dense="fwd", fb_fused="f+b", fb_unfused="f+b",
                      fb_base="f+b", fb_dense="f+b", bwd_fused="bwd", bwd_unfused="bwd")
         rates = {k: rate(k, kind) for k, kind in kinds.items()}
-        fb, fwd = self.times.get("fb_fused"), self.times.get("fused")
-        rates.update(sonic_fused=rate("fused", "fwd", "sonic"),
+        keys = ("sonic_fb_fused", "sonic_fused") if "sonic_fb_fused" in self.times else ("fb_fused", "fused")
+        fb, fwd = (self.times.get(key) for key in keys)
+        rates.update(sonic_fused=rate("sonic_fused" if "sonic_fused" in self.times else "fused", "fwd", "sonic"),
                      sonic_bwd_fused=fb and fwd and rate(None, "bwd", "sonic", fb - fwd))
         return {k: v for k, v in rates.items() if v}
 
@@ -890,6 +923,10 @@ def main():
                         "X-train = forward + backward, X-bwd = backward alone")
     parser.add_argument("--check-only", action="store_true", help="correctness checks only, no timing")
     parser.add_argument("--breakdown", action="store_true", help="also print our GPU time per kernel (torch.profiler)")
+    parser.add_argument("--sonic-timing", action="store_true",
+                        help="also time the fused forward and forward + backward as SonicMoE's benchmark does (calls "
+                        "back to back, the L2 cleared by a 256 MiB write before each, the mean): sonic_TF and "
+                        "sonic_bwd_TF use them")
     parser.add_argument("--backward-megakernel", action="store_true",
                         help="the fused layer's backward as one persistent launch (FusedOptions::backward_megakernel)")
     parser.add_argument("--gather-rows", action="store_true",

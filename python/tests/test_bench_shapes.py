@@ -151,6 +151,18 @@ def test_tflops_both_conventions():
     assert "sonic_bwd_fused" not in shape_result(False, dict(fused=2.0, fb_fused=2.0)).tflops(), "no positive time"
 
 
+def test_sonic_timing_times_replace_ours_in_the_sonic_columns():
+    # --sonic-timing: the back-to-back times (sonic_fused, sonic_fb_fused) give both sonic columns; ours stay ours
+    times = dict(fused=7.53, fb_fused=20.0, bwd_fused=13.46, sonic_fused=6.6, sonic_fb_fused=18.6)
+    rates = shape_result(False, times).tflops()
+    assert rates["sonic_fused"] == pytest.approx(6 * 32768 * 8 * 4096 * 512 / 6.6 / 1e9)
+    assert rates["sonic_bwd_fused"] == pytest.approx(12 * 32768 * 8 * 4096 * 512 / (18.6 - 6.6) / 1e9)
+    assert round(rates["fused"]) == 438 and round(rates["bwd_fused"]) == 490, "our columns keep our times"
+    forward_only = shape_result(False, dict(fused=7.53, sonic_fused=6.6)).tflops()
+    assert forward_only["sonic_fused"] == pytest.approx(rates["sonic_fused"])
+    assert "sonic_bwd_fused" not in forward_only, "no forward + backward timed: no backward rate"
+
+
 def test_table_prints_the_sonic_columns():
     times = dict(fused=7.53, unfused=8.0, base=20.0, dense=5.0, fb_fused=20.0, fb_unfused=21.0, bwd_fused=13.46,
                  bwd_unfused=14.0, fb_base=60.0, fb_dense=15.0)
