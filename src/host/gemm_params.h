@@ -95,8 +95,13 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
   // A scattering GEMM (args.scatter) stores no rows to `out` (null): its descriptor stays empty, never used.
   decltype(make_store(args.out, out_cols)) tma_out{};
   if (args.out != nullptr) tma_out = make_store(args.out, out_cols);
+  decltype(tma_out) tma_gate_up_out{};
+  if constexpr (kEpilogue == GemmEpilogue::kSwiGLU) {
+    if constexpr (T::Epilogue::kGateUpOut) tma_gate_up_out = make_store(args.gate_up_out, 2 * int64_t(args.n));
+  }
 
-  gemm::GemmParams<decltype(tma_a), decltype(tma_b0), decltype(tma_out)> p{tma_a, tma_b0, tma_b1, tma_out};
+  gemm::GemmParams<decltype(tma_a), decltype(tma_b0), decltype(tma_out)> p{tma_a, tma_b0, tma_b1, tma_out,
+                                                                           tma_gate_up_out};
   p.a_rows = args.a_rows;
   p.b_rows = b_rows;
   p.k = args.k;
@@ -121,9 +126,6 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
   p.row_scale = args.row_scale;
   p.swiglu_limit = args.swiglu_limit;
   p.out_cols = out_cols;
-  if constexpr (kEpilogue == GemmEpilogue::kSwiGLU) {
-    if constexpr (T::Epilogue::kGateUpOut) p.gate_up_out = static_cast<__nv_bfloat16*>(args.gate_up_out);
-  }
   p.gate_up = static_cast<const __nv_bfloat16*>(args.gate_up);
   p.row_partials = args.row_partials;
   return p;

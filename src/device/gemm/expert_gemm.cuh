@@ -138,6 +138,7 @@ struct GemmParams {
   TmaB tma_b0;     // kK: B half 0 source [b_rows, k]; kMN: B [b_rows, n], the first b_k_blocks0 k-blocks
   TmaB tma_b1;     // kK: B half 1 source [b_rows, k]; kMN: B [b_rows, n], the k-blocks after those
   TmaOut tma_out;  // Y / H [a_rows, out_cols], stores of one 64 x 64 box
+  TmaOut tma_gate_up_out;  // SwiGLUEpilogue<true>: g / u [a_rows, 2n]; unused (empty) otherwise
   int64_t a_rows = {};
   int64_t b_rows = {};
   int k = {};
@@ -158,7 +159,6 @@ struct GemmParams {
   const float* row_scale = {};  // nullable
   float swiglu_limit = {};      // 0: plain SwiGLU
   int64_t out_cols = {};
-  __nv_bfloat16* gate_up_out = {};    // SwiGLUEpilogue<true>: g / u [a_rows, 2n]
   const __nv_bfloat16* gate_up = {};  // kSwiGLUBackward: the forward's g / u [a_rows, 2n]
   float* row_partials = {};           // kSwiGLUBackward: [a_rows, num_n_blocks]
   int32_t* ticket = {};  // zeroed before the launch; each cluster takes its next slot from it

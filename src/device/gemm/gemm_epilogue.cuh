@@ -326,22 +326,22 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
       return (box_col + box) * T::kBoxCols < p.out_cols ? box_col + box : -1;
     });
     if constexpr (kWritesGateUp) {
-      // The raw g and u of the same columns, rounded once from the accumulators (h above never sees these
-      // roundings), stored from registers: gate_up_out[r, col + c] = g, gate_up_out[r, n + col + c] = u. Why not
-      // staged as h is: nothing in the kernel reads them (the backward does), and two more staged passes waited
-      // twice for the TMA to read the boxes (perf_notes round 25).
-      const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
-      const int64_t cols = 2 * int64_t(p.n);
+      // The raw g, then u, of the same columns, rounded once from the accumulators (h above never sees
+      // these roundings): part 0 to gate_up_out[:, col + c], part 1 to gate_up_out[:, n + col + c].
       CUTE_UNROLL
-      for (int i = 0; i < kHalf; i += 2) {
-        const int r = get<0>(coords(i)), c = col + get<1>(coords(i));
-        const int64_t row = int64_t(task.buffer_row) + r;
-        if (row >= p.a_rows || c >= p.n) continue;
-        const bool real = r < rows.valid_rows;
-        __nv_bfloat16* g = p.gate_up_out + row * cols + c;
-        *reinterpret_cast<__nv_bfloat162*>(g) = real ? __floats2bfloat162_rn(accum(i), accum(i + 1)) : zero;
-        *reinterpret_cast<__nv_bfloat162*>(g + p.n) =
-            real ? __floats2bfloat162_rn(accum(i + kHalf), accum(i + kHalf + 1)) : zero;
+      for (int part = 0; part < 2; ++part) {
+        stager.begin_pass();
+        CUTE_UNROLL
+        for (int i = part * kHalf; i < (part + 1) * kHalf; i += 2) {
+          const int r = get<0>(coords(i));
+          stager.stage(r, get<1>(coords(i)) - part * T::kHalfN,
+                       r < rows.valid_rows ? __floats2bfloat162_rn(accum(i), accum(i + 1))
+                                           : __floats2bfloat162_rn(0.0f, 0.0f));
+        }
+        stager.end_pass(p.tma_gate_up_out, p.a_rows, 2 * int64_t(p.n), [&](int box) {
+          const int c = col + box * T::kBoxCols;
+          return c < p.n ? (part * p.n + c) / T::kBoxCols : -1;
+        });
       }
     }
   }
