@@ -38,20 +38,6 @@
 
 namespace mok::gemm {
 
-#ifdef MOK_TIMELINE_PROBE
-// Experiment (perf_notes round 25): per CTA, when the timeline's recorder thread (threadIdx.x 128) found its
-// tile's first stage full [0] and finished its mainloop [1]; the megakernel's recorder reads them back.
-static __device__ uint64_t timeline_probe[2 * 1024];
-#define MOK_PROBE(i)                                                                          \
-  do {                                                                                        \
-    if (threadIdx.x == 128) timeline_probe[2 * blockIdx.x + (i)] = device::global_timer_ns(); \
-  } while (0)
-#else
-#define MOK_PROBE(i) \
-  do {               \
-  } while (0)
-#endif
-
 // Operand policy: element type and the majorness of A and B. A stage's k-block is one 128-byte swizzle row
 // of the element: 64 bf16, 128 e4m3.
 template <class Element_, OperandMajor kAMajor_, OperandMajor kBMajor_>
@@ -288,7 +274,6 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   }
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     consumer_wait_bounded(pipeline, read_state, bound);
-    if (k_block == 0) MOK_PROBE(0);
     // Why: gathered A chunks were written through the generic proxy; wgmma reads them through the async proxy.
     if constexpr (GathersRows<C>) cutlass::arch::fence_view_async_shared();
     const int stage = read_state.index();
@@ -310,7 +295,6 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(accum);
-  MOK_PROBE(1);
   if (num_k_blocks > 0) {
     pipeline.consumer_release(release_state);
     ++release_state;

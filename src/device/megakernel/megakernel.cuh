@@ -220,18 +220,9 @@ __device__ __forceinline__ void run_megakernel_consumer(const Params& p, Megaker
     uint64_t* rows_done = phase.signals == kNoCounter ? nullptr : c.counters.base[phase.signals];
     const TileRecord tile = Tasks::compute(p, phase, task, cta_rank, smem.gemm, pipeline, state, consumer_idx,
                                            rows_done, signal, bound);
-#ifdef MOK_TIMELINE_PROBE
-    // Experiment: rows and n_block carry the ns from the task's start to its first full stage and to its
-    // mainloop's end (gemm::timeline_probe).
-    if (recorder)
-      c.timeline.record(kGemmTrack, recorded, phase.kind, start, device::global_timer_ns(), tile.row,
-                        int32_t(gemm::timeline_probe[2 * blockIdx.x] - start),
-                        int32_t(gemm::timeline_probe[2 * blockIdx.x + 1] - start), task.expert);
-#else
     if (recorder)
       c.timeline.record(kGemmTrack, recorded, phase.kind, start, device::global_timer_ns(), tile.row, tile.rows,
                         tile.n_block, task.expert);
-#endif
   }
   if (threadIdx.x % 128 == 0) {
     signal.flush();
