@@ -31,14 +31,12 @@ forward's GEMM work. TFLOP/s per GPU, the shared expert counting as one more rou
   forward + backward 18 * (T + T*k) * H * I / t      (18 * T*k * H * I without a shared expert)
   backward alone     12 * (T + T*k) * H * I / t      (12 * T*k * H * I without a shared expert)
 and, in SonicMoE's convention (routed experts only, whatever else the layer computes; bench/shapes.py, flops):
-sonic_TF = 6 * T*k * H * I / t of the fused forward; sonic_bwd_TF = 12 * T*k * H * I / (t(fused forward +
-backward) - t(fused forward)), SonicMoE's own backward time (its benchmarks/moe-cute.py: "Bwd" = the fwd+bwd time
-minus the training-mode forward's). Our bwd_TF times the backward alone, each call starting on an idle GPU; the two
-differ by more than the count (round 24: 24.3 ms alone, 21.6-22.3 ms as the difference, at I = 1024).
-With --sonic-timing both sonic columns come from times taken as SonicMoE's benchmark takes them
-(triton.testing.do_bench: calls back to back, the L2 cleared before each, the mean; back_to_back_ms), else from
-our per-call times. Without a shared expert (gpt-oss-120b, Qwen3-30B-A3B, a custom shape without one) the counts
-agree.
+sonic_TF = 6 * T*k * H * I / t of the fused forward, sonic_bwd_TF = 12 * T*k * H * I / t of its backward called alone.
+With --sonic-timing both come from times taken as SonicMoE's benchmark (its benchmarks/moe-cute.py) takes them:
+triton.testing.do_bench's way (calls back to back, the L2 cleared before each, the mean; back_to_back_ms), the
+backward as the forward + backward time minus the training-mode forward's. Not from our per-call times subtracted:
+those put the backward 1.5-2.5 ms under both timings at I = 1024 (perf_notes rounds 24-25). Without a shared expert
+(gpt-oss-120b, Qwen3-30B-A3B, a custom shape without one) the counts agree.
 Shapes: the model shapes by name (--shapes, default all) at --tokens per rank, and custom ones, --shape
 name:T:H:I:E:k[:shared] (repeatable; or as an entry of --shapes): T tokens per rank, shared the shared expert's
 width (0 or absent: none, so the run is routed experts only; else I, the library's only width), checked by
@@ -767,9 +765,9 @@ class ShapeResult:
     def tflops(self):
         """TFLOP/s of every timed call in our convention (shapes.flops "ours": 6 (forward), 18 (fwd+bwd) or 12
         (backward) x routes x H x I, the shared expert counting as a route), keyed as times; plus, in SonicMoE's
-        convention (routed experts only), sonic_fused: the fused forward; sonic_bwd_fused: the fused backward timed
-        as SonicMoE times its own, forward + backward minus forward (none when that is not positive). Both from the
-        back-to-back times of --sonic-timing (times sonic_fused, sonic_fb_fused) when it ran, else from ours."""
+        convention (routed experts only), sonic_fused: the fused forward; sonic_bwd_fused: the fused backward. With
+        --sonic-timing's back-to-back times (sonic_fused, sonic_fb_fused) both are SonicMoE's timing, the backward
+        as forward + backward minus forward (none when that is not positive); else ours (fused, bwd_fused)."""
         def rate(key, kind, convention="ours", t=None):
             t = self.times.get(key) if t is None else t
             count = flops(kind, convention, self.tokens, self.top_k, self.hidden, self.inter, self.shared)
@@ -778,10 +776,12 @@ class ShapeResult:
         kinds = dict(fused="fwd", unfused="fwd", base="fwd", dense="fwd", fb_fused="f+b", fb_unfused="f+b",
                      fb_base="f+b", fb_dense="f+b", bwd_fused="bwd", bwd_unfused="bwd")
         rates = {k: rate(k, kind) for k, kind in kinds.items()}
-        keys = ("sonic_fb_fused", "sonic_fused") if "sonic_fb_fused" in self.times else ("fb_fused", "fused")
-        fb, fwd = (self.times.get(key) for key in keys)
+        if "sonic_fb_fused" in self.times:
+            backward = self.times["sonic_fb_fused"] - self.times["sonic_fused"]
+        else:
+            backward = self.times.get("bwd_fused")
         rates.update(sonic_fused=rate("sonic_fused" if "sonic_fused" in self.times else "fused", "fwd", "sonic"),
-                     sonic_bwd_fused=fb and fwd and rate(None, "bwd", "sonic", fb - fwd))
+                     sonic_bwd_fused=backward and rate(None, "bwd", "sonic", backward))
         return {k: v for k, v in rates.items() if v}
 
     def dims(self):
