@@ -123,6 +123,18 @@ def main():
                 lb.check(lib.mok_bench_layer_backward(layer, *pointers, d_out.data_ptr(), d_x.data_ptr(),
                                                       d_rw.data_ptr(), *arrays, stream, lb.ERROR, len(lb.ERROR)))
 
+            def event_ms(fn, host=None):
+                """fn's time between CUDA events around it (ms); host: the list that gets the host's ms inside fn."""
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                h0 = time.perf_counter()
+                fn()
+                if host is not None:
+                    host.append((time.perf_counter() - h0) * 1e3)
+                b.record()
+                b.synchronize()
+                return a.elapsed_time(b)
+
             for _ in range(3):
                 forward()
                 backward()
@@ -132,22 +144,10 @@ def main():
                 for _ in range(args.iters):
                     forward()  # the context a backward reads; before a forward, the same work
                     torch.cuda.synchronize()
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    h0 = time.perf_counter()
-                    call()
-                    host.append((time.perf_counter() - h0) * 1e3)
-                    b.record()
-                    b.synchronize()
-                    alone.append(a.elapsed_time(b))
+                    alone.append(event_ms(call, host))
                 for _ in range(args.iters):
                     forward()
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    call()
-                    b.record()
-                    b.synchronize()
-                    in_stream.append(a.elapsed_time(b))
+                    in_stream.append(event_ms(call))
                 with tempfile.TemporaryDirectory() as tmp:
                     trace = os.path.join(tmp, "trace.json")
                     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
