@@ -35,7 +35,7 @@ sonic_TF = 6 * T*k * H * I / t of the fused forward, sonic_bwd_TF = 12 * T*k * H
 With --sonic-timing both come from times taken as SonicMoE's benchmark (its benchmarks/moe-cute.py) takes them:
 triton.testing.do_bench's way (calls back to back, the L2 cleared before each, the mean; back_to_back_ms), the
 backward as the forward + backward time minus the training-mode forward's. Not from our per-call times subtracted:
-those put the backward 1.5-2.5 ms under both timings at I = 1024 (perf_notes rounds 24-25). Without a shared expert
+those put the backward 1-3 ms under the other two timings at I = 1024 (perf_notes rounds 24-25). Without a shared expert
 (gpt-oss-120b, Qwen3-30B-A3B, a custom shape without one) the counts agree.
 Shapes: the model shapes by name (--shapes, default all) at --tokens per rank, and custom ones, --shape
 name:T:H:I:E:k[:shared] (repeatable; or as an entry of --shapes): T tokens per rank, shared the shared expert's
