@@ -27,16 +27,6 @@ template <int kClusterN>
 using SwiGLUTraits = ExpertGemmTraits<KMajorMainloop, gemm::SwiGLUEpilogue<false>, kClusterN>;
 template <int kClusterN>
 using StoreTraits = ExpertGemmTraits<KMajorMainloop, gemm::StoreEpilogue, kClusterN>;
-// The forward megakernel's tiles: ExpertGemmTraits, or (experiment MOK_EXPERIMENT_FWD_STAGING, perf_notes round
-// 25) 3 stages and 4 staging boxes a warpgroup, so that a tile's epilogue stages up to 4 boxes (the down tile's
-// whole output) before it waits for a store to read one.
-#ifdef MOK_EXPERIMENT_FWD_STAGING
-template <class Mainloop, class Epilogue, int kClusterN>
-using ForwardMegakernelTraits = gemm::GemmTraits<128, 256, 3, Mainloop, Epilogue, kClusterN, 4>;
-#else
-template <class Mainloop, class Epilogue, int kClusterN>
-using ForwardMegakernelTraits = ExpertGemmTraits<Mainloop, Epilogue, kClusterN>;
-#endif
 // FP8 (Precision::kFP8): 128 x 128 accumulator tiles (a k-block's partial sums beside the promoted ones: two
 // accumulator sets), k-blocks of 128, 5 stages of 32 KB.
 template <class Epilogue, int kClusterN>

@@ -12,9 +12,9 @@ namespace {
 // The megakernel's gate/up and down GEMMs: the standalone GEMM's tiles (src/host/gemm_params.h). kKeepGateUp:
 // the gate/up epilogue also writes the raw g and u into the context (MoeOptions::keep_gate_up).
 template <int kClusterN, bool kKeepGateUp = false>
-using GateUpTraits = ForwardMegakernelTraits<KMajorMainloop, gemm::SwiGLUEpilogue<kKeepGateUp>, kClusterN>;
+using GateUpTraits = ExpertGemmTraits<KMajorMainloop, gemm::SwiGLUEpilogue<kKeepGateUp>, kClusterN>;
 template <int kClusterN>
-using DownTraits = ForwardMegakernelTraits<KMajorMainloop, gemm::StoreEpilogue, kClusterN>;
+using DownTraits = StoreTraits<kClusterN>;
 
 template <int kClusterN, bool kKeepGateUp>
 auto kernel_of() {

@@ -69,10 +69,7 @@ constexpr auto b_box_layout() {
 // GemmTraits = tile shape + operand policy (mainloop.cuh: Bf16Mainloop<A major, B major>, A K-major here and B
 // either; or Fp8Mainloop, both K-major, block-scaled) + epilogue policy (gemm_epilogue.cuh) + the cluster size,
 // over the collective mainloop. Outputs are bf16 whatever the operands.
-// kStagingBoxesOverride (> 0): the epilogue's staging boxes a warpgroup, in place of the count derived below
-// (experiment MOK_EXPERIMENT_FWD_STAGING, src/host/gemm_params.h).
-template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_,
-          int kStagingBoxesOverride = 0>
+template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_>
 struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_> {
   using Collective = CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_>;
   using Mainloop = Mainloop_;
@@ -118,11 +115,9 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_:
   // (64 bf16 columns, or 128 e4m3; the 128-byte swizzle), which TMA stores copy out. Staged in passes of
   // kStagingCols columns, which keeps 4 pipeline stages within shared memory.
   static constexpr int kBoxCols = 128 / static_cast<int>(sizeof(OutElement));
-  static constexpr int kStagingBoxes = kStagingBoxesOverride > 0              ? kStagingBoxesOverride
-                                       : kOutCols % (2 * kBoxCols) == 0 ? 2
-                                                                        : 1;  // 192 columns: 3 passes of one
+  static constexpr int kStagingBoxes = kOutCols % (2 * kBoxCols) == 0 ? 2 : 1;  // 192 columns: 3 passes of one
   static constexpr int kStagingCols = kStagingBoxes * kBoxCols;
-  static_assert(kOutCols % kStagingCols == 0 || kStagingBoxesOverride > 0, "whole staging passes");
+  static_assert(kOutCols % kStagingCols == 0, "whole staging passes");
   using SmemLayoutOutBox = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<OutElement>{},
                                                          cute::make_shape(cute::Int<64>{}, cute::Int<kBoxCols>{})));
 

@@ -19,11 +19,10 @@
 //
 // Output path (all three): registers -> bf16 boxes of 64 x 64 in shared memory (the TMA's 128-byte swizzle;
 // the fragment-order writes, 8 rows x 4 lanes a warp, hit 32 distinct banks) -> TMA stores issued by the
-// warpgroup's first thread, which drain while the warpgroup runs its next tile. Store and SwiGLU: a pass
-// stages one box, alternating between the warpgroup's two, so that it overlaps the store of the pass before
-// (TileStager::begin_box): store kOutCols / 64 passes, SwiGLU 2 (+ 4 for g and u). SwiGLU backward: a pass
-// stages both boxes (d_g and d_u of 64 columns) and the next reuses them once the stores have read them,
-// kBlockN / 64 passes.
+// warpgroup's first thread, which drain while the warpgroup runs its next tile. A pass stages
+// kStagingBoxes boxes; the next pass reuses them once the stores have read them (TileStager). Passes:
+// store 2 (128 columns each), SwiGLU 1 (+ 2 for g and u), SwiGLU backward kBlockN / 64 (d_g and d_u of 64
+// columns each).
 // Determinism: each output element is computed by one thread from its own accumulators; the row partials
 // sum a thread's columns in order, then the quad's four sums by a butterfly (identical bits in every
 // lane, see SwiGLUBackwardEpilogue). No atomics.
@@ -117,43 +116,20 @@ struct TileStager {
   // of no output). box_col runs on the store leader only.
   template <class Tma, class BoxCol>
   __device__ __forceinline__ void end_pass(const Tma& tma, int64_t a_rows, int64_t cols, BoxCol&& box_col) const {
+    using namespace cute;
     end_pass_with([&] {
+      Tensor m_out = tma.get_tma_tensor(make_shape(a_rows, cols));
       CUTE_UNROLL
       for (int box = 0; box < T::kStagingBoxes; ++box) {
         const int col = box_col(box);
         if (col < 0) break;
-        store_box(tma, a_rows, cols, box, col);
+        Tensor s_box = make_tensor(make_smem_ptr(reinterpret_cast<typename T::OutElement*>(smem.staging[warpgroup][box])),
+                                   typename T::SmemLayoutOutBox{});
+        Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, col));
+        auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
+        copy(tma, t_s, t_g);
       }
     });
-  }
-
-  // Passes of one box each, alternating between the two staging boxes, so that a pass's staging overlaps the
-  // store of the pass before it: pass q stages box q % 2, and before it only the store of pass q - 2 (the same
-  // box) must have read it. The first pass of a tile waits (and flushes) as begin_pass.
-  // With one staging box (a 64-column output tile) every pass waits for the one before it.
-  __device__ __forceinline__ void begin_box(int pass) const {
-    if (pass == 0) return begin_pass();
-    if (store_leader) cute::tma_store_wait<T::kStagingBoxes - 1>();
-    cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + warpgroup);
-  }
-  // Stores box pass % kStagingBoxes to box column col (nothing when col < 0: columns past the tensor's).
-  template <class Tma>
-  __device__ __forceinline__ void end_box(const Tma& tma, int64_t a_rows, int64_t cols, int pass, int col) const {
-    end_pass_with([&] {
-      if (col >= 0) store_box(tma, a_rows, cols, pass % T::kStagingBoxes, col);
-    });
-  }
-
-  // Staging box `box` to box column col of `tma`'s [a_rows, cols] tensor (the store leader).
-  template <class Tma>
-  __device__ __forceinline__ void store_box(const Tma& tma, int64_t a_rows, int64_t cols, int box, int col) const {
-    using namespace cute;
-    Tensor m_out = tma.get_tma_tensor(make_shape(a_rows, cols));
-    Tensor s_box = make_tensor(make_smem_ptr(reinterpret_cast<typename T::OutElement*>(smem.staging[warpgroup][box])),
-                               typename T::SmemLayoutOutBox{});
-    Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, col));
-    auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
-    copy(tma, t_s, t_g);
   }
 
   // A scattering epilogue's passes (row_scatter.cuh): every thread stores one row's box of the pass by TMA, so
@@ -290,49 +266,28 @@ struct StoreEpilogue : RowTileEpilogue<StoreEpilogue> {
       scatter_row = ScatterRow::resolve(p.scatter, int64_t(task.row) + stager.warpgroup * kUnitRows + r,
                                         r < rows.valid_rows - stager.warpgroup * kUnitRows);
     }
-    if constexpr (!ScattersRows<Params>) {
-      // Passes of one box (64 columns), alternating boxes (TileStager::begin_box).
-      constexpr int kBoxPasses = T::kOutCols / T::kBoxCols;
-      constexpr int kBoxValues = kValues / kBoxPasses;
+    CUTE_UNROLL
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int pass_begin = pass * T::kStagingCols;
+      if constexpr (ScattersRows<Params>)
+        stager.begin_pass_scattered();
+      else
+        stager.begin_pass();
       CUTE_UNROLL
-      for (int pass = 0; pass < kBoxPasses; ++pass) {
-        const int pass_begin = pass * T::kBoxCols, staged = (pass % T::kStagingBoxes) * T::kBoxCols;
-        stager.begin_box(pass);
-        CUTE_UNROLL
-        for (int i = pass * kBoxValues; i < (pass + 1) * kBoxValues; i += 2) {
-          const int r = get<0>(coords(i));
-          const float scale = rows.row_scale[(i / 2) % 2];
-          stager.stage(r, get<1>(coords(i)) - pass_begin + staged,
-                       r < rows.valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
-                                           : __floats2bfloat162_rn(0.0f, 0.0f));
-        }
-        const int box_col = (task.n_block * T::kOutCols + pass_begin) / T::kBoxCols;
-        stager.end_box(p.tma_out, p.a_rows, p.out_cols, pass, box_col * T::kBoxCols < p.out_cols ? box_col : -1);
+      for (int i = pass * kPassValues; i < (pass + 1) * kPassValues; i += 2) {
+        const int r = get<0>(coords(i));
+        const float scale = rows.row_scale[(i / 2) % 2];
+        stager.stage(r, get<1>(coords(i)) - pass_begin,
+                     r < rows.valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
+                                         : __floats2bfloat162_rn(0.0f, 0.0f));
       }
-    } else {
-      CUTE_UNROLL
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const int pass_begin = pass * T::kStagingCols;
-        if constexpr (ScattersRows<Params>)
-          stager.begin_pass_scattered();
-        else
-          stager.begin_pass();
-        CUTE_UNROLL
-        for (int i = pass * kPassValues; i < (pass + 1) * kPassValues; i += 2) {
-          const int r = get<0>(coords(i));
-          const float scale = rows.row_scale[(i / 2) % 2];
-          stager.stage(r, get<1>(coords(i)) - pass_begin,
-                       r < rows.valid_rows ? __floats2bfloat162_rn(accum(i) * scale, accum(i + 1) * scale)
-                                           : __floats2bfloat162_rn(0.0f, 0.0f));
-        }
-        if constexpr (ScattersRows<Params>) {
-          stager.end_pass_scattered(scatter_row, int64_t(task.n_block) * T::kOutCols + pass_begin, p.n);
-        } else {
-          const int box_col = (task.n_block * T::kOutCols + pass_begin) / T::kBoxCols;
-          stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) {
-            return (box_col + box) * T::kBoxCols < p.out_cols ? box_col + box : -1;
-          });
-        }
+      if constexpr (ScattersRows<Params>) {
+        stager.end_pass_scattered(scatter_row, int64_t(task.n_block) * T::kOutCols + pass_begin, p.n);
+      } else {
+        const int box_col = (task.n_block * T::kOutCols + pass_begin) / T::kBoxCols;
+        stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) {
+          return (box_col + box) * T::kBoxCols < p.out_cols ? box_col + box : -1;
+        });
       }
     }
   }
@@ -354,47 +309,39 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
     // the activation is register-local.
     constexpr int kValues = decltype(cute::size(accum))::value;
     constexpr int kHalf = kValues / 2;
-    constexpr int kBoxes = T::kOutCols / T::kBoxCols;  // of h (of g, of u): 1 or 2
-    constexpr int kBoxValues = kHalf / kBoxes;            // a box's gate values
-    static_assert(kBoxes * T::kBoxCols == T::kOutCols && kBoxes <= 2, "h is whole boxes");
+    static_assert(T::kOutCols == T::kStagingCols, "the SwiGLU output tile is staged in one pass");
     const int col = task.n_block * T::kOutCols;
     const float limit = p.swiglu_limit;
-    // Passes of one box (TileStager::begin_box): h's boxes, then (kWritesGateUp) g's and u's. Box b of a part holds
-    // the part's columns [64 b, 64 b + 64): values [b, b + 1) * kBoxValues of its half, staged in box pass % 2.
-    const auto staged = [](int pass, int b) { return (pass % T::kStagingBoxes - b) * T::kBoxCols; };
+    stager.begin_pass();
     CUTE_UNROLL
-    for (int b = 0; b < kBoxes; ++b) {
-      stager.begin_box(b);
-      CUTE_UNROLL
-      for (int i = b * kBoxValues; i < (b + 1) * kBoxValues; i += 2) {
-        const int r = get<0>(coords(i));
-        float h[2];
-        swiglu_pair<kHalf>(accum, i, limit, rows.row_scale[(i / 2) % 2], h);
-        stager.stage(r, get<1>(coords(i)) + staged(b, b),
-                     r < rows.valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f));
-      }
-      const int box_col = col / T::kBoxCols + b;
-      stager.end_box(p.tma_out, p.a_rows, p.out_cols, b, box_col * T::kBoxCols < p.out_cols ? box_col : -1);
+    for (int i = 0; i < kHalf; i += 2) {
+      const int r = get<0>(coords(i));
+      float h[2];
+      swiglu_pair<kHalf>(accum, i, limit, rows.row_scale[(i / 2) % 2], h);
+      stager.stage(r, get<1>(coords(i)),
+                   r < rows.valid_rows ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f));
     }
+    const int box_col = col / T::kBoxCols;
+    stager.end_pass(p.tma_out, p.a_rows, p.out_cols, [&](int box) {
+      return (box_col + box) * T::kBoxCols < p.out_cols ? box_col + box : -1;
+    });
     if constexpr (kWritesGateUp) {
-      // The raw g, then u, of the same columns, rounded once from the accumulators (h above never sees these
-      // roundings): part 0 to gate_up_out[:, col + c], part 1 to gate_up_out[:, n + col + c].
+      // The raw g, then u, of the same columns, rounded once from the accumulators (h above never sees
+      // these roundings): part 0 to gate_up_out[:, col + c], part 1 to gate_up_out[:, n + col + c].
       CUTE_UNROLL
       for (int part = 0; part < 2; ++part) {
+        stager.begin_pass();
         CUTE_UNROLL
-        for (int b = 0; b < kBoxes; ++b) {
-          const int pass = kBoxes * (1 + part) + b;
-          stager.begin_box(pass);
-          CUTE_UNROLL
-          for (int i = part * kHalf + b * kBoxValues; i < part * kHalf + (b + 1) * kBoxValues; i += 2) {
-            const int r = get<0>(coords(i));
-            stager.stage(r, get<1>(coords(i)) - part * T::kHalfN + staged(pass, b),
-                         r < rows.valid_rows ? __floats2bfloat162_rn(accum(i), accum(i + 1))
-                                             : __floats2bfloat162_rn(0.0f, 0.0f));
-          }
-          const int c = col + b * T::kBoxCols;
-          stager.end_box(p.tma_gate_up_out, p.a_rows, 2 * int64_t(p.n), pass, c < p.n ? (part * p.n + c) / T::kBoxCols : -1);
+        for (int i = part * kHalf; i < (part + 1) * kHalf; i += 2) {
+          const int r = get<0>(coords(i));
+          stager.stage(r, get<1>(coords(i)) - part * T::kHalfN,
+                       r < rows.valid_rows ? __floats2bfloat162_rn(accum(i), accum(i + 1))
+                                           : __floats2bfloat162_rn(0.0f, 0.0f));
         }
+        stager.end_pass(p.tma_gate_up_out, p.a_rows, 2 * int64_t(p.n), [&](int box) {
+          const int c = col + box * T::kBoxCols;
+          return c < p.n ? (part * p.n + c) / T::kBoxCols : -1;
+        });
       }
     }
   }
