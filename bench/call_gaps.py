@@ -68,7 +68,9 @@ def trace_events(path):
                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     api = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                  if e.get("cat") in ("cuda_runtime", "cuda_driver"))
-    marks = {name: sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == name)
+    # the host's ranges ("user_annotation"); the profiler also puts a "gpu_user_annotation" copy of each on the GPU
+    marks = {name: sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                          if e.get("name") == name and e.get("cat") == "user_annotation")
              for name in (CALL_MARK, SYNC_MARK)}
     return gpu, api, marks
 

@@ -1,5 +1,5 @@
 """CPU tests of bench/call_gaps.py's trace arithmetic: a profiled call's GPU events are those that start between its
-host entry and the return of the synchronize after it; its busy time, span, the wait for its first kernel and the
+host entry and the return of the synchronize after it (the host's marks, not the profiler's GPU-side copies of them); its busy time, span, the wait for its first kernel and the
 idle gaps between kernels (overlapping kernels leave none). Synthetic traces with fresh random times (the seed is
 in every failure message). No extension, no GPU."""
 import json
@@ -69,7 +69,9 @@ def test_trace_events_and_calls_between_marks(seed, tmp_path):
         trace += [dict(ph="X", cat="kernel", name=n, ts=b, dur=e - b) for b, e, n in before + mine]
         trace += [dict(ph="X", cat="user_annotation", name=call_gaps.CALL_MARK, ts=entry, dur=20.0),
                   dict(ph="X", cat="user_annotation", name=call_gaps.SYNC_MARK, ts=entry + 30.0, dur=t - entry - 30.0),
-                  dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=entry + 1.0, dur=5.0)]
+                  dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=entry + 1.0, dur=5.0),
+                  # the profiler's GPU-side copy of a range: not a host mark
+                  dict(ph="X", cat="gpu_user_annotation", name=call_gaps.CALL_MARK, ts=mine[0][0], dur=1.0)]
         expected.append((entry, t, mine))
     rng.shuffle(trace)
     path = tmp_path / "trace.json"
