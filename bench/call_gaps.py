@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a layer call's time beyond its kernels goes: one GPU, EP = 1, our fused (and unfused) path.
 
-layer_bench.py times each call alone (the GPU idle before it); a backward called alone has measured up to 2.5 ms
+layer_bench.py times each call alone (the GPU idle before it); a backward called alone has measured about 2.5 ms
 more than its kernels add up to, and more than the same backward right after a forward (docs/perf_notes.md,
 rounds 24-25). Per shape and path, for the forward and for the backward (each backward after an untimed forward):
   alone        CUDA events around one call after a synchronize (layer_bench's way), the median of --iters
