@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from shapes import SPEC, select_shapes  # noqa: E402
+from shapes import SPEC, check_shape, select_shapes  # noqa: E402
 
 
 def events_between(events, begin_us, end_us):
@@ -94,13 +94,19 @@ def main():
     args = parser.parse_args()
     if not args.shape and not args.shapes:
         parser.error("name a shape: --shape or --shapes")
+    try:  # the library's rules before the GPU is touched (layer_bench's check)
+        shapes = select_shapes(args.shapes, args.shape)
+        for shape in shapes:
+            check_shape(shape, args.tokens if shape.tokens is None else shape.tokens, 1)
+    except ValueError as e:
+        parser.error(str(e))
 
     lib = load(os.path.abspath(args.lib))
     torch.cuda.set_device(0)
     stream = torch.cuda.current_stream().cuda_stream
     med = statistics.median
     print(f"call_gaps: {torch.cuda.get_device_name()}; ms unless marked", flush=True)
-    for shape in select_shapes(args.shapes, args.shape):
+    for shape in shapes:
         tokens = args.tokens if shape.tokens is None else shape.tokens
         for path in ("fused", "unfused") if args.unfused else ("fused",):
             layer = lb.create_layer(lib, 0, ep_size=1, num_tokens=tokens, top_k=shape.top_k,

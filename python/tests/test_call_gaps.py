@@ -1,15 +1,17 @@
 """CPU tests of bench/call_gaps.py's trace arithmetic: a profiled call's GPU events are those that start between its
 host entry and the return of the synchronize after it (the host's marks, not the profiler's GPU-side copies of them); its busy time, span, the wait for its first kernel and the
 idle gaps between kernels (overlapping kernels leave none). Synthetic traces with fresh random times (the seed is
-in every failure message). No extension, no GPU."""
+in every failure message); bad shapes exit 2 before the library is loaded. No extension, no GPU."""
 import json
 import random
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
 import call_gaps  # noqa: E402
 
 
@@ -88,3 +90,16 @@ def test_trace_events_and_calls_between_marks(seed, tmp_path):
 def test_short_name():
     assert call_gaps.short_name("void mok::kernels::pull_grad_rows_kernel<int>(mok::kernels::GradPullParams)") == \
         "mok::kernels::pull_grad_rows_kernel"[-28:]
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "name a shape"),
+    (["--shape", "x:1024:100:512:8:2"], "hidden: expected a positive multiple of 64, got 100"),
+    (["--shapes", "NoSuchModel"], "unknown shape 'NoSuchModel'"),
+])
+def test_bad_shapes_exit_2_before_the_gpu(args, message):
+    # checked before the library is loaded: no GPU, no build needed
+    run = subprocess.run([sys.executable, str(BENCH / "call_gaps.py"), "--lib", "/nonexistent.so", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert message in run.stderr
