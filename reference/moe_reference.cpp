@@ -11,10 +11,13 @@
 //     group's routes in order.
 #include "reference/moe_reference.h"
 
+#include "reference/fp8.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -208,18 +211,29 @@ double route_weight(const LayerShape& shape, const LayerInputs<T>& inputs, const
                          : 1.0;
 }
 
-// The forward part of one work unit: x rows, g, u (unclamped), h = silu(g_c) * u_c, all T-rounded.
+// Rows [rows.size() / cols, cols] as an FP8 GEMM reads them, quantized per 1 x 128 (every token's x or d_out).
+template <typename T>
+std::vector<double> quantized_rows(const std::vector<T>& rows, int64_t cols, bool power_of_two) {
+  std::vector<double> out(rows.begin(), rows.end());
+  for (size_t r = 0; r * cols < out.size(); ++r) quantize_row(out.data() + r * cols, cols, power_of_two);
+  return out;
+}
+
+// The forward part of one work unit: x rows, g, u (unclamped), h = silu(g_c) * u_c, all T-rounded; with
+// recipe.forward x and h as the FP8 GEMMs read them (quantized per 1 x 128).
 struct UnitActivations {
   int num_routes = 0;
   std::vector<double> x;        // [num_routes, H]
   std::vector<double> gate;     // [num_routes, I]
   std::vector<double> up;       // [num_routes, I]
-  std::vector<double> hidden;   // [num_routes, I]
+  std::vector<double> hidden;   // [num_routes, I] what the down GEMM reads
+  std::vector<double> hidden_before_quantization;  // [num_routes, I] with recipe.forward, else empty
 };
 
 template <typename T>
 UnitActivations compute_activations(const LayerShape& shape, const LayerInputs<T>& inputs,
-                                    const ExpertWeights<T>& weights, const Route* routes, int num_routes) {
+                                    const ExpertWeights<T>& weights, const Route* routes, int num_routes,
+                                    const Fp8Recipe& recipe) {
   const int64_t hidden_size = shape.hidden, inter_size = shape.intermediate;
   const double limit = shape.swiglu_limit;
   UnitActivations act;
@@ -232,6 +246,7 @@ UnitActivations compute_activations(const LayerShape& shape, const LayerInputs<T
     const T* x_row = inputs.x.data() + routes[b].token_idx * hidden_size;
     std::transform(x_row, x_row + hidden_size, act.x.begin() + b * hidden_size,
                    [](T value) { return static_cast<double>(value); });
+    if (recipe.forward) quantize_row(act.x.data() + b * hidden_size, hidden_size, recipe.power_of_two_scales);
   }
   matrix_times_vectors(weights.gate, inter_size, hidden_size, act.x.data(), num_routes, act.gate.data());
   matrix_times_vectors(weights.up, inter_size, hidden_size, act.x.data(), num_routes, act.up.data());
@@ -243,6 +258,11 @@ UnitActivations compute_activations(const LayerShape& shape, const LayerInputs<T
     const double g_c = limit > 0 ? std::min(g, limit) : g;
     const double u_c = limit > 0 ? std::clamp(u, -limit, limit) : u;
     act.hidden[idx] = rounded<T>(g_c * sigmoid(g_c) * u_c);
+  }
+  if (recipe.forward) {
+    act.hidden_before_quantization = act.hidden;
+    for (int b = 0; b < num_routes; ++b)
+      quantize_row(act.hidden.data() + b * inter_size, inter_size, recipe.power_of_two_scales);
   }
   return act;
 }
@@ -269,6 +289,13 @@ std::vector<double> compute_outputs(const LayerShape& shape, const ExpertWeights
 
 void check_size(const char* name, size_t actual, const char* formula, int64_t expected) {
   if (static_cast<int64_t>(actual) != expected) throw_size(name, actual, formula, expected);
+}
+
+void validate_recipe(const Fp8Recipe& recipe) {
+  if (recipe.weight_gradients_from_quantized && !recipe.forward)
+    throw std::invalid_argument(
+        "mok::reference: Fp8Recipe::weight_gradients_from_quantized needs Fp8Recipe::forward (the quantized x and h "
+        "are the FP8 forward's)");
 }
 
 void check_optional_size(const char* name, size_t actual, const char* formula, int64_t expected) {
@@ -341,10 +368,11 @@ std::string describe(const LayerShape& shape) {
   return text.str();
 }
 
+namespace {
+
 template <typename T>
-void validate_arguments(const LayerShape& shape, const LayerParams<T>& params, const LayerInputs<T>& inputs) {
+void validate_params(const LayerShape& shape, const LayerParams<T>& params) {
   shape.validate();
-  const int64_t num_tokens = shape.num_tokens();
   const int64_t expert_size = int64_t{shape.intermediate} * shape.hidden;
   const int64_t all_experts_size = expert_size * shape.num_experts;
   if (shape.shared_expert) {
@@ -359,6 +387,14 @@ void validate_arguments(const LayerShape& shape, const LayerParams<T>& params, c
   check_size("LayerParams::expert_gate", params.expert_gate.size(), "E*I*H", all_experts_size);
   check_size("LayerParams::expert_up", params.expert_up.size(), "E*I*H", all_experts_size);
   check_size("LayerParams::expert_down", params.expert_down.size(), "E*H*I", all_experts_size);
+}
+
+}  // namespace
+
+template <typename T>
+void validate_arguments(const LayerShape& shape, const LayerParams<T>& params, const LayerInputs<T>& inputs) {
+  validate_params(shape, params);
+  const int64_t num_tokens = shape.num_tokens();
   check_size("LayerInputs::x", inputs.x.size(), "N*H", num_tokens * shape.hidden);
   check_size("LayerInputs::topk_idx", inputs.topk_idx.size(), "N*k", num_tokens * shape.top_k);
   check_size("LayerInputs::router_weights", inputs.router_weights.size(), "N*k", num_tokens * shape.top_k);
@@ -380,8 +416,9 @@ void validate_arguments(const LayerShape& shape, const LayerParams<T>& params, c
 
 template <typename T>
 ForwardTrace<T> forward(const LayerShape& shape, const LayerParams<T>& params, const LayerInputs<T>& inputs,
-                        int num_threads) {
+                        int num_threads, const Fp8Recipe& recipe) {
   validate_arguments(shape, params, inputs);
+  validate_recipe(recipe);
   const int64_t num_tokens = shape.num_tokens();
   const int64_t hidden_size = shape.hidden, top_k = shape.top_k;
   const RoutePlan plan = build_route_plan(shape, inputs.topk_idx);
@@ -399,7 +436,7 @@ ForwardTrace<T> forward(const LayerShape& shape, const LayerParams<T>& params, c
                  const Route* routes = plan.group_routes[unit.group_idx].data() + unit.begin;
                  const int num_routes = static_cast<int>(unit.end - unit.begin);
                  const ExpertWeights<T> weights = group_weights(shape, params, unit.group_idx);
-                 const UnitActivations act = compute_activations(shape, inputs, weights, routes, num_routes);
+                 const UnitActivations act = compute_activations(shape, inputs, weights, routes, num_routes, recipe);
                  const std::vector<double> y = compute_outputs(shape, weights, act);
                  for (int b = 0; b < num_routes; ++b) {
                    const Route& route = routes[b];
@@ -431,8 +468,9 @@ ForwardTrace<T> forward(const LayerShape& shape, const LayerParams<T>& params, c
 
 template <typename T>
 LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, const LayerInputs<T>& inputs,
-                       const std::vector<T>& d_out, int num_threads, bool magnitudes) {
+                       const std::vector<T>& d_out, int num_threads, bool magnitudes, const Fp8Recipe& recipe) {
   validate_arguments(shape, params, inputs);
+  validate_recipe(recipe);
   const int64_t num_tokens = shape.num_tokens();
   check_size("d_out", d_out.size(), "N*H", num_tokens * shape.hidden);
   const int64_t hidden_size = shape.hidden, inter_size = shape.intermediate, top_k = shape.top_k;
@@ -467,6 +505,12 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
   std::vector<double> route_d_gate_scale(magnitudes ? num_slots * inter_size : 0);
   std::vector<double> route_d_up_scale(magnitudes ? num_slots * inter_size : 0);
   std::vector<T> route_d_x(num_slots * hidden_size);         // W_gate^T dg + W_up^T du
+  // FP8: d_out as the down dgrad reads it, and x as the forward's GEMMs read it (the weight gradients' x when
+  // recipe.weight_gradients_from_quantized); [N, H] each, else empty.
+  const bool p2 = recipe.power_of_two_scales;
+  const std::vector<double> d_out_quantized = recipe.dgrads ? quantized_rows(d_out, hidden_size, p2) : std::vector<double>{};
+  const std::vector<double> x_quantized =
+      recipe.weight_gradients_from_quantized ? quantized_rows(inputs.x, hidden_size, p2) : std::vector<double>{};
 
   // Phase 1: per route, recompute the forward, then d_rw, dh, dg, du and the d_x partial.
   const int64_t num_units = static_cast<int64_t>(plan.units.size());
@@ -477,10 +521,10 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
     const int num_routes = static_cast<int>(unit.end - unit.begin);
     const bool is_shared = unit.group_idx == shape.num_experts;
     const ExpertWeights<T> weights = group_weights(shape, params, unit.group_idx);
-    const UnitActivations act = compute_activations(shape, inputs, weights, routes, num_routes);
+    const UnitActivations act = compute_activations(shape, inputs, weights, routes, num_routes, recipe);
 
-    // d_rw = <d_out, y>, independent of rw (so also right for rw == 0).
-    if (!is_shared) {
+    // d_rw = <d_out, y>, independent of rw (so also right for rw == 0). FP8 dgrads: below, from d_hu.
+    if (!is_shared && !recipe.dgrads) {
       const std::vector<double> y = compute_outputs(shape, weights, act);
       for (int b = 0; b < num_routes; ++b) {
         const T* d_out_row = d_out.data() + routes[b].token_idx * hidden_size;
@@ -490,17 +534,30 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
       }
     }
 
-    // dy = rw * d_out; dh = W_down^T dy.
+    // bf16: dy = rw * d_out; dh = W_down^T dy. FP8 dgrads: d_hu = W_down^T d_out_q; d_rw = <d_hu, h>;
+    // dh = rw * d_hu.
     std::vector<double> d_y(num_routes * hidden_size);
     for (int b = 0; b < num_routes; ++b) {
       const double rw = route_weight(shape, inputs, routes[b]);
-      const T* d_out_row = d_out.data() + routes[b].token_idx * hidden_size;
+      const int64_t row = routes[b].token_idx * hidden_size;
       for (int64_t h = 0; h < hidden_size; ++h) {
-        d_y[b * hidden_size + h] = rounded<T>(rw * static_cast<double>(d_out_row[h]));
+        d_y[b * hidden_size + h] =
+            recipe.dgrads ? d_out_quantized[row + h] : rounded<T>(rw * static_cast<double>(d_out[row + h]));
       }
     }
     std::vector<double> d_hidden(num_routes * inter_size, 0.0);
     add_transposed_times_vectors(weights.down, hidden_size, inter_size, d_y.data(), num_routes, d_hidden.data());
+    if (recipe.dgrads) {
+      for (int b = 0; b < num_routes; ++b) {
+        const double rw = route_weight(shape, inputs, routes[b]);
+        double* d_hu = d_hidden.data() + b * inter_size;
+        if (!is_shared) {
+          const double d_rw = std::inner_product(d_hu, d_hu + inter_size, act.hidden.begin() + b * inter_size, 0.0);
+          grads.d_router_weights[routes[b].token_idx * top_k + routes[b].slot] = static_cast<T>(d_rw);
+        }
+        for (int64_t i = 0; i < inter_size; ++i) d_hu[i] *= rw;
+      }
+    }
 
     // SwiGLU backward: dg = dh u_c silu'(g_c) [g < L], du = dh silu(g_c) [-L < u < L].
     std::vector<double> d_gate(num_routes * inter_size), d_up(num_routes * inter_size);
@@ -524,14 +581,40 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
       }
     }
 
-    // d_x partial = W_gate^T dg + W_up^T du (one accumulator: gate rows, then up rows).
+    // d_x partial = W_gate^T dg + W_up^T du (one accumulator: gate rows, then up rows). FP8 dgrads: [dg | du]
+    // quantized per route, 1 x 128 blocks over both (fused routed weights) or over each.
+    std::vector<double> d_gate_operand, d_up_operand;
+    if (recipe.dgrads) {
+      d_gate_operand = d_gate;
+      d_up_operand = d_up;
+      std::vector<double> both(2 * inter_size);
+      for (int b = 0; b < num_routes; ++b) {
+        double* dg = d_gate_operand.data() + b * inter_size;
+        double* du = d_up_operand.data() + b * inter_size;
+        if (recipe.gate_up_fused && !is_shared) {
+          std::copy_n(dg, inter_size, both.begin());
+          std::copy_n(du, inter_size, both.begin() + inter_size);
+          quantize_row(both.data(), 2 * inter_size, p2);
+          std::copy_n(both.begin(), inter_size, dg);
+          std::copy_n(both.begin() + inter_size, inter_size, du);
+        } else {
+          quantize_row(dg, inter_size, p2);
+          quantize_row(du, inter_size, p2);
+        }
+      }
+    }
+    const std::vector<double>& d_gate_in = recipe.dgrads ? d_gate_operand : d_gate;
+    const std::vector<double>& d_up_in = recipe.dgrads ? d_up_operand : d_up;
     std::vector<double> d_x_part(num_routes * hidden_size, 0.0);
-    add_transposed_times_vectors(weights.gate, inter_size, hidden_size, d_gate.data(), num_routes, d_x_part.data());
-    add_transposed_times_vectors(weights.up, inter_size, hidden_size, d_up.data(), num_routes, d_x_part.data());
+    add_transposed_times_vectors(weights.gate, inter_size, hidden_size, d_gate_in.data(), num_routes, d_x_part.data());
+    add_transposed_times_vectors(weights.up, inter_size, hidden_size, d_up_in.data(), num_routes, d_x_part.data());
+    // The weight gradients' h: what the down GEMM read, or (FP8 forward, bf16 activations) h before quantization.
+    const std::vector<double>& hidden_for_grads =
+        recipe.forward && !recipe.weight_gradients_from_quantized ? act.hidden_before_quantization : act.hidden;
 
     for (int b = 0; b < num_routes; ++b) {
       const int64_t slot = RoutePlan::storage_idx(routes[b], shape);
-      std::copy_n(act.hidden.begin() + b * inter_size, inter_size, route_hidden.begin() + slot * inter_size);
+      std::copy_n(hidden_for_grads.begin() + b * inter_size, inter_size, route_hidden.begin() + slot * inter_size);
       std::copy_n(d_gate.begin() + b * inter_size, inter_size, route_d_gate.begin() + slot * inter_size);
       std::copy_n(d_up.begin() + b * inter_size, inter_size, route_d_up.begin() + slot * inter_size);
       for (int64_t h = 0; h < hidden_size; ++h) {
@@ -595,15 +678,20 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
       } else {
         // d_W_gate[i, :] += dg[i] * x_route (d_W_up alike with du)
         const double* d_act = (unit.tensor == Tensor::kGate ? route_d_gate : route_d_up).data() + slot * inter_size;
-        const T* x_row = inputs.x.data() + route.token_idx * hidden_size;
-        for (int64_t r = 0; r < num_rows; ++r) {
-          add_scaled(acc.data() + r * cols, x_row, d_act[unit.row_begin + r], cols);
-          if (magnitudes) {
-            const double* scale = (unit.tensor == Tensor::kGate ? route_d_gate_scale : route_d_up_scale).data() +
-                                  slot * inter_size;
-            add_scaled_abs(acc_abs.data() + r * cols, x_row, scale[unit.row_begin + r], cols);
+        const auto add_rows = [&](const auto* x_row) {
+          for (int64_t r = 0; r < num_rows; ++r) {
+            add_scaled(acc.data() + r * cols, x_row, d_act[unit.row_begin + r], cols);
+            if (magnitudes) {
+              const double* scale = (unit.tensor == Tensor::kGate ? route_d_gate_scale : route_d_up_scale).data() +
+                                    slot * inter_size;
+              add_scaled_abs(acc_abs.data() + r * cols, x_row, scale[unit.row_begin + r], cols);
+            }
           }
-        }
+        };
+        if (recipe.weight_gradients_from_quantized)
+          add_rows(x_quantized.data() + route.token_idx * hidden_size);
+        else
+          add_rows(inputs.x.data() + route.token_idx * hidden_size);
       }
     }
     // The unit's rows of the gradient (and of its magnitudes) of the unit's tensor, shared or routed.
@@ -631,6 +719,43 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
   });
   grads.route_d_x = std::move(route_d_x);
   return grads;
+}
+
+// -----------------------------------------------------------------------------------------------------
+// FP8 weights
+
+template <typename T>
+LayerParams<T> quantize_weights(const LayerShape& shape, const LayerParams<T>& params, const Fp8Recipe& recipe) {
+  validate_params(shape, params);
+  const int64_t inter_size = shape.intermediate, hidden_size = shape.hidden, expert_size = inter_size * hidden_size;
+  LayerParams<T> q = params;
+  // The matrices [rows, cols] at `parts`, quantized as one [parts * rows, cols] matrix, in place.
+  std::vector<double> matrix;
+  const auto quantize = [&](std::vector<T*> parts, int64_t rows, int64_t cols) {
+    matrix.resize(parts.size() * rows * cols);
+    for (size_t p = 0; p < parts.size(); ++p) std::copy_n(parts[p], rows * cols, matrix.begin() + p * rows * cols);
+    quantize_matrix(matrix.data(), static_cast<int64_t>(parts.size()) * rows, cols, recipe.power_of_two_scales);
+    for (size_t p = 0; p < parts.size(); ++p)
+      std::transform(matrix.begin() + p * rows * cols, matrix.begin() + (p + 1) * rows * cols, parts[p],
+                     [](double v) { return static_cast<T>(v); });
+  };
+  for (int e = 0; e < shape.num_experts; ++e) {
+    T* gate = q.expert_gate.data() + e * expert_size;
+    T* up = q.expert_up.data() + e * expert_size;
+    if (recipe.gate_up_fused) {
+      quantize({gate, up}, inter_size, hidden_size);
+    } else {
+      quantize({gate}, inter_size, hidden_size);
+      quantize({up}, inter_size, hidden_size);
+    }
+    quantize({q.expert_down.data() + e * expert_size}, hidden_size, inter_size);
+  }
+  if (shape.shared_expert) {  // MoeWeights' shared gate and up are never fused
+    quantize({q.shared_gate.data()}, inter_size, hidden_size);
+    quantize({q.shared_up.data()}, inter_size, hidden_size);
+    quantize({q.shared_down.data()}, hidden_size, inter_size);
+  }
+  return q;
 }
 
 // -----------------------------------------------------------------------------------------------------
@@ -689,18 +814,20 @@ LayerInputs<T> random_inputs(const LayerShape& shape, uint64_t seed) {
 
 template void validate_arguments<float>(const LayerShape&, const LayerParams<float>&, const LayerInputs<float>&);
 template ForwardTrace<float> forward<float>(const LayerShape&, const LayerParams<float>&, const LayerInputs<float>&,
-                                         int);
+                                         int, const Fp8Recipe&);
 template LayerGrads<float> backward<float>(const LayerShape&, const LayerParams<float>&, const LayerInputs<float>&,
-                                       const std::vector<float>&, int, bool);
+                                       const std::vector<float>&, int, bool, const Fp8Recipe&);
+template LayerParams<float> quantize_weights<float>(const LayerShape&, const LayerParams<float>&, const Fp8Recipe&);
 template LayerParams<float> random_params<float>(const LayerShape&, uint64_t, double);
 template LayerInputs<float> random_inputs<float>(const LayerShape&, uint64_t);
 template std::vector<float> random_normal<float>(int64_t, uint64_t, double);
 
 template void validate_arguments<double>(const LayerShape&, const LayerParams<double>&, const LayerInputs<double>&);
 template ForwardTrace<double> forward<double>(const LayerShape&, const LayerParams<double>&, const LayerInputs<double>&,
-                                         int);
+                                         int, const Fp8Recipe&);
 template LayerGrads<double> backward<double>(const LayerShape&, const LayerParams<double>&, const LayerInputs<double>&,
-                                       const std::vector<double>&, int, bool);
+                                       const std::vector<double>&, int, bool, const Fp8Recipe&);
+template LayerParams<double> quantize_weights<double>(const LayerShape&, const LayerParams<double>&, const Fp8Recipe&);
 template LayerParams<double> random_params<double>(const LayerShape&, uint64_t, double);
 template LayerInputs<double> random_inputs<double>(const LayerShape&, uint64_t);
 template std::vector<double> random_normal<double>(int64_t, uint64_t, double);

@@ -24,7 +24,8 @@
 // ascending order. The combine sums in fixed order: out = shared_out + rw_0*y_0 + rw_1*y_1 + ..., using
 // the stored (T-rounded) y, so out is reproducible from the trace; d_x likewise sums the shared partial
 // first, then the routes in j order. Weight gradients sum an expert's routes in ascending (token, j)
-// order. For T = double none of the roundings change anything.
+// order. For T = double none of the roundings change anything. With an Fp8Recipe, the FP8 layer's activation
+// quantizations are applied on top (below, Fp8Recipe).
 //
 // Determinism: results are bitwise identical run to run and independent of num_threads (work is split
 // into units that write disjoint outputs; every reduction has one fixed order inside a unit).
@@ -113,6 +114,37 @@ struct LayerGrads {
   }
 };
 
+// The FP8 layer (docs/design.md, "FP8" and "FP8 backward"): where it quantizes activations to e4m3 with 1 x 128
+// block scales (reference/fp8.h), the reference quantizes its own values the same way (rounded to float first),
+// and nowhere else. The weights are the caller's: pass them as the FP8 layer multiplies them
+// (quantize_weights below), the same values forward and backward (a 128 x 128 block's scale serves its
+// transpose). A GPU result then differs from the reference by the summation order and by the few elements whose
+// value before a quantization rounded differently (fp32 or bf16 there, fp64 here).
+struct Fp8Recipe {
+  // Forward (issue 27's layer): x per token, h per route (the down GEMM reads h quantized; y, out as before).
+  bool forward = false;
+  // dgrads (issue 28): d_out quantized per token; d_hu = W_down^T d_out_q unscaled; dh = T(rw * d_hu);
+  // d_rw = <d_hu, h as the down GEMM read it>; dg, du as in bf16 from dh; the gate/up dgrad reads [dg | du]
+  // quantized per route (its 1 x 128 blocks as `gate_up_fused` says).
+  bool dgrads = false;
+  // Weight gradients (bf16 GEMMs): from x and h as the forward's GEMMs read them (quantized, what an FP8 context
+  // keeps; needs `forward`), or from the bf16 x and the h before its quantization. Their other factor is
+  // dy = T(rw * d_out) with the bf16 d_out, and dg, du before their quantization.
+  bool weight_gradients_from_quantized = false;
+  // The gate and up weights of an expert as one [2I, H] matrix (MoeWeights' fused form): its 128 x 128 blocks
+  // and [dg | du]'s 1 x 128 blocks run over both (a block straddles them when I % 128 != 0). Otherwise each of
+  // the two has its own blocks.
+  bool gate_up_fused = false;
+  bool power_of_two_scales = false;  // every activation scale rounded up to a power of two
+
+  bool any() const { return forward || dgrads; }
+};
+
+// The weights as the FP8 layer multiplies them: each expert's (and the shared expert's) matrices quantized per
+// 128 x 128 block (gate and up as one [2I, H] matrix per expert when recipe.gate_up_fused), as T.
+template <typename T>
+LayerParams<T> quantize_weights(const LayerShape& shape, const LayerParams<T>& params, const Fp8Recipe& recipe);
+
 // Checks every vector size and expert id: std::invalid_argument for shapes/sizes, std::out_of_range
 // (naming the token index, slot and id) for an id < -1 or >= E. forward/backward call it first.
 template <typename T>
@@ -121,11 +153,12 @@ void validate_arguments(const LayerShape& shape, const LayerParams<T>& params, c
 // num_threads: 0 = std::thread::hardware_concurrency(); results do not depend on it.
 template <typename T>
 ForwardTrace<T> forward(const LayerShape& shape, const LayerParams<T>& params, const LayerInputs<T>& inputs,
-                        int num_threads = 0);
+                        int num_threads = 0, const Fp8Recipe& recipe = {});
 
 template <typename T>
 LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, const LayerInputs<T>& inputs,
-                       const std::vector<T>& d_out /* [N, H] */, int num_threads = 0, bool magnitudes = false);
+                       const std::vector<T>& d_out /* [N, H] */, int num_threads = 0, bool magnitudes = false,
+                       const Fp8Recipe& recipe = {});
 
 // Deterministic random data (own generator: same values on every platform).
 // Weights ~ normal(0, scale); shared weights are empty when shape.shared_expert is false.
