@@ -581,26 +581,15 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
       }
     }
 
-    // d_x partial = W_gate^T dg + W_up^T du (one accumulator: gate rows, then up rows). FP8 dgrads: [dg | du]
-    // quantized per route, 1 x 128 blocks over both (fused routed weights) or over each.
+    // d_x partial = W_gate^T dg + W_up^T du (one accumulator: gate rows, then up rows). FP8 dgrads: dg and du
+    // quantized per route, each per 1 x 128.
     std::vector<double> d_gate_operand, d_up_operand;
     if (recipe.dgrads) {
       d_gate_operand = d_gate;
       d_up_operand = d_up;
-      std::vector<double> both(2 * inter_size);
       for (int b = 0; b < num_routes; ++b) {
-        double* dg = d_gate_operand.data() + b * inter_size;
-        double* du = d_up_operand.data() + b * inter_size;
-        if (recipe.gate_up_fused && !is_shared) {
-          std::copy_n(dg, inter_size, both.begin());
-          std::copy_n(du, inter_size, both.begin() + inter_size);
-          quantize_row(both.data(), 2 * inter_size, p2);
-          std::copy_n(both.begin(), inter_size, dg);
-          std::copy_n(both.begin() + inter_size, inter_size, du);
-        } else {
-          quantize_row(dg, inter_size, p2);
-          quantize_row(du, inter_size, p2);
-        }
+        quantize_row(d_gate_operand.data() + b * inter_size, inter_size, p2);
+        quantize_row(d_up_operand.data() + b * inter_size, inter_size, p2);
       }
     }
     const std::vector<double>& d_gate_in = recipe.dgrads ? d_gate_operand : d_gate;

@@ -124,16 +124,15 @@ struct Fp8Recipe {
   // Forward (issue 27's layer): x per token, h per route (the down GEMM reads h quantized; y, out as before).
   bool forward = false;
   // dgrads (issue 28): d_out quantized per token; d_hu = W_down^T d_out_q unscaled; dh = T(rw * d_hu);
-  // d_rw = <d_hu, h as the down GEMM read it>; dg, du as in bf16 from dh; the gate/up dgrad reads [dg | du]
-  // quantized per route (its 1 x 128 blocks as `gate_up_fused` says).
+  // d_rw = <d_hu, h as the down GEMM read it>; dg, du as in bf16 from dh; the gate/up dgrad reads dg and du
+  // quantized per route, each per 1 x 128 (the blocks of a down-dgrad tile's columns: docs/design.md).
   bool dgrads = false;
   // Weight gradients (bf16 GEMMs): from x and h as the forward's GEMMs read them (quantized, what an FP8 context
   // keeps; needs `forward`), or from the bf16 x and the h before its quantization. Their other factor is
   // dy = T(rw * d_out) with the bf16 d_out, and dg, du before their quantization.
   bool weight_gradients_from_quantized = false;
-  // The gate and up weights of an expert as one [2I, H] matrix (MoeWeights' fused form): its 128 x 128 blocks
-  // and [dg | du]'s 1 x 128 blocks run over both (a block straddles them when I % 128 != 0). Otherwise each of
-  // the two has its own blocks.
+  // quantize_weights: the gate and up weights of an expert as one [2I, H] matrix (MoeWeights' fused form), its
+  // 128 x 128 blocks running over both (a block straddles them when I % 128 != 0); otherwise each has its own.
   bool gate_up_fused = false;
   bool power_of_two_scales = false;  // every activation scale rounded up to a power of two
 

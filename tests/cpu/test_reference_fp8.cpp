@@ -234,14 +234,10 @@ LoopResult loops(const LayerShape& shape, const LayerParams<double>& params, con
       }
       std::vector<double> dgu_q = dgu;
       if (recipe.dgrads) {
-        if (recipe.gate_up_fused && j >= 0) {
-          dgu_q = quantized(dgu, true, p2);
-        } else {
-          const auto dg = quantized({dgu.begin(), dgu.begin() + I}, true, p2);
-          const auto du = quantized({dgu.begin() + I, dgu.end()}, true, p2);
-          std::copy(dg.begin(), dg.end(), dgu_q.begin());
-          std::copy(du.begin(), du.end(), dgu_q.begin() + I);
-        }
+        const auto dg = quantized({dgu.begin(), dgu.begin() + I}, true, p2);
+        const auto du = quantized({dgu.begin() + I, dgu.end()}, true, p2);
+        std::copy(dg.begin(), dg.end(), dgu_q.begin());
+        std::copy(du.begin(), du.end(), dgu_q.begin() + I);
       }
       for (int c = 0; c < H; ++c)
         for (int i = 0; i < I; ++i) r.d_x[n * H + c] += wg[i * H + c] * dgu_q[i] + wu[i * H + c] * dgu_q[I + i];
@@ -278,7 +274,7 @@ double relative_norm_error(const std::vector<double>& a, const std::vector<doubl
   return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
-// H 160 and I 192: partial last blocks, and fused [dg | du] blocks that straddle the two halves.
+// H 160 and I 192: partial last blocks, and fused gate/up weight blocks that straddle the two halves.
 TEST(ReferenceFp8, MatchesStraightforwardLoops) {
   const uint64_t seed = 7;
   for (double limit : {0.0, 1.5}) {
