@@ -32,32 +32,40 @@ def _blocks(extent: int) -> int:
 class Fp8Weights:
     """The six weights (mok.Weights' fields, None where absent) as e4m3 values with fp32 block scales per 128 x 128
     block of each expert's matrix: values[n] [.., rows, cols] float8_e4m3fn, scales[n] [.., ceil(rows/128),
-    ceil(cols/128)]. Made by quantize_weights."""
+    ceil(cols/128)]. With quantize_weights(transposed=True) also each matrix transposed, as the FP8 backward's
+    dgrads read it (K-major): values_t[n] [.., cols, rows], scales_t[n] [.., ceil(cols/128), ceil(rows/128)], the
+    same e4m3 values and scales exactly (a 128 x 128 block's scale is its transpose's); empty tuples otherwise.
+    Made by quantize_weights."""
 
     values: Tuple[Optional[torch.Tensor], ...]
     scales: Tuple[Optional[torch.Tensor], ...]
+    values_t: Tuple[Optional[torch.Tensor], ...] = ()
+    scales_t: Tuple[Optional[torch.Tensor], ...] = ()
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the values and scales."""
-        return sum(t.numel() * t.element_size() for t in self.values + self.scales if t is not None)
+        """Device bytes of the values and scales (the transposed copies included)."""
+        return sum(t.numel() * t.element_size() for t in self.values + self.scales + self.values_t + self.scales_t
+                   if t is not None)
 
 
-def quantize_weights(weights, power_of_two_scales: bool = False) -> Fp8Weights:
+def quantize_weights(weights, power_of_two_scales: bool = False, transposed: bool = False) -> Fp8Weights:
     """The weights (a mok.Weights or dict of bf16 tensors on one CUDA device) quantized for the FP8 layer:
     scale = amax / 448 of each 128 x 128 block (1 for an all-zero block, NaN for one holding a NaN or an infinity:
-    what reads it turns NaN, never a finite wrong number), or that rounded up to a power of two. Asynchronous on
-    torch's current stream; new tensors (call it again after the weights change: the values are not tied to
-    them)."""
+    what reads it turns NaN, never a finite wrong number), or that rounded up to a power of two. transposed=True
+    also writes each matrix transposed (Fp8Weights.values_t, scales_t: what the FP8 backward's dgrads read, the
+    same values; twice the memory, in Fp8Weights.nbytes). Asynchronous on torch's current stream; new tensors (call
+    it again after the weights change: the values are not tied to them)."""
     from .layer import _cuda_stream, _native_module
     weights = Weights.of(weights)
     arguments.check_bool("power_of_two_scales", power_of_two_scales)
+    arguments.check_bool("transposed", transposed)
     ext = _native_module()
-    values, scales = [], []
+    values, scales, values_t, scales_t = [], [], [], []
     for name, w in zip(WEIGHT_NAMES, weights.tensors()):
         if w is None:
-            values.append(None)
-            scales.append(None)
+            for kept in (values, scales) + ((values_t, scales_t) if transposed else ()):
+                kept.append(None)
             continue
         if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.device.type != "cuda" or w.dim() not in (2, 3):
             raise ValueError(f"weights.{name}: expected a bf16 CUDA tensor [E_local, rows, cols] or [rows, cols], got "
@@ -66,10 +74,17 @@ def quantize_weights(weights, power_of_two_scales: bool = False) -> Fp8Weights:
         rows, cols = w.shape[-2], w.shape[-1]
         q = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
         s = torch.empty(*w.shape[:-2], _blocks(rows), _blocks(cols), dtype=torch.float32, device=w.device)
-        ext.quantize_weights_fp8(w, q, s, None, None, bool(power_of_two_scales), _cuda_stream(w.device))
+        q_t = s_t = None
+        if transposed:
+            q_t = torch.empty(*w.shape[:-2], cols, rows, dtype=torch.uint8, device=w.device)
+            s_t = torch.empty(*w.shape[:-2], _blocks(cols), _blocks(rows), dtype=torch.float32, device=w.device)
+        ext.quantize_weights_fp8(w, q, s, q_t, s_t, bool(power_of_two_scales), _cuda_stream(w.device))
         values.append(q.view(E4M3))
         scales.append(s)
-    return Fp8Weights(tuple(values), tuple(scales))
+        if transposed:
+            values_t.append(q_t.view(E4M3))
+            scales_t.append(s_t)
+    return Fp8Weights(tuple(values), tuple(scales), tuple(values_t), tuple(scales_t))
 
 
 def _check_fp8_weights(ws, weights: Fp8Weights) -> None:

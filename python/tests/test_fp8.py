@@ -109,6 +109,29 @@ def test_quantize_weights_layout_and_memory():
     assert ((q - ref).abs() <= ref.abs() * 2**-4 + scale * 2**-10).all()
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_quantize_weights_transposed_is_the_transpose_exactly(shared):
+    """transposed=True: the same forward copies, and each matrix transposed with its scales (the FP8 backward's
+    operands), bit for bit; nbytes counts both."""
+    _, _, _, w = _inputs(1815 + shared, shared)
+    w.expert_up[1, 5, 7] = float("nan")  # a NaN block: its scale is NaN in both copies
+    plain = mok.quantize_weights(w)
+    both = mok.quantize_weights(w, transposed=True)
+    assert plain.values_t == () and plain.scales_t == ()
+    assert len(both.values_t) == len(both.scales_t) == 6
+    bits = lambda t: t.view(torch.uint8)
+    for n, (v, s, v_t, s_t) in enumerate(zip(both.values, both.scales, both.values_t, both.scales_t)):
+        if v is None:
+            assert plain.values[n] is None and v_t is None and s_t is None
+            continue
+        assert torch.equal(bits(v), bits(plain.values[n])) and torch.equal(bits(s), bits(plain.scales[n]))
+        assert v_t.dtype == torch.float8_e4m3fn and v_t.shape == v.shape[:-2] + (v.shape[-1], v.shape[-2])
+        assert torch.equal(bits(v_t), bits(v).transpose(-1, -2)), f"values {n}"
+        assert torch.equal(s_t.view(torch.int32), s.transpose(-1, -2).contiguous().view(torch.int32)), f"scales {n}"
+    assert both.scales[1].isnan().any(), "the NaN block's scale"
+    assert both.nbytes == 2 * plain.nbytes
+
+
 def test_bad_inputs_raise_and_the_next_call_works():
     x, idx, rw, w = _inputs(1820)
     with _fp8_workspace() as ws:
