@@ -534,8 +534,8 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
       }
     }
 
-    // bf16: dy = rw * d_out; dh = W_down^T dy. FP8 dgrads: d_hu = W_down^T d_out_q; d_rw = <d_hu, h>;
-    // dh = rw * d_hu.
+    // bf16: dy = rw * d_out; dh = W_down^T dy. FP8 dgrads: d_hu = W_down^T d_out_q; d_rw = <d_hu, h> (h before
+    // its quantization); dh = rw * d_hu.
     std::vector<double> d_y(num_routes * hidden_size);
     for (int b = 0; b < num_routes; ++b) {
       const double rw = route_weight(shape, inputs, routes[b]);
@@ -552,7 +552,8 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
         const double rw = route_weight(shape, inputs, routes[b]);
         double* d_hu = d_hidden.data() + b * inter_size;
         if (!is_shared) {
-          const double d_rw = std::inner_product(d_hu, d_hu + inter_size, act.hidden.begin() + b * inter_size, 0.0);
+          const std::vector<double>& h = recipe.forward ? act.hidden_before_quantization : act.hidden;
+          const double d_rw = std::inner_product(d_hu, d_hu + inter_size, h.begin() + b * inter_size, 0.0);
           grads.d_router_weights[routes[b].token_idx * top_k + routes[b].slot] = static_cast<T>(d_rw);
         }
         for (int64_t i = 0; i < inter_size; ++i) d_hu[i] *= rw;

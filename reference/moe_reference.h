@@ -124,7 +124,8 @@ struct Fp8Recipe {
   // Forward (issue 27's layer): x per token, h per route (the down GEMM reads h quantized; y, out as before).
   bool forward = false;
   // dgrads (issue 28): d_out quantized per token; d_hu = W_down^T d_out_q unscaled; dh = T(rw * d_hu);
-  // d_rw = <d_hu, h as the down GEMM read it>; dg, du as in bf16 from dh; the gate/up dgrad reads dg and du
+  // d_rw = <d_hu, h> with h before its quantization (what the SwiGLU-backward epilogue recomputes from g and u,
+  // and nearer the unquantized layer's d_rw than h_q: docs/design.md); dg, du as in bf16 from dh; the gate/up dgrad reads dg and du
   // quantized per route, each per 1 x 128 (the blocks of a down-dgrad tile's columns: docs/design.md).
   bool dgrads = false;
   // Weight gradients (bf16 GEMMs): from x and h as the forward's GEMMs read them (quantized, what an FP8 context

@@ -216,7 +216,7 @@ LoopResult loops(const LayerShape& shape, const LayerParams<double>& params, con
         for (int i = 0; i < I; ++i) {
           double d_hu = 0;
           for (int c = 0; c < H; ++c) d_hu += wd[c * I + i] * doq[c];
-          d_rw += d_hu * hq[i];
+          d_rw += d_hu * h[i];
           dh[i] = rw * d_hu;
         }
       } else {
