@@ -28,15 +28,8 @@ using ref::LayerShape;
 
 LayerShape make_shape(int tokens, int hidden, int intermediate, int num_experts, int top_k, bool shared_expert,
                       double swiglu_limit = 0) {
-  LayerShape shape;
-  shape.tokens_per_rank = tokens;
-  shape.hidden = hidden;
-  shape.intermediate = intermediate;
-  shape.num_experts = num_experts;
-  shape.top_k = top_k;
-  shape.shared_expert = shared_expert;
-  shape.swiglu_limit = swiglu_limit;
-  return shape;
+  return {.tokens_per_rank = tokens, .hidden = hidden, .intermediate = intermediate, .num_experts = num_experts,
+          .top_k = top_k, .shared_expert = shared_expert, .swiglu_limit = swiglu_limit};
 }
 
 std::string describe(const Fp8Recipe& r) {
