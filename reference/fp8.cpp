@@ -56,7 +56,8 @@ float quantize_block(double* values, int64_t count, int64_t stride, bool power_o
 }
 
 void quantize_row(double* row, int64_t cols, bool power_of_two) {
-  for (int64_t c = 0; c < cols; c += kFp8Block) quantize_block(row + c, std::min<int64_t>(kFp8Block, cols - c), 1, power_of_two);
+  for (int64_t c = 0; c < cols; c += kFp8Block)
+    quantize_block(row + c, std::min<int64_t>(kFp8Block, cols - c), 1, power_of_two);
 }
 
 void quantize_matrix(double* matrix, int64_t rows, int64_t cols, bool power_of_two) {

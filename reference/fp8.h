@@ -11,7 +11,7 @@
 
 namespace mok::reference {
 
-inline constexpr int kFp8Block = 128;     // columns per activation scale; rows and columns per weight scale
+inline constexpr int kFp8Block = 128;  // columns per activation scale; rows and columns per weight scale
 inline constexpr float kE4m3Max = 448.0f;
 
 // The e4m3 value nearest to `value` (ties to even), saturated to +-448 (infinities too); NaN stays NaN. The value

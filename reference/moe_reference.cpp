@@ -508,7 +508,8 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
   // FP8: d_out as the down dgrad reads it, and x as the forward's GEMMs read it (the weight gradients' x when
   // recipe.weight_gradients_from_quantized); [N, H] each, else empty.
   const bool p2 = recipe.power_of_two_scales;
-  const std::vector<double> d_out_quantized = recipe.dgrads ? quantized_rows(d_out, hidden_size, p2) : std::vector<double>{};
+  const std::vector<double> d_out_quantized =
+      recipe.dgrads ? quantized_rows(d_out, hidden_size, p2) : std::vector<double>{};
   const std::vector<double> x_quantized =
       recipe.weight_gradients_from_quantized ? quantized_rows(inputs.x, hidden_size, p2) : std::vector<double>{};
 
@@ -626,6 +627,49 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
     for (int64_t h = 0; h < hidden_size; ++h) grads.d_x[n * hidden_size + h] = static_cast<T>(sum[h]);
   });
 
+  // FP8 weight gradients: dy and x per route (what phase 3 reads otherwise), then every factor quantized along its
+  // group's routes, per column and 128 routes.
+  std::vector<double> fp8_dy, fp8_x;
+  if (recipe.weight_gradients_fp8) {
+    fp8_dy.resize(num_slots * hidden_size);
+    fp8_x.resize(num_slots * hidden_size);
+    for (int group_idx = 0; group_idx < plan.num_groups; ++group_idx) {
+      for (const Route& route : plan.group_routes[group_idx]) {
+        const int64_t slot = RoutePlan::storage_idx(route, shape), row = route.token_idx * hidden_size;
+        const double rw = route_weight(shape, inputs, route);
+        for (int64_t h = 0; h < hidden_size; ++h) {
+          fp8_dy[slot * hidden_size + h] = rounded<T>(rw * static_cast<double>(d_out[row + h]));
+          fp8_x[slot * hidden_size + h] =
+              recipe.weight_gradients_from_quantized ? x_quantized[row + h] : static_cast<double>(inputs.x[row + h]);
+        }
+      }
+    }
+    parallel_for(plan.num_groups, resolve_num_threads(num_threads, plan.num_groups, num_slots * hidden_size),
+                 [&](int64_t group_idx) {
+      const std::vector<Route>& routes = plan.group_routes[group_idx];
+      std::vector<double> block;
+      const auto along_routes = [&](std::vector<double>& values, int64_t cols) {
+        for (size_t begin = 0; begin < routes.size(); begin += kFp8Block) {
+          const size_t count = std::min<size_t>(kFp8Block, routes.size() - begin);
+          block.resize(count);
+          const auto at = [&](size_t b, int64_t c) -> double& {
+            return values[RoutePlan::storage_idx(routes[begin + b], shape) * cols + c];
+          };
+          for (int64_t c = 0; c < cols; ++c) {
+            for (size_t b = 0; b < count; ++b) block[b] = at(b, c);
+            quantize_block(block.data(), static_cast<int64_t>(count), 1, p2);
+            for (size_t b = 0; b < count; ++b) at(b, c) = block[b];
+          }
+        }
+      };
+      along_routes(fp8_dy, hidden_size);
+      along_routes(fp8_x, hidden_size);
+      along_routes(route_hidden, inter_size);
+      along_routes(route_d_gate, inter_size);
+      along_routes(route_d_up, inter_size);
+    });
+  }
+
   // Phase 3: weight gradients, each row summing its group's routes in (token, j) order.
   enum class Tensor { kGate, kUp, kDown };
   struct GradUnit {
@@ -661,7 +705,9 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
         const T* d_out_row = d_out.data() + route.token_idx * hidden_size;
         const double* hidden_row = route_hidden.data() + slot * inter_size;
         for (int64_t r = 0; r < num_rows; ++r) {
-          const double d_y = rounded<T>(rw * static_cast<double>(d_out_row[unit.row_begin + r]));
+          const double d_y = recipe.weight_gradients_fp8
+                                 ? fp8_dy[slot * hidden_size + unit.row_begin + r]
+                                 : rounded<T>(rw * static_cast<double>(d_out_row[unit.row_begin + r]));
           add_scaled(acc.data() + r * cols, hidden_row, d_y, cols);
           if (magnitudes) add_scaled_abs(acc_abs.data() + r * cols, hidden_row, d_y, cols);
         }
@@ -678,7 +724,9 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
             }
           }
         };
-        if (recipe.weight_gradients_from_quantized)
+        if (recipe.weight_gradients_fp8)
+          add_rows(fp8_x.data() + slot * hidden_size);
+        else if (recipe.weight_gradients_from_quantized)
           add_rows(x_quantized.data() + route.token_idx * hidden_size);
         else
           add_rows(inputs.x.data() + route.token_idx * hidden_size);

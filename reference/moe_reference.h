@@ -124,20 +124,23 @@ struct Fp8Recipe {
   // Forward (issue 27's layer): x per token, h per route (the down GEMM reads h quantized; y, out as before).
   bool forward = false;
   // dgrads (issue 28): d_out quantized per token; d_hu = W_down^T d_out_q unscaled; dh = T(rw * d_hu);
-  // d_rw = <d_hu, h> with h before its quantization (what the SwiGLU-backward epilogue recomputes from g and u,
-  // and nearer the unquantized layer's d_rw than h_q: docs/design.md); dg, du as in bf16 from dh; the gate/up dgrad reads dg and du
-  // quantized per route, each per 1 x 128 (the blocks of a down-dgrad tile's columns: docs/design.md).
+  // d_rw = <d_hu, h> with h before its quantization (what the SwiGLU-backward epilogue recomputes from g and u;
+  // nearer the unquantized layer's d_rw than h_q: docs/design.md, "FP8 backward"); dg, du as in bf16 from dh; the
+  // gate/up dgrad reads dg and du quantized per route, each per 1 x 128 (a down-dgrad tile's columns).
   bool dgrads = false;
-  // Weight gradients (bf16 GEMMs): from x and h as the forward's GEMMs read them (quantized, what an FP8 context
-  // keeps; needs `forward`), or from the bf16 x and the h before its quantization. Their other factor is
-  // dy = T(rw * d_out) with the bf16 d_out, and dg, du before their quantization.
+  // Weight gradients from x and h as the forward's GEMMs read them (quantized: what an FP8 context keeps; needs
+  // `forward`), else from the bf16 x and the h before its quantization. Their other factor is dy = T(rw * d_out)
+  // with the bf16 d_out, and dg, du before their quantization.
   bool weight_gradients_from_quantized = false;
+  // FP8 weight gradients (issue 28 item 2's second way, DeepSeek-V3's): both factors of every weight gradient (the
+  // values above) quantized along the routes: per column, per 128 consecutive routes of the expert in (token, j)
+  // order, which is the schedule's row order at EP = 1 (at EP > 1 the schedule interleaves the source ranks, so
+  // the GPU's blocks group other routes). Otherwise the weight gradients are bf16 GEMMs of those values.
+  bool weight_gradients_fp8 = false;
   // quantize_weights: the gate and up weights of an expert as one [2I, H] matrix (MoeWeights' fused form), its
   // 128 x 128 blocks running over both (a block straddles them when I % 128 != 0); otherwise each has its own.
   bool gate_up_fused = false;
   bool power_of_two_scales = false;  // every activation scale rounded up to a power of two
-
-  bool any() const { return forward || dgrads; }
 };
 
 // The weights as the FP8 layer multiplies them: each expert's (and the shared expert's) matrices quantized per

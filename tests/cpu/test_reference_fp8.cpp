@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -28,20 +29,30 @@ using ref::LayerShape;
 
 LayerShape make_shape(int tokens, int hidden, int intermediate, int num_experts, int top_k, bool shared_expert,
                       double swiglu_limit = 0) {
-  return {.tokens_per_rank = tokens, .hidden = hidden, .intermediate = intermediate, .num_experts = num_experts,
-          .top_k = top_k, .shared_expert = shared_expert, .swiglu_limit = swiglu_limit};
+  return {.tokens_per_rank = tokens,
+          .hidden = hidden,
+          .intermediate = intermediate,
+          .num_experts = num_experts,
+          .top_k = top_k,
+          .shared_expert = shared_expert,
+          .swiglu_limit = swiglu_limit};
 }
 
 std::string describe(const Fp8Recipe& r) {
   return std::string("recipe{forward ") + (r.forward ? "1" : "0") + ", dgrads " + (r.dgrads ? "1" : "0") +
-         ", wgrad from quantized " + (r.weight_gradients_from_quantized ? "1" : "0") + ", fused " +
-         (r.gate_up_fused ? "1" : "0") + ", pow2 " + (r.power_of_two_scales ? "1" : "0") + "}";
+         ", wgrad from quantized " + (r.weight_gradients_from_quantized ? "1" : "0") + ", fp8 wgrad " +
+         (r.weight_gradients_fp8 ? "1" : "0") + ", fused " + (r.gate_up_fused ? "1" : "0") + ", pow2 " +
+         (r.power_of_two_scales ? "1" : "0") + "}";
 }
 
-bool same_value(float a, float b) { return (std::isnan(a) && std::isnan(b)) || std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b); }
+bool same_value(float a, float b) {
+  return (std::isnan(a) && std::isnan(b)) || std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b);
+}
 
 // CUDA's conversion (the GPU's, run here on the host), as a float.
-float cuda_e4m3(float v) { return mok::testing::from_e4m3_bits(mok::testing::to_e4m3_bits(v)); }
+float cuda_e4m3(float v) {
+  return mok::testing::from_e4m3_bits(mok::testing::to_e4m3_bits(v));
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Primitives
@@ -68,7 +79,8 @@ TEST(Fp8Primitives, RoundToE4m3IsCudasConversionBitwise) {
     }
   };
   for (float v : values) check(v);
-  // Every 1021st float bit pattern (a prime stride: the low bits take every value), about 2M values and their negations.
+  // Every 1021st float bit pattern (a prime stride: the low bits take every value), about 2M values and their
+  // negations.
   for (uint64_t bits = 0; bits < (uint64_t{1} << 31); bits += 1021) check(std::bit_cast<float>(uint32_t(bits)));
   EXPECT_EQ(mismatches, 0) << "of " << checked << "; first " << first_bad << " (bits 0x" << std::hex
                            << std::bit_cast<uint32_t>(first_bad) << "): ours " << ref::round_to_e4m3(first_bad)
@@ -87,12 +99,12 @@ TEST(Fp8Primitives, RowsQuantizeAsTheGpuQuantizerDoes) {
     state = mok::testing::mix64(state);
     v = float(int64_t(state % 20001) - 10000) / 997.0f;
   }
-  for (int c = 0; c < 128; ++c) values[1 * cols + c] = 0;                           // an all-zero block
-  values[2 * cols + 5] = std::numeric_limits<float>::quiet_NaN();                   // NaN: the block's scale NaN
-  values[3 * cols + 200] = -std::numeric_limits<float>::infinity();                 // infinity likewise
-  for (int c = 0; c < cols; ++c) values[4 * cols + c] *= 1e6f;                      // past e4m3's range
+  for (int c = 0; c < 128; ++c) values[1 * cols + c] = 0;            // an all-zero block
+  values[2 * cols + 5] = std::numeric_limits<float>::quiet_NaN();    // NaN: the block's scale NaN
+  values[3 * cols + 200] = -std::numeric_limits<float>::infinity();  // infinity likewise
+  for (int c = 0; c < cols; ++c) values[4 * cols + c] *= 1e6f;       // past e4m3's range
   for (int c = 0; c < cols; ++c) values[5 * cols + c] = std::ldexp(values[5 * cols + c], -125);  // subnormal scales
-  values[6 * cols + 299] = 1e-42f;                                                  // a lone subnormal
+  values[6 * cols + 299] = 1e-42f;                                                               // a lone subnormal
   for (bool power_of_two : {false, true}) {
     const auto expected = mok::testing::Fp8Matrix::quantize(values, rows, rows, cols, true, power_of_two);
     std::vector<double> ours(values.begin(), values.end());
@@ -138,7 +150,9 @@ TEST(Fp8Primitives, MatrixBlocksAre128By128) {
 // ---------------------------------------------------------------------------------------------------
 // The layer with the recipe against straightforward loops
 
-double silu(double z) { return z / (1.0 + std::exp(-z)); }
+double silu(double z) {
+  return z / (1.0 + std::exp(-z));
+}
 double silu_grad(double z) {
   const double s = 1.0 / (1.0 + std::exp(-z));
   return s * (1.0 + z * (1.0 - s));
@@ -172,6 +186,11 @@ LoopResult loops(const LayerShape& shape, const LayerParams<double>& params, con
   r.d_shared_gate.assign(int64_t(I) * H, 0);
   r.d_shared_up.assign(int64_t(I) * H, 0);
   r.d_shared_down.assign(int64_t(I) * H, 0);
+  struct Factors {  // one expert's (or the shared expert's, last) weight-gradient factors, one row per route
+    std::vector<std::vector<double>> dy, x, h, dg, du;
+    std::array<double*, 3> dW = {};  // gate, up, down
+  };
+  std::vector<Factors> factors(E + 1);
   for (int64_t n = 0; n < N; ++n) {
     const std::vector<double> x(inputs.x.begin() + n * H, inputs.x.begin() + (n + 1) * H);
     const std::vector<double> dout(d_out.begin() + n * H, d_out.begin() + (n + 1) * H);
@@ -234,15 +253,36 @@ LoopResult loops(const LayerShape& shape, const LayerParams<double>& params, con
       }
       for (int c = 0; c < H; ++c)
         for (int i = 0; i < I; ++i) r.d_x[n * H + c] += wg[i * H + c] * dgu_q[i] + wu[i * H + c] * dgu_q[I + i];
-      const std::vector<double>& x_w = recipe.weight_gradients_from_quantized ? xq : x;
-      const std::vector<double>& h_w = recipe.weight_gradients_from_quantized ? hq : h;
+      // The weight gradients' factors, kept per expert (routes in (token, j) order) and summed below.
+      Factors& f = factors[j < 0 ? E : e];
+      f.dW = {dwg, dwu, dwd};
+      std::vector<double> dy(H);
+      for (int c = 0; c < H; ++c) dy[c] = rw * dout[c];
+      f.dy.push_back(dy);
+      f.x.push_back(recipe.weight_gradients_from_quantized ? xq : x);
+      f.h.push_back(recipe.weight_gradients_from_quantized ? hq : h);
+      f.dg.emplace_back(dgu.begin(), dgu.begin() + I);
+      f.du.emplace_back(dgu.begin() + I, dgu.end());
+    }
+  }
+  for (Factors& f : factors) {
+    if (f.dy.empty()) continue;
+    if (recipe.weight_gradients_fp8)  // each factor's columns quantized along the routes, 128 at a time
+      for (auto* rows : {&f.dy, &f.x, &f.h, &f.dg, &f.du})
+        for (size_t begin = 0; begin < rows->size(); begin += 128)
+          for (size_t c = 0; c < (*rows)[0].size(); ++c) {
+            std::vector<double> column;
+            for (size_t b = begin; b < std::min(rows->size(), begin + 128); ++b) column.push_back((*rows)[b][c]);
+            ref::quantize_block(column.data(), int64_t(column.size()), 1, p2);
+            for (size_t b = begin; b < std::min(rows->size(), begin + 128); ++b) (*rows)[b][c] = column[b - begin];
+          }
+    for (size_t q = 0; q < f.dy.size(); ++q)
       for (int c = 0; c < H; ++c)
         for (int i = 0; i < I; ++i) {
-          dwd[c * I + i] += rw * dout[c] * h_w[i];
-          dwg[i * H + c] += dgu[i] * x_w[c];
-          dwu[i * H + c] += dgu[I + i] * x_w[c];
+          f.dW[2][c * I + i] += f.dy[q][c] * f.h[q][i];
+          f.dW[0][i * H + c] += f.dg[q][i] * f.x[q][c];
+          f.dW[1][i * H + c] += f.du[q][i] * f.x[q][c];
         }
-    }
   }
   return r;
 }
@@ -281,8 +321,16 @@ TEST(ReferenceFp8, MatchesStraightforwardLoops) {
             Fp8Recipe{.forward = true, .dgrads = true, .gate_up_fused = true},
             Fp8Recipe{.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .gate_up_fused = true},
             Fp8Recipe{.dgrads = true, .power_of_two_scales = true},
-            Fp8Recipe{.forward = true, .dgrads = true, .weight_gradients_from_quantized = true,
-                      .power_of_two_scales = true}}) {
+            Fp8Recipe{.forward = true, .dgrads = true, .weight_gradients_fp8 = true},
+            Fp8Recipe{.forward = true,
+            .dgrads = true,
+            .weight_gradients_from_quantized = true,
+            .weight_gradients_fp8 = true,
+            .power_of_two_scales = true},
+            Fp8Recipe{.forward = true,
+            .dgrads = true,
+            .weight_gradients_from_quantized = true,
+            .power_of_two_scales = true}}) {
         const std::string where = ref::describe(shape) + ", " + describe(recipe);
         const auto params = ref::quantize_weights(shape, ref::random_params<double>(shape, seed + 1, 0.08), recipe);
         const LoopResult want = loops(shape, params, inputs, d_out, recipe);
@@ -307,6 +355,31 @@ TEST(ReferenceFp8, MatchesStraightforwardLoops) {
   }
 }
 
+// FP8 weight gradients with more than 128 routes per expert: 160 tokens, each routed to both experts and the shared
+// one, so each factor's columns have a block of 128 routes and one of 32.
+TEST(ReferenceFp8, Fp8WeightGradientsQuantize128RoutesAtATime) {
+  const uint64_t seed = 23;
+  const LayerShape shape = make_shape(160, 128, 128, 2, 2, true);
+  const auto inputs = ref::random_inputs<double>(shape, seed);
+  const auto d_out = ref::random_normal<double>(shape.num_tokens() * shape.hidden, seed + 2);
+  for (const Fp8Recipe recipe : {Fp8Recipe{.forward = true, .dgrads = true, .weight_gradients_fp8 = true},
+                                 Fp8Recipe{.weight_gradients_fp8 = true}}) {
+    const auto params = ref::quantize_weights(shape, ref::random_params<double>(shape, seed + 1, 0.09), recipe);
+    const LoopResult want = loops(shape, params, inputs, d_out, recipe);
+    const auto grads = ref::backward(shape, params, inputs, d_out, 0, false, recipe);
+    EXPECT_LE(relative_max_error(grads.d_expert_gate, want.d_gate), 1e-12) << describe(recipe);
+    EXPECT_LE(relative_max_error(grads.d_expert_up, want.d_up), 1e-12) << describe(recipe);
+    EXPECT_LE(relative_max_error(grads.d_expert_down, want.d_down), 1e-12) << describe(recipe);
+    EXPECT_LE(relative_max_error(grads.d_shared_gate, want.d_shared_gate), 1e-12) << describe(recipe);
+    EXPECT_LE(relative_max_error(grads.d_shared_down, want.d_shared_down), 1e-12) << describe(recipe);
+    // and they are not the bf16 weight gradients
+    Fp8Recipe bf16_grads = recipe;
+    bf16_grads.weight_gradients_fp8 = false;
+    const auto other = ref::backward(shape, params, inputs, d_out, 0, false, bf16_grads);
+    EXPECT_GT(relative_max_error(grads.d_expert_down, other.d_expert_down), 1e-3) << describe(recipe);
+  }
+}
+
 // Quantizing moves the results: each recipe differs from the bf16 layer's formulas, by what its quantization
 // points explain. Printed: the table docs/design.md ("FP8 backward") quotes.
 TEST(ReferenceFp8, HowFarEachQuantizationPointMovesTheLayer) {
@@ -326,8 +399,18 @@ TEST(ReferenceFp8, HowFarEachQuantizationPointMovesTheLayer) {
       {"weights only", {}, true},
       {"forward (x, h, weights)", {.forward = true}, true},
       {"forward + dgrads, bf16 wgrads", {.forward = true, .dgrads = true}, true},
-      {"forward + dgrads, wgrads from fwd's x_q, h_q", {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true}, true},
-      {"same, power-of-two scales", {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .power_of_two_scales = true}, true},
+      {"forward + dgrads, wgrads from fwd's x_q, h_q",
+       {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true},
+       true},
+      {"same, power-of-two scales",
+       {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .power_of_two_scales = true},
+       true},
+      {"forward + dgrads, FP8 wgrads (bf16 x, h)",
+       {.forward = true, .dgrads = true, .weight_gradients_fp8 = true},
+       true},
+      {"forward + dgrads, FP8 wgrads (x_q, h_q)",
+       {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .weight_gradients_fp8 = true},
+       true},
   };
   std::printf("normwise relative error against the unquantized layer (T = double), %s\n", ref::describe(shape).c_str());
   std::printf("%-46s %7s %7s %7s %7s %7s %7s\n", "recipe", "out", "d_x", "d_rw", "dW_gate", "dW_up", "dW_down");
@@ -378,7 +461,8 @@ TEST(ReferenceFp8, NanStaysWithItsToken) {
   // The weight gradients sum over their experts' tokens: the experts of tokens 3 and 5 are not finite, the others are.
   for (int e = 0; e < shape.num_experts; ++e) {
     bool routed = false, finite = true;
-    for (int64_t j = 0; j < k; ++j) routed = routed || inputs.topk_idx[3 * k + j] == e || inputs.topk_idx[5 * k + j] == e;
+    for (int64_t j = 0; j < k; ++j)
+      routed = routed || inputs.topk_idx[3 * k + j] == e || inputs.topk_idx[5 * k + j] == e;
     const int64_t size = int64_t(shape.intermediate) * H;
     for (int64_t i = 0; i < size; ++i) finite = finite && std::isfinite(grads.d_expert_gate[e * size + i]);
     EXPECT_EQ(finite, !routed) << "expert " << e;
@@ -424,8 +508,9 @@ TEST(ReferenceFp8, RecipeIsValidatedAndDeterministic) {
   const auto params = ref::random_params<double>(shape, 3, 0.1);
   const auto inputs = ref::random_inputs<double>(shape, 4);
   const auto d_out = ref::random_normal<double>(shape.num_tokens() * shape.hidden, 5);
-  EXPECT_THROW(ref::backward(shape, params, inputs, d_out, 0, false, {.dgrads = true, .weight_gradients_from_quantized = true}),
-               std::invalid_argument);
+  EXPECT_THROW(
+      ref::backward(shape, params, inputs, d_out, 0, false, {.dgrads = true, .weight_gradients_from_quantized = true}),
+      std::invalid_argument);
   const Fp8Recipe recipe{.forward = true, .dgrads = true, .weight_gradients_from_quantized = true};
   const auto a = ref::backward(shape, params, inputs, d_out, 1, true, recipe);
   const auto b = ref::backward(shape, params, inputs, d_out, 3, true, recipe);
