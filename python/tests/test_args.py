@@ -91,6 +91,8 @@ CASES = [
      "Config.fp8_power_of_two_scales: expected a bool"),
     ('mok.Config(precision="fp8", path="unfused")', ValueError,
      "Config.precision: 'fp8' runs with backward=False, gather_rows=False and scatter_rows=False"),
+    ('mok.quantize_weights(w, power_of_two_scales="yes")', TypeError, "power_of_two_scales: expected a bool"),
+    ('mok.quantize_weights(w, transposed=1)', TypeError, "transposed: expected a bool"),
     # mok.LayerShape (also the shape checks of get_workspace and mok.MoE)
     ('mok.LayerShape(0, 256, 2, 8, 128, 64)', ValueError, "ep_size: expected the EP group's size, an int in [1, 72]"),
     ('mok.LayerShape(73, 256, 2, 73, 128, 64)', ValueError, "ep_size: expected the EP group's size"),

@@ -1089,15 +1089,6 @@ def test_caller_routing_shaped_like_x_on_the_cpu_stand_in(cpu_workspace):
     assert torch.equal(got.view(want.shape), want)
 
 
-def test_quantize_weights_flags_must_be_bools():
-    """mok.quantize_weights checks its flags before anything reaches the GPU (TypeError naming the argument)."""
-    w = mok.Weights(*(torch.zeros(2, 128, 128, dtype=torch.bfloat16) for _ in range(3)))
-    with pytest.raises(TypeError, match="transposed: expected a bool"):
-        mok.quantize_weights(w, transposed=1)
-    with pytest.raises(TypeError, match="power_of_two_scales: expected a bool"):
-        mok.quantize_weights(w, power_of_two_scales="yes")
-
-
 def test_fp8_weights_are_quantized_again_when_a_parameter_changes(monkeypatch):
     """mok.MoE(precision="fp8")'s quantized weights (quantize_weights counted, on meta): kept while the parameters
     are unchanged; made again after an in-place write (the version counter), after a parameter is replaced (another
