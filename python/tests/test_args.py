@@ -27,13 +27,19 @@ WS = "mok.get_workspace(mok.Config(), None, 256, 128, 64, 2, 8, device=\"meta\")
 
 def names():
     """The namespace the calls run in: ws a meta workspace (T 256, H 128, I 64, k 2, E 8, a shared expert), x, idx,
-    rw, w its inputs and weights (meta), ctx the context of a forward, d_out a bf16 [256, 128] meta tensor."""
+    rw, w its inputs and weights (meta), ctx the context of a forward, d_out a bf16 [256, 128] meta tensor; ws8 an FP8
+    inference workspace of the same shape (meta) and q8 its weights, a mok.Fp8Weights of meta tensors."""
     ws = eval(WS, {"mok": mok})
     shape = ws.shape
     x, idx, rw = make_inputs(shape, "meta")
     w = make_weights(shape, "meta")
     _, ctx = mok.forward(ws, x, idx, rw, w)
-    return dict(mok=mok, torch=torch, ws=ws, x=x, idx=idx, rw=rw, w=w, ctx=ctx, d_out=torch.empty_like(x))
+    ws8 = mok.get_workspace(mok.Config(precision="fp8", backward=False), None, 256, 128, 64, 2, 8, device="meta")
+    e4m3 = lambda t: torch.empty(t.shape, dtype=torch.float8_e4m3fn, device="meta")
+    blocks = lambda t: torch.empty(*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128), device="meta")
+    q8 = mok.Fp8Weights(tuple(e4m3(t) for t in w.tensors()), tuple(blocks(t) for t in w.tensors()))
+    return dict(mok=mok, torch=torch, ws=ws, x=x, idx=idx, rw=rw, w=w, ctx=ctx, d_out=torch.empty_like(x), ws8=ws8,
+                q8=q8)
 
 
 # (call, exception, start of the message): the rows of docs/bad_inputs.md's table, in its order.
@@ -93,6 +99,13 @@ CASES = [
      "Config.precision: 'fp8' runs with backward=False, gather_rows=False and scatter_rows=False"),
     ('mok.quantize_weights(w, power_of_two_scales="yes")', TypeError, "power_of_two_scales: expected a bool"),
     ('mok.quantize_weights(w, transposed=1)', TypeError, "transposed: expected a bool"),
+    ('mok.forward_fp8(ws, x, idx, rw, q8)', ValueError, "mok.forward_fp8: the workspace is Config(precision='bf16')"),
+    ('mok.forward_fp8(ws8, x, idx, rw, w)', TypeError, "weights: expected mok.Fp8Weights"),
+    ('mok.forward(ws8, x, idx, rw, w)', ValueError, "mok.forward: the workspace is Config(precision='fp8')"),
+    ('mok.forward_fp8(ws8, x, idx, rw, mok.Fp8Weights(q8.values[:1] + (None,) + q8.values[2:], q8.scales))', ValueError,
+     "weights.expert_gate: expected a contiguous float8_e4m3fn [E_local, 2I, H (gate and up fused"),
+    ('mok.forward_fp8(ws8, x, idx, rw, mok.Fp8Weights(q8.values, (q8.scales[0][..., :0],) + q8.scales[1:]))',
+     ValueError, "weights.expert_gate scales: expected a contiguous fp32"),
     # mok.LayerShape (also the shape checks of get_workspace and mok.MoE)
     ('mok.LayerShape(0, 256, 2, 8, 128, 64)', ValueError, "ep_size: expected the EP group's size, an int in [1, 72]"),
     ('mok.LayerShape(73, 256, 2, 73, 128, 64)', ValueError, "ep_size: expected the EP group's size"),
