@@ -390,32 +390,26 @@ TEST(ReferenceFp8, HowFarEachQuantizationPointMovesTheLayer) {
   const auto d_out = ref::random_normal<double>(shape.num_tokens() * shape.hidden, seed + 2);
   const auto exact_out = ref::forward(shape, params, inputs).out;
   const auto exact = ref::backward(shape, params, inputs, d_out);
-  struct Row {
+  struct Row {  // every row multiplies the weights as quantize_weights leaves them
     const char* name;
     Fp8Recipe recipe;
-    bool quantized_weights;
   };
   const Row rows[] = {
-      {"weights only", {}, true},
-      {"forward (x, h, weights)", {.forward = true}, true},
-      {"forward + dgrads, bf16 wgrads", {.forward = true, .dgrads = true}, true},
+      {"weights only", {}},
+      {"forward (x, h, weights)", {.forward = true}},
+      {"forward + dgrads, bf16 wgrads", {.forward = true, .dgrads = true}},
       {"forward + dgrads, wgrads from fwd's x_q, h_q",
-       {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true},
-       true},
+       {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true}},
       {"same, power-of-two scales",
-       {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .power_of_two_scales = true},
-       true},
-      {"forward + dgrads, FP8 wgrads (bf16 x, h)",
-       {.forward = true, .dgrads = true, .weight_gradients_fp8 = true},
-       true},
+       {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .power_of_two_scales = true}},
+      {"forward + dgrads, FP8 wgrads (bf16 x, h)", {.forward = true, .dgrads = true, .weight_gradients_fp8 = true}},
       {"forward + dgrads, FP8 wgrads (x_q, h_q)",
-       {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .weight_gradients_fp8 = true},
-       true},
+       {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .weight_gradients_fp8 = true}},
   };
   std::printf("normwise relative error against the unquantized layer (T = double), %s\n", ref::describe(shape).c_str());
   std::printf("%-46s %7s %7s %7s %7s %7s %7s\n", "recipe", "out", "d_x", "d_rw", "dW_gate", "dW_up", "dW_down");
   for (const Row& row : rows) {
-    const auto q = row.quantized_weights ? ref::quantize_weights(shape, params, row.recipe) : params;
+    const auto q = ref::quantize_weights(shape, params, row.recipe);
     const auto out = ref::forward(shape, q, inputs, 0, row.recipe).out;
     const auto grads = ref::backward(shape, q, inputs, d_out, 0, false, row.recipe);
     const double e[6] = {relative_norm_error(out, exact_out),
