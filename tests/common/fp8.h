@@ -9,10 +9,9 @@
 #include <cstdint>
 #include <vector>
 
-#include <cstring>
-
 #include <cuda_fp8.h>
 
+#include "reference/fp8.h"
 #include "tests/common/device_fill.h"
 
 namespace mok::testing {
@@ -22,7 +21,6 @@ inline uint8_t to_e4m3_bits(float v) { return __nv_cvt_float_to_fp8(v, __NV_SATF
 inline float from_e4m3_bits(uint8_t bits) { return __half2float(__half(__nv_cvt_fp8_to_halfraw(bits, __NV_E4M3))); }
 
 inline constexpr int kScaleBlock = 128;  // columns (and B rows) per scale
-inline constexpr float kE4m3Max = 448.0f;
 
 inline int scale_blocks(int64_t extent) { return static_cast<int>((extent + kScaleBlock - 1) / kScaleBlock); }
 
@@ -74,23 +72,10 @@ struct Fp8Matrix {
   }
 
   // The scale of a block (include/mok/fp8.h): amax / 448, 1 for an all-zero block, NaN for a block holding a
-  // NaN or an infinity; with power_of_two, rounded up to a power of two.
+  // NaN or an infinity; with power_of_two, rounded up to a power of two. The CPU reference's rule (reference/fp8.h),
+  // which test_quantize_fp8 checks against the GPU's bitwise.
   static float block_scale(float amax, bool finite, bool power_of_two) {
-    if (!finite) return std::nanf("");
-    if (amax == 0.0f) return 1.0f;
-    float scale = amax / kE4m3Max;
-    if (power_of_two) {
-      uint32_t bits;
-      std::memcpy(&bits, &scale, sizeof bits);
-      const uint32_t exponent = bits & 0x7f800000u, mantissa = bits & 0x007fffffu;
-      if (exponent == 0) {
-        if ((mantissa & (mantissa - 1)) != 0) bits = 1u << (32 - __builtin_clz(mantissa));
-      } else if (mantissa != 0) {
-        bits = exponent + 0x00800000u;
-      }
-      std::memcpy(&scale, &bits, sizeof bits);
-    }
-    return scale;
+    return reference::fp8_block_scale(amax, finite, power_of_two);
   }
 
   // Quantizes `values` [rows, k] as the recipe does (include/mok/fp8.h): e4m3 = round(value / scale).
