@@ -23,11 +23,15 @@
 // kMN with b_up (kStore only): K is the concatenation of b [E_local, k/2, n] and b_up [E_local, k/2, n]
 // (the gate/up dgrad over [d_g, d_u] with separate gate and up weights).
 //
-// Precision kFP8 (kStore and kSwiGLU, b_major kK; DeepSeek-V3's recipe, docs/design.md "FP8"): a and b hold
+// Precision kFP8 (kStore, kSwiGLU and kSwiGLUBackward, b_major kK; DeepSeek-V3's recipe, docs/design.md "FP8"):
+// a and b hold
 // e4m3 values, each with fp32 block scales; the GEMM computes with a[r, c] * a_scales[c / 128, r] and
 // b[row, c] * b_scales[e, row / 128, c / 128] (row: the row of expert e's matrix, b_expert_rows = n, or 2n for
 // fused gate/up weights), promoting the tensor cores' partial sums to fp32 once per 128 of k. k may end with a
 // partial 128-column block. Tiles of 128 x 128 accumulators (kStore 128 output columns, kSwiGLU 64).
+// kFP8 kSwiGLUBackward (the FP8 backward's down dgrad, docs/design.md "FP8 backward"): a = d_out rows quantized
+// per 1 x 128, b = W_down transposed [E_local, n = I, k = H] K-major (quantize_weights_fp8's out_transposed: the
+// forward's values exactly); the epilogue is bf16's, over 128-column tiles (row_partials: gemm_n_blocks(args)).
 // kFP8 kSwiGLU with out_scales: h is written quantized as the down GEMM's A, e4m3 with one scale per row per 128
 // columns (include/mok/fp8.h's recipe applied to the bf16 h the plain kSwiGLU writes: the same bits as kSwiGLU
 // followed by quantize_rows_fp8); a task computes 128 h columns, one scale block (two 64-column tiles in turn).
@@ -150,6 +154,8 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream);
 // Output tiles along n (the columns of kSwiGLUBackward's row_partials) of a bf16 GEMM; the last one may be
 // partial.
 int gemm_n_blocks(GemmEpilogue epilogue, int n);
+// The same for a call of either precision (kFP8: 128-column tiles, or the store's block_n).
+int gemm_n_blocks(const ExpertGemmArgs& args);
 
 // Output columns per tile of the FP8 store GEMM: block_n, or for 0 the 192-column tile from n = 4096 on (7-10 %
 // faster there, the same bits: docs/perf_notes.md, round 21; 3 % slower at n = 2880 in round 18), else 128.

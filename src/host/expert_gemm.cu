@@ -69,7 +69,9 @@ void launch(const ExpertGemmArgs& args, cudaStream_t stream) {
 // Output tiles along n of a GEMM of either precision.
 int n_blocks(const ExpertGemmArgs& args) {
   if (args.precision != Precision::kFP8) return gemm_n_blocks(args.epilogue, args.n);
-  const int columns = args.epilogue != GemmEpilogue::kSwiGLU ? fp8_store_block_n(args.block_n, args.n)
+  const int columns = args.epilogue == GemmEpilogue::kStore ? fp8_store_block_n(args.block_n, args.n)
+                      : args.epilogue == GemmEpilogue::kSwiGLUBackward
+                          ? detail::Fp8GemmTraits<gemm::SwiGLUBackwardEpilogue, 1>::kOutCols
                       : args.out_scales != nullptr ? detail::Fp8GemmTraits<gemm::SwiGLUQuantEpilogue, 1>::kOutCols
                                                    : detail::Fp8GemmTraits<gemm::SwiGLUEpilogue<false>, 1>::kOutCols;
   return (args.n + columns - 1) / columns;
@@ -158,8 +160,8 @@ void validate(const ExpertGemmArgs& args) {
   require(args.a != nullptr && aligned16(args.a), "a must be a non-null, 16-byte aligned bf16 (kFP8: e4m3) buffer");
   require(args.b != nullptr && aligned16(args.b), "b must be a non-null, 16-byte aligned bf16 (kFP8: e4m3) buffer");
   if (fp8) {
-    require(store || swiglu, "kFP8 supports kStore and kSwiGLU (the forward's GEMMs), got epilogue " +
-                                 std::to_string(static_cast<int>(epilogue)));
+    require(store || swiglu || backward, "kFP8 supports kStore, kSwiGLU and kSwiGLUBackward, got epilogue " +
+                                             std::to_string(static_cast<int>(epilogue)));
     require(!mn_major, "kFP8 reads b K-major (FP8 wgmma takes both operands K-major): b_major must be kK");
     require(args.gather.x == nullptr, "kFP8 does not gather rows (gather.x must be null)");
     require(args.a_scales != nullptr && aligned16(args.a_scales),
@@ -188,7 +190,8 @@ void validate(const ExpertGemmArgs& args) {
           "b_up is only for kSwiGLU (separate gate and up weights) or kStore with b_major kMN (K split over b "
           "and b_up), and must be 16-byte aligned");
   require(!swiglu || !mn_major, "kSwiGLU reads b K-major: b_major must be kK (kMN is for kStore and kSwiGLUBackward)");
-  require(!backward || mn_major, "kSwiGLUBackward reads b = W_down [E, k, n] MN-major: b_major must be kMN");
+  require(!backward || mn_major || fp8,
+          "kSwiGLUBackward reads b = W_down [E, k, n] MN-major: b_major must be kMN (kFP8: its transpose, kK)");
   const bool scatter = args.scatter.row_route != nullptr;
   if (scatter) {
     require(store && !fp8, "scatter (rows to the combine buffers) is only for kStore in kBF16");
@@ -297,6 +300,8 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
     const int cluster_n = args.cluster_n != 0 ? args.cluster_n : (pairs ? 2 : 1);
     if (args.epilogue == GemmEpilogue::kStore)
       launch_fp8<gemm::StoreEpilogue>(args, cluster_n, stream);
+    else if (args.epilogue == GemmEpilogue::kSwiGLUBackward)
+      launch_fp8<gemm::SwiGLUBackwardEpilogue>(args, cluster_n, stream);
     else if (args.out_scales != nullptr)
       launch_fp8<gemm::SwiGLUQuantEpilogue>(args, cluster_n, stream);
     else if (args.gate_up_out != nullptr)
@@ -358,6 +363,8 @@ int gemm_n_blocks(GemmEpilogue epilogue, int n) {
   const int columns = output_tile_columns(epilogue);
   return n > 0 ? (n + columns - 1) / columns : 0;
 }
+
+int gemm_n_blocks(const ExpertGemmArgs& args) { return args.n > 0 ? n_blocks(args) : 0; }
 
 int choose_cluster_n(GemmEpilogue epilogue, int n) {
   // Pairs of CTAs sharing A need an even number of output tiles.

@@ -1734,6 +1734,111 @@ TEST(ExpertGemmTest, Fp8QuantizedNormalInputsWithinBudget) {
   }
 }
 
+// The FP8 down dgrad (kFP8 kSwiGLUBackward; docs/design.md, "FP8 backward"): a = d_out rows in e4m3 with 1 x 128
+// scales, b = W_down transposed [E, n = I, k = H] K-major with 128 x 128 scales, bf16's epilogue over 128-column
+// tiles. Exact inputs (integer e4m3, power-of-two scales) make d_hu exact, as the FP8 store test's; g, u, the row
+// scales and the budgets are SwiGLUBackwardWithinBudget's. k 320: a partial last k-block; n 448: a partial last
+// tile (64 of 128 columns) and four tiles (pairs); n 384: three (single CTAs). Pairs and reruns: the same bits.
+TEST(ExpertGemmTest, Fp8SwiGLUBackwardWithinBudget) {
+  MOK_REQUIRE_GPUS(1);
+  using testing::Fp8Matrix;
+  enum class Scale { kNone, kSet, kWithZeros };
+  struct Case { std::vector<int32_t> expert_counts; int k, n, tile_m; float limit; Scale scale; };
+  const std::vector<Case> cases = {
+      {{0, 1, 63, 129, 300, 0, 128, 7}, 320, 448, 64, 0.0f, Scale::kNone},
+      {{0, 1, 63, 129, 300, 0, 128, 7}, 256, 512, 128, 7.0f, Scale::kSet},
+      {{65, 0, 130, 1}, 512, 384, 64, 7.0f, Scale::kWithZeros},
+      {{33, 5}, 128, 64, 128, 3.0f, Scale::kSet},  // one tile of 64 columns
+  };
+  constexpr int kTileCols = 128;
+  for (const Case& c : cases) {
+    const int num_experts = static_cast<int>(c.expert_counts.size());
+    const uint64_t seed = 1900 + c.k + c.n + c.tile_m;
+    const std::string label = "k " + std::to_string(c.k) + " n " + std::to_string(c.n) + " tile_m " +
+                              std::to_string(c.tile_m) + " limit " + std::to_string(c.limit) + " scale " +
+                              std::to_string(int(c.scale)) + " seed " + std::to_string(seed);
+    GemmFixture fx(c.expert_counts, 128, c.tile_m);
+    const auto d_out = Fp8Matrix::exact(fx.a_rows, fx.a_rows, c.k, true, seed);
+    const auto w_t = Fp8Matrix::exact(int64_t(num_experts) * c.n, c.n, c.k, false, seed + 1);  // W_down^T [E, I, H]
+    std::vector<uint16_t> gate_up(size_t(fx.a_rows) * 2 * c.n);
+    for (size_t i = 0; i < gate_up.size(); ++i) gate_up[i] = to_bf16_bits(hashed_int(seed + 2, int64_t(i), -48, 48) / 4.0f);
+    std::vector<float> scale(fx.a_rows, 1.0f);
+    for (int64_t r = 0; r < fx.a_rows; ++r) {
+      if (c.scale != Scale::kNone) scale[r] = hashed_int(seed + 3, r, 1, 8) / 4.0f;
+      if (c.scale == Scale::kWithZeros && r % 3 == 0) scale[r] = 0.0f;
+    }
+    DeviceArray<uint8_t> d_a(d_out.bits), d_w(w_t.bits);
+    DeviceArray<float> d_sa(d_out.scales), d_sw(w_t.scales), d_scale(scale);
+    DeviceArray<uint16_t> d_gate_up(gate_up), d_grad(size_t(fx.a_rows) * 2 * c.n);
+    ExpertGemmArgs args = fp8_tests::fp8_args(fx, GemmEpilogue::kSwiGLUBackward, d_a, d_sa, c.k, d_w, d_sw, c.n,
+                                              d_grad.ptr);
+    const int n_blocks = gemm_n_blocks(args);
+    ASSERT_EQ(n_blocks, (c.n + kTileCols - 1) / kTileCols) << label;
+    DeviceArray<float> d_partials(size_t(fx.a_rows) * n_blocks);
+    args.gate_up = d_gate_up.ptr;
+    args.row_partials = d_partials.ptr;
+    args.swiglu_limit = c.limit;
+    if (c.scale != Scale::kNone) args.row_scale = d_scale.ptr;
+    auto run = [&](const ExpertGemmArgs& run_args) { return run_swiglu_backward(run_args, d_grad, d_partials); };
+    args.cluster_n = 1;
+    const auto [grad, partials] = run(args);
+    ASSERT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1) << ", " << label;
+    ASSERT_EQ(check_layout(grad, fx.seg, fx.a_rows, 2 * c.n), "") << "d_g / d_u, " << label;
+    const double limit = c.limit;
+    for (int64_t row = 0; row < fx.a_rows; ++row) {
+      for (int nb = 0; nb < n_blocks; ++nb) {
+        const uint32_t bits = float_bits(partials[row * n_blocks + nb]);
+        if (row >= fx.seg.rows) {
+          ASSERT_EQ(bits, kFloatPoison) << "row partial past the schedule written: row " << row << ", " << label;
+        } else if (!fx.seg.is_real(row)) {
+          ASSERT_EQ(bits, 0u) << "padding row partial not zero: row " << row << ", " << label;
+        }
+      }
+      if (row >= fx.seg.rows || !fx.seg.is_real(row)) continue;
+      const int e = fx.seg.expert_of(row);
+      const double rw = c.scale == Scale::kNone ? 1.0 : scale[row];
+      std::vector<double> partial_sum(n_blocks, 0.0), partial_magnitude(n_blocks, 0.0);
+      for (int col = 0; col < c.n; ++col) {
+        const double d_hu = d_out.dot(row, w_t, int64_t(e) * c.n + col);
+        const double g = from_bf16_bits(gate_up[row * 2 * c.n + col]), u = from_bf16_bits(gate_up[row * 2 * c.n + c.n + col]);
+        const bool gate_passes = !(limit > 0) || g < limit, up_passes = !(limit > 0) || (-limit < u && u < limit);
+        const double g_c = limit > 0 ? std::min(g, limit) : g, u_c = limit > 0 ? std::clamp(u, -limit, limit) : u;
+        const double s = sigmoid(g_c), d_h = rw * d_hu;
+        const double want_g = gate_passes ? d_h * u_c * (s * (1 + g_c * (1 - s))) : 0.0;
+        const double want_u = up_passes ? d_h * g_c * s : 0.0;
+        const float got_g = from_bf16_bits(grad[row * 2 * c.n + col]), got_u = from_bf16_bits(grad[row * 2 * c.n + c.n + col]);
+        const double budget_g = std::abs(want_g) / 128 + std::ldexp(1.0, -17) * (1 + 3 * std::abs(g_c)) * std::abs(d_h * u_c);
+        const double budget_u = std::abs(want_u) / 128 + std::ldexp(1.0, -17) * (1 + std::abs(g_c)) * std::abs(d_h);
+        ASSERT_FALSE(std::isnan(got_g) || std::isnan(got_u)) << where("NaN", row, col, got_g, want_g) << ", " << label;
+        ASSERT_LE(std::abs(got_g - want_g), budget_g) << where("d_g", row, col, got_g, want_g) << ", " << label;
+        ASSERT_LE(std::abs(got_u - want_u), budget_u) << where("d_u", row, col, got_u, want_u) << ", " << label;
+        const double term = d_hu * g_c * s * u_c;
+        partial_sum[col / kTileCols] += term;
+        partial_magnitude[col / kTileCols] += std::abs(term);
+      }
+      for (int nb = 0; nb < n_blocks; ++nb) {
+        const float got = partials[row * n_blocks + nb];
+        ASSERT_FALSE(std::isnan(got)) << "row partial NaN: row " << row << " n-block " << nb << ", " << label;
+        ASSERT_LE(std::abs(got - partial_sum[nb]), std::ldexp(partial_magnitude[nb], -16))
+            << "row partial: row " << row << " n-block " << nb << ": got " << got << ", expected " << partial_sum[nb]
+            << ", " << label;
+      }
+    }
+    if (n_blocks % 2 == 0) {
+      args.cluster_n = 2;
+      const auto [grad2, partials2] = run(args);
+      ASSERT_EQ(grad2, grad) << "d_g / d_u in pairs differ from single CTAs, " << label;
+      ASSERT_TRUE(std::memcmp(partials2.data(), partials.data(), partials.size() * sizeof(float)) == 0)
+          << "row partials in pairs differ from single CTAs, " << label;
+    }
+    args.cluster_n = 0;
+    const auto [grad_again, partials_again] = run(args);
+    ASSERT_EQ(grad_again, grad) << "rerun d_g / d_u differ, " << label;
+    ASSERT_TRUE(std::memcmp(partials_again.data(), partials.data(), partials.size() * sizeof(float)) == 0)
+        << "rerun row partials differ, " << label;
+  }
+}
+
 TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
   alignas(16) static uint16_t buffer[64];
   alignas(16) static float scales[64];
@@ -1765,8 +1870,10 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
       {"scales without b_up", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.b_up_scales = scales; },
        "b_up_scales must be given exactly when b_up is"},
       {"MN-major b", [](ExpertGemmArgs& a) { a.b_major = OperandMajor::kMN; }, "kFP8 reads b K-major"},
-      {"SwiGLU backward", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; a.b_major = OperandMajor::kMN; },
-       "kFP8 supports kStore and kSwiGLU"},
+      {"SwiGLU backward MN-major", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; a.b_major = OperandMajor::kMN; },
+       "kFP8 reads b K-major"},
+      {"SwiGLU backward without gate_up", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; },
+       "kSwiGLUBackward needs gate_up"},
       {"unknown precision", [](ExpertGemmArgs& a) { a.precision = static_cast<Precision>(7); }, "precision must be"},
       {"bf16 with scales", [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; },
        "only for precision kFP8"},
@@ -1799,6 +1906,15 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
     b.edit(args);
     EXPECT_NE(message(args).find(b.expected), std::string::npos) << b.name << ": " << message(args);
   }
+  ExpertGemmArgs down_dgrad = base;  // the FP8 down dgrad: K-major b (W_down transposed), 128-column tiles
+  down_dgrad.epilogue = GemmEpilogue::kSwiGLUBackward;
+  down_dgrad.gate_up = buffer;
+  down_dgrad.row_partials = scales;
+  down_dgrad.n = 448;
+  EXPECT_EQ(message(down_dgrad), "no throw");
+  EXPECT_EQ(gemm_n_blocks(down_dgrad), 4);
+  down_dgrad.precision = Precision::kBF16;
+  EXPECT_EQ(gemm_n_blocks(down_dgrad), gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, 448)) << "bf16: 256 columns";
   ExpertGemmArgs wide = base;
   wide.n = 384;
   wide.block_n = 192;
