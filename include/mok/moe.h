@@ -156,8 +156,10 @@ struct MoeOptions {
   Precision precision = Precision::kBF16;  // kFP8 (docs/design.md, "FP8"): the routed and shared experts' GEMMs in
                              // e4m3 with DeepSeek-V3's block scales; x quantized per 1 x 128 once on its own rank
                              // (the rows it sends are FP8 with their scales), h per 1 x 128 before the down GEMM,
-                             // the weights given quantized (MoeWeights' FP8 form, quantize_weights_fp8). For now:
-                             // no backward (backward = false, gather_rows = false); either forward path
+                             // the weights given quantized (MoeWeights' FP8 form, quantize_weights_fp8). Either
+                             // forward path; the backward (docs/design.md, "FP8 backward") as stage kernels
+                             // (fused.backward_megakernel = false), with I % 128 == 0 and a context that keeps
+                             // every row (ring_rows() == capacity_rows()); no gather_rows, no scatter_rows
   bool fp8_power_of_two_scales = false;  // precision kFP8: the activations' scales (x's and h's, per 1 x 128)
                              // rounded up to powers of two (include/mok/fp8.h; the weights' are chosen when they
                              // are quantized: Fp8QuantizeArgs::power_of_two_scales)
@@ -186,6 +188,18 @@ struct MoeWeights {
   TensorRef shared_gate_scales;
   TensorRef shared_up_scales;
   TensorRef shared_down_scales;
+  // kFP8's backward only (MoeWorkspace::backward; the forward ignores them): the transposed copies its dgrads read
+  // K-major, with their block scales: quantize_weights_fp8's out_transposed / scales_transposed (the forward's
+  // values exactly) of [W_gate; W_up] [.., 2I, H] and of W_down. Separate gate and up weights: the transpose of
+  // their concatenation (at I % 128 == 0, which the FP8 backward needs, its 128 x 128 blocks are theirs).
+  TensorRef expert_gate_up_t;         // e4m3 [E_local, H, 2I]
+  TensorRef expert_down_t;            // e4m3 [E_local, I, H]
+  TensorRef shared_gate_up_t;         // e4m3 [H, 2I]   (the shared ones are empty without a shared expert)
+  TensorRef shared_down_t;            // e4m3 [I, H]
+  TensorRef expert_gate_up_t_scales;  // fp32 [E_local, ceil(H/128), 2I/128]
+  TensorRef expert_down_t_scales;     // fp32 [E_local, I/128, ceil(H/128)]
+  TensorRef shared_gate_up_t_scales;  // fp32 [ceil(H/128), 2I/128]
+  TensorRef shared_down_t_scales;     // fp32 [I/128, ceil(H/128)]
 };
 
 // How one weight gradient is produced.
@@ -400,9 +414,12 @@ class MoeWorkspace {
   // without a shared expert --, d_rw, and the per-rank scratch; docs/design.md, "Backward"); 0 without
   // MoeOptions::backward.
   int64_t backward_bytes() const { return backward_bytes_; }
-  // Whether the backward recomputes routed rows' g, u and h: all rows without MoeOptions::keep_gate_up; with
-  // it, the rows past a fused forward's ring when the ring is below the capacity (the kept ones are copied).
-  bool recomputes_gate_up() const { return !options_.keep_gate_up || ring_rows_ < capacity_rows(); }
+  // Whether the backward recomputes routed rows' g, u and h: all rows without MoeOptions::keep_gate_up or in
+  // FP8 (whose context keeps x's FP8 rows, no g | u); with it, the rows past a fused forward's ring when the ring
+  // is below the capacity (the kept ones are copied).
+  bool recomputes_gate_up() const {
+    return !options_.keep_gate_up || ring_rows_ < capacity_rows() || options_.precision == Precision::kFP8;
+  }
 
  private:
   struct RankState;

@@ -546,7 +546,7 @@ void mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& 
     gate_up.out = m.hidden_fp8;  // h quantized per 1 x 128 by the SwiGLU epilogue: the down GEMM's A
     gate_up.out_scales = m.hidden_scales;
     gate_up.out_scales_power_of_two = options.fp8_power_of_two_scales;
-    gate_up.gate_up_out = nullptr;  // no backward in FP8 yet: nothing reads g and u
+    gate_up.gate_up_out = nullptr;  // the FP8 backward recomputes g and u from the context's x rows
     down.a = m.hidden_fp8;
     down.a_scales = m.hidden_scales;
     down.b_scales = m.down_scales;

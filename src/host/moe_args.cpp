@@ -122,11 +122,41 @@ void check_fp8_weights(const MoeWeights& w, const MoeShape& s, int device) {
   }
 }
 
+// The transposed FP8 copies the FP8 backward's dgrads read (MoeWeights::expert_gate_up_t and the rest).
+void check_fp8_transposed_weights(const MoeWeights& w, const MoeShape& s, int device) {
+  const int64_t e = s.local_experts(), h = s.hidden, i = s.intermediate, hb = (h + 127) / 128, ib = i / 128;
+  const DType q = DType::kFloat8E4M3, f = DType::kFloat32;
+  const char* how = " (the FP8 backward's transposed weights: quantize_weights_fp8's out_transposed)";
+  check_tensor(w.expert_gate_up_t, (std::string("weights.expert_gate_up_t") + how).c_str(), q, {e, h, 2 * i}, device,
+               16);
+  check_tensor(w.expert_down_t, (std::string("weights.expert_down_t") + how).c_str(), q, {e, i, h}, device, 16);
+  check_tensor(w.expert_gate_up_t_scales, "weights.expert_gate_up_t_scales", f, {e, hb, 2 * ib}, device, 4);
+  check_tensor(w.expert_down_t_scales, "weights.expert_down_t_scales", f, {e, ib, hb}, device, 4);
+  if (s.shared_expert) {
+    check_tensor(w.shared_gate_up_t, (std::string("weights.shared_gate_up_t") + how).c_str(), q, {h, 2 * i}, device,
+                 16);
+    check_tensor(w.shared_down_t, (std::string("weights.shared_down_t") + how).c_str(), q, {i, h}, device, 16);
+    check_tensor(w.shared_gate_up_t_scales, "weights.shared_gate_up_t_scales", f, {hb, 2 * ib}, device, 4);
+    check_tensor(w.shared_down_t_scales, "weights.shared_down_t_scales", f, {ib, hb}, device, 4);
+  } else {
+    for (const auto& [t, name] : {std::pair{&w.shared_gate_up_t, "weights.shared_gate_up_t"},
+                                  std::pair{&w.shared_down_t, "weights.shared_down_t"},
+                                  std::pair{&w.shared_gate_up_t_scales, "weights.shared_gate_up_t_scales"},
+                                  std::pair{&w.shared_down_t_scales, "weights.shared_down_t_scales"}})
+      require(t->empty(), std::string(name) + ": must be empty without a shared expert, got " + t->describe());
+  }
+}
+
 void check_weights(const MoeWeights& w, const MoeShape& s, int device) {
   const int64_t e = s.local_experts(), h = s.hidden, i = s.intermediate;
   for (const TensorRef* scales : {&w.expert_gate_scales, &w.expert_up_scales, &w.expert_down_scales,
                                   &w.shared_gate_scales, &w.shared_up_scales, &w.shared_down_scales})
     require(scales->empty(), "weights: block scales are for MoeOptions::precision kFP8; this workspace is bf16");
+  for (const TensorRef* t : {&w.expert_gate_up_t, &w.expert_down_t, &w.shared_gate_up_t, &w.shared_down_t,
+                             &w.expert_gate_up_t_scales, &w.expert_down_t_scales, &w.shared_gate_up_t_scales,
+                             &w.shared_down_t_scales})
+    require(t->empty(), "weights: the transposed FP8 weights (expert_gate_up_t, ...) are for MoeOptions::precision "
+                        "kFP8; this workspace is bf16");
   if (w.expert_up.empty()) {
     check_tensor(w.expert_gate, "weights.expert_gate (fused gate and up)", DType::kBFloat16, {e, 2 * i, h}, device, 16);
   } else {
@@ -221,14 +251,19 @@ void check_weight_grads(const MoeWeightGrads& g, const MoeWeights& w, const MoeS
 
 }  // namespace
 
-void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device) {
+void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device, Precision precision) {
   const int64_t t = call_tokens(b.topk_idx, "topk_idx", s), k = s.top_k, h = s.hidden;
   check_tensor(b.x, "x", DType::kBFloat16, {t, h}, device, 16);
   const DType index_dtype = b.topk_idx.dtype == DType::kInt64 ? DType::kInt64 : DType::kInt32;
   check_tensor(b.topk_idx, "topk_idx", index_dtype, {t, k}, device, index_dtype == DType::kInt64 ? 8 : 4);
   check_tensor(b.router_weights, "router_weights", DType::kFloat32, {t, k}, device, 4);
   require(b.weights != nullptr, "weights: must not be null");
-  check_weights(*b.weights, s, device);
+  if (precision == Precision::kFP8) {
+    check_fp8_weights(*b.weights, s, device);
+    check_fp8_transposed_weights(*b.weights, s, device);
+  } else {
+    check_weights(*b.weights, s, device);
+  }
   check_tensor(b.d_out, "d_out", DType::kBFloat16, {t, h}, device, 16);
   check_tensor(b.d_x, "d_x", DType::kBFloat16, {t, h}, device, 16);
   check_tensor(b.d_router_weights, "d_router_weights", DType::kFloat32, {t, k}, device, 4);
@@ -321,7 +356,14 @@ WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options) {
   require(options.precision == Precision::kBF16 || options.precision == Precision::kFP8,
           "MoeOptions.precision must be kBF16 or kFP8, got " + std::to_string(static_cast<int>(options.precision)));
   if (options.precision == Precision::kFP8) {
-    require(!options.backward, "MoeOptions.precision kFP8 has no backward yet: set MoeOptions.backward = false");
+    // The FP8 backward (docs/design.md, "FP8 backward"): stage kernels; [d_g, d_u] quantized per 1 x 128 as the
+    // gate/up dgrad's A and [W_gate; W_up]^T as its B need I's 128-column blocks to be each half's own.
+    require(!options.backward || !fused.backward_megakernel,
+            "MoeOptions.precision kFP8 runs the backward as stage kernels: set MoeOptions.fused.backward_megakernel "
+            "= false");
+    require(!options.backward || shape.intermediate % 128 == 0,
+            "MoeOptions.precision kFP8 with MoeOptions.backward needs MoeShape.intermediate a multiple of 128, got " +
+                std::to_string(shape.intermediate) + " (or set MoeOptions.backward = false: the forward takes any I)");
     require(!options.gather_rows, "MoeOptions.precision kFP8 does not gather rows: set MoeOptions.gather_rows = false");
     require(!options.scatter_rows,
             "MoeOptions.precision kFP8 does not scatter rows: set MoeOptions.scatter_rows = false");
@@ -341,6 +383,12 @@ WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options) {
   require(options.path == ForwardPath::kFused || plan.ring_rows == plan.capacity_rows,
           "MoeOptions.fused.macrobatch_rows below the capacity needs ForwardPath::kFused (the unfused path holds "
           "every row at once)");
+  // The FP8 context keeps x's rows as dispatched (FP8) and the backward recomputes g, u and h from them: every row.
+  require(options.precision != Precision::kFP8 || !options.backward || plan.ring_rows == plan.capacity_rows,
+          "MoeOptions.precision kFP8 with MoeOptions.backward needs a context that keeps every row, but the ring is " +
+              std::to_string(plan.ring_rows) + " of " + std::to_string(plan.capacity_rows) +
+              " capacity rows: set MoeOptions.fused.macrobatch_rows to the capacity, context_budget_bytes to 0, or "
+              "ForwardPath::kUnfused");
   return plan;
 }
 

@@ -31,8 +31,9 @@ void check_layer_inputs(const RankForward& f, const MoeShape& s, int device, Pre
 void check_recompute_inputs(const RankForward& f, const MoeShape& s, int device);
 // Every tensor of `b`: the forward's inputs and weights as the forward checks them, d_out, d_x,
 // d_router_weights, and every weight gradient (the parameter's shape, bf16 or fp32; kAccumulate needs fp32;
-// separate gate and up gradients both or neither, of one dtype and mode).
-void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device);
+// separate gate and up gradients both or neither, of one dtype and mode). precision kFP8: the weights' FP8
+// form with the transposed copies (MoeWeights::expert_gate_up_t, ...).
+void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device, Precision precision);
 
 // Device bytes of one ForwardContext (what MoeWorkspace::make_context allocates): the total of
 // context_layout (src/host/moe_layouts.h): the schedule, the kept x rows, h (and g | u with keep_gate_up) of

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "mok/expert_gemm.h"
+#include "mok/fp8.h"
 #include "mok/weight_grad_gemm.h"
 #include "src/device/combine/push_rows.cuh"
 #include "src/device/kernels/backward_row_kernels.cuh"
@@ -25,6 +26,7 @@
 #include "src/host/moe_args.h"
 #include "src/host/moe_fused_backward.h"
 #include "src/host/moe_state.h"
+#include "src/host/quantize_fp8.h"
 
 namespace mok {
 using detail::DeviceGuard;
@@ -71,6 +73,26 @@ struct MlpBackward {
   const WeightGrad* grad_up;
   const WeightGrad* grad_down;
   WaitBound waits;            // the rank's status word and timeout
+  // MoeOptions::precision kFP8 (docs/design.md, "FP8 backward"); the three GEMMs above in e4m3 from these A
+  // operands (e4m3 with scales [ceil(k/128), rows]) and the weights' FP8 forms; x, hidden, gate_up, d_gate_up
+  // and the weight gradients stay bf16.
+  struct Fp8 {
+    bool on = false;
+    const void* x = nullptr;            // the recompute's A: FP8 rows (src/host/quantize_fp8.h), 2H bytes apart
+    const float* x_scales = nullptr;
+    const float* gate_scales = nullptr;  // the forward weights' block scales (up: null with fused weights)
+    const float* up_scales = nullptr;
+    void* d_out = nullptr;              // the down dgrad's A, quantized from `d_out` (quantize_d_out)
+    float* d_out_scales = nullptr;
+    const void* down_t = nullptr;       // W_down^T [E, I, H] and its scales
+    const float* down_t_scales = nullptr;
+    void* d_gate_up = nullptr;          // the gate/up dgrad's A, quantized from `d_gate_up` (quantize_d_gate_up)
+    float* d_gate_up_scales = nullptr;
+    const void* gate_up_t = nullptr;    // [W_gate; W_up]^T [E, H, 2I] and its scales
+    const float* gate_up_t_scales = nullptr;
+    const int32_t* rows_used = nullptr;  // the routed rows' count (scheduled_rows); null: every row (shared)
+    bool power_of_two = false;
+  } fp8;
 };
 
 ExpertGemmArgs gemm_over(const GemmRows& rows, const MoeOptions& options, const WaitBound& waits) {
@@ -155,6 +177,37 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
   g.gate_up_dgrad.n = shape.hidden;
   g.gate_up_dgrad.out = m.d_x;
 
+  if (m.fp8.on) {  // the same GEMMs on e4m3 operands, B read K-major (the transposed weights for the dgrads)
+    g.recompute.precision = g.down_dgrad.precision = g.gate_up_dgrad.precision = Precision::kFP8;
+    g.recompute.a = m.fp8.x;
+    g.recompute.a_row_stride = 2 * int64_t(shape.hidden);  // an FP8 row in the bf16 row's bytes
+    g.recompute.a_scales = m.fp8.x_scales;
+    g.recompute.b_scales = m.fp8.gate_scales;
+    g.recompute.b_up_scales = m.up != nullptr ? m.fp8.up_scales : nullptr;
+    g.down_dgrad.a = m.fp8.d_out;
+    g.down_dgrad.a_scales = m.fp8.d_out_scales;
+    g.down_dgrad.b = m.fp8.down_t;  // [E, I, H] = [E, n, k]
+    g.down_dgrad.b_major = OperandMajor::kK;
+    g.down_dgrad.b_scales = m.fp8.down_t_scales;
+    g.gate_up_dgrad.a = m.fp8.d_gate_up;
+    g.gate_up_dgrad.a_scales = m.fp8.d_gate_up_scales;
+    g.gate_up_dgrad.b = m.fp8.gate_up_t;  // [E, H, 2I] = [E, n, k]
+    g.gate_up_dgrad.b_up = nullptr;
+    g.gate_up_dgrad.b_major = OperandMajor::kK;
+    g.gate_up_dgrad.b_scales = m.fp8.gate_up_t_scales;
+    const auto quantize = [&](const void* in, int k, void* out, float* scales) {
+      return Fp8QuantizeArgs{.in = in,
+                             .rows = m.rows.rows_allocated,
+                             .k = k,
+                             .out = out,
+                             .scales = scales,
+                             .power_of_two_scales = m.fp8.power_of_two,
+                             .rows_used = m.fp8.rows_used};
+    };
+    g.quantize_d_out = quantize(m.d_out, shape.hidden, m.fp8.d_out, m.fp8.d_out_scales);
+    g.quantize_d_gate_up = quantize(m.d_gate_up, 2 * shape.intermediate, m.fp8.d_gate_up, m.fp8.d_gate_up_scales);
+  }
+
   const int h = shape.hidden, i = shape.intermediate;
   g.down_wgrad = weight_grad_args(m.rows, options, m.waits, m.dy, h, m.hidden, i, *m.grad_down, nullptr, 0);
   g.gate_up_wgrad =
@@ -162,15 +215,17 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
   return g;
 }
 
-// The unfused path: the recompute (unless the forward kept g | u) and the two dgrads, in stream order.
-// tickets: five, detail::BackwardStep order.
+// The unfused path: the recompute (unless the forward kept g | u) and the two dgrads, in stream order; FP8
+// quantizes each dgrad's A (d_out's rows, then d_g | d_u) before it. tickets: five, detail::BackwardStep order.
 void issue_dgrads(detail::MlpBackwardGemms g, bool recompute, int32_t* tickets, cudaStream_t stream) {
   if (recompute) {
     g.recompute.ticket = tickets + detail::kRecompute;
     expert_gemm(g.recompute, stream);
   }
+  if (g.quantize_d_out.in != nullptr) quantize_rows_fp8(g.quantize_d_out, stream);
   g.down_dgrad.ticket = tickets + detail::kDownDgrad;
   expert_gemm(g.down_dgrad, stream);
+  if (g.quantize_d_gate_up.in != nullptr) quantize_rows_fp8(g.quantize_d_gate_up, stream);
   g.gate_up_dgrad.ticket = tickets + detail::kGateUpDgrad;
   expert_gemm(g.gate_up_dgrad, stream);
 }
@@ -201,15 +256,21 @@ void MoeWorkspace::allocate_backward() {
     rw_ = group_.allocate(t * k * kFloatBytes);
   }
   d_rw_ = group_.allocate(t * k * kFloatBytes);
-  const int n_blocks = gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, shape_.intermediate);
+  ExpertGemmArgs down_dgrad;  // the down dgrad's tiles along I: its d_rw partials per row
+  down_dgrad.epilogue = GemmEpilogue::kSwiGLUBackward;
+  down_dgrad.precision = options_.precision;
+  down_dgrad.n = static_cast<int>(shape_.intermediate);
+  const int n_blocks = gemm_n_blocks(down_dgrad);
   const detail::BackwardScratchLayout layout = detail::backward_scratch_layout(
       shape_, {.capacity_rows = cap,
                .padded_tokens = pt,
                .n_blocks = n_blocks,
-               .copies_x = ring_rows_ < cap,  // the context keeps only rows [0, ring)
+               // the context keeps only rows [0, ring), or (FP8) x's FP8 rows: the weight gradients read bf16 x
+               .copies_x = ring_rows_ < cap || fp8(),
                .recomputes = recomputes_gate_up(),
-               .shared_recomputes = !options_.keep_gate_up,
-               .counter_words = backward_megakernel() ? detail::fused_backward_counter_words(cap / 64, pt / 64) : 0});
+               .shared_recomputes = !options_.keep_gate_up || fp8(),
+               .counter_words = backward_megakernel() ? detail::fused_backward_counter_words(cap / 64, pt / 64) : 0,
+               .fp8 = fp8()});
   const int64_t bytes = layout.buffers.total_bytes();
   backward_bytes_ = int64_t(d_out_.bytes()) + int64_t(rw_.bytes()) + int64_t(d_rw_.bytes()) + bytes;
   for (int r : group_.local_ranks()) {
@@ -235,6 +296,15 @@ void MoeWorkspace::allocate_backward() {
     w.shared_d_gate_up = layout.shared_d_gate_up.in(base);
     w.shared_dx = layout.shared_dx.in(base);
     w.shared_row_partials = layout.shared_row_partials.in<float>(base);
+    w.d_out_fp8 = layout.d_out_fp8.in(base);
+    w.d_out_scales = layout.d_out_scales.in<float>(base);
+    w.d_gate_up_fp8 = layout.d_gate_up_fp8.in(base);
+    w.d_gate_up_scales = layout.d_gate_up_scales.in<float>(base);
+    w.shared_x_fp8 = layout.shared_x_fp8.in(base);
+    w.shared_d_out_fp8 = layout.shared_d_out_fp8.in(base);
+    w.shared_d_out_scales = layout.shared_d_out_scales.in<float>(base);
+    w.shared_d_gate_up_fp8 = layout.shared_d_gate_up_fp8.in(base);
+    w.shared_d_gate_up_scales = layout.shared_d_gate_up_scales.in<float>(base);
   }  // the constructor synchronizes the devices after this
 }
 
@@ -251,7 +321,7 @@ void MoeWorkspace::validate_backward(const RankBackward& b) const {
             "context: holds no forward of its schedule (a fresh context, or build_schedule without "
             "forward_with_schedule or recompute_forward_context after it): the backward needs that forward's "
             "activations");
-    detail::check_backward_inputs(b, shape_, s.device);
+    detail::check_backward_inputs(b, shape_, s.device, options_.precision);
     require(b.context->num_tokens() == b.topk_idx.shape[0],
             "topk_idx: " + std::to_string(b.topk_idx.shape[0]) + " tokens, but the context holds a forward of " +
                 std::to_string(b.context->num_tokens()) + " (the backward takes its forward's tokens)");
@@ -268,6 +338,7 @@ void MoeWorkspace::validate_recompute(const RankForward& f) const {
     const RankState& s = state(f.rank);
     require(f.context != nullptr && f.context->owner_ == id_ && f.context->rank() == f.rank,
             "context: must be a ForwardContext made by this workspace's make_context(" + std::to_string(f.rank) + ")");
+    require(!fp8(), "MoeOptions.precision kFP8 has no recompute_forward_context yet: keep the forward's context");
     detail::check_recompute_inputs(f, shape_, s.device);
     require(f.context->num_tokens() == f.x.shape[0],
             "x: " + std::to_string(f.x.shape[0]) + " tokens, but the context's schedule was built for " +
@@ -316,8 +387,8 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
   const MoeWeightGrads& grads = *b.weight_grads;
   const ForwardContext& ctx = *b.context;
   if (shared) {
-    const bool kept = options_.keep_gate_up;
-    const MlpBackward m{.rows = {.local_experts = 1,
+    const bool kept = options_.keep_gate_up && !fp8();
+    MlpBackward m{.rows = {.local_experts = 1,
                                  .expert_counts = s.shared_schedule->counts,
                                  .expert_row_offsets = s.shared_schedule->row_offsets,
                                  .scheduled_rows = s.shared_schedule->scheduled_rows,
@@ -339,11 +410,27 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
                         .grad_up = &grads.shared_up,
                         .grad_down = &grads.shared_down,
                         .waits = wait_bound(b.rank)};
+    if (fp8())
+      m.fp8 = {.on = true,
+               .x = w.shared_x_fp8,
+               .x_scales = s.x_scales,
+               .gate_scales = static_cast<const float*>(weights.shared_gate_scales.data),
+               .up_scales = static_cast<const float*>(weights.shared_up_scales.data),
+               .d_out = w.shared_d_out_fp8,
+               .d_out_scales = w.shared_d_out_scales,
+               .down_t = weights.shared_down_t.data,
+               .down_t_scales = static_cast<const float*>(weights.shared_down_t_scales.data),
+               .d_gate_up = w.shared_d_gate_up_fp8,
+               .d_gate_up_scales = w.shared_d_gate_up_scales,
+               .gate_up_t = weights.shared_gate_up_t.data,
+               .gate_up_t_scales = static_cast<const float*>(weights.shared_gate_up_t_scales.data),
+               .rows_used = nullptr,
+               .power_of_two = options_.fp8_power_of_two_scales};
     return backward_gemms(shape_, options_, m);
   }
   const ScheduleView& v = ctx.schedule_;
   const bool recompute = recomputes_gate_up();
-  const MlpBackward m{.rows = {.local_experts = shape_.local_experts(),
+  MlpBackward m{.rows = {.local_experts = shape_.local_experts(),
                                .expert_counts = v.expert_counts,
                                .expert_row_offsets = v.expert_row_offsets,
                                .scheduled_rows = v.scheduled_rows,
@@ -365,13 +452,29 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
                       .grad_up = &grads.expert_up,
                       .grad_down = &grads.expert_down,
                       .waits = wait_bound(b.rank)};
+  if (fp8())  // the recompute reads the context's FP8 rows (every row: the FP8 backward's ring is the capacity)
+    m.fp8 = {.on = true,
+             .x = ctx.expert_rows_,
+             .x_scales = ctx.expert_row_scales_,
+             .gate_scales = static_cast<const float*>(weights.expert_gate_scales.data),
+             .up_scales = static_cast<const float*>(weights.expert_up_scales.data),
+             .d_out = w.d_out_fp8,
+             .d_out_scales = w.d_out_scales,
+             .down_t = weights.expert_down_t.data,
+             .down_t_scales = static_cast<const float*>(weights.expert_down_t_scales.data),
+             .d_gate_up = w.d_gate_up_fp8,
+             .d_gate_up_scales = w.d_gate_up_scales,
+             .gate_up_t = weights.expert_gate_up_t.data,
+             .gate_up_t_scales = static_cast<const float*>(weights.expert_gate_up_t_scales.data),
+             .rows_used = v.scheduled_rows,
+             .power_of_two = options_.fp8_power_of_two_scales};
   return backward_gemms(shape_, options_, m);
 }
 
 // The routed rows whose g | u and h the backward copies from the context instead of recomputing: a fused
 // forward's small ring kept rows [0, ring) (the same bits: row r of a GEMM depends on row r alone).
 int32_t MoeWorkspace::kept_gate_up_rows() const {
-  return recomputes_gate_up() && options_.keep_gate_up ? static_cast<int32_t>(ring_rows_) : 0;
+  return recomputes_gate_up() && options_.keep_gate_up && !fp8() ? static_cast<int32_t>(ring_rows_) : 0;
 }
 
 void MoeWorkspace::copy_kept_gate_up(const RankBackward& b) const {
@@ -384,9 +487,14 @@ void MoeWorkspace::copy_kept_gate_up(const RankBackward& b) const {
 }
 
 void MoeWorkspace::shared_backward(const RankBackward& b) {
-  int32_t* tickets = state(b.rank).tickets + detail::kBackwardShared;
+  const RankState& s = state(b.rank);
+  int32_t* tickets = s.tickets + detail::kBackwardShared;
+  if (fp8())  // the recompute's A: x quantized again as the forward published it (the same bits), its scales
+    detail::publish_fp8_rows(b.x.data, b.x.shape[0], padded_tokens_, shape_.hidden, s.backward.shared_x_fp8,
+                             s.x_scales, options_.fp8_power_of_two_scales, schedule_.device_status(b.rank), b.rank,
+                             b.stream);
   const detail::MlpBackwardGemms g = mlp_backward_gemms(b, true);
-  issue_dgrads(g, !options_.keep_gate_up, tickets, b.stream);
+  issue_dgrads(g, !options_.keep_gate_up || fp8(), tickets, b.stream);
   issue_weight_grads(g, tickets, b.stream);
 }
 
@@ -470,7 +578,7 @@ backward::GradPullSources MoeWorkspace::grad_pull_sources(const RankBackward& b)
           .d_out = token_rows(d_out_, b.rank, b.d_out.data),
           .router_weights = token_rows(rw_, b.rank, b.router_weights.data),
           .kept_x_rows = static_cast<const uint4*>(b.context->expert_rows_),
-          .kept_rows = b.context->ring_rows_};
+          .kept_rows = fp8() ? 0 : b.context->ring_rows_};  // FP8's context rows are FP8: pull bf16 x again
 }
 
 // Phase 2 of the fused path: the whole backward of both MLPs between the barriers as one persistent launch

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include "mok/expert_gemm.h"
+#include "mok/fp8.h"
 #include "mok/moe.h"
 #include "mok/peer_group.h"
 #include "mok/status.h"
@@ -22,6 +23,9 @@ namespace mok::detail {
 struct MlpBackwardGemms {
   ExpertGemmArgs recompute, down_dgrad, gate_up_dgrad;
   WeightGradArgs down_wgrad, gate_up_wgrad;
+  // MoeOptions::precision kFP8 (the stage kernels only): quantize_rows_fp8 of each dgrad's A before it (d_out's rows,
+  // then d_g | d_u); `in` null in bf16.
+  Fp8QuantizeArgs quantize_d_out, quantize_d_gate_up;
 };
 
 struct FusedBackwardArgs {

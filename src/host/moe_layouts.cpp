@@ -72,6 +72,19 @@ BackwardScratchLayout backward_scratch_layout(const MoeShape& s, const BackwardS
   l.shared_d_gate_up = a.add("shared_d_gate_up", shared ? pt * 2 * i * kBf16 : 0);
   l.shared_dx = a.add("shared_dx", shared ? pt * h * kBf16 : 0);
   l.shared_row_partials = a.add_array<float>("shared_row_partials", shared ? pt * b.n_blocks : 0);
+  // FP8: d_out and [d_g, d_u] quantized per 1 x 128 (the dgrads' A operands), and the shared expert's x rows
+  // quantized again as the forward published them (FP8 rows in the bf16 row's bytes: the recompute's A).
+  const int64_t hb = (h + 127) / 128, ib2 = (2 * i + 127) / 128;
+  const bool f = b.fp8, sf = b.fp8 && shared;
+  l.d_out_fp8 = a.add("d_out_fp8", f ? cap * h : 0);
+  l.d_out_scales = a.add_array<float>("d_out_scales", f ? hb * cap : 0);
+  l.d_gate_up_fp8 = a.add("d_gate_up_fp8", f ? cap * 2 * i : 0);
+  l.d_gate_up_scales = a.add_array<float>("d_gate_up_scales", f ? ib2 * cap : 0);
+  l.shared_x_fp8 = a.add("shared_x_fp8", sf ? pt * h * kBf16 : 0);
+  l.shared_d_out_fp8 = a.add("shared_d_out_fp8", sf ? pt * h : 0);
+  l.shared_d_out_scales = a.add_array<float>("shared_d_out_scales", sf ? hb * pt : 0);
+  l.shared_d_gate_up_fp8 = a.add("shared_d_gate_up_fp8", sf ? pt * 2 * i : 0);
+  l.shared_d_gate_up_scales = a.add_array<float>("shared_d_gate_up_scales", sf ? ib2 * pt : 0);
   return l;
 }
 

@@ -85,12 +85,16 @@ struct BackwardScratchShape {
   bool recomputes = false;         // routed g | u and h recomputed (MoeWorkspace::recomputes_gate_up)
   bool shared_recomputes = false;  // the shared expert's too (no keep_gate_up)
   int64_t counter_words = 0;       // the backward megakernel's counters, 0 without it
+  bool fp8 = false;                // MoeOptions::precision kFP8: the dgrads' quantized operands
 };
 // A local rank's scratch of the backward (MoeWorkspace::BackwardScratch says what each buffer holds).
 struct BackwardScratchLayout {
   BufferLayout buffers;
   BufferSlot x_rows, d_out_rows, dy_rows, row_weight, hidden, gate_up, d_gate_up, row_partials, kept_rows, counters;
   BufferSlot shared_gate_up, shared_hidden, shared_d_gate_up, shared_dx, shared_row_partials;
+  // FP8 only: e4m3 values [rows, k] and their fp32 scales [ceil(k/128), rows] (quantize_rows_fp8's layout)
+  BufferSlot d_out_fp8, d_out_scales, d_gate_up_fp8, d_gate_up_scales;
+  BufferSlot shared_x_fp8, shared_d_out_fp8, shared_d_out_scales, shared_d_gate_up_fp8, shared_d_gate_up_scales;
 };
 BackwardScratchLayout backward_scratch_layout(const MoeShape& s, const BackwardScratchShape& b);
 

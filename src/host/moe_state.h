@@ -47,10 +47,12 @@ inline void launch_combine_epilogue(const combine::EpilogueParams& p, DType inde
 // rows the rank's padded tokens.
 struct MoeWorkspace::BackwardScratch {
   DeviceBuffer allocation;      // empty without MoeOptions::backward
-  int n_blocks = 0;             // gemm_n_blocks(kSwiGLUBackward, I): the d_rw partials per row
+  int n_blocks = 0;             // the down dgrad's gemm_n_blocks (bf16: 256-column tiles; FP8: 128): the d_rw
+                                // partials per row
   // Routed experts, [capacity, ...]
   void* x_rows = nullptr;       // bf16 [capacity, H]: the x rows, when the context keeps fewer than all of
-                                // them (ring < capacity); null otherwise (the GEMMs read the context's)
+                                // them (ring < capacity) or keeps FP8 rows; null otherwise (the GEMMs read the
+                                // context's)
   void* d_out_rows = nullptr;   // bf16 [capacity, H]: pulled d_out rows; the gate/up dgrad then overwrites them
                                 // with the d_x_route rows (the down dgrad, their last reader, is done)
   void* dy_rows = nullptr;      // bf16 [capacity, H]: bf16(rw * d_out), the down weight gradient's A
@@ -70,6 +72,19 @@ struct MoeWorkspace::BackwardScratch {
   void* shared_dx = nullptr;          // bf16 [padded T, H]: the shared expert's d_x partial
   float* shared_row_partials = nullptr;  // fp32 [padded T, n_blocks]: written by the down dgrad, unused (the
                                          // shared expert has no router weight)
+  // MoeOptions::precision kFP8 only (docs/design.md, "FP8 backward"): the dgrads' A operands, e4m3 [rows, k] with
+  // fp32 scales [ceil(k/128), rows] (quantize_rows_fp8): d_out's rows and [d_g, d_u], routed [capacity, ...] and
+  // shared [padded T, ...]; the shared expert's x quantized again as FP8 rows (publish_fp8_rows, the forward's
+  // bits) for its recompute, with the rank's x_scales as their A scales.
+  void* d_out_fp8 = nullptr;
+  float* d_out_scales = nullptr;
+  void* d_gate_up_fp8 = nullptr;
+  float* d_gate_up_scales = nullptr;
+  void* shared_x_fp8 = nullptr;
+  void* shared_d_out_fp8 = nullptr;
+  float* shared_d_out_scales = nullptr;
+  void* shared_d_gate_up_fp8 = nullptr;
+  float* shared_d_gate_up_scales = nullptr;
 
   void* d_x_rows() const { return d_out_rows; }  // bf16 [capacity, H], see d_out_rows
 };

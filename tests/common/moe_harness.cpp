@@ -773,4 +773,32 @@ BudgetResult compare_within_budget(const std::vector<uint16_t>& gpu, const float
   return result;
 }
 
+RawGrads raw_grads(MoeHarness& harness) {
+  RawGrads all;
+  for (const RankForward& f : harness.all_args()) all.push_back(harness.raw_grads(f.rank));
+  return all;
+}
+
+std::string first_difference(const RawGrads& got, const RawGrads& want) {
+  if (got.size() != want.size()) return "different rank counts";
+  for (size_t r = 0; r < want.size(); ++r) {
+    if (got[r].size() != want[r].size()) return "rank " + std::to_string(r) + ": different gradient sets";
+    for (size_t n = 0; n < want[r].size(); ++n) {
+      const auto& [name, bytes] = want[r][n];
+      if (got[r][n].first != name || got[r][n].second.size() != bytes.size())
+        return "rank " + std::to_string(r) + ": " + name + " differs in shape";
+      for (size_t b = 0; b < bytes.size(); ++b)
+        if (got[r][n].second[b] != bytes[b])
+          return "rank " + std::to_string(r) + " " + name + ": byte " + std::to_string(b) + " differs";
+    }
+  }
+  return "";
+}
+
+std::vector<float> bf16_values(const std::vector<uint16_t>& bits) {
+  std::vector<float> v(bits.size());
+  for (size_t n = 0; n < bits.size(); ++n) v[n] = from_bf16_bits(bits[n]);
+  return v;
+}
+
 }  // namespace mok::testing

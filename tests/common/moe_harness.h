@@ -168,6 +168,14 @@ class MoeHarness {
   GradSetups grad_setups_ = all_grads(DType::kFloat32, GradMode::kWrite);
 };
 
+// Every local rank's raw_grads (rank order), and the first difference between two of them ("" when bitwise equal,
+// else the first differing tensor, rank and byte).
+using RawGrads = std::vector<std::vector<std::pair<std::string, std::vector<uint8_t>>>>;  // [rank][tensor]
+RawGrads raw_grads(MoeHarness& harness);
+std::string first_difference(const RawGrads& got, const RawGrads& want);
+// bf16 bits as float values.
+std::vector<float> bf16_values(const std::vector<uint16_t>& bits);
+
 // Largest |gpu - ref| / (2^-6 * (|ref| + rms(ref)) + extra[n]) over a rank's output, and where it is; NaN
 // counts as infinitely far. The budget covers the bf16 roundings of hidden, expert and shared outputs and of
 // out, while those partial outputs do not cancel; `extra` (optional, per element) adds what rounding them

@@ -172,7 +172,7 @@ TEST(MoeLayouts, RankScratchLayout) {
 TEST(MoeLayouts, BackwardScratchLayout) {
   for (const MoeShape& s : shapes()) {
     const int64_t h = s.hidden, i = s.intermediate;
-    for (int flags = 0; flags < 16; ++flags) {
+    for (int flags = 0; flags < 32; ++flags) {
       detail::BackwardScratchShape b;
       b.capacity_rows = int64_t(s.num_tokens) * s.top_k / 64 * 64 + 64;
       b.padded_tokens = (s.num_tokens + 63) / 64 * 64;
@@ -181,6 +181,7 @@ TEST(MoeLayouts, BackwardScratchLayout) {
       b.recomputes = flags & 2;
       b.shared_recomputes = flags & 4;
       b.counter_words = flags & 8 ? 999 : 0;
+      b.fp8 = flags & 16;
       const std::string where = describe(s) + " flags " + std::to_string(flags);
       const detail::BackwardScratchLayout l = detail::backward_scratch_layout(s, b);
       check_layout(l.buffers, "backward scratch, " + where);
@@ -201,6 +202,19 @@ TEST(MoeLayouts, BackwardScratchLayout) {
       EXPECT_EQ(l.shared_d_gate_up.bytes, shared ? pt * 2 * i * 2 : 0) << where;
       EXPECT_EQ(l.shared_dx.bytes, shared ? pt * h * 2 : 0) << where;
       EXPECT_EQ(l.shared_row_partials.bytes, shared ? pt * b.n_blocks * 4 : 0) << where;
+      // FP8: the dgrads' e4m3 A operands [rows, k] with scales [ceil(k/128), rows], and the shared expert's x rows
+      // quantized again (FP8 rows in the bf16 rows' bytes).
+      const int64_t hb = (h + 127) / 128, ib2 = (2 * i + 127) / 128;
+      const bool f = b.fp8, sf = b.fp8 && shared;
+      EXPECT_EQ(l.d_out_fp8.bytes, f ? cap * h : 0) << where;
+      EXPECT_EQ(l.d_out_scales.bytes, f ? hb * cap * 4 : 0) << where;
+      EXPECT_EQ(l.d_gate_up_fp8.bytes, f ? cap * 2 * i : 0) << where;
+      EXPECT_EQ(l.d_gate_up_scales.bytes, f ? ib2 * cap * 4 : 0) << where;
+      EXPECT_EQ(l.shared_x_fp8.bytes, sf ? pt * h * 2 : 0) << where;
+      EXPECT_EQ(l.shared_d_out_fp8.bytes, sf ? pt * h : 0) << where;
+      EXPECT_EQ(l.shared_d_out_scales.bytes, sf ? hb * pt * 4 : 0) << where;
+      EXPECT_EQ(l.shared_d_gate_up_fp8.bytes, sf ? pt * 2 * i : 0) << where;
+      EXPECT_EQ(l.shared_d_gate_up_scales.bytes, sf ? ib2 * pt * 4 : 0) << where;
     }
   }
 }

@@ -95,8 +95,24 @@ TEST(WorkspacePlan, EveryRuleNamesItsField) {
        "MoeOptions.fused.backward_megakernel needs ForwardPath::kFused"},
       {"precision", [](MoeShape&, MoeOptions& o) { o.precision = static_cast<Precision>(7); },
        "MoeOptions.precision must be kBF16 or kFP8, got 7"},
-      {"fp8 with backward", [](MoeShape&, MoeOptions& o) { o.precision = Precision::kFP8; },
-       "MoeOptions.precision kFP8 has no backward yet"},
+      {"fp8 backward with the backward megakernel",
+       [](MoeShape&, MoeOptions& o) {
+         o.precision = Precision::kFP8;
+         o.fused.backward_megakernel = true;
+       },
+       "MoeOptions.precision kFP8 runs the backward as stage kernels"},
+      {"fp8 backward with I not a multiple of 128",
+       [](MoeShape& s, MoeOptions& o) {
+         o.precision = Precision::kFP8;
+         s.intermediate = 192;
+       },
+       "MoeOptions.precision kFP8 with MoeOptions.backward needs MoeShape.intermediate a multiple of 128"},
+      {"fp8 backward with a ring below the capacity",
+       [](MoeShape&, MoeOptions& o) {
+         o.precision = Precision::kFP8;
+         o.fused.macrobatch_rows = 128;
+       },
+       "MoeOptions.precision kFP8 with MoeOptions.backward needs a context that keeps every row"},
       {"fp8 with gather_rows",
        [](MoeShape&, MoeOptions& o) {
          o.precision = Precision::kFP8;
@@ -125,6 +141,10 @@ TEST(WorkspacePlan, EveryRuleNamesItsField) {
        "MoeOptions.fused.macrobatch_rows below the capacity needs ForwardPath::kFused"},
   };
   EXPECT_EQ(plan_error(small_shape(), MoeOptions{}), "no throw");
+  MoeOptions fp8_backward;  // the FP8 backward's stage kernels on the unfused path's context (every row)
+  fp8_backward.precision = Precision::kFP8;
+  fp8_backward.path = ForwardPath::kUnfused;
+  EXPECT_EQ(plan_error(small_shape(), fp8_backward), "no throw");
   for (const BadCase& c : cases) {
     MoeShape shape = small_shape();
     MoeOptions options;

@@ -51,6 +51,10 @@ using testing::kNumGradTensors;
 using testing::LayerData;
 using testing::MoeHarness;
 using testing::moe_shape;
+using testing::bf16_values;
+using testing::first_difference;
+using testing::raw_grads;
+using testing::RawGrads;
 
 // Error budgets, per element. The reference stores fp32 where the GPU stores bf16 (relative rounding 2^-9
 // each): the recomputed g and u (the SwiGLU backward reads them rounded), h, dy = rw * d_out, d_g and d_u,
@@ -118,12 +122,6 @@ Worst compare_weight_grad(const float* got, const float* want, const float* magn
   std::vector<double> budgets(count);
   for (int64_t n = 0; n < count; ++n) budgets[n] = kWeightRelative * magnitude[n];
   return worst_ratio(got, want, budgets);
-}
-
-std::vector<float> bf16_values(const std::vector<uint16_t>& bits) {
-  std::vector<float> v(bits.size());
-  for (size_t n = 0; n < bits.size(); ++n) v[n] = testing::from_bf16_bits(bits[n]);
-  return v;
 }
 
 // The shared expert's gradients of one rank's own tokens (each rank's shared weights see its tokens only;
@@ -288,31 +286,6 @@ void expect_replay(MoeHarness& harness, const std::string& label) {
   const int64_t ring = harness.workspace().ring_rows(), most = most_scheduled_rows(harness);
   EXPECT_LT(ring, most) << label << ": the context kept every scheduled row (ring " << ring << ", at most " << most
                         << " rows on a rank); the backward replayed nothing";
-}
-
-using RawGrads = std::vector<std::vector<std::pair<std::string, std::vector<uint8_t>>>>;  // [rank][tensor]
-
-RawGrads raw_grads(MoeHarness& harness) {
-  RawGrads all;
-  for (const RankForward& f : harness.all_args()) all.push_back(harness.raw_grads(f.rank));
-  return all;
-}
-
-// "" when bitwise equal, else the first differing tensor, rank and byte.
-std::string first_difference(const RawGrads& got, const RawGrads& want) {
-  if (got.size() != want.size()) return "different rank counts";
-  for (size_t r = 0; r < want.size(); ++r) {
-    if (got[r].size() != want[r].size()) return "rank " + std::to_string(r) + ": different gradient sets";
-    for (size_t n = 0; n < want[r].size(); ++n) {
-      const auto& [name, bytes] = want[r][n];
-      if (got[r][n].first != name || got[r][n].second.size() != bytes.size())
-        return "rank " + std::to_string(r) + ": " + name + " differs in shape";
-      for (size_t b = 0; b < bytes.size(); ++b)
-        if (got[r][n].second[b] != bytes[b])
-          return "rank " + std::to_string(r) + " " + name + ": byte " + std::to_string(b) + " differs";
-    }
-  }
-  return "";
 }
 
 std::string describe(const MoeShape& s) {

@@ -8,9 +8,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -29,13 +31,14 @@ namespace {
 
 using testing::DeviceArray;
 using testing::from_bf16_bits;
+using testing::GradTensor;
 using testing::LayerData;
 using testing::MoeHarness;
 
-MoeOptions fp8_options(bool power_of_two = false) {
+MoeOptions fp8_options(bool power_of_two = false, bool backward = false) {
   MoeOptions o;
   o.path = ForwardPath::kUnfused;
-  o.backward = false;
+  o.backward = backward;
   o.precision = Precision::kFP8;
   o.fp8_power_of_two_scales = power_of_two;
   return o;
@@ -68,13 +71,63 @@ struct Fp8Weights {
             TensorRef(scales.back()->ptr, DType::kFloat32, {rb, cb})};
   }
 
-  explicit Fp8Weights(const MoeWeights& w, bool power_of_two_scales = false) : power_of_two(power_of_two_scales) {
+  // The transposed copy of one weight [experts, rows, cols] (experts 0: 2-D), e4m3 [experts, cols, rows] with its
+  // scales: quantize_weights_fp8's out_transposed (its untransposed output is dropped).
+  std::pair<TensorRef, TensorRef> quantize_transposed(const void* bf16, int64_t experts, int64_t rows, int64_t cols) {
+    const int64_t n = std::max<int64_t>(experts, 1), rb = (rows + 127) / 128, cb = (cols + 127) / 128;
+    DeviceArray<uint8_t> dropped(size_t(n * rows * cols));
+    DeviceArray<float> dropped_scales(size_t(n * rb * cb));
+    values.push_back(std::make_unique<DeviceArray<uint8_t>>(size_t(n * rows * cols)));
+    scales.push_back(std::make_unique<DeviceArray<float>>(size_t(n * rb * cb)));
+    quantize_weights_fp8({.in = bf16, .experts = static_cast<int>(n), .rows = rows, .k = static_cast<int>(cols),
+                          .out = dropped.ptr, .scales = dropped_scales.ptr, .power_of_two_scales = power_of_two,
+                          .out_transposed = values.back()->ptr, .scales_transposed = scales.back()->ptr},
+                         nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    if (experts > 0)
+      return {TensorRef(values.back()->ptr, DType::kFloat8E4M3, {experts, cols, rows}),
+              TensorRef(scales.back()->ptr, DType::kFloat32, {experts, cb, rb})};
+    return {TensorRef(values.back()->ptr, DType::kFloat8E4M3, {cols, rows}),
+            TensorRef(scales.back()->ptr, DType::kFloat32, {cb, rb})};
+  }
+
+  // [W_gate; W_up] per expert, bf16 [experts, 2I, H] (experts 0: 2-D): fused weights as they are, separate ones
+  // concatenated on the device.
+  std::pair<TensorRef, TensorRef> quantize_gate_up_transposed(const TensorRef& gate, const TensorRef& up) {
+    const bool three = gate.ndim == 3;
+    const int64_t experts = three ? gate.shape[0] : 0, h = gate.shape[three ? 2 : 1];
+    if (up.empty()) return quantize_transposed(gate.data, experts, gate.shape[three ? 1 : 0], h);
+    const int64_t i = gate.shape[three ? 1 : 0], n = std::max<int64_t>(experts, 1), matrix = i * h * 2;
+    DeviceArray<uint8_t> both(size_t(n * 2 * matrix));
+    for (int64_t e = 0; e < n; ++e) {
+      MOK_CHECK_CUDA(cudaMemcpy(both.ptr + e * 2 * matrix, static_cast<const uint8_t*>(gate.data) + e * matrix,
+                                matrix, cudaMemcpyDeviceToDevice));
+      MOK_CHECK_CUDA(cudaMemcpy(both.ptr + e * 2 * matrix + matrix, static_cast<const uint8_t*>(up.data) + e * matrix,
+                                matrix, cudaMemcpyDeviceToDevice));
+    }
+    return quantize_transposed(both.ptr, experts, 2 * i, h);
+  }
+
+  // transposed: also the FP8 backward's transposed copies (MoeWeights::expert_gate_up_t, ...).
+  explicit Fp8Weights(const MoeWeights& w, bool power_of_two_scales = false, bool transposed = false)
+      : power_of_two(power_of_two_scales) {
     std::tie(weights.expert_gate, weights.expert_gate_scales) = quantize(w.expert_gate);
     std::tie(weights.expert_up, weights.expert_up_scales) = quantize(w.expert_up);
     std::tie(weights.expert_down, weights.expert_down_scales) = quantize(w.expert_down);
     std::tie(weights.shared_gate, weights.shared_gate_scales) = quantize(w.shared_gate);
     std::tie(weights.shared_up, weights.shared_up_scales) = quantize(w.shared_up);
     std::tie(weights.shared_down, weights.shared_down_scales) = quantize(w.shared_down);
+    if (!transposed) return;
+    std::tie(weights.expert_gate_up_t, weights.expert_gate_up_t_scales) =
+        quantize_gate_up_transposed(w.expert_gate, w.expert_up);
+    const TensorRef& down = w.expert_down;
+    std::tie(weights.expert_down_t, weights.expert_down_t_scales) =
+        quantize_transposed(down.data, down.shape[0], down.shape[1], down.shape[2]);
+    if (w.shared_gate.empty()) return;
+    std::tie(weights.shared_gate_up_t, weights.shared_gate_up_t_scales) =
+        quantize_gate_up_transposed(w.shared_gate, w.shared_up);
+    std::tie(weights.shared_down_t, weights.shared_down_t_scales) =
+        quantize_transposed(w.shared_down.data, 0, w.shared_down.shape[0], w.shared_down.shape[1]);
   }
 };
 
@@ -122,10 +175,10 @@ double normwise_error(const std::vector<uint16_t>& got, const float* want, int64
 // Every rank's uploaded bf16 weights quantized on its GPU and given to its calls (the harness keeps pointing at
 // them; the returned owners must outlive the calls).
 std::vector<std::unique_ptr<Fp8Weights>> use_fp8_weights(MoeHarness& harness, int ep_size,
-                                                         bool power_of_two = false) {
+                                                         bool power_of_two = false, bool transposed = false) {
   std::vector<std::unique_ptr<Fp8Weights>> weights;
   for (int r = 0; r < ep_size; ++r) {
-    weights.push_back(std::make_unique<Fp8Weights>(*harness.args(r).weights, power_of_two));
+    weights.push_back(std::make_unique<Fp8Weights>(*harness.args(r).weights, power_of_two, transposed));
     harness.args(r).weights = &weights.back()->weights;
   }
   return weights;
@@ -356,6 +409,127 @@ TEST(MoeFp8Test, ANonFiniteXIsReportedAndStaysInItsToken) {
   }
 }
 
+// Normwise |got - want| / |want| over `count` values; a non-finite value in `got` gives infinity.
+double normwise(const float* got, const float* want, int64_t count) {
+  double diff = 0, norm = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    if (!std::isfinite(got[j])) return std::numeric_limits<double>::infinity();
+    diff += (double(got[j]) - want[j]) * (double(got[j]) - want[j]);
+    norm += double(want[j]) * want[j];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-30));
+}
+
+// The shared expert's gradients on rank `rank`'s tokens alone (every route masked), as reference::backward gives
+// them with `recipe` (each rank's shared weights see its own tokens).
+reference::LayerGrads<float> shared_grads(const LayerData& data, const reference::LayerParams<float>& params,
+                                          const std::vector<float>& d_out, int rank,
+                                          const reference::Fp8Recipe& recipe) {
+  const reference::LayerShape& g = data.shape;
+  const int64_t t = g.tokens_per_rank, h = g.hidden, k = g.top_k;
+  reference::LayerShape one = g;
+  one.num_ranks = 1;
+  reference::LayerInputs<float> inputs;
+  inputs.x.assign(data.inputs.x.begin() + rank * t * h, data.inputs.x.begin() + (rank + 1) * t * h);
+  inputs.topk_idx.assign(t * k, -1);
+  inputs.router_weights.assign(t * k, 0.f);
+  const std::vector<float> rank_d_out(d_out.begin() + rank * t * h, d_out.begin() + (rank + 1) * t * h);
+  return reference::backward(one, params, inputs, rank_d_out, 0, false, recipe);
+}
+
+// The FP8 backward (docs/design.md, "FP8 backward"; stage kernels after either forward path) against
+// reference::backward applying the same quantizations (Fp8Recipe forward + dgrads: x, h, d_out, d_g and d_u per
+// 1 x 128, the weights per 128 x 128 block; bf16 weight gradients from bf16 x and h) on the weights as quantized.
+// Every gradient, normwise: what is left against that reference is the few elements whose value before a
+// quantization rounded to another e4m3 value (bf16 on the GPU, float there) and the bf16 roundings; against the
+// unquantized reference (printed), e4m3's 3 mantissa bits. A missed quantization, a wrong scale or a transposed
+// block would sit at the second figure or far above it. Masked routes get d_rw exactly 0; reruns and the other
+// forward path's context give the same bits.
+TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPaths) {
+  MOK_REQUIRE_GPUS(1);
+  struct Case { int ep; bool shared; bool fused_gate_up; };
+  const Case cases[] = {{1, true, false}, {2, true, false}, {2, false, true}};
+  const reference::Fp8Recipe recipe{.forward = true, .dgrads = true};
+  for (const auto& [ep, shared, fused_gate_up] : cases) {
+    const MoeShape shape = testing::moe_shape(ep, 256, 4, 16, 320, 256, shared);
+    const uint64_t seed = 2800 + 2 * ep + shared;
+    const std::string label = "EP " + std::to_string(ep) + (shared ? ", shared expert" : "") +
+                              (fused_gate_up ? ", fused gate/up" : "") + ", seed " + std::to_string(seed);
+    const LayerData data = testing::random_layer(shape, seed, 0, 0.02);
+    const std::vector<float> d_out = testing::random_d_out(shape, seed + 1);
+    testing::RawGrads first;
+    for (ForwardPath path : {ForwardPath::kUnfused, ForwardPath::kFused}) {
+      if (ep > 1 && path == ForwardPath::kFused) continue;  // EP > 1's fused ring is the balanced share (refused)
+      MoeOptions options = fp8_options(false, true);
+      options.path = path;
+      MoeHarness harness(PeerGroup::virtual_ranks(ep), shape, options);
+      harness.upload(data);
+      if (fused_gate_up) harness.use_fused_gate_up(data);
+      harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
+      const auto weights = use_fp8_weights(harness, ep, false, true);
+      harness.upload_d_out(d_out);
+      harness.forward();
+      harness.backward();
+      harness.check_status();
+      const testing::RawGrads grads = testing::raw_grads(harness);
+      harness.backward();
+      harness.check_status();
+      ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), grads), "") << "rerun, " << label;
+      if (path == ForwardPath::kFused) {
+        EXPECT_EQ(testing::first_difference(grads, first), "") << "fused forward's context vs unfused, " << label;
+        continue;
+      }
+      first = grads;
+      const reference::LayerParams<float> params_q = reference::quantize_weights(data.shape, data.params, recipe);
+      const auto ref_q = reference::backward(data.shape, params_q, data.inputs, d_out, 0, false, recipe);
+      const auto ref = reference::backward(data.shape, data.params, data.inputs, d_out);
+      const int64_t t = shape.num_tokens, h = shape.hidden, i = shape.intermediate, k = shape.top_k;
+      const int64_t expert = shape.local_experts() * h * i;
+      for (int r = 0; r < ep; ++r) {
+        const std::vector<float> d_x = testing::bf16_values(harness.d_x_bits(r));
+        const std::vector<float> d_rw = harness.d_router_weights(r);
+        for (int64_t q = 0; q < t * k; ++q)
+          if (data.inputs.topk_idx[r * t * k + q] < 0)
+            ASSERT_EQ(d_rw[q], 0.f) << "masked route " << q << ", rank " << r << ", " << label;
+        struct Row { const char* name; std::vector<float> got; const float* want_q; const float* want; int64_t count; };
+        std::vector<Row> rows;
+        rows.push_back({"d_x", d_x, ref_q.d_x.data() + r * t * h, ref.d_x.data() + r * t * h, t * h});
+        rows.push_back({"d_rw", d_rw, ref_q.d_router_weights.data() + r * t * k,
+                        ref.d_router_weights.data() + r * t * k, t * k});
+        rows.push_back({"dW_gate", harness.weight_grad(r, GradTensor::kExpertGate),
+                        ref_q.d_expert_gate.data() + r * expert, ref.d_expert_gate.data() + r * expert, expert});
+        rows.push_back({"dW_up", harness.weight_grad(r, GradTensor::kExpertUp), ref_q.d_expert_up.data() + r * expert,
+                        ref.d_expert_up.data() + r * expert, expert});
+        rows.push_back({"dW_down", harness.weight_grad(r, GradTensor::kExpertDown),
+                        ref_q.d_expert_down.data() + r * expert, ref.d_expert_down.data() + r * expert, expert});
+        reference::LayerGrads<float> shared_q, shared_bf16;
+        if (shared) {
+          shared_q = shared_grads(data, params_q, d_out, r, recipe);
+          shared_bf16 = shared_grads(data, data.params, d_out, r, {});
+          for (const auto& [name, which, want_q, want] :
+               {std::tuple{"dW_shared_gate", GradTensor::kSharedGate, &shared_q.d_shared_gate,
+                           &shared_bf16.d_shared_gate},
+                std::tuple{"dW_shared_up", GradTensor::kSharedUp, &shared_q.d_shared_up, &shared_bf16.d_shared_up},
+                std::tuple{"dW_shared_down", GradTensor::kSharedDown, &shared_q.d_shared_down,
+                           &shared_bf16.d_shared_down}})
+            rows.push_back({name, harness.weight_grad(r, which), want_q->data(), want->data(), h * i});
+        }
+        for (const Row& row : rows) {
+          ASSERT_EQ(int64_t(row.got.size()), row.count) << row.name << ", " << label;
+          const double against_recipe = normwise(row.got.data(), row.want_q, row.count);
+          const double against_bf16 = normwise(row.got.data(), row.want, row.count);
+          std::printf("[ fp8 backward ] %s, rank %d, %-14s normwise error %.4f against the reference recipe, %.4f "
+                      "against the unquantized reference\n",
+                      label.c_str(), r, row.name, against_recipe, against_bf16);
+          EXPECT_LT(against_recipe, 0.03) << row.name << ", rank " << r << ", " << label;
+          EXPECT_LT(against_recipe, 0.5 * against_bf16) << row.name << ", rank " << r << ", " << label;
+          EXPECT_LT(against_bf16, 0.12) << row.name << ", rank " << r << ", " << label;
+        }
+      }
+    }
+  }
+}
+
 TEST(MoeFp8Test, ValidationNamesTheOption) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = testing::moe_shape(1, 128, 2, 8, 256, 256, true);
@@ -373,7 +547,22 @@ TEST(MoeFp8Test, ValidationNamesTheOption) {
   EXPECT_EQ(message(o), "no throw");
   o = fp8_options();
   o.backward = true;
-  EXPECT_NE(message(o).find("no backward yet"), std::string::npos) << message(o);
+  EXPECT_EQ(message(o), "no throw");
+  o.path = ForwardPath::kFused;
+  EXPECT_EQ(message(o), "no throw") << "EP 1's default ring is the capacity";
+  o.fused.backward_megakernel = true;
+  EXPECT_NE(message(o).find("stage kernels"), std::string::npos) << message(o);
+  o.fused.backward_megakernel = false;
+  o.fused.macrobatch_rows = 128;  // below the capacity (256 routes)
+  EXPECT_NE(message(o).find("keeps every row"), std::string::npos) << message(o);
+  o = fp8_options();
+  o.backward = true;
+  try {
+    MoeWorkspace ws(PeerGroup::virtual_ranks(1), testing::moe_shape(1, 128, 2, 8, 256, 192, true), o);
+    ADD_FAILURE() << "I = 192 with the FP8 backward was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("multiple of 128"), std::string::npos) << e.what();
+  }
   o = fp8_options();
   o.gather_rows = true;
   EXPECT_NE(message(o).find("does not gather"), std::string::npos) << message(o);
