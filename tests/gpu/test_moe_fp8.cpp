@@ -488,9 +488,11 @@ TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPat
       for (int r = 0; r < ep; ++r) {
         const std::vector<float> d_x = testing::bf16_values(harness.d_x_bits(r));
         const std::vector<float> d_rw = harness.d_router_weights(r);
-        for (int64_t q = 0; q < t * k; ++q)
-          if (data.inputs.topk_idx[r * t * k + q] < 0)
+        for (int64_t q = 0; q < t * k; ++q) {
+          if (data.inputs.topk_idx[r * t * k + q] < 0) {
             ASSERT_EQ(d_rw[q], 0.f) << "masked route " << q << ", rank " << r << ", " << label;
+          }
+        }
         struct Row { const char* name; std::vector<float> got; const float* want_q; const float* want; int64_t count; };
         std::vector<Row> rows;
         rows.push_back({"d_x", d_x, ref_q.d_x.data() + r * t * h, ref.d_x.data() + r * t * h, t * h});
@@ -528,6 +530,58 @@ TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPat
       }
     }
   }
+}
+
+// The FP8 backward's inputs: weights without their transposed copies (or with bf16 ones) are refused naming the
+// tensor, recompute_forward_context is refused (an FP8 context is the forward's), and the next good backward on the
+// same workspace gives the bits of a backward that was never refused.
+TEST(MoeFp8Test, BackwardWithoutTheTransposedWeightsIsRefusedAndTheNextCallWorks) {
+  MOK_REQUIRE_GPUS(1);
+  const MoeShape shape = testing::moe_shape(1, 128, 2, 8, 256, 256, true);
+  const LayerData data = testing::random_layer(shape, 2900);
+  const std::vector<float> d_out = testing::random_d_out(shape, 2901);
+  auto run = [&](bool refuse_first) {
+    MoeHarness harness(PeerGroup::virtual_ranks(1), shape, fp8_options(false, true));
+    harness.upload(data);
+    const MoeWeights* bf16 = harness.args(0).weights;
+    Fp8Weights fp8(*bf16, false, true);
+    harness.args(0).weights = &fp8.weights;
+    harness.upload_d_out(d_out);
+    harness.forward();
+    if (refuse_first) {
+      auto refused = [&](const MoeWeights& weights, const std::string& named) {
+        harness.args(0).weights = &weights;
+        try {
+          harness.backward();
+          ADD_FAILURE() << "accepted weights without " << named;
+        } catch (const std::invalid_argument& e) {
+          EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+        }
+      };
+      Fp8Weights forward_only(*bf16);
+      refused(forward_only.weights, "weights.expert_gate_up_t");
+      MoeWeights no_shared_down_t = fp8.weights;
+      no_shared_down_t.shared_down_t = {};
+      refused(no_shared_down_t, "weights.shared_down_t");
+      MoeWeights wrong_scales = fp8.weights;
+      wrong_scales.expert_down_t_scales = fp8.weights.expert_gate_up_t_scales;
+      refused(wrong_scales, "weights.expert_down_t_scales");
+      refused(*bf16, "weights.expert_gate (");
+      harness.args(0).weights = &fp8.weights;
+      try {
+        harness.workspace().recompute_forward_context(harness.all_args());
+        ADD_FAILURE() << "recompute_forward_context accepted in FP8";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("no recompute_forward_context"), std::string::npos) << e.what();
+      }
+    }
+    harness.backward();
+    harness.check_status();
+    return testing::raw_grads(harness);
+  };
+  const testing::RawGrads after_refusals = run(true);
+  for (const auto& [name, bytes] : after_refusals[0]) ASSERT_FALSE(bytes.empty()) << name;
+  EXPECT_EQ(testing::first_difference(after_refusals, run(false)), "") << "the good backward after the refusals";
 }
 
 TEST(MoeFp8Test, ValidationNamesTheOption) {
