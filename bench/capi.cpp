@@ -121,6 +121,46 @@ mok::WeightGrad weight_grad(void* const* grads, const int32_t* dtypes, const int
   return g;
 }
 
+// MoeWeights' FP8 form from `weights`: 12 pointers (each weight of mok_bench_layer_forward, separate gate and up,
+// e4m3, then its fp32 block scales), and with `transposed` 8 more: the FP8 backward's transposed copies, each then its
+// scales (expert_gate_up_t [E, H, 2I], expert_down_t [E, I, H], shared_gate_up_t [H, 2I], shared_down_t [I, H]).
+mok::MoeWeights fp8_weights(const mok::MoeShape& s, const void* const* weights, bool transposed) {
+  if (weights == nullptr)
+    throw std::invalid_argument(std::string("weights: must hold ") + (transposed ? "20" : "12") + " pointers");
+  const int64_t h = s.hidden, i = s.intermediate, e = s.local_experts();
+  const int64_t hb = (h + 127) / 128, ib = (i + 127) / 128, ib2 = (2 * i + 127) / 128;
+  using mok::DType;
+  using mok::TensorRef;
+  const DType q = DType::kFloat8E4M3, f32 = DType::kFloat32;
+  mok::MoeWeights w;
+  w.expert_gate = TensorRef(weights[0], q, {e, i, h});
+  w.expert_gate_scales = TensorRef(weights[1], f32, {e, ib, hb});
+  w.expert_up = TensorRef(weights[2], q, {e, i, h});
+  w.expert_up_scales = TensorRef(weights[3], f32, {e, ib, hb});
+  w.expert_down = TensorRef(weights[4], q, {e, h, i});
+  w.expert_down_scales = TensorRef(weights[5], f32, {e, hb, ib});
+  if (s.shared_expert) {
+    w.shared_gate = TensorRef(weights[6], q, {i, h});
+    w.shared_gate_scales = TensorRef(weights[7], f32, {ib, hb});
+    w.shared_up = TensorRef(weights[8], q, {i, h});
+    w.shared_up_scales = TensorRef(weights[9], f32, {ib, hb});
+    w.shared_down = TensorRef(weights[10], q, {h, i});
+    w.shared_down_scales = TensorRef(weights[11], f32, {hb, ib});
+  }
+  if (!transposed) return w;
+  w.expert_gate_up_t = TensorRef(weights[12], q, {e, h, 2 * i});
+  w.expert_gate_up_t_scales = TensorRef(weights[13], f32, {e, hb, ib2});
+  w.expert_down_t = TensorRef(weights[14], q, {e, i, h});
+  w.expert_down_t_scales = TensorRef(weights[15], f32, {e, ib, hb});
+  if (s.shared_expert) {
+    w.shared_gate_up_t = TensorRef(weights[16], q, {h, 2 * i});
+    w.shared_gate_up_t_scales = TensorRef(weights[17], f32, {hb, ib2});
+    w.shared_down_t = TensorRef(weights[18], q, {i, h});
+    w.shared_down_t_scales = TensorRef(weights[19], f32, {ib, hb});
+  }
+  return w;
+}
+
 // The layer's forward on `layer`'s rank with weights `w` (mok_bench_layer_forward's and _forward_fp8's).
 void forward_with(BenchLayer& layer, const void* x, const void* topk_idx, int topk_dtype, const float* router_weights,
                   const mok::MoeWeights& w, void* out, void* stream) {
@@ -138,6 +178,40 @@ void forward_with(BenchLayer& layer, const void* x, const void* topk_idx, int to
   f.context = &layer.context;
   f.stream = static_cast<cudaStream_t>(stream);
   layer.workspace->forward({&f, 1});
+}
+
+// The backward of `layer`'s last forward with weights `w` (mok_bench_layer_backward's and _backward_fp8's).
+void backward_with(BenchLayer& layer, const void* x, const void* topk_idx, int topk_dtype, const float* router_weights,
+                   const mok::MoeWeights& w, const void* d_out, void* d_x, float* d_router_weights,
+                   void* const* grads, const int32_t* grad_dtypes, const int32_t* grad_modes, void* stream) {
+  const mok::DType ids = index_dtype(topk_dtype);
+  check_grad_codes(grads, grad_dtypes, grad_modes);
+  const mok::MoeShape& s = layer.workspace->shape();
+  const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden, i = s.intermediate, e = s.local_experts();
+  using mok::DType;
+  using mok::TensorRef;
+  mok::MoeWeightGrads g;
+  g.expert_gate = weight_grad(grads, grad_dtypes, grad_modes, 0, {e, i, h});
+  g.expert_up = weight_grad(grads, grad_dtypes, grad_modes, 1, {e, i, h});
+  g.expert_down = weight_grad(grads, grad_dtypes, grad_modes, 2, {e, h, i});
+  if (s.shared_expert) {
+    g.shared_gate = weight_grad(grads, grad_dtypes, grad_modes, 3, {i, h});
+    g.shared_up = weight_grad(grads, grad_dtypes, grad_modes, 4, {i, h});
+    g.shared_down = weight_grad(grads, grad_dtypes, grad_modes, 5, {h, i});
+  }
+  mok::RankBackward b;
+  b.rank = layer.rank;
+  b.x = TensorRef(x, DType::kBFloat16, {t, h});
+  b.topk_idx = TensorRef(topk_idx, ids, {t, k});
+  b.router_weights = TensorRef(router_weights, DType::kFloat32, {t, k});
+  b.weights = &w;
+  b.context = &layer.context;
+  b.d_out = TensorRef(d_out, DType::kBFloat16, {t, h});
+  b.d_x = TensorRef(d_x, DType::kBFloat16, {t, h});
+  b.d_router_weights = TensorRef(d_router_weights, DType::kFloat32, {t, k});
+  b.weight_grads = &g;
+  b.stream = static_cast<cudaStream_t>(stream);
+  layer.workspace->backward({&b, 1});
 }
 
 }  // namespace
@@ -244,29 +318,8 @@ int mok_bench_layer_forward_fp8(void* handle, const void* x, const void* topk_id
   try {
     if (topk_dtype != 0 && topk_dtype != 1)
       throw std::invalid_argument("topk_dtype: must be 0 (int32) or 1 (int64), got " + std::to_string(topk_dtype));
-    if (weights == nullptr) throw std::invalid_argument("weights: must hold 12 pointers");
     auto* layer = &layer_of(handle);
-    const mok::MoeShape& s = layer->workspace->shape();
-    const int64_t h = s.hidden, i = s.intermediate, e = s.local_experts();
-    const int64_t hb = (h + 127) / 128, ib = (i + 127) / 128;
-    using mok::DType;
-    using mok::TensorRef;
-    const DType q = DType::kFloat8E4M3, f32 = DType::kFloat32;
-    mok::MoeWeights w;
-    w.expert_gate = TensorRef(weights[0], q, {e, i, h});
-    w.expert_gate_scales = TensorRef(weights[1], f32, {e, ib, hb});
-    w.expert_up = TensorRef(weights[2], q, {e, i, h});
-    w.expert_up_scales = TensorRef(weights[3], f32, {e, ib, hb});
-    w.expert_down = TensorRef(weights[4], q, {e, h, i});
-    w.expert_down_scales = TensorRef(weights[5], f32, {e, hb, ib});
-    if (s.shared_expert) {
-      w.shared_gate = TensorRef(weights[6], q, {i, h});
-      w.shared_gate_scales = TensorRef(weights[7], f32, {ib, hb});
-      w.shared_up = TensorRef(weights[8], q, {i, h});
-      w.shared_up_scales = TensorRef(weights[9], f32, {ib, hb});
-      w.shared_down = TensorRef(weights[10], q, {h, i});
-      w.shared_down_scales = TensorRef(weights[11], f32, {hb, ib});
-    }
+    const mok::MoeWeights w = fp8_weights(layer->workspace->shape(), weights, false);
     forward_with(*layer, x, topk_idx, topk_dtype, router_weights, w, out, stream);
     return 0;
   } catch (const std::exception& e) {
@@ -287,37 +340,30 @@ int mok_bench_layer_backward(void* handle, const void* x, const void* topk_idx, 
                              void* const* grads, const int32_t* grad_dtypes, const int32_t* grad_modes, void* stream,
                              char* error, int error_len) {
   try {
-    const mok::DType ids = index_dtype(topk_dtype);
-    check_grad_codes(grads, grad_dtypes, grad_modes);
     auto* layer = &layer_of(handle);
-    const mok::MoeShape& s = layer->workspace->shape();
-    const int64_t t = s.num_tokens, k = s.top_k, h = s.hidden, i = s.intermediate, e = s.local_experts();
-    using mok::DType;
-    using mok::TensorRef;
-    const mok::MoeWeights w =
-        layer_weights(s, expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down);
-    mok::MoeWeightGrads g;
-    g.expert_gate = weight_grad(grads, grad_dtypes, grad_modes, 0, {e, i, h});
-    g.expert_up = weight_grad(grads, grad_dtypes, grad_modes, 1, {e, i, h});
-    g.expert_down = weight_grad(grads, grad_dtypes, grad_modes, 2, {e, h, i});
-    if (s.shared_expert) {
-      g.shared_gate = weight_grad(grads, grad_dtypes, grad_modes, 3, {i, h});
-      g.shared_up = weight_grad(grads, grad_dtypes, grad_modes, 4, {i, h});
-      g.shared_down = weight_grad(grads, grad_dtypes, grad_modes, 5, {h, i});
-    }
-    mok::RankBackward b;
-    b.rank = layer->rank;
-    b.x = TensorRef(x, DType::kBFloat16, {t, h});
-    b.topk_idx = TensorRef(topk_idx, ids, {t, k});
-    b.router_weights = TensorRef(router_weights, DType::kFloat32, {t, k});
-    b.weights = &w;
-    b.context = &layer->context;
-    b.d_out = TensorRef(d_out, DType::kBFloat16, {t, h});
-    b.d_x = TensorRef(d_x, DType::kBFloat16, {t, h});
-    b.d_router_weights = TensorRef(d_router_weights, DType::kFloat32, {t, k});
-    b.weight_grads = &g;
-    b.stream = static_cast<cudaStream_t>(stream);
-    layer->workspace->backward({&b, 1});
+    const mok::MoeWeights w = layer_weights(layer->workspace->shape(), expert_gate, expert_up, expert_down,
+                                            shared_gate, shared_up, shared_down);
+    backward_with(*layer, x, topk_idx, topk_dtype, router_weights, w, d_out, d_x, d_router_weights, grads,
+                  grad_dtypes, grad_modes, stream);
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+// The backward of a layer made with precision "fp8" and backward (MoeOptions::precision kFP8; the stage kernels,
+// docs/design.md "FP8 backward"): weights holds 20 pointers, mok_bench_layer_forward_fp8's 12 and the transposed
+// copies with their scales (expert_gate_up_t, its scales, expert_down_t, its scales, then the shared ones; the
+// shared four are ignored without a shared expert). The rest as mok_bench_layer_backward.
+int mok_bench_layer_backward_fp8(void* handle, const void* x, const void* topk_idx, int topk_dtype,
+                                 const float* router_weights, const void* const* weights, const void* d_out, void* d_x,
+                                 float* d_router_weights, void* const* grads, const int32_t* grad_dtypes,
+                                 const int32_t* grad_modes, void* stream, char* error, int error_len) {
+  try {
+    auto* layer = &layer_of(handle);
+    const mok::MoeWeights w = fp8_weights(layer->workspace->shape(), weights, true);
+    backward_with(*layer, x, topk_idx, topk_dtype, router_weights, w, d_out, d_x, d_router_weights, grads,
+                  grad_dtypes, grad_modes, stream);
     return 0;
   } catch (const std::exception& e) {
     return report(e, error, error_len);

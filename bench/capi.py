@@ -20,6 +20,10 @@ SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
     # handle, x, topk_idx, topk_dtype, router_weights, weights (void*[12]: each weight, then its scales), out,
     # stream, error, error_len
     "mok_bench_layer_forward_fp8": ([_p, _p, _p, _i32, _p, _p, _p, _p, _s, _i32], _i32),
+    # handle, x, topk_idx, topk_dtype, router_weights, weights (void*[20]: forward_fp8's 12, then the transposed
+    # copies expert_gate_up_t, expert_down_t, shared_gate_up_t, shared_down_t, each then its scales), d_out, d_x,
+    # d_router_weights, grads, grad_dtypes, grad_modes, stream, error, error_len
+    "mok_bench_layer_backward_fp8": ([_p, _p, _p, _i32, _p, _p, _p, _p, _p, _p, _p, _p, _p, _s, _i32], _i32),
     # handle, source (int* out: 1 from ForwardContext::bytes(), 0 from make_context's layout), error, error_len
     "mok_bench_layer_context_bytes": ([_p, _s, _i32], _i64),
     "mok_bench_layer_reset_status": ([_p, _p, _s, _i32], _i32),

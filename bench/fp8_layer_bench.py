@@ -14,8 +14,12 @@ imports (a 3 MB wheel: carry it), torchao's FP8 expert MLP forward of the same r
 (torchao.prototype.moe_training's rowwise FP8 grouped GEMM, quantizing its operands every call as its training
 does; rows grouped by expert and padded to 16 as torchtitan does; routed experts only, no dispatch or combine:
 a smaller job than our layer's).
+With --backward: forward + backward instead (issue 28's bar: FP8 forward + backward against our BF16's), each path's
+layer built with the backward; the FP8 backward is the stage kernels (docs/design.md, "FP8 backward") after the FP8
+forward of that path, bf16's the stage kernels after its forward; weight gradients bf16, written. Also printed: the
+FP8 d_x's normwise error against BF16's and each layer's forward context bytes (issue 28 item 3).
 Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
-       [--breakdown]
+       [--breakdown] [--backward]
 """
 import argparse
 import ctypes
@@ -57,8 +61,12 @@ def main():
     parser.add_argument("--breakdown", action="store_true",
                         help="also the GPU time per kernel of the FP8 (unfused, fused) and the bf16 unfused forward "
                              "(torch.profiler)")
+    parser.add_argument("--backward", action="store_true",
+                        help="time forward + backward (the layers built with the backward) instead of the forward")
     args = parser.parse_args()
     lib = capi.load(os.path.abspath(args.lib))
+    if args.backward:
+        return run_backward(lib, args)
     stream = torch.cuda.current_stream().cuda_stream
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"FP8 layer forward, {torch.cuda.get_device_name()}, EP=1, {args.tokens} tokens, E = E_global / "
@@ -179,6 +187,127 @@ def main():
                   "twice the rows per expert)", flush=True)
             run_shape(name, experts // 2, f"{name} E/2", hidden, inter, top_k, shared)
             torch.cuda.empty_cache()
+
+
+def fp8_weight_pointers(w):
+    """The 20 FP8 weight tensors mok_bench_layer_backward_fp8 takes (e4m3 values, then scales, per weight in
+    MoeWeights' order; then the transposed copies of [gate; up] and down, routed then shared) from the six bf16
+    weights w (None: no shared expert). A 128 x 128 block's scale serves its transpose, so the transposed copies are
+    the forward's values transposed (quantize_weights_fp8's out_transposed)."""
+    fp8 = []
+    for tensor in w:
+        if tensor is None:
+            fp8 += [None, None]
+            continue
+        q, s = quantize_blocks_128x128(tensor if tensor.dim() == 3 else tensor[None])
+        fp8 += [q, s]  # [E or 1, rows, cols] and its scales, squeezed below
+    transposed = []
+    for gate, up, down in ((0, 1, 2), (3, 4, 5)):
+        if fp8[2 * gate] is None:
+            transposed += [None] * 4
+            continue
+        gate_up = torch.cat([fp8[2 * gate].view(torch.uint8), fp8[2 * up].view(torch.uint8)], dim=1)
+        gate_up_scales = torch.cat([fp8[2 * gate + 1], fp8[2 * up + 1]], dim=1)
+        transposed += [gate_up.transpose(1, 2).contiguous().view(torch.float8_e4m3fn),
+                       gate_up_scales.transpose(1, 2).contiguous(),
+                       fp8[2 * down].view(torch.uint8).transpose(1, 2).contiguous().view(torch.float8_e4m3fn),
+                       fp8[2 * down + 1].transpose(1, 2).contiguous()]
+    tensors = fp8 + transposed
+    shared = {6, 7, 8, 9, 10, 11, 16, 17, 18, 19}  # the shared expert's: 2-D
+    tensors = [t if t is None or n not in shared else t[0].contiguous() for n, t in enumerate(tensors)]
+    return tensors, (ctypes.c_void_p * 20)(*[0 if t is None else t.data_ptr() for t in tensors])
+
+
+def run_backward(lib, args):
+    """--backward: forward + backward of the FP8 layer (unfused, fused forward) against ours in BF16, one line a shape."""
+    stream = torch.cuda.current_stream().cuda_stream
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"FP8 layer forward + backward, {torch.cuda.get_device_name()}, EP=1, {args.tokens} tokens, E = E_global / "
+          f"{args.experts_per}, median of {args.iters}, weight gradients bf16 written")
+    print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'fp8f_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} {'fp8/bf16':>8s} "
+          f"{'fp8f/fused':>10s} {'fp8f_TF':>7s} {'dx_err':>8s} {'dw_err':>8s} {'ctx8_MiB':>8s} {'ctx_MiB':>8s}   "
+          "(forward + backward ms: fp8 the FP8 unfused forward, fp8f the FP8 fused one, each then the FP8 stage "
+          "backward; bf16 unfused, fused, each then bf16's stage backward; ratios: speed-ups; dx_err, dw_err: normwise "
+          "|fp8 - bf16| / |bf16| of d_x and of the routed down weight gradient; ctx: forward context bytes, FP8 and "
+          "bf16 fused)")
+
+    def run_shape(name, experts, label, hidden, inter, top_k, shared):
+        t = args.tokens
+        common = dict(ep_size=1, num_tokens=t, top_k=top_k, num_experts=experts, hidden=hidden, intermediate=inter,
+                      shared_expert=bool(shared))
+        paths = {"fp8": ("unfused", "fp8"), "fp8f": ("fused", "fp8"), "bf16": ("unfused", "bf16"),
+                 "fused": ("fused", "bf16")}
+        layers = {p: create(lib, path=path, precision=precision, **common) for p, (path, precision) in paths.items()}
+        try:
+            randn = lambda *s, scale=1.0: torch.randn(*s, device="cuda", dtype=torch.float32, generator=gen).mul_(
+                scale).bfloat16()
+            x = randn(t, hidden)
+            d_out = randn(t, hidden)
+            topk_idx = torch.randn(t, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.int()
+            rw = torch.rand(t, top_k, device="cuda", generator=gen)
+            w = [randn(experts, inter, hidden, scale=hidden**-0.5), randn(experts, inter, hidden, scale=hidden**-0.5),
+                 randn(experts, hidden, inter, scale=inter**-0.5)]
+            w += [randn(inter, hidden, scale=hidden**-0.5), randn(inter, hidden, scale=hidden**-0.5),
+                  randn(hidden, inter, scale=inter**-0.5)] if shared else [None, None, None]
+            fp8_tensors, fp8_pointers = fp8_weight_pointers(w)
+            forward_pointers = (ctypes.c_void_p * 12)(*fp8_pointers[:12])
+            wp = [0 if v is None else v.data_ptr() for v in w]
+            outs = {p: torch.empty(t, hidden, device="cuda", dtype=torch.bfloat16) for p in layers}
+            d_x = {p: torch.empty(t, hidden, device="cuda", dtype=torch.bfloat16) for p in layers}
+            d_rw = {p: torch.empty(t, top_k, device="cuda", dtype=torch.float32) for p in layers}
+            grads = {p: {n: torch.empty_like(v) for n, v in zip(capi.GRADS, w) if v is not None} for p in layers}
+            arrays = {p: capi.grad_arrays(grads[p], {n: "bf16" for n in grads[p]}, {n: "write" for n in grads[p]})
+                      for p in layers}
+
+            def step(p):
+                def run():
+                    if p.startswith("fp8"):
+                        check(lib.mok_bench_layer_forward_fp8(layers[p], x.data_ptr(), topk_idx.data_ptr(), 0,
+                                                              rw.data_ptr(), forward_pointers, outs[p].data_ptr(),
+                                                              stream, ERROR, len(ERROR)))
+                        check(lib.mok_bench_layer_backward_fp8(layers[p], x.data_ptr(), topk_idx.data_ptr(), 0,
+                                                               rw.data_ptr(), fp8_pointers, d_out.data_ptr(),
+                                                               d_x[p].data_ptr(), d_rw[p].data_ptr(), *arrays[p],
+                                                               stream, ERROR, len(ERROR)))
+                    else:
+                        check(lib.mok_bench_layer_forward(layers[p], x.data_ptr(), topk_idx.data_ptr(), 0,
+                                                          rw.data_ptr(), *wp, outs[p].data_ptr(), stream, ERROR,
+                                                          len(ERROR)))
+                        check(lib.mok_bench_layer_backward(layers[p], x.data_ptr(), topk_idx.data_ptr(), 0,
+                                                           rw.data_ptr(), *wp, d_out.data_ptr(), d_x[p].data_ptr(),
+                                                           d_rw[p].data_ptr(), *arrays[p], stream, ERROR, len(ERROR)))
+                return run
+
+            fns = [step(p) for p in layers]
+            for fn in fns:
+                fn()
+            for layer in layers.values():
+                check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
+            norm_err = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+            dx_err = norm_err(d_x["fp8f"], d_x["fused"])
+            dw_err = norm_err(grads["fp8f"]["expert_down"], grads["fused"]["expert_down"])
+            ms = dict(zip(layers, time_ms(fns, args.iters)))
+            for layer in layers.values():
+                check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
+            ctx = {p: lib.mok_bench_layer_context_bytes(layers[p], ERROR, len(ERROR)) / 2**20 for p in layers}
+            flops = 18.0 * t * (top_k + int(bool(shared))) * hidden * inter  # forward 6, backward 12 per row
+            print(f"{label:16s} {experts:4d} {ms['fp8']:8.3f} {ms['fp8f']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} "
+                  f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8f']:10.2f} {flops / ms['fp8f'] / 1e9:7.0f} "
+                  f"{dx_err:8.4f} {dw_err:8.4f} {ctx['fp8f']:8.1f} {ctx['fused']:8.1f}", flush=True)
+            del fp8_tensors
+        finally:
+            for layer in layers.values():
+                lib.mok_bench_layer_destroy(layer)
+
+    for name, num_experts, hidden, inter, top_k, shared in SHAPES:
+        if name not in args.shapes.split(","):
+            continue
+        experts = num_experts // args.experts_per
+        try:
+            run_shape(name, experts, name, hidden, inter, top_k, shared)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            print(f"  {name}: {str(e).splitlines()[0][:200]}", flush=True)
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
