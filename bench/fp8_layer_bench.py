@@ -51,6 +51,21 @@ def create(lib, **options):
     return layer
 
 
+def random_problem(gen, t, experts, hidden, inter, top_k, shared):
+    """x [t, H] ~ N(0, 1), ids of the top-k of random logits, router weights U(0, 1), and the six bf16 weights
+    ~ N(0, 1/fan_in) (the shared three None without a shared expert)."""
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=torch.float32, generator=gen).mul_(scale).bfloat16()
+    x = randn(t, hidden)
+    topk_idx = torch.randn(t, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.int()
+    rw = torch.rand(t, top_k, device="cuda", generator=gen)
+    w = [randn(experts, inter, hidden, scale=hidden**-0.5), randn(experts, inter, hidden, scale=hidden**-0.5),
+         randn(experts, hidden, inter, scale=inter**-0.5)]
+    w += [randn(inter, hidden, scale=hidden**-0.5), randn(inter, hidden, scale=hidden**-0.5),
+          randn(hidden, inter, scale=inter**-0.5)] if shared else [None, None, None]
+    return x, topk_idx, rw, w
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lib", default="build/bench/libmok_bench_capi.so")
@@ -90,24 +105,8 @@ def main():
                   "bf16": create(lib, path="unfused", **common),
                   "fused": create(lib, path="fused", **common)}
         try:
-            randn = lambda *s, scale=1.0: torch.randn(*s, device="cuda", dtype=torch.float32, generator=gen).mul_(
-                scale).bfloat16()
-            x = randn(t, hidden)
-            topk_idx = torch.randn(t, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.int()
-            rw = torch.rand(t, top_k, device="cuda", generator=gen)
-            w = [randn(experts, inter, hidden, scale=hidden**-0.5), randn(experts, inter, hidden, scale=hidden**-0.5),
-                 randn(experts, hidden, inter, scale=inter**-0.5)]
-            w += [randn(inter, hidden, scale=hidden**-0.5), randn(inter, hidden, scale=hidden**-0.5),
-                  randn(hidden, inter, scale=inter**-0.5)] if shared else [None, None, None]
-            fp8 = []  # each weight e4m3, then its scales (the 2-D shared weights quantized as one expert)
-            for tensor in w:
-                if tensor is None:
-                    fp8 += [None, None]
-                    continue
-                three = tensor.dim() == 3
-                q, s = quantize_blocks_128x128(tensor if three else tensor[None])
-                fp8 += [q if three else q[0].contiguous(), s if three else s[0].contiguous()]
-            pointers = (ctypes.c_void_p * 12)(*[0 if q is None else q.data_ptr() for q in fp8])
+            x, topk_idx, rw, w = random_problem(gen, t, experts, hidden, inter, top_k, shared)
+            fp8, pointers = fp8_weight_pointers(w, transposed=False)
             weight_mib = sum(v.numel() * v.element_size() for v in w if v is not None) / 2**20
             fp8_weight_mib = sum(v.numel() * v.element_size() for v in fp8 if v is not None) / 2**20
             outs = {p: torch.empty(t, hidden, device="cuda", dtype=torch.bfloat16) for p in layers}
@@ -189,11 +188,12 @@ def main():
             torch.cuda.empty_cache()
 
 
-def fp8_weight_pointers(w):
-    """The 20 FP8 weight tensors mok_bench_layer_backward_fp8 takes (e4m3 values, then scales, per weight in
-    MoeWeights' order; then the transposed copies of [gate; up] and down, routed then shared) from the six bf16
-    weights w (None: no shared expert). A 128 x 128 block's scale serves its transpose, so the transposed copies are
-    the forward's values transposed (quantize_weights_fp8's out_transposed)."""
+def fp8_weight_pointers(w, transposed=True):
+    """The FP8 weight tensors and their pointers from the six bf16 weights w (None: no shared expert): the 12 of
+    mok_bench_layer_forward_fp8 (e4m3 values, then scales, per weight in MoeWeights' order; the 2-D shared weights
+    quantized as one expert), and with `transposed` the 20 of mok_bench_layer_backward_fp8 (then the transposed copies
+    of [gate; up] and down, routed then shared). A 128 x 128 block's scale serves its transpose, so the transposed
+    copies are the forward's values transposed (quantize_weights_fp8's out_transposed)."""
     fp8 = []
     for tensor in w:
         if tensor is None:
@@ -201,21 +201,21 @@ def fp8_weight_pointers(w):
             continue
         q, s = quantize_blocks_128x128(tensor if tensor.dim() == 3 else tensor[None])
         fp8 += [q, s]  # [E or 1, rows, cols] and its scales, squeezed below
-    transposed = []
-    for gate, up, down in ((0, 1, 2), (3, 4, 5)):
+    copies = []
+    for gate, up, down in ((0, 1, 2), (3, 4, 5)) if transposed else ():
         if fp8[2 * gate] is None:
-            transposed += [None] * 4
+            copies += [None] * 4
             continue
         gate_up = torch.cat([fp8[2 * gate].view(torch.uint8), fp8[2 * up].view(torch.uint8)], dim=1)
         gate_up_scales = torch.cat([fp8[2 * gate + 1], fp8[2 * up + 1]], dim=1)
-        transposed += [gate_up.transpose(1, 2).contiguous().view(torch.float8_e4m3fn),
+        copies += [gate_up.transpose(1, 2).contiguous().view(torch.float8_e4m3fn),
                        gate_up_scales.transpose(1, 2).contiguous(),
                        fp8[2 * down].view(torch.uint8).transpose(1, 2).contiguous().view(torch.float8_e4m3fn),
                        fp8[2 * down + 1].transpose(1, 2).contiguous()]
-    tensors = fp8 + transposed
+    tensors = fp8 + copies
     shared = {6, 7, 8, 9, 10, 11, 16, 17, 18, 19}  # the shared expert's: 2-D
     tensors = [t if t is None or n not in shared else t[0].contiguous() for n, t in enumerate(tensors)]
-    return tensors, (ctypes.c_void_p * 20)(*[0 if t is None else t.data_ptr() for t in tensors])
+    return tensors, (ctypes.c_void_p * len(tensors))(*[0 if t is None else t.data_ptr() for t in tensors])
 
 
 def run_backward(lib, args):
@@ -239,16 +239,8 @@ def run_backward(lib, args):
                  "fused": ("fused", "bf16")}
         layers = {p: create(lib, path=path, precision=precision, **common) for p, (path, precision) in paths.items()}
         try:
-            randn = lambda *s, scale=1.0: torch.randn(*s, device="cuda", dtype=torch.float32, generator=gen).mul_(
-                scale).bfloat16()
-            x = randn(t, hidden)
-            d_out = randn(t, hidden)
-            topk_idx = torch.randn(t, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices.int()
-            rw = torch.rand(t, top_k, device="cuda", generator=gen)
-            w = [randn(experts, inter, hidden, scale=hidden**-0.5), randn(experts, inter, hidden, scale=hidden**-0.5),
-                 randn(experts, hidden, inter, scale=inter**-0.5)]
-            w += [randn(inter, hidden, scale=hidden**-0.5), randn(inter, hidden, scale=hidden**-0.5),
-                  randn(hidden, inter, scale=inter**-0.5)] if shared else [None, None, None]
+            x, topk_idx, rw, w = random_problem(gen, t, experts, hidden, inter, top_k, shared)
+            d_out = torch.randn(t, hidden, device="cuda", generator=gen).bfloat16()
             fp8_tensors, fp8_pointers = fp8_weight_pointers(w)
             forward_pointers = (ctypes.c_void_p * 12)(*fp8_pointers[:12])
             wp = [0 if v is None else v.data_ptr() for v in w]

@@ -773,6 +773,21 @@ BudgetResult compare_within_budget(const std::vector<uint16_t>& gpu, const float
   return result;
 }
 
+reference::LayerGrads<float> shared_reference(const LayerData& data, const reference::LayerParams<float>& params,
+                                              const std::vector<float>& d_out, int rank, bool magnitudes,
+                                              const reference::Fp8Recipe& recipe) {
+  const reference::LayerShape& g = data.shape;
+  const int64_t t = g.tokens_per_rank, h = g.hidden, k = g.top_k;
+  reference::LayerShape one = g;
+  one.num_ranks = 1;
+  reference::LayerInputs<float> inputs;
+  inputs.x.assign(data.inputs.x.begin() + rank * t * h, data.inputs.x.begin() + (rank + 1) * t * h);
+  inputs.topk_idx.assign(t * k, -1);
+  inputs.router_weights.assign(t * k, 0.f);
+  const std::vector<float> rank_d_out(d_out.begin() + rank * t * h, d_out.begin() + (rank + 1) * t * h);
+  return reference::backward(one, params, inputs, rank_d_out, 0, magnitudes, recipe);
+}
+
 RawGrads raw_grads(MoeHarness& harness) {
   RawGrads all;
   for (const RankForward& f : harness.all_args()) all.push_back(harness.raw_grads(f.rank));

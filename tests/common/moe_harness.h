@@ -168,6 +168,13 @@ class MoeHarness {
   GradSetups grad_setups_ = all_grads(DType::kFloat32, GradMode::kWrite);
 };
 
+// The shared expert's gradients of rank `rank`'s tokens alone (each rank's shared weights see its own tokens; the
+// caller all-reduces them): reference::backward on that rank's slice with every route masked, on `params` (the data's,
+// or their FP8 form) with `recipe`; magnitudes as reference::backward's.
+reference::LayerGrads<float> shared_reference(const LayerData& data, const reference::LayerParams<float>& params,
+                                              const std::vector<float>& d_out, int rank, bool magnitudes,
+                                              const reference::Fp8Recipe& recipe = {});
+
 // Every local rank's raw_grads (rank order), and the first difference between two of them ("" when bitwise equal,
 // else the first differing tensor, rank and byte).
 using RawGrads = std::vector<std::vector<std::pair<std::string, std::vector<uint8_t>>>>;  // [rank][tensor]

@@ -124,21 +124,6 @@ Worst compare_weight_grad(const float* got, const float* want, const float* magn
   return worst_ratio(got, want, budgets);
 }
 
-// The shared expert's gradients of one rank's own tokens (each rank's shared weights see its tokens only;
-// the caller all-reduces them): the reference on that rank's slice alone, every route masked.
-reference::LayerGrads<float> shared_reference(const LayerData& data, const std::vector<float>& d_out, int rank) {
-  const reference::LayerShape& g = data.shape;
-  const int64_t t = g.tokens_per_rank, h = g.hidden, k = g.top_k;
-  reference::LayerShape one = g;
-  one.num_ranks = 1;
-  reference::LayerInputs<float> inputs;
-  inputs.x.assign(data.inputs.x.begin() + rank * t * h, data.inputs.x.begin() + (rank + 1) * t * h);
-  inputs.topk_idx.assign(t * k, -1);
-  inputs.router_weights.assign(t * k, 0.f);
-  const std::vector<float> rank_d_out(d_out.begin() + rank * t * h, d_out.begin() + (rank + 1) * t * h);
-  return reference::backward(one, data.params, inputs, rank_d_out, 0, true);
-}
-
 // Every gradient of every rank against the CPU reference; returns the worst budget ratio. `label` names the
 // case (shape, seed) in every failure. call_tokens (optional, per rank): the calls passed only that many of
 // the rank's first tokens: d_x and d_router_weights are compared on those rows, and the rows past them must
@@ -224,7 +209,7 @@ double check_gradients(MoeHarness& harness, const LayerData& data, const std::ve
       }
     }
     if (!s.shared_expert) continue;
-    const reference::LayerGrads<float> shared = shared_reference(data, d_out, r);
+    const reference::LayerGrads<float> shared = testing::shared_reference(data, data.params, d_out, r, true);
     const std::tuple<GradTensor, const std::vector<float>*, const std::vector<float>*> own[] = {
         {GradTensor::kSharedGate, &shared.d_shared_gate, &shared.magnitude_shared_gate},
         {GradTensor::kSharedUp, &shared.d_shared_up, &shared.magnitude_shared_up},

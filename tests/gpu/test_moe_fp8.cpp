@@ -420,23 +420,6 @@ double normwise(const float* got, const float* want, int64_t count) {
   return std::sqrt(diff / std::max(norm, 1e-30));
 }
 
-// The shared expert's gradients on rank `rank`'s tokens alone (every route masked), as reference::backward gives
-// them with `recipe` (each rank's shared weights see its own tokens).
-reference::LayerGrads<float> shared_grads(const LayerData& data, const reference::LayerParams<float>& params,
-                                          const std::vector<float>& d_out, int rank,
-                                          const reference::Fp8Recipe& recipe) {
-  const reference::LayerShape& g = data.shape;
-  const int64_t t = g.tokens_per_rank, h = g.hidden, k = g.top_k;
-  reference::LayerShape one = g;
-  one.num_ranks = 1;
-  reference::LayerInputs<float> inputs;
-  inputs.x.assign(data.inputs.x.begin() + rank * t * h, data.inputs.x.begin() + (rank + 1) * t * h);
-  inputs.topk_idx.assign(t * k, -1);
-  inputs.router_weights.assign(t * k, 0.f);
-  const std::vector<float> rank_d_out(d_out.begin() + rank * t * h, d_out.begin() + (rank + 1) * t * h);
-  return reference::backward(one, params, inputs, rank_d_out, 0, false, recipe);
-}
-
 // The FP8 backward (docs/design.md, "FP8 backward"; stage kernels after either forward path) against
 // reference::backward applying the same quantizations (Fp8Recipe forward + dgrads: x, h, d_out, d_g and d_u per
 // 1 x 128, the weights per 128 x 128 block; bf16 weight gradients from bf16 x and h) on the weights as quantized.
@@ -506,8 +489,8 @@ TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPat
                         ref_q.d_expert_down.data() + r * expert, ref.d_expert_down.data() + r * expert, expert});
         reference::LayerGrads<float> shared_q, shared_bf16;
         if (shared) {
-          shared_q = shared_grads(data, params_q, d_out, r, recipe);
-          shared_bf16 = shared_grads(data, data.params, d_out, r, {});
+          shared_q = testing::shared_reference(data, params_q, d_out, r, false, recipe);
+          shared_bf16 = testing::shared_reference(data, data.params, d_out, r, false);
           for (const auto& [name, which, want_q, want] :
                {std::tuple{"dW_shared_gate", GradTensor::kSharedGate, &shared_q.d_shared_gate,
                            &shared_bf16.d_shared_gate},
