@@ -171,21 +171,7 @@ def main():
             for layer in layers.values():
                 lib.mok_bench_layer_destroy(layer)
 
-    for name, num_experts, hidden, inter, top_k, shared in SHAPES:
-        if name not in args.shapes.split(","):
-            continue
-        experts = num_experts // args.experts_per
-        out_of_memory = False
-        try:
-            run_shape(name, experts, name, hidden, inter, top_k, shared)
-        except torch.OutOfMemoryError:  # as layer_bench: the shape again with half its experts ("NAME E/2")
-            out_of_memory = True  # retried below, once the exception no longer holds the failed run's tensors
-        torch.cuda.empty_cache()
-        if out_of_memory:
-            print(f"  {name}: out of memory with {experts} experts; again with {experts // 2} (same tokens and top-k: "
-                  "twice the rows per expert)", flush=True)
-            run_shape(name, experts // 2, f"{name} E/2", hidden, inter, top_k, shared)
-            torch.cuda.empty_cache()
+    for_each_shape(args, run_shape)
 
 
 def fp8_weight_pointers(w, transposed=True):
@@ -291,15 +277,27 @@ def run_backward(lib, args):
             for layer in layers.values():
                 lib.mok_bench_layer_destroy(layer)
 
+    for_each_shape(args, run_shape)
+
+
+def for_each_shape(args, run_shape):
+    """run_shape(name, experts, label, H, I, k, shared) for each of --shapes with E_global / --experts-per experts; a
+    shape that does not fit runs again with half its experts, as "NAME E/2" (as bench/layer_bench.py does)."""
     for name, num_experts, hidden, inter, top_k, shared in SHAPES:
         if name not in args.shapes.split(","):
             continue
         experts = num_experts // args.experts_per
+        out_of_memory = False
         try:
             run_shape(name, experts, name, hidden, inter, top_k, shared)
-        except (torch.OutOfMemoryError, RuntimeError) as e:
-            print(f"  {name}: {str(e).splitlines()[0][:200]}", flush=True)
+        except torch.OutOfMemoryError:
+            out_of_memory = True  # retried below, once the exception no longer holds the failed run's tensors
         torch.cuda.empty_cache()
+        if out_of_memory:
+            print(f"  {name}: out of memory with {experts} experts; again with {experts // 2} (same tokens and top-k: "
+                  "twice the rows per expert)", flush=True)
+            run_shape(name, experts // 2, f"{name} E/2", hidden, inter, top_k, shared)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
