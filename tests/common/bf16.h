@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include <cuda_bf16.h>
 
@@ -18,5 +19,12 @@ inline float from_bf16_bits(uint16_t bits) {
 }
 
 inline float round_to_bf16(float v) { return from_bf16_bits(to_bf16_bits(v)); }
+
+// An fp32 value's bits (bitwise comparisons: -0 and +0 differ, a NaN equals its own bits).
+inline uint32_t float_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return bits;
+}
 
 }  // namespace mok::testing

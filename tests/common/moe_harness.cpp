@@ -788,6 +788,27 @@ reference::LayerGrads<float> shared_reference(const LayerData& data, const refer
   return reference::backward(one, params, inputs, rank_d_out, 0, magnitudes, recipe);
 }
 
+std::pair<LayerData, std::vector<float>> exactly_tokens(const LayerData& data, const std::vector<float>& d_out,
+                                                        int tokens) {
+  LayerData exact = data;
+  const int64_t t = data.shape.tokens_per_rank, h = data.shape.hidden, k = data.shape.top_k;
+  exact.shape.tokens_per_rank = tokens;
+  exact.inputs.x.clear(), exact.inputs.topk_idx.clear(), exact.inputs.router_weights.clear();
+  std::vector<float> exact_d_out;
+  for (int r = 0; r < data.shape.num_ranks; ++r) {
+    const int64_t first = r * t;
+    exact.inputs.x.insert(exact.inputs.x.end(), data.inputs.x.begin() + first * h,
+                          data.inputs.x.begin() + (first + tokens) * h);
+    exact_d_out.insert(exact_d_out.end(), d_out.begin() + first * h, d_out.begin() + (first + tokens) * h);
+    exact.inputs.topk_idx.insert(exact.inputs.topk_idx.end(), data.inputs.topk_idx.begin() + first * k,
+                                 data.inputs.topk_idx.begin() + (first + tokens) * k);
+    exact.inputs.router_weights.insert(exact.inputs.router_weights.end(),
+                                       data.inputs.router_weights.begin() + first * k,
+                                       data.inputs.router_weights.begin() + (first + tokens) * k);
+  }
+  return {exact, exact_d_out};
+}
+
 RawGrads raw_grads(MoeHarness& harness) {
   RawGrads all;
   for (const RankForward& f : harness.all_args()) all.push_back(harness.raw_grads(f.rank));

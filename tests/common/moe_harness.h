@@ -175,6 +175,11 @@ reference::LayerGrads<float> shared_reference(const LayerData& data, const refer
                                               const std::vector<float>& d_out, int rank, bool magnitudes,
                                               const reference::Fp8Recipe& recipe = {});
 
+// The problem of exactly `tokens` tokens per rank, and its d_out: each rank's first `tokens` of `data` and `d_out`
+// (a workspace made for that T runs it).
+std::pair<LayerData, std::vector<float>> exactly_tokens(const LayerData& data, const std::vector<float>& d_out,
+                                                        int tokens);
+
 // Every local rank's raw_grads (rank order), and the first difference between two of them ("" when bitwise equal,
 // else the first differing tensor, rank and byte).
 using RawGrads = std::vector<std::vector<std::pair<std::string, std::vector<uint8_t>>>>;  // [rank][tensor]

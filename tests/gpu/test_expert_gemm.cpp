@@ -35,6 +35,7 @@ namespace {
 
 using testing::hashed_int;
 
+using testing::float_bits;
 using testing::from_bf16_bits;
 using testing::to_bf16_bits;
 constexpr uint16_t kPoison = testing::kBf16Poison;
@@ -138,12 +139,6 @@ std::string check_layout(const std::vector<uint16_t>& out, const Segments& seg, 
 
 // fp32 outputs (the row partials) are poisoned with this NaN; untouched entries keep its bits.
 constexpr uint32_t kFloatPoison = 0x7fc00badu;
-
-uint32_t float_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return bits;
-}
 
 std::vector<float> float_poison(size_t count) {
   float f;

@@ -52,6 +52,7 @@ using testing::LayerData;
 using testing::MoeHarness;
 using testing::moe_shape;
 using testing::bf16_values;
+using testing::float_bits;
 using testing::first_difference;
 using testing::raw_grads;
 using testing::RawGrads;
@@ -449,12 +450,6 @@ TEST(MoeBackwardTest, ClampedSwiGLUFusedAndSeparateGateUp) {
       }
     }
   }
-}
-
-uint32_t float_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  return bits;
 }
 
 // bf16 writes are the fp32 writes rounded once; fp32 accumulation of two micro-batches into zeroed buffers is
@@ -918,29 +913,6 @@ std::pair<LayerData, std::vector<float>> first_tokens_only(const LayerData& data
   return {masked, masked_d_out};
 }
 
-// The problem of exactly `tokens` tokens per rank: each rank's first `tokens` of `data` (a workspace made for
-// that T runs it).
-std::pair<LayerData, std::vector<float>> exactly_tokens(const LayerData& data, const std::vector<float>& d_out,
-                                                       int tokens) {
-  LayerData exact = data;
-  const int64_t t = data.shape.tokens_per_rank, h = data.shape.hidden, k = data.shape.top_k;
-  exact.shape.tokens_per_rank = tokens;
-  exact.inputs.x.clear(), exact.inputs.topk_idx.clear(), exact.inputs.router_weights.clear();
-  std::vector<float> exact_d_out;
-  for (int r = 0; r < data.shape.num_ranks; ++r) {
-    const int64_t first = r * t;
-    exact.inputs.x.insert(exact.inputs.x.end(), data.inputs.x.begin() + first * h,
-                          data.inputs.x.begin() + (first + tokens) * h);
-    exact_d_out.insert(exact_d_out.end(), d_out.begin() + first * h, d_out.begin() + (first + tokens) * h);
-    exact.inputs.topk_idx.insert(exact.inputs.topk_idx.end(), data.inputs.topk_idx.begin() + first * k,
-                                 data.inputs.topk_idx.begin() + (first + tokens) * k);
-    exact.inputs.router_weights.insert(exact.inputs.router_weights.end(),
-                                       data.inputs.router_weights.begin() + first * k,
-                                       data.inputs.router_weights.begin() + (first + tokens) * k);
-  }
-  return {exact, exact_d_out};
-}
-
 // out of every rank's call against the reference of `reference_data` (rows [0, tokens[r])), and the rows past
 // the call's tokens still the poison. Returns the worst budget ratio.
 double check_call_outputs(MoeHarness& harness, const LayerData& reference_data, const std::vector<int>& tokens,
@@ -1026,7 +998,7 @@ TEST(MoeBackwardTest, FewerTokensGiveTheBitsOfAWorkspaceOfExactlyThatMany) {
       const MoeShape shape = moe_shape(ep, 256, 4, 8, 256, 192, shared);
       const LayerData data = testing::random_layer(shape, ++seed, 0, 0.05);
       const std::vector<float> d_out = testing::random_d_out(shape, seed);
-      const auto [exact_data, exact_d_out] = exactly_tokens(data, d_out, tokens);
+      const auto [exact_data, exact_d_out] = testing::exactly_tokens(data, d_out, tokens);
       MoeShape exact_shape = shape;
       exact_shape.num_tokens = tokens;
       const std::string label = describe(shape) + " calls of " + std::to_string(tokens) + " tokens";
