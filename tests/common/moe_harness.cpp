@@ -831,6 +831,60 @@ std::string first_difference(const RawGrads& got, const RawGrads& want) {
   return "";
 }
 
+WeightGrads all_weight_grads(MoeHarness& harness) {
+  WeightGrads g;
+  for (const RankForward& f : harness.all_args())
+    for (int n = 0; n < kNumGradTensors; ++n) g.push_back(harness.weight_grad(f.rank, GradTensor(n)));
+  return g;
+}
+
+std::vector<std::vector<uint8_t>> token_grads(MoeHarness& harness) {
+  std::vector<std::vector<uint8_t>> t;
+  for (const RankForward& f : harness.all_args()) {
+    auto raw = harness.raw_grads(f.rank);
+    t.push_back(raw[0].second);
+    t.push_back(raw[1].second);
+  }
+  return t;
+}
+
+namespace {
+// The first element n of tensor `index` where bits(got) != bits(want(n)), described; "" when none.
+template <class Want>
+std::string first_bits_difference(const WeightGrads& got, size_t tensors, const char* what, Want want) {
+  if (got.size() != tensors) return std::string(what) + ": different tensor counts";
+  for (size_t index = 0; index < tensors; ++index) {
+    const std::string tensor = std::string(what) + ", rank index " + std::to_string(index / kNumGradTensors) + " " +
+                               grad_tensor_name(GradTensor(index % kNumGradTensors));
+    for (size_t n = 0; n < got[index].size(); ++n) {
+      const float expected = want(index, n);
+      if (float_bits(got[index][n]) != float_bits(expected))
+        return tensor + " element " + std::to_string(n) + ": " + std::to_string(got[index][n]) + " vs " +
+               std::to_string(expected);
+    }
+  }
+  return "";
+}
+}  // namespace
+
+std::string bf16_write_difference(const WeightGrads& got, const WeightGrads& written) {
+  for (size_t index = 0; index < std::min(got.size(), written.size()); ++index)
+    if (got[index].size() != written[index].size()) return "bf16 write: tensor " + std::to_string(index) + "'s size";
+  return first_bits_difference(got, written.size(), "bf16 write",
+                               [&](size_t index, size_t n) { return round_to_bf16(written[index][n]); });
+}
+
+std::string accumulation_difference(const WeightGrads& got, const WeightGrads& first, const WeightGrads& second) {
+  for (size_t index = 0; index < std::min(got.size(), first.size()); ++index)
+    if (got[index].size() != first[index].size() || second[index].size() != first[index].size())
+      return "accumulate: tensor " + std::to_string(index) + "'s size";
+  return first_bits_difference(got, first.size(), "accumulate", [&](size_t index, size_t n) {
+    volatile float sum = 0.f + first[index][n];  // the GPU's two fp32 additions, in its order
+    sum = sum + second[index][n];
+    return static_cast<float>(sum);
+  });
+}
+
 std::vector<float> bf16_values(const std::vector<uint16_t>& bits) {
   std::vector<float> v(bits.size());
   for (size_t n = 0; n < bits.size(); ++n) v[n] = from_bf16_bits(bits[n]);

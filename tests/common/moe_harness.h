@@ -185,6 +185,16 @@ std::pair<LayerData, std::vector<float>> exactly_tokens(const LayerData& data, c
 using RawGrads = std::vector<std::vector<std::pair<std::string, std::vector<uint8_t>>>>;  // [rank][tensor]
 RawGrads raw_grads(MoeHarness& harness);
 std::string first_difference(const RawGrads& got, const RawGrads& want);
+// Every local rank's six weight gradients (MoeHarness::weight_grad) at [local rank index * kNumGradTensors + tensor],
+// and every local rank's token-side gradients as bytes (d_x, then d_router_weights; rank order).
+using WeightGrads = std::vector<std::vector<float>>;
+WeightGrads all_weight_grads(MoeHarness& harness);
+std::vector<std::vector<uint8_t>> token_grads(MoeHarness& harness);
+// GradMode's bitwise rules over all_weight_grads: "" when every element of `got` is `written` rounded to bf16 (a bf16
+// write), or (0 + first) + second in fp32 (two micro-batches accumulated onto zeros, in the GPU's order); else the
+// first differing tensor and element.
+std::string bf16_write_difference(const WeightGrads& got, const WeightGrads& written);
+std::string accumulation_difference(const WeightGrads& got, const WeightGrads& first, const WeightGrads& second);
 // bf16 bits as float values.
 std::vector<float> bf16_values(const std::vector<uint16_t>& bits);
 

@@ -52,7 +52,10 @@ using testing::LayerData;
 using testing::MoeHarness;
 using testing::moe_shape;
 using testing::bf16_values;
+using testing::all_weight_grads;
 using testing::float_bits;
+using testing::token_grads;
+using Grads = testing::WeightGrads;  // [rank * kNumGradTensors + tensor]
 using testing::first_difference;
 using testing::raw_grads;
 using testing::RawGrads;
@@ -463,64 +466,30 @@ TEST(MoeBackwardTest, GradModesWriteBf16Fp32AndAccumulate) {
   second.params = first.params;  // two micro-batches of one model
   const std::vector<float> d_out_first = testing::random_d_out(shape, 5331), d_out_second = testing::random_d_out(shape, 5332);
   MoeHarness harness(PeerGroup::virtual_ranks(2), shape, replay_options());
-  using Grads = std::vector<std::vector<float>>;  // [rank * kNumGradTensors + tensor]
-  auto grads = [&] {
-    Grads g;
-    for (int r = 0; r < 2; ++r)
-      for (int n = 0; n < kNumGradTensors; ++n) g.push_back(harness.weight_grad(r, GradTensor(n)));
-    return g;
-  };
-  auto token_grads = [&] {
-    std::vector<std::vector<uint8_t>> t;
-    for (int r = 0; r < 2; ++r) {
-      auto raw = harness.raw_grads(r);
-      t.push_back(raw[0].second);
-      t.push_back(raw[1].second);
-    }
-    return t;
-  };
   // fp32 writes of both micro-batches.
   harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
   forward_backward(harness, first, d_out_first);
   expect_replay(harness, "fp32 write, micro-batch 1, seed 331");
   check_gradients(harness, first, d_out_first, "fp32 write, micro-batch 1, seed 331");
-  const Grads g1 = grads();
-  const auto tokens1 = token_grads();
+  const Grads g1 = all_weight_grads(harness);
+  const auto tokens1 = token_grads(harness);
   forward_backward(harness, second, d_out_second);
   check_gradients(harness, second, d_out_second, "fp32 write, micro-batch 2, seed 332");
-  const Grads g2 = grads();
+  const Grads g2 = all_weight_grads(harness);
 
   // bf16 writes: the fp32 values rounded once.
   harness.set_grads(testing::all_grads(DType::kBFloat16, GradMode::kWrite));
   forward_backward(harness, first, d_out_first);
-  const Grads b1 = grads();
-  for (size_t n = 0; n < g1.size(); ++n) {
-    ASSERT_EQ(b1[n].size(), g1[n].size());
-    for (size_t x = 0; x < g1[n].size(); ++x)
-      ASSERT_EQ(float_bits(b1[n][x]), float_bits(testing::round_to_bf16(g1[n][x])))
-          << "bf16 write, rank " << n / kNumGradTensors << " " << testing::grad_tensor_name(GradTensor(n % kNumGradTensors))
-          << " element " << x << ": " << b1[n][x] << " vs fp32 " << g1[n][x];
-  }
-  EXPECT_EQ(token_grads(), tokens1) << "d_x / d_router_weights depend on the weight gradients' dtype";
+  EXPECT_EQ(testing::bf16_write_difference(all_weight_grads(harness), g1), "");
+  EXPECT_EQ(token_grads(harness), tokens1) << "d_x / d_router_weights depend on the weight gradients' dtype";
 
   // Accumulation: zero, micro-batch 1, micro-batch 2.
   harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kAccumulate));
   harness.zero_weight_grads();
   forward_backward(harness, first, d_out_first);
-  EXPECT_EQ(token_grads(), tokens1) << "d_x / d_router_weights depend on the weight gradients' mode";
+  EXPECT_EQ(token_grads(harness), tokens1) << "d_x / d_router_weights depend on the weight gradients' mode";
   forward_backward(harness, second, d_out_second);
-  const Grads acc = grads();
-  for (size_t n = 0; n < g1.size(); ++n) {
-    ASSERT_EQ(acc[n].size(), g1[n].size());
-    for (size_t x = 0; x < g1[n].size(); ++x) {
-      volatile float want = 0.f + g1[n][x];  // the GPU's two fp32 additions, in its order
-      want = want + g2[n][x];
-      ASSERT_EQ(float_bits(acc[n][x]), float_bits(want))
-          << "accumulate, rank " << n / kNumGradTensors << " "
-          << testing::grad_tensor_name(GradTensor(n % kNumGradTensors)) << " element " << x << ": " << acc[n][x]
-          << " vs (0 + " << g1[n][x] << ") + " << g2[n][x];
-    }
-  }
+  EXPECT_EQ(testing::accumulation_difference(all_weight_grads(harness), g1, g2), "");
 
   // Mixed in one call: down bf16 written, routed gate/up fp32 accumulated (onto zeros), shared gate/up fp32
   // written, shared down not computed.
@@ -531,7 +500,7 @@ TEST(MoeBackwardTest, GradModesWriteBf16Fp32AndAccumulate) {
   mixed[int(GradTensor::kSharedDown)].compute = false;
   harness.set_grads(mixed);  // zero-filled
   forward_backward(harness, first, d_out_first);
-  const Grads m1 = grads();
+  const Grads m1 = all_weight_grads(harness);
   for (size_t n = 0; n < g1.size(); ++n) {
     const GradTensor which = GradTensor(n % kNumGradTensors);
     if (which == GradTensor::kSharedDown) {
@@ -548,7 +517,7 @@ TEST(MoeBackwardTest, GradModesWriteBf16Fp32AndAccumulate) {
           << x;
     }
   }
-  EXPECT_EQ(token_grads(), tokens1);
+  EXPECT_EQ(token_grads(harness), tokens1);
 }
 
 // recompute_forward_context into fresh contexts gives the forward's context bits: x rows, hidden rows and the

@@ -32,7 +32,6 @@ namespace {
 
 using testing::DeviceArray;
 using testing::from_bf16_bits;
-using testing::float_bits;
 using testing::GradTensor;
 using testing::LayerData;
 using testing::MoeHarness;
@@ -575,27 +574,11 @@ TEST(MoeFp8Test, BackwardSkewedRoutingEmptyExpertsAndGradModes) {
   Fp8BackwardHarness f(shape, first, d_out_first, options);
   MoeHarness& harness = f.harness;
   const int ep = shape.ep_size;
-  using Grads = std::vector<std::vector<float>>;  // [rank * kNumGradTensors + tensor]
-  auto grads = [&] {
-    Grads g;
-    for (int r = 0; r < ep; ++r)
-      for (int n = 0; n < testing::kNumGradTensors; ++n) g.push_back(harness.weight_grad(r, GradTensor(n)));
-    return g;
-  };
-  auto token_grads = [&] {
-    std::vector<std::vector<uint8_t>> t;
-    for (int r = 0; r < ep; ++r) {
-      auto raw = harness.raw_grads(r);
-      t.push_back(raw[0].second);
-      t.push_back(raw[1].second);
-    }
-    return t;
-  };
   harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
   f.run();
   check_against_recipe(harness, first, d_out_first, "skewed, seed 3100");
-  const Grads g1 = grads();
-  const auto tokens1 = token_grads();
+  const testing::WeightGrads g1 = testing::all_weight_grads(harness);
+  const auto tokens1 = testing::token_grads(harness);
   const int64_t h = shape.hidden, i = shape.intermediate, e_local = shape.local_experts();
   for (int r = 0; r < ep; ++r)
     for (int64_t e = 0; e < e_local; ++e) {
@@ -608,35 +591,21 @@ TEST(MoeFp8Test, BackwardSkewedRoutingEmptyExpertsAndGradModes) {
     }
   f.upload(second, d_out_second);
   f.run();
-  const Grads g2 = grads();
+  const testing::WeightGrads g2 = testing::all_weight_grads(harness);
 
   harness.set_grads(testing::all_grads(DType::kBFloat16, GradMode::kWrite));
   f.upload(first, d_out_first);
   f.run();
-  const Grads b1 = grads();
-  for (size_t n = 0; n < g1.size(); ++n) {
-    ASSERT_EQ(b1[n].size(), g1[n].size());
-    for (size_t x = 0; x < g1[n].size(); ++x)
-      ASSERT_EQ(float_bits(b1[n][x]), float_bits(testing::round_to_bf16(g1[n][x])))
-          << "bf16 write, tensor " << n << " element " << x << ": " << b1[n][x] << " vs fp32 " << g1[n][x];
-  }
-  EXPECT_EQ(token_grads(), tokens1) << "d_x / d_router_weights depend on the weight gradients' dtype";
+  EXPECT_EQ(testing::bf16_write_difference(testing::all_weight_grads(harness), g1), "");
+  EXPECT_EQ(testing::token_grads(harness), tokens1) << "d_x / d_router_weights depend on the weight gradients' dtype";
 
   harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kAccumulate));
   harness.zero_weight_grads();
   f.run();
-  EXPECT_EQ(token_grads(), tokens1) << "d_x / d_router_weights depend on the weight gradients' mode";
+  EXPECT_EQ(testing::token_grads(harness), tokens1) << "d_x / d_router_weights depend on the weight gradients' mode";
   f.upload(second, d_out_second);
   f.run();
-  const Grads acc = grads();
-  for (size_t n = 0; n < g1.size(); ++n) {
-    ASSERT_EQ(acc[n].size(), g1[n].size());
-    for (size_t x = 0; x < g1[n].size(); ++x) {
-      volatile float want = 0.f + g1[n][x];  // the GPU's two fp32 additions, in its order
-      want = want + g2[n][x];
-      ASSERT_EQ(float_bits(acc[n][x]), float_bits(want)) << "accumulate, tensor " << n << " element " << x;
-    }
-  }
+  EXPECT_EQ(testing::accumulation_difference(testing::all_weight_grads(harness), g1, g2), "");
 }
 
 // Calls of fewer tokens than the workspace's (100 and 1 of 256 a rank) give the bits of an FP8 workspace made for
