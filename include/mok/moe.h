@@ -417,9 +417,7 @@ class MoeWorkspace {
   // Whether the backward recomputes routed rows' g, u and h: all rows without MoeOptions::keep_gate_up or in
   // FP8 (whose context keeps x's FP8 rows, no g | u); with it, the rows past a fused forward's ring when the ring
   // is below the capacity (the kept ones are copied).
-  bool recomputes_gate_up() const {
-    return !options_.keep_gate_up || ring_rows_ < capacity_rows() || options_.precision == Precision::kFP8;
-  }
+  bool recomputes_gate_up() const { return !context_keeps_gate_up() || ring_rows_ < capacity_rows(); }
 
  private:
   struct RankState;
@@ -458,6 +456,9 @@ class MoeWorkspace {
     return options_.backward && options_.path == ForwardPath::kFused && options_.fused.backward_megakernel;
   }
   bool fp8() const { return options_.precision == Precision::kFP8; }
+  // The forward's context holds each row's g | u (MoeOptions::keep_gate_up; an FP8 context never does: its
+  // backward recomputes them from x's FP8 rows).
+  bool context_keeps_gate_up() const { return options_.keep_gate_up && !fp8(); }
   // The local combine (docs/design.md, "The combine at EP = 1"): with one rank every expert row is this rank's,
   // so the combine reads the expert-major rows through the schedule's route_row and nothing is pushed: the
   // stage-kernel backward's d_x rows; not with scatter_rows (the rows are in the combine buffer then).

@@ -268,7 +268,7 @@ void MoeWorkspace::allocate_backward() {
                // the context keeps only rows [0, ring), or (FP8) x's FP8 rows: the weight gradients read bf16 x
                .copies_x = ring_rows_ < cap || fp8(),
                .recomputes = recomputes_gate_up(),
-               .shared_recomputes = !options_.keep_gate_up || fp8(),
+               .shared_recomputes = !context_keeps_gate_up(),
                .counter_words = backward_megakernel() ? detail::fused_backward_counter_words(cap / 64, pt / 64) : 0,
                .fp8 = fp8()});
   const int64_t bytes = layout.buffers.total_bytes();
@@ -387,7 +387,7 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
   const MoeWeightGrads& grads = *b.weight_grads;
   const ForwardContext& ctx = *b.context;
   if (shared) {
-    const bool kept = options_.keep_gate_up && !fp8();
+    const bool kept = context_keeps_gate_up();
     MlpBackward m{.rows = {.local_experts = 1,
                                  .expert_counts = s.shared_schedule->counts,
                                  .expert_row_offsets = s.shared_schedule->row_offsets,
@@ -474,7 +474,7 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
 // The routed rows whose g | u and h the backward copies from the context instead of recomputing: a fused
 // forward's small ring kept rows [0, ring) (the same bits: row r of a GEMM depends on row r alone).
 int32_t MoeWorkspace::kept_gate_up_rows() const {
-  return recomputes_gate_up() && options_.keep_gate_up && !fp8() ? static_cast<int32_t>(ring_rows_) : 0;
+  return recomputes_gate_up() && context_keeps_gate_up() ? static_cast<int32_t>(ring_rows_) : 0;
 }
 
 void MoeWorkspace::copy_kept_gate_up(const RankBackward& b) const {
@@ -494,7 +494,7 @@ void MoeWorkspace::shared_backward(const RankBackward& b) {
                              s.x_scales, options_.fp8_power_of_two_scales, schedule_.device_status(b.rank), b.rank,
                              b.stream);
   const detail::MlpBackwardGemms g = mlp_backward_gemms(b, true);
-  issue_dgrads(g, !options_.keep_gate_up || fp8(), tickets, b.stream);
+  issue_dgrads(g, !context_keeps_gate_up(), tickets, b.stream);
   issue_weight_grads(g, tickets, b.stream);
 }
 
@@ -595,7 +595,7 @@ void MoeWorkspace::backward_fused(const RankBackward& b) {
       .shared = shape_.shared_expert ? mlp_backward_gemms(b, true) : routed,  // no shared phases without one
       .routed = routed,
       .common = megakernel_args(b.rank, v, w.counters, s.tickets + detail::kBackwardExpert),
-      .shared_recompute = shape_.shared_expert && !options_.keep_gate_up,
+      .shared_recompute = shape_.shared_expert && !context_keeps_gate_up(),
       .routed_recompute = recomputes_gate_up(),
       .recompute_from = kept_gate_up_rows(),
       .pull = grad_pull_sources(b),
