@@ -301,15 +301,21 @@ int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t c
   // rounded down to the megakernel's 128-row units. A capacity within it is kept whole (EP = 1: the default
   // capacity is the share); above it (EP > 1: the load factor's headroom for imbalance) the ring stops at the
   // share, and the rows an imbalanced step schedules past it are replayed by the backward.
+  // The FP8 backward recomputes g, u and h from the context's FP8 x rows: its ring is every row, the capacity.
+  const bool every_row = options.precision == Precision::kFP8 && options.backward;
   const int64_t balanced = expected_load_capacity_rows(s.routing(), options.schedule.tile_m, 1.0);
   const int64_t share = std::max<int64_t>(128, balanced / 128 * 128);
-  const int64_t limit = balanced >= capacity_rows ? capacity_rows : std::min(capacity_rows, share);
+  const int64_t limit = every_row || balanced >= capacity_rows ? capacity_rows : std::min(capacity_rows, share);
   // The layout make_context allocates, FP8's included (its rows cost other bytes than bf16's).
   const auto bytes = [&](int64_t rows) {
     return context_bytes(s, options.keep_gate_up, schedule_elements, rows, padded_tokens,
                          options.precision == Precision::kFP8);
   };
   if (budget == 0 || bytes(limit) <= budget) return limit;
+  require(!every_row, "MoeOptions.context_budget_bytes " + std::to_string(budget) + " is below the " +
+                          std::to_string(bytes(limit)) + " bytes of the context that MoeOptions.precision kFP8 with "
+                          "MoeOptions.backward keeps (every one of the " + std::to_string(capacity_rows) +
+                          " capacity rows): raise it, or 0 for no budget");
   const int64_t smallest = std::min<int64_t>(128, limit);  // the ring's unit; a smaller capacity is kept whole
   const int64_t per_128_rows = bytes(128) - bytes(0);      // the layout is linear in rows but for its rounding
   int64_t ring = std::min<int64_t>(std::max<int64_t>(budget - bytes(0), 0) / per_128_rows * 128, limit / 128 * 128);

@@ -218,6 +218,34 @@ TEST(ContextBudget, Fp8RingIsSizedByTheFp8Layout) {
   }
 }
 
+// The FP8 backward recomputes g, u and h from the context's FP8 x rows, so with MoeOptions::backward its default
+// ring is every capacity row, the EP = 8 load factor's headroom included (not the balanced share); a budget below
+// that context is refused naming context_budget_bytes, not cut to a smaller ring.
+TEST(ContextBudget, Fp8BackwardKeepsEveryCapacityRow) {
+  const auto fp8_bytes = [](const MoeShape& s, int64_t rows) {
+    return detail::context_bytes(s, false, kScheduleElements, rows, kPaddedTokens, /*fp8=*/true);
+  };
+  for (const MoeShape& s : {shape_of(8, 256, 7168, 2048, 8, true), shape_of(1, 384, 7168, 2048, 8, true)}) {
+    const int64_t capacity = expected_load_capacity_rows(s.routing(), 64, 2.0);
+    MoeOptions o;
+    o.precision = Precision::kFP8;
+    EXPECT_EQ(ring(s, o, capacity), capacity) << "EP " << s.ep_size;
+    o.context_budget_bytes = fp8_bytes(s, capacity);
+    EXPECT_EQ(ring(s, o, capacity), capacity) << "EP " << s.ep_size << ": a budget of exactly that context";
+    o.backward = false;  // the forward alone: the balanced share, as in bf16
+    EXPECT_EQ(ring(s, o, capacity), std::min(capacity, balanced_share(s, 64))) << "EP " << s.ep_size;
+    o.backward = true;
+    o.context_budget_bytes = fp8_bytes(s, capacity) - 4096;
+    try {
+      ring(s, o, capacity);
+      ADD_FAILURE() << "EP " << s.ep_size << ": a budget below the FP8 backward's context accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("context_budget_bytes"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("every one of the"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // A decode-sized step (fewer routes than local experts): only experts with a route pad, so the worst case is
 // T * k rows padded to one tile each, not one tile for every local expert.
 TEST(ContextBudget, FewRoutesPadOnlyTheirExperts) {
