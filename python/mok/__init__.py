@@ -22,14 +22,15 @@ import torch  # noqa: F401  (first: its CUDA runtime and NCCL are the ones the e
 from . import ops  # noqa: F401  (registers the torch.ops.mok custom ops)
 from .config import Config, LayerShape, Status, Weights
 from .device import require_hopper
-from .fp8 import Fp8Weights, forward_fp8, quantize_weights
+from .fp8 import Fp8Weights, backward_fp8, forward_fp8, quantize_weights
 from .layer import (ForwardContext, Workspace, backward, build_schedule, check_status, forward, get_workspace,
                     main_grads, recompute_forward_context)
 from .module import MoE
 
 __all__ = ["Config", "LayerShape", "Status", "Weights", "ForwardContext", "Workspace", "get_workspace",
            "build_schedule", "forward", "check_status", "backward", "recompute_forward_context", "main_grads",
-           "MoE", "require_hopper", "nccl_versions", "Fp8Weights", "quantize_weights", "forward_fp8"]
+           "MoE", "require_hopper", "nccl_versions", "Fp8Weights", "quantize_weights", "forward_fp8",
+           "backward_fp8"]
 __version__ = "0.1.0"
 
 

@@ -64,8 +64,12 @@ class Config:
                      without the expert-major output and the copy after it: the unfused forward's down GEMM and the
                      stage-kernel backward's gate/up dgrad (the fused forward and the backward megakernel do not
                      scatter yet). The same bits
-    precision        "bf16", or "fp8" (DeepSeek-V3's e4m3 with block scales: mok.quantize_weights and
-                     mok.forward_fp8); "fp8" needs backward=False, gather_rows=False and scatter_rows=False for now (either path)
+    precision        "bf16", or "fp8" (DeepSeek-V3's e4m3 with block scales: mok.quantize_weights,
+                     mok.forward_fp8 and mok.backward_fp8); "fp8" needs gather_rows, scatter_rows and
+                     backward_megakernel False for now, and with backward=True an intermediate size that is a
+                     multiple of 128 and a context that keeps every row (the unfused path, or context_budget_bytes
+                     0, or macrobatch_rows at least the capacity: the FP8 backward recomputes g, u and h from the
+                     context's FP8 x rows)
     fp8_power_of_two_scales  precision="fp8": the activations' scales (x's and h's, per 1 x 128) rounded up to
                      powers of two (the weights' are chosen by mok.quantize_weights(power_of_two_scales=...));
                      True needs precision="fp8"
@@ -135,10 +139,11 @@ class Config:
                             f"{arguments.describe(self.precision)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Config.precision: expected one of {sorted(PRECISIONS)}, got {self.precision!r}")
-        if self.precision == "fp8" and (self.backward or self.gather_rows or self.scatter_rows):
-            raise ValueError("Config.precision: 'fp8' runs with backward=False, gather_rows=False and scatter_rows=False "
-                             f"for now (no FP8 backward yet), got backward={self.backward}, "
-                             f"gather_rows={self.gather_rows}, scatter_rows={self.scatter_rows}")
+        if self.precision == "fp8" and (self.gather_rows or self.scatter_rows or self.backward_megakernel):
+            raise ValueError("Config.precision: 'fp8' runs with gather_rows=False, scatter_rows=False and "
+                             "backward_megakernel=False for now (its backward: stage kernels), got "
+                             f"gather_rows={self.gather_rows}, scatter_rows={self.scatter_rows}, "
+                             f"backward_megakernel={self.backward_megakernel}")
         if self.fp8_power_of_two_scales and self.precision != "fp8":
             raise ValueError("Config.fp8_power_of_two_scales: expected False unless precision='fp8' (it rounds the FP8 "
                              f"activations' scales), got True with precision={self.precision!r}")
@@ -223,6 +228,10 @@ def check_config_for_shape(config: Config, shape: LayerShape) -> None:
     if rows >= MAX_ROWS:
         raise ValueError(f"Config.capacity_rows: the capacity for this shape is {rows} rows, expected below 2^30 "
                          "(int32 row indices): lower load_factor or set capacity_rows")
+    if config.precision == "fp8" and config.backward and shape.intermediate % 128 != 0:
+        raise ValueError(f"intermediate: Config(precision='fp8', backward=True) needs a multiple of 128 (the FP8 "
+                         f"backward's 1 x 128 blocks of d(g|u) are each half's own), got {shape.intermediate} (or "
+                         "backward=False: the FP8 forward takes any multiple of 64)")
     if config.path != "fused" and 0 < config.macrobatch_rows < rows:
         raise ValueError(f"Config.macrobatch_rows: expected 0 or at least the capacity ({rows} rows for this shape) "
                          f"with path={config.path!r} (only the fused path keeps fewer rows), got "

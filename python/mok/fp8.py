@@ -1,21 +1,28 @@
 """FP8 (Config(precision="fp8"): DeepSeek-V3's recipe, docs/design.md "FP8"): the weights quantized once per
-optimizer step, then the layer's forward with them. Inference only for now (the FP8 backward is issue 28): the
-workspace needs Config(precision="fp8", backward=False) (the fused path, the default, or path="unfused").
+optimizer step, then the layer's forward and backward with them. Eager only (not under torch.compile).
 
-    ws = mok.get_workspace(mok.Config(precision="fp8", backward=False), None, T, H, I, k, E)
-    qw = mok.quantize_weights(w)                       # after every optimizer step (w: mok.Weights, bf16)
-    out, ctx = mok.forward_fp8(ws, x, topk_idx, router_weights, qw)
+    ws = mok.get_workspace(mok.Config(precision="fp8"), None, T, H, I, k, E)
+    qw = mok.quantize_weights(w, transposed=True)      # after every optimizer step (w: mok.Weights, bf16)
+    out, ctx = mok.forward_fp8(ws, x, topk_idx, router_weights, qw, master_weights=w)   # differentiable
+    d_x, d_rw, grads = mok.backward_fp8(ws, d_out, x, topk_idx, router_weights, qw, ctx)  # or explicitly
+
+The weight gradients are those of the bf16 weights the FP8 ones were quantized from (straight through the
+quantization, as DeepSeek-V3 trains), computed in bf16 from bf16 activations (docs/design.md, "FP8 backward").
+An inference-only workspace (Config(precision="fp8", backward=False)) needs only quantize_weights(w).
 """
 import dataclasses
 from typing import Optional, Tuple
 
 import torch
 
-from . import arguments
-from .checks import WEIGHT_NAMES, _describe as _describe_tensor, call_tokens, check_tensor, check_x, weight_dims
+from . import arguments, ops
+from .checks import WEIGHT_NAMES, _describe as _describe_tensor, call_tokens, check_tensor, check_weights, check_x, \
+    weight_dims
 from .config import Weights
 
 E4M3 = torch.float8_e4m3fn
+# The transposed copies the FP8 backward's dgrads read (MoeWeights' order): [gate; up] and down, routed then shared.
+TRANSPOSED_NAMES = ("expert_gate_up_t", "expert_down_t", "shared_gate_up_t", "shared_down_t")
 
 
 def _describe(value) -> str:
@@ -32,10 +39,11 @@ def _blocks(extent: int) -> int:
 class Fp8Weights:
     """The six weights (mok.Weights' fields, None where absent) as e4m3 values with fp32 block scales per 128 x 128
     block of each expert's matrix: values[n] [.., rows, cols] float8_e4m3fn, scales[n] [.., ceil(rows/128),
-    ceil(cols/128)]. With quantize_weights(transposed=True) also each matrix transposed, as the FP8 backward's
-    dgrads read it (K-major): values_t[n] [.., cols, rows], scales_t[n] [.., ceil(cols/128), ceil(rows/128)], the
-    same e4m3 values and scales exactly (a 128 x 128 block's scale is its transpose's); empty tuples otherwise.
-    Made by quantize_weights."""
+    ceil(cols/128)]. With quantize_weights(transposed=True) also what the FP8 backward's dgrads read (K-major), in
+    TRANSPOSED_NAMES' order: [gate; up] transposed (expert [E, H, 2I], shared [H, 2I]) and down transposed (expert
+    [E, I, H], shared [I, H]; the shared ones None without a shared expert), values_t float8_e4m3fn and scales_t
+    fp32 [.., ceil(cols/128), ceil(rows/128)]: the same e4m3 values and scales exactly (a 128 x 128 block's scale is
+    its transpose's); empty tuples otherwise. Made by quantize_weights."""
 
     values: Tuple[Optional[torch.Tensor], ...]
     scales: Tuple[Optional[torch.Tensor], ...]
@@ -48,14 +56,29 @@ class Fp8Weights:
         return sum(t.numel() * t.element_size() for t in self.values + self.scales + self.values_t + self.scales_t
                    if t is not None)
 
+    @property
+    def transposed(self) -> bool:
+        """Whether the backward's transposed copies are here (quantize_weights(transposed=True))."""
+        return len(self.values_t) > 0
+
+
+def _last_dim_cat(parts):
+    """[gate^T, up^T] along the last dimension (e4m3 as bytes: cat has no float8 kernel on every torch)."""
+    if len(parts) == 1:
+        return parts[0]
+    if parts[0].dtype == E4M3:
+        return torch.cat([p.view(torch.uint8) for p in parts], dim=-1).view(E4M3)
+    return torch.cat(parts, dim=-1)
+
 
 def quantize_weights(weights, power_of_two_scales: bool = False, transposed: bool = False) -> Fp8Weights:
     """The weights (a mok.Weights or dict of bf16 tensors on one CUDA device) quantized for the FP8 layer:
     scale = amax / 448 of each 128 x 128 block (1 for an all-zero block, NaN for one holding a NaN or an infinity:
     what reads it turns NaN, never a finite wrong number), or that rounded up to a power of two. transposed=True
-    also writes each matrix transposed (Fp8Weights.values_t, scales_t: what the FP8 backward's dgrads read, the
-    same values; twice the memory, in Fp8Weights.nbytes). Asynchronous on torch's current stream; new tensors (call
-    it again after the weights change: the values are not tied to them)."""
+    also writes what the FP8 backward reads (Fp8Weights.values_t, scales_t: [gate; up] and down transposed, the
+    same values; twice the memory, in Fp8Weights.nbytes); it needs the intermediate size a multiple of 128, so that
+    each 128-column block of [gate; up]^T is gate's or up's. Asynchronous on torch's current stream; new tensors
+    (call it again after the weights change: the values are not tied to them)."""
     from .layer import _cuda_stream, _native_module
     weights = Weights.of(weights)
     arguments.check_bool("power_of_two_scales", power_of_two_scales)
@@ -64,14 +87,21 @@ def quantize_weights(weights, power_of_two_scales: bool = False, transposed: boo
     values, scales, values_t, scales_t = [], [], [], []
     for name, w in zip(WEIGHT_NAMES, weights.tensors()):
         if w is None:
-            for kept in (values, scales) + ((values_t, scales_t) if transposed else ()):
-                kept.append(None)
+            values.append(None)
+            scales.append(None)
+            values_t.append(None)
+            scales_t.append(None)
             continue
         if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.device.type != "cuda" or w.dim() not in (2, 3):
             raise ValueError(f"weights.{name}: expected a bf16 CUDA tensor [E_local, rows, cols] or [rows, cols], got "
                              f"{_describe(w)}")
         w = w.detach().contiguous()
         rows, cols = w.shape[-2], w.shape[-1]
+        halves = 2 if name == "expert_gate" and weights.expert_up is None else 1  # [gate; up] fused
+        if transposed and name in ("expert_gate", "shared_gate") and rows % (128 * halves) != 0:
+            raise ValueError(f"transposed: True needs the intermediate size a multiple of 128 (each 128-column block "
+                             f"of the FP8 backward's [gate; up]^T is gate's or up's), got weights.{name} "
+                             f"{_describe(w)}")
         q = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
         s = torch.empty(*w.shape[:-2], _blocks(rows), _blocks(cols), dtype=torch.float32, device=w.device)
         q_t = s_t = None
@@ -81,13 +111,21 @@ def quantize_weights(weights, power_of_two_scales: bool = False, transposed: boo
         ext.quantize_weights_fp8(w, q, s, q_t, s_t, bool(power_of_two_scales), _cuda_stream(w.device))
         values.append(q.view(E4M3))
         scales.append(s)
-        if transposed:
-            values_t.append(q_t.view(E4M3))
-            scales_t.append(s_t)
-    return Fp8Weights(tuple(values), tuple(scales), tuple(values_t), tuple(scales_t))
+        values_t.append(None if q_t is None else q_t.view(E4M3))
+        scales_t.append(s_t)
+    if not transposed:
+        return Fp8Weights(tuple(values), tuple(scales))
+    copies, copy_scales = [], []
+    for gate, up, down in ((0, 1, 2), (3, 4, 5)):  # routed, then shared
+        gate_up = [values_t[n] for n in (gate, up) if values_t[n] is not None]
+        gate_up_scales = [scales_t[n] for n in (gate, up) if scales_t[n] is not None]
+        copies += [_last_dim_cat(gate_up) if gate_up else None, values_t[down]]
+        copy_scales += [_last_dim_cat(gate_up_scales) if gate_up else None, scales_t[down]]
+    return Fp8Weights(tuple(values), tuple(scales), tuple(copies), tuple(copy_scales))
 
 
-def _check_fp8_weights(ws, weights: Fp8Weights) -> None:
+def _check_fp8_weights(ws, weights: Fp8Weights, backward: bool = False) -> None:
+    """weights: an Fp8Weights of the workspace's shape; with `backward`, holding the transposed copies."""
     if not isinstance(weights, Fp8Weights):
         raise TypeError(f"weights: expected mok.Fp8Weights (mok.quantize_weights), got {type(weights).__name__}")
     fused = weights.values[1] is None
@@ -99,45 +137,196 @@ def _check_fp8_weights(ws, weights: Fp8Weights) -> None:
                 raise ValueError(f"weights.{name}: expected None for this shape, got a tensor")
             continue
         letters, shape = dims[name]
-        if not isinstance(value, torch.Tensor) or value.dtype != E4M3 or tuple(value.shape) != shape or \
-                value.device != ws.device or not value.is_contiguous():
-            raise ValueError(f"weights.{name}: expected a contiguous float8_e4m3fn [{letters}] = {list(shape)} on "
-                             f"{ws.device}, got {_describe(value)}")
-        scale_shape = shape[:-2] + (_blocks(shape[-2]), _blocks(shape[-1]))
-        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != scale_shape \
-                or scale.device != ws.device or not scale.is_contiguous():
-            raise ValueError(f"weights.{name} scales: expected a contiguous fp32 {list(scale_shape)} on {ws.device}, "
-                             f"got {_describe(scale)}")
+        _check_fp8_pair(ws, f"weights.{name}", value, scale, letters, shape)
+    if not backward:
+        return
+    if not weights.transposed:
+        raise ValueError("weights: quantized without the transposed copies the FP8 backward reads: make them with "
+                         "mok.quantize_weights(w, transposed=True)")
+    e, h, i = ws.shape.local_experts, ws.shape.hidden, ws.shape.intermediate
+    want = {"expert_gate_up_t": ("E_local, H, 2I", (e, h, 2 * i)), "expert_down_t": ("E_local, I, H", (e, i, h)),
+            "shared_gate_up_t": ("H, 2I", (h, 2 * i)), "shared_down_t": ("I, H", (i, h))}
+    for n, name in enumerate(TRANSPOSED_NAMES):
+        value, scale = weights.values_t[n], weights.scales_t[n]
+        if name.startswith("shared") and not ws.shape.shared_expert:
+            if value is not None or scale is not None:
+                raise ValueError(f"weights.{name}: expected None for this shape, got a tensor")
+            continue
+        _check_fp8_pair(ws, f"weights.{name}", value, scale, *want[name])
 
 
-def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: torch.Tensor, weights: Fp8Weights,
-                ctx=None):
-    """The layer's forward with FP8 weights on an FP8 workspace (Config(precision="fp8")): mok.forward's
-    arguments and result, weights from quantize_weights. x is quantized per 1 x 128 once on this rank (the rows
-    other ranks pull are FP8), h per 1 x 128 before the down GEMM. Inference only: out has no autograd graph.
-    Eager only for now (not under torch.compile or CUDA-graph capture with ctx=None)."""
-    from .layer import _check_context, _check_workspace, _cuda_stream
+def _check_fp8_pair(ws, name, value, scale, letters, shape) -> None:
+    if not isinstance(value, torch.Tensor) or value.dtype != E4M3 or tuple(value.shape) != shape or \
+            value.device != ws.device or not value.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous float8_e4m3fn [{letters}] = {list(shape)} on {ws.device}, "
+                         f"got {_describe(value)}")
+    scale_shape = shape[:-2] + (_blocks(shape[-2]), _blocks(shape[-1]))
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != scale_shape \
+            or scale.device != ws.device or not scale.is_contiguous():
+        raise ValueError(f"{name} scales: expected a contiguous fp32 {list(scale_shape)} on {ws.device}, got "
+                         f"{_describe(scale)}")
+
+
+def _as_bytes(tensors):
+    """e4m3 tensors as the extension takes them (uint8 views: DLPack exports no float8), None kept."""
+    return [None if v is None else v.view(torch.uint8) for v in tensors]
+
+
+def _check_call(ws, name: str) -> None:
+    from .layer import _check_workspace
     _check_workspace(ws)
     if ws.config.precision != "fp8":
-        raise ValueError(f"mok.forward_fp8: the workspace is Config(precision={ws.config.precision!r}); make it with "
-                         "Config(precision='fp8', backward=False)")
+        raise ValueError(f"mok.{name}: the workspace is Config(precision={ws.config.precision!r}); make it with "
+                         "Config(precision='fp8')")
     if torch.compiler.is_compiling():
-        raise RuntimeError("mok.forward_fp8 is eager only for now")
-    if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
-        raise RuntimeError("mok.forward_fp8 has no backward yet: x requires grad (run under torch.no_grad())")
+        raise RuntimeError(f"mok.{name} is eager only for now (not under torch.compile)")
+
+
+def _check_inputs(ws, x, topk_idx, router_weights) -> None:
     t = call_tokens(ws.shape, "topk_idx", topk_idx)
     check_tensor("topk_idx", topk_idx, (torch.int32, torch.int64), "T, k", (t, ws.shape.top_k), ws.device)
     check_x(ws.shape, ws.device, x, tokens=t)
     check_tensor("router_weights", router_weights, (torch.float32,), "T, k", (t, ws.shape.top_k), ws.device)
+
+
+def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: torch.Tensor, weights: Fp8Weights,
+                ctx=None, *, master_weights=None):
+    """The layer's forward with FP8 weights on an FP8 workspace (Config(precision="fp8")): mok.forward's
+    arguments and result, weights from quantize_weights. x is quantized per 1 x 128 once on this rank (the rows
+    other ranks pull are FP8), h per 1 x 128 before the down GEMM.
+
+    Differentiable (autograd's backward is backward_fp8's) in x, router_weights and master_weights: the bf16
+    weights (a mok.Weights or dict) that `weights` were quantized from, whose gradients it computes (straight
+    through the quantization); needs a workspace with backward=True and weights quantized with transposed=True.
+    The context must still hold this forward when the backward runs (one context per forward in flight; no
+    recompute in FP8 yet). Eager only (not under torch.compile, nor CUDA-graph capture with ctx=None)."""
+    from .layer import _check_context
+    _check_call(ws, "forward_fp8")
+    _check_inputs(ws, x, topk_idx, router_weights)
     _check_fp8_weights(ws, weights)
+    if master_weights is not None:
+        master_weights = Weights.of(master_weights)
+        check_weights(ws.shape, ws.device, master_weights)
+        if (master_weights.expert_up is None) != (weights.values[1] is None):
+            raise ValueError("master_weights: gate and up fused in one of master_weights and weights, not in both "
+                             "(quantize the master weights themselves)")
+    masters = master_weights.tensors() if master_weights is not None else (None,) * len(WEIGHT_NAMES)
+    differentiable = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (x, router_weights) + tuple(masters))
+    if differentiable:
+        if not ws.config.backward:
+            raise RuntimeError("mok.forward_fp8: a differentiable call (x, router_weights or master_weights requires "
+                               "grad) on a workspace made with Config(backward=False): make it with backward=True, "
+                               "or run under torch.no_grad()")
+        _check_fp8_weights(ws, weights, backward=True)
     if ctx is None:
         ctx = ws.pooled_context()  # returned to the pool when the caller drops it: steady state allocates nothing
     _check_context(ws, ctx)
+    if not differentiable:
+        return _run_forward(ws, ctx, x, topk_idx, router_weights, weights), ctx
+    return Fp8LayerFunction.apply(ws, ctx, None, weights, x, topk_idx, router_weights, *masters), ctx
+
+
+def fp8_layer_forward(ws, ctx, x, topk_idx, router_weights, weights: Fp8Weights, master_weights: Weights,
+                      targets) -> torch.Tensor:
+    """forward_fp8 for mok.MoE's training forward: its context, its parameters as the master weights, and with
+    main_grad=True (targets: its MainGradTargets) the weight gradients added into their main_grad."""
+    _check_call(ws, "forward_fp8")
+    _check_inputs(ws, x, topk_idx, router_weights)
+    _check_fp8_weights(ws, weights, backward=True)
+    check_weights(ws.shape, ws.device, master_weights)
+    return Fp8LayerFunction.apply(ws, ctx, targets, weights, x, topk_idx, router_weights, *master_weights.tensors())
+
+
+def _run_forward(ws, ctx, x, topk_idx, router_weights, weights: Fp8Weights) -> torch.Tensor:
+    from .layer import _cuda_stream
     out = torch.empty_like(x)
     if ws.is_meta:
-        return out, ctx
-    as_bytes = [None if v is None else v.view(torch.uint8) for v in weights.values]
-    ws._native.forward_fp8(x.detach(), topk_idx, router_weights.detach(), as_bytes, list(weights.scales), out,
-                           ctx._native, _cuda_stream(ws.device))
+        return out
+    ws._native.forward_fp8(x.detach(), topk_idx, router_weights.detach(), _as_bytes(weights.values),
+                           list(weights.scales), out, ctx._native, _cuda_stream(ws.device))
     ctx.mark_written()
-    return out, ctx
+    return out
+
+
+def _run_backward(ws, ctx, d_out, x, topk_idx, router_weights, weights: Fp8Weights, grads, accumulate: bool):
+    """(d_x, d_router_weights); grads (six tensors or None) written, or added to with accumulate."""
+    from .layer import _cuda_stream
+    if not ctx.written:
+        raise RuntimeError("mok.backward_fp8: the forward context holds no forward of its current schedule (run "
+                           "mok.forward_fp8 with it first)")
+    d_x, d_router_weights = torch.empty_like(x), torch.empty_like(router_weights)
+    if ws.is_meta:
+        return d_x, d_router_weights
+    ws._native.backward_fp8(d_out.detach(), x.detach(), topk_idx, router_weights.detach(), _as_bytes(weights.values),
+                            list(weights.scales), _as_bytes(weights.values_t), list(weights.scales_t), d_x,
+                            d_router_weights, [None if g is None else g.detach() for g in grads], accumulate,
+                            ctx._native, _cuda_stream(ws.device))
+    return d_x, d_router_weights
+
+
+def backward_fp8(ws, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: torch.Tensor,
+                 weights: Fp8Weights, ctx, *, grads=None, main_grads=None, grad_dtype: torch.dtype = torch.bfloat16):
+    """mok.backward for the FP8 forward that filled ctx (its x, topk_idx, router_weights and FP8 weights, these
+    quantized with transposed=True): (d_x bf16 [T, H], d_router_weights fp32 [T, k], the weights' gradients as a
+    mok.Weights). The dgrads run in FP8 (d_out and d(g|u) quantized per 1 x 128); the weight gradients are the bf16
+    master weights', from bf16 activations; grads=, main_grads= and grad_dtype as in mok.backward. Asynchronous on
+    torch's current stream, deterministic bit for bit; eager only."""
+    from .layer import _check_context, gradient_buffers
+    _check_call(ws, "backward_fp8")
+    if not ws.config.backward:
+        raise ValueError("ws: made with Config(backward=False) (inference only): no backward")
+    _check_inputs(ws, x, topk_idx, router_weights)
+    check_x(ws.shape, ws.device, d_out, "d_out", tokens=topk_idx.shape[0])
+    _check_fp8_weights(ws, weights, backward=True)
+    _check_context(ws, ctx)
+    # The FP8 values have the bf16 weights' shapes: the gradients' shapes.
+    buffers, accumulate = gradient_buffers(ws, Weights(*weights.values), grads, main_grads, grad_dtype)
+    d_x, d_router_weights = _run_backward(ws, ctx, d_out, x, topk_idx, router_weights, weights,
+                                          buffers.tensors(), accumulate)
+    return d_x, d_router_weights, buffers
+
+
+class Fp8LayerFunction(torch.autograd.Function):
+    """Autograd of the FP8 forward (eager only).
+
+    apply(ws, ctx, targets, weights, x, topk_idx, router_weights, <6 master weights>) -> out
+
+    ws, ctx: the Workspace and ForwardContext objects; weights: the Fp8Weights; master weights: the bf16 tensors
+    they were quantized from (None each where absent or not given), whose gradients the backward computes;
+    targets: the module's MainGradTargets (main_grad=True: the gradients are added into the parameters' main_grad,
+    read when the forward runs) or None. x, topk_idx and router_weights are saved (an in-place change before the
+    backward raises); the context's generation after the forward is kept, and the backward raises if a later
+    forward overwrote the context (as mok.forward's does)."""
+
+    @staticmethod
+    def forward(fctx, ws, ctx, targets, weights, x, topk_idx, router_weights, *masters):
+        out = _run_forward(ws, ctx, x, topk_idx, router_weights, weights)
+        fctx.save_for_backward(x, topk_idx, router_weights)
+        main = (targets.main_grads(), targets.dummy_mask(), targets.zero_mask()) if targets is not None else None
+        fctx.mok = (ws, ctx, ctx.generation, weights, masters, targets, main)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(fctx, d_out):
+        ws, ctx, generation, weights, masters, targets, main = fctx.mok
+        x, topk_idx, router_weights = fctx.saved_tensors
+        ops.check_generation(ctx, generation, recompute_hint=False)
+        needs = fctx.needs_input_grad[7:]
+        needed = sum(1 << i for i, w in enumerate(masters) if w is not None and needs[i])
+        grad_mask = ops.with_partners(needed, masters)
+        if main is not None:
+            buffers = ops.main_grad_buffers(masters, needed, grad_mask, main[0])
+        else:
+            buffers = [torch.empty_like(w) if grad_mask >> i & 1 else None for i, w in enumerate(masters)]
+        d_x, d_router_weights = _run_backward(ws, ctx, d_out.contiguous(), x, topk_idx, router_weights, weights,
+                                              buffers, main is not None)
+        if main is not None:
+            targets.mark_added(grad_mask)
+            weight_grads = ops.dummy_grads(masters, needed, main[1], main[2])
+        else:
+            weight_grads = [g if needed >> i & 1 else None for i, g in enumerate(buffers)]
+        needs = fctx.needs_input_grad
+        return (None, None, None, None, d_x if needs[4] else None, None, d_router_weights if needs[6] else None,
+                *weight_grads)

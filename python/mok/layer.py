@@ -374,6 +374,22 @@ def backward(ws: Workspace, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torc
     _check_context(ws, ctx)
     if not ws.config.backward:
         raise ValueError("ws: made with Config(backward=False) (inference only): no backward")
+    buffers, accumulate = gradient_buffers(ws, weights, grads, main_grads, grad_dtype, allocate=False)
+    if buffers is None:
+        outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, topk_idx, router_weights, *weights.tensors(),
+                                      ops.ALL_WEIGHTS, grad_dtype == torch.float32)
+        present = [w is not None for w in weights.tensors()]
+        return outs[0], outs[1], Weights(*[g if p else None for g, p in zip(outs[2:], present)])
+    d_x, d_router_weights = torch.ops.mok.backward_into(ws.handle, ctx.handle, d_out, x, topk_idx, router_weights,
+                                                        *weights.tensors(), *buffers.tensors(), accumulate)
+    return d_x, d_router_weights, buffers
+
+
+def gradient_buffers(ws: Workspace, weights: Weights, grads, main_grads, grad_dtype: torch.dtype,
+                     allocate: bool = True) -> Tuple[Optional[Weights], bool]:
+    """Where a backward's weight gradients go (mok.backward's and mok.backward_fp8's grads=, main_grads= and
+    grad_dtype, checked against the weights' shapes): (the tensors, accumulate). Neither given: new tensors of
+    grad_dtype for every weight, or with allocate=False (None, False)."""
     grad_dtypes = "torch.bfloat16 or torch.float32 (the dtype of new gradient tensors)"
     if not isinstance(grad_dtype, torch.dtype):
         raise TypeError(f"grad_dtype: expected {grad_dtypes}, got {arguments.describe(grad_dtype)}")
@@ -386,17 +402,15 @@ def backward(ws: Workspace, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torc
         raise ValueError(f"grad_dtype: expected the default torch.bfloat16 with {given}= (the gradients go to the "
                          f"given tensors, in their dtypes), got {grad_dtype}")
     if grads is None and main_grads is None:
-        outs = torch.ops.mok.backward(ws.handle, ctx.handle, d_out, x, topk_idx, router_weights, *weights.tensors(),
-                                      ops.ALL_WEIGHTS, grad_dtype == torch.float32)
-        present = [w is not None for w in weights.tensors()]
-        return outs[0], outs[1], Weights(*[g if p else None for g, p in zip(outs[2:], present)])
+        if not allocate:
+            return None, False
+        return Weights(*[None if w is None else torch.empty(w.shape, dtype=grad_dtype, device=ws.device)
+                         for w in weights.tensors()]), False
     accumulate = main_grads is not None
     name = "main_grads" if accumulate else "grads"
     buffers = Weights.of_grads(main_grads if accumulate else grads, name)
     check_weight_grads(ws.shape, ws.device, weights, buffers, name, accumulate)
-    d_x, d_router_weights = torch.ops.mok.backward_into(ws.handle, ctx.handle, d_out, x, topk_idx, router_weights,
-                                                        *weights.tensors(), *buffers.tensors(), accumulate)
-    return d_x, d_router_weights, buffers
+    return buffers, accumulate
 
 
 def recompute_forward_context(ws: Workspace, x: torch.Tensor, weights, ctx: ForwardContext) -> ForwardContext:

@@ -31,7 +31,7 @@ from . import arguments, ops
 from .arguments import check_type
 from .config import Config, LayerShape, Weights
 from .device import check_layer_device, layer_device
-from .fp8 import Fp8Weights, forward_fp8, quantize_weights
+from .fp8 import Fp8Weights, fp8_layer_forward, forward_fp8, quantize_weights
 from .layer import ForwardContext, Workspace, check_group, get_workspace, layer_forward
 
 
@@ -273,16 +273,29 @@ class MoE(torch.nn.Module):
                              f"({self._workspace.shape.num_tokens}): make the layer with num_tokens= the largest "
                              "token count of a call (or call prepare(num_tokens) before its first forward)")
         if self.config.precision == "fp8":
-            if torch.is_grad_enabled() and (tokens.requires_grad or any(
-                    p is not None and p.requires_grad for p in self.weights().tensors())):
-                raise RuntimeError("mok.MoE with Config(precision='fp8') has no backward yet: run it under "
-                                   "torch.no_grad() or torch.inference_mode() (or freeze its parameters)")
-            out, _ = forward_fp8(self._workspace, tokens.contiguous(), topk_idx, router_weights, self.fp8_weights(),
-                                 self._context)
-            return out.view(x.shape)
+            return self._forward_fp8(tokens.contiguous(), topk_idx, router_weights).view(x.shape)
         out = layer_forward(self._workspace, self._context, tokens.contiguous(), topk_idx, router_weights,
                             self.weights(), self._main_grad_targets() if self.main_grad else None, self.recompute)
         return out.view(x.shape)
+
+    def _forward_fp8(self, tokens, topk_idx, router_weights) -> torch.Tensor:
+        """Config(precision="fp8"): the FP8 forward with the cached quantized weights; differentiable (the parameters'
+        gradients straight through the quantization, into main_grad with main_grad=True) when grad is enabled and
+        something requires it."""
+        weights = self.weights()
+        if not (torch.is_grad_enabled() and (tokens.requires_grad or router_weights.requires_grad or any(
+                p is not None and p.requires_grad for p in weights.tensors()))):
+            return forward_fp8(self._workspace, tokens, topk_idx, router_weights, self.fp8_weights(),
+                               self._context)[0]
+        if not self.config.backward:
+            raise RuntimeError("mok.MoE with Config(precision='fp8', backward=False) is inference only: run it under "
+                               "torch.no_grad() or torch.inference_mode() (or freeze its parameters), or make it "
+                               "with backward=True")
+        if self.recompute:
+            raise RuntimeError("mok.MoE(recompute=True) with Config(precision='fp8'): the FP8 backward has no "
+                               "recompute yet (it reads the forward's context): use recompute=False")
+        return fp8_layer_forward(self._workspace, self._context, tokens, topk_idx, router_weights,
+                                 self.fp8_weights(), weights, self._main_grad_targets() if self.main_grad else None)
 
     def _caller_routing(self, tokens: int, topk_idx, router_weights):
         """The caller's topk_idx and router_weights as [T, k] (contiguous), T the tokens of x; a clear error when
@@ -328,7 +341,7 @@ class MoE(torch.nn.Module):
         load_state_dict) or it is another tensor (a parameter replaced, even by one at a freed one's address);
         with power-of-two block scales when the config's fp8_power_of_two_scales is set. A write through
         `param.data` bypasses the version counter, so it is not seen: call refresh_fp8_weights() after one.
-        Inference only (forward_fp8 has no backward yet)."""
+        With Config(backward=True) also the transposed copies the FP8 backward reads (twice the memory)."""
         params = self.weights().tensors()
         key = tuple(None if p is None else (p._version, p.data_ptr()) for p in params)
         cache = self._fp8_cache
@@ -336,7 +349,8 @@ class MoE(torch.nn.Module):
                                                    for r, p in zip(cache[0], params)):
             weights = Weights(*[None if p is None else p.detach() for p in params])
             refs = tuple(None if p is None else weakref.ref(p) for p in params)
-            self._fp8_cache = (refs, key, quantize_weights(weights, self.config.fp8_power_of_two_scales))
+            self._fp8_cache = (refs, key, quantize_weights(weights, self.config.fp8_power_of_two_scales,
+                                                           transposed=self.config.backward))
         return self._fp8_cache[2]
 
     def refresh_fp8_weights(self) -> None:

@@ -148,6 +148,38 @@ class MainGradTargets:
                 p.grad_added_to_main_grad = True
 
 
+def main_grad_buffers(weights, needed: int, grad_mask: int, main_grads) -> List[Optional[torch.Tensor]]:
+    """autograd's backward with main_grad=True: what the backward adds into, per weight. Its main_grad where the
+    weight needs a gradient (bit of `needed`); fp32 zeros, thrown away, where it is computed (bit of grad_mask) only
+    as the other half of a gate/up pair (a frozen partner); None elsewhere."""
+    buffers: List[Optional[torch.Tensor]] = [None] * len(WEIGHT_NAMES)
+    for i, w in enumerate(weights):
+        if grad_mask >> i & 1:
+            buffers[i] = main_grads[i] if needed >> i & 1 else \
+                torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    return buffers
+
+
+def dummy_grads(weights, needed: int, dummy_mask: int, zero_mask: int) -> List[Optional[torch.Tensor]]:
+    """autograd's backward with main_grad=True: the .grad it returns per weight. Megatron's dummy gradient (zeros
+    with zero_out_wgrad, else uninitialized) for the needed weights of dummy_mask, None for the others."""
+    grads: List[Optional[torch.Tensor]] = [None] * len(WEIGHT_NAMES)
+    for i, w in enumerate(weights):
+        if (dummy_mask & needed) >> i & 1:
+            make = torch.zeros if zero_mask >> i & 1 else torch.empty
+            grads[i] = make(w.shape, dtype=w.dtype, device=w.device)
+    return grads
+
+
+def check_generation(ctx, generation: int, recompute_hint: bool = True) -> None:
+    """RuntimeError unless the context is still in the state a forward left (its generation then)."""
+    if ctx.generation != generation:
+        raise RuntimeError("mok: this layer's forward context was overwritten by a later forward before this "
+                           "backward (the same context used by two forwards, e.g. one module called twice or "
+                           "micro-batches interleaved): give each forward in flight its own context "
+                           f"(ws.make_context()){', or use recompute=True' if recompute_hint else ''}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # mok::forward
 
@@ -242,19 +274,11 @@ class LayerFunction(torch.autograd.Function):
         d_out = d_out.contiguous()
         weight_grads = [None] * len(WEIGHT_NAMES)
         if targets is not None:
-            # main_grad += this backward's gradient (declared: backward_into's gradient arguments); a frozen
-            # weight computed only as the other half of a gate/up pair adds into zeros, thrown away.
-            buffers = [None] * len(WEIGHT_NAMES)
-            for i, w in enumerate(weights):
-                if grad_mask >> i & 1:
-                    buffers[i] = main_grads[i] if needed >> i & 1 else \
-                        torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            # main_grad += this backward's gradient (declared: backward_into's gradient arguments).
+            buffers = main_grad_buffers(weights, needed, grad_mask, main_grads)
             d_x, d_router_weights = torch.ops.mok.backward_into(
                 workspace, token, d_out, x, topk_idx, router_weights, *weights, *buffers, True, recompute, targets)
-            for i, w in enumerate(weights):
-                if (dummy_mask & needed) >> i & 1:  # Megatron's dummy gradient: zeros with zero_out_wgrad
-                    make = torch.zeros if zero_mask >> i & 1 else torch.empty
-                    weight_grads[i] = make(w.shape, dtype=w.dtype, device=w.device)
+            weight_grads = dummy_grads(weights, needed, dummy_mask, zero_mask)
         else:
             grads = torch.ops.mok.backward(workspace, token, d_out, x, topk_idx, router_weights, *weights,
                                            grad_mask, False, recompute)
@@ -303,11 +327,8 @@ def _prepare_backward(ws, ctx, context, recompute, x, topk_idx, weights, op: str
     inputs; the token then names the rebuilt state), and the check that the context holds a forward."""
     _check_training(ws, op)
     token = context.numel() == 2
-    if token and not recompute and ctx.generation != int(context[1]):
-        raise RuntimeError("mok: this layer's forward context was overwritten by a later forward before this "
-                           "backward (the same context used by two forwards, e.g. one module called twice or "
-                           "micro-batches interleaved): give each forward in flight its own context "
-                           "(ws.make_context()), or use recompute=True")
+    if token and not recompute:
+        check_generation(ctx, int(context[1]))
     if recompute:
         stream = _stream(x)
         ws._native.build_schedule(topk_idx, ctx._native, stream)

@@ -16,6 +16,10 @@
 //   ws.forward(x, topk_idx, router_weights, weights..., out, ctx, stream, schedule_ready)
 //   ws.backward(d_out, x, topk_idx, router_weights, [6 weights], d_x, d_router_weights, [6 grads], accumulate,
 //               ctx, stream)                          weights and grads in MoeWeights order, None where absent
+//   ws.forward_fp8(x, topk_idx, router_weights, [6 e4m3 weights], [6 scales], out, ctx, stream)
+//   ws.backward_fp8(d_out, x, topk_idx, router_weights, [6 e4m3 weights], [6 scales], [4 transposed], [4 scales],
+//                   d_x, d_router_weights, [6 grads], accumulate, ctx, stream)
+//                                                       FP8 workspaces; e4m3 as uint8 views
 //   ws.recompute_forward_context(x, [6 weights], ctx, stream)
 //   ok, bits, message = ws.read_status(stream)
 //   ws.close()                                          collective teardown (EP > 1: every rank); idempotent
@@ -125,6 +129,12 @@ constexpr int kNumWeights = 6;
 using WeightArrays = std::array<OptionalArray, kNumWeights>;
 constexpr std::array<const char*, kNumWeights> kWeightNames = {"expert_gate", "expert_up",  "expert_down",
                                                                "shared_gate", "shared_up", "shared_down"};
+
+// The FP8 backward's transposed weights (MoeWeights::expert_gate_up_t and the rest), in MoeWeights order.
+constexpr int kNumTransposed = 4;
+using TransposedArrays = std::array<OptionalArray, kNumTransposed>;
+constexpr std::array<const char*, kNumTransposed> kTransposedNames = {"expert_gate_up_t", "expert_down_t",
+                                                                      "shared_gate_up_t", "shared_down_t"};
 
 // The FP8 form (MoeOptions::precision kFP8): the six weights as e4m3 (uint8 views) and their block scales.
 mok::MoeWeights fp8_weights_of(const WeightArrays& values, const WeightArrays& scales, int device) {
@@ -302,7 +312,34 @@ class Workspace {
                 const WeightArrays& weights, const Array& d_x, const Array& d_router_weights, const WeightArrays& grads,
                 bool accumulate, const Context& context, uintptr_t stream) {
     DeviceGuard guard(device_);
-    const mok::MoeWeights w = weights_of(weights, device_);
+    run_backward(weights_of(weights, device_), d_out, x, topk_idx, router_weights, d_x, d_router_weights, grads,
+                 accumulate, context, stream);
+  }
+
+  // The backward of an FP8 workspace: the forward's FP8 weights and scales, and the transposed copies the dgrads
+  // read (expert_gate_up_t, expert_down_t, shared_gate_up_t, shared_down_t, then their scales; None where absent).
+  void backward_fp8(const Array& d_out, const Array& x, const Array& topk_idx, const Array& router_weights,
+                    const WeightArrays& weights, const WeightArrays& scales, const TransposedArrays& transposed,
+                    const TransposedArrays& transposed_scales, const Array& d_x, const Array& d_router_weights,
+                    const WeightArrays& grads, bool accumulate, const Context& context, uintptr_t stream) {
+    DeviceGuard guard(device_);
+    mok::MoeWeights w = fp8_weights_of(weights, scales, device_);
+    mok::TensorRef* refs[kNumTransposed] = {&w.expert_gate_up_t, &w.expert_down_t, &w.shared_gate_up_t,
+                                            &w.shared_down_t};
+    mok::TensorRef* scale_refs[kNumTransposed] = {&w.expert_gate_up_t_scales, &w.expert_down_t_scales,
+                                                  &w.shared_gate_up_t_scales, &w.shared_down_t_scales};
+    for (int i = 0; i < kNumTransposed; ++i) {
+      const std::string name = kTransposedNames[i];
+      if (transposed[i]) *refs[i] = tensor_ref(*transposed[i], name.c_str(), device_, false, /*fp8=*/true);
+      *scale_refs[i] = optional_ref(transposed_scales[i], (name + "_scales").c_str(), device_);
+    }
+    run_backward(w, d_out, x, topk_idx, router_weights, d_x, d_router_weights, grads, accumulate, context, stream);
+  }
+
+  // MoeWorkspace::backward of this rank with weights `w`.
+  void run_backward(const mok::MoeWeights& w, const Array& d_out, const Array& x, const Array& topk_idx,
+                    const Array& router_weights, const Array& d_x, const Array& d_router_weights,
+                    const WeightArrays& grads, bool accumulate, const Context& context, uintptr_t stream) {
     const mok::MoeWeightGrads g = weight_grads_of(grads, accumulate, accumulate ? "main_grads" : "grads", device_);
     mok::RankBackward b;
     b.rank = rank_;
@@ -559,6 +596,10 @@ NB_MODULE(_mok, m) {
            nb::arg("weights"), nb::arg("scales"), nb::arg("out"), nb::arg("context"), nb::arg("stream"))
       .def("backward", &Workspace::backward, nb::arg("d_out"), nb::arg("x"), nb::arg("topk_idx"),
            nb::arg("router_weights"), nb::arg("weights"), nb::arg("d_x"), nb::arg("d_router_weights"), nb::arg("grads"),
+           nb::arg("accumulate"), nb::arg("context"), nb::arg("stream"))
+      .def("backward_fp8", &Workspace::backward_fp8, nb::arg("d_out"), nb::arg("x"), nb::arg("topk_idx"),
+           nb::arg("router_weights"), nb::arg("weights"), nb::arg("scales"), nb::arg("transposed"),
+           nb::arg("transposed_scales"), nb::arg("d_x"), nb::arg("d_router_weights"), nb::arg("grads"),
            nb::arg("accumulate"), nb::arg("context"), nb::arg("stream"))
       .def("recompute_forward_context", &Workspace::recompute_forward_context, nb::arg("x"), nb::arg("weights"),
            nb::arg("context"), nb::arg("stream"))

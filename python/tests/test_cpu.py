@@ -117,7 +117,7 @@ def test_config_load_factor():
     ("keep_gate_up", 1, TypeError), ("context_budget_bytes", -1, ValueError),
     ("backward_megakernel", "yes", TypeError), ("gather_rows", 1, TypeError), ("gather_rows", True, ValueError),
     ("scatter_rows", 1, TypeError),
-    ("precision", "fp16", ValueError), ("precision", 8, TypeError), ("precision", "fp8", ValueError)])
+    ("precision", "fp16", ValueError), ("precision", 8, TypeError)])
 def test_config_rejects(field, value, exception):
     """A wrong value: ValueError; a value of the wrong type (bool for an int, int for a bool): TypeError.
     test_args.py has the whole table of bad constructor arguments (docs/bad_inputs.md)."""
@@ -1089,13 +1089,21 @@ def test_caller_routing_shaped_like_x_on_the_cpu_stand_in(cpu_workspace):
     assert torch.equal(got.view(want.shape), want)
 
 
-def test_fp8_weights_are_quantized_again_when_a_parameter_changes(monkeypatch):
+@pytest.mark.parametrize("backward", [False, True])
+def test_fp8_weights_are_quantized_again_when_a_parameter_changes(monkeypatch, backward):
     """mok.MoE(precision="fp8")'s quantized weights (quantize_weights counted, on meta): kept while the parameters
     are unchanged; made again after an in-place write (the version counter), after a parameter is replaced (another
-    tensor), and after refresh_fp8_weights() (for writes through .data, which bypass the counter)."""
+    tensor), and after refresh_fp8_weights() (for writes through .data, which bypass the counter); with the
+    backward's transposed copies exactly when the workspace has a backward."""
     calls = []
-    monkeypatch.setattr(mok.module, "quantize_weights", lambda weights, pow2: calls.append(weights) or len(calls))
-    moe = mok.MoE(128, 128, 8, 2, config=mok.Config(precision="fp8", backward=False), device="meta")
+
+    def quantize(weights, pow2, transposed):
+        assert transposed == backward, "the transposed copies are the backward's"
+        calls.append(weights)
+        return len(calls)
+
+    monkeypatch.setattr(mok.module, "quantize_weights", quantize)
+    moe = mok.MoE(128, 128, 8, 2, config=mok.Config(precision="fp8", backward=backward), device="meta")
     assert moe.fp8_weights() == 1 and moe.fp8_weights() == 1
     with torch.no_grad():
         moe.expert_down.add_(1)

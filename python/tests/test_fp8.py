@@ -1,5 +1,6 @@
-"""The FP8 layer from Python (Config(precision="fp8"), mok.quantize_weights, mok.forward_fp8): against the BF16 layer
-(normwise error printed and bounded), reruns bitwise, the quantized weights' layout and memory, bad inputs with a
+"""The FP8 layer from Python (Config(precision="fp8"), mok.quantize_weights, mok.forward_fp8, mok.backward_fp8,
+mok.MoE): forward and backward against the BF16 layer (normwise errors printed and bounded), reruns and paths
+bitwise, autograd against the explicit backward bitwise, the quantized weights' layout and memory, bad inputs with a
 clear error and the next good call correct. GPU tests; they skip without a Hopper GPU."""
 import pytest
 import torch
@@ -111,25 +112,42 @@ def test_quantize_weights_layout_and_memory():
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_quantize_weights_transposed_is_the_transpose_exactly(shared):
-    """transposed=True: the same forward copies, and each matrix transposed with its scales (the FP8 backward's
-    operands), bit for bit; nbytes counts both."""
+    """transposed=True: the same forward copies, and [gate; up] and down transposed with their scales (the FP8
+    backward's operands), bit for bit; nbytes counts both; fused gate/up weights give the same transposed copies."""
     _, _, _, w = _inputs(1815 + shared, shared)
     w.expert_up[1, 5, 7] = float("nan")  # a NaN block: its scale is NaN in both copies
     plain = mok.quantize_weights(w)
     both = mok.quantize_weights(w, transposed=True)
-    assert plain.values_t == () and plain.scales_t == ()
-    assert len(both.values_t) == len(both.scales_t) == 6
+    assert plain.values_t == () and plain.scales_t == () and not plain.transposed and both.transposed
     bits = lambda t: t.view(torch.uint8)
-    for n, (v, s, v_t, s_t) in enumerate(zip(both.values, both.scales, both.values_t, both.scales_t)):
-        if v is None:
-            assert plain.values[n] is None and v_t is None and s_t is None
+    for n, (v, s) in enumerate(zip(both.values, both.scales)):
+        assert (v is None) == (plain.values[n] is None)
+        if v is not None:
+            assert torch.equal(bits(v), bits(plain.values[n])) and torch.equal(bits(s), bits(plain.scales[n]))
+    assert len(both.values_t) == len(both.scales_t) == 4
+    for n, (gate, up, down) in enumerate(((0, 1, 2), (3, 4, 5))):
+        gate_up_t, down_t = both.values_t[2 * n], both.values_t[2 * n + 1]
+        if both.values[gate] is None:
+            assert gate_up_t is None and down_t is None and both.scales_t[2 * n] is None
             continue
-        assert torch.equal(bits(v), bits(plain.values[n])) and torch.equal(bits(s), bits(plain.scales[n]))
-        assert v_t.dtype == torch.float8_e4m3fn and v_t.shape == v.shape[:-2] + (v.shape[-1], v.shape[-2])
-        assert torch.equal(bits(v_t), bits(v).transpose(-1, -2)), f"values {n}"
-        assert torch.equal(s_t.view(torch.int32), s.transpose(-1, -2).contiguous().view(torch.int32)), f"scales {n}"
+        gate_up = torch.cat([bits(both.values[gate]), bits(both.values[up])], dim=-2)
+        gate_up_scales = torch.cat([both.scales[gate], both.scales[up]], dim=-2)
+        for name, (v_t, s_t, v, s) in {
+                "gate_up": (gate_up_t, both.scales_t[2 * n], gate_up, gate_up_scales),
+                "down": (down_t, both.scales_t[2 * n + 1], bits(both.values[down]), both.scales[down])}.items():
+            assert v_t.dtype == torch.float8_e4m3fn and v_t.shape == v.shape[:-2] + (v.shape[-1], v.shape[-2])
+            assert torch.equal(bits(v_t), v.transpose(-1, -2)), f"{name} {n}: values"
+            assert torch.equal(s_t.view(torch.int32), s.transpose(-1, -2).contiguous().view(torch.int32)), \
+                f"{name} {n}: scales"
     assert both.scales[1].isnan().any(), "the NaN block's scale"
     assert both.nbytes == 2 * plain.nbytes
+    fused = mok.quantize_weights(mok.Weights(torch.cat([w.expert_gate, w.expert_up], dim=1), None,
+                                             *w.tensors()[2:]), transposed=True)
+    for a, b in zip(fused.values_t + fused.scales_t, both.values_t + both.scales_t):
+        assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    with pytest.raises(ValueError, match="transposed: True needs the intermediate size a multiple of 128"):
+        mok.quantize_weights(mok.Weights(w.expert_gate[:, :192].contiguous(), w.expert_up[:, :192].contiguous(),
+                                         w.expert_down[..., :192].contiguous()), transposed=True)
 
 
 def test_bad_inputs_raise_and_the_next_call_works():
@@ -175,7 +193,7 @@ def test_moe_requantizes_when_a_parameter_changes():
     cfg = mok.Config(precision="fp8", path="unfused", backward=False)
     moe = mok.MoE(H, I, E, K, num_tokens=T, config=cfg)
     x = torch.randn(T, H, device="cuda").bfloat16()
-    with pytest.raises(RuntimeError, match="has no backward yet"):
+    with pytest.raises(RuntimeError, match="Config\\(precision='fp8', backward=False\\) is inference only"):
         moe(x)
     with torch.no_grad():
         first = moe(x)
@@ -187,3 +205,187 @@ def test_moe_requantizes_when_a_parameter_changes():
         assert moe.fp8_weights() is not cached, "stale FP8 weights after a parameter changed"
         changed = moe(x)
         assert not torch.equal(first, changed)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The FP8 backward (Config(precision="fp8") with backward=True)
+
+
+def _training_workspace(shared=True, path="unfused"):
+    return mok.get_workspace(mok.Config(precision="fp8", path=path), None, T, H, I, K, E, shared_expert=shared)
+
+
+def _leaves(x, rw, w):
+    """Copies of x, router_weights and the weights that require grad (autograd's leaves)."""
+    return (x.clone().requires_grad_(), rw.clone().requires_grad_(),
+            mok.Weights(*[None if t is None else t.clone().requires_grad_() for t in w.tensors()]))
+
+
+def _autograd(forward, x, rw, w, d_out):
+    """(out, d_x, d_rw, the weights' gradients) of forward(x, rw, w) by autograd with upstream gradient d_out."""
+    x, rw, w = _leaves(x, rw, w)
+    out = forward(x, rw, w)
+    out.backward(d_out)
+    return out.detach(), x.grad, rw.grad, [None if t is None else t.grad for t in w.tensors()]
+
+
+def _normwise(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_fp8_backward_against_bf16(shared):
+    """Autograd through mok.forward_fp8 (master_weights: the bf16 weights) against mok.forward's in BF16: every
+    gradient within the e4m3 roundings (x, the weights, h, d_out and d(g|u) each about 3 %; the weight gradients
+    come from bf16 activations and the FP8 forward's h), reruns bitwise, and the explicit mok.backward_fp8 gives
+    autograd's bits."""
+    x, idx, rw, w = _inputs(1850 + shared, shared)
+    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
+    with _training_workspace(shared) as ws8, mok.get_workspace(mok.Config(path="unfused"), None, T, H, I, K, E,
+                                                               shared_expert=shared) as ws16:
+        qw = mok.quantize_weights(w, transposed=True)
+        fp8 = lambda x, rw, w: mok.forward_fp8(ws8, x, idx, rw, qw, master_weights=w)[0]
+        got = _autograd(fp8, x, rw, w, d_out)
+        again = _autograd(fp8, x, rw, w, d_out)
+        ref = _autograd(lambda x, rw, w: mok.forward(ws16, x, idx, rw, w)[0], x, rw, w, d_out)
+        _, ctx = mok.forward_fp8(ws8, x, idx, rw, qw)
+        d_x, d_rw, grads = mok.backward_fp8(ws8, d_out, x, idx, rw, qw, ctx)
+        mok.check_status(ws8)
+        mok.check_status(ws16)
+    names = ["out", "d_x", "d_rw"] + [f"d_{n}" for n in ("expert_gate", "expert_up", "expert_down", "shared_gate",
+                                                         "shared_up", "shared_down")]
+    flat = lambda r: [r[0], r[1], r[2], *r[3]]
+    for name, a, b, c in zip(names, flat(got), flat(again), flat(ref)):
+        if c is None:
+            assert a is None, name
+            continue
+        assert not a.isnan().any(), name
+        assert torch.equal(a, b), f"{name}: FP8 reruns differ"
+        err = _normwise(a, c)
+        print(f"FP8 vs BF16 {name} normwise error (shared={shared}): {err:.4f}")
+        assert err < 0.12, (name, err)
+    assert torch.equal(d_x, got[1]) and torch.equal(d_rw, got[2]), "mok.backward_fp8 against autograd"
+    for n, (a, b) in enumerate(zip(grads.tensors(), got[3])):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"weight {n}: backward_fp8 vs autograd"
+
+
+def test_fp8_backward_paths_grad_modes_and_token_counts():
+    """The fused forward's context gives the unfused one's gradient bits; fp32 gradients written, and main_grads
+    accumulated twice, are (0 + g) + g of them bit for bit; T tokens below the workspace's (0 included) give those
+    of a workspace for exactly them (no expert row of another call's tokens), 0 tokens zero weight gradients."""
+    x, idx, rw, w = _inputs(1860)
+    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8)).bfloat16()
+    qw = mok.quantize_weights(w, transposed=True)
+    with _training_workspace() as wsu, _training_workspace(path="fused") as wsf:
+        results = []
+        for ws in (wsu, wsf):
+            _, ctx = mok.forward_fp8(ws, x, idx, rw, qw)
+            results.append(mok.backward_fp8(ws, d_out, x, idx, rw, qw, ctx, grad_dtype=torch.float32))
+        for a, b in zip([results[0][0], results[0][1], *results[0][2].tensors()],
+                        [results[1][0], results[1][1], *results[1][2].tensors()]):
+            assert (a is None and b is None) or torch.equal(a, b), "fused forward's context against the unfused one's"
+        fp32 = results[0][2]
+        main = mok.main_grads(w)
+        for _ in range(2):
+            _, ctx = mok.forward_fp8(wsu, x, idx, rw, qw)
+            mok.backward_fp8(wsu, d_out, x, idx, rw, qw, ctx, main_grads=main)
+        for n, (m, g) in enumerate(zip(main.tensors(), fp32.tensors())):
+            if g is not None:
+                assert torch.equal(m, (torch.zeros_like(g) + g) + g), f"weight {n}: main_grads accumulation"
+        _, ctx = mok.forward_fp8(wsu, x, idx, rw, qw)
+        bf16 = mok.backward_fp8(wsu, d_out, x, idx, rw, qw, ctx)[2]
+        for n, (b, g) in enumerate(zip(bf16.tensors(), fp32.tensors())):
+            if g is not None:
+                assert torch.equal(b, g.bfloat16()), f"weight {n}: bf16 gradient is the fp32 one rounded"
+        for tokens in (100, 0):
+            with mok.get_workspace(mok.Config(precision="fp8", path="unfused"), None, max(tokens, 1), H, I, K,
+                                   E) as exact:
+                got = []
+                for ws in (wsu, exact):
+                    _, ctx = mok.forward_fp8(ws, x[:tokens], idx[:tokens], rw[:tokens], qw)
+                    d_x, d_rw, grads = mok.backward_fp8(ws, d_out[:tokens], x[:tokens], idx[:tokens], rw[:tokens],
+                                                        qw, ctx)
+                    mok.check_status(ws)
+                    got.append([d_x, d_rw, *[g for g in grads.tensors() if g is not None]])
+                for a, b in zip(*got):
+                    assert torch.equal(a, b), f"{tokens} tokens: against a workspace for exactly them"
+                if tokens == 0:
+                    assert all(not g.any() for g in got[0][2:]), "0 tokens: nonzero weight gradients"
+        mok.check_status(wsu)
+        mok.check_status(wsf)
+
+
+def test_moe_fp8_trains():
+    """mok.MoE(precision="fp8"): autograd gives the functional FP8 backward's bits (parameters as the master
+    weights), an optimizer step quantizes again, main_grad=True adds into main_grad; recompute=True and
+    backward=False in a differentiable call are refused with the option named."""
+    torch.manual_seed(1870)
+    config = mok.Config(precision="fp8", path="unfused")
+    moe = mok.MoE(H, I, E, K, num_tokens=T, config=config)
+    x = torch.randn(T, H, device="cuda").bfloat16().requires_grad_()
+    idx, rw = (t.detach() for t in moe.route(x.detach()))  # the caller's: x's gradient is the layer's d_x alone
+    out = moe(x, idx, rw)
+    d_out = torch.randn_like(out)
+    out.backward(d_out)
+    qw = moe.fp8_weights()
+    _, ctx = mok.forward_fp8(moe.workspace, x.detach(), idx, rw, qw)
+    d_x, _, grads = mok.backward_fp8(moe.workspace, d_out, x.detach(), idx, rw, qw, ctx)
+    mok.check_status(moe.workspace)
+    assert torch.equal(x.grad, d_x), "module d_x against mok.backward_fp8"
+    for n, (p, g) in enumerate(zip(moe.weights().tensors(), grads.tensors())):
+        if p is not None:
+            assert torch.equal(p.grad, g), f"module weight {n} gradient against mok.backward_fp8"
+    before = moe.fp8_weights()
+    with torch.no_grad():
+        for p in moe.weights().tensors():
+            if p is not None:
+                p.sub_(p.grad, alpha=0.1)
+    assert moe.fp8_weights() is not before, "stale FP8 weights after a step"
+    main = mok.MoE(H, I, E, K, num_tokens=T, config=config, main_grad=True)
+    main.load_state_dict(moe.state_dict())
+    main.allocate_main_grads()
+    main(x.detach(), idx, rw).backward(d_out)
+    qw = main.fp8_weights()
+    _, ctx = mok.forward_fp8(main.workspace, x.detach(), idx, rw, qw)
+    fp32 = mok.backward_fp8(main.workspace, d_out, x.detach(), idx, rw, qw, ctx, grad_dtype=torch.float32)[2]
+    for n, (p, g) in enumerate(zip(main.weights().tensors(), fp32.tensors())):
+        if p is not None:
+            assert torch.equal(p.main_grad, g), f"main_grad {n} against the fp32 gradient"
+    with pytest.raises(RuntimeError, match="recompute=True\\) with Config\\(precision='fp8'\\)"):
+        mok.MoE(H, I, E, K, num_tokens=T, config=config, recompute=True)(x)
+    with pytest.raises(RuntimeError, match="backward=False\\) is inference only"):
+        mok.MoE(H, I, E, K, num_tokens=T, config=mok.Config(precision="fp8", backward=False))(x)
+
+
+def test_fp8_backward_bad_inputs_raise_and_the_next_call_works():
+    """Weights without the transposed copies, a misshapen transposed copy, a context without a forward, one
+    overwritten by a later forward, an inference workspace: each a clear error, and the next good backward gives
+    the bits of one never refused."""
+    x, idx, rw, w = _inputs(1880)
+    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9)).bfloat16()
+    with _training_workspace() as ws, _fp8_workspace() as inference:
+        qw = mok.quantize_weights(w, transposed=True)
+        _, ctx = mok.forward_fp8(ws, x, idx, rw, qw)
+        clean = mok.backward_fp8(ws, d_out, x, idx, rw, qw, ctx)
+        mok.check_status(ws)
+        with pytest.raises(ValueError, match="quantized without the transposed copies"):
+            mok.backward_fp8(ws, d_out, x, idx, rw, mok.quantize_weights(w), ctx)
+        bad = mok.Fp8Weights(qw.values, qw.scales, (qw.values_t[0], qw.values_t[0]) + qw.values_t[2:], qw.scales_t)
+        with pytest.raises(ValueError, match="weights.expert_down_t: expected a contiguous float8_e4m3fn"):
+            mok.backward_fp8(ws, d_out, x, idx, rw, bad, ctx)
+        with pytest.raises(RuntimeError, match="holds no forward"):
+            mok.backward_fp8(ws, d_out, x, idx, rw, qw, ws.make_context())
+        with pytest.raises(ValueError, match="ws: made with Config\\(backward=False\\)"):
+            mok.backward_fp8(inference, d_out, x, idx, rw, qw, ctx)
+        leaf = x.clone().requires_grad_()
+        with pytest.raises(RuntimeError, match="on a workspace made with Config\\(backward=False\\)"):
+            mok.forward_fp8(inference, leaf, idx, rw, qw)
+        out, shared_ctx = mok.forward_fp8(ws, leaf, idx, rw, qw)
+        mok.forward_fp8(ws, x, idx, rw, qw, shared_ctx)  # overwrites the context the first one's graph needs
+        with pytest.raises(RuntimeError, match="overwritten by a later forward"):
+            out.backward(d_out)
+        _, ctx = mok.forward_fp8(ws, x, idx, rw, qw)
+        again = mok.backward_fp8(ws, d_out, x, idx, rw, qw, ctx)
+        mok.check_status(ws)
+        for a, b in zip([clean[0], clean[1], *clean[2].tensors()], [again[0], again[1], *again[2].tensors()]):
+            assert (a is None and b is None) or torch.equal(a, b), "the next good backward"
