@@ -11,12 +11,15 @@ previous token and memorize the 4096-entry table (the loss falls from ln 64 = 4.
 1.31 nats). The model: token and position embeddings, --layers blocks of (RMSNorm, causal self-attention,
 RMSNorm, MoE FFN: router + top-k routed SwiGLU experts + a shared expert), RMSNorm, LM head; bf16 parameters,
 fp32 master weights in AdamW. Runs:
-  ours, twice   the FFN is mok.MoE (EP over all processes, one workspace shared by the layers);
+  ours, twice   the FFN is mok.MoE (EP over all processes, one workspace shared by the layers), in --precision
+                (bf16, or fp8: DeepSeek-V3's block-scaled e4m3, weights quantized again after every step);
+  ours bf16     --precision fp8 only: ours once more in bf16, from the same seed and data;
   torch         the same model and initial values, the FFN a reference MoE in torch ops (sort by expert,
                 one matmul per expert, fp32 combine; every rank holds every expert).
 Checks (exit status 1 if one fails): the two runs of ours give bitwise equal losses and final parameters; ours
 and torch start at the same loss (within 0.02) and end within 5 % (mean of the last 10 % of the steps), and both
-learned (that mean below 80 % of the first loss). Prints a loss table and tokens/s of each run; writes
+learned (that mean below 80 % of the first loss); with --precision fp8, the 20-step moving averages of the fp8
+and bf16 runs within 0.02 nats at every step. Prints a loss table and tokens/s of each run; writes
 DIR/losses.csv and DIR/loss_curves.png (drawn by matplotlib when it imports, else by the repository's built-in PNG
 renderer, bench/png_canvas.py). Needs an NVIDIA Hopper GPU per process (it says so and stops otherwise; --help
 works anywhere). With EP = N each rank trains on its own batch;
@@ -41,6 +44,7 @@ import mok  # noqa: E402
 
 VOCAB = 64
 FOLLOW_TABLE = 0.8  # probability that the next token is TABLE[previous, current]
+FP8_GAP_NATS = 0.02  # --precision fp8: the largest gap of the 20-step moving averages against ours in bf16
 
 
 def positive_int(text: str) -> int:
@@ -88,6 +92,10 @@ def make_parser():
     p.add_argument("--load-factor", type=float, default=0,
                    help="mok.Config.load_factor (0: the EP size, the worst case, which never overflows: no balance "
                    "loss keeps this router's load even)")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                   help="ours' precision (mok.Config.precision). fp8: DeepSeek-V3's block-scaled e4m3, and a third "
+                   "run of ours in bf16 from the same seed and data, whose loss curve the fp8 one must follow (the "
+                   "20-step moving averages within 0.02 nats); --intermediate a multiple of 128")
     p.add_argument("--main-grad", action="store_true",
                    help="ours accumulates its expert weight gradients into fp32 param.main_grad (Megatron's way)")
     return p
@@ -102,6 +110,9 @@ def parse_args(argv=None):
         p.error(f"--heads {args.heads} must divide --hidden {args.hidden}")
     if args.top_k > args.experts:
         p.error(f"--top-k {args.top_k} must be at most --experts {args.experts}")
+    if args.precision == "fp8" and args.intermediate % 128:
+        p.error(f"--precision fp8 needs --intermediate a multiple of 128 (the FP8 backward's blocks), got "
+                f"{args.intermediate}")
     if args.load_factor != 0 and not args.load_factor >= 1:
         p.error(f"--load-factor must be 0 (the EP size) or a number >= 1, got {args.load_factor}")
     return args
@@ -296,14 +307,15 @@ def initial_state(args, device):
     return Model(args, [TorchMoE(args, device) for _ in range(args.layers)], device).state_dict()
 
 
-def build(kind, args, env, state):
-    """(model, its routed-expert parameters) for 'ours' or 'torch', loaded with the initial state."""
+def build(kind, args, env, state, precision="bf16"):
+    """(model, its routed-expert parameters) for 'ours' (in `precision`) or 'torch', loaded with the initial
+    state."""
     if kind == "torch":
         model = Model(args, [TorchMoE(args, env.device) for _ in range(args.layers)], env.device)
         model.load_state_dict(state)
         return model, []
     tokens = args.batch * args.seq
-    config = mok.Config(load_factor=args.load_factor or float(env.size))
+    config = mok.Config(load_factor=args.load_factor or float(env.size), precision=precision)
     ws = mok.get_workspace(config, env.group, tokens, args.hidden, args.intermediate, args.top_k, args.experts)
     ffns = [mok.MoE(args.hidden, args.intermediate, args.experts, args.top_k, workspace=ws, group=env.group,
                     main_grad=args.main_grad) for _ in range(args.layers)]
@@ -322,9 +334,9 @@ def build(kind, args, env, state):
     return model, experts
 
 
-def train(kind, args, env, state, data):
+def train(kind, args, env, state, data, precision="bf16"):
     """Losses [steps] (fp32, mean over ranks), tokens/s after the first 10 steps, the final parameters."""
-    model, experts = build(kind, args, env, state)
+    model, experts = build(kind, args, env, state, precision)
     expert_ids = {id(p) for p in experts}
     optimizer = MixedPrecisionAdamW(model.parameters(), args.lr)
     losses = torch.zeros(args.steps, device=env.device)
@@ -374,10 +386,13 @@ def moving_average(values, window):
 def report(args, env, runs):
     """Prints the table and the checks; writes the CSV and the PNG. Returns the failed checks."""
     ours1, ours2, ref = (runs[k][0].tolist() for k in ("ours run 1", "ours run 2", "torch"))
+    bf16 = runs["ours bf16"][0].tolist() if "ours bf16" in runs else None
     steps = len(ours1)
-    env.print(f"\n{'step':>6} {'ours run 1':>12} {'ours run 2':>12} {'torch':>12} {'ours - torch':>13}")
+    extra = f" {'ours bf16':>12} {'fp8 - bf16':>11}" if bf16 else ""
+    env.print(f"\n{'step':>6} {'ours run 1':>12} {'ours run 2':>12} {'torch':>12} {'ours - torch':>13}{extra}")
     for s in sorted(set(list(range(0, steps, max(1, steps // 15))) + [steps - 1])):
-        env.print(f"{s:>6} {ours1[s]:>12.5f} {ours2[s]:>12.5f} {ref[s]:>12.5f} {ours1[s] - ref[s]:>+13.5f}")
+        extra = f" {bf16[s]:>12.5f} {ours1[s] - bf16[s]:>+11.5f}" if bf16 else ""
+        env.print(f"{s:>6} {ours1[s]:>12.5f} {ours2[s]:>12.5f} {ref[s]:>12.5f} {ours1[s] - ref[s]:>+13.5f}{extra}")
     env.print(f"\n{'run':<12} {'tokens/s':>12}")
     for name, (_, tokens_per_s, _) in runs.items():
         env.print(f"{name:<12} {tokens_per_s:>12,.0f}")
@@ -395,12 +410,25 @@ def report(args, env, runs):
         (mean_ours < 0.8 * ours1[0] and mean_ref < 0.8 * ref[0], "both learned (last mean < 80 % of the first loss)"),
     ]
     env.print(f"\nlargest gap of the 20-step moving averages: {smooth_gap:.4f}")
+    if bf16:  # FP8 against ours in BF16, same seed and data (DeepSeek-V3's bar for the recipe: curves that overlap)
+        fp8_gap = max(abs(a - b) for a, b in zip(moving_average(ours1, 20), moving_average(bf16, 20)))
+        floor = max(abs(a - b) for a, b in zip(moving_average(bf16, 20), moving_average(ref, 20)))
+        env.print(f"largest gap of the 20-step moving averages, fp8 - bf16: {fp8_gap:.4f} (bf16 - torch, two bf16 "
+                  f"roundings of one model: {floor:.4f})")
+        checks.append((fp8_gap <= FP8_GAP_NATS, f"fp8 against bf16: largest 20-step moving-average gap "
+                                                f"{fp8_gap:.4f} nats (at most {FP8_GAP_NATS})"))
     failures = print_checks(checks, env.print)
     if env.rank == 0:
-        write_losses(args.out, ["ours_run_1", "ours_run_2", "torch"], [ours1, ours2, ref])
+        names, columns = ["ours_run_1", "ours_run_2", "torch"], [ours1, ours2, ref]
+        if bf16:
+            names, columns = names + ["ours_bf16"], columns + [bf16]
+        write_losses(args.out, names, columns)
         path = os.path.join(args.out, "loss_curves.png")
-        curves = [("plain PyTorch MoE", ref, "#e6550d", False), ("mok.MoE, run 1", ours1, "#3182bd", False),
-                  ("mok.MoE, run 2 (bitwise equal)" if bitwise else "mok.MoE, run 2", ours2, "#08306b", True)]
+        run = f"mok.MoE {args.precision}" if bf16 else "mok.MoE"
+        curves = [("plain PyTorch MoE", ref, "#e6550d", False), (f"{run}, run 1", ours1, "#3182bd", False),
+                  (f"{run}, run 2 (bitwise equal)" if bitwise else f"{run}, run 2", ours2, "#08306b", True)]
+        if bf16:
+            curves.append(("mok.MoE bf16", bf16, "#31a354", False))
         title = f"{args.layers}-layer MoE transformer, EP = {env.size}, E = {args.experts}, k = {args.top_k}"
         renderer = plot_losses(path, curves, title)
         print(f"loss curves: {path} (drawn by {renderer})")
@@ -576,13 +604,16 @@ def main():
     torch.use_deterministic_algorithms(True, warn_only=True)
     env.print(f"train_moe: {args.layers} layers, H {args.hidden}, I {args.intermediate}, E {args.experts}, "
               f"k {args.top_k}, {args.batch} x {args.seq} tokens per step per rank, EP = {env.size}, "
-              f"{args.steps} steps{', main_grad' if args.main_grad else ''}")
+              f"{args.steps} steps, {args.precision}{', main_grad' if args.main_grad else ''}")
     data = make_data(args.steps, args.batch, args.seq, args.seed, env.rank, env.device)
     state = initial_state(args, env.device)
     runs = {}
-    for name, kind in (("ours run 1", "ours"), ("ours run 2", "ours"), ("torch", "torch")):
+    plan = [("ours run 1", "ours", args.precision), ("ours run 2", "ours", args.precision)]
+    if args.precision != "bf16":
+        plan.append(("ours bf16", "ours", "bf16"))
+    for name, kind, precision in plan + [("torch", "torch", "bf16")]:
         t0 = time.perf_counter()
-        runs[name] = train(kind, args, env, state, data)
+        runs[name] = train(kind, args, env, state, data, precision)
         env.print(f"{name}: {args.steps} steps in {time.perf_counter() - t0:.1f} s, final loss "
                   f"{runs[name][0][-1].item():.4f}")
     failures = report(args, env, runs)
