@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import mok
 
@@ -55,7 +56,7 @@ def test_help_lists_every_option_with_its_default(example):
     parser_options = re.findall(r"^\s+(--[a-z-]+)", out, flags=re.M)
     assert "--steps" in parser_options and "--main-grad" in parser_options, out
     for option in ("--steps", "--layers", "--out", "--batch", "--seq", "--hidden", "--intermediate", "--heads",
-                   "--experts", "--top-k", "--lr", "--seed", "--load-factor", "--main-grad"):
+                   "--experts", "--top-k", "--lr", "--seed", "--load-factor", "--main-grad", "--precision"):
         assert option in parser_options, f"{option} missing from --help:\n{out}"
     flat = " ".join(out.split())
     assert "(default: 300)" in flat and "(default: train_moe_out)" in flat and "(default: 0.002)" in flat, out
@@ -71,6 +72,8 @@ def test_help_lists_every_option_with_its_default(example):
     (["--heads", "3"], "--heads 3 must divide --hidden 256"),
     (["--top-k", "9"], "--top-k 9 must be at most --experts 8"),
     (["--load-factor", "0.5"], "--load-factor must be 0 (the EP size) or a number >= 1, got 0.5"),
+    (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
+    (["--precision", "fp8", "--intermediate", "192"], "--precision fp8 needs --intermediate a multiple of 128"),
 ])
 def test_bad_options_are_usage_errors(example, capsys, argv, message):
     """A bad option stops the example at parsing (argparse's usage error, status 2) naming it, before any work."""
@@ -162,3 +165,27 @@ def test_torchtitan_example_stops_with_the_hopper_message_without_a_hopper_gpu()
     assert status != 0
     assert "torchtitan_moe: mok needs an NVIDIA Hopper GPU (sm_90); found no CUDA device (" in err, err
     assert "Traceback" not in err, err
+
+
+def test_fp8_report_checks_the_gap_to_bf16(example, tmp_path):
+    """--precision fp8's report: the 20-step moving-average gap between the fp8 and bf16 runs is a check (0.02
+    nats), printed with the bf16-vs-torch gap; losses.csv gets the bf16 column, the PNG its curve."""
+    class Env:
+        rank, size = 0, 1
+        lines = []
+
+        def print(self, *a):
+            self.lines.append(" ".join(str(x) for x in a))
+
+    args = example.parse_args(["--precision", "fp8", "--steps", "40", "--out", str(tmp_path)])
+    base = torch.linspace(4.0, 3.0, 40)
+    params = [torch.zeros(2)]
+    for shift, passed in ((0.01, True), (0.03, False)):
+        env = Env()
+        runs = {"ours run 1": (base + shift, 1.0, params), "ours run 2": (base + shift, 1.0, params),
+                "ours bf16": (base, 1.0, params), "torch": (base, 1.0, params)}
+        failures = example.report(args, env, runs)
+        assert any("fp8 - bf16: " in line and "bf16 - torch" in line for line in env.lines), env.lines
+        assert any(f.startswith("fp8 against bf16") for f in failures) != passed, failures
+    header = (tmp_path / "losses.csv").read_text().splitlines()[0]
+    assert header == "step,ours_run_1,ours_run_2,torch,ours_bf16", header
