@@ -22,8 +22,9 @@ enum StatusBit : uint32_t {
   kStatusBadExpertId = 1u << 0,      // a top-k id outside [-1, num_experts)
   kStatusCapacityOverflow = 1u << 1, // padded expert rows exceed the configured capacity
   kStatusWaitTimeout = 1u << 2,      // a spin-wait gave up (see timeout_* fields)
-  kStatusNonFinite = 1u << 3,        // FP8: a block the layer quantized (x, or h) held a NaN or an infinity
-                                     // (see nonfinite_key); only the rows of that block are NaN
+  kStatusNonFinite = 1u << 3,        // FP8: a block the layer quantized (x, h, or the backward's d_out and d_g | d_u)
+                                     // held a NaN or an infinity (see nonfinite_key); only the rows of that block
+                                     // are NaN (and, in the backward, the weight gradients, which sum every row)
   kStatusIdsMismatch = 1u << 4,      // a forward_with_schedule's or a backward's topk_idx differ from the ids the
                                      // context's schedule was built from (see ids_mismatch_key); that call's
                                      // outputs are unspecified
@@ -34,10 +35,15 @@ enum class NonFiniteWhere : uint32_t {
   kX = 0,       // a token row of x, quantized on its own rank before the dispatch
   kHidden = 1,  // a row of h, quantized by an FP8 gate/up GEMM's epilogue (a schedule row; for the shared expert,
                 // a token)
+  kDOut = 2,    // a row of d_out, quantized by the FP8 backward for its down dgrad (a schedule row; for the shared
+                // expert, a token)
+  kDGateUp = 3, // a row of d_g | d_u, quantized by the FP8 backward for its gate/up dgrad (a schedule row; for the
+                // shared expert, a token): a NaN from d_out, or the down dgrad's bf16 output overflowing
 };
 
 // DeviceStatus::nonfinite_key's layout, written by the kernels and read by StatusReport: where << 60 | rank << 40 |
-// row (rank < 2^20, row < 2^40), so that the smallest key is x before h, then by rank and row.
+// row (rank < 2^20, row < 2^40), so that the smallest key is x before h before d_out before d_g | d_u (a cause
+// before what it spreads to), then by rank and row.
 inline constexpr int kNonFiniteWhereShift = 60;
 inline constexpr int kNonFiniteRankShift = 40;
 inline constexpr uint64_t kNonFiniteRankMask = 0xfffff;

@@ -389,3 +389,53 @@ def test_fp8_backward_bad_inputs_raise_and_the_next_call_works():
         mok.check_status(ws)
         for a, b in zip([clean[0], clean[1], *clean[2].tensors()], [again[0], again[1], *again[2].tensors()]):
             assert (a is None and b is None) or torch.equal(a, b), "the next good backward"
+
+
+def test_fp8_backward_scale_edge_cases():
+    """The FP8 scale edge cases through the backward. d_out scaled by 2^20 (past e4m3's range) and 2^-60: every
+    gradient exactly that multiple of the clean ones (a power of two commutes with each scale, quotient and fp32
+    product). 2^-120 (subnormal fp32 scales): finite, no report, the weight gradients near the scaled clean ones.
+    All-zero d_out rows: those tokens' d_x and d_rw exactly 0. A NaN in d_out: reported through the status word,
+    its token's d_x and d_rw NaN, every other token's bitwise the clean call's; after a reset the next clean call is
+    bitwise clean."""
+    x, idx, rw, w = _inputs(1890)
+    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(10)).bfloat16()
+    qw = mok.quantize_weights(w, transposed=True)
+    with _training_workspace() as ws:
+        def run(d):
+            _, ctx = mok.forward_fp8(ws, x, idx, rw, qw)
+            d_x, d_rw, grads = mok.backward_fp8(ws, d, x, idx, rw, qw, ctx, grad_dtype=torch.float32)
+            return [d_x, d_rw, *[g for g in grads.tensors() if g is not None]]
+
+        clean = run(d_out)
+        mok.check_status(ws)
+        for power in (20, -60):
+            scaled = run(d_out * 2.0**power)
+            mok.check_status(ws)
+            for n, (a, b) in enumerate(zip(scaled, clean)):
+                assert torch.equal(a, (b.float() * 2.0**power).to(b.dtype)), f"2^{power}: output {n}"
+        tiny = run(d_out * 2.0**-120)
+        mok.check_status(ws)
+        assert all(t.isfinite().all() for t in tiny), "2^-120: a non-finite gradient"
+        for n in range(2, len(clean)):
+            err = _normwise(tiny[n] * 2.0**120, clean[n])
+            print(f"d_out x 2^-120: weight gradient {n - 2} normwise error {err:.4f}")
+            assert err < 0.25, (n, err)
+        zeroed = d_out.clone()
+        zeroed[:10] = 0
+        got = run(zeroed)
+        mok.check_status(ws)
+        assert not got[0][:10].any() and not got[1][:10].any(), "zero d_out rows: nonzero d_x or d_rw"
+        bad = d_out.clone()
+        bad[9, 3] = float("nan")
+        got = run(bad)
+        with pytest.raises(RuntimeError, match="NaN or infinity in d_out at row"):
+            mok.check_status(ws)
+        others = torch.arange(T, device="cuda") != 9
+        assert got[0][9].isnan().all() and got[1][9].isnan().all(), "the NaN token's d_x and d_rw"
+        assert torch.equal(got[0][others], clean[0][others]) and torch.equal(got[1][others], clean[1][others]), \
+            "a NaN in one token's d_out changed another token's d_x or d_rw"
+        ws.reset_status()
+        again = run(d_out)
+        mok.check_status(ws)
+        assert all(torch.equal(a, b) for a, b in zip(again, clean)), "the next clean call"

@@ -222,10 +222,14 @@ void issue_dgrads(detail::MlpBackwardGemms g, bool recompute, int32_t* tickets, 
     g.recompute.ticket = tickets + detail::kRecompute;
     expert_gemm(g.recompute, stream);
   }
-  if (g.quantize_d_out.in != nullptr) quantize_rows_fp8(g.quantize_d_out, stream);
+  // A non-finite block of either A is reported to the rank's status word (kStatusNonFinite), with its row.
+  const WaitBound& waits = g.down_dgrad.waits;
+  if (g.quantize_d_out.in != nullptr)
+    detail::quantize_rows_fp8(g.quantize_d_out, waits.status, NonFiniteWhere::kDOut, waits.rank, stream);
   g.down_dgrad.ticket = tickets + detail::kDownDgrad;
   expert_gemm(g.down_dgrad, stream);
-  if (g.quantize_d_gate_up.in != nullptr) quantize_rows_fp8(g.quantize_d_gate_up, stream);
+  if (g.quantize_d_gate_up.in != nullptr)
+    detail::quantize_rows_fp8(g.quantize_d_gate_up, waits.status, NonFiniteWhere::kDGateUp, waits.rank, stream);
   g.gate_up_dgrad.ticket = tickets + detail::kGateUpDgrad;
   expert_gemm(g.gate_up_dgrad, stream);
 }

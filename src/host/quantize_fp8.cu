@@ -48,7 +48,8 @@ __device__ __forceinline__ float quantize_block_warp(const __nv_bfloat16* src, i
 }
 
 __global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int k, uint8_t* out, float* scales,
-                                     bool power_of_two, const int32_t* rows_used) {
+                                     bool power_of_two, const int32_t* rows_used, DeviceStatus* status,
+                                     NonFiniteWhere where, int rank) {
   const int k_blocks = (k + kBlock - 1) / kBlock;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -61,7 +62,10 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int 
   const float scale = quantize_block_warp(in + row * k, col, k, power_of_two, q);
   for (int i = 0; i < 4; ++i)
     if (col + i < k) out[row * k + col + i] = q[i];
-  if (lane == 0) scales[int64_t(block) * rows + row] = scale;
+  if (lane == 0) {
+    scales[int64_t(block) * rows + row] = scale;
+    if (status != nullptr && isnan(scale)) device::record_nonfinite(status, where, rank, row);
+  }
 }
 
 // One warp per (row, 128-column block) of x [tokens, h]: the FP8 row layout of src/host/quantize_fp8.h, plus the
@@ -214,7 +218,11 @@ void detail::unpack_fp8_row_scales(const void* rows, const int32_t* scheduled_ro
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 
-void quantize_rows_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream) {
+namespace {
+
+// quantize_rows_fp8, a block holding a NaN or an infinity reported to `status` unless it is null.
+void quantize_rows(const Fp8QuantizeArgs& args, DeviceStatus* status, NonFiniteWhere where, int rank,
+                   cudaStream_t stream) {
   validate(args, "quantize_rows_fp8", true);
   require(args.out_transposed == nullptr && args.scales_transposed == nullptr, "quantize_rows_fp8",
           "out_transposed and scales_transposed are for quantize_weights_fp8 (1 x 128 scales do not transpose)");
@@ -224,8 +232,19 @@ void quantize_rows_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream) {
   const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
   quantize_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(args.in), args.rows, args.k, static_cast<uint8_t*>(args.out), args.scales,
-      args.power_of_two_scales, args.rows_used);
+      args.power_of_two_scales, args.rows_used, status, where, rank);
   MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace
+
+void quantize_rows_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream) {
+  quantize_rows(args, nullptr, NonFiniteWhere::kX, 0, stream);
+}
+
+void detail::quantize_rows_fp8(const Fp8QuantizeArgs& args, DeviceStatus* status, NonFiniteWhere where, int rank,
+                               cudaStream_t stream) {
+  quantize_rows(args, status, where, rank, stream);
 }
 
 void quantize_weights_fp8(const Fp8QuantizeArgs& args, cudaStream_t stream) {

@@ -8,6 +8,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "mok/fp8.h"
 #include "mok/status.h"
 
 namespace mok::detail {
@@ -18,6 +19,11 @@ namespace mok::detail {
 // token row and `rank`).
 void publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_tokens, int h, void* rows, float* scales,
                       bool power_of_two, DeviceStatus* status, int rank, cudaStream_t stream);
+
+// mok::quantize_rows_fp8 (include/mok/fp8.h) that also reports a block holding a NaN or an infinity to `status`
+// (kStatusNonFinite: `where`, `rank` and the row; status null: no report).
+void quantize_rows_fp8(const Fp8QuantizeArgs& args, DeviceStatus* status, NonFiniteWhere where, int rank,
+                       cudaStream_t stream);
 
 // The scales of FP8 rows [row_limit, 2h bytes] (rows at or past *scheduled_rows are skipped) as the GEMM's A scales,
 // fp32 [ceil(h/128), row_limit].

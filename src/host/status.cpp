@@ -156,14 +156,29 @@ std::string StatusReport::describe(int num_tokens, int top_k, int num_experts) c
       append(out, "%u later waits gave up at once (abort set)\n", raw.abandoned_waits);
   }
   if (raw.error_bits & kStatusNonFinite) {
-    if (nonfinite_where() == NonFiniteWhere::kX)
-      append(out, "NaN or infinity in x: token row %" PRId64 " of rank %d (FP8: its block's scale is NaN, so that "
-                  "token's outputs are NaN; other tokens are not affected)\n",
-             nonfinite_row(), nonfinite_rank());
-    else
-      append(out, "NaN or infinity in h (the down GEMM's input) at row %" PRId64 " of an FP8 gate/up GEMM on rank %d "
-                  "(that row's outputs are NaN; other rows are not affected)\n",
-             nonfinite_row(), nonfinite_rank());
+    switch (nonfinite_where()) {
+      case NonFiniteWhere::kX:
+        append(out, "NaN or infinity in x: token row %" PRId64 " of rank %d (FP8: its block's scale is NaN, so that "
+                    "token's outputs are NaN; other tokens are not affected)\n",
+               nonfinite_row(), nonfinite_rank());
+        break;
+      case NonFiniteWhere::kHidden:
+        append(out, "NaN or infinity in h (the down GEMM's input) at row %" PRId64 " of an FP8 gate/up GEMM on rank %d "
+                    "(that row's outputs are NaN; other rows are not affected)\n",
+               nonfinite_row(), nonfinite_rank());
+        break;
+      case NonFiniteWhere::kDOut:
+        append(out, "NaN or infinity in d_out at row %" PRId64 " of the FP8 backward's down dgrad on rank %d (that "
+                    "row's token gets NaN d_x and d_router_weights, other tokens are not affected; the weight "
+                    "gradients, sums over every row, get NaN too)\n",
+               nonfinite_row(), nonfinite_rank());
+        break;
+      default:
+        append(out, "NaN or infinity in d_g | d_u at row %" PRId64 " of the FP8 backward's gate/up dgrad on rank %d "
+                    "(the down dgrad's bf16 output overflowed; that row's token gets NaN d_x, other tokens are not "
+                    "affected; the weight gradients get NaN too)\n",
+               nonfinite_row(), nonfinite_rank());
+    }
   }
   if (raw.error_bits & kStatusIdsMismatch) {
     const int64_t route = ids_mismatch_route();

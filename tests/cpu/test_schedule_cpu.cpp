@@ -291,6 +291,18 @@ TEST(ScheduleCpuTest, StatusDescribesEveryError) {
   EXPECT_EQ(nonfinite.describe(100, 2, 8),
             "NaN or infinity in h (the down GEMM's input) at row 4100 of an FP8 gate/up GEMM on rank 0 (that row's "
             "outputs are NaN; other rows are not affected)");
+  nonfinite.raw.nonfinite_key = nonfinite_key(NonFiniteWhere::kDOut, 1, 12);
+  EXPECT_EQ(nonfinite.describe(100, 2, 8),
+            "NaN or infinity in d_out at row 12 of the FP8 backward's down dgrad on rank 1 (that row's token gets NaN "
+            "d_x and d_router_weights, other tokens are not affected; the weight gradients, sums over every row, get "
+            "NaN too)");
+  nonfinite.raw.nonfinite_key = nonfinite_key(NonFiniteWhere::kDGateUp, 1, 13);
+  EXPECT_NE(nonfinite.describe(100, 2, 8).find("NaN or infinity in d_g | d_u at row 13 of the FP8 backward's gate/up "
+                                               "dgrad on rank 1"),
+            std::string::npos);
+  // The smallest key is the first cause: x, then h, then d_out, then d_g | d_u.
+  EXPECT_LT(nonfinite_key(NonFiniteWhere::kHidden, 7, 1 << 20), nonfinite_key(NonFiniteWhere::kDOut, 0, 0));
+  EXPECT_LT(nonfinite_key(NonFiniteWhere::kDOut, 7, 1 << 20), nonfinite_key(NonFiniteWhere::kDGateUp, 0, 0));
   // topk_idx differing from the schedule's ids: the route decoded as token and slot, the call's id.
   StatusReport mismatch;
   mismatch.raw = initial_device_status();

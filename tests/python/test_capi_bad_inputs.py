@@ -431,6 +431,71 @@ class Matrix:
         size = self.lib.mok_bench_layer_context_bytes(self.layer.handle, ERROR, len(ERROR))
         record("context_bytes", self.path, "bytes > 0", size > 0, f"{size} bytes" if size >= 0 else message(), "-")
 
+    def fp8_backward_arguments(self):
+        """mok_bench_layer_backward_fp8 on an FP8 layer with the backward (the shape's I 128 allows it): a transposed
+        copy's pointer null, or its scales', each an error naming the tensor with the outputs untouched; then a good
+        forward + backward on the same layer, whose d_x is bitwise a fresh FP8 layer's."""
+        from fp8_layer_bench import fp8_weight_pointers
+        g = self.good
+        tensors, good = fp8_weight_pointers([g[n] for n in GRADS])  # the 20 pointers (tensors: kept alive here)
+        d_out = torch.randn(T, H, dtype=torch.bfloat16, device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(11))
+        topk_dtype = 1 if g["topk_idx"].dtype == torch.int64 else 0
+
+        def make():
+            handle = self.lib.mok_bench_layer_create(None, 0, torch.cuda.current_device(), *layer_options(
+                **shape_options(), path=self.path, precision="fp8"), ERROR, len(ERROR))
+            if not handle:
+                raise RuntimeError("mok_bench_layer_create (fp8): " + message())
+            return handle
+
+        def call(handle, weights):
+            """rc, message, d_x, and whether every output stayed poisoned, of FP8 forward + backward."""
+            out, d_x = poisoned(T), poisoned(T)
+            d_rw = torch.full((T, K), float("nan"), device="cuda")
+            grads = {n: torch.full_like(g[n], float("nan")) for n in GRADS}
+            stream = torch.cuda.current_stream().cuda_stream
+            rc = self.lib.mok_bench_layer_forward_fp8(handle, g["x"].data_ptr(), g["topk_idx"].data_ptr(), topk_dtype,
+                                                      g["router_weights"].data_ptr(), (ctypes.c_void_p * 12)(*good[:12]),
+                                                      out.data_ptr(), stream, ERROR, len(ERROR))
+            if rc:
+                return rc, "forward_fp8: " + message(), d_x, False
+            rc = self.lib.mok_bench_layer_backward_fp8(
+                handle, g["x"].data_ptr(), g["topk_idx"].data_ptr(), topk_dtype, g["router_weights"].data_ptr(),
+                weights, d_out.data_ptr(), d_x.data_ptr(), d_rw.data_ptr(), *grad_arrays(grads, {}, {}), stream,
+                ERROR, len(ERROR))
+            text = message() if rc else "no error"
+            if rc == 0 and self.lib.mok_bench_layer_check_status(handle, stream, ERROR, len(ERROR)) != 0:
+                rc, text = 2, "status: " + message()
+            torch.cuda.synchronize()
+            untouched = bool(torch.isnan(d_x.float()).all() and torch.isnan(d_rw).all()
+                             and all(torch.isnan(t.float()).all() for t in grads.values()))
+            return rc, text, d_x, untouched
+
+        fresh_handle = make()
+        try:
+            rc, text, fresh, _ = call(fresh_handle, good)
+        finally:
+            self.lib.mok_bench_layer_destroy(fresh_handle)
+        if rc:
+            record("fp8 backward (a good call)", self.path, "runs", False, text, "-")
+            return
+        handle = make()
+        try:
+            for name, slot, needle in (("fp8 backward without expert_gate_up_t", 12, "weights.expert_gate_up_t"),
+                                       ("fp8 backward without expert_down_t's scales", 15,
+                                        "weights.expert_down_t_scales")):
+                bad = (ctypes.c_void_p * 20)(*good)
+                bad[slot] = None
+                rc, text, _, untouched = call(handle, bad)
+                rc_next, text_next, d_x, _ = call(handle, good)
+                next_call = f"FAIL {text_next}" if rc_next else \
+                    "bitwise == fresh" if bitwise_equal(d_x, fresh) else "FAIL differs from a fresh layer"
+                record(name, self.path, f"error naming the tensor ({needle}), outputs untouched",
+                       rc == 1 and needle in text and untouched, text, next_call)
+        finally:
+            self.lib.mok_bench_layer_destroy(handle)
+
     def run(self):
         self.bad_ids()
         self.nonfinite()
@@ -440,6 +505,7 @@ class Matrix:
         self.capacity()
         self.other_entry_points()
         self.backward_arguments()
+        self.fp8_backward_arguments()
         self.layer.close()
 
 
