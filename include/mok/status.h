@@ -38,7 +38,8 @@ enum class NonFiniteWhere : uint32_t {
   kDOut = 2,    // a row of d_out, quantized by the FP8 backward for its down dgrad (a schedule row; for the shared
                 // expert, a token)
   kDGateUp = 3, // a row of d_g | d_u, quantized by the FP8 backward for its gate/up dgrad (a schedule row; for the
-                // shared expert, a token): a NaN from d_out, or the down dgrad's bf16 output overflowing
+                // shared expert, a token): the down dgrad's bf16 output overflowing, or a NaN of x or d_out
+                // (reported first, by their smaller keys, unless the status was reset in between)
 };
 
 // DeviceStatus::nonfinite_key's layout, written by the kernels and read by StatusReport: where << 60 | rank << 40 |

@@ -175,8 +175,8 @@ std::string StatusReport::describe(int num_tokens, int top_k, int num_experts) c
         break;
       default:
         append(out, "NaN or infinity in d_g | d_u at row %" PRId64 " of the FP8 backward's gate/up dgrad on rank %d "
-                    "(the down dgrad's bf16 output overflowed; that row's token gets NaN d_x, other tokens are not "
-                    "affected; the weight gradients get NaN too)\n",
+                    "(the down dgrad's bf16 output overflowed, or a NaN of that row's x; that row's token gets NaN "
+                    "d_x, other tokens are not affected; the weight gradients get NaN too)\n",
                nonfinite_row(), nonfinite_rank());
     }
   }
