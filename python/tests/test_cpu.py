@@ -1224,3 +1224,138 @@ def test_micro_batches_adding_into_one_main_grad_on_the_cpu_stand_in(cpu_workspa
     for n, p in zip(mok.checks.WEIGHT_NAMES, moe.weights().tensors()):
         first, second = (alone[1][n], alone[0][n]) if order == "last-first" else (alone[0][n], alone[1][n])
         assert torch.equal(p.main_grad, first + second), f"{n}: main_grad differs from g1 + g2"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The FP8 layer's Python side (mok.forward_fp8 under autograd, mok.backward_fp8, mok.MoE(precision="fp8")) on the CPU
+# stand-in: weights exactly representable in e4m3 with scales 1, so the FP8 layer's reference is the bf16 layer's and
+# every gradient must be the BF16 path's bits.
+
+
+def _e4m3_exact(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to e4m3 and back (bf16): values the FP8 weights hold exactly with scale 1."""
+    return t.to(torch.float8_e4m3fn).to(torch.bfloat16)
+
+
+def _fake_quantize(weights, power_of_two_scales=False, transposed=False) -> mok.Fp8Weights:
+    """mok.quantize_weights on the CPU for e4m3-exact weights: the values cast, every block scale 1, the transposed
+    copies [gate; up]^T and down^T."""
+    w = mok.Weights.of(weights)
+    blocks = lambda t: torch.ones(*t.shape[:-2], -(-t.shape[-2] // 128), -(-t.shape[-1] // 128))
+    tensors = [None if t is None else t.detach() for t in w.tensors()]
+    values = tuple(None if t is None else t.to(torch.float8_e4m3fn) for t in tensors)
+    scales = tuple(None if t is None else blocks(t) for t in tensors)
+    if not transposed:
+        return mok.Fp8Weights(values, scales)
+    copies = []
+    for gate, up, down in ((0, 1, 2), (3, 4, 5)):
+        if tensors[gate] is None:
+            copies += [None, None]
+            continue
+        gate_up = torch.cat([t for t in (tensors[gate], tensors[up]) if t is not None], dim=-2)
+        copies += [gate_up.transpose(-1, -2).contiguous(), tensors[down].transpose(-1, -2).contiguous()]
+    return mok.Fp8Weights(values, scales, tuple(None if t is None else t.to(torch.float8_e4m3fn) for t in copies),
+                          tuple(None if t is None else blocks(t) for t in copies))
+
+
+class Fp8ReferenceNative(ReferenceNative):
+    """ReferenceNative with the extension's FP8 entry points: the layer on the FP8 weights as given (e4m3 values,
+    scales 1 here), forward and backward as ReferenceNative's."""
+
+    def forward_fp8(self, x, idx, rw, values, scales, out, ctx, stream):
+        assert all(s is None or bool((s == 1).all()) for s in scales), "the stand-in takes scales 1 only"
+        weights = [None if v is None else v.view(torch.float8_e4m3fn).to(torch.bfloat16) for v in values]
+        self.forward(x, idx, rw, *weights, out, ctx, stream, False)
+
+    def backward_fp8(self, d_out, x, idx, rw, values, scales, transposed, transposed_scales, d_x, d_rw, grads,
+                     accumulate, ctx, stream):
+        assert len(transposed) == len(transposed_scales) == 4
+        self.backward(d_out, x, idx, rw, None, d_x, d_rw, grads, accumulate, ctx, stream)
+
+
+@pytest.fixture
+def cpu_fp8_workspace(cpu_workspace):
+    """The CPU stand-in's FP8 twin (Config(precision="fp8")); cpu_workspace, the BF16 one, beside it."""
+    yield mok.Workspace(SHAPE, mok.Config(precision="fp8"), torch.device("cpu"), 0, Fp8ReferenceNative())
+
+
+def _exact_weights(seed, shared=True):
+    w = make_weights(SHAPE, "cpu", seed=seed)
+    return mok.Weights(*[None if t is None or (not shared and n >= 3) else _e4m3_exact(t)
+                         for n, t in enumerate(w.tensors())])
+
+
+@pytest.mark.parametrize("frozen_up", [False, True])
+def test_fp8_autograd_on_the_cpu_stand_in(cpu_workspace, cpu_fp8_workspace, frozen_up):
+    """mok.forward_fp8 under autograd (master_weights: the bf16 weights) gives mok.forward's gradients bit for bit
+    (x, router weights, every master weight; a frozen expert_up gets none and its partner still its own), and
+    mok.backward_fp8 gives the same; fp32 main_grads accumulated twice are (0 + g) + g; a second forward on the
+    context before the backward raises."""
+    w = _exact_weights(120)
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=121)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(122)).to(torch.bfloat16)
+    qw = _fake_quantize(w, transposed=True)
+    results = []
+    for fp8 in (False, True):
+        leaves = [x.clone().requires_grad_(), rw.clone().requires_grad_()]
+        masters = mok.Weights(*[None if t is None else t.clone().requires_grad_(not (frozen_up and n == 1))
+                                for n, t in enumerate(w.tensors())])
+        if fp8:
+            out, _ = mok.forward_fp8(cpu_fp8_workspace, leaves[0], idx, leaves[1], qw,
+                                     cpu_fp8_workspace.make_context(), master_weights=masters)
+        else:
+            out, _ = mok.forward(cpu_workspace, leaves[0], idx, leaves[1], masters, cpu_workspace.make_context())
+        out.backward(d_out)
+        results.append([out.detach(), leaves[0].grad, leaves[1].grad] + [None if t is None else t.grad
+                                                                          for t in masters.tensors()])
+    for n, (a, b) in enumerate(zip(*results)):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"output {n}: FP8 vs BF16 path"
+    assert (results[1][4] is None) == frozen_up and results[1][3] is not None
+    _, ctx = mok.forward_fp8(cpu_fp8_workspace, x, idx, rw, qw)
+    d_x, d_rw, grads = mok.backward_fp8(cpu_fp8_workspace, d_out, x, idx, rw, qw, ctx, grad_dtype=torch.float32)
+    assert torch.equal(d_x, results[0][1]) and torch.equal(d_rw, results[0][2])
+    main = mok.main_grads(w)
+    for _ in range(2):
+        _, ctx = mok.forward_fp8(cpu_fp8_workspace, x, idx, rw, qw, ctx)
+        mok.backward_fp8(cpu_fp8_workspace, d_out, x, idx, rw, qw, ctx, main_grads=main)
+    for n, (m, g) in enumerate(zip(main.tensors(), grads.tensors())):
+        assert torch.equal(m, (torch.zeros_like(g) + g) + g), f"weight {n}: main_grads"
+    leaf = x.clone().requires_grad_()
+    out, ctx = mok.forward_fp8(cpu_fp8_workspace, leaf, idx, rw, qw)
+    mok.forward_fp8(cpu_fp8_workspace, x, idx, rw, qw, ctx)
+    with pytest.raises(RuntimeError, match="overwritten by a later forward") as raised:
+        out.backward(d_out)
+    assert "recompute=True" not in str(raised.value), "FP8 has no recompute to suggest"
+    with pytest.raises(ValueError, match="quantized without the transposed copies"):
+        mok.forward_fp8(cpu_fp8_workspace, leaf, idx, rw, _fake_quantize(w))
+
+
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_fp8_module_trains_like_bf16_on_the_cpu_stand_in(cpu_workspace, cpu_fp8_workspace, monkeypatch, main_grad):
+    """mok.MoE(precision="fp8") with e4m3-exact parameters: two steps of gradients (or main_grad accumulated)
+    bitwise the BF16 module's; after an optimizer step the weights are quantized again (the step's values are
+    rounded to e4m3 first, so that they stay exact); recompute=True is refused naming the option."""
+    monkeypatch.setattr(mok.module, "quantize_weights", _fake_quantize)
+    blocks = [cpu_block(ws, 130, context=ws.make_context(), main_grad=main_grad)
+              for ws in (cpu_workspace, cpu_fp8_workspace)]
+    for b in blocks:
+        with torch.no_grad():
+            for p in b.weights().tensors():
+                if p is not None:
+                    p.copy_(_e4m3_exact(p))
+        if main_grad:
+            b.allocate_main_grads()
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=131)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(132)).to(torch.bfloat16)
+    for step in range(2):
+        got = [_step([b], [b], x, idx, rw, d_out) for b in blocks]
+        _assert_same(got[1], got[0], f"step {step}: FP8 module vs BF16 module")
+        for b in blocks:
+            with torch.no_grad():
+                for p in b.weights().tensors():
+                    if p is not None:
+                        g = p.main_grad if main_grad else p.grad
+                        p.copy_(_e4m3_exact(p - 0.25 * g))
+    with pytest.raises(RuntimeError, match="recompute=True\\) with Config\\(precision='fp8'\\)"):
+        cpu_block(cpu_fp8_workspace, 133, context=cpu_fp8_workspace.make_context(), recompute=True)(
+            x.clone().requires_grad_(), idx, rw)
