@@ -3,6 +3,7 @@ GPU each, an NCCL process group; get_workspace builds the library's communicator
 Every rank makes the same global weights (each passes its experts' slice) and checks its output and its
 gradients against the float64 reference (its tokens; its experts' gradients over both ranks' tokens), and
 mok.MoE over the group against the same layer run whole on one GPU."""
+import contextlib
 import dataclasses
 import os
 import socket
@@ -27,13 +28,34 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _rank_main(rank, port, results):
+@contextlib.contextmanager
+def _process_group(rank, port):
+    """This process's NCCL process group of EP ranks on GPU `rank` (no NVLink multicast: docs/design.md), yielding
+    torch.distributed; destroyed on the way out."""
     import torch.distributed as dist
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (docs/design.md)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=EP,
                             device_id=torch.device("cuda", rank))
     try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(rank_main):
+    """{rank: result} of rank_main(rank, port, results) run in EP processes, one GPU each; skips with fewer GPUs."""
+    if torch.cuda.device_count() < EP:
+        pytest.skip(f"needs {EP} GPUs, {torch.cuda.device_count()} visible")
+    import torch.multiprocessing as mp
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(rank_main, args=(_free_port(), results), nprocs=EP, join=True)
+        return dict(results)
+
+
+def _rank_main(rank, port, results):
+    with _process_group(rank, port) as dist:
         shape = dataclasses.replace(GLOBAL, ep_size=EP)
         ws = mok.get_workspace(mok.Config(), dist.group.WORLD, shape.num_tokens, shape.hidden, shape.intermediate,
                                shape.top_k, shape.num_experts)
@@ -50,18 +72,10 @@ def _rank_main(rank, port, results):
         error = relative_error(out, reference(GLOBAL, x, idx, rw, full))
         results[rank] = (error, torch.equal(out, again), mok.nccl_versions())
         ws.close()  # collective: every rank, here (docs/design.md, "Lifetimes")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ep2_forward_through_a_process_group():
-    if torch.cuda.device_count() < EP:
-        pytest.skip(f"needs {EP} GPUs, {torch.cuda.device_count()} visible")
-    import torch.multiprocessing as mp
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank_main, args=(_free_port(), results), nprocs=EP, join=True)
-        results = dict(results)
+    results = _spawn(_rank_main)
     for rank in range(EP):
         error, rerun_equal, versions = results[rank]
         print(f"rank {rank}: relative error {error:.3e}, NCCL (compiled, loaded) {versions}")
@@ -76,12 +90,7 @@ def _slice_experts(full, rank, e):
 
 
 def _backward_rank_main(rank, port, results):
-    import torch.distributed as dist
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=EP,
-                            device_id=torch.device("cuda", rank))
-    try:
+    with _process_group(rank, port) as dist:
         shape = dataclasses.replace(GLOBAL, ep_size=EP)
         ws = mok.get_workspace(mok.Config(), dist.group.WORLD, shape.num_tokens, shape.hidden, shape.intermediate,
                                shape.top_k, shape.num_experts)
@@ -128,18 +137,10 @@ def _backward_rank_main(rank, port, results):
         results[rank] = (errors, finite, rerun, autograd_equal, replicas_equal, module_finite)
         ws.close()  # collective: every rank, in the same order
         moe.workspace.close()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ep2_backward_through_a_process_group():
-    if torch.cuda.device_count() < EP:
-        pytest.skip(f"needs {EP} GPUs, {torch.cuda.device_count()} visible")
-    import torch.multiprocessing as mp
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_backward_rank_main, args=(_free_port(), results), nprocs=EP, join=True)
-        results = dict(results)
+    results = _spawn(_backward_rank_main)
     for rank in range(EP):
         errors, finite, rerun, autograd_equal, replicas_equal, module_finite = results[rank]
         print(f"rank {rank}: relative errors " + ", ".join(f"{n} {v:.2e}" for n, v in errors.items()))
@@ -153,12 +154,7 @@ def test_ep2_backward_through_a_process_group():
 
 
 def _fp8_rank_main(rank, port, results):
-    import torch.distributed as dist
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=EP,
-                            device_id=torch.device("cuda", rank))
-    try:
+    with _process_group(rank, port) as dist:
         shape = dataclasses.replace(GLOBAL, ep_size=EP)
         make = lambda config: mok.get_workspace(config, dist.group.WORLD, shape.num_tokens, shape.hidden,
                                                 shape.intermediate, shape.top_k, shape.num_experts)
@@ -194,21 +190,13 @@ def _fp8_rank_main(rank, port, results):
         results[rank] = (errors, rerun, explicit_equal, module_finite)
         for w in (ws8, ws16, moe.workspace):
             w.close()  # collective: every rank, in the same order
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ep2_fp8_training_through_a_process_group():
     """Config(precision="fp8") at EP = 2 on the fused path's default ring (every capacity row): autograd through
     mok.forward_fp8 within the FP8 recipe's error of the BF16 layer's gradients (about 0.065, as at EP = 1),
     reruns and the explicit mok.backward_fp8 bitwise, and mok.MoE(precision="fp8") over the group trains."""
-    if torch.cuda.device_count() < EP:
-        pytest.skip(f"needs {EP} GPUs, {torch.cuda.device_count()} visible")
-    import torch.multiprocessing as mp
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_fp8_rank_main, args=(_free_port(), results), nprocs=EP, join=True)
-        results = dict(results)
+    results = _spawn(_fp8_rank_main)
     for rank in range(EP):
         errors, rerun, explicit_equal, module_finite = results[rank]
         print(f"rank {rank}: FP8 vs BF16 normwise " + ", ".join(f"{n} {v:.4f}" for n, v in errors.items()))
