@@ -102,13 +102,14 @@ def weight_dims(shape: LayerShape, fused_gate_up: bool):
     return dims
 
 
-def check_weights(shape: LayerShape, device: torch.device, weights: Weights) -> None:
+def check_weights(shape: LayerShape, device: torch.device, weights: Weights, prefix: str = "") -> None:
+    """The six bf16 weights of the shape, named `prefix` + the field in a message."""
     dims = weight_dims(shape, weights.expert_up is None)
     for name, (letters, extents) in dims.items():
-        check_tensor(name, getattr(weights, name), (torch.bfloat16,), letters, extents, device)
+        check_tensor(prefix + name, getattr(weights, name), (torch.bfloat16,), letters, extents, device)
     if not shape.shared_expert:
         for name in ("shared_gate", "shared_up", "shared_down"):
-            _check_absent(name, getattr(weights, name), "the workspace was made with shared_expert=False")
+            _check_absent(prefix + name, getattr(weights, name), "the workspace was made with shared_expert=False")
 
 
 def check_backward_args(shape: LayerShape, device: torch.device, d_out, x, topk_idx, router_weights,

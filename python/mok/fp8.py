@@ -206,7 +206,7 @@ def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: tor
     _check_fp8_weights(ws, weights)
     if master_weights is not None:
         master_weights = Weights.of(master_weights)
-        check_weights(ws.shape, ws.device, master_weights)
+        check_weights(ws.shape, ws.device, master_weights, "master_weights.")
         if (master_weights.expert_up is None) != (weights.values[1] is None):
             raise ValueError("master_weights: gate and up fused in one of master_weights and weights, not in both "
                              "(quantize the master weights themselves)")
@@ -234,7 +234,7 @@ def fp8_layer_forward(ws, ctx, x, topk_idx, router_weights, weights: Fp8Weights,
     _check_call(ws, "forward_fp8")
     _check_inputs(ws, x, topk_idx, router_weights)
     _check_fp8_weights(ws, weights, backward=True)
-    check_weights(ws.shape, ws.device, master_weights)
+    check_weights(ws.shape, ws.device, master_weights, "master_weights.")
     return Fp8LayerFunction.apply(ws, ctx, targets, weights, x, topk_idx, router_weights, *master_weights.tensors())
 
 

@@ -107,6 +107,11 @@ CASES = [
     ('mok.forward_fp8(ws8, x.detach().requires_grad_(), idx, rw, q8)', RuntimeError,
      "mok.forward_fp8: a differentiable call (x, router_weights or master_weights requires grad) on a workspace made "
      "with Config(backward=False)"),
+    ('mok.forward_fp8(ws8, x, idx, rw, q8, master_weights=mok.Weights(torch.cat([w.expert_gate, w.expert_up], 1), '
+     'None, *w.tensors()[2:]))', ValueError,
+     "master_weights: gate and up fused in one of master_weights and weights, not in both"),
+    ('mok.forward_fp8(ws8, x, idx, rw, q8, master_weights=mok.Weights(w.expert_gate.float(), *w.tensors()[1:]))',
+     ValueError, "master_weights.expert_gate: expected a contiguous bf16 tensor"),
     ('mok.backward_fp8(ws, d_out, x, idx, rw, q8, ctx)', ValueError,
      "mok.backward_fp8: the workspace is Config(precision='bf16')"),
     ('mok.backward_fp8(ws8, d_out, x, idx, rw, q8, ctx)', ValueError,
