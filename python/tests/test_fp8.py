@@ -229,6 +229,11 @@ def _autograd(forward, x, rw, w, d_out):
     return out.detach(), x.grad, rw.grad, [None if t is None else t.grad for t in w.tensors()]
 
 
+def _d_out(seed):
+    """An upstream gradient d_out bf16 [T, H] ~ N(0, 1)."""
+    return torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).bfloat16()
+
+
 def _normwise(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -240,7 +245,7 @@ def test_fp8_backward_against_bf16(shared):
     come from bf16 activations and the FP8 forward's h), reruns bitwise, and the explicit mok.backward_fp8 gives
     autograd's bits."""
     x, idx, rw, w = _inputs(1850 + shared, shared)
-    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).bfloat16()
+    d_out = _d_out(7)
     with _training_workspace(shared) as ws8, mok.get_workspace(mok.Config(path="unfused"), None, T, H, I, K, E,
                                                                shared_expert=shared) as ws16:
         qw = mok.quantize_weights(w, transposed=True)
@@ -274,7 +279,7 @@ def test_fp8_backward_paths_grad_modes_and_token_counts():
     accumulated twice, are (0 + g) + g of them bit for bit; T tokens below the workspace's (0 included) give those
     of a workspace for exactly them (no expert row of another call's tokens), 0 tokens zero weight gradients."""
     x, idx, rw, w = _inputs(1860)
-    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(8)).bfloat16()
+    d_out = _d_out(8)
     qw = mok.quantize_weights(w, transposed=True)
     with _training_workspace() as wsu, _training_workspace(path="fused") as wsf:
         results = []
@@ -362,7 +367,7 @@ def test_fp8_backward_bad_inputs_raise_and_the_next_call_works():
     overwritten by a later forward, an inference workspace: each a clear error, and the next good backward gives
     the bits of one never refused."""
     x, idx, rw, w = _inputs(1880)
-    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9)).bfloat16()
+    d_out = _d_out(9)
     with _training_workspace() as ws, _fp8_workspace() as inference:
         qw = mok.quantize_weights(w, transposed=True)
         _, ctx = mok.forward_fp8(ws, x, idx, rw, qw)
@@ -399,7 +404,7 @@ def test_fp8_backward_scale_edge_cases():
     its token's d_x and d_rw NaN, every other token's bitwise the clean call's; after a reset the next clean call is
     bitwise clean."""
     x, idx, rw, w = _inputs(1890)
-    d_out = torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(10)).bfloat16()
+    d_out = _d_out(10)
     qw = mok.quantize_weights(w, transposed=True)
     with _training_workspace() as ws:
         def run(d):
