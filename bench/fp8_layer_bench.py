@@ -16,8 +16,9 @@ does; rows grouped by expert and padded to 16 as torchtitan does; routed experts
 a smaller job than our layer's).
 With --backward: forward + backward instead (issue 28's bar: FP8 forward + backward against our BF16's), each path's
 layer built with the backward; the FP8 backward is the stage kernels (docs/design.md, "FP8 backward") after the FP8
-forward of that path, bf16's the stage kernels after its forward; weight gradients bf16, written. Also printed: the
-FP8 d_x's normwise error against BF16's and each layer's forward context bytes (issue 28 item 3).
+forward of that path, bf16's the stage kernels after its forward; weight gradients bf16, written. The FP8 fused layer
+also with keep_gate_up=False (its backward recomputes g | u and h: the same bits, a smaller context). Also printed:
+the FP8 d_x's normwise error against BF16's and each layer's forward context bytes (issue 28 item 3).
 Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
        [--breakdown] [--backward]
 """
@@ -210,20 +211,23 @@ def run_backward(lib, args):
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"FP8 layer forward + backward, {torch.cuda.get_device_name()}, EP=1, {args.tokens} tokens, E = E_global / "
           f"{args.experts_per}, median of {args.iters}, weight gradients bf16 written")
-    print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'fp8f_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} {'fp8/bf16':>8s} "
-          f"{'fp8f/fused':>10s} {'fp8f_TF':>7s} {'dx_err':>8s} {'dw_err':>8s} {'ctx8_MiB':>8s} {'ctx_MiB':>8s}   "
+    print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'fp8f_ms':>8s} {'fp8r_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} "
+          f"{'fp8/bf16':>8s} {'fp8f/fused':>10s} {'fp8r/fused':>10s} {'fp8f_TF':>7s} {'dx_err':>8s} {'dw_err':>8s} "
+          f"{'r==f':>5s} {'ctx8_MiB':>8s} {'ctx8r_MiB':>9s} {'ctx_MiB':>8s}   "
           "(forward + backward ms: fp8 the FP8 unfused forward, fp8f the FP8 fused one, each then the FP8 stage "
-          "backward; bf16 unfused, fused, each then bf16's stage backward; ratios: speed-ups; dx_err, dw_err: normwise "
-          "|fp8 - bf16| / |bf16| of d_x and of the routed down weight gradient; ctx: forward context bytes, FP8 and "
-          "bf16 fused)")
+          "backward; fp8r the fused one with keep_gate_up=False (the backward recomputes g | u and h); bf16 unfused, "
+          "fused, each then bf16's stage backward; ratios: speed-ups; dx_err, dw_err: normwise |fp8 - bf16| / |bf16| "
+          "of d_x and of the routed down weight gradient; r==f: fp8r's gradients bitwise fp8f's; ctx: forward "
+          "context bytes, FP8 fused (g | u and h kept), FP8 recompute, bf16 fused)")
 
     def run_shape(name, experts, label, hidden, inter, top_k, shared):
         t = args.tokens
         common = dict(ep_size=1, num_tokens=t, top_k=top_k, num_experts=experts, hidden=hidden, intermediate=inter,
                       shared_expert=bool(shared))
-        paths = {"fp8": ("unfused", "fp8"), "fp8f": ("fused", "fp8"), "bf16": ("unfused", "bf16"),
-                 "fused": ("fused", "bf16")}
-        layers = {p: create(lib, path=path, precision=precision, **common) for p, (path, precision) in paths.items()}
+        paths = {"fp8": ("unfused", "fp8", True), "fp8f": ("fused", "fp8", True), "fp8r": ("fused", "fp8", False),
+                 "bf16": ("unfused", "bf16", True), "fused": ("fused", "bf16", True)}
+        layers = {p: create(lib, path=path, precision=precision, keep_gate_up=keep, **common)
+                  for p, (path, precision, keep) in paths.items()}
         try:
             x, topk_idx, rw, w = random_problem(gen, t, experts, hidden, inter, top_k, shared)
             d_out = torch.randn(t, hidden, device="cuda", generator=gen).bfloat16()
@@ -264,14 +268,17 @@ def run_backward(lib, args):
             norm_err = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
             dx_err = norm_err(d_x["fp8f"], d_x["fused"])
             dw_err = norm_err(grads["fp8f"]["expert_down"], grads["fused"]["expert_down"])
+            same = all(torch.equal(a, b) for a, b in [(d_x["fp8r"], d_x["fp8f"]), (d_rw["fp8r"], d_rw["fp8f"])] +
+                       [(grads["fp8r"][n], grads["fp8f"][n]) for n in grads["fp8f"]])
             ms = dict(zip(layers, time_ms(fns, args.iters)))
             for layer in layers.values():
                 check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
             ctx = {p: lib.mok_bench_layer_context_bytes(layers[p], ERROR, len(ERROR)) / 2**20 for p in layers}
             flops = 18.0 * t * (top_k + int(bool(shared))) * hidden * inter  # forward 6, backward 12 per row
-            print(f"{label:16s} {experts:4d} {ms['fp8']:8.3f} {ms['fp8f']:8.3f} {ms['bf16']:8.3f} {ms['fused']:8.3f} "
-                  f"{ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8f']:10.2f} {flops / ms['fp8f'] / 1e9:7.0f} "
-                  f"{dx_err:8.4f} {dw_err:8.4f} {ctx['fp8f']:8.1f} {ctx['fused']:8.1f}", flush=True)
+            print(f"{label:16s} {experts:4d} {ms['fp8']:8.3f} {ms['fp8f']:8.3f} {ms['fp8r']:8.3f} {ms['bf16']:8.3f} "
+                  f"{ms['fused']:8.3f} {ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8f']:10.2f} "
+                  f"{ms['fused'] / ms['fp8r']:10.2f} {flops / ms['fp8f'] / 1e9:7.0f} {dx_err:8.4f} {dw_err:8.4f} "
+                  f"{'yes' if same else 'NO':>5s} {ctx['fp8f']:8.1f} {ctx['fp8r']:9.1f} {ctx['fused']:8.1f}", flush=True)
             del fp8_tensors
         finally:
             for layer in layers.values():

@@ -35,6 +35,7 @@
 // kFP8 kSwiGLU with out_scales: h is written quantized as the down GEMM's A, e4m3 with one scale per row per 128
 // columns (include/mok/fp8.h's recipe applied to the bf16 h the plain kSwiGLU writes: the same bits as kSwiGLU
 // followed by quantize_rows_fp8); a task computes 128 h columns, one scale block (two 64-column tiles in turn).
+// With gate_up_out it also writes the bf16 g | u and h (hidden_out) a training context keeps: kSwiGLU's bits.
 #pragma once
 
 #include <cstdint>
@@ -126,7 +127,10 @@ struct ExpertGemmArgs {
                                 // here, fp32 [ceil(n / 128), a_rows] (the down GEMM's a and a_scales)
   bool out_scales_power_of_two = false;  // with out_scales: scales rounded up to powers of two (include/mok/fp8.h)
   void* gate_up_out = nullptr;  // kSwiGLU, optional: bf16 [a_rows, 2n], the raw g (columns [0, n)) and u
-                                // ([n, 2n)) of every row, before the clamp (what the backward reads)
+                                // ([n, 2n)) of every row, before the clamp (what the backward reads); with
+                                // out_scales, given with hidden_out
+  void* hidden_out = nullptr;   // kFP8 kSwiGLU with out_scales and gate_up_out: bf16 [a_rows, n], h before its
+                                // quantization (kSwiGLU's out)
   const void* gate_up = nullptr;  // kSwiGLUBackward: bf16 [a_rows, 2n], the forward's g and u (gate_up_out)
   float* row_partials = nullptr;  // kSwiGLUBackward: fp32 [a_rows, gemm_n_blocks(kSwiGLUBackward, n)]
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);

@@ -141,7 +141,9 @@ struct MoeOptions {
   bool keep_gate_up = true;  // the forward keeps each row's raw g and u (bf16, 2I per row) in the context,
                              // so the backward needs no gate/up recompute when the context holds every row;
                              // false: the backward recomputes them from the kept x rows (docs/design.md,
-                             // "Saved and recomputed", has the measured time and memory of both)
+                             // "Saved and recomputed", has the measured time and memory of both). FP8 with
+                             // the backward: g | u and the bf16 h (3I bf16 per row) beside the quantized h;
+                             // FP8 without it keeps neither
   bool gather_rows = false;  // unfused path: the routed gate/up GEMM reads the rows from this rank's tokens
                              // straight from x into its shared memory (docs/design.md, "Row gather in the
                              // gate/up producer"); the expert-major copy of x is then skipped at EP = 1 without
@@ -414,9 +416,9 @@ class MoeWorkspace {
   // without a shared expert --, d_rw, and the per-rank scratch; docs/design.md, "Backward"); 0 without
   // MoeOptions::backward.
   int64_t backward_bytes() const { return backward_bytes_; }
-  // Whether the backward recomputes routed rows' g, u and h: all rows without MoeOptions::keep_gate_up or in
-  // FP8 (whose context keeps x's FP8 rows, no g | u); with it, the rows past a fused forward's ring when the ring
-  // is below the capacity (the kept ones are copied).
+  // Whether the backward recomputes routed rows' g, u and h: all rows without MoeOptions::keep_gate_up (FP8: from
+  // the context's FP8 x rows); with it, the rows past a fused forward's ring when the ring is below the capacity
+  // (the kept ones are copied).
   bool recomputes_gate_up() const { return !context_keeps_gate_up() || ring_rows_ < capacity_rows(); }
 
  private:
@@ -456,9 +458,9 @@ class MoeWorkspace {
     return options_.backward && options_.path == ForwardPath::kFused && options_.fused.backward_megakernel;
   }
   bool fp8() const { return options_.precision == Precision::kFP8; }
-  // The forward's context holds each row's g | u (MoeOptions::keep_gate_up; an FP8 context never does: its
-  // backward recomputes them from x's FP8 rows).
-  bool context_keeps_gate_up() const { return options_.keep_gate_up && !fp8(); }
+  // The forward's context holds each row's g | u and h (MoeOptions::keep_gate_up; in FP8 only with the backward,
+  // bf16 g | u and h beside the quantized h: detail::context_keeps_gate_up).
+  bool context_keeps_gate_up() const;
   // The local combine (docs/design.md, "The combine at EP = 1"): with one rank every expert row is this rank's,
   // so the combine reads the expert-major rows through the schedule's route_row and nothing is pushed: the
   // stage-kernel backward's d_x rows; not with scatter_rows (the rows are in the combine buffer then).

@@ -49,7 +49,9 @@ class Config:
     backward         allocate the backward's buffers (False: an inference-only workspace; backward and
                      recompute_forward_context raise)
     keep_gate_up     the forward keeps each row's g and u (2 * intermediate bf16 per row) in the context, so the
-                     backward skips their recompute (False: recomputed; same bits, less memory, slower)
+                     backward skips their recompute (False: recomputed; same bits, less memory, slower); with
+                     precision="fp8" and backward=True also the bf16 h (3 * intermediate bf16 per row beside the
+                     quantized h)
     context_budget_bytes  fused path with macrobatch_rows 0: device bytes one layer's context may hold; the
                      ring is the largest multiple of 128 rows of the balanced share that fits, the backward
                      recomputes the rest (0: no budget)
@@ -68,8 +70,8 @@ class Config:
                      mok.forward_fp8 and mok.backward_fp8); "fp8" needs gather_rows, scatter_rows and
                      backward_megakernel False for now, and with backward=True an intermediate size that is a
                      multiple of 128 and a context that keeps every row (the unfused path, or context_budget_bytes
-                     0, or macrobatch_rows at least the capacity: the FP8 backward recomputes g, u and h from the
-                     context's FP8 x rows)
+                     0, or macrobatch_rows at least the capacity: the FP8 backward reads g, u and h from it, or
+                     recomputes them from its FP8 x rows)
     fp8_power_of_two_scales  precision="fp8": the activations' scales (x's and h's, per 1 x 128) rounded up to
                      powers of two (the weights' are chosen by mok.quantize_weights(power_of_two_scales=...));
                      True needs precision="fp8"

@@ -72,7 +72,7 @@ int n_blocks(const ExpertGemmArgs& args) {
   const int columns = args.epilogue == GemmEpilogue::kStore ? fp8_store_block_n(args.block_n, args.n)
                       : args.epilogue == GemmEpilogue::kSwiGLUBackward
                           ? detail::Fp8GemmTraits<gemm::SwiGLUBackwardEpilogue, 1>::kOutCols
-                      : args.out_scales != nullptr ? detail::Fp8GemmTraits<gemm::SwiGLUQuantEpilogue, 1>::kOutCols
+                      : args.out_scales != nullptr ? detail::Fp8GemmTraits<gemm::SwiGLUQuantEpilogue<false>, 1>::kOutCols
                                                    : detail::Fp8GemmTraits<gemm::SwiGLUEpilogue<false>, 1>::kOutCols;
   return (args.n + columns - 1) / columns;
 }
@@ -173,8 +173,9 @@ void validate(const ExpertGemmArgs& args) {
     require(args.b_up_scales == nullptr || reinterpret_cast<uintptr_t>(args.b_up_scales) % 4 == 0,
             "b_up_scales must be a 4-byte aligned fp32 buffer");
     if (args.out_scales != nullptr) {
-      require(swiglu && args.gate_up_out == nullptr,
-              "out_scales (h written quantized) is for kSwiGLU without gate_up_out");
+      require(swiglu, "out_scales (h written quantized) is only for kSwiGLU");
+      require((args.gate_up_out == nullptr) == (args.hidden_out == nullptr),
+              "out_scales: gate_up_out and hidden_out (the bf16 g | u and h beside the quantized h) go together");
       require(reinterpret_cast<uintptr_t>(args.out_scales) % 4 == 0,
               "out_scales must be a 4-byte aligned fp32 [ceil(n / 128), a_rows] buffer");
       // A cluster's two CTAs run the same stages (A is multicast): both tasks need their two halves.
@@ -221,6 +222,8 @@ void validate(const ExpertGemmArgs& args) {
   require(args.n > 0 && args.n % 64 == 0, "n must be a positive multiple of 64, got " + std::to_string(args.n));
   require(args.gate_up_out == nullptr || (swiglu && aligned16(args.gate_up_out)),
           "gate_up_out is only for kSwiGLU and must be 16-byte aligned");
+  require(args.hidden_out == nullptr || (fp8 && args.out_scales != nullptr && aligned16(args.hidden_out)),
+          "hidden_out is only for kFP8 kSwiGLU with out_scales and must be 16-byte aligned");
   require(args.gate_up == nullptr || backward, "gate_up is only for kSwiGLUBackward");
   require(!backward || (args.gate_up != nullptr && aligned16(args.gate_up)),
           "kSwiGLUBackward needs gate_up: a non-null, 16-byte aligned bf16 [a_rows, 2n] buffer");
@@ -302,8 +305,10 @@ void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
       launch_fp8<gemm::StoreEpilogue>(args, cluster_n, stream);
     else if (args.epilogue == GemmEpilogue::kSwiGLUBackward)
       launch_fp8<gemm::SwiGLUBackwardEpilogue>(args, cluster_n, stream);
+    else if (args.out_scales != nullptr && args.gate_up_out != nullptr)
+      launch_fp8<gemm::SwiGLUQuantEpilogue<true>>(args, cluster_n, stream);
     else if (args.out_scales != nullptr)
-      launch_fp8<gemm::SwiGLUQuantEpilogue>(args, cluster_n, stream);
+      launch_fp8<gemm::SwiGLUQuantEpilogue<false>>(args, cluster_n, stream);
     else if (args.gate_up_out != nullptr)
       launch_fp8<gemm::SwiGLUEpilogue<true>>(args, cluster_n, stream);
     else

@@ -52,7 +52,7 @@ int fused_grid(const PeerGroup& group, const MoeShape& shape, const MoeOptions& 
   for (int r : group.local_ranks()) {
     const int device = group.device(r);
     DeviceGuard guard(device);
-    int ctas = fp8 ? detail::fused_fp8_grid_ctas(shape, device)
+    int ctas = fp8 ? detail::fused_fp8_grid_ctas(shape, detail::context_keeps_gate_up(options), device)
                    : detail::fused_grid_ctas(shape, options.keep_gate_up, device);
     if (options.fused.backward_megakernel)  // plan_workspace: only with the backward
       ctas = std::min(ctas, detail::fused_backward_grid_ctas(shape, device)) / cluster_n * cluster_n;
@@ -247,6 +247,8 @@ const MoeWorkspace::RankState& MoeWorkspace::state(int rank) const {
   return ranks_[rank];
 }
 
+bool MoeWorkspace::context_keeps_gate_up() const { return detail::context_keeps_gate_up(options_); }
+
 WaitBound MoeWorkspace::wait_bound(int rank) const {
   return {schedule_.device_status(rank), options_.schedule.wait_timeout_s, rank};
 }
@@ -257,7 +259,7 @@ ForwardContext MoeWorkspace::make_context(int rank, cudaStream_t stream) const {
   require_open("make_context");
   const RankState& s = state(rank);
   const detail::ContextLayout layout = detail::context_layout(
-      shape_, options_.keep_gate_up, schedule_.schedule_elements(), ring_rows_, padded_tokens_, fp8());
+      shape_, context_keeps_gate_up(), schedule_.schedule_elements(), ring_rows_, padded_tokens_, fp8());
   ForwardContext ctx;
   ctx.allocation_ = DeviceBuffer(s.device, layout.buffers.total_bytes());
   ctx.owner_ = id_;
@@ -546,7 +548,7 @@ void mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& 
     gate_up.out = m.hidden_fp8;  // h quantized per 1 x 128 by the SwiGLU epilogue: the down GEMM's A
     gate_up.out_scales = m.hidden_scales;
     gate_up.out_scales_power_of_two = options.fp8_power_of_two_scales;
-    gate_up.gate_up_out = nullptr;  // the FP8 backward recomputes g and u from the context's x rows
+    gate_up.hidden_out = m.gate_up != nullptr ? m.hidden : nullptr;  // a training context's bf16 h beside g | u
     down.a = m.hidden_fp8;
     down.a_scales = m.hidden_scales;
     down.b_scales = m.down_scales;

@@ -286,6 +286,10 @@ void check_layer_inputs(const RankForward& f, const MoeShape& s, int device, Pre
 }  // namespace detail
 namespace detail {
 
+bool context_keeps_gate_up(const MoeOptions& options) {
+  return options.keep_gate_up && (options.precision != Precision::kFP8 || options.backward);
+}
+
 int64_t context_bytes(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
                       int64_t padded_tokens, bool fp8) {
   return context_layout(s, keep_gate_up, schedule_elements, ring_rows, padded_tokens, fp8).buffers.total_bytes();
@@ -301,14 +305,15 @@ int64_t choose_ring_rows(const MoeShape& s, const MoeOptions& options, int64_t c
   // rounded down to the megakernel's 128-row units. A capacity within it is kept whole (EP = 1: the default
   // capacity is the share); above it (EP > 1: the load factor's headroom for imbalance) the ring stops at the
   // share, and the rows an imbalanced step schedules past it are replayed by the backward.
-  // The FP8 backward recomputes g, u and h from the context's FP8 x rows: its ring is every row, the capacity.
+  // The FP8 backward keeps g, u and h or recomputes them from the context's FP8 x rows: its ring is every row, the
+  // capacity.
   const bool every_row = options.precision == Precision::kFP8 && options.backward;
   const int64_t balanced = expected_load_capacity_rows(s.routing(), options.schedule.tile_m, 1.0);
   const int64_t share = std::max<int64_t>(128, balanced / 128 * 128);
   const int64_t limit = every_row || balanced >= capacity_rows ? capacity_rows : std::min(capacity_rows, share);
   // The layout make_context allocates, FP8's included (its rows cost other bytes than bf16's).
   const auto bytes = [&](int64_t rows) {
-    return context_bytes(s, options.keep_gate_up, schedule_elements, rows, padded_tokens,
+    return context_bytes(s, context_keeps_gate_up(options), schedule_elements, rows, padded_tokens,
                          options.precision == Precision::kFP8);
   };
   if (budget == 0 || bytes(limit) <= budget) return limit;

@@ -39,6 +39,9 @@ void check_backward_inputs(const RankBackward& b, const MoeShape& s, int device,
 // context_layout (src/host/moe_layouts.h): the schedule, the kept x rows, h (and g | u with keep_gate_up) of
 // `ring_rows` rows and the shared expert's h (and g | u) of `padded_tokens` rows, each buffer rounded up to
 // 256 bytes. fp8: MoeOptions::precision kFP8's layout (FP8 h and the rows' scales, no g | u).
+// MoeOptions::keep_gate_up as the context honours it: bf16 always, FP8 with the backward (an inference context
+// keeps only the quantized h the down GEMM reads).
+bool context_keeps_gate_up(const MoeOptions& options);
 int64_t context_bytes(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
                       int64_t padded_tokens, bool fp8 = false);
 // The workspace's ring (the rows a fused forward's context keeps; the backward replays the rows past it):

@@ -456,7 +456,7 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
                       .grad_up = &grads.expert_up,
                       .grad_down = &grads.expert_down,
                       .waits = wait_bound(b.rank)};
-  if (fp8())  // the recompute reads the context's FP8 rows (every row: the FP8 backward's ring is the capacity)
+  if (fp8())  // a recompute reads the context's FP8 rows (every row: the FP8 backward's ring is the capacity)
     m.fp8 = {.on = true,
              .x = ctx.expert_rows_,
              .x_scales = ctx.expert_row_scales_,
@@ -493,7 +493,8 @@ void MoeWorkspace::copy_kept_gate_up(const RankBackward& b) const {
 void MoeWorkspace::shared_backward(const RankBackward& b) {
   const RankState& s = state(b.rank);
   int32_t* tickets = s.tickets + detail::kBackwardShared;
-  if (fp8())  // the recompute's A: x quantized again as the forward published it (the same bits), its scales
+  if (fp8() && !context_keeps_gate_up())  // the recompute's A: x quantized again as the forward published it (the
+                                          // same bits), its scales
     detail::publish_fp8_rows(b.x.data, b.x.shape[0], padded_tokens_, shape_.hidden, s.backward.shared_x_fp8,
                              s.x_scales, options_.fp8_power_of_two_scales, schedule_.device_status(b.rank), b.rank,
                              b.stream);

@@ -68,34 +68,39 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
 }
 
 // FP8 (MoeOptions::precision kFP8): the gate/up GEMM writing h quantized and the store GEMM, 128 x 128 tiles; one
-// tile storage for both, with the store's two staging boxes (the quantizing epilogue stages one).
-template <class Base>
+// tile storage for both, with the store's two staging boxes or the gate/up's side outputs' three (kKeepGateUp: the
+// bf16 g | u and h a training context keeps, MoeOptions::keep_gate_up).
+template <class Base, int kBoxes>
 struct Fp8MegakernelTraits : Base {
-  using TileStorage = typename Base::Collective::template Storage<2>;
+  using TileStorage = typename Base::Collective::template Storage<kBoxes>;
 };
-template <int kClusterN>
-using Fp8GateUpTraits = Fp8MegakernelTraits<Fp8GemmTraits<gemm::SwiGLUQuantEpilogue, kClusterN>>;
-template <int kClusterN>
-using Fp8DownTraits = Fp8MegakernelTraits<Fp8GemmTraits<gemm::StoreEpilogue, kClusterN>>;
+template <bool kKeepGateUp>
+inline constexpr int kFp8TileBoxes = kKeepGateUp ? gemm::SwiGLUQuantEpilogue<true>::kSideBoxes : 2;
+template <int kClusterN, bool kKeepGateUp>
+using Fp8GateUpTraits = Fp8MegakernelTraits<Fp8GemmTraits<gemm::SwiGLUQuantEpilogue<kKeepGateUp>, kClusterN>,
+                                            kFp8TileBoxes<kKeepGateUp>>;
+template <int kClusterN, bool kKeepGateUp>
+using Fp8DownTraits = Fp8MegakernelTraits<Fp8GemmTraits<gemm::StoreEpilogue, kClusterN>, kFp8TileBoxes<kKeepGateUp>>;
 
-template <int kClusterN>
+template <int kClusterN, bool kKeepGateUp>
 auto fp8_kernel_of() {
-  using T = Fp8GateUpTraits<kClusterN>;
-  using TDown = Fp8DownTraits<kClusterN>;
+  using T = Fp8GateUpTraits<kClusterN, kKeepGateUp>;
+  using TDown = Fp8DownTraits<kClusterN, kKeepGateUp>;
   using Params = megakernel::Fp8ForwardParams<decltype(make_block_scaled_params<T>(ExpertGemmArgs{})),
                                               decltype(make_block_scaled_params<TDown>(ExpertGemmArgs{}))>;
   return megakernel::fp8_forward_kernel<T, TDown, Params>;
 }
 
-template <int kClusterN>
+template <int kClusterN, bool kKeepGateUp>
 int fp8_grid_ctas(int device) {
-  return megakernel_grid_ctas<Fp8GateUpTraits<kClusterN>>(fp8_kernel_of<kClusterN>(), device, "FP8 forward megakernel");
+  return megakernel_grid_ctas<Fp8GateUpTraits<kClusterN, kKeepGateUp>>(fp8_kernel_of<kClusterN, kKeepGateUp>(), device,
+                                                                       "FP8 forward megakernel");
 }
 
-template <int kClusterN>
+template <int kClusterN, bool kKeepGateUp>
 void launch_fp8(const FusedForwardArgs& a, cudaStream_t stream) {
-  using T = Fp8GateUpTraits<kClusterN>;
-  using TDown = Fp8DownTraits<kClusterN>;
+  using T = Fp8GateUpTraits<kClusterN, kKeepGateUp>;
+  using TDown = Fp8DownTraits<kClusterN, kKeepGateUp>;
   namespace forward = megakernel::forward;
   const MegakernelArgs& c = a.common;
   const ForwardOrder order = forward_order<T, TDown>(a);
@@ -113,7 +118,7 @@ void launch_fp8(const FusedForwardArgs& a, cudaStream_t stream) {
                  .fp8_row_vectors = a.fp8_row_vectors,
                  .hidden = c.hidden,
                  .k_blocks = (c.hidden + 127) / 128};
-  launch_megakernel<T>(fp8_kernel_of<kClusterN>(), p, c, forward::kCounters, stream);
+  launch_megakernel<T>(fp8_kernel_of<kClusterN, kKeepGateUp>(), p, c, forward::kCounters, stream);
 }
 
 }  // namespace
@@ -121,15 +126,16 @@ void launch_fp8(const FusedForwardArgs& a, cudaStream_t stream) {
 int fused_cluster_n(int hidden, int intermediate, Precision precision) {
   // FP8: a quantizing gate/up task covers 128 h columns in two passes (a last task of 64 columns, one), and the
   // two CTAs of a pair run the same stages, so pairs need I % 256 == 0: whole two-pass tasks, an even number of them.
-  static_assert(Fp8GateUpTraits<1>::kOutCols == 128, "h columns per quantizing gate/up task");
+  static_assert(Fp8GateUpTraits<1, false>::kOutCols == 128, "h columns per quantizing gate/up task");
   if (precision == Precision::kFP8)
-    return intermediate % 256 == 0 && Fp8DownTraits<1>::n_blocks(hidden) % 2 == 0 ? 2 : 1;
+    return intermediate % 256 == 0 && Fp8DownTraits<1, false>::n_blocks(hidden) % 2 == 0 ? 2 : 1;
   return fused_cluster_n(hidden, intermediate);
 }
 
-int fused_fp8_grid_ctas(const MoeShape& shape, int device) {
-  return fused_cluster_n(shape.hidden, shape.intermediate, Precision::kFP8) == 2 ? fp8_grid_ctas<2>(device)
-                                                                                 : fp8_grid_ctas<1>(device);
+int fused_fp8_grid_ctas(const MoeShape& shape, bool keep_gate_up, int device) {
+  if (fused_cluster_n(shape.hidden, shape.intermediate, Precision::kFP8) == 2)
+    return keep_gate_up ? fp8_grid_ctas<2, true>(device) : fp8_grid_ctas<2, false>(device);
+  return keep_gate_up ? fp8_grid_ctas<1, true>(device) : fp8_grid_ctas<1, false>(device);
 }
 
 int fused_cluster_n(int hidden, int intermediate) {
@@ -153,14 +159,14 @@ int64_t fused_timeline_words(int grid_ctas, int capacity) {
 }
 
 void launch_fused_forward(const FusedForwardArgs& args, cudaStream_t stream) {
+  const bool keep = args.expert_gate_up.gate_up_out != nullptr;  // MoeOptions::keep_gate_up
   if (args.expert_gate_up.precision == Precision::kFP8) {
     if (fused_cluster_n(args.common.hidden, args.common.intermediate, Precision::kFP8) == 2)
-      launch_fp8<2>(args, stream);
+      keep ? launch_fp8<2, true>(args, stream) : launch_fp8<2, false>(args, stream);
     else
-      launch_fp8<1>(args, stream);
+      keep ? launch_fp8<1, true>(args, stream) : launch_fp8<1, false>(args, stream);
     return;
   }
-  const bool keep = args.expert_gate_up.gate_up_out != nullptr;  // MoeOptions::keep_gate_up
   if (fused_cluster_n(args.common.hidden, args.common.intermediate) == 2)
     keep ? launch<2, true>(args, stream) : launch<2, false>(args, stream);
   else

@@ -36,7 +36,7 @@ int fused_cluster_n(int hidden, int intermediate);
 // The same for a precision (kFP8: the FP8 megakernel's tiles).
 int fused_cluster_n(int hidden, int intermediate, Precision precision);
 // fused_grid_ctas for the FP8 forward megakernel (the FP8 backward runs as stage kernels).
-int fused_fp8_grid_ctas(const MoeShape& shape, int device);
+int fused_fp8_grid_ctas(const MoeShape& shape, bool keep_gate_up, int device);
 // CTAs of the persistent launch on `device`: as many clusters as fit at once, one CTA per SM. Also sets
 // the kernel's shared-memory attribute on the device: call it for every device before launching there.
 int fused_grid_ctas(const MoeShape& shape, bool keep_gate_up, int device);

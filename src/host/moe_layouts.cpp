@@ -12,12 +12,13 @@ ContextLayout context_layout(const MoeShape& s, bool keep_gate_up, int64_t sched
   ContextLayout l;
   l.schedule = l.buffers.add_array<int32_t>("schedule", schedule_elements);
   l.expert_rows = l.buffers.add("expert_rows", ring_rows * h * kBf16);
-  // FP8 (forward only): h is written quantized by the gate/up GEMM (hidden_fp8 below); no bf16 h, no g | u.
-  l.hidden = l.buffers.add("hidden", fp8 ? 0 : ring_rows * i * kBf16);
-  l.shared_hidden = l.buffers.add("shared_hidden", fp8 ? 0 : padded_tokens * i * kBf16);
-  l.gate_up = l.buffers.add("gate_up", keep_gate_up && !fp8 ? ring_rows * 2 * i * kBf16 : 0);
+  // FP8: h is written quantized by the gate/up GEMM (hidden_fp8 below); the bf16 h only beside g | u (keep_gate_up).
+  l.hidden = l.buffers.add("hidden", !fp8 || keep_gate_up ? ring_rows * i * kBf16 : 0);
+  l.shared_hidden = l.buffers.add(
+      "shared_hidden", !fp8 || (keep_gate_up && s.shared_expert) ? padded_tokens * i * kBf16 : 0);
+  l.gate_up = l.buffers.add("gate_up", keep_gate_up ? ring_rows * 2 * i * kBf16 : 0);
   l.shared_gate_up =
-      l.buffers.add("shared_gate_up", keep_gate_up && !fp8 && s.shared_expert ? padded_tokens * 2 * i * kBf16 : 0);
+      l.buffers.add("shared_gate_up", keep_gate_up && s.shared_expert ? padded_tokens * 2 * i * kBf16 : 0);
   const int64_t h_blocks = (h + 127) / 128, i_blocks = (i + 127) / 128;
   const bool shared_fp8 = fp8 && s.shared_expert;
   l.expert_row_scales = l.buffers.add_array<float>("expert_row_scales", fp8 ? h_blocks * ring_rows : 0);
@@ -80,7 +81,7 @@ BackwardScratchLayout backward_scratch_layout(const MoeShape& s, const BackwardS
   l.d_out_scales = a.add_array<float>("d_out_scales", f ? hb * cap : 0);
   l.d_gate_up_fp8 = a.add("d_gate_up_fp8", f ? cap * 2 * i : 0);
   l.d_gate_up_scales = a.add_array<float>("d_gate_up_scales", f ? ib2 * cap : 0);
-  l.shared_x_fp8 = a.add("shared_x_fp8", sf ? pt * h * kBf16 : 0);
+  l.shared_x_fp8 = a.add("shared_x_fp8", sf && b.shared_recomputes ? pt * h * kBf16 : 0);  // the recompute's A
   l.shared_d_out_fp8 = a.add("shared_d_out_fp8", sf ? pt * h : 0);
   l.shared_d_out_scales = a.add_array<float>("shared_d_out_scales", sf ? hb * pt : 0);
   l.shared_d_gate_up_fp8 = a.add("shared_d_gate_up_fp8", sf ? pt * 2 * i : 0);

@@ -41,8 +41,8 @@ struct ContextLayout {
   BufferLayout buffers;
   BufferSlot schedule;        // int32 [schedule_elements]
   BufferSlot expert_rows;     // bf16 [ring, H]
-  BufferSlot hidden;          // bf16 [ring, I]
-  BufferSlot shared_hidden;   // bf16 [padded T, I]
+  BufferSlot hidden;          // bf16 [ring, I]; FP8: keep_gate_up only
+  BufferSlot shared_hidden;   // bf16 [padded T, I]; FP8: keep_gate_up only
   BufferSlot gate_up;         // bf16 [ring, 2I], keep_gate_up only
   BufferSlot shared_gate_up;  // bf16 [padded T, 2I], keep_gate_up with a shared expert only
   // FP8 only (MoeOptions::precision): expert_rows then holds each row as x's published FP8 row (e4m3 [H] and
@@ -53,6 +53,7 @@ struct ContextLayout {
   BufferSlot shared_hidden_fp8;     // e4m3 [padded T, I], with a shared expert only
   BufferSlot shared_hidden_scales;  // fp32 [ceil(I/128), padded T], with a shared expert only
 };
+// keep_gate_up: as the context honours it (detail::context_keeps_gate_up).
 ContextLayout context_layout(const MoeShape& s, bool keep_gate_up, int64_t schedule_elements, int64_t ring_rows,
                              int64_t padded_tokens, bool fp8 = false);
 

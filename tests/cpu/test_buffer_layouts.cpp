@@ -123,8 +123,9 @@ TEST(MoeLayouts, ContextLayoutIsTheContextBytes) {
   }
 }
 
-// MoeOptions::precision kFP8: the row buffers as they are, the scales and h in e4m3, and no bf16 h or g | u (the
-// gate/up GEMM writes h quantized; the FP8 forward keeps nothing for a backward).
+// MoeOptions::precision kFP8: the row buffers as they are, the scales and h in e4m3; no bf16 h or g | u (the
+// gate/up GEMM writes h quantized) unless keep_gate_up (a training context: then both, as bf16 keeps them, for the
+// routed rows and the shared expert's).
 TEST(MoeLayouts, Fp8AddsScalesAndHiddenInE4m3) {
   for (const MoeShape& s : shapes()) {
     const int64_t h = s.hidden, i = s.intermediate, hb = (h + 127) / 128, ib = (i + 127) / 128;
@@ -134,8 +135,15 @@ TEST(MoeLayouts, Fp8AddsScalesAndHiddenInE4m3) {
     const detail::ContextLayout l = detail::context_layout(s, false, schedule_elements, ring, padded, true);
     check_layout(l.buffers, "FP8 context, " + where);
     const detail::ContextLayout kept = detail::context_layout(s, true, schedule_elements, ring, padded, true);
-    EXPECT_EQ(kept.buffers.total_bytes(), l.buffers.total_bytes()) << where << ": keep_gate_up keeps nothing in FP8";
+    check_layout(kept.buffers, "FP8 context keeping g | u, " + where);
     EXPECT_EQ(l.hidden.bytes + l.shared_hidden.bytes + l.gate_up.bytes + l.shared_gate_up.bytes, 0) << where;
+    const int64_t shared_rows = s.shared_expert ? padded : 0;
+    EXPECT_EQ(kept.hidden.bytes, ring * i * 2) << where;
+    EXPECT_EQ(kept.gate_up.bytes, ring * 2 * i * 2) << where;
+    EXPECT_EQ(kept.shared_hidden.bytes, shared_rows * i * 2) << where;
+    EXPECT_EQ(kept.shared_gate_up.bytes, shared_rows * 2 * i * 2) << where;
+    EXPECT_GE(kept.buffers.total_bytes(), l.buffers.total_bytes() + (ring + shared_rows) * 3 * i * 2) << where;
+    EXPECT_EQ(kept.hidden_fp8.bytes, l.hidden_fp8.bytes) << where << ": the down GEMM's quantized h as well";
     EXPECT_EQ(l.expert_rows.bytes, bf16.expert_rows.bytes) << where << ": FP8 rows live in the bf16 rows' bytes";
     EXPECT_EQ(l.expert_row_scales.bytes, hb * ring * 4) << where;
     EXPECT_EQ(l.hidden_fp8.bytes, ring * i) << where;
@@ -202,15 +210,15 @@ TEST(MoeLayouts, BackwardScratchLayout) {
       EXPECT_EQ(l.shared_d_gate_up.bytes, shared ? pt * 2 * i * 2 : 0) << where;
       EXPECT_EQ(l.shared_dx.bytes, shared ? pt * h * 2 : 0) << where;
       EXPECT_EQ(l.shared_row_partials.bytes, shared ? pt * b.n_blocks * 4 : 0) << where;
-      // FP8: the dgrads' e4m3 A operands [rows, k] with scales [ceil(k/128), rows], and the shared expert's x rows
-      // quantized again (FP8 rows in the bf16 rows' bytes).
+      // FP8: the dgrads' e4m3 A operands [rows, k] with scales [ceil(k/128), rows], and for the shared expert's
+      // recompute its x rows quantized again (FP8 rows in the bf16 rows' bytes).
       const int64_t hb = (h + 127) / 128, ib2 = (2 * i + 127) / 128;
       const bool f = b.fp8, sf = b.fp8 && shared;
       EXPECT_EQ(l.d_out_fp8.bytes, f ? cap * h : 0) << where;
       EXPECT_EQ(l.d_out_scales.bytes, f ? hb * cap * 4 : 0) << where;
       EXPECT_EQ(l.d_gate_up_fp8.bytes, f ? cap * 2 * i : 0) << where;
       EXPECT_EQ(l.d_gate_up_scales.bytes, f ? ib2 * cap * 4 : 0) << where;
-      EXPECT_EQ(l.shared_x_fp8.bytes, sf ? pt * h * 2 : 0) << where;
+      EXPECT_EQ(l.shared_x_fp8.bytes, sf && b.shared_recomputes ? pt * h * 2 : 0) << where;
       EXPECT_EQ(l.shared_d_out_fp8.bytes, sf ? pt * h : 0) << where;
       EXPECT_EQ(l.shared_d_out_scales.bytes, sf ? hb * pt * 4 : 0) << where;
       EXPECT_EQ(l.shared_d_gate_up_fp8.bytes, sf ? pt * 2 * i : 0) << where;

@@ -190,9 +190,10 @@ TEST(ContextBudget, BadBudgetsNameTheOption) {
   }
 }
 
-// FP8 workspaces (MoeOptions::precision kFP8) allocate another layout (FP8 h and the rows' scales, no g | u): the
-// ring is sized by that layout, so the context never exceeds the budget, a budget that holds FP8's 128-row ring is
-// accepted, and keep_gate_up (which FP8 does not keep) does not change the ring.
+// FP8 workspaces (MoeOptions::precision kFP8) allocate another layout (FP8 h and the rows' scales, no g | u without
+// the backward): the ring is sized by that layout, so the context never exceeds the budget, a budget that holds
+// FP8's 128-row ring is accepted, and keep_gate_up (which an FP8 inference context does not keep) does not change
+// the ring.
 TEST(ContextBudget, Fp8RingIsSizedByTheFp8Layout) {
   const auto fp8_bytes = [](const MoeShape& s, int64_t rows) {
     return detail::context_bytes(s, false, kScheduleElements, rows, kPaddedTokens, /*fp8=*/true);
@@ -218,30 +219,35 @@ TEST(ContextBudget, Fp8RingIsSizedByTheFp8Layout) {
   }
 }
 
-// The FP8 backward recomputes g, u and h from the context's FP8 x rows, so with MoeOptions::backward its default
-// ring is every capacity row, the EP = 8 load factor's headroom included (not the balanced share); a budget below
-// that context is refused naming context_budget_bytes, not cut to a smaller ring.
+// The FP8 backward keeps g, u and h (keep_gate_up, the default) or recomputes them from the context's FP8 x rows,
+// so with MoeOptions::backward its default ring is every capacity row, the EP = 8 load factor's headroom included
+// (not the balanced share); a budget below that context (with or without g | u) is refused naming
+// context_budget_bytes, not cut to a smaller ring.
 TEST(ContextBudget, Fp8BackwardKeepsEveryCapacityRow) {
-  const auto fp8_bytes = [](const MoeShape& s, int64_t rows) {
-    return detail::context_bytes(s, false, kScheduleElements, rows, kPaddedTokens, /*fp8=*/true);
+  const auto fp8_bytes = [](const MoeShape& s, int64_t rows, bool keep) {
+    return detail::context_bytes(s, keep, kScheduleElements, rows, kPaddedTokens, /*fp8=*/true);
   };
   for (const MoeShape& s : {shape_of(8, 256, 7168, 2048, 8, true), shape_of(1, 384, 7168, 2048, 8, true)}) {
-    const int64_t capacity = expected_load_capacity_rows(s.routing(), 64, 2.0);
-    MoeOptions o;
-    o.precision = Precision::kFP8;
-    EXPECT_EQ(ring(s, o, capacity), capacity) << "EP " << s.ep_size;
-    o.context_budget_bytes = fp8_bytes(s, capacity);
-    EXPECT_EQ(ring(s, o, capacity), capacity) << "EP " << s.ep_size << ": a budget of exactly that context";
-    o.backward = false;  // the forward alone: the balanced share, as in bf16
-    EXPECT_EQ(ring(s, o, capacity), std::min(capacity, balanced_share(s, 64))) << "EP " << s.ep_size;
-    o.backward = true;
-    o.context_budget_bytes = fp8_bytes(s, capacity) - 4096;
-    try {
-      ring(s, o, capacity);
-      ADD_FAILURE() << "EP " << s.ep_size << ": a budget below the FP8 backward's context accepted";
-    } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find("context_budget_bytes"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("every one of the"), std::string::npos) << e.what();
+    for (const bool keep : {true, false}) {
+      const std::string where = "EP " + std::to_string(s.ep_size) + (keep ? ", keep_gate_up" : ", recompute");
+      const int64_t capacity = expected_load_capacity_rows(s.routing(), 64, 2.0);
+      MoeOptions o;
+      o.precision = Precision::kFP8;
+      o.keep_gate_up = keep;
+      EXPECT_EQ(ring(s, o, capacity), capacity) << where;
+      o.context_budget_bytes = fp8_bytes(s, capacity, keep);
+      EXPECT_EQ(ring(s, o, capacity), capacity) << where << ": a budget of exactly that context";
+      o.backward = false;  // the forward alone: the balanced share, as in bf16
+      EXPECT_EQ(ring(s, o, capacity), std::min(capacity, balanced_share(s, 64))) << where;
+      o.backward = true;
+      o.context_budget_bytes = fp8_bytes(s, capacity, keep) - 4096;
+      try {
+        ring(s, o, capacity);
+        ADD_FAILURE() << where << ": a budget below the FP8 backward's context accepted";
+      } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("context_budget_bytes"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("every one of the"), std::string::npos) << e.what();
+      }
     }
   }
 }

@@ -1562,7 +1562,9 @@ TEST(ExpertGemmTest, Fp8SwiGLUFusedAndSeparateWeights) {
 // the CPU above): e4m3 values and scales bitwise for every scheduled row (padding rows: zeros, scale 1); rows past
 // the schedule untouched. n 256 (two-pass tasks, clusters of 1 and 2), 192 (a last task of one pass), fused and
 // separate weights, row scales, the clamp, power-of-two scales, and a row whose A holds a NaN (its blocks' scales
-// NaN, no other row touched).
+// NaN, no other row touched). With gate_up_out and hidden_out (a training context's side outputs,
+// SwiGLUQuantEpilogue<true>): the same e4m3 values and scales, and g | u and h bitwise the plain kSwiGLU's (its
+// gate_up_out and out), poison past the schedule in both.
 TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
   MOK_REQUIRE_GPUS(1);
   using testing::Fp8Matrix;
@@ -1602,12 +1604,13 @@ TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
     DeviceArray<uint8_t> d_a(a.bits), d_fused(fused.bits), d_gate(gate.bits), d_up(up.bits);
     DeviceArray<float> d_sa(a.scales), d_sfused(fused.scales), d_sgate(gate.scales), d_sup(up.scales), d_rs(row_scale);
     const int blocks = (c.n + 127) / 128;
-    DeviceArray<uint16_t> d_h(size_t(fx.a_rows) * c.n);
-    DeviceArray<uint8_t> d_q(size_t(fx.a_rows) * c.n);
-    DeviceArray<float> d_s(size_t(blocks) * fx.a_rows);
-    d_h.upload(std::vector<uint16_t>(d_h.count, kPoison));
-    d_q.upload(std::vector<uint8_t>(d_q.count, kBytePoison));
-    d_s.upload(float_poison(d_s.count));
+    DeviceArray<uint16_t> d_h(size_t(fx.a_rows) * c.n), d_gu(size_t(fx.a_rows) * 2 * c.n);
+    DeviceArray<uint16_t> d_side_h(d_h.count), d_side_gu(d_gu.count);
+    DeviceArray<uint8_t> d_q(size_t(fx.a_rows) * c.n), d_side_q(d_q.count);
+    DeviceArray<float> d_s(size_t(blocks) * fx.a_rows), d_side_s(d_s.count);
+    for (auto* d : {&d_h, &d_gu, &d_side_h, &d_side_gu}) d->upload(std::vector<uint16_t>(d->count, kPoison));
+    for (auto* d : {&d_q, &d_side_q}) d->upload(std::vector<uint8_t>(d->count, kBytePoison));
+    for (auto* d : {&d_s, &d_side_s}) d->upload(float_poison(d->count));
     auto args_for = [&](void* out) {
       ExpertGemmArgs args =
           c.separate ? fp8_tests::fp8_args(fx, GemmEpilogue::kSwiGLU, d_a, d_sa, k, d_gate, d_sgate, c.n, out)
@@ -1620,12 +1623,20 @@ TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
       args.swiglu_limit = c.limit;
       return args;
     };
-    expert_gemm(args_for(d_h.ptr), nullptr);
+    ExpertGemmArgs plain = args_for(d_h.ptr);
+    plain.gate_up_out = d_gu.ptr;
+    expert_gemm(plain, nullptr);
     ExpertGemmArgs quantized = args_for(d_q.ptr);
     quantized.out_scales = d_s.ptr;
     quantized.out_scales_power_of_two = c.pow2;
     quantized.cluster_n = c.cluster_n;
     expert_gemm(quantized, nullptr);
+    ExpertGemmArgs side = quantized;
+    side.out = d_side_q.ptr;
+    side.out_scales = d_side_s.ptr;
+    side.gate_up_out = d_side_gu.ptr;
+    side.hidden_out = d_side_h.ptr;
+    expert_gemm(side, nullptr);
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
     // The NaN row's h blocks are reported (without the clamp; with it fminf / fmaxf return the other operand, as
     // in bf16, and h stays finite); nothing else is.
@@ -1664,6 +1675,13 @@ TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
       ASSERT_TRUE(std::isnan(s[nan_row])) << "the NaN row's first block, " << label;
     }
     ASSERT_FALSE(std::isnan(s[nan_row + 1])) << "the row after the NaN row, " << label;
+    // The side outputs' run (its NaN row reported again, as above): bitwise the runs without them.
+    ASSERT_EQ(d_side_q.download(), q) << "e4m3 h with the side outputs, " << label;
+    const auto side_s = d_side_s.download();
+    for (size_t i = 0; i < s.size(); ++i)
+      ASSERT_EQ(float_bits(side_s[i]), float_bits(s[i])) << "scale " << i << " with the side outputs, " << label;
+    ASSERT_EQ(d_side_h.download(), h) << "hidden_out against the plain kSwiGLU's h, " << label;
+    ASSERT_EQ(d_side_gu.download(), d_gu.download()) << "gate_up_out against the plain kSwiGLU's, " << label;
   }
 }
 
@@ -1882,10 +1900,24 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
        [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; a.a_scales = a.b_scales = nullptr; a.block_n = 128; },
        "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
       {"quantized h from kStore", [](ExpertGemmArgs& a) { a.out_scales = scales; },
-       "out_scales (h written quantized) is for kSwiGLU without gate_up_out"},
-      {"quantized h with gate_up_out",
+       "out_scales (h written quantized) is only for kSwiGLU"},
+      {"quantized h with gate_up_out, no hidden_out",
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.gate_up_out = buffer; },
-       "out_scales (h written quantized) is for kSwiGLU without gate_up_out"},
+       "gate_up_out and hidden_out (the bf16 g | u and h beside the quantized h) go together"},
+      {"quantized h with hidden_out, no gate_up_out",
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.hidden_out = buffer; },
+       "gate_up_out and hidden_out (the bf16 g | u and h beside the quantized h) go together"},
+      {"hidden_out without out_scales",
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.gate_up_out = a.hidden_out = buffer; },
+       "hidden_out is only for kFP8 kSwiGLU with out_scales"},
+      {"misaligned hidden_out",
+       [](ExpertGemmArgs& a) {
+         a.epilogue = GemmEpilogue::kSwiGLU;
+         a.out_scales = scales;
+         a.gate_up_out = buffer;
+         a.hidden_out = buffer + 1;
+       },
+       "hidden_out is only for kFP8 kSwiGLU with out_scales and must be 16-byte aligned"},
       {"misaligned out_scales",
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = reinterpret_cast<float*>(reinterpret_cast<char*>(scales) + 2); },
        "out_scales must be a 4-byte aligned"},

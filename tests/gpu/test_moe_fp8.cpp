@@ -486,8 +486,9 @@ void check_against_recipe(MoeHarness& harness, const LayerData& data, const std:
 // Every gradient, normwise: what is left against that reference is the few elements whose value before a
 // quantization rounded to another e4m3 value (bf16 on the GPU, float there) and the bf16 roundings; against the
 // unquantized reference (printed), e4m3's 3 mantissa bits. A missed quantization, a wrong scale or a transposed
-// block would sit at the second figure or far above it. Masked routes get d_rw exactly 0; reruns and the other
-// forward path's context give the same bits.
+// block would sit at the second figure or far above it. Masked routes get d_rw exactly 0; reruns, the other
+// forward path's context, and a context without g | u and h (keep_gate_up false: the backward recomputes them from
+// the FP8 x rows) give the same bits.
 TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPaths) {
   MOK_REQUIRE_GPUS(1);
   struct Case { int ep; bool shared; bool fused_gate_up; };
@@ -500,9 +501,13 @@ TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPat
     const LayerData data = testing::random_layer(shape, seed, 0, 0.02);
     const std::vector<float> d_out = testing::random_d_out(shape, seed + 1);
     testing::RawGrads first;
-    for (ForwardPath path : {ForwardPath::kUnfused, ForwardPath::kFused}) {
+    for (const auto& [path, keep] : {std::pair{ForwardPath::kUnfused, true}, std::pair{ForwardPath::kFused, true},
+                                     std::pair{ForwardPath::kUnfused, false}, std::pair{ForwardPath::kFused, false}}) {
+      const std::string config = std::string(path == ForwardPath::kFused ? "fused" : "unfused") + " forward, " +
+                                 (keep ? "g | u kept" : "g | u recomputed");
       MoeOptions options = fp8_options(false, true);
       options.path = path;
+      options.keep_gate_up = keep;
       MoeHarness harness(PeerGroup::virtual_ranks(ep), shape, options);
       harness.upload(data);
       if (fused_gate_up) harness.use_fused_gate_up(data);
@@ -515,9 +520,9 @@ TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPat
       const testing::RawGrads grads = testing::raw_grads(harness);
       harness.backward();
       harness.check_status();
-      ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), grads), "") << "rerun, " << label;
-      if (path == ForwardPath::kFused) {
-        EXPECT_EQ(testing::first_difference(grads, first), "") << "fused forward's context vs unfused, " << label;
+      ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), grads), "") << "rerun, " << config << ", " << label;
+      if (!first.empty()) {
+        EXPECT_EQ(testing::first_difference(grads, first), "") << config << " vs unfused with g | u kept, " << label;
         continue;
       }
       first = grads;

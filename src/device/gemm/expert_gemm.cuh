@@ -118,15 +118,17 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_:
   static constexpr int kStagingBoxes = kOutCols % (2 * kBoxCols) == 0 ? 2 : 1;  // 192 columns: 3 passes of one
   static constexpr int kStagingCols = kStagingBoxes * kBoxCols;
   static_assert(kOutCols % kStagingCols == 0, "whole staging passes");
+  // The boxes the shared memory holds a warpgroup: a pass's, or more for an epilogue's side outputs.
+  static constexpr int kStorageBoxes = kStagingBoxes > Epilogue::kSideBoxes ? kStagingBoxes : Epilogue::kSideBoxes;
   using SmemLayoutOutBox = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<OutElement>{},
                                                          cute::make_shape(cute::Int<64>{}, cute::Int<kBoxCols>{})));
 
   // The tiles' bytes (the megakernels': every GEMM of one pass, weight gradients included, has this type) and
   // the standalone kernel's, with its task ring.
-  using TileStorage = typename Collective::template Storage<kStagingBoxes>;
+  using TileStorage = typename Collective::template Storage<kStorageBoxes>;
   using Walker = TaskWalker<TaskMode::kRowTiles, GemmTraits>;  // the standalone kernel's tasks
   using SharedStorage = typename Collective::template Storage<
-      kStagingBoxes, TaskRing<Collective::kTaskDepth, 4 * kConsumerWarpgroups, kClusterN>>;
+      kStorageBoxes, TaskRing<Collective::kTaskDepth, 4 * kConsumerWarpgroups, kClusterN>>;
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSharedBytes <= 227 * 1024, "more shared memory than a Hopper CTA may have");
 };
@@ -138,7 +140,8 @@ struct GemmParams {
   TmaB tma_b0;     // kK: B half 0 source [b_rows, k]; kMN: B [b_rows, n], the first b_k_blocks0 k-blocks
   TmaB tma_b1;     // kK: B half 1 source [b_rows, k]; kMN: B [b_rows, n], the k-blocks after those
   TmaOut tma_out;  // Y / H [a_rows, out_cols], stores of one 64 x 64 box
-  TmaOut tma_gate_up_out;  // SwiGLUEpilogue<true>: g / u [a_rows, 2n]; unused (empty) otherwise
+  TmaOut tma_gate_up_out;  // SwiGLUEpilogue<true>, SwiGLUQuantEpilogue<true>: g / u [a_rows, 2n]; else empty
+  TmaOut tma_hidden_out;   // SwiGLUQuantEpilogue<true>: bf16 h [a_rows, n] (as bytes); else empty
   int64_t a_rows = {};
   int64_t b_rows = {};
   int k = {};

@@ -111,23 +111,38 @@ struct TileStager {
     *reinterpret_cast<V*>(box + (byte ^ ((r % 8) << 4))) = v;  // the TMA's 128-byte swizzle
   }
 
+  // Two adjacent bf16 columns at row r, column col (< 64) of staged box `box`, whatever the output element:
+  // a box is 64 rows of 128 bytes either way (SwiGLUQuantEpilogue<true>'s bf16 side outputs beside its e4m3 h).
+  __device__ __forceinline__ void stage_bf16(int box, int r, int col, __nv_bfloat162 v) const {
+    char* base = reinterpret_cast<char*>(smem.staging[warpgroup][box]);
+    const int byte = (r % kUnitRows) * 128 + col * int(sizeof(__nv_bfloat16));
+    *reinterpret_cast<__nv_bfloat162*>(base + (byte ^ ((r % 8) << 4))) = v;
+  }
+
+  // The store leader, inside end_pass_with's `issue`: staged box `box` to box column `col` (128 bytes a box) of
+  // `tma`'s [a_rows, cols] tensor of T::OutElement.
+  template <class Tma>
+  __device__ __forceinline__ void store_box(const Tma& tma, int64_t a_rows, int64_t cols, int box, int col) const {
+    using namespace cute;
+    Tensor m_out = tma.get_tma_tensor(make_shape(a_rows, cols));
+    Tensor s_box = make_tensor(make_smem_ptr(reinterpret_cast<typename T::OutElement*>(smem.staging[warpgroup][box])),
+                               typename T::SmemLayoutOutBox{});
+    Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, col));
+    auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
+    copy(tma, t_s, t_g);
+  }
+
   // Stores box b of the pass to box column box_col(b) of `tma`'s [a_rows, cols] tensor, for b = 0, 1, ...
   // until box_col returns a negative column (a partial last n-block: its boxes past its part hold columns
   // of no output). box_col runs on the store leader only.
   template <class Tma, class BoxCol>
   __device__ __forceinline__ void end_pass(const Tma& tma, int64_t a_rows, int64_t cols, BoxCol&& box_col) const {
-    using namespace cute;
     end_pass_with([&] {
-      Tensor m_out = tma.get_tma_tensor(make_shape(a_rows, cols));
       CUTE_UNROLL
       for (int box = 0; box < T::kStagingBoxes; ++box) {
         const int col = box_col(box);
         if (col < 0) break;
-        Tensor s_box = make_tensor(make_smem_ptr(reinterpret_cast<typename T::OutElement*>(smem.staging[warpgroup][box])),
-                                   typename T::SmemLayoutOutBox{});
-        Tensor g_box = local_tile(m_out, Shape<Int<kUnitRows>, Int<T::kBoxCols>>{}, make_coord(box_row, col));
-        auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_box), group_modes<0, 2>(g_box));
-        copy(tma, t_s, t_g);
+        store_box(tma, a_rows, cols, box, col);
       }
     });
   }
@@ -222,6 +237,7 @@ template <class Derived>
 struct RowTileEpilogue : NoPrefetch {
   using OutElement = cutlass::bfloat16_t;  // what the output boxes hold
   static constexpr int kPasses = 1;        // mainloops per tile (SwiGLUQuantEpilogue: 2)
+  static constexpr int kSideBoxes = 0;     // staging boxes a warpgroup needs beside its passes' (GemmTraits)
 
   template <class T, class Params, class Tile, class Accum, class Mma, class Storage>
   __device__ __forceinline__ static void finish(const Params& p, const TileTask& task, const Tile&, const Accum& accum,
@@ -357,13 +373,21 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
 // box per warpgroup and stored by TMA; the scales go to out_scales[nb, row] (lane 0 of each quad). A last task of
 // 64 columns (n % 128 == 64) runs one pass; its block's scale covers the columns it has. Padding rows: zeros,
 // scale 1. A block holding a NaN or an infinity gets a NaN scale (that row's down outputs are NaN) and is reported
-// to the status word (kStatusNonFinite). No gate_up_out side output (the FP8 forward has no backward yet).
-struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue> {
+// to the status word (kStatusNonFinite).
+// kWritesGateUp (a training context that keeps g | u, MoeOptions::keep_gate_up): after each pass's mainloop also
+// the raw g and u of its 64 h columns (bf16, before the clamp: gate_up_out[r, j] = g, gate_up_out[r, n + j] = u, as
+// SwiGLUEpilogue<true>) and the bf16 h that `keep` rounded (hidden_out[r, j], the plain SwiGLU's h), three boxes
+// staged together (kSideBoxes) and stored while the next pass's mainloop runs (store_side_outputs): what the
+// backward would otherwise recompute, the same bits. Their descriptors are of e4m3 over the bf16 tensors' bytes
+// (a 64 x 128-byte box is 64 x 64 bf16; the TMA copies bytes): src/host/gemm_params.h.
+template <bool kWritesGateUp>
+struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp>> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLU;
-  static constexpr bool kGateUpOut = false;
+  static constexpr bool kGateUpOut = kWritesGateUp;
   static constexpr bool kOpaqueCoordinates = false;
   using OutElement = cutlass::float_e4m3_t;
   static constexpr int kPasses = 2;
+  static constexpr int kSideBoxes = kWritesGateUp ? 3 : 0;  // g, u and h of a pass
   static constexpr int out_cols(int block_n) { return kPasses * block_n / 2; }
 
   // The thread's h of each pass: bf16 pairs, pair v = accumulator values 2v, 2v + 1 of the gate half (a
@@ -407,12 +431,53 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue> {
     }
   }
 
+  // kWritesGateUp, after `keep` of pass `pass`: its g, u (from the accumulators) and h (keep's bf16 values) staged
+  // in boxes 0-2 and stored to gate_up_out's columns 128 nb + 64 pass and n further, and hidden_out's (box column
+  // = bf16 column / 64). Padding rows: zeros. The staging's previous stores (the last task's h) are read by now.
+  // The fragment coordinates come from an opaque copy of the thread index, as RowTileEpilogue::finish's do with
+  // kOpaqueCoordinates: hoisted out of the persistent loop, their staging addresses spilled (ptxas).
+  template <class T, class Params, class Accum, int kPairs, class Storage>
+  __device__ __forceinline__ static void store_side_outputs(const Params& p, const TileTask& task, int pass,
+                                                            const Accum& accum, int consumer_idx,
+                                                            const __nv_bfloat162 (&h)[kPairs], Storage& smem,
+                                                            int warpgroup, bool store_leader, RowsDoneSignal* signal) {
+    if constexpr (kWritesGateUp) {
+      using namespace cute;
+      constexpr int kHalf = decltype(size(accum))::value / 2;
+      static_assert(kPairs * 2 == kHalf && T::kHalfN == 64, "a pass's 64 h columns: one box each of g, u and h");
+      int coords_idx = consumer_idx;
+      asm volatile("mov.u32 %0, %1;" : "=r"(coords_idx) : "r"(consumer_idx));
+      Tensor coords = typename T::TiledMma{}.get_thread_slice(coords_idx).partition_C(
+          make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+      const TileRows rows = tile_rows(p, task, coords);
+      const TileStager<T, Storage> stager{smem, warpgroup, store_leader, signal,
+                                          (task.buffer_row + warpgroup * kUnitRows) / kUnitRows};
+      stager.begin_pass();
+      const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
+      CUTE_UNROLL
+      for (int i = 0; i < kHalf; i += 2) {
+        const int r = get<0>(coords(i)), c = get<1>(coords(i));
+        const bool real = r < rows.valid_rows;
+        stager.stage_bf16(0, r, c, real ? __floats2bfloat162_rn(accum(i), accum(i + 1)) : zero);
+        stager.stage_bf16(1, r, c, real ? __floats2bfloat162_rn(accum(kHalf + i), accum(kHalf + i + 1)) : zero);
+        stager.stage_bf16(2, r, c, h[i / 2]);
+      }
+      // Byte columns of the e4m3-typed descriptors: twice the bf16 columns.
+      const int box_col = (task.n_block * 128 + pass * 64) / 64;
+      stager.end_pass_with([&] {
+        stager.store_box(p.tma_gate_up_out, p.a_rows, 4 * int64_t(p.n), 0, box_col);
+        stager.store_box(p.tma_gate_up_out, p.a_rows, 4 * int64_t(p.n), 1, p.n / 64 + box_col);
+        stager.store_box(p.tma_hidden_out, p.a_rows, 2 * int64_t(p.n), 2, box_col);
+      });
+    }
+  }
+
   template <class T, class Params, class C, class Coords, class Stager>
   __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const C& carry,
                                                const Coords& coords, const TileRows&, const Stager& stager) {
     using cute::get;
     constexpr int kPairs = sizeof(carry.h[0]) / sizeof(carry.h[0][0]);
-    static_assert(T::kOutCols == T::kBoxCols && T::kStagingBoxes == 1, "a task's h is one 128-byte box a row");
+    static_assert(T::kOutCols == T::kBoxCols && T::kStagingBoxes == 1, "a task's h is one 128-byte box a row (box 0)");
     // Row half of pair v: (v % 2) (value 2v lies in row half (2v / 2) % 2).
     float amax[2] = {0.0f, 0.0f};
     bool finite[2] = {true, true};

@@ -418,6 +418,9 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
       // values, and code size counts here: perf_notes round 17.
       std::remove_reference_t<decltype(carry.h[0])> fresh;
       T::Epilogue::template keep<T>(p, task, accum, coords, fresh);
+      // A training context's bf16 g | u and h of the pass (SwiGLUQuantEpilogue<true>; nothing otherwise).
+      T::Epilogue::template store_side_outputs<T>(p, task, pass, accum, consumer_idx, fresh, smem, warpgroup,
+                                                  store_leader, signal);
       constexpr int kPairs = sizeof(fresh) / sizeof(fresh[0]);
       if (pass == 0) {
         CUTE_UNROLL
