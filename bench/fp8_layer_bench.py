@@ -17,8 +17,9 @@ a smaller job than our layer's).
 With --backward: forward + backward instead (issue 28's bar: FP8 forward + backward against our BF16's), each path's
 layer built with the backward; the FP8 backward is the stage kernels (docs/design.md, "FP8 backward") after the FP8
 forward of that path, bf16's the stage kernels after its forward; weight gradients bf16, written. The FP8 fused layer
-also with keep_gate_up=False (its backward recomputes g | u and h: the same bits, a smaller context). Also printed:
-the FP8 d_x's normwise error against BF16's and each layer's forward context bytes (issue 28 item 3).
+also with keep_gate_up=False (its backward recomputes g | u and h: the same bits, a smaller context), and torchao's
+expert MLP forward + backward as the peer (the gradients of its rows and weights). Also printed: the FP8 d_x's
+normwise error against BF16's and each layer's forward context bytes (issue 28 item 3).
 Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
        [--breakdown] [--backward]
 """
@@ -67,6 +68,40 @@ def random_problem(gen, t, experts, hidden, inter, top_k, shared):
     return x, topk_idx, rw, w
 
 
+def torchao_expert_mlp(gen, topk_idx, experts, hidden, w, backward=False):
+    """torchao's FP8 rowwise expert MLP over the routed rows (random rows, grouped by expert and padded to 16 as
+    torchtitan does; routed experts only, no dispatch, combine or shared expert): a callable running its forward, or
+    with `backward` its forward and the gradients of its rows and both weights for a random upstream gradient (as its
+    training does: every operand quantized on each call). None, printed, where torchao does not import."""
+    try:
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm as tao_gmm
+    except Exception as e:  # noqa: BLE001  (a peer that does not import is reported, not fatal)
+        print(f"torchao FP8 grouped GEMM unavailable: {str(e).splitlines()[0][:160]}")
+        return None
+    counts = torch.bincount(topk_idx.flatten().long(), minlength=experts)
+    offs = torch.cumsum((counts + 15) // 16 * 16, 0).to(torch.int32)
+    rows = torch.randn(int(offs[-1]), hidden, device="cuda", generator=gen).bfloat16()
+    w13_t = torch.cat([w[0], w[1]], dim=1).transpose(-2, -1)  # [E, H, 2I], column-major per expert
+    w2_t = w[2].transpose(-2, -1)  # [E, I, H], column-major per expert
+
+    def mlp(a, w13, w2):
+        gate, up = tao_gmm(a, w13, offs, pad_token_groups_for_grouped_mm=False).chunk(2, dim=-1)
+        return tao_gmm((torch.nn.functional.silu(gate) * up).contiguous(), w2, offs,
+                       pad_token_groups_for_grouped_mm=False)
+
+    if not backward:
+        def forward():
+            with torch.no_grad():
+                return mlp(rows, w13_t, w2_t)
+        return forward
+    leaves = [rows.requires_grad_(), w13_t.detach().requires_grad_(), w2_t.detach().requires_grad_()]
+    d_rows = torch.randn(int(offs[-1]), hidden, device="cuda", generator=gen).bfloat16()
+
+    def forward_backward():
+        return torch.autograd.grad(mlp(*leaves), leaves, d_rows)
+    return forward_backward
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lib", default="build/bench/libmok_bench_capi.so")
@@ -87,11 +122,6 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"FP8 layer forward, {torch.cuda.get_device_name()}, EP=1, {args.tokens} tokens, E = E_global / "
           f"{args.experts_per}, median of {args.iters}")
-    try:
-        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm as tao_gmm
-    except Exception as e:  # noqa: BLE001  (a peer that does not import is reported, not fatal)
-        tao_gmm = None
-        print(f"torchao FP8 grouped GEMM unavailable: {str(e).splitlines()[0][:160]}")
     print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'fp8f_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} {'tao_ms':>8s} "
           f"{'fp8/bf16':>8s} {'fp8f/fused':>10s} {'fp8f/tao':>8s} {'fp8f_TF':>7s} {'err':>8s} {'f==u':>5s} "
           f"{'w_MiB':>8s} {'w8_MiB':>8s}   (fp8: the FP8 unfused path, fp8f the FP8 fused path; bf16 unfused, fused; "
@@ -123,21 +153,8 @@ def main():
                     stream, ERROR, len(ERROR)))
 
             fns = [forward(p) for p in layers]
-            if tao_gmm is not None:  # torchao's expert MLP over the routed rows, grouped by expert, groups padded to 16
-                counts = torch.bincount(topk_idx.flatten().long(), minlength=experts)
-                padded = (counts + 15) // 16 * 16
-                offs = torch.cumsum(padded, 0).to(torch.int32)
-                tao_rows = torch.randn(int(offs[-1]), hidden, device="cuda", generator=gen).bfloat16()
-                w13_t = torch.cat([w[0], w[1]], dim=1).transpose(-2, -1)  # [E, H, 2I], column-major per expert
-                w2_t = w[2].transpose(-2, -1)  # [E, I, H], column-major per expert
-
-                def tao_forward():
-                    with torch.no_grad():
-                        gate, up = tao_gmm(tao_rows, w13_t, offs,
-                                           pad_token_groups_for_grouped_mm=False).chunk(2, dim=-1)
-                        return tao_gmm((torch.nn.functional.silu(gate) * up).contiguous(), w2_t, offs,
-                                       pad_token_groups_for_grouped_mm=False)
-
+            tao_forward = torchao_expert_mlp(gen, topk_idx, experts, hidden, w)
+            if tao_forward is not None:
                 try:
                     tao_forward()
                     torch.cuda.synchronize()
@@ -213,12 +230,13 @@ def run_backward(lib, args):
           f"{args.experts_per}, median of {args.iters}, weight gradients bf16 written")
     print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'fp8f_ms':>8s} {'fp8r_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} "
           f"{'fp8/bf16':>8s} {'fp8f/fused':>10s} {'fp8r/fused':>10s} {'fp8f_TF':>7s} {'dx_err':>8s} {'dw_err':>8s} "
-          f"{'r==f':>5s} {'ctx8_MiB':>8s} {'ctx8r_MiB':>9s} {'ctx_MiB':>8s}   "
+          f"{'r==f':>5s} {'tao_ms':>8s} {'fp8f/tao':>8s} {'ctx8_MiB':>8s} {'ctx8r_MiB':>9s} {'ctx_MiB':>8s}   "
           "(forward + backward ms: fp8 the FP8 unfused forward, fp8f the FP8 fused one, each then the FP8 stage "
           "backward; fp8r the fused one with keep_gate_up=False (the backward recomputes g | u and h); bf16 unfused, "
           "fused, each then bf16's stage backward; ratios: speed-ups; dx_err, dw_err: normwise |fp8 - bf16| / |bf16| "
-          "of d_x and of the routed down weight gradient; r==f: fp8r's gradients bitwise fp8f's; ctx: forward "
-          "context bytes, FP8 fused (g | u and h kept), FP8 recompute, bf16 fused)")
+          "of d_x and of the routed down weight gradient; r==f: fp8r's gradients bitwise fp8f's; tao: torchao 0.18's "
+          "FP8 rowwise expert MLP forward + backward of the same rows (routed experts only); ctx: forward context "
+          "bytes, FP8 fused (g | u and h kept), FP8 recompute, bf16 fused)")
 
     def run_shape(name, experts, label, hidden, inter, top_k, shared):
         t = args.tokens
@@ -237,7 +255,11 @@ def run_backward(lib, args):
             outs = {p: torch.empty(t, hidden, device="cuda", dtype=torch.bfloat16) for p in layers}
             d_x = {p: torch.empty(t, hidden, device="cuda", dtype=torch.bfloat16) for p in layers}
             d_rw = {p: torch.empty(t, top_k, device="cuda", dtype=torch.float32) for p in layers}
-            grads = {p: {n: torch.empty_like(v) for n, v in zip(capi.GRADS, w) if v is not None} for p in layers}
+            # The compared layers' own weight gradients; the unfused ones write into the fused ones' (memory for the
+            # EP = 1 shapes).
+            grads = {p: {n: torch.empty_like(v) for n, v in zip(capi.GRADS, w) if v is not None}
+                     for p in ("fp8f", "fp8r", "fused")}
+            grads["fp8"], grads["bf16"] = grads["fp8f"], grads["fused"]
             arrays = {p: capi.grad_arrays(grads[p], {n: "bf16" for n in grads[p]}, {n: "write" for n in grads[p]})
                       for p in layers}
 
@@ -265,20 +287,30 @@ def run_backward(lib, args):
                 fn()
             for layer in layers.values():
                 check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
+            tao_step = torchao_expert_mlp(gen, topk_idx, experts, hidden, w, backward=True)
+            if tao_step is not None:
+                try:
+                    tao_step()
+                    torch.cuda.synchronize()
+                    fns.append(tao_step)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {name}: torchao peer failed: {str(e).splitlines()[0][:160]}", flush=True)
             norm_err = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
             dx_err = norm_err(d_x["fp8f"], d_x["fused"])
             dw_err = norm_err(grads["fp8f"]["expert_down"], grads["fused"]["expert_down"])
             same = all(torch.equal(a, b) for a, b in [(d_x["fp8r"], d_x["fp8f"]), (d_rw["fp8r"], d_rw["fp8f"])] +
                        [(grads["fp8r"][n], grads["fp8f"][n]) for n in grads["fp8f"]])
-            ms = dict(zip(layers, time_ms(fns, args.iters)))
+            ms = dict(zip(list(layers) + ["tao"], time_ms(fns, args.iters)))
             for layer in layers.values():
                 check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
             ctx = {p: lib.mok_bench_layer_context_bytes(layers[p], ERROR, len(ERROR)) / 2**20 for p in layers}
+            tao = f"{ms['tao']:8.3f} {ms['tao'] / ms['fp8f']:8.2f}" if "tao" in ms else f"{'-':>8s} {'-':>8s}"
             flops = 18.0 * t * (top_k + int(bool(shared))) * hidden * inter  # forward 6, backward 12 per row
             print(f"{label:16s} {experts:4d} {ms['fp8']:8.3f} {ms['fp8f']:8.3f} {ms['fp8r']:8.3f} {ms['bf16']:8.3f} "
                   f"{ms['fused']:8.3f} {ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8f']:10.2f} "
                   f"{ms['fused'] / ms['fp8r']:10.2f} {flops / ms['fp8f'] / 1e9:7.0f} {dx_err:8.4f} {dw_err:8.4f} "
-                  f"{'yes' if same else 'NO':>5s} {ctx['fp8f']:8.1f} {ctx['fp8r']:9.1f} {ctx['fused']:8.1f}", flush=True)
+                  f"{'yes' if same else 'NO':>5s} {tao} {ctx['fp8f']:8.1f} {ctx['fp8r']:9.1f} {ctx['fused']:8.1f}",
+                  flush=True)
             del fp8_tensors
         finally:
             for layer in layers.values():

@@ -242,7 +242,8 @@ class ForwardContext {
   // all of them on the unfused path; on the fused path the balanced share or fused.macrobatch_rows; the
   // backward recomputes the others).
   int64_t ring_rows() const { return ring_rows_; }
-  const void* expert_rows() const { return expert_rows_; }  // bf16 [ring_rows, H]: x rows in expert-major order
+  // bf16 [ring_rows, H]: x rows in expert-major order (FP8: x's FP8 rows, values and scales, 16-byte aligned)
+  const void* expert_rows() const { return expert_rows_; }
   const void* hidden() const { return hidden_; }            // bf16 [ring_rows, I]: silu(gate) * up of each row
   const void* shared_hidden() const { return shared_hidden_; }  // bf16 [padded T, I]
   // MoeOptions::keep_gate_up (else null): the raw g (columns [0, I)) and u ([I, 2I)) of each kept row.
@@ -467,11 +468,9 @@ class MoeWorkspace {
   bool local_combine() const { return shape_.ep_size == 1 && !options_.scatter_rows; }
   // The forward's: y must hold every row (the unfused path's does; the fused path's ring, the whole capacity).
   bool combine_in_place() const { return local_combine() && ring_rows_ == capacity_rows(); }
-  // Bytes of a pulled x row: bf16 2H; FP8, the e4m3 values and their scales, rounded up to 16 (src/host/quantize_fp8.h).
-  int64_t pulled_row_bytes() const {
-    const int64_t h = shape_.hidden;
-    return fp8() ? (h + 4 * ((h + 127) / 128) + 15) / 16 * 16 : 2 * h;
-  }
+  // Bytes of a pulled x row, the context's row stride: bf16 2H; FP8, the e4m3 values and their scales, rounded up
+  // to 16 (detail::fp8_row_bytes, src/host/quantize_fp8.h).
+  int64_t pulled_row_bytes() const;
   void backward_epilogue(const RankBackward& b);
   // The shared (or routed) MLP's five backward GEMMs as both paths run them; the routed rows whose g | u
   // are copied from the context (a small ring's) and that copy; where the pull reads rows from.

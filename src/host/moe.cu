@@ -249,6 +249,10 @@ const MoeWorkspace::RankState& MoeWorkspace::state(int rank) const {
 
 bool MoeWorkspace::context_keeps_gate_up() const { return detail::context_keeps_gate_up(options_); }
 
+int64_t MoeWorkspace::pulled_row_bytes() const {
+  return fp8() ? detail::fp8_row_bytes(shape_.hidden) : 2 * int64_t(shape_.hidden);
+}
+
 WaitBound MoeWorkspace::wait_bound(int rank) const {
   return {schedule_.device_status(rank), options_.schedule.wait_timeout_s, rank};
 }
@@ -496,8 +500,10 @@ struct MlpGemms {  // the two GEMM launches of an MLP over the rows of a schedul
   void* out;
   int32_t* tickets;  // two: gate/up, down
   WaitBound waits;   // the rank's status word and timeout
-  // MoeOptions::precision kFP8 only: rows are FP8 rows (src/host/quantize_fp8.h) with these A scales; the weights'
-  // block scales; h written quantized by the gate/up GEMM into hidden_fp8 / hidden_scales (hidden unused).
+  // MoeOptions::precision kFP8 only: rows are FP8 rows (src/host/quantize_fp8.h), row_bytes apart, with these A
+  // scales; the weights' block scales; h written quantized by the gate/up GEMM into hidden_fp8 / hidden_scales
+  // (hidden: the bf16 h beside g | u, with gate_up only).
+  int64_t row_bytes = 0;
   const float* row_scales = nullptr;
   const float* gate_scales = nullptr;
   const float* up_scales = nullptr;
@@ -541,7 +547,7 @@ void mlp_args(const MoeShape& shape, const MoeOptions& options, const MlpGemms& 
   down.ticket = m.tickets + 1;
   if (options.precision == Precision::kFP8) {
     gate_up.precision = down.precision = Precision::kFP8;
-    gate_up.a_row_stride = 2 * int64_t(shape.hidden);  // an FP8 row in the bf16 row's bytes
+    gate_up.a_row_stride = m.row_bytes;
     gate_up.a_scales = m.row_scales;
     gate_up.b_scales = m.gate_scales;
     gate_up.b_up_scales = m.up != nullptr ? m.up_scales : nullptr;
@@ -582,6 +588,7 @@ void MoeWorkspace::routed_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .out = s.y,
             .tickets = s.tickets + detail::kExpertGateUp,
             .waits = wait_bound(f.rank),
+            .row_bytes = pulled_row_bytes(),  // the context's packed rows
             .row_scales = ctx.expert_row_scales_,
             .gate_scales = static_cast<const float*>(w.expert_gate_scales.data),
             .up_scales = static_cast<const float*>(w.expert_up_scales.data),
@@ -609,6 +616,7 @@ void MoeWorkspace::shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
             .out = s.shared_out,
             .tickets = s.tickets + detail::kSharedGateUp,
             .waits = wait_bound(f.rank),
+            .row_bytes = 2 * int64_t(shape_.hidden),  // the symmetric x buffer's: an FP8 row in the bf16 row's bytes
             .row_scales = s.x_scales,
             .gate_scales = static_cast<const float*>(w.shared_gate_scales.data),
             .up_scales = static_cast<const float*>(w.shared_up_scales.data),

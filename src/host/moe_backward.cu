@@ -78,7 +78,8 @@ struct MlpBackward {
   // and the weight gradients stay bf16.
   struct Fp8 {
     bool on = false;
-    const void* x = nullptr;            // the recompute's A: FP8 rows (src/host/quantize_fp8.h), 2H bytes apart
+    const void* x = nullptr;            // the recompute's A: FP8 rows (src/host/quantize_fp8.h), x_row_bytes apart
+    int64_t x_row_bytes = 0;
     const float* x_scales = nullptr;
     const float* gate_scales = nullptr;  // the forward weights' block scales (up: null with fused weights)
     const float* up_scales = nullptr;
@@ -180,7 +181,7 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
   if (m.fp8.on) {  // the same GEMMs on e4m3 operands, B read K-major (the transposed weights for the dgrads)
     g.recompute.precision = g.down_dgrad.precision = g.gate_up_dgrad.precision = Precision::kFP8;
     g.recompute.a = m.fp8.x;
-    g.recompute.a_row_stride = 2 * int64_t(shape.hidden);  // an FP8 row in the bf16 row's bytes
+    g.recompute.a_row_stride = m.fp8.x_row_bytes;
     g.recompute.a_scales = m.fp8.x_scales;
     g.recompute.b_scales = m.fp8.gate_scales;
     g.recompute.b_up_scales = m.up != nullptr ? m.fp8.up_scales : nullptr;
@@ -417,6 +418,7 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
     if (fp8())
       m.fp8 = {.on = true,
                .x = w.shared_x_fp8,
+               .x_row_bytes = 2 * int64_t(shape_.hidden),  // publish_fp8_rows': an FP8 row in the bf16 row's bytes
                .x_scales = s.x_scales,
                .gate_scales = static_cast<const float*>(weights.shared_gate_scales.data),
                .up_scales = static_cast<const float*>(weights.shared_up_scales.data),
@@ -459,6 +461,7 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
   if (fp8())  // a recompute reads the context's FP8 rows (every row: the FP8 backward's ring is the capacity)
     m.fp8 = {.on = true,
              .x = ctx.expert_rows_,
+             .x_row_bytes = pulled_row_bytes(),  // the context's packed rows
              .x_scales = ctx.expert_row_scales_,
              .gate_scales = static_cast<const float*>(weights.expert_gate_scales.data),
              .up_scales = static_cast<const float*>(weights.expert_up_scales.data),

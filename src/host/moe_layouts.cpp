@@ -1,6 +1,8 @@
 // The workspace's and the context's allocation layouts (src/host/moe_layouts.h).
 #include "src/host/moe_layouts.h"
 
+#include "src/host/quantize_fp8.h"
+
 namespace mok::detail {
 namespace {
 constexpr int64_t kBf16 = 2;
@@ -11,7 +13,7 @@ ContextLayout context_layout(const MoeShape& s, bool keep_gate_up, int64_t sched
   const int64_t h = s.hidden, i = s.intermediate;
   ContextLayout l;
   l.schedule = l.buffers.add_array<int32_t>("schedule", schedule_elements);
-  l.expert_rows = l.buffers.add("expert_rows", ring_rows * h * kBf16);
+  l.expert_rows = l.buffers.add("expert_rows", ring_rows * (fp8 ? fp8_row_bytes(h) : h * kBf16));
   // FP8: h is written quantized by the gate/up GEMM (hidden_fp8 below); the bf16 h only beside g | u (keep_gate_up).
   l.hidden = l.buffers.add("hidden", !fp8 || keep_gate_up ? ring_rows * i * kBf16 : 0);
   l.shared_hidden = l.buffers.add(

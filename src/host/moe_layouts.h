@@ -40,13 +40,13 @@ struct SharedSchedule {
 struct ContextLayout {
   BufferLayout buffers;
   BufferSlot schedule;        // int32 [schedule_elements]
-  BufferSlot expert_rows;     // bf16 [ring, H]
+  BufferSlot expert_rows;     // bf16 [ring, H]; FP8: [ring, fp8_row_bytes(H) bytes]
   BufferSlot hidden;          // bf16 [ring, I]; FP8: keep_gate_up only
   BufferSlot shared_hidden;   // bf16 [padded T, I]; FP8: keep_gate_up only
   BufferSlot gate_up;         // bf16 [ring, 2I], keep_gate_up only
   BufferSlot shared_gate_up;  // bf16 [padded T, 2I], keep_gate_up with a shared expert only
   // FP8 only (MoeOptions::precision): expert_rows then holds each row as x's published FP8 row (e4m3 [H] and
-  // its fp32 scales, in the bf16 row's 2H bytes); the GEMMs' A scales and h in e4m3 with its scales.
+  // its fp32 scales, packed: src/host/quantize_fp8.h); the GEMMs' A scales and h in e4m3 with its scales.
   BufferSlot expert_row_scales;     // fp32 [ceil(H/128), ring]
   BufferSlot hidden_fp8;            // e4m3 [ring, I]
   BufferSlot hidden_scales;         // fp32 [ceil(I/128), ring]

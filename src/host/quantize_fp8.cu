@@ -102,7 +102,7 @@ __global__ void unpack_fp8_row_scales_kernel(const uint8_t* rows, const int32_t*
   if (i >= rows_used * k_blocks) return;
   const int64_t row = i % rows_used;  // consecutive threads: consecutive rows, coalesced writes
   const int block = static_cast<int>(i / rows_used);
-  scales[int64_t(block) * row_limit + row] = reinterpret_cast<const float*>(rows + row * 2 * int64_t(h) + h)[block];
+  scales[int64_t(block) * row_limit + row] = reinterpret_cast<const float*>(rows + row * detail::fp8_row_bytes(h) + h)[block];
 }
 
 constexpr int kWeightThreads = 256;

@@ -2,6 +2,7 @@
 // the bf16 row's 2H bytes of the symmetric x buffer (the pull copies it as it copies a bf16 row):
 //   bytes [0, H)                     e4m3 values, quantized per 128 columns (include/mok/fp8.h)
 //   bytes [H, H + 4 * ceil(H/128))   the fp32 scales of its 128-column blocks
+// The pull copies its first fp8_row_bytes(H) into the context's expert-major rows, packed at that stride.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,9 @@
 #include "mok/status.h"
 
 namespace mok::detail {
+
+// Bytes of an FP8 row (values and scales) rounded up to 16: the pulled part and the context's row stride.
+constexpr int64_t fp8_row_bytes(int64_t h) { return (h + 4 * ((h + 127) / 128) + 15) / 16 * 16; }
 
 // x bf16 [tokens, h] -> FP8 rows [padded_tokens, 2h bytes] (rows past `tokens`: zeros, scales 1) and their scales
 // again as the GEMM's A scales, fp32 [ceil(h/128), padded_tokens]; power_of_two: the scales rounded up to powers
@@ -25,8 +29,8 @@ void publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_tokens, int 
 void quantize_rows_fp8(const Fp8QuantizeArgs& args, DeviceStatus* status, NonFiniteWhere where, int rank,
                        cudaStream_t stream);
 
-// The scales of FP8 rows [row_limit, 2h bytes] (rows at or past *scheduled_rows are skipped) as the GEMM's A scales,
-// fp32 [ceil(h/128), row_limit].
+// The scales of FP8 rows [row_limit, fp8_row_bytes(h)] (rows at or past *scheduled_rows are skipped) as the GEMM's
+// A scales, fp32 [ceil(h/128), row_limit].
 void unpack_fp8_row_scales(const void* rows, const int32_t* scheduled_rows, int64_t row_limit, int h, float* scales,
                            cudaStream_t stream);
 

@@ -21,6 +21,7 @@
 #include "src/host/buffer_layout.h"
 #include "src/host/moe_args.h"
 #include "src/host/moe_layouts.h"
+#include "src/host/quantize_fp8.h"
 
 namespace mok {
 namespace {
@@ -123,7 +124,7 @@ TEST(MoeLayouts, ContextLayoutIsTheContextBytes) {
   }
 }
 
-// MoeOptions::precision kFP8: the row buffers as they are, the scales and h in e4m3; no bf16 h or g | u (the
+// MoeOptions::precision kFP8: the x rows as FP8 rows (packed), the scales and h in e4m3; no bf16 h or g | u (the
 // gate/up GEMM writes h quantized) unless keep_gate_up (a training context: then both, as bf16 keeps them, for the
 // routed rows and the shared expert's).
 TEST(MoeLayouts, Fp8AddsScalesAndHiddenInE4m3) {
@@ -144,15 +145,19 @@ TEST(MoeLayouts, Fp8AddsScalesAndHiddenInE4m3) {
     EXPECT_EQ(kept.shared_gate_up.bytes, shared_rows * 2 * i * 2) << where;
     EXPECT_GE(kept.buffers.total_bytes(), l.buffers.total_bytes() + (ring + shared_rows) * 3 * i * 2) << where;
     EXPECT_EQ(kept.hidden_fp8.bytes, l.hidden_fp8.bytes) << where << ": the down GEMM's quantized h as well";
-    EXPECT_EQ(l.expert_rows.bytes, bf16.expert_rows.bytes) << where << ": FP8 rows live in the bf16 rows' bytes";
+    // The context's FP8 rows packed: values and scales, each row 16-byte aligned.
+    const int64_t row_bytes = (h + 4 * hb + 15) / 16 * 16;
+    EXPECT_EQ(detail::fp8_row_bytes(h), row_bytes) << where;
+    EXPECT_EQ(l.expert_rows.bytes, ring * row_bytes) << where;
+    EXPECT_LT(l.expert_rows.bytes, bf16.expert_rows.bytes) << where;
     EXPECT_EQ(l.expert_row_scales.bytes, hb * ring * 4) << where;
     EXPECT_EQ(l.hidden_fp8.bytes, ring * i) << where;
     EXPECT_EQ(l.hidden_scales.bytes, ib * ring * 4) << where;
     EXPECT_EQ(l.shared_hidden_fp8.bytes, s.shared_expert ? padded * i : 0) << where;
     EXPECT_EQ(l.shared_hidden_scales.bytes, s.shared_expert ? ib * padded * 4 : 0) << where;
     EXPECT_EQ(bf16.expert_row_scales.bytes + bf16.hidden_fp8.bytes + bf16.hidden_scales.bytes, 0) << where;
-    // An FP8 row (e4m3 [H] and its scales) fits in the bf16 row's 2H bytes.
-    EXPECT_LE(h + 4 * hb, 2 * h) << where;
+    // An FP8 row (e4m3 [H] and its scales) fits in the bf16 row's 2H bytes (the symmetric x buffer's published row).
+    EXPECT_LE(row_bytes, 2 * h) << where;
     const detail::RankScratchLayout r = detail::rank_scratch_layout(s, ring, padded, 777, 0, true);
     check_layout(r.buffers, "FP8 rank scratch, " + where);
     EXPECT_EQ(r.x_scales.bytes, hb * padded * 4) << where;

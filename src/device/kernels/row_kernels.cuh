@@ -28,20 +28,21 @@ struct PullTraits {
 
 struct PullParams {
   PeerPointers x;              // every rank's symmetric x buffer, bf16 [padded T, H]
-  uint4* dst;                  // bf16 [capacity, H], this rank's expert-major rows
+  uint4* dst;                  // [capacity, copy_vectors], this rank's expert-major rows
   const int32_t* row_route;    // [capacity]
   const int32_t* scheduled_rows;
   int64_t row_limit;           // rows at or above it are not pulled (the capacity: all scheduled rows)
   int num_tokens;
   int top_k;
   int row_vectors;             // H * 2 / 16
-  int copy_vectors;            // of each row, the first ones pulled: row_vectors, or an FP8 row's (fewer)
+  int copy_vectors;            // of each row, the first ones pulled (row_vectors, or an FP8 row's: fewer), and
+                               // dst's row stride
 };
 
 __global__ void __launch_bounds__(PullTraits::kThreads) pull_rows_kernel(PullParams p) {
   const int64_t rows = *p.scheduled_rows < p.row_limit ? int64_t(*p.scheduled_rows) : p.row_limit;
   device::for_each_row_by_warp(rows, [&](int64_t row, int lane) {
-    dispatch::pull_row(p.x, p.dst + row * p.row_vectors, p.row_route[row], p.num_tokens, p.top_k, p.row_vectors,
+    dispatch::pull_row(p.x, p.dst + row * p.copy_vectors, p.row_route[row], p.num_tokens, p.top_k, p.row_vectors,
                        p.copy_vectors, lane);
   });
 }

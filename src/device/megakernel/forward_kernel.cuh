@@ -222,11 +222,12 @@ struct Fp8ForwardParams {
   MegakernelParams common;    // with the forward's phase tables
   PeerPointers x;             // every rank's published FP8 rows [padded T, 2H bytes] (src/host/quantize_fp8.h)
   PeerPointers combined;      // every rank's symmetric combine buffer, bf16 [T * k, H]
-  uint4* expert_rows;         // FP8 rows ring [ring_rows, 2H bytes]
+  uint4* expert_rows;         // FP8 rows ring [ring_rows, fp8_row_vectors 16-byte vectors]
   const uint4* expert_out;    // bf16 ring [ring_rows, H] (y)
   bool combine_in_place;      // as ForwardParams'
   float* expert_row_scales;   // the ring rows' A scales [ceil(H / 128), ring_rows] (the routed gate/up's a_scales)
-  int fp8_row_vectors;        // 16-byte vectors of an FP8 row: H e4m3 values and ceil(H / 128) fp32 scales
+  int fp8_row_vectors;        // 16-byte vectors of an FP8 row (H e4m3 values and ceil(H / 128) fp32 scales): the
+                              // part of a published row copied, and the ring's row stride
   int hidden;
   int k_blocks;               // ceil(H / 128)
   static constexpr KernelId kKernel = KernelId::kForwardMegakernel;  // named in a timeout's report
@@ -267,18 +268,20 @@ struct Fp8ForwardTasks : ForwardTasks<TGateUp, TDown> {
       Base::copy_rows(p, kind, unit, warp, warps, lane);  // the combine: bf16 y rows
       return;
     }
-    const int32_t ring_rows = p.common.order.ring_rows;
+    const MegakernelParams& c = p.common;
+    const int32_t ring_rows = c.order.ring_rows;
     for (int r = warp; r < kUnitRows; r += warps) {
-      const uint4* src;
-      uint4* dst;
-      Base::row_endpoints(p, kind, unit, r, src, dst);
+      // The published row (bf16 rows' stride) into its packed ring slot.
+      const int32_t row = unit * kUnitRows + r, route = c.row_route[row];
+      const uint4* src = route < 0 ? nullptr : dispatch::source_row(p.x, route, c.num_tokens, c.top_k, c.row_vectors);
+      const int64_t slot = row % ring_rows;
+      uint4* dst = p.expert_rows + slot * p.fp8_row_vectors;
       if (src != nullptr)
         device::copy_row_warp(src, dst, p.fp8_row_vectors, lane);
       else
         device::zero_row_warp(dst, p.fp8_row_vectors, lane);
       const float* src_scales =
           src == nullptr ? nullptr : reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(src) + p.hidden);
-      const int64_t slot = (int64_t(unit) * kUnitRows + r) % ring_rows;
       for (int b = lane; b < p.k_blocks; b += 32)
         p.expert_row_scales[int64_t(b) * ring_rows + slot] = src_scales == nullptr ? 0.0f : src_scales[b];
     }
