@@ -21,7 +21,7 @@ also with keep_gate_up=False (its backward recomputes g | u and h: the same bits
 expert MLP forward + backward as the peer (the gradients of its rows and weights). Also printed: the FP8 d_x's
 normwise error against BF16's and each layer's forward context bytes (issue 28 item 3).
 Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
-       [--breakdown] [--backward]
+       [--breakdown] [--backward [--backward-paths fp8,fp8f,fp8r,bf16,fused]]
 """
 import argparse
 import ctypes
@@ -114,6 +114,8 @@ def main():
                              "(torch.profiler)")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (the layers built with the backward) instead of the forward")
+    parser.add_argument("--backward-paths", default=",".join(BACKWARD_PATHS),
+                        help="with --backward, the layers built (fp8f and fused always; fewer fit larger shapes)")
     args = parser.parse_args()
     lib = capi.load(os.path.abspath(args.lib))
     if args.backward:
@@ -222,6 +224,11 @@ def fp8_weight_pointers(w, transposed=True):
     return tensors, (ctypes.c_void_p * len(tensors))(*[0 if t is None else t.data_ptr() for t in tensors])
 
 
+# --backward's layers: path, precision, keep_gate_up.
+BACKWARD_PATHS = {"fp8": ("unfused", "fp8", True), "fp8f": ("fused", "fp8", True), "fp8r": ("fused", "fp8", False),
+                  "bf16": ("unfused", "bf16", True), "fused": ("fused", "bf16", True)}
+
+
 def run_backward(lib, args):
     """--backward: forward + backward of the FP8 layer (unfused, fused forward) against ours in BF16, one line a shape."""
     stream = torch.cuda.current_stream().cuda_stream
@@ -238,14 +245,17 @@ def run_backward(lib, args):
           "FP8 rowwise expert MLP forward + backward of the same rows (routed experts only); ctx: forward context "
           "bytes, FP8 fused (g | u and h kept), FP8 recompute, bf16 fused)")
 
+    wanted = set(args.backward_paths.split(",")) | {"fp8f", "fused"}
+    unknown = wanted - set(BACKWARD_PATHS)
+    if unknown:
+        raise SystemExit(f"--backward-paths: unknown {sorted(unknown)}; choose among {list(BACKWARD_PATHS)}")
+
     def run_shape(name, experts, label, hidden, inter, top_k, shared):
         t = args.tokens
         common = dict(ep_size=1, num_tokens=t, top_k=top_k, num_experts=experts, hidden=hidden, intermediate=inter,
                       shared_expert=bool(shared))
-        paths = {"fp8": ("unfused", "fp8", True), "fp8f": ("fused", "fp8", True), "fp8r": ("fused", "fp8", False),
-                 "bf16": ("unfused", "bf16", True), "fused": ("fused", "bf16", True)}
         layers = {p: create(lib, path=path, precision=precision, keep_gate_up=keep, **common)
-                  for p, (path, precision, keep) in paths.items()}
+                  for p, (path, precision, keep) in BACKWARD_PATHS.items() if p in wanted}
         try:
             x, topk_idx, rw, w = random_problem(gen, t, experts, hidden, inter, top_k, shared)
             d_out = torch.randn(t, hidden, device="cuda", generator=gen).bfloat16()
@@ -258,7 +268,7 @@ def run_backward(lib, args):
             # The compared layers' own weight gradients; the unfused ones write into the fused ones' (memory for the
             # EP = 1 shapes).
             grads = {p: {n: torch.empty_like(v) for n, v in zip(capi.GRADS, w) if v is not None}
-                     for p in ("fp8f", "fp8r", "fused")}
+                     for p in ("fp8f", "fp8r", "fused") if p in layers}
             grads["fp8"], grads["bf16"] = grads["fp8f"], grads["fused"]
             arrays = {p: capi.grad_arrays(grads[p], {n: "bf16" for n in grads[p]}, {n: "write" for n in grads[p]})
                       for p in layers}
@@ -298,19 +308,25 @@ def run_backward(lib, args):
             norm_err = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
             dx_err = norm_err(d_x["fp8f"], d_x["fused"])
             dw_err = norm_err(grads["fp8f"]["expert_down"], grads["fused"]["expert_down"])
-            same = all(torch.equal(a, b) for a, b in [(d_x["fp8r"], d_x["fp8f"]), (d_rw["fp8r"], d_rw["fp8f"])] +
-                       [(grads["fp8r"][n], grads["fp8f"][n]) for n in grads["fp8f"]])
+            same = "fp8r" in layers and all(
+                torch.equal(a, b) for a, b in [(d_x["fp8r"], d_x["fp8f"]), (d_rw["fp8r"], d_rw["fp8f"])] +
+                [(grads["fp8r"][n], grads["fp8f"][n]) for n in grads["fp8f"]])
             ms = dict(zip(list(layers) + ["tao"], time_ms(fns, args.iters)))
             for layer in layers.values():
                 check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
             ctx = {p: lib.mok_bench_layer_context_bytes(layers[p], ERROR, len(ERROR)) / 2**20 for p in layers}
-            tao = f"{ms['tao']:8.3f} {ms['tao'] / ms['fp8f']:8.2f}" if "tao" in ms else f"{'-':>8s} {'-':>8s}"
             flops = 18.0 * t * (top_k + int(bool(shared))) * hidden * inter  # forward 6, backward 12 per row
-            print(f"{label:16s} {experts:4d} {ms['fp8']:8.3f} {ms['fp8f']:8.3f} {ms['fp8r']:8.3f} {ms['bf16']:8.3f} "
-                  f"{ms['fused']:8.3f} {ms['bf16'] / ms['fp8']:8.2f} {ms['fused'] / ms['fp8f']:10.2f} "
-                  f"{ms['fused'] / ms['fp8r']:10.2f} {flops / ms['fp8f'] / 1e9:7.0f} {dx_err:8.4f} {dw_err:8.4f} "
-                  f"{'yes' if same else 'NO':>5s} {tao} {ctx['fp8f']:8.1f} {ctx['fp8r']:9.1f} {ctx['fused']:8.1f}",
-                  flush=True)
+
+            def cell(width, value, spec):  # "-" for a layer not built
+                return f"{value:{width}{spec}}" if value is not None else f"{'-':>{width}s}"
+            ratio = lambda a, b: ms[a] / ms[b] if a in ms and b in ms else None
+            print(f"{label:16s} {experts:4d} {cell(8, ms.get('fp8'), '.3f')} {ms['fp8f']:8.3f} "
+                  f"{cell(8, ms.get('fp8r'), '.3f')} {cell(8, ms.get('bf16'), '.3f')} {ms['fused']:8.3f} "
+                  f"{cell(8, ratio('bf16', 'fp8'), '.2f')} {ratio('fused', 'fp8f'):10.2f} "
+                  f"{cell(10, ratio('fused', 'fp8r'), '.2f')} {flops / ms['fp8f'] / 1e9:7.0f} {dx_err:8.4f} "
+                  f"{dw_err:8.4f} {('yes' if same else 'NO') if 'fp8r' in layers else '-':>5s} "
+                  f"{cell(8, ms.get('tao'), '.3f')} {cell(8, ratio('tao', 'fp8f'), '.2f')} {ctx['fp8f']:8.1f} "
+                  f"{cell(9, ctx.get('fp8r'), '.1f')} {ctx['fused']:8.1f}", flush=True)
             del fp8_tensors
         finally:
             for layer in layers.values():
@@ -335,7 +351,10 @@ def for_each_shape(args, run_shape):
         if out_of_memory:
             print(f"  {name}: out of memory with {experts} experts; again with {experts // 2} (same tokens and top-k: "
                   "twice the rows per expert)", flush=True)
-            run_shape(name, experts // 2, f"{name} E/2", hidden, inter, top_k, shared)
+            try:
+                run_shape(name, experts // 2, f"{name} E/2", hidden, inter, top_k, shared)
+            except torch.OutOfMemoryError:
+                print(f"  {name}: out of memory with {experts // 2} experts too; skipped", flush=True)
             torch.cuda.empty_cache()
 
 
