@@ -394,7 +394,8 @@ WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options) {
   require(options.path == ForwardPath::kFused || plan.ring_rows == plan.capacity_rows,
           "MoeOptions.fused.macrobatch_rows below the capacity needs ForwardPath::kFused (the unfused path holds "
           "every row at once)");
-  // The FP8 context keeps x's rows as dispatched (FP8) and the backward recomputes g, u and h from them: every row.
+  // The FP8 backward reads g, u and h from the context, or recomputes them from its FP8 x rows: every row (rows past
+  // a ring would need the bf16 recompute's path, which FP8 does not have).
   require(options.precision != Precision::kFP8 || !options.backward || plan.ring_rows == plan.capacity_rows,
           "MoeOptions.precision kFP8 with MoeOptions.backward needs a context that keeps every row, but the ring is " +
               std::to_string(plan.ring_rows) + " of " + std::to_string(plan.capacity_rows) +
