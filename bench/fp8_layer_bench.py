@@ -117,8 +117,8 @@ def main():
     parser.add_argument("--tokens", type=positive_int, default=8192)
     parser.add_argument("--iters", type=positive_int, default=20)
     parser.add_argument("--breakdown", action="store_true",
-                        help="also the GPU time per kernel of the FP8 (unfused, fused) and the bf16 unfused forward "
-                             "(torch.profiler)")
+                        help="also the GPU time per kernel of the FP8 (unfused, fused) and the bf16 unfused forward; "
+                             "with --backward, of the FP8 fused and bf16 fused forward + backward (torch.profiler)")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (the layers built with the backward) instead of the forward")
     parser.add_argument("--backward-paths", default=",".join(BACKWARD_PATHS),
@@ -324,6 +324,10 @@ def run_backward(lib, args):
                   f"{dw_err:8.4f} {('yes' if same else 'NO') if 'fp8r' in layers else '-':>5s} "
                   f"{cell(8, ms.get('tao'), '.3f')} {cell(8, ratio('tao', 'fp8f'), '.2f')} {ctx['fp8f']:8.1f} "
                   f"{cell(9, ctx.get('fp8r'), '.1f')} {ctx['fused']:8.1f}", flush=True)
+            if args.breakdown:  # where the step's time goes, FP8 against bf16
+                for p in ("fp8f", "fused"):
+                    for kernel, kernel_ms in kernel_breakdown(step(p)):
+                        print(f"  {name} {p:5s} {kernel:40s} {kernel_ms:8.3f} ms per call", flush=True)
             del fp8_tensors
         finally:
             for layer in layers.values():
