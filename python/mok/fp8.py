@@ -1,5 +1,6 @@
 """FP8 (Config(precision="fp8"): DeepSeek-V3's recipe, docs/design.md "FP8"): the weights quantized once per
-optimizer step, then the layer's forward and backward with them. Eager only (not under torch.compile).
+optimizer step, then the layer's forward and backward with them (the torch.library ops mok::forward_fp8 and
+mok::backward_fp8: under torch.compile too, with the quantized weights made outside the compiled function).
 
     ws = mok.get_workspace(mok.Config(precision="fp8"), None, T, H, I, k, E)
     qw = mok.quantize_weights(w, transposed=True)      # after every optimizer step (w: mok.Weights, bf16)
@@ -60,6 +61,12 @@ class Fp8Weights:
     def transposed(self) -> bool:
         """Whether the backward's transposed copies are here (quantize_weights(transposed=True))."""
         return len(self.values_t) > 0
+
+    def op_tensors(self) -> Tuple[Optional[torch.Tensor], ...]:
+        """values, scales, values_t, scales_t as one tuple, the transposed ones None without them: the FP8 weights'
+        entries of the ops (mok.ops.LayerFunction, mok::backward_fp8)."""
+        missing = (None,) * len(TRANSPOSED_NAMES)
+        return self.values + self.scales + (self.values_t or missing) + (self.scales_t or missing)
 
 
 def _last_dim_cat(parts):
@@ -167,19 +174,12 @@ def _check_fp8_pair(ws, name, value, scale, letters, shape) -> None:
                          f"{_describe(scale)}")
 
 
-def _as_bytes(tensors):
-    """e4m3 tensors as the extension takes them (uint8 views: DLPack exports no float8), None kept."""
-    return [None if v is None else v.view(torch.uint8) for v in tensors]
-
-
 def _check_call(ws, name: str) -> None:
     from .layer import _check_workspace
     _check_workspace(ws)
     if ws.config.precision != "fp8":
         raise ValueError(f"mok.{name}: the workspace is Config(precision={ws.config.precision!r}); make it with "
                          "Config(precision='fp8')")
-    if torch.compiler.is_compiling():
-        raise RuntimeError(f"mok.{name} is eager only for now (not under torch.compile)")
 
 
 def _check_inputs(ws, x, topk_idx, router_weights) -> None:
@@ -199,7 +199,7 @@ def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: tor
     weights (a mok.Weights or dict) that `weights` were quantized from, whose gradients it computes (straight
     through the quantization); needs a workspace with backward=True and weights quantized with transposed=True.
     The context must still hold this forward when the backward runs (one context per forward in flight; no
-    recompute in FP8 yet). Eager only (not under torch.compile, nor CUDA-graph capture with ctx=None)."""
+    recompute in FP8 yet). Under torch.compile and CUDA-graph capture pass ctx=ws.make_context(), made outside."""
     from .layer import _check_context
     _check_call(ws, "forward_fp8")
     _check_inputs(ws, x, topk_idx, router_weights)
@@ -220,49 +220,36 @@ def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: tor
                                "or run under torch.no_grad()")
         _check_fp8_weights(ws, weights, backward=True)
     if ctx is None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError("mok.forward_fp8 under torch.compile: pass ctx=ws.make_context(), made outside the "
+                               "compiled function")
+        if ws.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("mok.forward_fp8 under CUDA-graph capture: pass ctx=ws.make_context(), made before the "
+                               "capture (a pooled context could be handed to another forward while the graph still "
+                               "writes it)")
         ctx = ws.pooled_context()  # returned to the pool when the caller drops it: steady state allocates nothing
     _check_context(ws, ctx)
-    if not differentiable:
-        return _run_forward(ws, ctx, x, topk_idx, router_weights, weights), ctx
-    return Fp8LayerFunction.apply(ws, ctx, None, weights, x, topk_idx, router_weights, *masters), ctx
+    out = ops.LayerFunction.apply(ws.handle, ctx.handle, False, x, topk_idx, router_weights, *masters,
+                                  *([None] * len(WEIGHT_NAMES)), None, 0, 0, False, *weights.op_tensors())
+    return out, ctx
 
 
 def fp8_layer_forward(ws, ctx, x, topk_idx, router_weights, weights: Fp8Weights, master_weights: Weights,
                       targets) -> torch.Tensor:
     """forward_fp8 for mok.MoE's training forward: its context, its parameters as the master weights, and with
     main_grad=True (targets: its MainGradTargets) the weight gradients added into their main_grad."""
+    from .layer import _check_context
     _check_call(ws, "forward_fp8")
     _check_inputs(ws, x, topk_idx, router_weights)
     _check_fp8_weights(ws, weights, backward=True)
     check_weights(ws.shape, ws.device, master_weights, "master_weights.")
-    return Fp8LayerFunction.apply(ws, ctx, targets, weights, x, topk_idx, router_weights, *master_weights.tensors())
-
-
-def _run_forward(ws, ctx, x, topk_idx, router_weights, weights: Fp8Weights) -> torch.Tensor:
-    from .layer import _cuda_stream
-    out = torch.empty_like(x)
-    if ws.is_meta:
-        return out
-    ws._native.forward_fp8(x.detach(), topk_idx, router_weights.detach(), _as_bytes(weights.values),
-                           list(weights.scales), out, ctx._native, _cuda_stream(ws.device))
-    ctx.mark_written()
-    return out
-
-
-def _run_backward(ws, ctx, d_out, x, topk_idx, router_weights, weights: Fp8Weights, grads, accumulate: bool):
-    """(d_x, d_router_weights); grads (six tensors or None) written, or added to with accumulate."""
-    from .layer import _cuda_stream
-    if not ctx.written:
-        raise RuntimeError("mok.backward_fp8: the forward context holds no forward of its current schedule (run "
-                           "mok.forward_fp8 with it first)")
-    d_x, d_router_weights = torch.empty_like(x), torch.empty_like(router_weights)
-    if ws.is_meta:
-        return d_x, d_router_weights
-    ws._native.backward_fp8(d_out.detach(), x.detach(), topk_idx, router_weights.detach(), _as_bytes(weights.values),
-                            list(weights.scales), _as_bytes(weights.values_t), list(weights.scales_t), d_x,
-                            d_router_weights, [None if g is None else g.detach() for g in grads], accumulate,
-                            ctx._native, _cuda_stream(ws.device))
-    return d_x, d_router_weights
+    _check_context(ws, ctx)
+    if targets is None:
+        main = ([None] * len(WEIGHT_NAMES), None, 0, 0)
+    else:
+        main = (targets.main_grads(), targets.handle, targets.dummy_mask(), targets.zero_mask())
+    return ops.LayerFunction.apply(ws.handle, ctx.handle, False, x, topk_idx, router_weights,
+                                   *master_weights.tensors(), *main[0], *main[1:], False, *weights.op_tensors())
 
 
 def backward_fp8(ws, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: torch.Tensor,
@@ -271,7 +258,7 @@ def backward_fp8(ws, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tenso
     quantized with transposed=True): (d_x bf16 [T, H], d_router_weights fp32 [T, k], the weights' gradients as a
     mok.Weights). The dgrads run in FP8 (d_out and d(g|u) quantized per 1 x 128); the weight gradients are the bf16
     master weights', from bf16 activations; grads=, main_grads= and grad_dtype as in mok.backward. Asynchronous on
-    torch's current stream, deterministic bit for bit; eager only."""
+    torch's current stream, deterministic bit for bit."""
     from .layer import _check_context, gradient_buffers
     _check_call(ws, "backward_fp8")
     if not ws.config.backward:
@@ -282,51 +269,9 @@ def backward_fp8(ws, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tenso
     _check_context(ws, ctx)
     # The FP8 values have the bf16 weights' shapes: the gradients' shapes.
     buffers, accumulate = gradient_buffers(ws, Weights(*weights.values), grads, main_grads, grad_dtype)
-    d_x, d_router_weights = _run_backward(ws, ctx, d_out, x, topk_idx, router_weights, weights,
-                                          buffers.tensors(), accumulate)
+    n = len(WEIGHT_NAMES)
+    fp8 = weights.op_tensors()
+    d_x, d_router_weights = torch.ops.mok.backward_fp8(
+        ws.handle, ctx.handle, d_out, x, topk_idx, router_weights, list(fp8[:n]), list(fp8[n:2 * n]),
+        list(fp8[2 * n:2 * n + 4]), list(fp8[2 * n + 4:]), *buffers.tensors(), accumulate)
     return d_x, d_router_weights, buffers
-
-
-class Fp8LayerFunction(torch.autograd.Function):
-    """Autograd of the FP8 forward (eager only).
-
-    apply(ws, ctx, targets, weights, x, topk_idx, router_weights, <6 master weights>) -> out
-
-    ws, ctx: the Workspace and ForwardContext objects; weights: the Fp8Weights; master weights: the bf16 tensors
-    they were quantized from (None each where absent or not given), whose gradients the backward computes;
-    targets: the module's MainGradTargets (main_grad=True: the gradients are added into the parameters' main_grad,
-    read when the forward runs) or None. x, topk_idx and router_weights are saved (an in-place change before the
-    backward raises); the context's generation after the forward is kept, and the backward raises if a later
-    forward overwrote the context (as mok.forward's does)."""
-
-    @staticmethod
-    def forward(fctx, ws, ctx, targets, weights, x, topk_idx, router_weights, *masters):
-        out = _run_forward(ws, ctx, x, topk_idx, router_weights, weights)
-        fctx.save_for_backward(x, topk_idx, router_weights)
-        main = (targets.main_grads(), targets.dummy_mask(), targets.zero_mask()) if targets is not None else None
-        fctx.mok = (ws, ctx, ctx.generation, weights, masters, targets, main)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(fctx, d_out):
-        ws, ctx, generation, weights, masters, targets, main = fctx.mok
-        x, topk_idx, router_weights = fctx.saved_tensors
-        ops.check_generation(ctx, generation, recompute_hint=False)
-        needs = fctx.needs_input_grad[7:]
-        needed = sum(1 << i for i, w in enumerate(masters) if w is not None and needs[i])
-        grad_mask = ops.with_partners(needed, masters)
-        if main is not None:
-            buffers = ops.main_grad_buffers(masters, needed, grad_mask, main[0])
-        else:
-            buffers = [torch.empty_like(w) if grad_mask >> i & 1 else None for i, w in enumerate(masters)]
-        d_x, d_router_weights = _run_backward(ws, ctx, d_out.contiguous(), x, topk_idx, router_weights, weights,
-                                              buffers, main is not None)
-        if main is not None:
-            targets.mark_added(grad_mask)
-            weight_grads = ops.dummy_grads(masters, needed, main[1], main[2])
-        else:
-            weight_grads = [g if needed >> i & 1 else None for i, g in enumerate(buffers)]
-        needs = fctx.needs_input_grad
-        return (None, None, None, None, d_x if needs[4] else None, None, d_router_weights if needs[6] else None,
-                *weight_grads)

@@ -282,6 +282,10 @@ class MoE(torch.nn.Module):
         """Config(precision="fp8"): the FP8 forward with the cached quantized weights; differentiable (the parameters'
         gradients straight through the quantization, into main_grad with main_grad=True) when grad is enabled and
         something requires it."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError("mok.MoE with Config(precision='fp8') under torch.compile: not yet (it quantizes its "
+                               "weights again after each parameter change, outside any graph); compile "
+                               "mok.forward_fp8 with mok.quantize_weights' weights made outside the compiled function")
         weights = self.weights()
         if not (torch.is_grad_enabled() and (tokens.requires_grad or router_weights.requires_grad or any(
                 p is not None and p.requires_grad for p in weights.tensors()))):

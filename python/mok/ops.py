@@ -9,11 +9,15 @@ CUDA graphs capture them. Each has a fake (meta) implementation giving its outpu
                        <6 gradients(a!)>, accumulate, recompute=False, main_grad_targets=None)
         -> (d_x, d_router_weights)
     mok::recompute_forward_context(workspace, context(a!), x, <6 weights>) -> ()
+    mok::forward_fp8(workspace, context(a!), x, topk_idx, router_weights, values, scales) -> (out, token)
+    mok::backward_fp8(workspace, context(a!), d_out, x, topk_idx, router_weights, values, scales, values_t,
+                      scales_t, <6 gradients(a!)>, accumulate, main_grad_targets=None) -> (d_x, d_router_weights)
     autograd: LayerFunction (mok::forward; its backward calls mok::backward, or mok::backward_into adding into
-    the parameters' main_grad)
+    the parameters' main_grad; with FP8 weights mok::forward_fp8 and mok::backward_fp8)
 
 <6 weights> are expert_gate, expert_up?, expert_down, shared_gate?, shared_up?, shared_down? (mok.Weights order;
-None where absent). The workspace, the forward context and a module's main-gradient targets are opaque Python
+None where absent). values, scales, values_t, scales_t: mok.Fp8Weights' lists (e4m3 values and fp32 block scales of
+the six weights, and the four transposed copies the FP8 backward reads; None entries where absent). The workspace, the forward context and a module's main-gradient targets are opaque Python
 objects; the ops get them by handles into the weak tables below: small CPU int64 tensors holding the object's id,
 so the schemas hold only tensors, ints and bools, and under torch.compile the handles are inputs of the graph
 (not constants: layers of one shape share a compiled graph).
@@ -96,6 +100,11 @@ def _plain(*tensors):
     """The tensors as the extension takes them: detached (the same memory; a tensor that requires grad refuses
     __dlpack__, and the kernels of these ops see the caller's tensors as they are), None kept."""
     return [None if t is None else t.detach() for t in tensors]
+
+
+def _as_bytes(tensors):
+    """e4m3 tensors as the extension takes them (uint8 views: DLPack exports no float8), None kept."""
+    return [None if v is None else v.view(torch.uint8) for v in tensors]
 
 
 class MainGradTargets:
@@ -223,7 +232,13 @@ class LayerFunction(torch.autograd.Function):
     """Autograd of mok::forward (an op that declares a mutation cannot have a register_autograd formula).
 
     apply(workspace, context, schedule_ready, x, topk_idx, router_weights, <6 weights>, <6 main_grads>,
-          main_grad_targets, dummy_mask, zero_mask, recompute) -> out
+          main_grad_targets, dummy_mask, zero_mask, recompute[, <20 FP8 weight entries>]) -> out
+
+    With FP8 weight entries (mok.Fp8Weights.op_tensors(): values and scales of the six weights, then the four
+    transposed copies'; Config(precision="fp8"); bf16 passes none) the forward is
+    mok::forward_fp8 and the backward mok::backward_fp8; <6 weights> are then the bf16 master weights the FP8 ones
+    were quantized from (None each where not given: no gradient), whose gradients go straight through the
+    quantization. schedule_ready and recompute are False there.
 
     main_grads (None each without main_grad), main_grad_targets (a MainGradTargets handle, or None), dummy_mask
     (Megatron's dummy gradients) and zero_mask (the dummies that are zeros: zero_out_wgrad) are read when the
@@ -245,12 +260,18 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, workspace, context, schedule_ready, x, topk_idx, router_weights, *rest):
-        weights = rest[:len(WEIGHT_NAMES)]
-        main_grads = rest[len(WEIGHT_NAMES):2 * len(WEIGHT_NAMES)]
-        targets, dummy_mask, zero_mask, recompute = rest[2 * len(WEIGHT_NAMES):]
-        out, token = torch.ops.mok.forward(workspace, context, schedule_ready, x, topk_idx, router_weights,
-                                           *weights)
-        ctx.save_for_backward(x, topk_idx, router_weights, *weights, token)
+        n = len(WEIGHT_NAMES)
+        weights = rest[:n]
+        main_grads = rest[n:2 * n]
+        targets, dummy_mask, zero_mask, recompute = rest[2 * n:2 * n + 4]
+        fp8 = rest[2 * n + 4:]
+        if fp8:
+            out, token = torch.ops.mok.forward_fp8(workspace, context, x, topk_idx, router_weights, list(fp8[:n]),
+                                                   list(fp8[n:2 * n]))
+        else:
+            out, token = torch.ops.mok.forward(workspace, context, schedule_ready, x, topk_idx, router_weights,
+                                               *weights)
+        ctx.save_for_backward(x, topk_idx, router_weights, *weights, token, *fp8)
         ctx.mok_main_grads, ctx.mok_workspace = main_grads, workspace
         ctx.mok_flags = (targets, dummy_mask, zero_mask, recompute)
         # Eager only: the context itself, held by the graph until it is freed (a pooled context, mok.forward(ctx=None),
@@ -262,7 +283,9 @@ class LayerFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # the backward ops have no derivative: a double backward says so
     def backward(ctx, d_out):
         targets, dummy_mask, zero_mask, recompute = ctx.mok_flags
-        x, topk_idx, router_weights, *weights, token = ctx.saved_tensors
+        n = len(WEIGHT_NAMES)
+        x, topk_idx, router_weights, *rest = ctx.saved_tensors
+        weights, token, fp8 = rest[:n], rest[n], rest[n + 1:]
         token = token.clone()  # the ops may rewrite it (recompute); the saved one stays as saved
         main_grads, workspace = ctx.mok_main_grads, ctx.mok_workspace
         needs = ctx.needs_input_grad
@@ -273,7 +296,19 @@ class LayerFunction(torch.autograd.Function):
         grad_mask = with_partners(needed, weights)  # computed: the needed ones and their gate/up partners
         d_out = d_out.contiguous()
         weight_grads = [None] * len(WEIGHT_NAMES)
-        if targets is not None:
+        if fp8:  # the FP8 backward into new tensors, or added into main_grad
+            if targets is not None:
+                buffers = main_grad_buffers(weights, needed, grad_mask, main_grads)
+            else:
+                buffers = [torch.empty_like(w) if grad_mask >> i & 1 else None for i, w in enumerate(weights)]
+            d_x, d_router_weights = torch.ops.mok.backward_fp8(
+                workspace, token, d_out, x, topk_idx, router_weights, list(fp8[:n]), list(fp8[n:2 * n]),
+                list(fp8[2 * n:2 * n + 4]), list(fp8[2 * n + 4:]), *buffers, targets is not None, targets)
+            if targets is not None:
+                weight_grads = dummy_grads(weights, needed, dummy_mask, zero_mask)
+            else:
+                weight_grads = [g if needed >> i & 1 else None for i, g in enumerate(buffers)]
+        elif targets is not None:
             # main_grad += this backward's gradient (declared: backward_into's gradient arguments).
             buffers = main_grad_buffers(weights, needed, grad_mask, main_grads)
             d_x, d_router_weights = torch.ops.mok.backward_into(
@@ -287,7 +322,7 @@ class LayerFunction(torch.autograd.Function):
                 if needed >> i & 1:
                     weight_grads[i] = grads[2 + i]
         return (None, None, None, d_x if needs[3] else None, None, d_router_weights if needs[5] else None,
-                *weight_grads, *([None] * len(WEIGHT_NAMES)), None, None, None, None)
+                *weight_grads, *([None] * len(WEIGHT_NAMES)), None, None, None, None, *([None] * len(fp8)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -317,8 +352,10 @@ def _check_training(ws, op: str) -> None:
 
 def _check_written(ctx, op: str) -> None:
     if not ctx.written:
-        raise RuntimeError(f"mok::{op}: the forward context holds no forward of its current schedule (run "
-                           "mok.forward, or mok.recompute_forward_context after mok.build_schedule, with it first)")
+        run = "mok.forward_fp8" if op.endswith("fp8") else \
+            "mok.forward, or mok.recompute_forward_context after mok.build_schedule,"
+        raise RuntimeError(f"mok::{op}: the forward context holds no forward of its current schedule (run {run} "
+                           "with it first)")
 
 
 def _prepare_backward(ws, ctx, context, recompute, x, topk_idx, weights, op: str) -> None:
@@ -437,3 +474,62 @@ def recompute_op(workspace: torch.Tensor, context: torch.Tensor, x: torch.Tensor
 @recompute_op.register_fake
 def _recompute_fake(workspace, context, x, expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down):
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mok::forward_fp8, mok::backward_fp8 (Config(precision="fp8"), python/mok/fp8.py)
+
+
+@torch.library.custom_op("mok::forward_fp8", mutates_args=("context",), device_types="cuda")
+def forward_fp8_op(workspace: torch.Tensor, context: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor,
+                   router_weights: torch.Tensor, values: List[Optional[torch.Tensor]],
+                   scales: List[Optional[torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """mok::forward with FP8 weights (values e4m3, scales fp32, in weight order): (out, token), the context written
+    as mok::forward writes it."""
+    ws = _lookup(_workspaces, workspace, "workspace", "forward_fp8")
+    ctx = _lookup(_contexts, context, "forward context", "forward_fp8")
+    out = torch.empty_like(x)
+    ws._native.forward_fp8(*_plain(x, topk_idx, router_weights), _as_bytes(values), list(scales), out, ctx._native,
+                           _stream(x))
+    ctx.mark_written()
+    return out, _token(ctx, context)
+
+
+@forward_fp8_op.register_fake
+def _forward_fp8_fake(workspace, context, x, topk_idx, router_weights, values, scales):
+    return torch.empty_like(x), torch.empty(2, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("mok::backward_fp8", device_types="cuda",
+                         mutates_args=("context", *(f"grad_{name}" for name in WEIGHT_NAMES)))
+def backward_fp8_op(workspace: torch.Tensor, context: torch.Tensor, d_out: torch.Tensor, x: torch.Tensor,
+                    topk_idx: torch.Tensor, router_weights: torch.Tensor, values: List[Optional[torch.Tensor]],
+                    scales: List[Optional[torch.Tensor]], values_t: List[Optional[torch.Tensor]],
+                    scales_t: List[Optional[torch.Tensor]], grad_expert_gate: Optional[torch.Tensor],
+                    grad_expert_up: Optional[torch.Tensor], grad_expert_down: Optional[torch.Tensor],
+                    grad_shared_gate: Optional[torch.Tensor], grad_shared_up: Optional[torch.Tensor],
+                    grad_shared_down: Optional[torch.Tensor], accumulate: bool,
+                    main_grad_targets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """mok::backward_into of the FP8 forward in the context (its dgrads in FP8 from the transposed copies values_t,
+    scales_t; the weight gradients bf16's): (d_x, d_router_weights), each given grad_* written or added to. context
+    and main_grad_targets as mok::backward_into's; FP8 has no recompute."""
+    ws = _lookup(_workspaces, workspace, "workspace", "backward_fp8")
+    ctx = _lookup(_contexts, context, "forward context", "backward_fp8")
+    grads = [grad_expert_gate, grad_expert_up, grad_expert_down, grad_shared_gate, grad_shared_up, grad_shared_down]
+    _check_training(ws, "backward_fp8")
+    if context.numel() == 2:
+        check_generation(ctx, int(context[1]), recompute_hint=False)
+    _check_written(ctx, "backward_fp8")
+    d_x, d_router_weights = torch.empty_like(x), torch.empty_like(router_weights)
+    ws._native.backward_fp8(*_plain(d_out, x, topk_idx, router_weights), _as_bytes(values), list(scales),
+                            _as_bytes(values_t), list(scales_t), d_x, d_router_weights, _plain(*grads), accumulate,
+                            ctx._native, _stream(x))
+    if main_grad_targets is not None:
+        _lookup(_main_grad_targets, main_grad_targets, "main-gradient targets", "backward_fp8").mark_added(
+            sum(1 << i for i, g in enumerate(grads) if g is not None))
+    return d_x, d_router_weights
+
+
+@backward_fp8_op.register_fake
+def _backward_fp8_fake(workspace, context, d_out, x, topk_idx, router_weights, *rest):
+    return torch.empty_like(x), torch.empty_like(router_weights)

@@ -274,6 +274,36 @@ def test_fp8_backward_against_bf16(shared):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"weight {n}: backward_fp8 vs autograd"
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fp8_under_torch_compile_gives_the_eager_bits(backend):
+    """mok.forward_fp8 with master_weights (autograd) and the explicit mok.backward_fp8, compiled with
+    fullgraph=True (the ops mok::forward_fp8 and mok::backward_fp8 in the graphs; the quantized weights and the
+    context made outside): every output and gradient bitwise the eager calls'."""
+    x, idx, rw, w = _inputs(1870)
+    d_out = _d_out(9)
+    qw = mok.quantize_weights(w, transposed=True)
+    with _training_workspace(path="fused") as ws:
+        ctx = ws.make_context()
+
+        def explicit(x, rw):
+            mok.forward_fp8(ws, x, idx, rw, qw, ctx)
+            return mok.backward_fp8(ws, d_out, x, idx, rw, qw, ctx)
+
+        results = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            run = (lambda f: torch.compile(f, fullgraph=True, backend=backend)) if compiled else (lambda f: f)
+            forward = run(lambda x, rw, w: mok.forward_fp8(ws, x, idx, rw, qw, ctx, master_weights=w)[0])
+            out, d_x, d_rw, grads = _autograd(forward, x, rw, w, d_out)
+            e_d_x, e_d_rw, e_grads = run(explicit)(x, rw)
+            results.append([out, d_x, d_rw, *[g for g in grads if g is not None], e_d_x, e_d_rw,
+                            *[g for g in e_grads.tensors() if g is not None]])
+        mok.check_status(ws)
+        torch._dynamo.reset()
+    for n, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"value {n}: compiled ({backend}) against eager"
+
+
 def test_fp8_backward_paths_grad_modes_and_token_counts():
     """The fused forward's context gives the unfused one's gradient bits; fp32 gradients written, and main_grads
     accumulated twice, are (0 + g) + g of them bit for bit; T tokens below the workspace's (0 included) give those
