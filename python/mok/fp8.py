@@ -269,9 +269,7 @@ def backward_fp8(ws, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tenso
     _check_context(ws, ctx)
     # The FP8 values have the bf16 weights' shapes: the gradients' shapes.
     buffers, accumulate = gradient_buffers(ws, Weights(*weights.values), grads, main_grads, grad_dtype)
-    n = len(WEIGHT_NAMES)
-    fp8 = weights.op_tensors()
     d_x, d_router_weights = torch.ops.mok.backward_fp8(
-        ws.handle, ctx.handle, d_out, x, topk_idx, router_weights, list(fp8[:n]), list(fp8[n:2 * n]),
-        list(fp8[2 * n:2 * n + 4]), list(fp8[2 * n + 4:]), *buffers.tensors(), accumulate)
+        ws.handle, ctx.handle, d_out, x, topk_idx, router_weights, list(weights.values), list(weights.scales),
+        list(weights.values_t), list(weights.scales_t), *buffers.tensors(), accumulate)
     return d_x, d_router_weights, buffers
