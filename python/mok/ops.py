@@ -440,14 +440,20 @@ def backward_into_op(workspace: torch.Tensor, context: torch.Tensor, d_out: torc
     d_x, d_router_weights = torch.empty_like(x), torch.empty_like(router_weights)
     ws._native.backward(*_plain(d_out, x, topk_idx, router_weights), _plain(*weights), d_x, d_router_weights,
                         _plain(*grads), accumulate, ctx._native, _stream(x))
-    if main_grad_targets is not None:
-        _lookup(_main_grad_targets, main_grad_targets, "main-gradient targets", "backward_into").mark_added(
-            sum(1 << i for i, g in enumerate(grads) if g is not None))
+    _mark_added(main_grad_targets, grads, "backward_into")
     return d_x, d_router_weights
 
 
+def _mark_added(main_grad_targets: Optional[torch.Tensor], grads, op: str) -> None:
+    """Megatron's grad_added_to_main_grad on the parameters whose gradient a backward op added into main_grad."""
+    if main_grad_targets is not None:
+        _lookup(_main_grad_targets, main_grad_targets, "main-gradient targets", op).mark_added(
+            sum(1 << i for i, g in enumerate(grads) if g is not None))
+
+
 @backward_into_op.register_fake
-def _backward_into_fake(workspace, context, d_out, x, topk_idx, router_weights, *rest):
+def _gradients_into_fake(workspace, context, d_out, x, topk_idx, router_weights, *rest):
+    """backward_into's and backward_fp8's: (d_x, d_router_weights); the gradients are written in place."""
     return torch.empty_like(x), torch.empty_like(router_weights)
 
 
@@ -524,12 +530,8 @@ def backward_fp8_op(workspace: torch.Tensor, context: torch.Tensor, d_out: torch
     ws._native.backward_fp8(*_plain(d_out, x, topk_idx, router_weights), _as_bytes(values), list(scales),
                             _as_bytes(values_t), list(scales_t), d_x, d_router_weights, _plain(*grads), accumulate,
                             ctx._native, _stream(x))
-    if main_grad_targets is not None:
-        _lookup(_main_grad_targets, main_grad_targets, "main-gradient targets", "backward_fp8").mark_added(
-            sum(1 << i for i, g in enumerate(grads) if g is not None))
+    _mark_added(main_grad_targets, grads, "backward_fp8")
     return d_x, d_router_weights
 
 
-@backward_fp8_op.register_fake
-def _backward_fp8_fake(workspace, context, d_out, x, topk_idx, router_weights, *rest):
-    return torch.empty_like(x), torch.empty_like(router_weights)
+backward_fp8_op.register_fake(_gradients_into_fake)
