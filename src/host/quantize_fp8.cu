@@ -3,6 +3,8 @@
 //            the same value), the scale, then each lane converts its own columns.
 //   weights: one CTA of 256 threads per 128 x 128 block: each thread's amax over its values, a shared-memory
 //            reduction, then the conversion (the block is read twice; the second read hits L1/L2).
+//   columns: one CTA per 128 rows x 64 columns of a schedule's rows, transposed through shared memory
+//            (quantize_columns_fp8, src/host/quantize_fp8.h).
 // The scale and every quotient are IEEE fp32 (amax / 448, value / scale), so the CPU reference
 // (tests/common/fp8.h, Fp8Matrix::quantize) gives the same bits.
 #include "mok/fp8.h"
@@ -102,7 +104,77 @@ __global__ void unpack_fp8_row_scales_kernel(const uint8_t* rows, const int32_t*
   if (i >= rows_used * k_blocks) return;
   const int64_t row = i % rows_used;  // consecutive threads: consecutive rows, coalesced writes
   const int block = static_cast<int>(i / rows_used);
-  scales[int64_t(block) * row_limit + row] = reinterpret_cast<const float*>(rows + row * detail::fp8_row_bytes(h) + h)[block];
+  const uint8_t* fp8_row = rows + row * detail::fp8_row_bytes(h);
+  scales[int64_t(block) * row_limit + row] = reinterpret_cast<const float*>(fp8_row + h)[block];
+}
+
+// quantize_columns_fp8 (src/host/quantize_fp8.h): each expert's segment start in `out`, its rows re-padded to 128.
+// One thread: E is at most a few hundred.
+__global__ void column_row_offsets_kernel(const int32_t* counts, int experts, int32_t* offsets) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int32_t at = 0;
+  for (int e = 0; e < experts; ++e) {
+    offsets[e] = at;
+    at += (counts[e] + kBlock - 1) / kBlock * kBlock;
+  }
+  offsets[experts] = at;
+}
+
+constexpr int kColumnTile = 64;  // columns per CTA of quantize_columns_kernel (128 threads: two per column)
+
+// One CTA per (128-row block of `out`, 64 columns): the block's source rows (its expert's, zeros past the count)
+// into shared memory, each column's amax over the 128 rows (two threads of 64 rows each, then combined), its scale,
+// and the column's 128 e4m3 bytes written contiguously (out is K-major: a column is a row of it). Blocks past the
+// last segment write nothing.
+__global__ void __launch_bounds__(2 * kColumnTile) quantize_columns_kernel(
+    const __nv_bfloat16* in, int k, int experts, const int32_t* counts, const int32_t* in_offsets,
+    const int32_t* out_offsets, int64_t out_rows, uint8_t* out, float* scales, bool power_of_two) {
+  __shared__ __align__(16) __nv_bfloat16 tile[kBlock][kColumnTile];
+  __shared__ float half_amax[2][kColumnTile];
+  __shared__ int half_finite[2][kColumnTile];
+  const int64_t out_row = int64_t(blockIdx.x) * kBlock;
+  if (out_row >= out_offsets[experts]) return;  // CTA-uniform
+  // The block's expert: the last one whose segment starts at or before it (an empty expert's segment is empty).
+  int lo = 0, hi = experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (out_offsets[mid] <= out_row) lo = mid; else hi = mid - 1;
+  }
+  const int64_t first = out_row - out_offsets[lo];  // the block's first row within its expert
+  const int valid = static_cast<int>(max(int64_t(0), min(int64_t(kBlock), int64_t(counts[lo]) - first)));
+  const int col0 = blockIdx.y * kColumnTile;
+  const __nv_bfloat16* src = in + (int64_t(in_offsets[lo]) + first) * k + col0;
+  constexpr int kVectors = kColumnTile * 2 / 16;  // 16-byte vectors of a row's 64 columns
+  for (int i = threadIdx.x; i < kBlock * kVectors; i += blockDim.x) {
+    const int r = i / kVectors, v = i % kVectors;
+    const uint4 value = r < valid ? reinterpret_cast<const uint4*>(src + int64_t(r) * k)[v] : make_uint4(0, 0, 0, 0);
+    reinterpret_cast<uint4*>(&tile[r][0])[v] = value;
+  }
+  __syncthreads();
+  const int c = threadIdx.x % kColumnTile, half = threadIdx.x / kColumnTile, r0 = half * (kBlock / 2);
+  float amax = 0.0f;
+  bool finite = true;
+  for (int r = r0; r < r0 + kBlock / 2; ++r) {
+    const float v = __bfloat162float(tile[r][c]);
+    finite = finite && isfinite(v);
+    amax = fmaxf(amax, fabsf(v));
+  }
+  half_amax[half][c] = amax;
+  half_finite[half][c] = finite;
+  __syncthreads();
+  const float scale = device::fp8_block_scale(fmaxf(half_amax[0][c], half_amax[1][c]),
+                                              half_finite[0][c] && half_finite[1][c], power_of_two);
+  uint8_t* dst = out + int64_t(col0 + c) * out_rows + out_row + r0;  // this thread's 64 bytes of the column
+  for (int v = 0; v < kBlock / 2 / 16; ++v) {
+    uint32_t words[4];
+    for (int w = 0; w < 4; ++w) {
+      words[w] = 0;
+      for (int b = 0; b < 4; ++b)
+        words[w] |= uint32_t(to_e4m3(__bfloat162float(tile[r0 + 16 * v + 4 * w + b][c]), scale)) << (8 * b);
+    }
+    reinterpret_cast<uint4*>(dst)[v] = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+  if (half == 0) scales[(out_row / kBlock) * k + col0 + c] = scale;
 }
 
 constexpr int kWeightThreads = 256;
@@ -205,6 +277,31 @@ void detail::publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_toke
   publish_fp8_rows_kernel<<<static_cast<unsigned>((warps * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), tokens, padded_tokens, h, static_cast<uint8_t*>(rows), scales, power_of_two,
       status, rank);
+  MOK_CHECK_CUDA(cudaGetLastError());
+}
+
+void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t stream) {
+  const std::string entry = "quantize_columns_fp8: ";
+  require(a.in != nullptr && reinterpret_cast<uintptr_t>(a.in) % 16 == 0,
+          entry + "in must be a non-null, 16-byte aligned bf16 [rows_allocated, k] buffer");
+  require(a.k > 0 && a.k % kColumnTile == 0, entry + "k must be a positive multiple of 64, got " + std::to_string(a.k));
+  require(a.rows_allocated >= 0, entry + "rows_allocated must be >= 0, got " + std::to_string(a.rows_allocated));
+  require(a.local_experts >= 1, entry + "local_experts must be positive, got " + std::to_string(a.local_experts));
+  require(a.expert_counts != nullptr && a.expert_row_offsets != nullptr && a.out_row_offsets != nullptr,
+          entry + "expert_counts, expert_row_offsets and out_row_offsets must be set");
+  require(a.out != nullptr && reinterpret_cast<uintptr_t>(a.out) % 16 == 0,
+          entry + "out must be a non-null, 16-byte aligned e4m3 [k, fp8_column_rows(rows_allocated, local_experts)] "
+                  "buffer");
+  require(a.scales != nullptr && reinterpret_cast<uintptr_t>(a.scales) % 4 == 0,
+          entry + "scales must be a non-null fp32 [fp8_column_rows(rows_allocated, local_experts) / 128, k] buffer");
+  const int64_t out_rows = fp8_column_rows(a.rows_allocated, a.local_experts);
+  const dim3 grid(static_cast<unsigned>(out_rows / kBlock), static_cast<unsigned>(a.k / kColumnTile));
+  require(grid.y <= 65535, entry + "k too large for one launch");
+  column_row_offsets_kernel<<<1, 32, 0, stream>>>(a.expert_counts, a.local_experts, a.out_row_offsets);
+  MOK_CHECK_CUDA(cudaGetLastError());
+  quantize_columns_kernel<<<grid, 2 * kColumnTile, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(a.in), a.k, a.local_experts, a.expert_counts, a.expert_row_offsets,
+      a.out_row_offsets, out_rows, static_cast<uint8_t*>(a.out), a.scales, a.power_of_two_scales);
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 

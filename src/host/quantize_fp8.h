@@ -29,6 +29,32 @@ void publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_tokens, int 
 void quantize_rows_fp8(const Fp8QuantizeArgs& args, DeviceStatus* status, NonFiniteWhere where, int rank,
                        cudaStream_t stream);
 
+// FP8 weight gradients' operands (docs/design.md, "FP8 weight gradients: the plan"; the transpose-and-quantize
+// kernel that comes first): a schedule's expert-major bf16 rows [rows_allocated, k] transposed to e4m3
+// [k, fp8_column_rows(rows_allocated, E)] and quantized along the rows, one scale per column per 128 rows of one
+// expert. Each expert's segment is re-padded to 128 rows: out_row_offsets [E + 1] (written, multiples of 128) are
+// the segments' first rows in `out`; rows of an expert past its count, and the padding, are zeros. scales: fp32
+// [fp8_column_rows(...) / 128, k], block b = rows [128 b, 128 b + 128) of `out`. A block holding a NaN or an
+// infinity gets a NaN scale (the gradients it feeds are NaN; d_out's and d(g|u)'s NaNs are reported where they are
+// quantized along their rows). Not yet used by the layer: its GEMM is the plan's next step.
+struct Fp8ColumnQuantizeArgs {
+  const void* in = nullptr;                    // bf16 [rows_allocated, k], 16-byte aligned
+  int64_t rows_allocated = 0;
+  int k = 0;                                   // a positive multiple of 64
+  int local_experts = 0;
+  const int32_t* expert_counts = nullptr;      // [E]: the rows of each expert (ScheduleView's)
+  const int32_t* expert_row_offsets = nullptr; // [E + 1]: each expert's first row in `in` (ScheduleView's)
+  int32_t* out_row_offsets = nullptr;          // [E + 1], written
+  void* out = nullptr;                         // e4m3 [k, fp8_column_rows(rows_allocated, E)], 16-byte aligned
+  float* scales = nullptr;                     // fp32 [fp8_column_rows(rows_allocated, E) / 128, k]
+  bool power_of_two_scales = false;
+};
+// The rows `out` holds for any schedule of these rows: each segment grows by at most 64 rows (tile_m 64 -> 128).
+constexpr int64_t fp8_column_rows(int64_t rows_allocated, int local_experts) {
+  return (rows_allocated + 64 * int64_t(local_experts) + 127) / 128 * 128;
+}
+void quantize_columns_fp8(const Fp8ColumnQuantizeArgs& args, cudaStream_t stream);
+
 // The scales of FP8 rows [row_limit, fp8_row_bytes(h)] (rows at or past *scheduled_rows are skipped) as the GEMM's
 // A scales, fp32 [ceil(h/128), row_limit].
 void unpack_fp8_row_scales(const void* rows, const int32_t* scheduled_rows, int64_t row_limit, int h, float* scales,

@@ -3,6 +3,7 @@
 // cover the edge cases: all-zero blocks, values past e4m3's range (the scale brings them into it), tiny values
 // (subnormal scales), a partial last k-block and row block, NaN and infinity (a NaN scale for their block only).
 // Outputs are poisoned first (0xff bytes, scale NaN with a payload): every element must be written.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -243,6 +244,94 @@ TEST(QuantizeFp8Test, EdgeCasesAreWhatTheRecipeSays) {
   EXPECT_TRUE(std::isnan(nan.scales[0]));
 }
 
+// The FP8 weight gradients' operand quantizer (detail::quantize_columns_fp8): a schedule's rows (segments padded
+// to 64, an empty expert, a 1-row and a 300-row one) transposed and quantized per column per 128 rows of one
+// expert, against the CPU: the 128-aligned segment offsets, every e4m3 byte (rows past an expert's count zeros,
+// whatever its padding rows hold), every scale bitwise, both scale modes; a NaN gives its column's block a NaN
+// scale and touches no other block; rows of `out` past the last segment are not written.
+TEST(QuantizeFp8Test, ColumnsOfAScheduleMatchTheCpuBitwise) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> counts = {129, 0, 1, 255, 64, 300};
+  const int experts = static_cast<int>(counts.size()), k = 192;
+  std::vector<int32_t> offsets(experts + 1, 0);
+  for (int e = 0; e < experts; ++e) offsets[e + 1] = offsets[e] + (counts[e] + 63) / 64 * 64;
+  const int64_t rows = offsets[experts] + 64;  // and a spare tile
+  const int64_t out_rows = detail::fp8_column_rows(rows, experts);
+  for (const bool pow2 : {false, true}) {
+    const uint64_t seed = 1500 + pow2;
+    const std::string label = std::string(pow2 ? "power-of-two scales" : "amax / 448 scales") + ", seed " +
+                              std::to_string(seed);
+    // Rows past an expert's count (its padding, the spare tile) hold large values the kernel must not read.
+    std::vector<uint16_t> in(size_t(rows) * k, to_bf16_bits(1e30f));
+    std::vector<float> values(in.size(), 0.0f);  // what the kernel should see: zeros past the counts
+    for (int e = 0; e < experts; ++e)
+      for (int64_t r = offsets[e]; r < offsets[e] + counts[e]; ++r)
+        for (int c = 0; c < k; ++c) {
+          const float x = float(hashed_int(seed, r * k + c, -1000, 1000)) / 100.0f * (c % 3 == 0 ? 1e3f : 1.0f);
+          in[r * k + c] = to_bf16_bits(x);
+          values[r * k + c] = from_bf16_bits(in[r * k + c]);
+        }
+    const int64_t nan_row = offsets[3] + 200, nan_col = 7;  // expert 3's second block, column 7
+    in[nan_row * k + nan_col] = to_bf16_bits(NAN);
+    values[nan_row * k + nan_col] = NAN;
+    // The CPU: expert e's block j of column c is rows [offsets[e] + 128 j, + 128) of values, at out rows
+    // out_offsets[e] + 128 j.
+    std::vector<int32_t> want_offsets(experts + 1, 0);
+    for (int e = 0; e < experts; ++e) want_offsets[e + 1] = want_offsets[e] + (counts[e] + 127) / 128 * 128;
+    constexpr uint8_t kPoison = 0xee;
+    std::vector<uint8_t> want(size_t(k) * out_rows, kPoison);
+    float poison;
+    std::memcpy(&poison, &kScalePoison, sizeof poison);
+    std::vector<float> want_scales(size_t(out_rows / 128) * k, poison);
+    for (int e = 0; e < experts; ++e)
+      for (int64_t j = 0; j * 128 < want_offsets[e + 1] - want_offsets[e]; ++j)
+        for (int c = 0; c < k; ++c) {
+          float amax = 0.0f;
+          bool finite = true;
+          auto value = [&](int r) {
+            return 128 * j + r < counts[e] ? values[(offsets[e] + 128 * j + r) * k + c] : 0.0f;
+          };
+          for (int r = 0; r < 128; ++r) {
+            finite = finite && std::isfinite(value(r));
+            amax = std::max(amax, std::abs(value(r)));
+          }
+          const float scale = Fp8Matrix::block_scale(amax, finite, pow2);
+          const int64_t block = want_offsets[e] / 128 + j;
+          want_scales[block * k + c] = scale;
+          for (int r = 0; r < 128; ++r) want[c * out_rows + 128 * block + r] = testing::to_e4m3_bits(value(r) / scale);
+        }
+    DeviceArray<uint16_t> d_in(in);
+    DeviceArray<int32_t> d_counts(counts), d_offsets(offsets), d_out_offsets(std::vector<int32_t>(experts + 1, -1));
+    DeviceArray<uint8_t> d_out(std::vector<uint8_t>(want.size(), kPoison));
+    DeviceArray<float> d_scales(std::vector<float>(want_scales.size(), poison));
+    detail::quantize_columns_fp8({.in = d_in.ptr,
+                                  .rows_allocated = rows,
+                                  .k = k,
+                                  .local_experts = experts,
+                                  .expert_counts = d_counts.ptr,
+                                  .expert_row_offsets = d_offsets.ptr,
+                                  .out_row_offsets = d_out_offsets.ptr,
+                                  .out = d_out.ptr,
+                                  .scales = d_scales.ptr,
+                                  .power_of_two_scales = pow2},
+                                 nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    ASSERT_EQ(d_out_offsets.download(), want_offsets) << label;
+    const auto out = d_out.download();
+    for (size_t i = 0; i < out.size(); ++i)
+      ASSERT_EQ(out[i], want[i]) << "e4m3 of column " << i / out_rows << ", out row " << i % out_rows << ", " << label;
+    const auto scales = d_scales.download();
+    for (size_t i = 0; i < scales.size(); ++i)
+      ASSERT_EQ(bits_of(scales[i]), bits_of(want_scales[i]))
+          << "scale of block " << i / k << ", column " << i % k << ": got " << scales[i] << ", expected "
+          << want_scales[i] << ", " << label;
+    const int64_t nan_block = want_offsets[3] / 128 + 1;
+    ASSERT_TRUE(std::isnan(scales[nan_block * k + nan_col])) << label;
+    ASSERT_FALSE(std::isnan(scales[nan_block * k + nan_col + 1])) << label;
+    ASSERT_FALSE(std::isnan(scales[(nan_block - 1) * k + nan_col])) << label;
+  }
+}
+
 TEST(QuantizeFp8Test, ValidationNamesTheArgument) {
   alignas(16) static uint16_t buffer[64];
   alignas(16) static float scales[16];
@@ -282,6 +371,31 @@ TEST(QuantizeFp8Test, ValidationNamesTheArgument) {
   EXPECT_NE(message(weights_fn, a).find("go together"), std::string::npos);
   a.scales_transposed = scales;
   EXPECT_NE(message(rows_fn, a).find("are for quantize_weights_fp8"), std::string::npos);
+  // quantize_columns_fp8's own checks (before anything is launched).
+  static int32_t ints[8];
+  const detail::Fp8ColumnQuantizeArgs columns{.in = buffer, .rows_allocated = 128, .k = 64, .local_experts = 1,
+                                              .expert_counts = ints, .expert_row_offsets = ints,
+                                              .out_row_offsets = ints, .out = buffer, .scales = scales};
+  const auto column_message = [](detail::Fp8ColumnQuantizeArgs c) {
+    try {
+      detail::quantize_columns_fp8(c, nullptr);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no throw");
+  };
+  detail::Fp8ColumnQuantizeArgs c = columns;
+  c.k = 96;
+  EXPECT_NE(column_message(c).find("quantize_columns_fp8: k must be a positive multiple of 64"), std::string::npos);
+  c = columns;
+  c.out_row_offsets = nullptr;
+  EXPECT_NE(column_message(c).find("out_row_offsets must be set"), std::string::npos);
+  c = columns;
+  c.in = reinterpret_cast<const char*>(buffer) + 2;
+  EXPECT_NE(column_message(c).find("in must be a non-null, 16-byte aligned"), std::string::npos);
+  c = columns;
+  c.local_experts = 0;
+  EXPECT_NE(column_message(c).find("local_experts must be positive"), std::string::npos);
 }
 
 }  // namespace
