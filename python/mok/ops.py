@@ -17,8 +17,9 @@ CUDA graphs capture them. Each has a fake (meta) implementation giving its outpu
 
 <6 weights> are expert_gate, expert_up?, expert_down, shared_gate?, shared_up?, shared_down? (mok.Weights order;
 None where absent). values, scales, values_t, scales_t: mok.Fp8Weights' lists (e4m3 values and fp32 block scales of
-the six weights, and the four transposed copies the FP8 backward reads; None entries where absent). The workspace, the forward context and a module's main-gradient targets are opaque Python
-objects; the ops get them by handles into the weak tables below: small CPU int64 tensors holding the object's id,
+the six weights, and the four transposed copies the FP8 backward reads; None entries where absent). The workspace,
+the forward context and a module's main-gradient targets are opaque Python objects; the ops get them by handles
+into the weak tables below: small CPU int64 tensors holding the object's id,
 so the schemas hold only tensors, ints and bools, and under torch.compile the handles are inputs of the graph
 (not constants: layers of one shape share a compiled graph).
 

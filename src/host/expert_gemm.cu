@@ -72,8 +72,9 @@ int n_blocks(const ExpertGemmArgs& args) {
   const int columns = args.epilogue == GemmEpilogue::kStore ? fp8_store_block_n(args.block_n, args.n)
                       : args.epilogue == GemmEpilogue::kSwiGLUBackward
                           ? detail::Fp8GemmTraits<gemm::SwiGLUBackwardEpilogue, 1>::kOutCols
-                      : args.out_scales != nullptr ? detail::Fp8GemmTraits<gemm::SwiGLUQuantEpilogue<false>, 1>::kOutCols
-                                                   : detail::Fp8GemmTraits<gemm::SwiGLUEpilogue<false>, 1>::kOutCols;
+                      : args.out_scales != nullptr
+                          ? detail::Fp8GemmTraits<gemm::SwiGLUQuantEpilogue<false>, 1>::kOutCols
+                          : detail::Fp8GemmTraits<gemm::SwiGLUEpilogue<false>, 1>::kOutCols;
   return (args.n + columns - 1) / columns;
 }
 

@@ -101,7 +101,8 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
     // the tensor's bytes, `per_bf16` of them a bf16 column).
     constexpr int64_t per_bf16 = sizeof(__nv_bfloat16) / sizeof(typename T::OutElement);
     if constexpr (T::Epilogue::kGateUpOut) tma_gate_up_out = make_store(args.gate_up_out, 2 * args.n * per_bf16);
-    if constexpr (T::Epilogue::kGateUpOut && per_bf16 > 1) tma_hidden_out = make_store(args.hidden_out, args.n * per_bf16);
+    if constexpr (T::Epilogue::kGateUpOut && per_bf16 > 1)
+      tma_hidden_out = make_store(args.hidden_out, args.n * per_bf16);
   }
 
   gemm::GemmParams<decltype(tma_a), decltype(tma_b0), decltype(tma_out)> p{tma_a, tma_b0, tma_b1, tma_out,

@@ -520,7 +520,8 @@ TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPat
       const testing::RawGrads grads = testing::raw_grads(harness);
       harness.backward();
       harness.check_status();
-      ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), grads), "") << "rerun, " << config << ", " << label;
+      ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), grads), "")
+          << "rerun, " << config << ", " << label;
       if (!first.empty()) {
         EXPECT_EQ(testing::first_difference(grads, first), "") << config << " vs unfused with g | u kept, " << label;
         continue;
