@@ -1414,3 +1414,21 @@ def test_fp8_compiled_equals_eager_on_the_cpu_stand_in(cpu_fp8_workspace, backen
     with pytest.raises(Exception, match="precision='fp8'\\) under torch.compile: not yet"):
         torch.compile(moe, fullgraph=True, backend="eager")(x, idx, rw)
     torch._dynamo.reset()
+
+
+def test_fp8_ops_called_directly_with_a_dead_handle_say_so(cpu_fp8_workspace):
+    """torch.ops.mok.forward_fp8 / backward_fp8 called by hand with a handle no live object has: a RuntimeError
+    naming the op and the handle; the next good call through mok.forward_fp8 works."""
+    ws = cpu_fp8_workspace
+    qw = _fake_quantize(_exact_weights(150), transposed=True)
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=151)
+    ctx = ws.make_context()
+    dead = torch.tensor([10**12], dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="mok::forward_fp8: no live workspace with handle"):
+        torch.ops.mok.forward_fp8(dead, ctx.handle, x, idx, rw, list(qw.values), list(qw.scales))
+    with pytest.raises(RuntimeError, match="mok::backward_fp8: no live forward context with handle"):
+        torch.ops.mok.backward_fp8(ws.handle, dead, x, x, idx, rw, list(qw.values), list(qw.scales),
+                                   list(qw.values_t), list(qw.scales_t), *([None] * 6), False)
+    out, ctx = mok.forward_fp8(ws, x, idx, rw, qw, ctx)
+    d_x, _, _ = mok.backward_fp8(ws, torch.ones_like(out), x, idx, rw, qw, ctx)
+    assert not out.isnan().any() and not d_x.isnan().any()
