@@ -24,11 +24,13 @@ void require(bool condition, const std::string& message) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Output tiles of a call (every output mode and configuration has the 128 x 256 tile).
+// Output tiles of a call (bf16: every output mode and configuration has the 128 x 256 tile; FP8 128 x 128).
 int64_t num_tiles(const WeightGradArgs& args) {
   using Tile = detail::WeightGradConfig<GradOutput::kBFloat16>;
+  const int block_n = args.precision == Precision::kFP8 ? detail::Fp8WeightGradConfig<GradOutput::kBFloat16>::kBlockN
+                                                        : Tile::kBlockN;
   return int64_t(args.local_experts) * ((args.m + Tile::kBlockM - 1) / Tile::kBlockM) *
-         ((args.n + Tile::kBlockN - 1) / Tile::kBlockN);
+         ((args.n + block_n - 1) / block_n);
 }
 
 // Launches `kernel` persistently: one CTA per SM (the shared memory allows no second one), no more CTAs than
@@ -56,8 +58,21 @@ void launch(const WeightGradArgs& args, cudaStream_t stream) {
 
 // Every field but the ticket and the waits (the megakernel has its own).
 void validate_operands(const WeightGradArgs& args) {
-  require(args.a != nullptr && aligned16(args.a), "a must be a non-null, 16-byte aligned bf16 buffer");
-  require(args.b != nullptr && aligned16(args.b), "b must be a non-null, 16-byte aligned bf16 buffer");
+  require(args.precision == Precision::kBF16 || args.precision == Precision::kFP8,
+          "precision must be kBF16 or kFP8, got " + std::to_string(static_cast<int32_t>(args.precision)));
+  const bool fp8 = args.precision == Precision::kFP8;
+  const std::string element = fp8 ? "e4m3" : "bf16";
+  require(args.a != nullptr && aligned16(args.a), "a must be a non-null, 16-byte aligned " + element + " buffer");
+  require(args.b != nullptr && aligned16(args.b), "b must be a non-null, 16-byte aligned " + element + " buffer");
+  if (fp8) {
+    require(args.a_scales != nullptr && aligned16(args.a_scales) && args.b_scales != nullptr &&
+                aligned16(args.b_scales),
+            "precision kFP8 needs a_scales and b_scales (fp32 [rows_allocated / 128, m or n], 16-byte aligned)");
+    require(args.tile_m == 128, "precision kFP8 needs segments of whole 128-row scale blocks (tile_m 128, "
+                                "quantize_columns_fp8's offsets), got tile_m " + std::to_string(args.tile_m));
+  } else {
+    require(args.a_scales == nullptr && args.b_scales == nullptr, "a_scales and b_scales are for precision kFP8");
+  }
   require(args.tile_m == 64 || args.tile_m == 128, "tile_m must be 64 or 128, got " + std::to_string(args.tile_m));
   require(args.rows_allocated > 0 && args.rows_allocated % args.tile_m == 0 && args.rows_allocated <= INT32_MAX,
           "rows_allocated must be a positive multiple of tile_m (" + std::to_string(args.tile_m) +
@@ -100,6 +115,20 @@ void validate(const WeightGradArgs& args) {
 
 void weight_grad_gemm(const WeightGradArgs& args, cudaStream_t stream) {
   validate(args);
+  if (args.precision == Precision::kFP8) {
+    switch (args.output) {
+      case GradOutput::kBFloat16:
+        launch<detail::Fp8WeightGradConfig<GradOutput::kBFloat16>>(args, stream);
+        break;
+      case GradOutput::kFloat32:
+        launch<detail::Fp8WeightGradConfig<GradOutput::kFloat32>>(args, stream);
+        break;
+      case GradOutput::kAccumulateFloat32:
+        launch<detail::Fp8WeightGradConfig<GradOutput::kAccumulateFloat32>>(args, stream);
+        break;
+    }
+    return;
+  }
   switch (args.output) {
     case GradOutput::kBFloat16:
       launch<detail::WeightGradConfig<GradOutput::kBFloat16>>(args, stream);

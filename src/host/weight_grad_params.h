@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <type_traits>
 
 #include "mok/weight_grad_gemm.h"
@@ -25,6 +26,12 @@ using WeightGradConfig = std::conditional_t<kOutput == GradOutput::kBFloat16,
                                             gemm::WeightGradTraits<kOutput, 256, 64, 3>,
                                             gemm::WeightGradTraits<kOutput, 256, 32, 4>>;
 
+// The FP8 configuration (Precision::kFP8: e4m3 operands K-major, scaled per column per 128 rows): 128 x 128
+// tiles (the promotion keeps a second accumulator set: 2 x 64 fp32 a thread), 4 stages of 128 rows (32 KB and
+// 1 KB of scales each) and the whole tile's staging (bf16 32 KB, fp32 64 KB).
+template <GradOutput kOutput>
+using Fp8WeightGradConfig = gemm::WeightGradTraits<kOutput, 128, 128, 4, 128, gemm::Fp8KScaledMainloop>;
+
 // The ticket is left empty; the caller sets what its launch uses. validate(args) first.
 template <class Traits>
 auto make_weight_grad_params(const WeightGradArgs& args) {
@@ -33,10 +40,16 @@ auto make_weight_grad_params(const WeightGradArgs& args) {
   using Element = typename T::Element;
   using OutElement = typename T::OutElement;
   const int64_t rows = args.rows_allocated;
-  // a [rows, m] row-major seen as (m, rows) with m contiguous: the MN-major operand A = aᵀ; b likewise.
+  // bf16: a [rows, m] row-major seen as (m, rows) with m contiguous: the MN-major operand A = aᵀ; b likewise.
+  // FP8: a [m, rows] row-major, the K-major A itself; b likewise.
   auto make_load = [&](const void* ptr, int cols) {
-    auto g = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(int64_t(cols), rows),
-                         make_stride(_1{}, int64_t(cols)));
+    const auto stride = [&] {
+      if constexpr (T::kFp8)
+        return make_stride(rows, _1{});
+      else
+        return make_stride(_1{}, int64_t(cols));
+    }();
+    auto g = make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)), make_shape(int64_t(cols), rows), stride);
     return make_tma_copy(SM90_TMA_LOAD{}, g, typename T::SmemLayoutLoadBox{});
   };
   auto tma_a = make_load(args.a, args.m);
@@ -56,7 +69,8 @@ auto make_weight_grad_params(const WeightGradArgs& args) {
   // Without out_split no row reaches it (m_split = m); the descriptor only has to be a valid one.
   auto tma_out_split = split ? make_store(args.out_split, args.m - args.m_split) : tma_out;
 
-  typename T::Params p{tma_a, tma_b, tma_out, tma_out_split};  // the traits name the TMA copies' types
+  // The traits name the TMA copies' types.
+  gemm::WeightGradParams<typename T::TmaLoad, typename T::TmaStore> p{tma_a, tma_b, tma_out, tma_out_split};
   p.rows = rows;
   p.m = args.m;
   p.n = args.n;
@@ -67,7 +81,17 @@ auto make_weight_grad_params(const WeightGradArgs& args) {
   p.num_tasks = args.local_experts * p.num_m_blocks * p.num_n_blocks;  // validate() bounds it
   p.expert_row_offsets = args.expert_row_offsets;
   p.scheduled_rows = args.scheduled_rows;
-  return p;
+  if constexpr (T::kFp8) {  // the scales [rows / 128, cols] as (column, k-block): a box of 128 columns
+    auto make_scales = [&](const float* ptr, int cols) {
+      auto g = make_tensor(make_gmem_ptr(ptr), make_shape(int64_t(cols), rows / T::kBlockK),
+                           make_stride(_1{}, int64_t(cols)));
+      return make_tma_copy(SM90_TMA_LOAD{}, g, make_layout(make_shape(Int<T::kBoxColumns>{}, _1{})),
+                           Shape<Int<T::kBoxColumns>, _1>{}, Int<1>{});
+    };
+    return typename T::Params{p, make_scales(args.a_scales, args.m), make_scales(args.b_scales, args.n)};
+  } else {
+    return p;
+  }
 }
 
 // The megakernel's weight-gradient tiles run in the shared memory and pipeline of its expert GEMM tiles
@@ -97,6 +121,9 @@ void validate_weight_grad_operands(const WeightGradArgs& args);
 // ticket is args.ticket, possibly null (only the standalone loop over these parameters takes slots).
 inline gemm::AnyWeightGradParams make_any_weight_grad_params(const WeightGradArgs& args) {
   validate_weight_grad_operands(args);
+  if (args.precision != Precision::kBF16)
+    throw std::invalid_argument("weight_grad_gemm: the backward megakernel's weight gradients are bf16 (precision "
+                                "kFP8 runs as the standalone kernel)");
   gemm::AnyWeightGradParams any;
   any.output = args.output;
   auto store = [&](auto params) {

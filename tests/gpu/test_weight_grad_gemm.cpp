@@ -10,12 +10,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -24,11 +26,13 @@
 #include "mok/weight_grad_gemm.h"
 #include "src/host/check.h"
 #include "src/host/gemm_test_knobs.h"
+#include "src/host/quantize_fp8.h"
 #include "src/host/weight_grad_in_gemm_layout.h"
 #include "tests/common/bf16.h"
 #include "tests/common/device_array.h"
 #include "tests/common/device_status.h"
 #include "tests/common/device_fill.h"
+#include "tests/common/fp8.h"
 #include "tests/common/gpu_env.h"
 
 namespace mok {
@@ -62,13 +66,16 @@ struct Case {
   int32_t scheduled_rows = -1;    // -1: every segment (offsets[E]); else the schedule's row count
   bool zero_padding_in_a = true;  // padding rows: zeros in a (b random), or zeros in b (a random)
   bool integer_values = true;     // false: random normal inputs, checked within a budget
+  bool fp8 = false;               // a and b quantized by detail::quantize_columns_fp8, the FP8 GEMM
+  bool fp8_pow2 = true;           // its scales powers of two (integer inputs in [-3, 3] then quantize exactly)
   uint64_t seed = 1;
 
   std::string describe() const {
     std::string s = "E=" + std::to_string(counts.size()) + " m=" + std::to_string(m) + " n=" + std::to_string(n) +
                     " tile_m=" + std::to_string(tile_m) + " m_split=" + std::to_string(m_split) +
                     " scheduled_rows=" + std::to_string(scheduled_rows) + " padding zeros in " +
-                    (zero_padding_in_a ? "a" : "b") + " seed=" + std::to_string(seed) + " counts={";
+                    (zero_padding_in_a ? "a" : "b") + (fp8 ? (fp8_pow2 ? " fp8 pow2" : " fp8") : "") +
+                    " seed=" + std::to_string(seed) + " counts={";
     for (size_t e = 0; e < counts.size(); ++e) s += (e ? "," : "") + std::to_string(counts[e]);
     return s + "}";
   }
@@ -158,11 +165,21 @@ Location locate(const Case& c, int e, int i, int j) {
   return {1, (size_t(e) * (c.m - split) + (i - split)) * c.n + j};
 }
 
+// The FP8 GEMM's operands as quantize_columns_fp8 wrote them (Case::fp8): e4m3 [m or n, rows] and scales
+// [rows / 128, m or n], with the segments' offsets in those rows.
+struct Fp8Operands {
+  int64_t rows = 0;
+  std::vector<int32_t> offsets;
+  std::vector<uint8_t> a, b;
+  std::vector<float> a_scales, b_scales;
+};
+
 // The output buffers of one problem in one mode, each followed by kGuardBytes of guard.
 struct Outputs {
   std::vector<float> values;       // [E, m, n], merged from out and out_split, as floats
   std::vector<uint8_t> raw[2];     // the two buffers' bytes (without guards), for bitwise comparisons
   std::string guard_error;         // "" when both guards are intact (and run_gpu's own status word is clean)
+  Fp8Operands fp8;                 // Case::fp8: what the GEMM read
 };
 
 // A launch of the weight-gradient GEMM: mok::weight_grad_gemm (the standalone configuration) or
@@ -215,6 +232,37 @@ Outputs run_gpu(const Problem& p, GradOutput output, int calls = 1, const std::v
     args.m_split = c.m_split;
   }
   args.ticket = d_ticket.ptr;
+  // FP8: a and b transposed and quantized per column per 128 rows of an expert (segments re-padded to 128).
+  const int64_t fp8_rows = detail::fp8_column_rows(p.rows, p.experts);
+  DeviceArray<int32_t> d_counts(c.counts), d_fp8_offsets(p.experts + 1);
+  DeviceArray<uint8_t> d_qa(c.fp8 ? size_t(c.m) * fp8_rows : 1), d_qb(c.fp8 ? size_t(c.n) * fp8_rows : 1);
+  DeviceArray<float> d_sa(c.fp8 ? size_t(fp8_rows / 128) * c.m : 1), d_sb(c.fp8 ? size_t(fp8_rows / 128) * c.n : 1);
+  if (c.fp8) {
+    const auto quantize = [&](const void* in, int k, void* out, float* scales) {
+      detail::quantize_columns_fp8({.in = in,
+                                    .rows_allocated = p.rows,
+                                    .k = k,
+                                    .local_experts = p.experts,
+                                    .expert_counts = d_counts.ptr,
+                                    .expert_row_offsets = d_offsets.ptr,
+                                    .out_row_offsets = d_fp8_offsets.ptr,
+                                    .out = out,
+                                    .scales = scales,
+                                    .power_of_two_scales = c.fp8_pow2},
+                                   nullptr);
+    };
+    quantize(d_a.ptr, c.m, d_qa.ptr, d_sa.ptr);
+    quantize(d_b.ptr, c.n, d_qb.ptr, d_sb.ptr);
+    args.precision = Precision::kFP8;
+    args.a = d_qa.ptr;
+    args.b = d_qb.ptr;
+    args.a_scales = d_sa.ptr;
+    args.b_scales = d_sb.ptr;
+    args.rows_allocated = fp8_rows;
+    args.expert_row_offsets = d_fp8_offsets.ptr;
+    args.scheduled_rows = d_fp8_offsets.ptr + p.experts;  // the last offset: every segment
+    args.tile_m = 128;
+  }
   const testing::DeviceStatusWord own_status;
   args.waits = (status != nullptr ? status : &own_status)->bound(timeout_s);
   for (int call = 0; call < calls; ++call) launch(args, nullptr);
@@ -222,6 +270,9 @@ Outputs run_gpu(const Problem& p, GradOutput output, int calls = 1, const std::v
 
   Outputs result;
   if (status == nullptr && !own_status.read().ok()) result.guard_error = "status: " + own_status.read().describe(1, 1, 1);
+  if (c.fp8)
+    result.fp8 = {fp8_rows, d_fp8_offsets.download(), d_qa.download(), d_qb.download(), d_sa.download(),
+                  d_sb.download()};
   const std::vector<uint8_t> got[2] = {d_out.download(), d_split.download()};
   for (int k = 0; k < 2; ++k) {
     for (size_t x = count[k] * elem; x < got[k].size(); ++x)
@@ -463,6 +514,97 @@ TEST(WeightGradGemmTest, RandomNormalInputsWithinBudget) {
             "");
 }
 
+// FP8 (Case::fp8): the GEMM's result in double from the operands it read, the e4m3 values times their scales
+// (the recipe's own rounding is then not part of the comparison), and sum |a b| for the budget.
+Reference fp8_reference(const Problem& p, const Fp8Operands& q) {
+  const int m = p.c.m, n = p.c.n;
+  Reference ref;
+  ref.grad.assign(size_t(p.experts) * m * n, 0.0);
+  ref.abs_sum.assign(ref.grad.size(), 0.0);
+  std::vector<double> a_col(q.rows), b_col(q.rows);
+  for (int e = 0; e < p.experts; ++e)
+    for (int i = 0; i < m; ++i) {
+      for (int32_t r = q.offsets[e]; r < q.offsets[e + 1]; ++r)
+        a_col[r] = double(testing::from_e4m3_bits(q.a[size_t(i) * q.rows + r])) * q.a_scales[size_t(r / 128) * m + i];
+      for (int j = 0; j < n; ++j) {
+        double sum = 0, abs_sum = 0;
+        for (int32_t r = q.offsets[e]; r < q.offsets[e + 1]; ++r) {
+          const double prod =
+              a_col[r] * double(testing::from_e4m3_bits(q.b[size_t(j) * q.rows + r])) * q.b_scales[size_t(r / 128) * n + j];
+          sum += prod;
+          abs_sum += std::abs(prod);
+        }
+        ref.grad[(size_t(e) * m + i) * n + j] = sum;
+        ref.abs_sum[(size_t(e) * m + i) * n + j] = abs_sum;
+      }
+    }
+  return ref;
+}
+
+// FP8 weight gradients (precision kFP8: a and b transposed and quantized per column per 128 rows of an expert by
+// detail::quantize_columns_fp8, the k-grouped GEMM on e4m3 with both operands' scales applied per k-block).
+// Integer inputs in [-3, 3] with power-of-two scales quantize exactly and every product and k-block sum is exact:
+// every output mode must be the bf16 reference exactly (the same check_exact as bf16's), with skewed counts (an
+// expert with 0 rows, others of 1, 63, 64, 65, 129, 200: segments re-padded from 64 to 128), partial m- and
+// n-blocks (a 128-column box past m or n read as zeros) and out_split through a tile.
+TEST(WeightGradGemmFp8Test, EveryOutputModeIsExactOnExactInputs) {
+  MOK_REQUIRE_GPUS(1);
+  uint64_t seed = 900;
+  for (auto [m, n, m_split] : {std::tuple{192, 320, 0}, std::tuple{384, 192, 192}, std::tuple{64, 64, 0}}) {
+    Case c;
+    c.counts = kSkewedCounts;
+    c.m = m;
+    c.n = n;
+    c.m_split = m_split;
+    c.fp8 = true;
+    c.seed = seed++;
+    expect_exact_in_every_mode(c);
+  }
+}
+
+// Random normal inputs with amax / 448 scales: within a budget of the result computed in double from the
+// e4m3 values and scales the GEMM read. Budget: 2^-12 * sum |a b| (a k-block's e4m3 products are exact; the
+// tensor cores' FP8 accumulation keeps fewer bits than fp32's, which is why the partials are promoted every 128
+// rows) plus the output's rounding as check_budget's. A wrong row, column, expert or scale moves an element by
+// about |a b| ~ 1, far outside it. bf16 is the fp32 result rounded once; reruns are bitwise.
+TEST(WeightGradGemmFp8Test, RandomNormalInputsWithinBudgetAndBitwiseOnRerun) {
+  MOK_REQUIRE_GPUS(1);
+  Case c;
+  c.counts = {256, 0, 300, 17, 200, 129};
+  c.m = 448;
+  c.n = 320;
+  c.m_split = 192;
+  c.integer_values = false;
+  c.fp8 = true;
+  c.fp8_pow2 = false;
+  c.seed = 910;
+  const Problem p = make_problem(c);
+  const Outputs f32 = run_gpu(p, GradOutput::kFloat32);
+  ASSERT_EQ(f32.guard_error, "");
+  const Reference ref = fp8_reference(p, f32.fp8);
+  const std::vector<float> start = start_values(p);
+  const Outputs bf16 = run_gpu(p, GradOutput::kBFloat16);
+  const Outputs acc = run_gpu(p, GradOutput::kAccumulateFloat32, 1, &start);
+  for (size_t x = 0; x < ref.grad.size(); ++x) {
+    const double budget = std::ldexp(ref.abs_sum[x], -12) + 1e-30;
+    ASSERT_LE(std::abs(f32.values[x] - ref.grad[x]), budget) << mismatch(p, GradOutput::kFloat32, x, f32.values[x], ref.grad[x]);
+    ASSERT_EQ(bf16.values[x], round_to_bf16(f32.values[x]))
+        << mismatch(p, GradOutput::kBFloat16, x, bf16.values[x], f32.values[x]) << " (the fp32 result rounded once)";
+    ASSERT_EQ(acc.values[x], start[x] + f32.values[x])
+        << mismatch(p, GradOutput::kAccumulateFloat32, x, acc.values[x], start[x] + f32.values[x]);
+  }
+  const Outputs again = run_gpu(p, GradOutput::kFloat32);
+  ASSERT_TRUE(again.raw[0] == f32.raw[0] && again.raw[1] == f32.raw[1]) << c.describe() << ": a rerun differs bitwise";
+  // How far the recipe's quantization moves the gradient from the bf16 inputs' (reported, not a criterion).
+  const Reference exact = reference(p, false);
+  double diff = 0, norm = 0;
+  for (size_t x = 0; x < exact.grad.size(); ++x) {
+    diff += (f32.values[x] - exact.grad[x]) * (f32.values[x] - exact.grad[x]);
+    norm += exact.grad[x] * exact.grad[x];
+  }
+  std::printf("FP8 weight gradient vs the bf16 inputs' (normwise): %.4f\n", std::sqrt(diff / norm));
+}
+
 // "" when `got` holds exactly the bits of `want` (both runs of one problem and mode) and no NaN, else the
 // first differing (or NaN) element. bf16 values are compared as the floats they convert to exactly, so equal
 // floats mean equal bf16 bits.
@@ -671,6 +813,18 @@ TEST(WeightGradValidationTest, NamesTheOffendingField) {
       {"waits.timeout_s must", [](WeightGradArgs& g) { g.waits.timeout_s = std::numeric_limits<double>::quiet_NaN(); }},
       {"waits.timeout_s must", [](WeightGradArgs& g) { g.waits.timeout_s = 1e300; }},
       {"waits.timeout_s must", [](WeightGradArgs& g) { g.waits.timeout_s = kMaxWaitTimeoutS * 2; }},
+      {"precision must", [](WeightGradArgs& g) { g.precision = static_cast<Precision>(7); }},
+      {"a_scales and b_scales are for", [](WeightGradArgs& g) { g.a_scales = reinterpret_cast<float*>(buffer); }},
+      {"precision kFP8 needs a_scales", [](WeightGradArgs& g) { g.precision = Precision::kFP8; }},
+      {"precision kFP8 needs a_scales", [](WeightGradArgs& g) {
+         g.precision = Precision::kFP8;
+         g.a_scales = g.b_scales = reinterpret_cast<float*>(buffer + 2);  // not 16-byte aligned
+       }},
+      {"precision kFP8 needs segments", [](WeightGradArgs& g) {
+         g.precision = Precision::kFP8;
+         g.a_scales = g.b_scales = reinterpret_cast<float*>(buffer);
+         g.tile_m = 64;
+       }},
   };
   for (const Bad& bad : cases) {
     WeightGradArgs args = valid();
@@ -686,6 +840,18 @@ TEST(WeightGradValidationTest, NamesTheOffendingField) {
     EXPECT_THROW(weight_grad_gemm(args, nullptr), std::invalid_argument) << bad.field;
     EXPECT_THROW(detail::weight_grad_gemm_in_gemm_layout(args, nullptr), std::invalid_argument) << bad.field;
   }
+  // A valid FP8 call, but the megakernel's configuration has bf16 tiles only.
+  WeightGradArgs fp8 = valid();
+  fp8.precision = Precision::kFP8;
+  fp8.a_scales = fp8.b_scales = reinterpret_cast<float*>(buffer);
+  EXPECT_NO_THROW(validate(fp8));
+  std::string message = "no throw";
+  try {
+    detail::weight_grad_gemm_in_gemm_layout(fp8, nullptr);
+  } catch (const std::invalid_argument& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("megakernel's weight gradients are bf16"), std::string::npos) << message;
 }
 
 }  // namespace

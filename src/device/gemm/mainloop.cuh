@@ -85,6 +85,17 @@ struct Fp8Mainloop : DenseOperands<cutlass::float_e4m3_t, OperandMajor::kK, Oper
 template <class T>
 concept BlockScaled = requires { requires T::kBlockScaled; };
 
+// e4m3 operands both scaled per row per 128 of K (DeepSeek-V3's weight-gradient scaling: K is the tokens): A
+// scales [k-blocks, m] and B scales [k-blocks, n], fp32, both loaded with the stage. Each k-block's product goes
+// into fresh fp32 accumulators, then is promoted: acc[i][j] += (a_scale[i] * b_scale[j]) * partial[i][j]
+// (mainloop_k_scaled). The weight-gradient GEMM's FP8 operands (weight_grad_gemm.cuh).
+struct Fp8KScaledMainloop : DenseOperands<cutlass::float_e4m3_t, OperandMajor::kK, OperandMajor::kK> {
+  static constexpr bool kKScaled = true;
+};
+
+template <class T>
+concept KScaled = requires { requires T::kKScaled; };
+
 // The A scales of every stage (block-scaled operands only; a base of GemmSharedStorage, empty otherwise, so
 // that a bf16 GEMM's bytes do not move): one fp32 per tile row per stage, written by the stage's TMA.
 template <int kStages, int kBlockM>
@@ -92,6 +103,12 @@ struct ScaleStages {
   alignas(128) float a_scales[kStages][kBlockM];
 };
 struct NoScales {};
+// Both operands' scales of every stage (KScaled operands): one fp32 per tile row of A and per tile row of B.
+template <int kStages, int kBlockM, int kBlockN>
+struct KScaleStages {
+  alignas(128) float a_scales[kStages][kBlockM];
+  alignas(128) float b_scales[kStages][kBlockN];
+};
 
 // Mainloops per task: the traits' kPasses where they have one (the expert GEMM's: SwiGLUQuantEpilogue runs two),
 // else 1 (the weight gradient's).
@@ -174,12 +191,15 @@ struct CollectiveMainloop {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr bool kBlockScaled = BlockScaled<Operands>;
+  static constexpr bool kKScaled = KScaled<Operands>;
   static constexpr int kBlockKCols = 128;  // columns of k per block scale
-  static_assert(!kBlockScaled || kBlockK == kBlockKCols, "a block-scaled stage is one scale block of k");
-  // A stage: A and B tiles, and with block scales the tile rows' A scales.
+  static_assert(!(kBlockScaled || kKScaled) || kBlockK == kBlockKCols, "a scaled stage is one scale block of k");
+  // A stage: A and B tiles, and with block scales the tile rows' A scales (K-scaled: and B's).
   static constexpr uint32_t kStageTransactionBytes =
-      (kBlockM + kBlockN) * kBlockK * sizeof(Element) + (kBlockScaled ? kBlockM * sizeof(float) : 0);
-  using Scales = std::conditional_t<kBlockScaled, ScaleStages<kStages, kBlockM>, NoScales>;
+      (kBlockM + kBlockN) * kBlockK * sizeof(Element) +
+      (kBlockScaled ? kBlockM * sizeof(float) : kKScaled ? (kBlockM + kBlockN) * sizeof(float) : 0);
+  using Scales = std::conditional_t<kBlockScaled, ScaleStages<kStages, kBlockM>,
+                                    std::conditional_t<kKScaled, KScaleStages<kStages, kBlockM, kBlockN>, NoScales>>;
 
   template <int kStagingBoxes, class Tasks = NoTasks>
   using Storage = GemmSharedStorage<Element, kBlockM, kBlockN, kBlockK, kStages, kStagingBoxes, Tasks, Scales>;
@@ -363,6 +383,58 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
   }
 }
 
+// The mainloop of an active consumer warpgroup with K-scaled (FP8 weight-gradient) operands: per k-block, the
+// stage's product into fresh fp32 accumulators (`partial`: the first wgmma overwrites), then
+//   accum[i] += (a_scale[row of i] * b_scale[column of i]) * partial[i]
+// in ascending k-block order (one fixed-order sum per element: deterministic). Both scales come with the stage
+// (KScaleStages); the B scales are read while the wgmma runs, the stage released once both are read. row0 / row1:
+// the thread's fragment rows (values i with (i / 2) % 2 = 0 / 1); col0: its first column, value i's column is
+// col0 + i % 2 + 8 (i / 4) (gemm_epilogue.cuh's fragment layout).
+template <class Collective, class Storage, class ThreadMma, class Accum>
+__device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& smem,
+                                                  typename Collective::Pipeline& pipeline,
+                                                  typename Collective::PipelineState& read_state,
+                                                  typename Collective::TiledMma& mma, const ThreadMma& thread_mma,
+                                                  Accum& accum, int row0, int row1, int col0,
+                                                  const device::HandoffBound& bound) {
+  using namespace cute;
+  using C = Collective;
+  Tensor t_r_a = stage_operand_a<C>(smem, thread_mma);  // (MMA, MMA_M, MMA_K, S)
+  Tensor t_r_b = stage_operand_b<C>(smem, thread_mma);  // (MMA, MMA_N, MMA_K, S)
+  Tensor partial = make_fragment_like(accum);
+  constexpr int kValues = decltype(size(accum))::value;
+  constexpr int kColumnPairs = kValues / 4;  // the thread's 2-column groups: 8 columns apart
+  static_assert(kValues * 2 == C::kBlockN, "a 64-row warpgroup's kBlockN columns, 128 threads");
+  clear(accum);
+  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    consumer_wait_bounded(pipeline, read_state, bound);
+    const int stage = read_state.index();
+    warpgroup_fence_operand(partial);
+    warpgroup_arrive();
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(t_r_a); ++k) {
+      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), partial);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
+    float2 b[kColumnPairs];
+    CUTE_UNROLL
+    for (int j = 0; j < kColumnPairs; ++j) b[j] = *reinterpret_cast<const float2*>(&smem.b_scales[stage][col0 + 8 * j]);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(partial);
+    pipeline.consumer_release(read_state);  // its operands and scales are read
+    ++read_state;
+    CUTE_UNROLL
+    for (int i = 0; i < kValues; ++i) {
+      const float a = (i / 2) % 2 == 0 ? a0 : a1;
+      const float bj = i % 2 == 0 ? b[i / 4].x : b[i / 4].y;
+      accum(i) += (a * bj) * partial(i);
+    }
+  }
+}
+
 // A block-scaled tile's B scale rows, one per 64-column group (BlockScaledParams::b_scale_group).
 template <class T, class Params>
 __device__ __forceinline__ void b_scale_groups(const Params& p, const TileTask& task,
@@ -439,6 +511,10 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
       b_scale_groups<T>(p, task, b_rows);
       mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
                                get<0>(coords(0)), get<0>(coords(2)), b_rows, bound);
+    } else if constexpr (KScaled<T>) {
+      Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+      mainloop_k_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum, get<0>(coords(0)),
+                           get<0>(coords(2)), get<1>(coords(0)), bound);
     } else {
       mainloop<T, Walker::kAccumulatorStart>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
                                              bound);

@@ -87,15 +87,24 @@ struct WeightGradParams {
   int32_t* ticket = {};     // zeroed before the launch; each CTA takes its next slot from it
 };
 
+// The FP8 weight gradient's parameters (Operands Fp8KScaledMainloop): the bf16 GEMM's, a and b as e4m3 [m, rows]
+// and [n, rows] (K-major: detail::quantize_columns_fp8's layout) and the scales of both, [rows / 128, m] and
+// [rows / 128, n] as (column, k-block) coordinates: a box of a tile's 128 columns of one k-block per stage.
+template <class Base, class TmaScales>
+struct KScaledWeightGradParams : Base {
+  TmaScales tma_a_scales;
+  TmaScales tma_b_scales;
+};
+
 struct GradEpilogue;  // below: the traits name it
 
 // kStagingColumns_: output columns staged per epilogue pass (kBlockN: the whole tile in one pass). Operands:
-// both MN-major bf16 (mainloop.cuh, Bf16Mainloop<kMN, kMN>), 128 gradient rows a tile.
-template <GradOutput kOutput_, int kBlockN_, int kBlockK_, int kStages_, int kStagingColumns_ = kBlockN_>
-struct WeightGradTraits
-    : CollectiveMainloop<Bf16Mainloop<OperandMajor::kMN, OperandMajor::kMN>, 128, kBlockN_, kBlockK_, kStages_> {
-  using Collective =
-      CollectiveMainloop<Bf16Mainloop<OperandMajor::kMN, OperandMajor::kMN>, 128, kBlockN_, kBlockK_, kStages_>;
+// both MN-major bf16 (mainloop.cuh, Bf16Mainloop<kMN, kMN>), or both K-major e4m3 scaled per column per 128 rows
+// (Fp8KScaledMainloop: a and b transposed and quantized by detail::quantize_columns_fp8); 128 gradient rows a tile.
+template <GradOutput kOutput_, int kBlockN_, int kBlockK_, int kStages_, int kStagingColumns_ = kBlockN_,
+          class Operands_ = Bf16Mainloop<OperandMajor::kMN, OperandMajor::kMN>>
+struct WeightGradTraits : CollectiveMainloop<Operands_, 128, kBlockN_, kBlockK_, kStages_> {
+  using Collective = CollectiveMainloop<Operands_, 128, kBlockN_, kBlockK_, kStages_>;
   using typename Collective::Element;
   using Collective::kBlockM;  // gradient rows per tile: 64 per consumer warpgroup
   using Collective::kBlockN;  // gradient columns per tile (wgmma N)
@@ -103,20 +112,25 @@ struct WeightGradTraits
   using Collective::kConsumerWarpgroups;
   static constexpr GradOutput kOutput = kOutput_;
   using OutElement = std::conditional_t<kOutput == GradOutput::kBFloat16, cutlass::bfloat16_t, float>;
+  static constexpr bool kFp8 = KScaled<Operands_>;
   static_assert(kBlockN % 64 == 0, "whole 64-column load boxes");
-  static_assert(64 % kBlockK == 0, "segments (multiples of 64) are whole k-blocks");
-  // A load box: 64 m- (or n-) columns = one 128-byte swizzle row of bf16, by kBlockK schedule rows.
-  static constexpr int kBoxColumns = 64;
+  // FP8: segments re-padded to 128 rows (quantize_columns_fp8), one k-block each.
+  static_assert(kFp8 ? kBlockK == 128 : 64 % kBlockK == 0, "segments (multiples of 64) are whole k-blocks");
+  // A load box (bf16, MN-major): 64 m- (or n-) columns = one 128-byte swizzle row of bf16, by kBlockK schedule
+  // rows. FP8 (K-major): a whole stage of one operand is one box, 128 columns x 128 rows (one swizzle row each).
+  static constexpr int kBoxColumns = kFp8 ? 128 : 64;
   static constexpr int kBoxesA = kBlockM / kBoxColumns;
   static constexpr int kBoxesB = kBlockN / kBoxColumns;
-  static_assert(kConsumerWarpgroups == kBoxesA, "consumer warpgroup w computes the rows of A box w");
+  static_assert(kFp8 || kConsumerWarpgroups == kBoxesA, "consumer warpgroup w computes the rows of A box w");
   static constexpr int kClusterN = 1;  // for start_pipeline: no multicast, the CTA is its own cluster
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 
   // Each 64-column box of an MN-major stage is 64 x kBlockK contiguous (kBlockK rows of 128 bytes), which one
   // TMA box fills.
+  // FP8: a K-major box of 128 columns (of m or n) x kBlockK rows of K.
   using SmemLayoutLoadBox = decltype(cute::tile_to_shape(
-      typename Collective::Operands::SmemAtomMN{}, cute::make_shape(cute::Int<kBoxColumns>{}, cute::Int<kBlockK>{})));
+      std::conditional_t<kFp8, typename Collective::Operands::SmemAtom, typename Collective::Operands::SmemAtomMN>{},
+      cute::make_shape(cute::Int<kBoxColumns>{}, cute::Int<kBlockK>{})));
 
   // Staging: per consumer warpgroup its 64 rows x kStagingColumns columns of one pass (kStagingPasses a
   // tile), as store boxes of 64 rows x 128 bytes (bf16: 64 columns, fp32: 32) in the TMA's 128-byte swizzle.
@@ -134,11 +148,20 @@ struct WeightGradTraits
 
   // The kernel parameters' types (the TMA copies src/host/weight_grad_params.h builds, of these exact
   // tensor types), named here so that one kernel can hold any output mode's (AnyWeightGradParams).
+  // bf16: a [rows, m] seen as (m, rows), m contiguous; FP8: a [m, rows] as (m, rows), rows contiguous.
+  using LoadStride = std::conditional_t<kFp8, cute::Stride<int64_t, cute::_1>, cute::Stride<cute::_1, int64_t>>;
   using TmaLoad = decltype(cute::make_tma_copy(
       cute::SM90_TMA_LOAD{},
       cute::make_tensor(cute::make_gmem_ptr(static_cast<const Element*>(nullptr)),
-                        cute::make_shape(int64_t{}, int64_t{}), cute::make_stride(cute::_1{}, int64_t{})),
+                        cute::make_shape(int64_t{}, int64_t{}), LoadStride{}),
       SmemLayoutLoadBox{}));
+  // FP8: the scales [rows / 128, m] as (column, k-block), columns contiguous; a box of 128 columns.
+  using TmaScales = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_LOAD{},
+      cute::make_tensor(cute::make_gmem_ptr(static_cast<const float*>(nullptr)), cute::make_shape(int64_t{}, int64_t{}),
+                        cute::make_stride(cute::_1{}, int64_t{})),
+      cute::make_layout(cute::make_shape(cute::Int<kBoxColumns>{}, cute::_1{})),
+      cute::Shape<cute::Int<kBoxColumns>, cute::_1>{}, cute::Int<1>{}));
   using TmaStoreOp = std::conditional_t<kOutput == GradOutput::kAccumulateFloat32, cute::SM90_TMA_REDUCE_ADD,
                                         cute::SM90_TMA_STORE>;
   using TmaStore = decltype(cute::make_tma_copy(
@@ -146,7 +169,8 @@ struct WeightGradTraits
       cute::make_tensor(cute::make_gmem_ptr(static_cast<OutElement*>(nullptr)), cute::make_shape(int64_t{}, int64_t{}),
                         cute::make_stride(int64_t{}, cute::_1{})),
       SmemLayoutStoreBox{}));
-  using Params = WeightGradParams<TmaLoad, TmaStore>;
+  using Params = std::conditional_t<kFp8, KScaledWeightGradParams<WeightGradParams<TmaLoad, TmaStore>, TmaScales>,
+                                    WeightGradParams<TmaLoad, TmaStore>>;
 
   // The tiles' bytes (in the megakernel's configuration, WeightGradTraitsInGemmLayout, the expert GEMM's
   // TileStorage: the same type) and the standalone kernel's, with its task ring.
@@ -183,10 +207,29 @@ __device__ __forceinline__ bool load_tile(const Params& p, const GradTileTask& t
   auto [t_a_g, t_a_s] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_a_boxes), group_modes<0, 2>(g_a));
   auto [t_b_g, t_b_s] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_b_boxes), group_modes<0, 2>(g_b));
   // Column boxes past m (n) load the last box instead: in bounds, into rows (columns) nothing stores.
-  const int last_a_box = p.m / T::kBoxColumns - 1;
-  const int last_b_box = p.n / T::kBoxColumns - 1;
+  // FP8: a box past m (n) starts inside the tensor (m, n multiples of 64) and the TMA fills what lies past it
+  // with zeros; so do its scales.
+  const int last_a_box = T::kFp8 ? (p.m - 1) / T::kBoxColumns : p.m / T::kBoxColumns - 1;
+  const int last_b_box = T::kFp8 ? (p.n - 1) / T::kBoxColumns : p.n / T::kBoxColumns - 1;
   const int first_a_box = task.m_block * T::kBoxesA;
   const int first_b_box = task.n_block * T::kBoxesB;
+  // FP8: the stage's column scales of A and B (one k-block of 128 rows each), into the stage's KScaleStages rows.
+  const auto load_scales = [&](int k_block, int stage, typename T::Pipeline::ProducerBarrierType* full) {
+    if constexpr (T::kFp8) {
+      const int64_t k_blocks = p.rows / T::kBlockK;
+      const auto load = [&](const auto& tma, float* first, int columns, int column_block) {
+        Tensor m_s = tma.get_tma_tensor(make_shape(int64_t(columns), k_blocks));
+        Tensor s_s = make_tensor(make_smem_ptr(first), make_layout(make_shape(Int<T::kBoxColumns>{}, _1{})));
+        Tensor g_s = local_tile(m_s, Shape<Int<T::kBoxColumns>, _1>{}, make_coord(column_block, task.row_begin / T::kBlockK + k_block));
+        auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_s), group_modes<0, 2>(g_s));
+        copy(tma.with(*full), t_g, t_s);
+      };
+      load(p.tma_a_scales, &smem.a_scales[stage][0], p.m, task.m_block);
+      CUTE_UNROLL
+      for (int box = 0; box < T::kBoxesB; ++box)
+        load(p.tma_b_scales, &smem.b_scales[stage][box * T::kBoxColumns], p.n, first_b_box + box);
+    }
+  };
   for (int k_block = 0; k_block < task.k_blocks; ++k_block) {
     if (!producer_acquire_bounded(pipeline, state, bound)) return false;
     auto* full = pipeline.producer_get_barrier(state);
@@ -197,6 +240,7 @@ __device__ __forceinline__ bool load_tile(const Params& p, const GradTileTask& t
     CUTE_UNROLL
     for (int box = 0; box < T::kBoxesB; ++box)
       copy(p.tma_b.with(*full), t_b_g(_, min(first_b_box + box, last_b_box), k_block), t_b_s(_, box, 0, stage));
+    load_scales(k_block, stage, full);
     ++state;
   }
   return true;
