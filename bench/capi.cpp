@@ -20,6 +20,7 @@
 #include "src/host/moe_args.h"
 #include "src/host/nccl_setup.h"
 #include "src/host/option_table.h"
+#include "src/host/quantize_fp8.h"
 
 namespace {
 
@@ -577,6 +578,69 @@ int mok_bench_weight_grad_gemm(const void* a, const void* b, int64_t rows_alloca
     args.expert_row_offsets = expert_row_offsets;
     args.scheduled_rows = scheduled_rows;
     args.tile_m = tile_m;
+    args.output = static_cast<mok::GradOutput>(output);
+    args.out = out;
+    args.out_split = out_split;
+    args.m_split = m_split;
+    args.ticket = ticket;
+    args.waits = {static_cast<mok::DeviceStatus*>(status), wait_timeout_s, 0};
+    mok::weight_grad_gemm(args, static_cast<cudaStream_t>(stream));
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+// The FP8 weight gradient's operand: bf16 rows [rows_allocated, k] of a schedule transposed and quantized per column
+// per 128 rows of an expert (detail::quantize_columns_fp8); out e4m3 [k, fp8_column_rows], scales fp32
+// [fp8_column_rows / 128, k], out_row_offsets [E + 1] written.
+int64_t mok_bench_fp8_column_rows(int64_t rows_allocated, int local_experts) {
+  return mok::detail::fp8_column_rows(rows_allocated, local_experts);
+}
+
+int mok_bench_quantize_columns_fp8(const void* in, int64_t rows_allocated, int k, int local_experts,
+                                   const int32_t* expert_counts, const int32_t* expert_row_offsets,
+                                   int32_t* out_row_offsets, void* out, float* scales, int power_of_two, void* stream,
+                                   char* error, int error_len) {
+  try {
+    mok::detail::quantize_columns_fp8({.in = in,
+                                       .rows_allocated = rows_allocated,
+                                       .k = k,
+                                       .local_experts = local_experts,
+                                       .expert_counts = expert_counts,
+                                       .expert_row_offsets = expert_row_offsets,
+                                       .out_row_offsets = out_row_offsets,
+                                       .out = out,
+                                       .scales = scales,
+                                       .power_of_two_scales = power_of_two != 0},
+                                      static_cast<cudaStream_t>(stream));
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+// mok_bench_weight_grad_gemm with precision kFP8: a, b e4m3 [m or n, rows_allocated] and their scales as
+// mok_bench_quantize_columns_fp8 writes them; expert_row_offsets its out_row_offsets, scheduled_rows their last.
+int mok_bench_weight_grad_gemm_fp8(const void* a, const float* a_scales, const void* b, const float* b_scales,
+                                   int64_t rows_allocated, int m, int n, int local_experts,
+                                   const int32_t* expert_row_offsets, const int32_t* scheduled_rows, int output,
+                                   void* out, void* out_split, int m_split, int32_t* ticket, void* status,
+                                   double wait_timeout_s, void* stream, char* error, int error_len) {
+  try {
+    mok::WeightGradArgs args;
+    args.precision = mok::Precision::kFP8;
+    args.a = a;
+    args.a_scales = a_scales;
+    args.b = b;
+    args.b_scales = b_scales;
+    args.rows_allocated = rows_allocated;
+    args.m = m;
+    args.n = n;
+    args.local_experts = local_experts;
+    args.expert_row_offsets = expert_row_offsets;
+    args.scheduled_rows = scheduled_rows;
+    args.tile_m = 128;
     args.output = static_cast<mok::GradOutput>(output);
     args.out = out;
     args.out_split = out_split;

@@ -187,7 +187,11 @@ def main():
     parser.add_argument("--gemm", default="all", choices=["expert", "wgrad", "all", "fp8"],
                         help="the expert GEMMs, the weight-gradient GEMMs or both (--only, --trace, --cluster: expert "
                         "only); fp8: the forward's GEMMs in FP8")
-    parser.add_argument("--ep", type=positive_int, default=8, help="--gemm fp8: the EP size whose rank 0 row counts are used")
+    parser.add_argument("--fp8", action="store_true",
+                        help="--gemm wgrad: also the FP8 weight-gradient GEMM (operands quantized per column per 128 "
+                             "rows by quantize_columns_fp8), alone and with its two quantizations")
+    parser.add_argument("--ep", type=positive_int, default=None,
+                        help="--gemm fp8 (default 8) and wgrad (default 2): the EP size whose rank 0 row counts are used")
     parser.add_argument("--digest", action="store_true",
                         help="--gemm fp8: print a fingerprint of our outputs per GEMM (inputs seeded), so that two "
                              "builds' bits can be compared (--lib)")
@@ -298,17 +302,21 @@ def wgrad_main(args):
     the K of 8192 tokens at EP = 1 (~171 rows per Kimi expert)."""
     lib, ticket, error, status, gen, stream, commit = bench_setup(args)
     wgrad = lib.mok_bench_weight_grad_gemm
+    ep = args.ep or 2
     print(f"weight-gradient GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
-          f"{args.tokens} tokens/rank, EP=2 (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
+          f"{args.tokens} tokens/rank, EP={ep} (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
+    fp8_head = (f" {'f8acc':>6s} {'q+f8':>6s} {'q+f8/acc':>8s} {'f8err':>7s}" if args.fp8 else "")
     print(f"{'shape':16s} {'gemm':11s} {'rows':>7s} {'K/e':>5s} {'bf16':>6s} {'f32':>6s} {'acc':>6s} {'torch':>6s} "
-          f"{'bmm':>6s} {'mm':>6s} {'bf16/torch':>10s} {'bf16/bmm':>8s} {'f32/bmm':>8s} {'f32 TB/s':>8s}   (TFLOP/s)")
+          f"{'bmm':>6s} {'mm':>6s} {'bf16/torch':>10s} {'bf16/bmm':>8s} {'f32/bmm':>8s} {'f32 TB/s':>8s}{fp8_head}"
+          "   (TFLOP/s" + ("; f8acc: the FP8 GEMM accumulating fp32, q+f8: with the quantization of both operands, "
+                          "q+f8/acc: speed-up over acc, f8err: normwise |fp8 - f32| / |f32|)" if args.fp8 else ")"))
     torch_failed = None
     for name, num_experts, hidden, inter, top_k, _ in SHAPES:
         if args.shapes and name not in args.shapes.split(','):
             continue
         tile_m = args.tile_m
         local, counts, offsets, rows_padded, rows, scheduled, torch_offs, torch_rows = rank0_schedule(
-            num_experts, top_k, args.tokens, tile_m, gen)
+            num_experts, top_k, args.tokens, tile_m, gen, ep)
         # Padding rows are zero in a (the contract: zero in a or in b).
         index = torch.arange(rows_padded, device="cuda", dtype=torch.int32)
         expert_of = torch.searchsorted(offsets[1:], index, right=True)
@@ -351,6 +359,10 @@ def wgrad_main(args):
 
             # The grouped GEMMs in turns (all write E_local outputs); each dense ceiling alone (see time_ms).
             fns = [lambda: ours(0), lambda: ours(1), lambda: ours(2)] + ([grouped] if torch_failed is None else [])
+            if args.fp8:
+                fp8_fns, fp8_err = fp8_weight_grad(lib, a, b, m, n, m_split, local, counts, offsets, rows_padded,
+                                                   ticket, status, stream, error, outs, ours)
+                fns += fp8_fns
             times = time_ms(fns, args.iters)
             t_torch = times[3] if torch_failed is None else float("nan")
             (t_bmm,) = time_ms([bmm], args.iters)
@@ -359,12 +371,58 @@ def wgrad_main(args):
             tf = [flops / t / 1e9 for t in times[:3]] + [flops / t_torch / 1e9,
                                                          2.0 * local * k_mean * m * n / t_bmm / 1e9, flops / t_mm / 1e9]
             out_tbps = local * m * n * 4 / times[1] / 1e9
+            fp8_cells = ""
+            if args.fp8:
+                t_f8, t_qf8 = times[-2:]
+                fp8_cells = (f" {flops / t_f8 / 1e9:6.0f} {flops / t_qf8 / 1e9:6.0f} {times[2] / t_qf8:8.2f} "
+                             f"{fp8_err:7.4f}")
             print(f"{name:16s} {label:11s} {rows:7d} {rows / local:5.0f} {tf[0]:6.0f} {tf[1]:6.0f} {tf[2]:6.0f} {tf[3]:6.0f} "
                   f"{tf[4]:6.0f} {tf[5]:6.0f} {tf[0] / tf[3]:10.2f} {tf[0] / tf[4]:8.2f} {tf[1] / tf[4]:8.2f} "
-                  f"{out_tbps:8.2f}", flush=True)
+                  f"{out_tbps:8.2f}{fp8_cells}", flush=True)
             del a, b, outs, a_torch, b_torch, a_bmm, b_bmm, a_mm, b_mm
             torch.cuda.empty_cache()
         check_status(lib, status, stream, error)
+
+
+def fp8_weight_grad(lib, a, b, m, n, m_split, local, counts, offsets, rows_padded, ticket, status, stream, error, outs,
+                    ours):
+    """The FP8 weight gradient of wgrad_main's operands a [rows, m], b [rows, n]: ([the FP8 GEMM accumulating fp32
+    on operands quantized once, the two quantize_columns_fp8 calls + that GEMM], normwise error of its fp32 result
+    against our bf16 GEMM's fp32 result)."""
+    rows8 = lib.mok_bench_fp8_column_rows(rows_padded, local)
+    offsets8 = torch.empty(local + 1, device="cuda", dtype=torch.int32)
+    qa, qb = (torch.empty(c, rows8, device="cuda", dtype=torch.uint8) for c in (m, n))
+    sa, sb = (torch.empty(rows8 // 128, c, device="cuda", dtype=torch.float32) for c in (m, n))
+    top = m_split or m
+    out8 = (torch.zeros(local, top, n, device="cuda", dtype=torch.float32),
+            torch.zeros(local, m - top, n, device="cuda", dtype=torch.float32) if m_split else None)
+
+    def check(rc):
+        if rc != 0:
+            raise RuntimeError(error.value.decode())
+
+    def quantize():
+        for src, cols, out, scales in ((a, m, qa, sa), (b, n, qb, sb)):
+            check(lib.mok_bench_quantize_columns_fp8(src.data_ptr(), rows_padded, cols, local, counts.data_ptr(),
+                                                     offsets.data_ptr(), offsets8.data_ptr(), out.data_ptr(),
+                                                     scales.data_ptr(), 0, stream, error, len(error)))
+
+    def gemm(output=2, out=out8):
+        check(lib.mok_bench_weight_grad_gemm_fp8(qa.data_ptr(), sa.data_ptr(), qb.data_ptr(), sb.data_ptr(), rows8, m,
+                                                 n, local, offsets8.data_ptr(), offsets8[local:].data_ptr(), output,
+                                                 out[0].data_ptr(), out[1].data_ptr() if out[1] is not None else None,
+                                                 m_split, ticket.data_ptr(), status, WAIT_TIMEOUT_S, stream, error,
+                                                 len(error)))
+
+    quantize()
+    fresh = tuple(None if t is None else torch.empty_like(t) for t in out8)
+    gemm(1, fresh)  # fp32 written, against ours
+    ours(1)
+    ref = outs[torch.float32]
+    pairs = [(fresh[0], ref[0])] + ([(fresh[1], ref[1])] if m_split else [])
+    diff = sum((x - y).double().pow(2).sum().item() for x, y in pairs)
+    norm = sum(y.double().pow(2).sum().item() for _, y in pairs)
+    return [gemm, lambda: (quantize(), gemm())], (diff / norm) ** 0.5
 
 
 E4M3_MAX = 448.0
@@ -421,7 +479,7 @@ def fp8_main(args):
     lib, ticket, error, status, gen, stream, commit = bench_setup(args)
     torch.manual_seed(0)  # the operands (torch's default generator): the same inputs in every run
     print(f"FP8 expert GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
-          f"{args.tokens} tokens/rank, EP={args.ep} (rank 0's experts), tile_m {args.tile_m}, store tile width "
+          f"{args.tokens} tokens/rank, EP={args.ep or 8} (rank 0's experts), tile_m {args.tile_m}, store tile width "
           f"{args.block_n or 'auto'}, median of {args.iters}")
     print(f"{'shape':16s} {'gemm':8s} {'E':>4s} {'rows':>7s} {'fp8':>7s} {'fp8_q':>7s} {'bf16':>7s} {'t_fp8':>7s} "
           f"{'d_fp8':>7s} {'fp8/bf16':>8s} {'fp8/t_fp8':>9s} {'fp8/d_fp8':>9s}   (TFLOP/s; fp8_q: gate/up writing h "
@@ -431,7 +489,7 @@ def fp8_main(args):
             continue
         tile_m = args.tile_m
         local, counts, offsets, rows_padded, rows, scheduled, torch_offs, torch_rows = rank0_schedule(
-            num_experts, top_k, args.tokens, tile_m, gen, args.ep)
+            num_experts, top_k, args.tokens, tile_m, gen, args.ep or 8)
         w13 = torch.randn(local, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
         w2 = torch.randn(local, hidden, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
         for label, epilogue, k, n_out, weights, n_total in (("gate/up", 1, hidden, inter, w13, 2 * inter),
