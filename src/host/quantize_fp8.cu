@@ -1,6 +1,6 @@
 // FP8 quantization kernels (include/mok/fp8.h): bf16 -> e4m3 with block scales.
-//   rows:    one warp per (row, 128-column block): 4 columns a lane, the block's amax by a butterfly (every lane
-//            the same value), the scale, then each lane converts its own columns.
+//   rows:    a warp per (row, 128-column block) in turn (grid-stride): 4 columns a lane, the block's amax by a
+//            butterfly (every lane the same value), the scale, then each lane converts its own columns.
 //   weights: one CTA of 256 threads per 128 x 128 block: each thread's amax over its values, a shared-memory
 //            reduction, then the conversion (the block is read twice; the second read hits L1/L2).
 //   columns: one CTA per 128 rows x 64 columns of a schedule's rows, transposed through shared memory
@@ -9,6 +9,7 @@
 // (tests/common/fp8.h, Fp8Matrix::quantize) gives the same bits.
 #include "mok/fp8.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -19,6 +20,7 @@
 #include "src/device/common/fp8_quant.cuh"
 #include "src/device/common/status.cuh"
 #include "src/host/check.h"
+#include "src/host/launch_cache.h"
 #include "src/host/quantize_fp8.h"
 
 namespace mok {
@@ -29,70 +31,100 @@ using device::to_e4m3;
 constexpr int kBlock = 128;
 
 // One warp's 128-column block of a row: lane l holds columns col + 0..3 (col = block start + 4 l; a null `src`, or
-// columns past k: zeros). Returns the block's scale (the same in every lane) and the lane's e4m3 values in q.
+// columns past k: zeros), read as one 8-byte load (k % 8 == 0, validate: a lane's 4 columns lie all inside k or all
+// past it). Returns the block's scale (the same in every lane) and the lane's 4 e4m3 values packed little-endian.
 __device__ __forceinline__ float quantize_block_warp(const __nv_bfloat16* src, int col, int k, bool power_of_two,
-                                                     uint8_t (&q)[4]) {
-  float v[4];
+                                                     uint32_t& packed) {
+  float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (src != nullptr && col < k) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(src + col);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  }
   float amax = 0.0f;
   bool finite = true;
   for (int i = 0; i < 4; ++i) {
-    v[i] = src != nullptr && col + i < k ? __bfloat162float(src[col + i]) : 0.0f;
     finite = finite && isfinite(v[i]);
     amax = fmaxf(amax, fabsf(v[i]));
   }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    finite = __all_sync(0xffffffffu, finite);
-  }
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  finite = __all_sync(0xffffffffu, finite);
   const float scale = device::fp8_block_scale(amax, finite, power_of_two);
-  for (int i = 0; i < 4; ++i) q[i] = to_e4m3(v[i], scale);
+  packed = 0;
+  for (int i = 0; i < 4; ++i) packed |= uint32_t(to_e4m3(v[i], scale)) << (8 * i);
   return scale;
 }
 
+// Stores a lane's 4 e4m3 bytes at `out` (the lane's first column; past k: nothing): one 4-byte store when `out` is
+// 4-byte aligned (warp-uniform: the row's base and k % 8 == 0 decide it), else 4 byte stores.
+__device__ __forceinline__ void store_e4m3x4(uint8_t* out, int col, int k, uint32_t packed) {
+  if (col >= k) return;
+  if (reinterpret_cast<uintptr_t>(out) % 4 == 0) {
+    *reinterpret_cast<uint32_t*>(out) = packed;
+  } else {
+    for (int i = 0; i < 4; ++i) out[i] = uint8_t(packed >> (8 * i));
+  }
+}
+
+// The row kernels' grid: a few CTAs per SM, each warp looping over (row, block) items (a warp per item and a CTA
+// per 8 items made the launch itself the bottleneck: 1.98 ms for two d_out-sized calls, perf_notes round 30).
+constexpr int kRowThreads = 256;
+unsigned row_kernel_ctas(int64_t items) {
+  int device = 0;
+  MOK_CHECK_CUDA(cudaGetDevice(&device));
+  const int64_t wanted = (items + kRowThreads / 32 - 1) / (kRowThreads / 32);
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(wanted, 16LL * detail::device_limits(device).num_sms)));
+}
+
+// Warps over (row, 128-column block) items of rows [0, min(rows, *rows_used)) (rows_used null: every row). Block b of
+// row r: out[r, 128 b ...] and scales[b, r].
 __global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int k, uint8_t* out, float* scales,
                                      bool power_of_two, const int32_t* rows_used, DeviceStatus* status,
                                      NonFiniteWhere where, int rank) {
   const int k_blocks = (k + kBlock - 1) / kBlock;
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   const int64_t live_rows = rows_used != nullptr && *rows_used < rows ? int64_t(*rows_used) : rows;
-  if (warp >= live_rows * k_blocks) return;  // warp-uniform
-  const int64_t row = warp / k_blocks;
-  const int block = static_cast<int>(warp % k_blocks);
-  const int col = block * kBlock + 4 * lane;
-  uint8_t q[4];
-  const float scale = quantize_block_warp(in + row * k, col, k, power_of_two, q);
-  for (int i = 0; i < 4; ++i)
-    if (col + i < k) out[row * k + col + i] = q[i];
-  if (lane == 0) {
-    scales[int64_t(block) * rows + row] = scale;
-    if (status != nullptr && isnan(scale)) device::record_nonfinite(status, where, rank, row);
+  const int64_t items = live_rows * k_blocks;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; item < items; item += warps) {
+    const int64_t row = item / k_blocks;
+    const int block = static_cast<int>(item % k_blocks);
+    const int col = block * kBlock + 4 * lane;
+    uint32_t q;
+    const float scale = quantize_block_warp(in + row * k, col, k, power_of_two, q);
+    store_e4m3x4(out + row * k + col, col, k, q);
+    if (lane == 0) {
+      scales[int64_t(block) * rows + row] = scale;
+      if (status != nullptr && isnan(scale)) device::record_nonfinite(status, where, rank, row);
+    }
   }
 }
 
-// One warp per (row, 128-column block) of x [tokens, h]: the FP8 row layout of src/host/quantize_fp8.h, plus the
-// scale again at [block, row] of `scales`; power_of_two: scales rounded up to powers of two. Rows past `tokens` (to
-// padded_tokens): zeros, scale 1. A block with a NaN or an infinity is reported to `status` (kStatusNonFinite, the
-// row and `rank`).
+// Warps over (row, 128-column block) items of x [tokens, h] to padded_tokens rows: the FP8 row layout of
+// src/host/quantize_fp8.h, plus the scale again at [block, row] of `scales`; power_of_two: scales rounded up to
+// powers of two. Rows past `tokens`: zeros, scale 1. A block with a NaN or an infinity is reported to `status`
+// (kStatusNonFinite, the row and `rank`).
 __global__ void publish_fp8_rows_kernel(const __nv_bfloat16* x, int64_t tokens, int64_t padded_tokens, int h,
                                         uint8_t* rows, float* scales, bool power_of_two, DeviceStatus* status,
                                         int rank) {
   const int k_blocks = (h + kBlock - 1) / kBlock;
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (warp >= padded_tokens * k_blocks) return;  // warp-uniform
-  const int64_t row = warp / k_blocks;
-  const int block = static_cast<int>(warp % k_blocks);
-  const int col = block * kBlock + 4 * lane;
-  uint8_t q[4];
-  const float scale = quantize_block_warp(row < tokens ? x + row * h : nullptr, col, h, power_of_two, q);
-  uint8_t* out = rows + row * 2 * int64_t(h);
-  for (int i = 0; i < 4; ++i)
-    if (col + i < h) out[col + i] = q[i];
-  if (lane == 0) {
-    reinterpret_cast<float*>(out + h)[block] = scale;
-    scales[int64_t(block) * padded_tokens + row] = scale;
-    if (isnan(scale)) device::record_nonfinite(status, NonFiniteWhere::kX, rank, row);
+  const int64_t items = padded_tokens * k_blocks;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; item < items; item += warps) {
+    const int64_t row = item / k_blocks;
+    const int block = static_cast<int>(item % k_blocks);
+    const int col = block * kBlock + 4 * lane;
+    uint32_t q;
+    const float scale = quantize_block_warp(row < tokens ? x + row * h : nullptr, col, h, power_of_two, q);
+    uint8_t* out = rows + row * 2 * int64_t(h);
+    store_e4m3x4(out + col, col, h, q);
+    if (lane == 0) {
+      reinterpret_cast<float*>(out + h)[block] = scale;
+      scales[int64_t(block) * padded_tokens + row] = scale;
+      if (isnan(scale)) device::record_nonfinite(status, NonFiniteWhere::kX, rank, row);
+    }
   }
 }
 
@@ -271,10 +303,9 @@ void validate(const Fp8QuantizeArgs& a, const char* entry, bool rows_layout) {
 
 void detail::publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_tokens, int h, void* rows, float* scales,
                               bool power_of_two, DeviceStatus* status, int rank, cudaStream_t stream) {
-  const int64_t warps = padded_tokens * ((h + kBlock - 1) / kBlock);
-  if (warps == 0) return;
-  constexpr int kThreads = 256;
-  publish_fp8_rows_kernel<<<static_cast<unsigned>((warps * 32 + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+  const int64_t items = padded_tokens * ((h + kBlock - 1) / kBlock);
+  if (items == 0) return;
+  publish_fp8_rows_kernel<<<row_kernel_ctas(items), kRowThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), tokens, padded_tokens, h, static_cast<uint8_t*>(rows), scales, power_of_two,
       status, rank);
   MOK_CHECK_CUDA(cudaGetLastError());
@@ -323,11 +354,9 @@ void quantize_rows(const Fp8QuantizeArgs& args, DeviceStatus* status, NonFiniteW
   validate(args, "quantize_rows_fp8", true);
   require(args.out_transposed == nullptr && args.scales_transposed == nullptr, "quantize_rows_fp8",
           "out_transposed and scales_transposed are for quantize_weights_fp8 (1 x 128 scales do not transpose)");
-  const int64_t warps = args.rows * ((args.k + kBlock - 1) / kBlock);
-  if (warps == 0) return;
-  constexpr int kThreads = 256;
-  const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
-  quantize_rows_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+  const int64_t items = args.rows * ((args.k + kBlock - 1) / kBlock);  // an upper bound with rows_used
+  if (items == 0) return;
+  quantize_rows_kernel<<<row_kernel_ctas(items), kRowThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(args.in), args.rows, args.k, static_cast<uint8_t*>(args.out), args.scales,
       args.power_of_two_scales, args.rows_used, status, where, rank);
   MOK_CHECK_CUDA(cudaGetLastError());
