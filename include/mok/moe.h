@@ -165,6 +165,10 @@ struct MoeOptions {
   bool fp8_power_of_two_scales = false;  // precision kFP8: the activations' scales (x's and h's, per 1 x 128)
                              // rounded up to powers of two (include/mok/fp8.h; the weights' are chosen when they
                              // are quantized: Fp8QuantizeArgs::power_of_two_scales)
+  bool fp8_weight_gradients = false;  // precision kFP8: the four weight gradients' GEMMs in FP8 too (docs/design.md,
+                             // "FP8 weight gradients": dy, h, d(g|u) and x transposed and quantized per column per
+                             // 128 rows of an expert, then weight_grad_gemm's precision kFP8); false: bf16 weight
+                             // gradients from the bf16 rows (perf_notes round 30 has both ways' speed and error)
   // How long setup waits for the other ranks (docs/design.md, "Setup waits"): the constructor's agreement (an
   // all-gather; NCCL groups), and the communicator the C API and Python create for the workspace. Past it, a
   // std::runtime_error (detail::SetupTimeout) says a rank never arrived. Finite, in (0, kMaxWaitTimeoutS]. Bounded

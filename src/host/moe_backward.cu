@@ -93,6 +93,15 @@ struct MlpBackward {
     const float* gate_up_t_scales = nullptr;
     const int32_t* rows_used = nullptr;  // the routed rows' count (scheduled_rows); null: every row (shared)
     bool power_of_two = false;
+    // MoeOptions::fp8_weight_gradients: both weight gradients in FP8 from these buffers (BackwardScratch's wgrad_*),
+    // each operand transposed and quantized per column per 128 rows of an expert before its GEMM.
+    bool weight_gradients = false;
+    int64_t wgrad_rows = 0;
+    int32_t* wgrad_offsets = nullptr;
+    void* wgrad_a = nullptr;
+    float* wgrad_a_scales = nullptr;
+    void* wgrad_b = nullptr;
+    float* wgrad_b_scales = nullptr;
   } fp8;
 };
 
@@ -213,6 +222,38 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
   g.down_wgrad = weight_grad_args(m.rows, options, m.waits, m.dy, h, m.hidden, i, *m.grad_down, nullptr, 0);
   g.gate_up_wgrad =
       weight_grad_args(m.rows, options, m.waits, m.d_gate_up, 2 * i, m.x, h, *m.grad_gate, m.grad_up, i);
+  if (m.fp8.on && m.fp8.weight_gradients) {  // each weight gradient's operands quantized along the rows, then FP8
+    const auto columns = [&](const void* in, int k, void* out, float* scales) {
+      return detail::Fp8ColumnQuantizeArgs{.in = in,
+                                           .rows_allocated = m.rows.rows_allocated,
+                                           .k = k,
+                                           .local_experts = m.rows.local_experts,
+                                           .expert_counts = m.rows.expert_counts,
+                                           .expert_row_offsets = m.rows.expert_row_offsets,
+                                           .scheduled_rows = m.rows.scheduled_rows,
+                                           .out_row_offsets = m.fp8.wgrad_offsets,
+                                           .out = out,
+                                           .scales = scales,
+                                           .power_of_two_scales = m.fp8.power_of_two};
+    };
+    const auto fp8_operands = [&](WeightGradArgs& w) {
+      w.precision = Precision::kFP8;
+      w.a = m.fp8.wgrad_a;
+      w.a_scales = m.fp8.wgrad_a_scales;
+      w.b = m.fp8.wgrad_b;
+      w.b_scales = m.fp8.wgrad_b_scales;
+      w.rows_allocated = m.fp8.wgrad_rows;
+      w.expert_row_offsets = m.fp8.wgrad_offsets;
+      w.scheduled_rows = m.fp8.wgrad_offsets + m.rows.local_experts;  // the last offset: every segment
+      w.tile_m = 128;
+    };
+    fp8_operands(g.down_wgrad);
+    fp8_operands(g.gate_up_wgrad);
+    g.quantize_down_wgrad[0] = columns(m.dy, h, m.fp8.wgrad_a, m.fp8.wgrad_a_scales);
+    g.quantize_down_wgrad[1] = columns(m.hidden, i, m.fp8.wgrad_b, m.fp8.wgrad_b_scales);
+    g.quantize_gate_up_wgrad[0] = columns(m.d_gate_up, 2 * i, m.fp8.wgrad_a, m.fp8.wgrad_a_scales);
+    g.quantize_gate_up_wgrad[1] = columns(m.x, h, m.fp8.wgrad_b, m.fp8.wgrad_b_scales);
+  }
   return g;
 }
 
@@ -236,12 +277,20 @@ void issue_dgrads(detail::MlpBackwardGemms g, bool recompute, int32_t* tickets, 
 }
 
 // The unfused path: the wanted weight gradients.
+// FP8 weight gradients: each GEMM's two operands quantized along the rows first (into buffers the two GEMMs
+// share in turn: stream order).
 void issue_weight_grads(detail::MlpBackwardGemms g, int32_t* tickets, cudaStream_t stream) {
+  const auto quantize = [&](const detail::Fp8ColumnQuantizeArgs (&operands)[2]) {
+    for (const detail::Fp8ColumnQuantizeArgs& q : operands)
+      if (q.in != nullptr) detail::quantize_columns_fp8(q, stream);
+  };
   if (g.down_wgrad.out != nullptr) {
+    quantize(g.quantize_down_wgrad);
     g.down_wgrad.ticket = tickets + detail::kDownWgrad;
     weight_grad_gemm(g.down_wgrad, stream);
   }
   if (g.gate_up_wgrad.out != nullptr) {
+    quantize(g.quantize_gate_up_wgrad);
     g.gate_up_wgrad.ticket = tickets + detail::kGateUpWgrad;
     weight_grad_gemm(g.gate_up_wgrad, stream);
   }
@@ -275,7 +324,8 @@ void MoeWorkspace::allocate_backward() {
                .recomputes = recomputes_gate_up(),
                .shared_recomputes = !context_keeps_gate_up(),
                .counter_words = backward_megakernel() ? detail::fused_backward_counter_words(cap / 64, pt / 64) : 0,
-               .fp8 = fp8()});
+               .fp8 = fp8(),
+               .fp8_weight_gradients = options_.fp8_weight_gradients});
   const int64_t bytes = layout.buffers.total_bytes();
   backward_bytes_ = int64_t(d_out_.bytes()) + int64_t(rw_.bytes()) + int64_t(d_rw_.bytes()) + bytes;
   for (int r : group_.local_ranks()) {
@@ -310,6 +360,13 @@ void MoeWorkspace::allocate_backward() {
     w.shared_d_out_scales = layout.shared_d_out_scales.in<float>(base);
     w.shared_d_gate_up_fp8 = layout.shared_d_gate_up_fp8.in(base);
     w.shared_d_gate_up_scales = layout.shared_d_gate_up_scales.in<float>(base);
+    w.wgrad_rows = layout.wgrad_rows;
+    w.wgrad_a_fp8 = layout.wgrad_a_fp8.in(base);
+    w.wgrad_a_scales = layout.wgrad_a_scales.in<float>(base);
+    w.wgrad_b_fp8 = layout.wgrad_b_fp8.in(base);
+    w.wgrad_b_scales = layout.wgrad_b_scales.in<float>(base);
+    w.wgrad_offsets = layout.wgrad_offsets.in<int32_t>(base);
+    w.shared_wgrad_offsets = layout.shared_wgrad_offsets.in<int32_t>(base);
   }  // the constructor synchronizes the devices after this
 }
 
@@ -431,7 +488,14 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
                .gate_up_t = weights.shared_gate_up_t.data,
                .gate_up_t_scales = static_cast<const float*>(weights.shared_gate_up_t_scales.data),
                .rows_used = nullptr,
-               .power_of_two = options_.fp8_power_of_two_scales};
+               .power_of_two = options_.fp8_power_of_two_scales,
+               .weight_gradients = options_.fp8_weight_gradients,
+               .wgrad_rows = w.wgrad_rows,
+               .wgrad_offsets = w.shared_wgrad_offsets,
+               .wgrad_a = w.wgrad_a_fp8,
+               .wgrad_a_scales = w.wgrad_a_scales,
+               .wgrad_b = w.wgrad_b_fp8,
+               .wgrad_b_scales = w.wgrad_b_scales};
     return backward_gemms(shape_, options_, m);
   }
   const ScheduleView& v = ctx.schedule_;
@@ -474,7 +538,14 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
              .gate_up_t = weights.expert_gate_up_t.data,
              .gate_up_t_scales = static_cast<const float*>(weights.expert_gate_up_t_scales.data),
              .rows_used = v.scheduled_rows,
-             .power_of_two = options_.fp8_power_of_two_scales};
+             .power_of_two = options_.fp8_power_of_two_scales,
+             .weight_gradients = options_.fp8_weight_gradients,
+             .wgrad_rows = w.wgrad_rows,
+             .wgrad_offsets = w.wgrad_offsets,
+             .wgrad_a = w.wgrad_a_fp8,
+             .wgrad_a_scales = w.wgrad_a_scales,
+             .wgrad_b = w.wgrad_b_fp8,
+             .wgrad_b_scales = w.wgrad_b_scales};
   return backward_gemms(shape_, options_, m);
 }
 

@@ -14,6 +14,7 @@
 #include "mok/weight_grad_gemm.h"
 #include "src/device/backward/grad_rows.cuh"
 #include "src/host/megakernel_args.h"
+#include "src/host/quantize_fp8.h"
 
 namespace mok::detail {
 
@@ -26,6 +27,9 @@ struct MlpBackwardGemms {
   // MoeOptions::precision kFP8 (the stage kernels only): quantize_rows_fp8 of each dgrad's A before it (d_out's rows,
   // then d_g | d_u); `in` null in bf16.
   Fp8QuantizeArgs quantize_d_out, quantize_d_gate_up;
+  // MoeOptions::fp8_weight_gradients: quantize_columns_fp8 of each weight gradient's a and b before it; `in` null
+  // otherwise.
+  Fp8ColumnQuantizeArgs quantize_down_wgrad[2], quantize_gate_up_wgrad[2];
 };
 
 struct FusedBackwardArgs {

@@ -1,6 +1,8 @@
 // The workspace's and the context's allocation layouts (src/host/moe_layouts.h).
 #include "src/host/moe_layouts.h"
 
+#include <algorithm>
+
 #include "src/host/quantize_fp8.h"
 
 namespace mok::detail {
@@ -88,6 +90,16 @@ BackwardScratchLayout backward_scratch_layout(const MoeShape& s, const BackwardS
   l.shared_d_out_scales = a.add_array<float>("shared_d_out_scales", sf ? hb * pt : 0);
   l.shared_d_gate_up_fp8 = a.add("shared_d_gate_up_fp8", sf ? pt * 2 * i : 0);
   l.shared_d_gate_up_scales = a.add_array<float>("shared_d_gate_up_scales", sf ? ib2 * pt : 0);
+  const bool w = b.fp8 && b.fp8_weight_gradients;
+  const int64_t e = s.local_experts();
+  l.wgrad_rows = w ? std::max(fp8_column_rows(cap, e), shared ? fp8_column_rows(pt, 1) : 0) : 0;
+  const int64_t a_cols = std::max(h, 2 * i), b_cols = std::max(h, i);  // down: dy [H], h [I]; gate/up: [2I], x [H]
+  l.wgrad_a_fp8 = a.add("wgrad_a_fp8", a_cols * l.wgrad_rows);
+  l.wgrad_a_scales = a.add_array<float>("wgrad_a_scales", l.wgrad_rows / 128 * a_cols);
+  l.wgrad_b_fp8 = a.add("wgrad_b_fp8", b_cols * l.wgrad_rows);
+  l.wgrad_b_scales = a.add_array<float>("wgrad_b_scales", l.wgrad_rows / 128 * b_cols);
+  l.wgrad_offsets = a.add_array<int32_t>("wgrad_offsets", w ? e + 1 : 0);
+  l.shared_wgrad_offsets = a.add_array<int32_t>("shared_wgrad_offsets", w && shared ? 2 : 0);
   return l;
 }
 

@@ -87,6 +87,7 @@ struct BackwardScratchShape {
   bool shared_recomputes = false;  // the shared expert's too (no keep_gate_up)
   int64_t counter_words = 0;       // the backward megakernel's counters, 0 without it
   bool fp8 = false;                // MoeOptions::precision kFP8: the dgrads' quantized operands
+  bool fp8_weight_gradients = false;  // MoeOptions::fp8_weight_gradients: the weight gradients' quantized operands
 };
 // A local rank's scratch of the backward (MoeWorkspace::BackwardScratch says what each buffer holds).
 struct BackwardScratchLayout {
@@ -96,6 +97,11 @@ struct BackwardScratchLayout {
   // FP8 only: e4m3 values [rows, k] and their fp32 scales [ceil(k/128), rows] (quantize_rows_fp8's layout)
   BufferSlot d_out_fp8, d_out_scales, d_gate_up_fp8, d_gate_up_scales;
   BufferSlot shared_x_fp8, shared_d_out_fp8, shared_d_out_scales, shared_d_gate_up_fp8, shared_d_gate_up_scales;
+  // FP8 weight gradients only: one weight gradient's two operands at a time (down: dy and h, then gate/up: d(g|u)
+  // and x; routed, then shared), each e4m3 [columns, wgrad_rows] with fp32 scales [wgrad_rows / 128, columns]
+  // (quantize_columns_fp8's layout), and the segments' offsets in those rows, routed [E + 1] and shared [2].
+  int64_t wgrad_rows = 0;
+  BufferSlot wgrad_a_fp8, wgrad_a_scales, wgrad_b_fp8, wgrad_b_scales, wgrad_offsets, shared_wgrad_offsets;
 };
 BackwardScratchLayout backward_scratch_layout(const MoeShape& s, const BackwardScratchShape& b);
 

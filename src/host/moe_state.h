@@ -85,6 +85,16 @@ struct MoeWorkspace::BackwardScratch {
   float* shared_d_out_scales = nullptr;
   void* shared_d_gate_up_fp8 = nullptr;
   float* shared_d_gate_up_scales = nullptr;
+  // MoeOptions::fp8_weight_gradients only: one weight gradient's two operands at a time, quantize_columns_fp8's
+  // e4m3 [columns, wgrad_rows] with scales [wgrad_rows / 128, columns], and the segment offsets in those rows
+  // (routed [E + 1], shared [2]).
+  int64_t wgrad_rows = 0;
+  void* wgrad_a_fp8 = nullptr;
+  float* wgrad_a_scales = nullptr;
+  void* wgrad_b_fp8 = nullptr;
+  float* wgrad_b_scales = nullptr;
+  int32_t* wgrad_offsets = nullptr;
+  int32_t* shared_wgrad_offsets = nullptr;
 
   void* d_x_rows() const { return d_out_rows; }  // bf16 [capacity, H], see d_out_rows
 };

@@ -142,12 +142,20 @@ __global__ void unpack_fp8_row_scales_kernel(const uint8_t* rows, const int32_t*
 
 // quantize_columns_fp8 (src/host/quantize_fp8.h): each expert's segment start in `out`, its rows re-padded to 128.
 // One thread: E is at most a few hundred.
-__global__ void column_row_offsets_kernel(const int32_t* counts, int experts, int32_t* offsets) {
+// Expert e's rows in `in`: its count, cut at *scheduled_rows (null: not cut; a capacity overflow's 0 empties all).
+__device__ __forceinline__ int32_t live_count(const int32_t* counts, const int32_t* in_offsets,
+                                              const int32_t* scheduled_rows, int e) {
+  if (scheduled_rows == nullptr) return counts[e];
+  return max(0, min(counts[e], *scheduled_rows - in_offsets[e]));
+}
+
+__global__ void column_row_offsets_kernel(const int32_t* counts, const int32_t* in_offsets,
+                                          const int32_t* scheduled_rows, int experts, int32_t* offsets) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   int32_t at = 0;
   for (int e = 0; e < experts; ++e) {
     offsets[e] = at;
-    at += (counts[e] + kBlock - 1) / kBlock * kBlock;
+    at += (live_count(counts, in_offsets, scheduled_rows, e) + kBlock - 1) / kBlock * kBlock;
   }
   offsets[experts] = at;
 }
@@ -160,7 +168,8 @@ constexpr int kColumnTile = 64;  // columns per CTA of quantize_columns_kernel (
 // last segment write nothing.
 __global__ void __launch_bounds__(2 * kColumnTile) quantize_columns_kernel(
     const __nv_bfloat16* in, int k, int experts, const int32_t* counts, const int32_t* in_offsets,
-    const int32_t* out_offsets, int64_t out_rows, uint8_t* out, float* scales, bool power_of_two) {
+    const int32_t* scheduled_rows, const int32_t* out_offsets, int64_t out_rows, uint8_t* out, float* scales,
+    bool power_of_two) {
   __shared__ __align__(16) __nv_bfloat16 tile[kBlock][kColumnTile];
   __shared__ float half_amax[2][kColumnTile];
   __shared__ int half_finite[2][kColumnTile];
@@ -173,7 +182,8 @@ __global__ void __launch_bounds__(2 * kColumnTile) quantize_columns_kernel(
     if (out_offsets[mid] <= out_row) lo = mid; else hi = mid - 1;
   }
   const int64_t first = out_row - out_offsets[lo];  // the block's first row within its expert
-  const int valid = static_cast<int>(max(int64_t(0), min(int64_t(kBlock), int64_t(counts[lo]) - first)));
+  const int32_t count = live_count(counts, in_offsets, scheduled_rows, lo);
+  const int valid = static_cast<int>(max(int64_t(0), min(int64_t(kBlock), int64_t(count) - first)));
   const int col0 = blockIdx.y * kColumnTile;
   const __nv_bfloat16* src = in + (int64_t(in_offsets[lo]) + first) * k + col0;
   constexpr int kVectors = kColumnTile * 2 / 16;  // 16-byte vectors of a row's 64 columns
@@ -328,11 +338,12 @@ void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t s
   const int64_t out_rows = fp8_column_rows(a.rows_allocated, a.local_experts);
   const dim3 grid(static_cast<unsigned>(out_rows / kBlock), static_cast<unsigned>(a.k / kColumnTile));
   require(grid.y <= 65535, entry + "k too large for one launch");
-  column_row_offsets_kernel<<<1, 32, 0, stream>>>(a.expert_counts, a.local_experts, a.out_row_offsets);
+  column_row_offsets_kernel<<<1, 32, 0, stream>>>(a.expert_counts, a.expert_row_offsets, a.scheduled_rows,
+                                                  a.local_experts, a.out_row_offsets);
   MOK_CHECK_CUDA(cudaGetLastError());
   quantize_columns_kernel<<<grid, 2 * kColumnTile, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(a.in), a.k, a.local_experts, a.expert_counts, a.expert_row_offsets,
-      a.out_row_offsets, out_rows, static_cast<uint8_t*>(a.out), a.scales, a.power_of_two_scales);
+      a.scheduled_rows, a.out_row_offsets, out_rows, static_cast<uint8_t*>(a.out), a.scales, a.power_of_two_scales);
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 

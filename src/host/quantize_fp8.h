@@ -36,7 +36,7 @@ void quantize_rows_fp8(const Fp8QuantizeArgs& args, DeviceStatus* status, NonFin
 // the segments' first rows in `out`; rows of an expert past its count, and the padding, are zeros. scales: fp32
 // [fp8_column_rows(...) / 128, k], block b = rows [128 b, 128 b + 128) of `out`. A block holding a NaN or an
 // infinity gets a NaN scale (the gradients it feeds are NaN; d_out's and d(g|u)'s NaNs are reported where they are
-// quantized along their rows). Not yet used by the layer: its GEMM is the plan's next step.
+// quantized along their rows). The operands of weight_grad_gemm's precision kFP8 (MoeOptions::fp8_weight_gradients).
 struct Fp8ColumnQuantizeArgs {
   const void* in = nullptr;                    // bf16 [rows_allocated, k], 16-byte aligned
   int64_t rows_allocated = 0;
@@ -44,6 +44,7 @@ struct Fp8ColumnQuantizeArgs {
   int local_experts = 0;
   const int32_t* expert_counts = nullptr;      // [E]: the rows of each expert (ScheduleView's)
   const int32_t* expert_row_offsets = nullptr; // [E + 1]: each expert's first row in `in` (ScheduleView's)
+  const int32_t* scheduled_rows = nullptr;     // nullable: rows of `in` at or past it are none of an expert's
   int32_t* out_row_offsets = nullptr;          // [E + 1], written
   void* out = nullptr;                         // e4m3 [k, fp8_column_rows(rows_allocated, E)], 16-byte aligned
   float* scales = nullptr;                     // fp32 [fp8_column_rows(rows_allocated, E) / 128, k]

@@ -185,7 +185,7 @@ TEST(MoeLayouts, RankScratchLayout) {
 TEST(MoeLayouts, BackwardScratchLayout) {
   for (const MoeShape& s : shapes()) {
     const int64_t h = s.hidden, i = s.intermediate;
-    for (int flags = 0; flags < 32; ++flags) {
+    for (int flags = 0; flags < 64; ++flags) {
       detail::BackwardScratchShape b;
       b.capacity_rows = int64_t(s.num_tokens) * s.top_k / 64 * 64 + 64;
       b.padded_tokens = (s.num_tokens + 63) / 64 * 64;
@@ -195,6 +195,7 @@ TEST(MoeLayouts, BackwardScratchLayout) {
       b.shared_recomputes = flags & 4;
       b.counter_words = flags & 8 ? 999 : 0;
       b.fp8 = flags & 16;
+      b.fp8_weight_gradients = flags & 32;
       const std::string where = describe(s) + " flags " + std::to_string(flags);
       const detail::BackwardScratchLayout l = detail::backward_scratch_layout(s, b);
       check_layout(l.buffers, "backward scratch, " + where);
@@ -228,6 +229,19 @@ TEST(MoeLayouts, BackwardScratchLayout) {
       EXPECT_EQ(l.shared_d_out_scales.bytes, sf ? hb * pt * 4 : 0) << where;
       EXPECT_EQ(l.shared_d_gate_up_fp8.bytes, sf ? pt * 2 * i : 0) << where;
       EXPECT_EQ(l.shared_d_gate_up_scales.bytes, sf ? ib2 * pt * 4 : 0) << where;
+      // FP8 weight gradients: one gradient's a and b transposed, [columns, rows] with rows the routed or shared
+      // segments re-padded to 128 (whichever needs more), the widest a (H or 2I) and b (H or I), scales per 128 rows.
+      const bool w = b.fp8 && b.fp8_weight_gradients;
+      const int64_t rows = !w ? 0 : std::max(detail::fp8_column_rows(cap, s.local_experts()),
+                                             shared ? detail::fp8_column_rows(pt, 1) : 0);
+      EXPECT_EQ(l.wgrad_rows, rows) << where;
+      EXPECT_EQ(rows % 128, 0) << where;
+      EXPECT_EQ(l.wgrad_a_fp8.bytes, std::max(h, 2 * i) * rows) << where;
+      EXPECT_EQ(l.wgrad_a_scales.bytes, rows / 128 * std::max(h, 2 * i) * 4) << where;
+      EXPECT_EQ(l.wgrad_b_fp8.bytes, std::max(h, i) * rows) << where;
+      EXPECT_EQ(l.wgrad_b_scales.bytes, rows / 128 * std::max(h, i) * 4) << where;
+      EXPECT_EQ(l.wgrad_offsets.bytes, w ? (s.local_experts() + 1) * 4 : 0) << where;
+      EXPECT_EQ(l.shared_wgrad_offsets.bytes, w && shared ? 8 : 0) << where;
     }
   }
 }

@@ -425,8 +425,8 @@ double normwise(const float* got, const float* want, int64_t count) {
 // against reference::backward applying the FP8 recipe on the weights as quantized, normwise (see the test below),
 // and against the unquantized reference (printed); d_rw exactly 0 at masked routes.
 void check_against_recipe(MoeHarness& harness, const LayerData& data, const std::vector<float>& d_out,
-                          const std::string& label) {
-  const reference::Fp8Recipe recipe{.forward = true, .dgrads = true};
+                          const std::string& label, bool fp8_weight_gradients = false) {
+  const reference::Fp8Recipe recipe{.forward = true, .dgrads = true, .weight_gradients_fp8 = fp8_weight_gradients};
   const MoeShape& shape = harness.workspace().shape();
   const bool shared = shape.shared_expert;
   const int ep = shape.ep_size;
@@ -611,6 +611,76 @@ TEST(MoeFp8Test, BackwardSkewedRoutingEmptyExpertsAndGradModes) {
   f.upload(second, d_out_second);
   f.run();
   EXPECT_EQ(testing::accumulation_difference(testing::all_weight_grads(harness), g1, g2), "");
+}
+
+// MoeOptions::fp8_weight_gradients (docs/design.md, "FP8 weight gradients"): every weight gradient's two factors
+// (dy, h, d(g|u), the bf16 x rows) transposed and quantized per column per 128 rows of an expert, the GEMMs in FP8.
+// At EP = 1, where the recipe's blocks of 128 routes in (token, j) order are the schedule's rows, against
+// reference::backward with Fp8Recipe::weight_gradients_fp8 (check_against_recipe's bounds), skewed routing with
+// empty experts (their gradients exactly 0). At EP 1 and 2: d_x and d_router_weights bitwise those of bf16 weight
+// gradients (the dgrads do not change), reruns bitwise, bf16 writes the fp32 writes rounded, and fp32 accumulation
+// of two micro-batches bitwise (0 + g1) + g2.
+TEST(MoeFp8Test, Fp8WeightGradientsMatchTheRecipeAndKeepTheDgradsBits) {
+  MOK_REQUIRE_GPUS(1);
+  for (const int ep : {1, 2}) {
+    const MoeShape shape = testing::moe_shape(ep, 200, 6, 32, 256, 128, true);
+    const uint64_t seed = 3300 + 10 * ep;
+    const std::string label = "EP " + std::to_string(ep) + ", FP8 weight gradients, seed " + std::to_string(seed);
+    MoeOptions options = fp8_options(false, true);
+    options.schedule.load_factor = shape.ep_size;  // every route of a skewed step fits
+    const LayerData first = testing::random_layer(shape, seed, 3.0, 0.1);
+    LayerData second = testing::random_layer(shape, seed + 1, 1.0, 0.05);
+    second.params = first.params;
+    const std::vector<float> d_out_first = testing::random_d_out(shape, seed + 2);
+    const std::vector<float> d_out_second = testing::random_d_out(shape, seed + 3);
+    std::vector<int> rows(shape.num_experts, 0);
+    for (int32_t id : first.inputs.topk_idx)
+      if (id >= 0) ++rows[id];
+
+    Fp8BackwardHarness bf16_wgrad(shape, first, d_out_first, options);
+    bf16_wgrad.harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
+    bf16_wgrad.run();
+    const auto tokens_bf16_wgrad = testing::token_grads(bf16_wgrad.harness);
+
+    options.fp8_weight_gradients = true;
+    Fp8BackwardHarness f(shape, first, d_out_first, options);
+    MoeHarness& harness = f.harness;
+    harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
+    f.run();
+    const auto tokens1 = testing::token_grads(harness);
+    EXPECT_EQ(tokens1, tokens_bf16_wgrad) << "d_x / d_router_weights changed with FP8 weight gradients, " << label;
+    if (ep == 1) check_against_recipe(harness, first, d_out_first, label, true);
+    const testing::WeightGrads g1 = testing::all_weight_grads(harness);
+    const testing::RawGrads raw1 = testing::raw_grads(harness);
+    f.run();
+    ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), raw1), "") << "rerun, " << label;
+    const int64_t h = shape.hidden, i = shape.intermediate, e_local = shape.local_experts();
+    for (int r = 0; r < ep; ++r)
+      for (int64_t e = 0; e < e_local; ++e) {
+        if (rows[r * e_local + e] != 0) continue;
+        for (GradTensor which : {GradTensor::kExpertGate, GradTensor::kExpertUp, GradTensor::kExpertDown}) {
+          const std::vector<float>& g = g1[r * testing::kNumGradTensors + int(which)];
+          for (int64_t x = e * h * i; x < (e + 1) * h * i; ++x)
+            ASSERT_EQ(g[x], 0.f) << "empty expert " << r * e_local + e << " " << testing::grad_tensor_name(which)
+                                 << ", " << label;
+        }
+      }
+    f.upload(second, d_out_second);
+    f.run();
+    const testing::WeightGrads g2 = testing::all_weight_grads(harness);
+
+    harness.set_grads(testing::all_grads(DType::kBFloat16, GradMode::kWrite));
+    f.upload(first, d_out_first);
+    f.run();
+    EXPECT_EQ(testing::bf16_write_difference(testing::all_weight_grads(harness), g1), "") << label;
+
+    harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kAccumulate));
+    harness.zero_weight_grads();
+    f.run();
+    f.upload(second, d_out_second);
+    f.run();
+    EXPECT_EQ(testing::accumulation_difference(testing::all_weight_grads(harness), g1, g2), "") << label;
+  }
 }
 
 // Calls of fewer tokens than the workspace's (100 and 1 of 256 a rank) give the bits of an FP8 workspace made for
