@@ -96,7 +96,6 @@ struct MlpBackward {
     // MoeOptions::fp8_weight_gradients: both weight gradients in FP8 from these buffers (BackwardScratch's wgrad_*),
     // each operand transposed and quantized per column per 128 rows of an expert before its GEMM.
     bool weight_gradients = false;
-    int64_t wgrad_rows = 0;
     int32_t* wgrad_offsets = nullptr;
     void* wgrad_a = nullptr;
     float* wgrad_a_scales = nullptr;
@@ -242,7 +241,9 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
       w.a_scales = m.fp8.wgrad_a_scales;
       w.b = m.fp8.wgrad_b;
       w.b_scales = m.fp8.wgrad_b_scales;
-      w.rows_allocated = m.fp8.wgrad_rows;
+      // quantize_columns_fp8's rows for these rows and experts: the column stride of a and b (the buffers hold
+      // the routed and the shared expert's, whichever is more).
+      w.rows_allocated = detail::fp8_column_rows(m.rows.rows_allocated, m.rows.local_experts);
       w.expert_row_offsets = m.fp8.wgrad_offsets;
       w.scheduled_rows = m.fp8.wgrad_offsets + m.rows.local_experts;  // the last offset: every segment
       w.tile_m = 128;
@@ -360,7 +361,6 @@ void MoeWorkspace::allocate_backward() {
     w.shared_d_out_scales = layout.shared_d_out_scales.in<float>(base);
     w.shared_d_gate_up_fp8 = layout.shared_d_gate_up_fp8.in(base);
     w.shared_d_gate_up_scales = layout.shared_d_gate_up_scales.in<float>(base);
-    w.wgrad_rows = layout.wgrad_rows;
     w.wgrad_a_fp8 = layout.wgrad_a_fp8.in(base);
     w.wgrad_a_scales = layout.wgrad_a_scales.in<float>(base);
     w.wgrad_b_fp8 = layout.wgrad_b_fp8.in(base);
@@ -490,7 +490,6 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
                .rows_used = nullptr,
                .power_of_two = options_.fp8_power_of_two_scales,
                .weight_gradients = options_.fp8_weight_gradients,
-               .wgrad_rows = w.wgrad_rows,
                .wgrad_offsets = w.shared_wgrad_offsets,
                .wgrad_a = w.wgrad_a_fp8,
                .wgrad_a_scales = w.wgrad_a_scales,
@@ -540,7 +539,6 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
              .rows_used = v.scheduled_rows,
              .power_of_two = options_.fp8_power_of_two_scales,
              .weight_gradients = options_.fp8_weight_gradients,
-             .wgrad_rows = w.wgrad_rows,
              .wgrad_offsets = w.wgrad_offsets,
              .wgrad_a = w.wgrad_a_fp8,
              .wgrad_a_scales = w.wgrad_a_scales,

@@ -86,9 +86,9 @@ struct MoeWorkspace::BackwardScratch {
   void* shared_d_gate_up_fp8 = nullptr;
   float* shared_d_gate_up_scales = nullptr;
   // MoeOptions::fp8_weight_gradients only: one weight gradient's two operands at a time, quantize_columns_fp8's
-  // e4m3 [columns, wgrad_rows] with scales [wgrad_rows / 128, columns], and the segment offsets in those rows
-  // (routed [E + 1], shared [2]).
-  int64_t wgrad_rows = 0;
+  // e4m3 [columns, fp8_column_rows(rows, experts)] with scales [those rows / 128, columns] (sized for the routed
+  // and the shared expert's rows, whichever need more), and the segment offsets in those rows (routed [E + 1],
+  // shared [2]).
   void* wgrad_a_fp8 = nullptr;
   float* wgrad_a_scales = nullptr;
   void* wgrad_b_fp8 = nullptr;
