@@ -21,6 +21,7 @@ rank's row counts (default 8), next to ours in bf16, torch._scaled_grouped_mm (r
 pre-quantized) and the dense FP8 ceiling (torch._scaled_mm, rowwise); see fp8_main.
 Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--cluster 0|1|2]
                      [--shapes A,B] [--only ours|torch|dense] [--trace DIR] [--gemm expert|wgrad|all|fp8] [--ep N]
+                     [--fp8] (with --gemm wgrad)
                      [--block-n 0|128|192]
 """
 import argparse
@@ -191,7 +192,8 @@ def main():
                         help="--gemm wgrad: also the FP8 weight-gradient GEMM (operands quantized per column per 128 "
                              "rows by quantize_columns_fp8), alone and with its two quantizations")
     parser.add_argument("--ep", type=positive_int, default=None,
-                        help="--gemm fp8 (default 8) and wgrad (default 2): the EP size whose rank 0 row counts are used")
+                        help="--gemm fp8 (default 8) and wgrad (default 2): the EP size whose rank 0 row counts are "
+                             "used")
     parser.add_argument("--digest", action="store_true",
                         help="--gemm fp8: print a fingerprint of our outputs per GEMM (inputs seeded), so that two "
                              "builds' bits can be compared (--lib)")

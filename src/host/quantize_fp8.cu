@@ -74,7 +74,8 @@ unsigned row_kernel_ctas(int64_t items) {
   int device = 0;
   MOK_CHECK_CUDA(cudaGetDevice(&device));
   const int64_t wanted = (items + kRowThreads / 32 - 1) / (kRowThreads / 32);
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(wanted, 16LL * detail::device_limits(device).num_sms)));
+  const int64_t most = 16LL * detail::device_limits(device).num_sms;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(wanted, most)));
 }
 
 // Warps over (row, 128-column block) items of rows [0, min(rows, *rows_used)) (rows_used null: every row). Block b of

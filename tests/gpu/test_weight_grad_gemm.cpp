@@ -529,8 +529,8 @@ Reference fp8_reference(const Problem& p, const Fp8Operands& q) {
       for (int j = 0; j < n; ++j) {
         double sum = 0, abs_sum = 0;
         for (int32_t r = q.offsets[e]; r < q.offsets[e + 1]; ++r) {
-          const double prod =
-              a_col[r] * double(testing::from_e4m3_bits(q.b[size_t(j) * q.rows + r])) * q.b_scales[size_t(r / 128) * n + j];
+          const double b_value = double(testing::from_e4m3_bits(q.b[size_t(j) * q.rows + r]));
+          const double prod = a_col[r] * b_value * q.b_scales[size_t(r / 128) * n + j];
           sum += prod;
           abs_sum += std::abs(prod);
         }
@@ -587,7 +587,8 @@ TEST(WeightGradGemmFp8Test, RandomNormalInputsWithinBudgetAndBitwiseOnRerun) {
   const Outputs acc = run_gpu(p, GradOutput::kAccumulateFloat32, 1, &start);
   for (size_t x = 0; x < ref.grad.size(); ++x) {
     const double budget = std::ldexp(ref.abs_sum[x], -12) + 1e-30;
-    ASSERT_LE(std::abs(f32.values[x] - ref.grad[x]), budget) << mismatch(p, GradOutput::kFloat32, x, f32.values[x], ref.grad[x]);
+    ASSERT_LE(std::abs(f32.values[x] - ref.grad[x]), budget)
+        << mismatch(p, GradOutput::kFloat32, x, f32.values[x], ref.grad[x]);
     ASSERT_EQ(bf16.values[x], round_to_bf16(f32.values[x]))
         << mismatch(p, GradOutput::kBFloat16, x, bf16.values[x], f32.values[x]) << " (the fp32 result rounded once)";
     ASSERT_EQ(acc.values[x], start[x] + f32.values[x])

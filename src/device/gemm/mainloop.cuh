@@ -10,7 +10,8 @@
 //   operands     Bf16Mainloop<A major, B major>: element type and majorness (expert GEMM: A K-major, B either;
 //                weight gradient, K = tokens: both MN-major); Fp8Mainloop: e4m3, both K-major, block-scaled
 //                (A scales loaded with the stages, B scales read by the consumers; promoted per k-block:
-//                mainloop_block_scaled).
+//                mainloop_block_scaled); Fp8KScaledMainloop (the FP8 weight gradient's): e4m3, both K-major, each
+//                scaled per row per 128 of K (both scales loaded with the stages; mainloop_k_scaled).
 //   tile shape   CollectiveMainloop<operands, kBlockM, kBlockN, kBlockK, kStages>.
 //   task mode    T::Walker (task_walker.cuh): a tile's k-blocks, its idle warpgroups, AccumulatorStart (the first
 //                wgmma overwrites, or zeroed accumulators to which every wgmma adds: not the same bits for a -0

@@ -220,7 +220,8 @@ __device__ __forceinline__ bool load_tile(const Params& p, const GradTileTask& t
       const auto load = [&](const auto& tma, float* first, int columns, int column_block) {
         Tensor m_s = tma.get_tma_tensor(make_shape(int64_t(columns), k_blocks));
         Tensor s_s = make_tensor(make_smem_ptr(first), make_layout(make_shape(Int<T::kBoxColumns>{}, _1{})));
-        Tensor g_s = local_tile(m_s, Shape<Int<T::kBoxColumns>, _1>{}, make_coord(column_block, task.row_begin / T::kBlockK + k_block));
+        Tensor g_s = local_tile(m_s, Shape<Int<T::kBoxColumns>, _1>{},
+                                make_coord(column_block, task.row_begin / T::kBlockK + k_block));
         auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_s), group_modes<0, 2>(g_s));
         copy(tma.with(*full), t_g, t_s);
       };
