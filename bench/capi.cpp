@@ -215,6 +215,30 @@ void backward_with(BenchLayer& layer, const void* x, const void* topk_idx, int t
   layer.workspace->backward({&b, 1});
 }
 
+// The weight-gradient entries' arguments (bf16 as given; the FP8 entry adds its precision and scales).
+mok::WeightGradArgs weight_grad_args(const void* a, const void* b, int64_t rows_allocated, int m, int n,
+                                     int local_experts, const int32_t* expert_row_offsets,
+                                     const int32_t* scheduled_rows, int tile_m, int output, void* out, void* out_split,
+                                     int m_split, int32_t* ticket, void* status, double wait_timeout_s) {
+  mok::WeightGradArgs args;
+  args.a = a;
+  args.b = b;
+  args.rows_allocated = rows_allocated;
+  args.m = m;
+  args.n = n;
+  args.local_experts = local_experts;
+  args.expert_row_offsets = expert_row_offsets;
+  args.scheduled_rows = scheduled_rows;
+  args.tile_m = tile_m;
+  args.output = static_cast<mok::GradOutput>(output);
+  args.out = out;
+  args.out_split = out_split;
+  args.m_split = m_split;
+  args.ticket = ticket;
+  args.waits = {static_cast<mok::DeviceStatus*>(status), wait_timeout_s, 0};
+  return args;
+}
+
 }  // namespace
 
 extern "C" {
@@ -568,23 +592,10 @@ int mok_bench_weight_grad_gemm(const void* a, const void* b, int64_t rows_alloca
                                int output, void* out, void* out_split, int m_split, int32_t* ticket, void* status,
                                double wait_timeout_s, void* stream, char* error, int error_len) {
   try {
-    mok::WeightGradArgs args;
-    args.a = a;
-    args.b = b;
-    args.rows_allocated = rows_allocated;
-    args.m = m;
-    args.n = n;
-    args.local_experts = local_experts;
-    args.expert_row_offsets = expert_row_offsets;
-    args.scheduled_rows = scheduled_rows;
-    args.tile_m = tile_m;
-    args.output = static_cast<mok::GradOutput>(output);
-    args.out = out;
-    args.out_split = out_split;
-    args.m_split = m_split;
-    args.ticket = ticket;
-    args.waits = {static_cast<mok::DeviceStatus*>(status), wait_timeout_s, 0};
-    mok::weight_grad_gemm(args, static_cast<cudaStream_t>(stream));
+    mok::weight_grad_gemm(weight_grad_args(a, b, rows_allocated, m, n, local_experts, expert_row_offsets,
+                                           scheduled_rows, tile_m, output, out, out_split, m_split, ticket, status,
+                                           wait_timeout_s),
+                          static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {
     return report(e, error, error_len);
@@ -628,25 +639,12 @@ int mok_bench_weight_grad_gemm_fp8(const void* a, const float* a_scales, const v
                                    void* out, void* out_split, int m_split, int32_t* ticket, void* status,
                                    double wait_timeout_s, void* stream, char* error, int error_len) {
   try {
-    mok::WeightGradArgs args;
+    mok::WeightGradArgs args = weight_grad_args(a, b, rows_allocated, m, n, local_experts, expert_row_offsets,
+                                                scheduled_rows, 128, output, out, out_split, m_split, ticket, status,
+                                                wait_timeout_s);
     args.precision = mok::Precision::kFP8;
-    args.a = a;
     args.a_scales = a_scales;
-    args.b = b;
     args.b_scales = b_scales;
-    args.rows_allocated = rows_allocated;
-    args.m = m;
-    args.n = n;
-    args.local_experts = local_experts;
-    args.expert_row_offsets = expert_row_offsets;
-    args.scheduled_rows = scheduled_rows;
-    args.tile_m = 128;
-    args.output = static_cast<mok::GradOutput>(output);
-    args.out = out;
-    args.out_split = out_split;
-    args.m_split = m_split;
-    args.ticket = ticket;
-    args.waits = {static_cast<mok::DeviceStatus*>(status), wait_timeout_s, 0};
     mok::weight_grad_gemm(args, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {

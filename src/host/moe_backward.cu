@@ -604,13 +604,21 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
       .scheduled_rows = v.scheduled_rows,
       .num_tokens = shape_.num_tokens,
       .top_k = shape_.top_k,
-      .row_vectors = row_vectors};
+      .row_vectors = row_vectors,
+      // FP8: the down dgrad's A quantized by the pull (quantize_rows_fp8's bits), not a bf16 copy quantized after
+      .fp8 = {.d_out = fp8() ? static_cast<uint8_t*>(w.d_out_fp8) : nullptr,
+              .d_out_scales = w.d_out_scales,
+              .rows = capacity_rows(),
+              .power_of_two = options_.fp8_power_of_two_scales,
+              .status = schedule_.device_status(b.rank),
+              .rank = b.rank}};
   kernels::pull_grad_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::GradRowTraits::kWarps, s.num_sms),
                                    kernels::GradRowTraits::kThreads, 0, b.stream>>>(pull);
   MOK_CHECK_CUDA(cudaGetLastError());
 
   copy_kept_gate_up(b);  // only the rows past them are recomputed
   detail::MlpBackwardGemms g = mlp_backward_gemms(b, false);
+  g.quantize_d_out.in = nullptr;  // FP8: the pull quantized d_out's rows
   if (gather)  // the down dgrad's A rows: d_out's token rows for this rank's routes, the pulled rows for others'
     g.down_dgrad.gather = {.x = token_rows(d_out_, b.rank, b.d_out.data).base[b.rank],
                            .row_route = v.row_route,

@@ -78,28 +78,34 @@ unsigned row_kernel_ctas(int64_t items) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(wanted, most)));
 }
 
+// The row kernels' loop: each warp takes (row, 128-column block) items of rows [0, rows) in turn, f(row, block, col)
+// with col the lane's first column (warp-uniform items: f may shuffle).
+template <class F>
+__device__ __forceinline__ void for_each_row_block(int64_t rows, int k, F&& f) {
+  const int k_blocks = (k + kBlock - 1) / kBlock;
+  const int64_t items = rows * k_blocks;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; item < items; item += warps) {
+    const int block = static_cast<int>(item % k_blocks);
+    f(item / k_blocks, block, block * kBlock + 4 * int(threadIdx.x % 32));
+  }
+}
+
 // Warps over (row, 128-column block) items of rows [0, min(rows, *rows_used)) (rows_used null: every row). Block b of
 // row r: out[r, 128 b ...] and scales[b, r].
 __global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int k, uint8_t* out, float* scales,
                                      bool power_of_two, const int32_t* rows_used, DeviceStatus* status,
                                      NonFiniteWhere where, int rank) {
-  const int k_blocks = (k + kBlock - 1) / kBlock;
-  const int lane = threadIdx.x % 32;
   const int64_t live_rows = rows_used != nullptr && *rows_used < rows ? int64_t(*rows_used) : rows;
-  const int64_t items = live_rows * k_blocks;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
-  for (int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; item < items; item += warps) {
-    const int64_t row = item / k_blocks;
-    const int block = static_cast<int>(item % k_blocks);
-    const int col = block * kBlock + 4 * lane;
+  for_each_row_block(live_rows, k, [&](int64_t row, int block, int col) {
     uint32_t q;
     const float scale = quantize_block_warp(in + row * k, col, k, power_of_two, q);
     store_e4m3x4(out + row * k + col, col, k, q);
-    if (lane == 0) {
+    if (threadIdx.x % 32 == 0) {
       scales[int64_t(block) * rows + row] = scale;
       if (status != nullptr && isnan(scale)) device::record_nonfinite(status, where, rank, row);
     }
-  }
+  });
 }
 
 // Warps over (row, 128-column block) items of x [tokens, h] to padded_tokens rows: the FP8 row layout of
@@ -109,24 +115,17 @@ __global__ void quantize_rows_kernel(const __nv_bfloat16* in, int64_t rows, int 
 __global__ void publish_fp8_rows_kernel(const __nv_bfloat16* x, int64_t tokens, int64_t padded_tokens, int h,
                                         uint8_t* rows, float* scales, bool power_of_two, DeviceStatus* status,
                                         int rank) {
-  const int k_blocks = (h + kBlock - 1) / kBlock;
-  const int lane = threadIdx.x % 32;
-  const int64_t items = padded_tokens * k_blocks;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
-  for (int64_t item = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; item < items; item += warps) {
-    const int64_t row = item / k_blocks;
-    const int block = static_cast<int>(item % k_blocks);
-    const int col = block * kBlock + 4 * lane;
+  for_each_row_block(padded_tokens, h, [&](int64_t row, int block, int col) {
     uint32_t q;
     const float scale = quantize_block_warp(row < tokens ? x + row * h : nullptr, col, h, power_of_two, q);
     uint8_t* out = rows + row * 2 * int64_t(h);
     store_e4m3x4(out + col, col, h, q);
-    if (lane == 0) {
+    if (threadIdx.x % 32 == 0) {
       reinterpret_cast<float*>(out + h)[block] = scale;
       scales[int64_t(block) * padded_tokens + row] = scale;
       if (isnan(scale)) device::record_nonfinite(status, NonFiniteWhere::kX, rank, row);
     }
-  }
+  });
 }
 
 __global__ void unpack_fp8_row_scales_kernel(const uint8_t* rows, const int32_t* scheduled_rows, int64_t row_limit,

@@ -322,6 +322,23 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   }
 }
 
+// One stage's wgmma batch into fresh accumulators (`partial`: the first wgmma overwrites them), committed and not
+// waited for: the scaled mainloops' product per k-block, promoted once it retired.
+template <class Mma, class OperandA, class OperandB, class Accum>
+__device__ __forceinline__ void issue_fresh_product(Mma& mma, const OperandA& t_r_a, const OperandB& t_r_b, int stage,
+                                                    Accum& partial) {
+  using namespace cute;
+  warpgroup_fence_operand(partial);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(t_r_a); ++k) {
+    cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), partial);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
 // The mainloop of an active consumer warpgroup with block-scaled (FP8) operands: per k-block, the stage's
 // product into fresh fp32 accumulators (`partial`: the first wgmma overwrites), then
 //   accum[i] += (a_scale[row of i] * b_scale[64-column group of i]) * partial[i]
@@ -360,15 +377,7 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) next_b[g] = __ldg(b_scales[g] + k_block + 1);
     }
-    warpgroup_fence_operand(partial);
-    warpgroup_arrive();
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(t_r_a); ++k) {
-      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), partial);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
+    issue_fresh_product(mma, t_r_a, t_r_b, stage, partial);
     warpgroup_wait<0>();
     warpgroup_fence_operand(partial);
     pipeline.consumer_release(read_state);  // its operands and A scales are read
@@ -410,15 +419,7 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     consumer_wait_bounded(pipeline, read_state, bound);
     const int stage = read_state.index();
-    warpgroup_fence_operand(partial);
-    warpgroup_arrive();
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(t_r_a); ++k) {
-      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), partial);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
+    issue_fresh_product(mma, t_r_a, t_r_b, stage, partial);
     const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
     float2 b[kColumnPairs];
     CUTE_UNROLL

@@ -1,7 +1,8 @@
 // The unfused backward's row kernels (src/device/backward/grad_rows.cuh has the row operations):
 //
-//   pull_grad_rows_kernel  every scheduled row: its d_out row, dy = bf16(rw * d_out), its router weight and
-//                          (when the context does not keep every row) its x row; zeros for padding rows
+//   pull_grad_rows_kernel  every scheduled row: its d_out row (FP8: quantized per 1 x 128 instead), dy =
+//                          bf16(rw * d_out), its router weight and (when the context does not keep every row) its
+//                          x row; zeros for padding rows
 //   push_grad_rows_kernel  every scheduled row with a route: its d_x_route row into the (token, slot) row of
 //                          the source rank's combine buffer (unless d_x_rows is null: the gate/up dgrad scattered
 //                          them, MoeOptions::scatter_rows, or the combine reads them in place at EP = 1), its d_rw
@@ -38,6 +39,7 @@ struct GradPullParams {
   int num_tokens;
   int top_k;
   int row_vectors;             // H * 2 / 16
+  backward::GradPullFp8 fp8;   // FP8: d_out quantized as it is pulled (d_out_rows not written); .d_out null: bf16
 };
 
 __global__ void __launch_bounds__(GradRowTraits::kThreads) pull_grad_rows_kernel(GradPullParams p) {
@@ -45,7 +47,7 @@ __global__ void __launch_bounds__(GradRowTraits::kThreads) pull_grad_rows_kernel
     const int64_t at = row * p.row_vectors;
     const backward::GradPullRow dst{p.x_rows != nullptr ? p.x_rows + at : nullptr, p.d_out_rows + at, p.dy_rows + at,
                                     p.row_weight + row};
-    backward::pull_grad_row(p.src, dst, row, p.row_route[row], p.num_tokens, p.top_k, p.row_vectors, lane);
+    backward::pull_grad_row(p.src, dst, row, p.row_route[row], p.num_tokens, p.top_k, p.row_vectors, lane, p.fp8);
   });
 }
 
