@@ -557,6 +557,22 @@ struct Fp8BackwardHarness {
   }
 };
 
+// Every routed weight gradient of an expert without rows (rows: each global expert's route count) exactly 0.
+void expect_empty_experts_zero(const MoeShape& shape, const std::vector<int>& rows, const testing::WeightGrads& grads,
+                               const std::string& label) {
+  const int64_t h = shape.hidden, i = shape.intermediate, e_local = shape.local_experts();
+  for (int r = 0; r < shape.ep_size; ++r)
+    for (int64_t e = 0; e < e_local; ++e) {
+      if (rows[r * e_local + e] != 0) continue;
+      for (GradTensor which : {GradTensor::kExpertGate, GradTensor::kExpertUp, GradTensor::kExpertDown}) {
+        const std::vector<float>& g = grads[r * testing::kNumGradTensors + int(which)];
+        for (int64_t x = e * h * i; x < (e + 1) * h * i; ++x)
+          ASSERT_EQ(g[x], 0.f) << "empty expert " << r * e_local + e << " " << testing::grad_tensor_name(which)
+                               << ", " << label;
+      }
+    }
+}
+
 // The FP8 backward under skewed routing with empty experts (their routed gradients exactly 0, the rest against the
 // recipe), and every GradMode as in bf16 (the weight gradients are bf16's GEMMs): bf16 writes are the fp32 writes
 // rounded, bitwise; fp32 accumulation over two micro-batches is bitwise (0 + g1) + g2 of the written ones; d_x and
@@ -578,22 +594,12 @@ TEST(MoeFp8Test, BackwardSkewedRoutingEmptyExpertsAndGradModes) {
 
   Fp8BackwardHarness f(shape, first, d_out_first, options);
   MoeHarness& harness = f.harness;
-  const int ep = shape.ep_size;
   harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
   f.run();
   check_against_recipe(harness, first, d_out_first, "skewed, seed 3100");
   const testing::WeightGrads g1 = testing::all_weight_grads(harness);
   const auto tokens1 = testing::token_grads(harness);
-  const int64_t h = shape.hidden, i = shape.intermediate, e_local = shape.local_experts();
-  for (int r = 0; r < ep; ++r)
-    for (int64_t e = 0; e < e_local; ++e) {
-      if (rows[r * e_local + e] != 0) continue;
-      for (GradTensor which : {GradTensor::kExpertGate, GradTensor::kExpertUp, GradTensor::kExpertDown}) {
-        const std::vector<float>& g = g1[r * testing::kNumGradTensors + int(which)];
-        for (int64_t x = e * h * i; x < (e + 1) * h * i; ++x)
-          ASSERT_EQ(g[x], 0.f) << "empty expert " << r * e_local + e << " " << testing::grad_tensor_name(which);
-      }
-    }
+  expect_empty_experts_zero(shape, rows, g1, "skewed, seed 3100");
   f.upload(second, d_out_second);
   f.run();
   const testing::WeightGrads g2 = testing::all_weight_grads(harness);
@@ -654,17 +660,7 @@ TEST(MoeFp8Test, Fp8WeightGradientsMatchTheRecipeAndKeepTheDgradsBits) {
     const testing::RawGrads raw1 = testing::raw_grads(harness);
     f.run();
     ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), raw1), "") << "rerun, " << label;
-    const int64_t h = shape.hidden, i = shape.intermediate, e_local = shape.local_experts();
-    for (int r = 0; r < ep; ++r)
-      for (int64_t e = 0; e < e_local; ++e) {
-        if (rows[r * e_local + e] != 0) continue;
-        for (GradTensor which : {GradTensor::kExpertGate, GradTensor::kExpertUp, GradTensor::kExpertDown}) {
-          const std::vector<float>& g = g1[r * testing::kNumGradTensors + int(which)];
-          for (int64_t x = e * h * i; x < (e + 1) * h * i; ++x)
-            ASSERT_EQ(g[x], 0.f) << "empty expert " << r * e_local + e << " " << testing::grad_tensor_name(which)
-                                 << ", " << label;
-        }
-      }
+    expect_empty_experts_zero(shape, rows, g1, label);
     f.upload(second, d_out_second);
     f.run();
     const testing::WeightGrads g2 = testing::all_weight_grads(harness);
