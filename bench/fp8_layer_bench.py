@@ -121,8 +121,9 @@ def main():
                              "with --backward, of the FP8 fused and bf16 fused forward + backward (torch.profiler)")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (the layers built with the backward) instead of the forward")
-    parser.add_argument("--backward-paths", default=",".join(BACKWARD_PATHS),
-                        help="with --backward, the layers built (fp8f and fused always; fewer fit larger shapes)")
+    parser.add_argument("--backward-paths", default=",".join(p for p in BACKWARD_PATHS if p != "fp8w"),
+                        help="with --backward, the layers built (fp8f and fused always; fewer fit larger shapes; "
+                             "fp8w, FP8 weight gradients, only when named)")
     args = parser.parse_args()
     lib = capi.load(os.path.abspath(args.lib))
     if args.backward:
