@@ -211,8 +211,9 @@ def test_moe_requantizes_when_a_parameter_changes():
 # The FP8 backward (Config(precision="fp8") with backward=True)
 
 
-def _training_workspace(shared=True, path="unfused"):
-    return mok.get_workspace(mok.Config(precision="fp8", path=path), None, T, H, I, K, E, shared_expert=shared)
+def _training_workspace(shared=True, path="unfused", **config):
+    return mok.get_workspace(mok.Config(precision="fp8", path=path, **config), None, T, H, I, K, E,
+                             shared_expert=shared)
 
 
 def _leaves(x, rw, w):
@@ -424,6 +425,49 @@ def test_fp8_backward_bad_inputs_raise_and_the_next_call_works():
         mok.check_status(ws)
         for a, b in zip([clean[0], clean[1], *clean[2].tensors()], [again[0], again[1], *again[2].tensors()]):
             assert (a is None and b is None) or torch.equal(a, b), "the next good backward"
+
+
+def test_fp8_weight_gradients_option():
+    """Config(fp8_weight_gradients=True): the weight gradients from FP8 GEMMs of their factors quantized along the
+    rows. d_x and d_rw bitwise the default's (bf16 weight gradients: the dgrads do not change), every weight gradient
+    within 0.05 normwise of the default's (FP8's roundings of the two factors, about 3 % each), reruns bitwise. A
+    NaN in d_out: reported, its token's d_x NaN, every other token's bitwise the clean call's; after a reset the next
+    clean call is bitwise clean. A BF16 Config refuses the option by name."""
+    x, idx, rw, w = _inputs(1895)
+    d_out = _d_out(11)
+    qw = mok.quantize_weights(w, transposed=True)
+
+    def run(ws, d):
+        _, ctx = mok.forward_fp8(ws, x, idx, rw, qw)
+        d_x, d_rw, grads = mok.backward_fp8(ws, d, x, idx, rw, qw, ctx, grad_dtype=torch.float32)
+        return [d_x, d_rw, *[g for g in grads.tensors() if g is not None]]
+
+    with _training_workspace() as ws16w, _training_workspace(fp8_weight_gradients=True) as ws:
+        default = run(ws16w, d_out)
+        got = run(ws, d_out)
+        again = run(ws, d_out)
+        mok.check_status(ws)
+        mok.check_status(ws16w)
+        assert torch.equal(got[0], default[0]) and torch.equal(got[1], default[1]), "d_x / d_rw changed"
+        for n in range(2, len(got)):
+            assert torch.equal(got[n], again[n]), f"weight gradient {n - 2}: a rerun differs"
+            err = _normwise(got[n], default[n])
+            print(f"FP8 weight gradient {n - 2} vs the bf16 one: normwise {err:.4f}")
+            assert err < 0.05, (n, err)
+        bad = d_out.clone()
+        bad[9, 3] = float("nan")
+        nan_run = run(ws, bad)
+        with pytest.raises(RuntimeError, match="NaN or infinity in d_out at row"):
+            mok.check_status(ws)
+        others = torch.arange(T, device="cuda") != 9
+        assert nan_run[0][9].isnan().all(), "the NaN token's d_x"
+        assert torch.equal(nan_run[0][others], got[0][others]), "a NaN in one token's d_out changed another's d_x"
+        ws.reset_status()
+        clean = run(ws, d_out)
+        mok.check_status(ws)
+        assert all(torch.equal(a, b) for a, b in zip(clean, got)), "the next clean call"
+    with pytest.raises(ValueError, match="Config.fp8_weight_gradients: expected False unless precision='fp8'"):
+        mok.Config(fp8_weight_gradients=True)
 
 
 def test_fp8_backward_scale_edge_cases():

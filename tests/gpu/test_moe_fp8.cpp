@@ -573,6 +573,40 @@ void expect_empty_experts_zero(const MoeShape& shape, const std::vector<int>& ro
     }
 }
 
+// One micro-batch of a model: its inputs and d_out.
+struct MicroBatch {
+  const LayerData& data;
+  const std::vector<float>& d_out;
+};
+
+// GradMode's rules on `f` (whose last run was `first` with fp32 weight gradients written, g1, and token gradients
+// tokens1): `second` run as well; bf16 writes of `first` are g1 rounded, bitwise; fp32 accumulation of both onto
+// zeros is bitwise (0 + g1) + g2; d_x and d_router_weights do not depend on the weight gradients' dtype or mode.
+void expect_grad_mode_rules(Fp8BackwardHarness& f, const MicroBatch& first, const MicroBatch& second,
+                            const testing::WeightGrads& g1, const std::vector<std::vector<uint8_t>>& tokens1,
+                            const std::string& label) {
+  MoeHarness& harness = f.harness;
+  f.upload(second.data, second.d_out);
+  f.run();
+  const testing::WeightGrads g2 = testing::all_weight_grads(harness);
+
+  harness.set_grads(testing::all_grads(DType::kBFloat16, GradMode::kWrite));
+  f.upload(first.data, first.d_out);
+  f.run();
+  EXPECT_EQ(testing::bf16_write_difference(testing::all_weight_grads(harness), g1), "") << label;
+  EXPECT_EQ(testing::token_grads(harness), tokens1)
+      << "d_x / d_router_weights depend on the weight gradients' dtype, " << label;
+
+  harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kAccumulate));
+  harness.zero_weight_grads();
+  f.run();
+  EXPECT_EQ(testing::token_grads(harness), tokens1)
+      << "d_x / d_router_weights depend on the weight gradients' mode, " << label;
+  f.upload(second.data, second.d_out);
+  f.run();
+  EXPECT_EQ(testing::accumulation_difference(testing::all_weight_grads(harness), g1, g2), "") << label;
+}
+
 // The FP8 backward under skewed routing with empty experts (their routed gradients exactly 0, the rest against the
 // recipe), and every GradMode as in bf16 (the weight gradients are bf16's GEMMs): bf16 writes are the fp32 writes
 // rounded, bitwise; fp32 accumulation over two micro-batches is bitwise (0 + g1) + g2 of the written ones; d_x and
@@ -600,23 +634,7 @@ TEST(MoeFp8Test, BackwardSkewedRoutingEmptyExpertsAndGradModes) {
   const testing::WeightGrads g1 = testing::all_weight_grads(harness);
   const auto tokens1 = testing::token_grads(harness);
   expect_empty_experts_zero(shape, rows, g1, "skewed, seed 3100");
-  f.upload(second, d_out_second);
-  f.run();
-  const testing::WeightGrads g2 = testing::all_weight_grads(harness);
-
-  harness.set_grads(testing::all_grads(DType::kBFloat16, GradMode::kWrite));
-  f.upload(first, d_out_first);
-  f.run();
-  EXPECT_EQ(testing::bf16_write_difference(testing::all_weight_grads(harness), g1), "");
-  EXPECT_EQ(testing::token_grads(harness), tokens1) << "d_x / d_router_weights depend on the weight gradients' dtype";
-
-  harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kAccumulate));
-  harness.zero_weight_grads();
-  f.run();
-  EXPECT_EQ(testing::token_grads(harness), tokens1) << "d_x / d_router_weights depend on the weight gradients' mode";
-  f.upload(second, d_out_second);
-  f.run();
-  EXPECT_EQ(testing::accumulation_difference(testing::all_weight_grads(harness), g1, g2), "");
+  expect_grad_mode_rules(f, {first, d_out_first}, {second, d_out_second}, g1, tokens1, "skewed, seed 3100");
 }
 
 // MoeOptions::fp8_weight_gradients (docs/design.md, "FP8 weight gradients"): every weight gradient's two factors
@@ -661,21 +679,7 @@ TEST(MoeFp8Test, Fp8WeightGradientsMatchTheRecipeAndKeepTheDgradsBits) {
     f.run();
     ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), raw1), "") << "rerun, " << label;
     expect_empty_experts_zero(shape, rows, g1, label);
-    f.upload(second, d_out_second);
-    f.run();
-    const testing::WeightGrads g2 = testing::all_weight_grads(harness);
-
-    harness.set_grads(testing::all_grads(DType::kBFloat16, GradMode::kWrite));
-    f.upload(first, d_out_first);
-    f.run();
-    EXPECT_EQ(testing::bf16_write_difference(testing::all_weight_grads(harness), g1), "") << label;
-
-    harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kAccumulate));
-    harness.zero_weight_grads();
-    f.run();
-    f.upload(second, d_out_second);
-    f.run();
-    EXPECT_EQ(testing::accumulation_difference(testing::all_weight_grads(harness), g1, g2), "") << label;
+    expect_grad_mode_rules(f, {first, d_out_first}, {second, d_out_second}, g1, tokens1, label);
   }
 }
 
