@@ -111,12 +111,18 @@ struct TileStager {
     *reinterpret_cast<V*>(box + (byte ^ ((r % 8) << 4))) = v;  // the TMA's 128-byte swizzle
   }
 
-  // Two adjacent bf16 columns at row r, column col (< 64) of staged box `box`, whatever the output element:
-  // a box is 64 rows of 128 bytes either way (SwiGLUQuantEpilogue<true>'s bf16 side outputs beside its e4m3 h).
-  __device__ __forceinline__ void stage_bf16(int box, int r, int col, __nv_bfloat162 v) const {
+  // `v` at byte `byte` (a multiple of sizeof(V)) of row r of staged box `box`, whatever the output element: a box
+  // is 64 rows of 128 bytes either way (SwiGLUQuantEpilogue<true>'s bf16 side outputs beside its e4m3 h, the FP8
+  // SwiGLU backward's e4m3 d_g | d_u beside its bf16 ones).
+  template <class V>
+  __device__ __forceinline__ void stage_bytes(int box, int r, int byte, V v) const {
     char* base = reinterpret_cast<char*>(smem.staging[warpgroup][box]);
-    const int byte = (r % kUnitRows) * 128 + col * int(sizeof(__nv_bfloat16));
-    *reinterpret_cast<__nv_bfloat162*>(base + (byte ^ ((r % 8) << 4))) = v;
+    const int offset = (r % kUnitRows) * 128 + byte;
+    *reinterpret_cast<V*>(base + (offset ^ ((r % 8) << 4))) = v;  // the TMA's 128-byte swizzle
+  }
+  // Two adjacent bf16 columns at row r, column col (< 64) of staged box `box`.
+  __device__ __forceinline__ void stage_bf16(int box, int r, int col, __nv_bfloat162 v) const {
+    stage_bytes(box, r, col * int(sizeof(__nv_bfloat16)), v);
   }
 
   // The store leader, inside end_pass_with's `issue`: staged box `box` to box column `col` (128 bytes a box) of
@@ -467,7 +473,7 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp>>
       stager.end_pass_with([&] {
         stager.store_box(p.tma_gate_up_out, p.a_rows, 4 * int64_t(p.n), 0, box_col);
         stager.store_box(p.tma_gate_up_out, p.a_rows, 4 * int64_t(p.n), 1, p.n / 64 + box_col);
-        stager.store_box(p.tma_hidden_out, p.a_rows, 2 * int64_t(p.n), 2, box_col);
+        stager.store_box(p.tma_side_out, p.a_rows, 2 * int64_t(p.n), 2, box_col);
       });
     }
   }
@@ -543,6 +549,8 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp>>
 // index), then the row's quad adds its four sums by a butterfly, x += shfl_xor(x, 1); x += shfl_xor(x, 2):
 // every lane computes (s0 + s1) + (s2 + s3) up to the order of the operands of each addition, and IEEE
 // addition is commutative, so all four lanes hold identical bits; lane 0 of the quad writes them.
+// FP8 (a block-scaled GEMM: 128-column tiles, two passes) with out_scales: d_g and d_u also written quantized per
+// 1 x 128 for the gate/up dgrad (ExpertGemmArgs::quantized_out; quantize_kept, after the passes).
 struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLUBackward;
   static constexpr bool kOpaqueCoordinates = true;
@@ -587,10 +595,23 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
     float window[kValues];
     CUTE_UNROLL
     for (int i = 0; i < kValues; ++i) window[i] = accum(i);
+    // FP8: every pass's bf16 d_g and d_u pairs as stored, kept for quantize_kept. A window too: each pass first
+    // shifts it down by one pass, then writes its pairs at the top, so that pass q's pair v ends at q kPairs + v.
+    constexpr int kKept = T::kBlockScaled ? kPasses * kPairs : 1;
+    __nv_bfloat162 kept_g[kKept], kept_u[kKept];
+    CUTE_UNROLL
+    for (int v = 0; v < kKept; ++v) kept_g[v] = kept_u[v] = zero;
 #pragma unroll 1
     for (int pass = 0; pass < kPasses; ++pass) {
       const int pass_begin = pass * T::kBoxCols;
       if (tile_col + pass_begin >= n) break;  // the partial last n-block (uniform over the warpgroup)
+      if constexpr (T::kBlockScaled) {
+        CUTE_UNROLL
+        for (int v = 0; v + kPairs < kKept; ++v) {
+          kept_g[v] = kept_g[v + kPairs];
+          kept_u[v] = kept_u[v + kPairs];
+        }
+      }
       // An opaque 0, new every pass. Why: the staging addresses are the same every pass; hoisted out of the
       // loop they take 16 registers, which the consumers do not have (ptxas spilled).
       int opaque_zero;
@@ -635,8 +656,14 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
           if (real[half]) partial[half] += d_hu * silu_g * u_c;
         }
         const int r = get<0>(coords(i)), col = get<1>(coords(i)) + opaque_zero;  // the pass's column: pass 0's
-        stager.stage(r, col, real[half] ? __floats2bfloat162_rn(d_g[0], d_g[1]) : zero);
-        stager.stage(r, T::kBoxCols + col, real[half] ? __floats2bfloat162_rn(d_u[0], d_u[1]) : zero);
+        const __nv_bfloat162 g_out = real[half] ? __floats2bfloat162_rn(d_g[0], d_g[1]) : zero;
+        const __nv_bfloat162 u_out = real[half] ? __floats2bfloat162_rn(d_u[0], d_u[1]) : zero;
+        stager.stage(r, col, g_out);
+        stager.stage(r, T::kBoxCols + col, u_out);
+        if constexpr (T::kBlockScaled) {
+          kept_g[kKept - kPairs + v] = g_out;
+          kept_u[kKept - kPairs + v] = u_out;
+        }
       }
       const int c = int(tile_col) + pass_begin;  // < n (see above); box 0: d_g, box 1: d_u
       stager.end_pass(p.tma_out, p.a_rows, 2 * n, [&](int box) { return (box * p.n + c) / T::kBoxCols; });
@@ -652,6 +679,62 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
       if (threadIdx.x % 4 == 0)
         p.row_partials[(int64_t(task.buffer_row) + r) * p.num_n_blocks + task.n_block] = real[half] ? x : 0.0f;
     }
+    if constexpr (T::kBlockScaled)
+      if (p.out_scales != nullptr) quantize_kept<T>(p, task, coords, stager, kept_g, kept_u);
+  }
+
+  // The tile's d_g and d_u (the bf16 values stored above, `kept`: pair j is fragment values 2j, 2j + 1) quantized
+  // per 1 x 128 as the gate/up dgrad's A: a 128-column tile is one scale block of each (part 0: d_g, 1: d_u). Per
+  // part, each row's amax over its 128 columns (the thread's 32 values, then its quad's by a butterfly: every lane
+  // the same), the block's scale (to out_scales[part n / 128 + nb, row], by lane 0 of the quad) and the e4m3 values,
+  // staged in box `part` and stored by TMA to quantized_out's columns part n + 128 nb (tma_side_out: e4m3
+  // [a_rows, 2n] as bf16 [a_rows, n]). quantize_rows_fp8's arithmetic on the values it would read: the same bits.
+  // Padding rows: zeros, scale 1. A block holding a NaN or an infinity gets a NaN scale and is reported (kDGateUp).
+  template <class T, class Params, class Coords, class Stager, int kKept>
+  __device__ __forceinline__ static void quantize_kept(const Params& p, const TileTask& task, const Coords& coords,
+                                                       const Stager& stager, const __nv_bfloat162 (&kept_g)[kKept],
+                                                       const __nv_bfloat162 (&kept_u)[kKept]) {
+    using cute::get;
+    static_assert(T::kBlockN == 128 && kKept * 2 == decltype(cute::size(coords))::value,
+                  "a tile is one 1 x 128 block of d_g and one of d_u, all of its values kept");
+    stager.begin_pass();  // the last pass's bf16 boxes are read by now
+#pragma unroll 1
+    for (int part = 0; part < 2; ++part) {
+      float amax[2] = {0.0f, 0.0f};
+      bool finite[2] = {true, true};
+      CUTE_UNROLL
+      for (int j = 0; j < kKept; ++j) {  // pair j lies in row half j % 2 (value 2j: (2j / 2) % 2)
+        const float2 v = __bfloat1622float2(part == 0 ? kept_g[j] : kept_u[j]);
+        finite[j % 2] = finite[j % 2] && isfinite(v.x) && isfinite(v.y);
+        amax[j % 2] = fmaxf(amax[j % 2], fmaxf(fabsf(v.x), fabsf(v.y)));
+      }
+      float scale[2];
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        CUTE_UNROLL
+        for (int offset = 1; offset < 4; offset *= 2) {
+          amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], offset));
+          finite[half] = __shfl_xor_sync(0xffffffff, int(finite[half]), offset) != 0 && finite[half];
+        }
+        scale[half] = device::fp8_block_scale(amax[half], finite[half], p.out_power_of_two);
+        const int r = get<0>(coords(2 * half));
+        if (threadIdx.x % 4 == 0) {
+          p.out_scales[int64_t(part * (p.n / 128) + task.n_block) * p.a_rows + task.buffer_row + r] = scale[half];
+          if (isnan(scale[half])) device::record_nonfinite(p.status, NonFiniteWhere::kDGateUp, p.rank, task.row + r);
+        }
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < kKept; ++j) {
+        const float2 v = __bfloat1622float2(part == 0 ? kept_g[j] : kept_u[j]);
+        const uint16_t q = uint16_t(device::to_e4m3(v.x, scale[j % 2])) |
+                           uint16_t(uint16_t(device::to_e4m3(v.y, scale[j % 2])) << 8);
+        stager.stage_bytes(part, get<0>(coords(2 * j)), get<1>(coords(2 * j)), q);  // e4m3: a column is a byte
+      }
+    }
+    stager.end_pass_with([&] {
+      stager.store_box(p.tma_side_out, p.a_rows, p.n, 0, task.n_block);
+      stager.store_box(p.tma_side_out, p.a_rows, p.n, 1, p.n / 128 + task.n_block);
+    });
   }
 };
 
