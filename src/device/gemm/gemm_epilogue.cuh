@@ -698,13 +698,14 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
     static_assert(T::kBlockN == 128 && kKept * 2 == decltype(cute::size(coords))::value,
                   "a tile is one 1 x 128 block of d_g and one of d_u, all of its values kept");
     stager.begin_pass();  // the last pass's bf16 boxes are read by now
-#pragma unroll 1
-    for (int part = 0; part < 2; ++part) {
+    // A part at a time, each unrolled over its own array (a rolled loop selecting between the two arrays put
+    // them on the stack: local memory).
+    const auto quantize_part = [&](int part, const __nv_bfloat162(&kept)[kKept]) {
       float amax[2] = {0.0f, 0.0f};
       bool finite[2] = {true, true};
       CUTE_UNROLL
       for (int j = 0; j < kKept; ++j) {  // pair j lies in row half j % 2 (value 2j: (2j / 2) % 2)
-        const float2 v = __bfloat1622float2(part == 0 ? kept_g[j] : kept_u[j]);
+        const float2 v = __bfloat1622float2(kept[j]);
         finite[j % 2] = finite[j % 2] && isfinite(v.x) && isfinite(v.y);
         amax[j % 2] = fmaxf(amax[j % 2], fmaxf(fabsf(v.x), fabsf(v.y)));
       }
@@ -725,12 +726,14 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
       }
       CUTE_UNROLL
       for (int j = 0; j < kKept; ++j) {
-        const float2 v = __bfloat1622float2(part == 0 ? kept_g[j] : kept_u[j]);
+        const float2 v = __bfloat1622float2(kept[j]);
         const uint16_t q = uint16_t(device::to_e4m3(v.x, scale[j % 2])) |
                            uint16_t(uint16_t(device::to_e4m3(v.y, scale[j % 2])) << 8);
         stager.stage_bytes(part, get<0>(coords(2 * j)), get<1>(coords(2 * j)), q);  // e4m3: a column is a byte
       }
-    }
+    };
+    quantize_part(0, kept_g);
+    quantize_part(1, kept_u);
     stager.end_pass_with([&] {
       stager.store_box(p.tma_side_out, p.a_rows, p.n, 0, task.n_block);
       stager.store_box(p.tma_side_out, p.a_rows, p.n, 1, p.n / 128 + task.n_block);
