@@ -526,8 +526,7 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp>>
       for (int v = 0; v < kPairs; ++v) {
         const int i = 2 * v;
         const float2 h = __bfloat1622float2(carry.h[pass][v]);
-        const uint16_t q = uint16_t(device::to_e4m3(h.x, scale[v % 2])) |
-                           uint16_t(uint16_t(device::to_e4m3(h.y, scale[v % 2])) << 8);
+        const uint16_t q = device::to_e4m3x2(h.x, h.y, scale[v % 2]);
         stager.stage(get<0>(coords(i)), pass * T::kHalfN + get<1>(coords(i)), q);
       }
     }
@@ -727,8 +726,7 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
       CUTE_UNROLL
       for (int j = 0; j < kKept; ++j) {
         const float2 v = __bfloat1622float2(kept[j]);
-        const uint16_t q = uint16_t(device::to_e4m3(v.x, scale[j % 2])) |
-                           uint16_t(uint16_t(device::to_e4m3(v.y, scale[j % 2])) << 8);
+        const uint16_t q = device::to_e4m3x2(v.x, v.y, scale[j % 2]);
         stager.stage_bytes(part, get<0>(coords(2 * j)), get<1>(coords(2 * j)), q);  // e4m3: a column is a byte
       }
     };
