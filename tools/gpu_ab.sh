@@ -10,6 +10,9 @@
 #   MOK_AB_REPS=2                          rounds of the layer benchmark, each over every version in turn
 #   MOK_AB_LAYER_ARGS="--shapes Qwen3-30B-A3B --iters 30"   bench/layer_bench.py's arguments ("" skips it)
 #   MOK_AB_GEMM_ARGS=""                    bench/gemm_bench.py's arguments, e.g. "--gemm all" ("" skips it)
+#   MOK_AB_FP8_ARGS=""                     bench/fp8_layer_bench.py's arguments, each round over every version, e.g.
+#                                          "--backward --breakdown --backward-paths fp8f --shapes Kimi-K2.7 --iters 10"
+#                                          ("" skips it; run by this tree's script: its C API rows must exist in each)
 #   MOK_BENCH_CLOCKS=1                     the benches print each timed function's SM clock ("SM clock" lines;
 #                                          only versions whose bench/*.py have it: from round 16 on)
 #   MOK_AB_BITS_SHAPES=""                  bench/bits.py (this tree's): --save with the first version, --check with
@@ -77,6 +80,18 @@ if [ -n "$layer_args" ]; then
       echo "== ${names[$i]}, round $rep"
       grep -E "^(fwd|f\+b) " "$log" | grep -v " shape " | sort -u
       grep -E "^ +(fused|unfused) (forward|backward) +[a-z_]+_kernel|SM clock" "$log"
+    done
+  done
+fi
+if [ -n "${MOK_AB_FP8_ARGS:-}" ]; then
+  for rep in $(seq "${MOK_AB_REPS:-2}"); do
+    for i in "${!names[@]}"; do
+      log="$out/fp8_${names[$i]}_$rep.txt"
+      # shellcheck disable=SC2086  # the arguments are words
+      timeout 300 python3 bench/fp8_layer_bench.py --lib "$(lib "${names[$i]}")" $MOK_AB_FP8_ARGS >"$log" 2>&1 ||
+        echo "fp8_layer_bench FAILED: ${names[$i]} round $rep ($log)"
+      echo "== ${names[$i]}, fp8_layer_bench round $rep"
+      grep -E "^[A-Z][A-Za-z0-9.-]+ +[0-9]+ |^  [A-Z].* ms per call" "$log" | cut -c1-160
     done
   done
 fi
