@@ -69,15 +69,6 @@ class Fp8Weights:
         return self.values + self.scales + (self.values_t or missing) + (self.scales_t or missing)
 
 
-def _last_dim_cat(parts):
-    """[gate^T, up^T] along the last dimension (e4m3 as bytes: cat has no float8 kernel on every torch)."""
-    if len(parts) == 1:
-        return parts[0]
-    if parts[0].dtype == E4M3:
-        return torch.cat([p.view(torch.uint8) for p in parts], dim=-1).view(E4M3)
-    return torch.cat(parts, dim=-1)
-
-
 def quantize_weights(weights, power_of_two_scales: bool = False, transposed: bool = False) -> Fp8Weights:
     """The weights (a mok.Weights or dict of bf16 tensors on one CUDA device) quantized for the FP8 layer:
     scale = amax / 448 of each 128 x 128 block (1 for an all-zero block, NaN for one holding a NaN or an infinity:
@@ -86,49 +77,36 @@ def quantize_weights(weights, power_of_two_scales: bool = False, transposed: boo
     same values; twice the memory, in Fp8Weights.nbytes); it needs the intermediate size a multiple of 128, so that
     each 128-column block of [gate; up]^T is gate's or up's. Asynchronous on torch's current stream; new tensors
     (call it again after the weights change: the values are not tied to them)."""
-    from .layer import _cuda_stream, _native_module
     weights = Weights.of(weights)
     arguments.check_bool("power_of_two_scales", power_of_two_scales)
     arguments.check_bool("transposed", transposed)
-    ext = _native_module()
-    values, scales, values_t, scales_t = [], [], [], []
-    for name, w in zip(WEIGHT_NAMES, weights.tensors()):
+    tensors = weights.tensors()
+    for name, w in zip(WEIGHT_NAMES, tensors):
         if w is None:
-            values.append(None)
-            scales.append(None)
-            values_t.append(None)
-            scales_t.append(None)
             continue
         if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.device.type != "cuda" or w.dim() not in (2, 3):
             raise ValueError(f"weights.{name}: expected a bf16 CUDA tensor [E_local, rows, cols] or [rows, cols], got "
                              f"{_describe(w)}")
-        w = w.detach().contiguous()
-        rows, cols = w.shape[-2], w.shape[-1]
         halves = 2 if name == "expert_gate" and weights.expert_up is None else 1  # [gate; up] fused
-        if transposed and name in ("expert_gate", "shared_gate") and rows % (128 * halves) != 0:
+        if transposed and name in ("expert_gate", "shared_gate") and w.shape[-2] % (128 * halves) != 0:
             raise ValueError(f"transposed: True needs the intermediate size a multiple of 128 (each 128-column block "
                              f"of the FP8 backward's [gate; up]^T is gate's or up's), got weights.{name} "
                              f"{_describe(w)}")
-        q = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
-        s = torch.empty(*w.shape[:-2], _blocks(rows), _blocks(cols), dtype=torch.float32, device=w.device)
-        q_t = s_t = None
-        if transposed:
-            q_t = torch.empty(*w.shape[:-2], cols, rows, dtype=torch.uint8, device=w.device)
-            s_t = torch.empty(*w.shape[:-2], _blocks(cols), _blocks(rows), dtype=torch.float32, device=w.device)
-        ext.quantize_weights_fp8(w, q, s, q_t, s_t, bool(power_of_two_scales), _cuda_stream(w.device))
-        values.append(q.view(E4M3))
-        scales.append(s)
-        values_t.append(None if q_t is None else q_t.view(E4M3))
-        scales_t.append(s_t)
+    present = [w is not None for w in tensors]
+    values, scales, copies, copy_scales = torch.ops.mok.quantize_weights_fp8(
+        [None if w is None else w.detach().contiguous() for w in tensors], bool(power_of_two_scales),
+        bool(transposed))
+    values, scales = _spread(values, present), _spread(scales, present)
     if not transposed:
-        return Fp8Weights(tuple(values), tuple(scales))
-    copies, copy_scales = [], []
-    for gate, up, down in ((0, 1, 2), (3, 4, 5)):  # routed, then shared
-        gate_up = [values_t[n] for n in (gate, up) if values_t[n] is not None]
-        gate_up_scales = [scales_t[n] for n in (gate, up) if scales_t[n] is not None]
-        copies += [_last_dim_cat(gate_up) if gate_up else None, values_t[down]]
-        copy_scales += [_last_dim_cat(gate_up_scales) if gate_up else None, scales_t[down]]
-    return Fp8Weights(tuple(values), tuple(scales), tuple(copies), tuple(copy_scales))
+        return Fp8Weights(values, scales)
+    copies_present = [present[0], present[2], present[3], present[5]]  # [gate; up] and down, routed then shared
+    return Fp8Weights(values, scales, _spread(copies, copies_present), _spread(copy_scales, copies_present))
+
+
+def _spread(tensors, present) -> Tuple[Optional[torch.Tensor], ...]:
+    """The op's list of present tensors as a tuple with None where `present` is False."""
+    it = iter(tensors)
+    return tuple(next(it) if p else None for p in present)
 
 
 def _check_fp8_weights(ws, weights: Fp8Weights, backward: bool = False) -> None:

@@ -282,15 +282,14 @@ class MoE(torch.nn.Module):
         """Config(precision="fp8"): the FP8 forward with the cached quantized weights; differentiable (the parameters'
         gradients straight through the quantization, into main_grad with main_grad=True) when grad is enabled and
         something requires it."""
-        if torch.compiler.is_compiling():
-            raise RuntimeError("mok.MoE with Config(precision='fp8') under torch.compile: not yet (it quantizes its "
-                               "weights again after each parameter change, outside any graph); compile "
-                               "mok.forward_fp8 with mok.quantize_weights' weights made outside the compiled function")
         weights = self.weights()
+        # Under torch.compile the graph quantizes the weights in every forward (mok::quantize_weights_fp8): the
+        # version-counter cache of fp8_weights() is Python state that no graph can consult.
+        quantized = (quantize_weights(weights, self.config.fp8_power_of_two_scales, transposed=self.config.backward)
+                     if torch.compiler.is_compiling() else self.fp8_weights())
         if not (torch.is_grad_enabled() and (tokens.requires_grad or router_weights.requires_grad or any(
                 p is not None and p.requires_grad for p in weights.tensors()))):
-            return forward_fp8(self._workspace, tokens, topk_idx, router_weights, self.fp8_weights(),
-                               self._context)[0]
+            return forward_fp8(self._workspace, tokens, topk_idx, router_weights, quantized, self._context)[0]
         if not self.config.backward:
             raise RuntimeError("mok.MoE with Config(precision='fp8', backward=False) is inference only: run it under "
                                "torch.no_grad() or torch.inference_mode() (or freeze its parameters), or make it "
@@ -298,8 +297,8 @@ class MoE(torch.nn.Module):
         if self.recompute:
             raise RuntimeError("mok.MoE(recompute=True) with Config(precision='fp8'): the FP8 backward has no "
                                "recompute yet (it reads the forward's context): use recompute=False")
-        return fp8_layer_forward(self._workspace, self._context, tokens, topk_idx, router_weights,
-                                 self.fp8_weights(), weights, self._main_grad_targets() if self.main_grad else None)
+        return fp8_layer_forward(self._workspace, self._context, tokens, topk_idx, router_weights, quantized, weights,
+                                 self._main_grad_targets() if self.main_grad else None)
 
     def _caller_routing(self, tokens: int, topk_idx, router_weights):
         """The caller's topk_idx and router_weights as [T, k] (contiguous), T the tokens of x; a clear error when

@@ -9,6 +9,7 @@ CUDA graphs capture them. Each has a fake (meta) implementation giving its outpu
                        <6 gradients(a!)>, accumulate, recompute=False, main_grad_targets=None)
         -> (d_x, d_router_weights)
     mok::recompute_forward_context(workspace, context(a!), x, <6 weights>) -> ()
+    mok::quantize_weights_fp8(weights, power_of_two_scales, transposed) -> (values, scales, values_t, scales_t)
     mok::forward_fp8(workspace, context(a!), x, topk_idx, router_weights, values, scales) -> (out, token)
     mok::backward_fp8(workspace, context(a!), d_out, x, topk_idx, router_weights, values, scales, values_t,
                       scales_t, <6 gradients(a!)>, accumulate, main_grad_targets=None) -> (d_x, d_router_weights)
@@ -484,7 +485,75 @@ def _recompute_fake(workspace, context, x, expert_gate, expert_up, expert_down, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# mok::forward_fp8, mok::backward_fp8 (Config(precision="fp8"), python/mok/fp8.py)
+# mok::quantize_weights_fp8, mok::forward_fp8, mok::backward_fp8 (Config(precision="fp8"), python/mok/fp8.py)
+
+
+def _quantized_weights(weights, transposed: bool, quantize=None):
+    """mok::quantize_weights_fp8's outputs for `weights` (the six, None where absent; bf16 [.., rows, cols]): the
+    present weights' e4m3 values and fp32 block scales [.., ceil(rows/128), ceil(cols/128)], each made by
+    quantize(w, values, scales, values_t, scales_t) (None: only allocated, the fake), and with `transposed` the
+    present transposed copies in fp8.TRANSPOSED_NAMES' order: [gate; up]^T joined along the last dimension, down^T."""
+    blocks = lambda extent: (extent + 127) // 128  # noqa: E731
+    values, scales, values_t, scales_t = [], [], [None] * len(weights), [None] * len(weights)
+    for n, w in enumerate(weights):
+        if w is None:
+            continue
+        rows, cols = w.shape[-2], w.shape[-1]
+        q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+        s = torch.empty(*w.shape[:-2], blocks(rows), blocks(cols), dtype=torch.float32, device=w.device)
+        if transposed:
+            values_t[n] = torch.empty(*w.shape[:-2], cols, rows, dtype=torch.float8_e4m3fn, device=w.device)
+            scales_t[n] = torch.empty(*w.shape[:-2], blocks(cols), blocks(rows), dtype=torch.float32, device=w.device)
+        if quantize is not None:
+            quantize(w, q, s, values_t[n], scales_t[n])
+        values.append(q)
+        scales.append(s)
+    copies, copy_scales = [], []
+    if transposed:
+        for gate, up, down in ((0, 1, 2), (3, 4, 5)):  # routed, then shared
+            for parts in ([n for n in (gate, up) if weights[n] is not None], [down] if weights[down] is not None
+                          else []):
+                if parts:
+                    copies.append(_last_dim_cat([values_t[n] for n in parts]))
+                    copy_scales.append(_last_dim_cat([scales_t[n] for n in parts]))
+    return values, scales, copies, copy_scales
+
+
+def _last_dim_cat(parts):
+    """The parts joined along the last dimension into a new tensor (e4m3 copied as bytes: not every torch has float8
+    copy kernels)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    out = torch.empty(*first.shape[:-1], sum(p.shape[-1] for p in parts), dtype=first.dtype, device=first.device)
+    as_bytes = (lambda t: t.view(torch.uint8)) if first.dtype == torch.float8_e4m3fn else (lambda t: t)  # noqa: E731
+    col = 0
+    for p in parts:
+        as_bytes(out)[..., col:col + p.shape[-1]].copy_(as_bytes(p))
+        col += p.shape[-1]
+    return out
+
+
+@torch.library.custom_op("mok::quantize_weights_fp8", mutates_args=(), device_types="cuda")
+def quantize_weights_fp8_op(weights: List[Optional[torch.Tensor]], power_of_two_scales: bool,
+                            transposed: bool) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor],
+                                                       List[torch.Tensor]]:
+    """mok.quantize_weights' kernels (the six weights, None where absent, checked by it): the present weights' e4m3
+    values and block scales, and with `transposed` the present transposed copies' (mok.Fp8Weights' fields without
+    their None entries). New tensors, written on torch's current stream."""
+    from .layer import _native_module
+    ext = _native_module()
+
+    def quantize(w, q, s, q_t, s_t):
+        ext.quantize_weights_fp8(w.detach(), q.view(torch.uint8), s, None if q_t is None else q_t.view(torch.uint8),
+                                 s_t, power_of_two_scales, _stream(w))
+
+    return _quantized_weights(weights, transposed, quantize)
+
+
+@quantize_weights_fp8_op.register_fake
+def _quantize_weights_fp8_fake(weights, power_of_two_scales, transposed):
+    return _quantized_weights(weights, transposed)
 
 
 @torch.library.custom_op("mok::forward_fp8", mutates_args=("context",), device_types="cuda")

@@ -1369,7 +1369,7 @@ def test_fp8_compiled_equals_eager_on_the_cpu_stand_in(cpu_fp8_workspace, backen
     """mok.forward_fp8 (master_weights under autograd) and the explicit mok.backward_fp8 under
     torch.compile(fullgraph=True): the ops mok::forward_fp8 / mok::backward_fp8 traced (forward and backward
     graphs), and every output and gradient bitwise the eager calls'; the pooled context (ctx=None) is refused under
-    compile, and mok.MoE in FP8 says it is not compilable yet."""
+    compile."""
     ws = cpu_fp8_workspace
     w = _exact_weights(140)
     qw = _fake_quantize(w, transposed=True)
@@ -1410,10 +1410,49 @@ def test_fp8_compiled_equals_eager_on_the_cpu_stand_in(cpu_fp8_workspace, backen
     with pytest.raises(Exception, match="pass ctx=ws.make_context\\(\\)"):
         torch.compile(lambda x: mok.forward_fp8(ws, x, idx, rw, qw)[0], fullgraph=True, backend="eager")(x)
     torch._dynamo.reset()
-    moe = cpu_block(ws, 143, context=ws.make_context())
-    with pytest.raises(Exception, match="precision='fp8'\\) under torch.compile: not yet"):
-        torch.compile(moe, fullgraph=True, backend="eager")(x, idx, rw)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_fp8_module_compiled_equals_eager_on_the_cpu_stand_in(cpu_fp8_workspace, monkeypatch, backend):
+    """mok.MoE(precision="fp8") under torch.compile(fullgraph=True) quantizes its weights inside the graph in every
+    forward (not through its eager cache): two steps with an update of the parameters between, and a forward under
+    no_grad, give the eager module's outputs and gradients bit for bit; one forward graph holds mok::forward_fp8."""
+    monkeypatch.setattr(mok.module, "quantize_weights", _fake_quantize)
+    moe = cpu_block(cpu_fp8_workspace, 150, context=cpu_fp8_workspace.make_context())
+    with torch.no_grad():
+        for p in moe.weights().tensors():
+            if p is not None:
+                p.copy_(_e4m3_exact(p))
+    start = {n: t.detach().clone() for n, t in moe.state_dict().items()}
+    x, idx, rw = make_inputs(SHAPE, "cpu", seed=151)
+    d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(152)).to(torch.bfloat16)
+
+    def steps(layer):
+        moe.load_state_dict(start)
+        got = []
+        for _ in range(2):
+            grads = _step([layer], [moe], x, idx, rw, d_out)
+            got += [grads[n] for n in sorted(grads)]
+            with torch.no_grad():
+                for p in moe.weights().tensors():
+                    if p is not None:
+                        p.copy_(_e4m3_exact(p - 0.25 * p.grad))
+        with torch.no_grad():
+            got.append(layer(x, idx, rw))
+        return got
+
+    eager = steps(moe)
     torch._dynamo.reset()
+    graphs = []
+    backend_fn = backend
+    if backend == "aot_eager":
+        backend_fn, graphs = _aot_graphs()
+    compiled = steps(torch.compile(moe, fullgraph=True, backend=backend_fn))
+    torch._dynamo.reset()
+    if graphs:
+        assert any("mok.forward_fp8.default" in _targets(g) for g in graphs), [_targets(g) for g in graphs]
+    for n, (a, b) in enumerate(zip(eager, compiled)):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"value {n}: compiled vs eager"
 
 
 def test_fp8_ops_called_directly_with_a_dead_handle_say_so(cpu_fp8_workspace):

@@ -148,6 +148,10 @@ def test_quantize_weights_transposed_is_the_transpose_exactly(shared):
     with pytest.raises(ValueError, match="transposed: True needs the intermediate size a multiple of 128"):
         mok.quantize_weights(mok.Weights(w.expert_gate[:, :192].contiguous(), w.expert_up[:, :192].contiguous(),
                                          w.expert_down[..., :192].contiguous()), transposed=True)
+    # The op under it (mok::quantize_weights_fp8, which torch.compile traces): its schema, its fake's shapes,
+    # strides and dtypes against the real outputs, both ways.
+    for transposed in (False, True):
+        torch.library.opcheck(torch.ops.mok.quantize_weights_fp8.default, (list(w.tensors()), False, transposed))
 
 
 def test_bad_inputs_raise_and_the_next_call_works():
@@ -391,6 +395,45 @@ def test_moe_fp8_trains():
         mok.MoE(H, I, E, K, num_tokens=T, config=config, recompute=True)(x)
     with pytest.raises(RuntimeError, match="backward=False\\) is inference only"):
         mok.MoE(H, I, E, K, num_tokens=T, config=mok.Config(precision="fp8", backward=False))(x)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_moe_fp8_under_torch_compile_gives_the_eager_bits(backend):
+    """mok.MoE(precision="fp8") compiled with fullgraph=True quantizes its weights inside the graph in every forward
+    (mok::quantize_weights_fp8): two training steps with an SGD step between, and a forward under no_grad, give the
+    eager module's outputs and gradients bit for bit (the second step's from the updated weights)."""
+    torch.manual_seed(1871)
+    moe = mok.MoE(H, I, E, K, num_tokens=T, config=mok.Config(precision="fp8", path="fused"))
+    start = {n: p.detach().clone() for n, p in moe.state_dict().items()}
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    idx, rw = (t.detach() for t in moe.route(x))
+    d_out = torch.randn(T, H, device="cuda").bfloat16()
+    params = [p for p in moe.weights().tensors() if p is not None]
+
+    def steps(layer):
+        moe.load_state_dict(start)
+        got = []
+        for _ in range(2):
+            leaf = x.clone().requires_grad_()
+            for p in params:
+                p.grad = None
+            out = layer(leaf, idx, rw)
+            out.backward(d_out)
+            got += [out.detach(), leaf.grad, *[p.grad.clone() for p in params]]
+            with torch.no_grad():
+                for p in params:
+                    p.sub_(p.grad, alpha=0.1)
+        with torch.no_grad():
+            got.append(layer(x, idx, rw))
+        mok.check_status(moe.workspace)
+        return got
+
+    eager = steps(moe)
+    torch._dynamo.reset()
+    compiled = steps(torch.compile(moe, fullgraph=True, backend=backend))
+    torch._dynamo.reset()
+    for n, (a, b) in enumerate(zip(eager, compiled)):
+        assert torch.equal(a, b), f"value {n}: compiled ({backend}) against eager"
 
 
 def test_fp8_backward_bad_inputs_raise_and_the_next_call_works():
