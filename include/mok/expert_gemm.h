@@ -32,6 +32,9 @@
 // kFP8 kSwiGLUBackward (the FP8 backward's down dgrad, docs/design.md "FP8 backward"): a = d_out rows quantized
 // per 1 x 128, b = W_down transposed [E_local, n = I, k = H] K-major (quantize_weights_fp8's out_transposed: the
 // forward's values exactly); the epilogue is bf16's, over 128-column tiles (row_partials: gemm_n_blocks(args)).
+// With out_scales (n % 128 == 0) it also writes d_g | d_u quantized per 1 x 128 into quantized_out, the gate/up
+// dgrad's A: the same bits as quantize_rows_fp8 of `out` (the scheduled rows; a block holding a NaN or an infinity
+// gets a NaN scale and is reported to waits.status, kStatusNonFinite with NonFiniteWhere::kDGateUp and its row).
 // kFP8 kSwiGLU with out_scales: h is written quantized as the down GEMM's A, e4m3 with one scale per row per 128
 // columns (include/mok/fp8.h's recipe applied to the bf16 h the plain kSwiGLU writes: the same bits as kSwiGLU
 // followed by quantize_rows_fp8); a task computes 128 h columns, one scale block (two 64-column tiles in turn).
@@ -124,13 +127,16 @@ struct ExpertGemmArgs {
   void* out = nullptr;          // bf16 [a_rows, n] (kSwiGLUBackward: [a_rows, 2n]); with out_scales e4m3 [a_rows, n];
                                 // null with scatter (the rows go to the combine buffers instead)
   float* out_scales = nullptr;  // kFP8 kSwiGLU, optional: h written quantized (see above) into out, its scales
-                                // here, fp32 [ceil(n / 128), a_rows] (the down GEMM's a and a_scales)
+                                // here, fp32 [ceil(n / 128), a_rows] (the down GEMM's a and a_scales);
+                                // kFP8 kSwiGLUBackward, optional: d_g | d_u's scales [2n / 128, a_rows]
   bool out_scales_power_of_two = false;  // with out_scales: scales rounded up to powers of two (include/mok/fp8.h)
   void* gate_up_out = nullptr;  // kSwiGLU, optional: bf16 [a_rows, 2n], the raw g (columns [0, n)) and u
                                 // ([n, 2n)) of every row, before the clamp (what the backward reads); with
                                 // out_scales, given with hidden_out
   void* hidden_out = nullptr;   // kFP8 kSwiGLU with out_scales and gate_up_out: bf16 [a_rows, n], h before its
                                 // quantization (kSwiGLU's out)
+  void* quantized_out = nullptr;  // kFP8 kSwiGLUBackward with out_scales: e4m3 [a_rows, 2n], d_g | d_u quantized
+                                 // per 1 x 128 beside the bf16 `out` (the gate/up dgrad's a)
   const void* gate_up = nullptr;  // kSwiGLUBackward: bf16 [a_rows, 2n], the forward's g and u (gate_up_out)
   float* row_partials = nullptr;  // kSwiGLUBackward: fp32 [a_rows, gemm_n_blocks(kSwiGLUBackward, n)]
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);

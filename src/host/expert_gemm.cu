@@ -174,14 +174,25 @@ void validate(const ExpertGemmArgs& args) {
     require(args.b_up_scales == nullptr || reinterpret_cast<uintptr_t>(args.b_up_scales) % 4 == 0,
             "b_up_scales must be a 4-byte aligned fp32 buffer");
     if (args.out_scales != nullptr) {
-      require(swiglu, "out_scales (h written quantized) is only for kSwiGLU");
-      require((args.gate_up_out == nullptr) == (args.hidden_out == nullptr),
-              "out_scales: gate_up_out and hidden_out (the bf16 g | u and h beside the quantized h) go together");
+      require(swiglu || backward,
+              "out_scales (h, or with kSwiGLUBackward d_g | d_u, written quantized) is only for kSwiGLU and "
+              "kSwiGLUBackward");
       require(reinterpret_cast<uintptr_t>(args.out_scales) % 4 == 0,
-              "out_scales must be a 4-byte aligned fp32 [ceil(n / 128), a_rows] buffer");
+              "out_scales must be a 4-byte aligned fp32 [ceil(n / 128), a_rows] (kSwiGLUBackward: [2n / 128, a_rows]) "
+              "buffer");
       // A cluster's two CTAs run the same stages (A is multicast): both tasks need their two halves.
       require(args.cluster_n != 2 || args.n % 256 == 0,
               "cluster_n = 2 with out_scales needs n a multiple of 256, got " + std::to_string(args.n));
+    }
+    if (args.out_scales != nullptr && swiglu)
+      require((args.gate_up_out == nullptr) == (args.hidden_out == nullptr),
+              "out_scales: gate_up_out and hidden_out (the bf16 g | u and h beside the quantized h) go together");
+    if (args.out_scales != nullptr && backward) {
+      require(args.quantized_out != nullptr && aligned16(args.quantized_out),
+              "kSwiGLUBackward with out_scales needs quantized_out: a non-null, 16-byte aligned e4m3 [a_rows, 2n] "
+              "buffer");
+      require(args.n % 128 == 0, "kSwiGLUBackward with out_scales quantizes whole 128-column blocks: n must be a "
+                                 "multiple of 128, got " + std::to_string(args.n));
     }
   } else {
     require(args.a_scales == nullptr && args.b_scales == nullptr && args.b_up_scales == nullptr &&
@@ -223,8 +234,10 @@ void validate(const ExpertGemmArgs& args) {
   require(args.n > 0 && args.n % 64 == 0, "n must be a positive multiple of 64, got " + std::to_string(args.n));
   require(args.gate_up_out == nullptr || (swiglu && aligned16(args.gate_up_out)),
           "gate_up_out is only for kSwiGLU and must be 16-byte aligned");
-  require(args.hidden_out == nullptr || (fp8 && args.out_scales != nullptr && aligned16(args.hidden_out)),
+  require(args.hidden_out == nullptr || (fp8 && swiglu && args.out_scales != nullptr && aligned16(args.hidden_out)),
           "hidden_out is only for kFP8 kSwiGLU with out_scales and must be 16-byte aligned");
+  require(args.quantized_out == nullptr || (fp8 && backward && args.out_scales != nullptr),
+          "quantized_out is only for kFP8 kSwiGLUBackward with out_scales");
   require(args.gate_up == nullptr || backward, "gate_up is only for kSwiGLUBackward");
   require(!backward || (args.gate_up != nullptr && aligned16(args.gate_up)),
           "kSwiGLUBackward needs gate_up: a non-null, 16-byte aligned bf16 [a_rows, 2n] buffer");

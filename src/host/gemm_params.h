@@ -95,18 +95,21 @@ auto make_gemm_params(const ExpertGemmArgs& args) {
   // A scattering GEMM (args.scatter) stores no rows to `out` (null): its descriptor stays empty, never used.
   decltype(make_store(args.out, out_cols)) tma_out{};
   if (args.out != nullptr) tma_out = make_store(args.out, out_cols);
-  decltype(tma_out) tma_gate_up_out{}, tma_hidden_out{};
+  decltype(tma_out) tma_gate_up_out{}, tma_side_out{};
   if constexpr (kEpilogue == GemmEpilogue::kSwiGLU) {
     // bf16 side outputs through descriptors of the output element (e4m3 beside a quantized h: its columns are
     // the tensor's bytes, `per_bf16` of them a bf16 column).
     constexpr int64_t per_bf16 = sizeof(__nv_bfloat16) / sizeof(typename T::OutElement);
     if constexpr (T::Epilogue::kGateUpOut) tma_gate_up_out = make_store(args.gate_up_out, 2 * args.n * per_bf16);
     if constexpr (T::Epilogue::kGateUpOut && per_bf16 > 1)
-      tma_hidden_out = make_store(args.hidden_out, args.n * per_bf16);
+      tma_side_out = make_store(args.hidden_out, args.n * per_bf16);
   }
+  // The FP8 down dgrad's e4m3 d_g | d_u [a_rows, 2n] beside its bf16 output, as bf16 [a_rows, n] (2n bytes a row).
+  if constexpr (kEpilogue == GemmEpilogue::kSwiGLUBackward)
+    if (args.quantized_out != nullptr) tma_side_out = make_store(args.quantized_out, args.n);
 
   gemm::GemmParams<decltype(tma_a), decltype(tma_b0), decltype(tma_out)> p{tma_a, tma_b0, tma_b1, tma_out,
-                                                                           tma_gate_up_out, tma_hidden_out};
+                                                                           tma_gate_up_out, tma_side_out};
   p.a_rows = args.a_rows;
   p.b_rows = b_rows;
   p.k = args.k;

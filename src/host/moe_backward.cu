@@ -87,7 +87,7 @@ struct MlpBackward {
     float* d_out_scales = nullptr;
     const void* down_t = nullptr;       // W_down^T [E, I, H] and its scales
     const float* down_t_scales = nullptr;
-    void* d_gate_up = nullptr;          // the gate/up dgrad's A, quantized from `d_gate_up` (quantize_d_gate_up)
+    void* d_gate_up = nullptr;          // the gate/up dgrad's A, written quantized by the down dgrad's epilogue
     float* d_gate_up_scales = nullptr;
     const void* gate_up_t = nullptr;    // [W_gate; W_up]^T [E, H, 2I] and its scales
     const float* gate_up_t_scales = nullptr;
@@ -198,6 +198,9 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
     g.down_dgrad.b = m.fp8.down_t;  // [E, I, H] = [E, n, k]
     g.down_dgrad.b_major = OperandMajor::kK;
     g.down_dgrad.b_scales = m.fp8.down_t_scales;
+    g.down_dgrad.quantized_out = m.fp8.d_gate_up;  // d_g | d_u also quantized per 1 x 128 by its epilogue
+    g.down_dgrad.out_scales = m.fp8.d_gate_up_scales;
+    g.down_dgrad.out_scales_power_of_two = m.fp8.power_of_two;
     g.gate_up_dgrad.a = m.fp8.d_gate_up;
     g.gate_up_dgrad.a_scales = m.fp8.d_gate_up_scales;
     g.gate_up_dgrad.b = m.fp8.gate_up_t;  // [E, H, 2I] = [E, n, k]
@@ -214,7 +217,6 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
                              .rows_used = m.fp8.rows_used};
     };
     g.quantize_d_out = quantize(m.d_out, shape.hidden, m.fp8.d_out, m.fp8.d_out_scales);
-    g.quantize_d_gate_up = quantize(m.d_gate_up, 2 * shape.intermediate, m.fp8.d_gate_up, m.fp8.d_gate_up_scales);
   }
 
   const int h = shape.hidden, i = shape.intermediate;
@@ -259,7 +261,8 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
 }
 
 // The unfused path: the recompute (unless the forward kept g | u) and the two dgrads, in stream order; FP8
-// quantizes each dgrad's A (d_out's rows, then d_g | d_u) before it. tickets: five, detail::BackwardStep order.
+// quantizes the down dgrad's A (d_out's rows) before it, unless the pull did (the down dgrad's epilogue quantizes
+// the gate/up dgrad's). tickets: five, detail::BackwardStep order.
 void issue_dgrads(detail::MlpBackwardGemms g, bool recompute, int32_t* tickets, cudaStream_t stream) {
   if (recompute) {
     g.recompute.ticket = tickets + detail::kRecompute;
@@ -271,8 +274,6 @@ void issue_dgrads(detail::MlpBackwardGemms g, bool recompute, int32_t* tickets, 
     detail::quantize_rows_fp8(g.quantize_d_out, waits.status, NonFiniteWhere::kDOut, waits.rank, stream);
   g.down_dgrad.ticket = tickets + detail::kDownDgrad;
   expert_gemm(g.down_dgrad, stream);
-  if (g.quantize_d_gate_up.in != nullptr)
-    detail::quantize_rows_fp8(g.quantize_d_gate_up, waits.status, NonFiniteWhere::kDGateUp, waits.rank, stream);
   g.gate_up_dgrad.ticket = tickets + detail::kGateUpDgrad;
   expert_gemm(g.gate_up_dgrad, stream);
 }

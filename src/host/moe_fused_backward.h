@@ -24,9 +24,9 @@ namespace mok::detail {
 struct MlpBackwardGemms {
   ExpertGemmArgs recompute, down_dgrad, gate_up_dgrad;
   WeightGradArgs down_wgrad, gate_up_wgrad;
-  // MoeOptions::precision kFP8 (the stage kernels only): quantize_rows_fp8 of each dgrad's A before it (d_out's rows,
-  // then d_g | d_u); `in` null in bf16.
-  Fp8QuantizeArgs quantize_d_out, quantize_d_gate_up;
+  // MoeOptions::precision kFP8 (the stage kernels only): quantize_rows_fp8 of the down dgrad's A (d_out's rows) before
+  // it; `in` null in bf16 or where the pull quantized them (the down dgrad's epilogue quantizes the gate/up dgrad's A).
+  Fp8QuantizeArgs quantize_d_out;
   // MoeOptions::fp8_weight_gradients: quantize_columns_fp8 of each weight gradient's a and b before it; `in` null
   // otherwise.
   Fp8ColumnQuantizeArgs quantize_down_wgrad[2], quantize_gate_up_wgrad[2];

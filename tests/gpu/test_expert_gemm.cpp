@@ -139,6 +139,7 @@ std::string check_layout(const std::vector<uint16_t>& out, const Segments& seg, 
 
 // fp32 outputs (the row partials) are poisoned with this NaN; untouched entries keep its bits.
 constexpr uint32_t kFloatPoison = 0x7fc00badu;
+constexpr uint8_t kBytePoison = 0xab;  // e4m3 outputs' poison
 
 std::vector<float> float_poison(size_t count) {
   float f;
@@ -1571,7 +1572,6 @@ TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
   const std::vector<int32_t> expert_counts = {129, 0, 1, 255, 64};
   const int num_experts = static_cast<int>(expert_counts.size());
   const int k = 384 + 64;  // a partial last k-block
-  constexpr uint8_t kBytePoison = 0xab;
   struct Case { int n, tile_m, cluster_n; bool separate, scaled, pow2; float limit; };
   for (const Case c : {Case{256, 128, 1, false, false, false, 0.0f}, Case{256, 128, 2, true, true, true, 0.0f},
                        Case{192, 64, 1, false, true, false, 7.0f}, Case{192, 128, 1, true, false, true, 0.0f}}) {
@@ -1752,6 +1752,10 @@ TEST(ExpertGemmTest, Fp8QuantizedNormalInputsWithinBudget) {
 // tiles. Exact inputs (integer e4m3, power-of-two scales) make d_hu exact, as the FP8 store test's; g, u, the row
 // scales and the budgets are SwiGLUBackwardWithinBudget's. k 320: a partial last k-block; n 448: a partial last
 // tile (64 of 128 columns) and four tiles (pairs); n 384: three (single CTAs). Pairs and reruns: the same bits.
+// Where n % 128 == 0, again with d_g | d_u written quantized (quantized_out, out_scales; power-of-two scales at
+// tile_m 128): the bf16 outputs and partials the same bits, the e4m3 values and scales the CPU recipe's of those
+// bf16 values (quantize_rows_fp8's arithmetic), nothing past the schedule written; with limit 0, a NaN in one
+// row's g reported (kDGateUp, that row) and kept in that row's blocks.
 TEST(ExpertGemmTest, Fp8SwiGLUBackwardWithinBudget) {
   MOK_REQUIRE_GPUS(1);
   using testing::Fp8Matrix;
@@ -1762,6 +1766,7 @@ TEST(ExpertGemmTest, Fp8SwiGLUBackwardWithinBudget) {
       {{0, 1, 63, 129, 300, 0, 128, 7}, 256, 512, 128, 7.0f, Scale::kSet},
       {{65, 0, 130, 1}, 512, 384, 64, 7.0f, Scale::kWithZeros},
       {{33, 5}, 128, 64, 128, 3.0f, Scale::kSet},  // one tile of 64 columns
+      {{200, 0, 57}, 384, 256, 64, 0.0f, Scale::kSet},
   };
   constexpr int kTileCols = 128;
   for (const Case& c : cases) {
@@ -1849,6 +1854,68 @@ TEST(ExpertGemmTest, Fp8SwiGLUBackwardWithinBudget) {
     ASSERT_EQ(grad_again, grad) << "rerun d_g / d_u differ, " << label;
     ASSERT_TRUE(std::memcmp(partials_again.data(), partials.data(), partials.size() * sizeof(float)) == 0)
         << "rerun row partials differ, " << label;
+    if (c.n % kTileCols != 0) continue;
+
+    const bool pow2 = c.tile_m == 128;
+    const int blocks = 2 * c.n / kTileCols;
+    DeviceArray<uint8_t> d_q(size_t(fx.a_rows) * 2 * c.n);
+    DeviceArray<float> d_qs(size_t(blocks) * fx.a_rows);
+    ExpertGemmArgs quantizing = args;
+    quantizing.quantized_out = d_q.ptr;
+    quantizing.out_scales = d_qs.ptr;
+    quantizing.out_scales_power_of_two = pow2;
+    const auto run_quantizing = [&] {
+      d_q.upload(std::vector<uint8_t>(d_q.count, kBytePoison));
+      d_qs.upload(float_poison(d_qs.count));
+      return run(quantizing);
+    };
+    const auto [grad_q, partials_q] = run_quantizing();
+    ASSERT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1) << ", quantizing, " << label;
+    ASSERT_EQ(grad_q, grad) << "d_g / d_u with quantized_out differ, " << label;
+    ASSERT_TRUE(std::memcmp(partials_q.data(), partials.data(), partials.size() * sizeof(float)) == 0)
+        << "row partials with quantized_out differ, " << label;
+    const auto check_quantized = [&](const std::vector<uint16_t>& bf16, const std::string& what) {
+      const auto q = d_q.download();
+      const auto qs = d_qs.download();
+      std::vector<float> values(size_t(fx.seg.rows) * 2 * c.n);
+      for (size_t i = 0; i < values.size(); ++i) values[i] = from_bf16_bits(bf16[i]);
+      const auto want = Fp8Matrix::quantize(values, fx.seg.rows, fx.seg.rows, 2 * c.n, true, pow2);
+      for (int64_t row = 0; row < fx.a_rows; ++row) {
+        const bool scheduled = row < fx.seg.rows;
+        for (int col = 0; col < 2 * c.n; ++col) {
+          const uint8_t expected = scheduled ? want.bits[row * 2 * c.n + col] : kBytePoison;
+          ASSERT_EQ(q[row * 2 * c.n + col], expected)
+              << what << ": e4m3 d_g | d_u row " << row << " col " << col << (scheduled ? "" : " (past the schedule)")
+              << ", bf16 " << (scheduled ? values[row * 2 * c.n + col] : 0.0f) << ", " << label;
+        }
+        for (int b = 0; b < blocks; ++b) {
+          const float got = qs[int64_t(b) * fx.a_rows + row];
+          const uint32_t expected = scheduled ? float_bits(want.scales[int64_t(b) * fx.seg.rows + row]) : kFloatPoison;
+          ASSERT_EQ(float_bits(got), expected) << what << ": scale of row " << row << " block " << b << ": got " << got
+                                               << (scheduled ? "" : " (past the schedule)") << ", " << label;
+        }
+      }
+    };
+    check_quantized(grad, "quantized");
+    if (c.limit != 0.0f) continue;  // the clamp's fminf would turn a NaN g into the limit
+
+    int64_t nan_row = 0;
+    while (!fx.seg.is_real(nan_row)) ++nan_row;
+    std::vector<uint16_t> poisoned = gate_up;
+    poisoned[nan_row * 2 * c.n + 5] = 0x7fc0;  // g = NaN: d_g and d_u of the row are NaN
+    d_gate_up.upload(poisoned);
+    const auto [grad_nan, partials_nan] = run_quantizing();
+    d_gate_up.upload(gate_up);
+    const StatusReport report = fx.status.read();
+    ASSERT_EQ(report.raw.error_bits, uint32_t(kStatusNonFinite)) << report.describe(1, 1, 1) << ", " << label;
+    EXPECT_EQ(report.nonfinite_where(), NonFiniteWhere::kDGateUp) << label;
+    EXPECT_EQ(report.nonfinite_row(), nan_row) << label;
+    fx.status.reset();
+    check_quantized(grad_nan, "NaN in one row's g");
+    const auto qs = d_qs.download();
+    ASSERT_TRUE(std::isnan(qs[nan_row])) << "the NaN row's d_g block 0 scale, " << label;
+    ASSERT_TRUE(std::isnan(qs[int64_t(blocks / 2) * fx.a_rows + nan_row])) << "the NaN row's d_u block 0 scale, " << label;
+    ASSERT_FALSE(std::isnan(qs[nan_row + 1])) << "the row after the NaN row, " << label;
   }
 }
 
@@ -1900,7 +1967,26 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
        [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; a.a_scales = a.b_scales = nullptr; a.block_n = 128; },
        "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
       {"quantized h from kStore", [](ExpertGemmArgs& a) { a.out_scales = scales; },
-       "out_scales (h written quantized) is only for kSwiGLU"},
+       "out_scales (h, or with kSwiGLUBackward d_g | d_u, written quantized) is only for kSwiGLU and kSwiGLUBackward"},
+      {"quantized d_g | d_u without quantized_out",
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; a.gate_up = buffer; a.row_partials = scales;
+                               a.out_scales = scales; },
+       "kSwiGLUBackward with out_scales needs quantized_out"},
+      {"misaligned quantized_out",
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; a.gate_up = buffer; a.row_partials = scales;
+                               a.out_scales = scales; a.quantized_out = buffer + 1; },
+       "kSwiGLUBackward with out_scales needs quantized_out"},
+      {"quantized d_g | d_u, n % 128 != 0",
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; a.gate_up = buffer; a.row_partials = scales;
+                               a.out_scales = scales; a.quantized_out = buffer; a.n = 448; },
+       "n must be a multiple of 128"},
+      {"quantized_out without out_scales",
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; a.gate_up = buffer; a.row_partials = scales;
+                               a.quantized_out = buffer; },
+       "quantized_out is only for kFP8 kSwiGLUBackward with out_scales"},
+      {"quantized_out from kSwiGLU",
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.quantized_out = buffer; },
+       "quantized_out is only for kFP8 kSwiGLUBackward with out_scales"},
       {"quantized h with gate_up_out, no hidden_out",
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.gate_up_out = buffer; },
        "gate_up_out and hidden_out (the bf16 g | u and h beside the quantized h) go together"},
@@ -1940,6 +2026,11 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
   down_dgrad.n = 448;
   EXPECT_EQ(message(down_dgrad), "no throw");
   EXPECT_EQ(gemm_n_blocks(down_dgrad), 4);
+  ExpertGemmArgs quantizing = down_dgrad;  // d_g | d_u also written quantized
+  quantizing.n = 512;
+  quantizing.out_scales = scales;
+  quantizing.quantized_out = buffer;
+  EXPECT_EQ(message(quantizing), "no throw");
   down_dgrad.precision = Precision::kBF16;
   EXPECT_EQ(gemm_n_blocks(down_dgrad), gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, 448)) << "bf16: 256 columns";
   ExpertGemmArgs wide = base;

@@ -141,7 +141,8 @@ struct GemmParams {
   TmaB tma_b1;     // kK: B half 1 source [b_rows, k]; kMN: B [b_rows, n], the k-blocks after those
   TmaOut tma_out;  // Y / H [a_rows, out_cols], stores of one 64 x 64 box
   TmaOut tma_gate_up_out;  // SwiGLUEpilogue<true>, SwiGLUQuantEpilogue<true>: g / u [a_rows, 2n]; else empty
-  TmaOut tma_hidden_out;   // SwiGLUQuantEpilogue<true>: bf16 h [a_rows, n] (as bytes); else empty
+  TmaOut tma_side_out;     // SwiGLUQuantEpilogue<true>: bf16 h [a_rows, n] (as bytes); the FP8 SwiGLUBackwardEpilogue
+                           // with out_scales: e4m3 d_g | d_u [a_rows, 2n] (as bf16 [a_rows, n]); else empty
   int64_t a_rows = {};
   int64_t b_rows = {};
   int k = {};
@@ -178,9 +179,10 @@ struct BlockScaledParams : Base {
   const float* b_scales1 = {};      // of tma_b1's (b's again when gate and up are fused)
   int b_scale_blocks = {};          // 128-row blocks per expert: ceil(b_expert_rows / 128)
   int k_blocks = {};                // ceil(k / 128)
-  float* out_scales = {};           // SwiGLUQuantEpilogue: h's scales [ceil(n / 128), a_rows]
-  bool out_power_of_two = {};       // SwiGLUQuantEpilogue: those scales rounded up to powers of two
-  DeviceStatus* status = {};        // SwiGLUQuantEpilogue: where a non-finite h block is reported (the waits')
+  float* out_scales = {};           // SwiGLUQuantEpilogue: h's scales [ceil(n / 128), a_rows]; SwiGLUBackwardEpilogue
+                                    // (nullable): d_g | d_u's, [2n / 128, a_rows]
+  bool out_power_of_two = {};       // those scales rounded up to powers of two
+  DeviceStatus* status = {};        // where a non-finite block of them is reported (the waits')
   int rank = {};
 
   // The scales over k of 64-column group `group` of the task's B tile (kHalfN wide halves: group g starts at column

@@ -111,12 +111,18 @@ struct TileStager {
     *reinterpret_cast<V*>(box + (byte ^ ((r % 8) << 4))) = v;  // the TMA's 128-byte swizzle
   }
 
-  // Two adjacent bf16 columns at row r, column col (< 64) of staged box `box`, whatever the output element:
-  // a box is 64 rows of 128 bytes either way (SwiGLUQuantEpilogue<true>'s bf16 side outputs beside its e4m3 h).
-  __device__ __forceinline__ void stage_bf16(int box, int r, int col, __nv_bfloat162 v) const {
+  // `v` at byte `byte` (a multiple of sizeof(V)) of row r of staged box `box`, whatever the output element: a box
+  // is 64 rows of 128 bytes either way (SwiGLUQuantEpilogue<true>'s bf16 side outputs beside its e4m3 h, the FP8
+  // SwiGLU backward's e4m3 d_g | d_u beside its bf16 ones).
+  template <class V>
+  __device__ __forceinline__ void stage_bytes(int box, int r, int byte, V v) const {
     char* base = reinterpret_cast<char*>(smem.staging[warpgroup][box]);
-    const int byte = (r % kUnitRows) * 128 + col * int(sizeof(__nv_bfloat16));
-    *reinterpret_cast<__nv_bfloat162*>(base + (byte ^ ((r % 8) << 4))) = v;
+    const int offset = (r % kUnitRows) * 128 + byte;
+    *reinterpret_cast<V*>(base + (offset ^ ((r % 8) << 4))) = v;  // the TMA's 128-byte swizzle
+  }
+  // Two adjacent bf16 columns at row r, column col (< 64) of staged box `box`.
+  __device__ __forceinline__ void stage_bf16(int box, int r, int col, __nv_bfloat162 v) const {
+    stage_bytes(box, r, col * int(sizeof(__nv_bfloat16)), v);
   }
 
   // The store leader, inside end_pass_with's `issue`: staged box `box` to box column `col` (128 bytes a box) of
@@ -467,7 +473,7 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp>>
       stager.end_pass_with([&] {
         stager.store_box(p.tma_gate_up_out, p.a_rows, 4 * int64_t(p.n), 0, box_col);
         stager.store_box(p.tma_gate_up_out, p.a_rows, 4 * int64_t(p.n), 1, p.n / 64 + box_col);
-        stager.store_box(p.tma_hidden_out, p.a_rows, 2 * int64_t(p.n), 2, box_col);
+        stager.store_box(p.tma_side_out, p.a_rows, 2 * int64_t(p.n), 2, box_col);
       });
     }
   }
@@ -520,8 +526,7 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp>>
       for (int v = 0; v < kPairs; ++v) {
         const int i = 2 * v;
         const float2 h = __bfloat1622float2(carry.h[pass][v]);
-        const uint16_t q = uint16_t(device::to_e4m3(h.x, scale[v % 2])) |
-                           uint16_t(uint16_t(device::to_e4m3(h.y, scale[v % 2])) << 8);
+        const uint16_t q = device::to_e4m3x2(h.x, h.y, scale[v % 2]);
         stager.stage(get<0>(coords(i)), pass * T::kHalfN + get<1>(coords(i)), q);
       }
     }
@@ -543,6 +548,8 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp>>
 // index), then the row's quad adds its four sums by a butterfly, x += shfl_xor(x, 1); x += shfl_xor(x, 2):
 // every lane computes (s0 + s1) + (s2 + s3) up to the order of the operands of each addition, and IEEE
 // addition is commutative, so all four lanes hold identical bits; lane 0 of the quad writes them.
+// FP8 (a block-scaled GEMM: 128-column tiles, two passes) with out_scales: d_g and d_u also written quantized per
+// 1 x 128 for the gate/up dgrad (ExpertGemmArgs::quantized_out; quantize_kept, after the passes).
 struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLUBackward;
   static constexpr bool kOpaqueCoordinates = true;
@@ -587,10 +594,23 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
     float window[kValues];
     CUTE_UNROLL
     for (int i = 0; i < kValues; ++i) window[i] = accum(i);
+    // FP8: every pass's bf16 d_g and d_u pairs as stored, kept for quantize_kept in one window (as `window`: each
+    // pass first shifts it down by one pass, then writes its d_g pairs and its d_u pairs at the top, so that pass q's
+    // d_g pair v ends at 2 q kPairs + v and its d_u pair kPairs further), and per part (d_g, d_u) and row half the
+    // running amax and a check that turns NaN once a value is not finite.
+    constexpr int kKept = T::kBlockScaled ? 2 * kPasses * kPairs : 1;
+    BlockStats stats;
+    __nv_bfloat162 kept[kKept];
+    CUTE_UNROLL
+    for (int v = 0; v < kKept; ++v) kept[v] = zero;
 #pragma unroll 1
     for (int pass = 0; pass < kPasses; ++pass) {
       const int pass_begin = pass * T::kBoxCols;
       if (tile_col + pass_begin >= n) break;  // the partial last n-block (uniform over the warpgroup)
+      if constexpr (T::kBlockScaled) {
+        CUTE_UNROLL
+        for (int v = 0; v + 2 * kPairs < kKept; ++v) kept[v] = kept[v + 2 * kPairs];
+      }
       // An opaque 0, new every pass. Why: the staging addresses are the same every pass; hoisted out of the
       // loop they take 16 registers, which the consumers do not have (ptxas spilled).
       int opaque_zero;
@@ -635,8 +655,16 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
           if (real[half]) partial[half] += d_hu * silu_g * u_c;
         }
         const int r = get<0>(coords(i)), col = get<1>(coords(i)) + opaque_zero;  // the pass's column: pass 0's
-        stager.stage(r, col, real[half] ? __floats2bfloat162_rn(d_g[0], d_g[1]) : zero);
-        stager.stage(r, T::kBoxCols + col, real[half] ? __floats2bfloat162_rn(d_u[0], d_u[1]) : zero);
+        const __nv_bfloat162 g_out = real[half] ? __floats2bfloat162_rn(d_g[0], d_g[1]) : zero;
+        const __nv_bfloat162 u_out = real[half] ? __floats2bfloat162_rn(d_u[0], d_u[1]) : zero;
+        stager.stage(r, col, g_out);
+        stager.stage(r, T::kBoxCols + col, u_out);
+        if constexpr (T::kBlockScaled) {
+          kept[kKept - 2 * kPairs + v] = g_out;
+          kept[kKept - kPairs + v] = u_out;
+          stats.add(0, half, g_out);
+          stats.add(1, half, u_out);
+        }
       }
       const int c = int(tile_col) + pass_begin;  // < n (see above); box 0: d_g, box 1: d_u
       stager.end_pass(p.tma_out, p.a_rows, 2 * n, [&](int box) { return (box * p.n + c) / T::kBoxCols; });
@@ -652,6 +680,77 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
       if (threadIdx.x % 4 == 0)
         p.row_partials[(int64_t(task.buffer_row) + r) * p.num_n_blocks + task.n_block] = real[half] ? x : 0.0f;
     }
+    if constexpr (T::kBlockScaled)
+      if (p.out_scales != nullptr) quantize_kept<T>(p, task, coords, stager, stats, kept);
+  }
+
+  // The amax and finiteness of a thread's values of the 1 x 128 blocks of its two fragment rows, d_g's and d_u's.
+  struct BlockStats {
+    float amax[2][2] = {};   // [part][row half]
+    float check[2][2] = {};  // sum of value * 0: NaN once a value is a NaN or an infinity, else 0
+    __device__ __forceinline__ void add(int part, int half, __nv_bfloat162 pair) {
+      const float2 v = __bfloat1622float2(pair);
+      amax[part][half] = fmaxf(amax[part][half], fmaxf(fabsf(v.x), fabsf(v.y)));
+      check[part][half] = fmaf(v.y, 0.0f, fmaf(v.x, 0.0f, check[part][half]));
+    }
+  };
+
+  // The tile's d_g and d_u (the bf16 values stored above) quantized per 1 x 128 as the gate/up dgrad's A: a
+  // 128-column tile is one scale block of each (part 0: d_g, 1: d_u). Each row's amax and finiteness over its 128
+  // columns (the thread's, `stats`, then its quad's by a butterfly: every lane the same), the block's scale (to
+  // out_scales[part n / 128 + nb, row], by lane 0 of the quad), then a pass's part at a time the e4m3 values (`kept`,
+  // shifted down a part after each), staged in box `part` and stored by TMA to quantized_out's columns part n + 128
+  // nb (tma_side_out: e4m3 [a_rows, 2n] as bf16 [a_rows, n]). quantize_rows_fp8's arithmetic on the values it would
+  // read: the same bits. Padding rows: zeros, scale 1. A block holding a NaN or an infinity gets a NaN scale and is
+  // reported (kDGateUp). The conversions are a rolled loop, as the SwiGLU backward's passes: unrolled, the 128 a
+  // thread took the kernel to 7064 SASS instructions (tests/cpu/check_sass's budget is 6000, the instruction cache).
+  template <class T, class Params, class Coords, class Stager, int kKept>
+  __device__ __forceinline__ static void quantize_kept(const Params& p, const TileTask& task, const Coords& coords,
+                                                       const Stager& stager, BlockStats stats,
+                                                       __nv_bfloat162 (&kept)[kKept]) {
+    using cute::get;
+    constexpr int kPasses = T::kBlockN / T::kBoxCols;
+    constexpr int kPairs = kKept / (2 * kPasses);
+    static_assert(T::kBlockN == 128 && kKept == decltype(cute::size(coords))::value,
+                  "a tile is one 1 x 128 block of d_g and one of d_u, all of its values kept");
+    float scale[2][2];
+    CUTE_UNROLL
+    for (int part = 0; part < 2; ++part) {
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        float amax = stats.amax[part][half], check = stats.check[part][half];
+        CUTE_UNROLL
+        for (int offset = 1; offset < 4; offset *= 2) {
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, offset));
+          check += __shfl_xor_sync(0xffffffff, check, offset);
+        }
+        scale[part][half] = device::fp8_block_scale(amax, !isnan(check), p.out_power_of_two);
+        const int r = get<0>(coords(2 * half));
+        if (threadIdx.x % 4 == 0) {
+          p.out_scales[int64_t(part * (p.n / 128) + task.n_block) * p.a_rows + task.buffer_row + r] =
+              scale[part][half];
+          if (isnan(check)) device::record_nonfinite(p.status, NonFiniteWhere::kDGateUp, p.rank, task.row + r);
+        }
+      }
+    }
+    stager.begin_pass();  // the last pass's bf16 boxes are read by now
+#pragma unroll 1
+    for (int step = 0; step < 2 * kPasses; ++step) {  // pass step / 2, part step % 2
+      const int part = step % 2;
+      const float scale_row[2] = {part == 0 ? scale[0][0] : scale[1][0], part == 0 ? scale[0][1] : scale[1][1]};
+      CUTE_UNROLL
+      for (int v = 0; v < kPairs; ++v) {  // pair v: values 2v, 2v + 1 of the pass, row half v % 2
+        const int r = get<0>(coords(2 * v)), c = get<1>(coords(2 * v)) + step / 2 * T::kBoxCols;  // e4m3: a byte
+        const float2 x = __bfloat1622float2(kept[v]);
+        stager.stage_bytes(part, r, c, device::to_e4m3x2(x.x, x.y, scale_row[v % 2]));
+      }
+      CUTE_UNROLL
+      for (int v = 0; v + kPairs < kKept; ++v) kept[v] = kept[v + kPairs];
+    }
+    stager.end_pass_with([&] {
+      stager.store_box(p.tma_side_out, p.a_rows, p.n, 0, task.n_block);
+      stager.store_box(p.tma_side_out, p.a_rows, p.n, 1, p.n / 128 + task.n_block);
+    });
   }
 };
 
