@@ -390,7 +390,8 @@ class MoeWorkspace {
   // Rebuilds each rank's context (expert-major x rows, hidden rows, the shared expert's hidden rows) from x,
   // the weights and the schedule already in the context, without producing `out`: for activation
   // checkpointing (build_schedule first when the context's schedule is not the step's). Uses rank, x,
-  // weights, context and stream of each RankForward; the bits equal the forward's.
+  // weights, context and stream of each RankForward; the bits equal the forward's. MoeOptions::precision kFP8:
+  // the weights' FP8 form as the forward takes them (the transposed copies are not read).
   void recompute_forward_context(std::span<const RankForward> ranks);
 
   // The rank's status word: everything since the last reset_status (or the workspace's creation), over
@@ -440,6 +441,7 @@ class MoeWorkspace {
   // against the ids the schedule was built from.
   void issue_layer(std::span<const RankForward> ranks, bool check_ids);
   void publish(const RankForward& f);
+  void publish_x(const RankForward& f);  // publish's and recompute_publish's first step
   void compute(const RankForward& f);
   void compute_fused(const RankForward& f);
   // What both megakernel launches (forward, backward) take for the rank's schedule, besides their GEMMs and

@@ -168,7 +168,7 @@ def _check_inputs(ws, x, topk_idx, router_weights) -> None:
 
 
 def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: torch.Tensor, weights: Fp8Weights,
-                ctx=None, *, master_weights=None):
+                ctx=None, *, master_weights=None, recompute: bool = False):
     """The layer's forward with FP8 weights on an FP8 workspace (Config(precision="fp8")): mok.forward's
     arguments and result, weights from quantize_weights. x is quantized per 1 x 128 once on this rank (the rows
     other ranks pull are FP8), h per 1 x 128 before the down GEMM.
@@ -176,12 +176,15 @@ def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: tor
     Differentiable (autograd's backward is backward_fp8's) in x, router_weights and master_weights: the bf16
     weights (a mok.Weights or dict) that `weights` were quantized from, whose gradients it computes (straight
     through the quantization); needs a workspace with backward=True and weights quantized with transposed=True.
-    The context must still hold this forward when the backward runs (one context per forward in flight; no
-    recompute in FP8 yet). Under torch.compile and CUDA-graph capture pass ctx=ws.make_context(), made outside."""
+    The context must still hold this forward when the backward runs (one context per forward in flight), unless
+    recompute=True: then the backward rebuilds it first from x and `weights` (build_schedule and
+    recompute_forward_context; the same bits), so layers may share one context. Under torch.compile and CUDA-graph
+    capture pass ctx=ws.make_context(), made outside."""
     from .layer import _check_context
     _check_call(ws, "forward_fp8")
     _check_inputs(ws, x, topk_idx, router_weights)
     _check_fp8_weights(ws, weights)
+    arguments.check_bool("recompute", recompute)
     if master_weights is not None:
         master_weights = Weights.of(master_weights)
         check_weights(ws.shape, ws.device, master_weights, "master_weights.")
@@ -208,14 +211,15 @@ def forward_fp8(ws, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: tor
         ctx = ws.pooled_context()  # returned to the pool when the caller drops it: steady state allocates nothing
     _check_context(ws, ctx)
     out = ops.LayerFunction.apply(ws.handle, ctx.handle, False, x, topk_idx, router_weights, *masters,
-                                  *([None] * len(WEIGHT_NAMES)), None, 0, 0, False, *weights.op_tensors())
+                                  *([None] * len(WEIGHT_NAMES)), None, 0, 0, bool(recompute), *weights.op_tensors())
     return out, ctx
 
 
 def fp8_layer_forward(ws, ctx, x, topk_idx, router_weights, weights: Fp8Weights, master_weights: Weights,
-                      targets) -> torch.Tensor:
-    """forward_fp8 for mok.MoE's training forward: its context, its parameters as the master weights, and with
-    main_grad=True (targets: its MainGradTargets) the weight gradients added into their main_grad."""
+                      targets, recompute: bool) -> torch.Tensor:
+    """forward_fp8 for mok.MoE's training forward: its context, its parameters as the master weights, with
+    main_grad=True (targets: its MainGradTargets) the weight gradients added into their main_grad, and with
+    recompute its context rebuilt by the backward."""
     from .layer import _check_context
     _check_call(ws, "forward_fp8")
     _check_inputs(ws, x, topk_idx, router_weights)
@@ -227,7 +231,7 @@ def fp8_layer_forward(ws, ctx, x, topk_idx, router_weights, weights: Fp8Weights,
     else:
         main = (targets.main_grads(), targets.handle, targets.dummy_mask(), targets.zero_mask())
     return ops.LayerFunction.apply(ws.handle, ctx.handle, False, x, topk_idx, router_weights,
-                                   *master_weights.tensors(), *main[0], *main[1:], False, *weights.op_tensors())
+                                   *master_weights.tensors(), *main[0], *main[1:], recompute, *weights.op_tensors())
 
 
 def backward_fp8(ws, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tensor, router_weights: torch.Tensor,

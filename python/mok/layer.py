@@ -416,15 +416,24 @@ def gradient_buffers(ws: Workspace, weights: Weights, grads, main_grads, grad_dt
 def recompute_forward_context(ws: Workspace, x: torch.Tensor, weights, ctx: ForwardContext) -> ForwardContext:
     """Rebuilds ctx's expert-side activations from x and the weights on the schedule already in ctx (that of its
     last forward, or of mok.build_schedule), without computing out: activation checkpointing. The bits equal the
-    forward's. Asynchronous on torch's current stream, collective over the EP group. Returns ctx."""
+    forward's. An FP8 workspace (Config(precision="fp8")) takes the forward's mok.Fp8Weights. Asynchronous on
+    torch's current stream, collective over the EP group. Returns ctx."""
     _check_workspace(ws)
-    weights = Weights.of(weights)
     check_x(ws.shape, ws.device, x)
-    check_weights(ws.shape, ws.device, weights)
+    if ws.config.precision == "fp8":
+        from .fp8 import _check_fp8_weights
+        _check_fp8_weights(ws, weights)
+    else:
+        weights = Weights.of(weights)
+        check_weights(ws.shape, ws.device, weights)
     _check_context(ws, ctx)
     if not ws.config.backward:
         raise ValueError("ws: made with Config(backward=False) (inference only): no recompute_forward_context")
-    torch.ops.mok.recompute_forward_context(ws.handle, ctx.handle, x, *weights.tensors())
+    if ws.config.precision == "fp8":
+        torch.ops.mok.recompute_forward_context_fp8(ws.handle, ctx.handle, x, list(weights.values),
+                                                     list(weights.scales))
+    else:
+        torch.ops.mok.recompute_forward_context(ws.handle, ctx.handle, x, *weights.tensors())
     return ctx
 
 

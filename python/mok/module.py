@@ -294,11 +294,8 @@ class MoE(torch.nn.Module):
             raise RuntimeError("mok.MoE with Config(precision='fp8', backward=False) is inference only: run it under "
                                "torch.no_grad() or torch.inference_mode() (or freeze its parameters), or make it "
                                "with backward=True")
-        if self.recompute:
-            raise RuntimeError("mok.MoE(recompute=True) with Config(precision='fp8'): the FP8 backward has no "
-                               "recompute yet (it reads the forward's context): use recompute=False")
         return fp8_layer_forward(self._workspace, self._context, tokens, topk_idx, router_weights, quantized, weights,
-                                 self._main_grad_targets() if self.main_grad else None)
+                                 self._main_grad_targets() if self.main_grad else None, self.recompute)
 
     def _caller_routing(self, tokens: int, topk_idx, router_weights):
         """The caller's topk_idx and router_weights as [T, k] (contiguous), T the tokens of x; a clear error when

@@ -11,8 +11,10 @@ CUDA graphs capture them. Each has a fake (meta) implementation giving its outpu
     mok::recompute_forward_context(workspace, context(a!), x, <6 weights>) -> ()
     mok::quantize_weights_fp8(weights, power_of_two_scales, transposed) -> (values, scales, values_t, scales_t)
     mok::forward_fp8(workspace, context(a!), x, topk_idx, router_weights, values, scales) -> (out, token)
+    mok::recompute_forward_context_fp8(workspace, context(a!), x, values, scales) -> ()
     mok::backward_fp8(workspace, context(a!), d_out, x, topk_idx, router_weights, values, scales, values_t,
-                      scales_t, <6 gradients(a!)>, accumulate, main_grad_targets=None) -> (d_x, d_router_weights)
+                      scales_t, <6 gradients(a!)>, accumulate, recompute=False, main_grad_targets=None)
+        -> (d_x, d_router_weights)
     autograd: LayerFunction (mok::forward; its backward calls mok::backward, or mok::backward_into adding into
     the parameters' main_grad; with FP8 weights mok::forward_fp8 and mok::backward_fp8)
 
@@ -182,13 +184,13 @@ def dummy_grads(weights, needed: int, dummy_mask: int, zero_mask: int) -> List[O
     return grads
 
 
-def check_generation(ctx, generation: int, recompute_hint: bool = True) -> None:
+def check_generation(ctx, generation: int) -> None:
     """RuntimeError unless the context is still in the state a forward left (its generation then)."""
     if ctx.generation != generation:
         raise RuntimeError("mok: this layer's forward context was overwritten by a later forward before this "
                            "backward (the same context used by two forwards, e.g. one module called twice or "
                            "micro-batches interleaved): give each forward in flight its own context "
-                           f"(ws.make_context()){', or use recompute=True' if recompute_hint else ''}")
+                           "(ws.make_context()), or use recompute=True")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -240,7 +242,7 @@ class LayerFunction(torch.autograd.Function):
     transposed copies'; Config(precision="fp8"); bf16 passes none) the forward is
     mok::forward_fp8 and the backward mok::backward_fp8; <6 weights> are then the bf16 master weights the FP8 ones
     were quantized from (None each where not given: no gradient), whose gradients go straight through the
-    quantization. schedule_ready and recompute are False there.
+    quantization. schedule_ready is False there.
 
     main_grads (None each without main_grad), main_grad_targets (a MainGradTargets handle, or None), dummy_mask
     (Megatron's dummy gradients) and zero_mask (the dummies that are zeros: zero_out_wgrad) are read when the
@@ -305,7 +307,7 @@ class LayerFunction(torch.autograd.Function):
                 buffers = [torch.empty_like(w) if grad_mask >> i & 1 else None for i, w in enumerate(weights)]
             d_x, d_router_weights = torch.ops.mok.backward_fp8(
                 workspace, token, d_out, x, topk_idx, router_weights, list(fp8[:n]), list(fp8[n:2 * n]),
-                list(fp8[2 * n:2 * n + 4]), list(fp8[2 * n + 4:]), *buffers, targets is not None, targets)
+                list(fp8[2 * n:2 * n + 4]), list(fp8[2 * n + 4:]), *buffers, targets is not None, recompute, targets)
             if targets is not None:
                 weight_grads = dummy_grads(weights, needed, dummy_mask, zero_mask)
             else:
@@ -360,10 +362,11 @@ def _check_written(ctx, op: str) -> None:
                            "with it first)")
 
 
-def _prepare_backward(ws, ctx, context, recompute, x, topk_idx, weights, op: str) -> None:
-    """What both backward ops do first: the generation check of a token (context [id, generation], the forward's)
+def _prepare_backward(ws, ctx, context, recompute, x, topk_idx, weights, op: str, fp8=None) -> None:
+    """What the backward ops do first: the generation check of a token (context [id, generation], the forward's)
     or the rebuild of the context (recompute: build_schedule and recompute_forward_context from the saved
-    inputs; the token then names the rebuilt state), and the check that the context holds a forward."""
+    inputs, with fp8 = (values, scales) the FP8 weights; the token then names the rebuilt state), and the check
+    that the context holds a forward."""
     _check_training(ws, op)
     token = context.numel() == 2
     if token and not recompute:
@@ -372,8 +375,7 @@ def _prepare_backward(ws, ctx, context, recompute, x, topk_idx, weights, op: str
         stream = _stream(x)
         ws._native.build_schedule(topk_idx, ctx._native, stream)
         ctx.mark_scheduled()
-        ws._native.recompute_forward_context(x.detach(), _plain(*weights), ctx._native, stream)
-        ctx.mark_written()
+        _recompute(ws, ctx, x, weights, stream, fp8)
         if token:
             context[1] = ctx.generation
     _check_written(ctx, op)
@@ -463,6 +465,23 @@ def _gradients_into_fake(workspace, context, d_out, x, topk_idx, router_weights,
 # mok::recompute_forward_context
 
 
+def _recompute(ws, ctx, x, weights, stream, fp8=None) -> None:
+    """recompute_forward_context on the native workspace: bf16 weights, or with fp8 = (values, scales) the FP8
+    ones (the forward's); the context marked written."""
+    if fp8 is None:
+        ws._native.recompute_forward_context(x.detach(), _plain(*weights), ctx._native, stream)
+    else:
+        ws._native.recompute_forward_context_fp8(x.detach(), _as_bytes(fp8[0]), list(fp8[1]), ctx._native, stream)
+    ctx.mark_written()
+
+
+def _check_scheduled(ctx, op: str) -> None:
+    if not ctx.scheduled:
+        forward = "mok.forward_fp8" if op.endswith("fp8") else "mok.forward"
+        raise RuntimeError(f"mok::{op}: the forward context holds no schedule (run {forward} or mok.build_schedule "
+                           "with it first)")
+
+
 @torch.library.custom_op("mok::recompute_forward_context", mutates_args=("context",), device_types="cuda")
 def recompute_op(workspace: torch.Tensor, context: torch.Tensor, x: torch.Tensor, expert_gate: torch.Tensor,
                  expert_up: Optional[torch.Tensor], expert_down: torch.Tensor, shared_gate: Optional[torch.Tensor],
@@ -471,16 +490,28 @@ def recompute_op(workspace: torch.Tensor, context: torch.Tensor, x: torch.Tensor
     ws = _lookup(_workspaces, workspace, "workspace", "recompute_forward_context")
     ctx = _lookup(_contexts, context, "forward context", "recompute_forward_context")
     _check_training(ws, "recompute_forward_context")
-    if not ctx.scheduled:
-        raise RuntimeError("mok::recompute_forward_context: the forward context holds no schedule (run mok.forward "
-                           "or mok.build_schedule with it first)")
-    ws._native.recompute_forward_context(x.detach(), _plain(expert_gate, expert_up, expert_down, shared_gate,
-                                                            shared_up, shared_down), ctx._native, _stream(x))
-    ctx.mark_written()
+    _check_scheduled(ctx, "recompute_forward_context")
+    _recompute(ws, ctx, x, (expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down), _stream(x))
 
 
 @recompute_op.register_fake
 def _recompute_fake(workspace, context, x, expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down):
+    return None
+
+
+@torch.library.custom_op("mok::recompute_forward_context_fp8", mutates_args=("context",), device_types="cuda")
+def recompute_fp8_op(workspace: torch.Tensor, context: torch.Tensor, x: torch.Tensor,
+                     values: List[Optional[torch.Tensor]], scales: List[Optional[torch.Tensor]]) -> None:
+    """mok::recompute_forward_context of an FP8 workspace: the FP8 weights as mok::forward_fp8 takes them."""
+    ws = _lookup(_workspaces, workspace, "workspace", "recompute_forward_context_fp8")
+    ctx = _lookup(_contexts, context, "forward context", "recompute_forward_context_fp8")
+    _check_training(ws, "recompute_forward_context_fp8")
+    _check_scheduled(ctx, "recompute_forward_context_fp8")
+    _recompute(ws, ctx, x, None, _stream(x), (values, scales))
+
+
+@recompute_fp8_op.register_fake
+def _recompute_fp8_fake(workspace, context, x, values, scales):
     return None
 
 
@@ -584,18 +615,16 @@ def backward_fp8_op(workspace: torch.Tensor, context: torch.Tensor, d_out: torch
                     scales_t: List[Optional[torch.Tensor]], grad_expert_gate: Optional[torch.Tensor],
                     grad_expert_up: Optional[torch.Tensor], grad_expert_down: Optional[torch.Tensor],
                     grad_shared_gate: Optional[torch.Tensor], grad_shared_up: Optional[torch.Tensor],
-                    grad_shared_down: Optional[torch.Tensor], accumulate: bool,
+                    grad_shared_down: Optional[torch.Tensor], accumulate: bool, recompute: bool = False,
                     main_grad_targets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """mok::backward_into of the FP8 forward in the context (its dgrads in FP8 from the transposed copies values_t,
-    scales_t; the weight gradients bf16's): (d_x, d_router_weights), each given grad_* written or added to. context
-    and main_grad_targets as mok::backward_into's; FP8 has no recompute."""
+    scales_t; the weight gradients bf16's): (d_x, d_router_weights), each given grad_* written or added to. context,
+    recompute (the context rebuilt first from x and the FP8 weights values, scales) and main_grad_targets as
+    mok::backward_into's."""
     ws = _lookup(_workspaces, workspace, "workspace", "backward_fp8")
     ctx = _lookup(_contexts, context, "forward context", "backward_fp8")
     grads = [grad_expert_gate, grad_expert_up, grad_expert_down, grad_shared_gate, grad_shared_up, grad_shared_down]
-    _check_training(ws, "backward_fp8")
-    if context.numel() == 2:
-        check_generation(ctx, int(context[1]), recompute_hint=False)
-    _check_written(ctx, "backward_fp8")
+    _prepare_backward(ws, ctx, context, recompute, x, topk_idx, None, "backward_fp8", fp8=(values, scales))
     d_x, d_router_weights = torch.empty_like(x), torch.empty_like(router_weights)
     ws._native.backward_fp8(*_plain(d_out, x, topk_idx, router_weights), _as_bytes(values), list(scales),
                             _as_bytes(values_t), list(scales_t), d_x, d_router_weights, _plain(*grads), accumulate,

@@ -21,6 +21,7 @@
 //                   d_x, d_router_weights, [6 grads], accumulate, ctx, stream)
 //                                                       FP8 workspaces; e4m3 as uint8 views
 //   ws.recompute_forward_context(x, [6 weights], ctx, stream)
+//   ws.recompute_forward_context_fp8(x, [6 e4m3 weights], [6 scales], ctx, stream)
 //   ok, bits, message = ws.read_status(stream)
 //   ws.close()                                          collective teardown (EP > 1: every rank); idempotent
 #include <cstdint>
@@ -359,7 +360,17 @@ class Workspace {
   // Rebuilds the context's activations from x and the weights on the schedule already in it.
   void recompute_forward_context(const Array& x, const WeightArrays& weights, Context& context, uintptr_t stream) {
     DeviceGuard guard(device_);
-    const mok::MoeWeights w = weights_of(weights, device_);
+    run_recompute(weights_of(weights, device_), x, context, stream);
+  }
+
+  // recompute_forward_context of an FP8 workspace: the weights as forward_fp8 takes them.
+  void recompute_forward_context_fp8(const Array& x, const WeightArrays& weights, const WeightArrays& scales,
+                                     Context& context, uintptr_t stream) {
+    DeviceGuard guard(device_);
+    run_recompute(fp8_weights_of(weights, scales, device_), x, context, stream);
+  }
+
+  void run_recompute(const mok::MoeWeights& w, const Array& x, Context& context, uintptr_t stream) {
     mok::RankForward f;
     f.rank = rank_;
     f.x = tensor_ref(x, "x", device_);
@@ -603,6 +614,8 @@ NB_MODULE(_mok, m) {
            nb::arg("accumulate"), nb::arg("context"), nb::arg("stream"))
       .def("recompute_forward_context", &Workspace::recompute_forward_context, nb::arg("x"), nb::arg("weights"),
            nb::arg("context"), nb::arg("stream"))
+      .def("recompute_forward_context_fp8", &Workspace::recompute_forward_context_fp8, nb::arg("x"),
+           nb::arg("weights"), nb::arg("scales"), nb::arg("context"), nb::arg("stream"))
       .def("read_status", &Workspace::read_status, nb::arg("stream"))
       .def("reset_status", &Workspace::reset_status, nb::arg("stream"))
       .def_prop_ro("rank", &Workspace::rank)

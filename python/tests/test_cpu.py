@@ -939,7 +939,7 @@ def cpu_workspace(monkeypatch):
     """A workspace on the CPU whose kernels are ReferenceNative's: the ops' real Python implementations run (the
     handles, the token, the generation check, main_grad), registered as the ops' CPU kernels."""
     for op in (mok.ops.forward_op, mok.ops.backward_op, mok.ops.backward_into_op, mok.ops.recompute_op,
-               mok.ops.forward_fp8_op, mok.ops.backward_fp8_op):
+               mok.ops.forward_fp8_op, mok.ops.backward_fp8_op, mok.ops.recompute_fp8_op):
         if "cpu" not in op._backend_fns:
             op.register_kernel("cpu")(op._init_fn)
     monkeypatch.setattr(mok.ops, "_stream", lambda t: 0)
@@ -1270,6 +1270,11 @@ class Fp8ReferenceNative(ReferenceNative):
         weights = [None if v is None else v.view(torch.float8_e4m3fn).to(torch.bfloat16) for v in values]
         self.forward(x, idx, rw, *weights, out, ctx, stream, False)
 
+    def recompute_forward_context_fp8(self, x, values, scales, ctx, stream):
+        assert all(s is None or bool((s == 1).all()) for s in scales), "the stand-in takes scales 1 only"
+        weights = [None if v is None else v.view(torch.float8_e4m3fn).to(torch.bfloat16) for v in values]
+        self.recompute_forward_context(x, weights, ctx, stream)
+
     def backward_fp8(self, d_out, x, idx, rw, values, scales, transposed, transposed_scales, d_x, d_rw, grads,
                      accumulate, ctx, stream):
         assert len(transposed) == len(transposed_scales) == 4
@@ -1328,7 +1333,7 @@ def test_fp8_autograd_on_the_cpu_stand_in(cpu_workspace, cpu_fp8_workspace, froz
     mok.forward_fp8(cpu_fp8_workspace, x, idx, rw, qw, ctx)
     with pytest.raises(RuntimeError, match="overwritten by a later forward") as raised:
         out.backward(d_out)
-    assert "recompute=True" not in str(raised.value), "FP8 has no recompute to suggest"
+    assert "recompute=True" in str(raised.value), "FP8's recompute is the other way out"
     with pytest.raises(ValueError, match="quantized without the transposed copies"):
         mok.forward_fp8(cpu_fp8_workspace, leaf, idx, rw, _fake_quantize(w))
 
@@ -1337,7 +1342,7 @@ def test_fp8_autograd_on_the_cpu_stand_in(cpu_workspace, cpu_fp8_workspace, froz
 def test_fp8_module_trains_like_bf16_on_the_cpu_stand_in(cpu_workspace, cpu_fp8_workspace, monkeypatch, main_grad):
     """mok.MoE(precision="fp8") with e4m3-exact parameters: two steps of gradients (or main_grad accumulated)
     bitwise the BF16 module's; after an optimizer step the weights are quantized again (the step's values are
-    rounded to e4m3 first, so that they stay exact); recompute=True is refused naming the option."""
+    rounded to e4m3 first, so that they stay exact); with recompute=True two layers share one context."""
     monkeypatch.setattr(mok.module, "quantize_weights", _fake_quantize)
     blocks = [cpu_block(ws, 130, context=ws.make_context(), main_grad=main_grad)
               for ws in (cpu_workspace, cpu_fp8_workspace)]
@@ -1359,9 +1364,22 @@ def test_fp8_module_trains_like_bf16_on_the_cpu_stand_in(cpu_workspace, cpu_fp8_
                     if p is not None:
                         g = p.main_grad if main_grad else p.grad
                         p.copy_(_e4m3_exact(p - 0.25 * g))
-    with pytest.raises(RuntimeError, match="recompute=True\\) with Config\\(precision='fp8'\\)"):
-        cpu_block(cpu_fp8_workspace, 133, context=cpu_fp8_workspace.make_context(), recompute=True)(
-            x.clone().requires_grad_(), idx, rw)
+    # recompute=True: two layers sharing one context (the backward rebuilds it from x and the FP8 weights) give the
+    # bits of the same two layers with a context each.
+    shared_context = cpu_fp8_workspace.make_context()
+    layers = {recompute: [cpu_block(cpu_fp8_workspace, 133 + n, main_grad=main_grad, recompute=recompute,
+                                    context=shared_context if recompute else cpu_fp8_workspace.make_context())
+                          for n in range(2)] for recompute in (False, True)}
+    for pair in layers.values():
+        for b in pair:
+            with torch.no_grad():
+                for p in b.weights().tensors():
+                    if p is not None:
+                        p.copy_(_e4m3_exact(p))
+            if main_grad:
+                b.allocate_main_grads()
+    got = {r: _step(pair, pair, x, idx, rw, d_out) for r, pair in layers.items()}
+    _assert_same(got[True], got[False], "FP8 layers sharing a context with recompute=True vs a context each")
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])

@@ -359,8 +359,8 @@ def test_fp8_backward_paths_grad_modes_and_token_counts():
 
 def test_moe_fp8_trains():
     """mok.MoE(precision="fp8"): autograd gives the functional FP8 backward's bits (parameters as the master
-    weights), an optimizer step quantizes again, main_grad=True adds into main_grad; recompute=True and
-    backward=False in a differentiable call are refused with the option named."""
+    weights), an optimizer step quantizes again, main_grad=True adds into main_grad, recompute=True lets two
+    layers share one context; backward=False in a differentiable call is refused with the option named."""
     torch.manual_seed(1870)
     config = mok.Config(precision="fp8", path="unfused")
     moe = mok.MoE(H, I, E, K, num_tokens=T, config=config)
@@ -393,8 +393,24 @@ def test_moe_fp8_trains():
     for n, (p, g) in enumerate(zip(main.weights().tensors(), fp32.tensors())):
         if p is not None:
             assert torch.equal(p.main_grad, g), f"main_grad {n} against the fp32 gradient"
-    with pytest.raises(RuntimeError, match="recompute=True\\) with Config\\(precision='fp8'\\)"):
-        mok.MoE(H, I, E, K, num_tokens=T, config=config, recompute=True)(x)
+    # recompute=True: two layers sharing one context give the bits of the same two with a context each (the
+    # backward rebuilds each layer's context from x and its FP8 weights: mok::recompute_forward_context_fp8).
+    shared_context = moe.workspace.make_context()
+    layers = {}
+    for recompute in (False, True):
+        layers[recompute] = [mok.MoE(H, I, E, K, workspace=moe.workspace, config=config, recompute=recompute,
+                                     context=shared_context if recompute else None) for _ in range(2)]
+        for n, layer in enumerate(layers[recompute]):
+            layer.load_state_dict(moe.state_dict() if n == 0 else main.state_dict())
+    got = {}
+    for recompute, (first, second) in layers.items():
+        leaf = x.detach().clone().requires_grad_()
+        second(first(leaf, idx, rw), idx, rw).backward(d_out)
+        got[recompute] = [leaf.grad] + [p.grad for layer in (first, second) for p in layer.weights().tensors()
+                                        if p is not None]
+    mok.check_status(moe.workspace)
+    for n, (a, b) in enumerate(zip(got[False], got[True])):
+        assert torch.equal(a, b), f"gradient {n}: recompute=True sharing a context against a context each"
     with pytest.raises(RuntimeError, match="backward=False\\) is inference only"):
         mok.MoE(H, I, E, K, num_tokens=T, config=mok.Config(precision="fp8", backward=False))(x)
 

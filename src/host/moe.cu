@@ -626,16 +626,22 @@ void MoeWorkspace::shared_gemms(const RankForward& f, ExpertGemmArgs& gate_up, E
            gate_up, down);
 }
 
-// Phase 1: x into the symmetric buffer, "x is readable" to every peer, then the shared expert (local work
-// that overlaps the peers catching up).
-void MoeWorkspace::publish(const RankForward& f) {
+// x into the symmetric buffer (nothing where the kernels read it in place); FP8: the rank's rows quantized once,
+// as every peer pulls them (src/host/quantize_fp8.h).
+void MoeWorkspace::publish_x(const RankForward& f) {
   const RankState& s = state(f.rank);
-  DeviceGuard guard(s.device);
-  if (fp8())  // the rank's rows quantized once, as every peer pulls them (src/host/quantize_fp8.h)
+  if (fp8())
     detail::publish_fp8_rows(f.x.data, f.x.shape[0], padded_tokens_, shape_.hidden, x_.on(f.rank), s.x_scales,
                              options_.fp8_power_of_two_scales, schedule_.device_status(f.rank), f.rank, f.stream);
   else if (!reads_token_rows_in_place())
     publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
+}
+
+// Phase 1: x into the symmetric buffer, "x is readable" to every peer, then the shared expert (local work
+// that overlaps the peers catching up).
+void MoeWorkspace::publish(const RankForward& f) {
+  DeviceGuard guard(state(f.rank).device);
+  publish_x(f);
   barrier_arrive(f.rank, f.stream);
   if (!shape_.shared_expert || options_.path == ForwardPath::kFused) return;  // the megakernel runs it
   ExpertGemmArgs gate_up, down;

@@ -186,10 +186,13 @@ void check_routing_inputs(const RankForward& f, const MoeShape& s, int device) {
   check_tensor(f.topk_idx, "topk_idx", index_dtype, {t, k}, device, index_dtype == DType::kInt64 ? 8 : 4);
 }
 
-void check_recompute_inputs(const RankForward& f, const MoeShape& s, int device) {
+void check_recompute_inputs(const RankForward& f, const MoeShape& s, int device, Precision precision) {
   check_tensor(f.x, "x", DType::kBFloat16, {call_tokens(f.x, "x", s), s.hidden}, device, 16);
   require(f.weights != nullptr, "weights: must not be null");
-  check_weights(*f.weights, s, device);
+  if (precision == Precision::kFP8)
+    check_fp8_weights(*f.weights, s, device);
+  else
+    check_weights(*f.weights, s, device);
 }
 
 namespace {

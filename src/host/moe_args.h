@@ -27,8 +27,8 @@ void check_routing_inputs(const RankForward& f, const MoeShape& s, int device);
 // x, router_weights, out (each with topk_idx's T) and every weight of `f`.
 // precision kFP8: the weights' FP8 form (MoeWeights).
 void check_layer_inputs(const RankForward& f, const MoeShape& s, int device, Precision precision = Precision::kBF16);
-// x and every weight of `f` (recompute_forward_context's inputs).
-void check_recompute_inputs(const RankForward& f, const MoeShape& s, int device);
+// x and every weight of `f` (recompute_forward_context's inputs); precision kFP8: the weights' FP8 form.
+void check_recompute_inputs(const RankForward& f, const MoeShape& s, int device, Precision precision);
 // Every tensor of `b`: the forward's inputs and weights as the forward checks them, d_out, d_x,
 // d_router_weights, and every weight gradient (the parameter's shape, bf16 or fp32; kAccumulate needs fp32;
 // separate gate and up gradients both or neither, of one dtype and mode). precision kFP8: the weights' FP8

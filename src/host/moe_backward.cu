@@ -401,8 +401,7 @@ void MoeWorkspace::validate_recompute(const RankForward& f) const {
     const RankState& s = state(f.rank);
     require(f.context != nullptr && f.context->owner_ == id_ && f.context->rank() == f.rank,
             "context: must be a ForwardContext made by this workspace's make_context(" + std::to_string(f.rank) + ")");
-    require(!fp8(), "MoeOptions.precision kFP8 has no recompute_forward_context yet: keep the forward's context");
-    detail::check_recompute_inputs(f, shape_, s.device);
+    detail::check_recompute_inputs(f, shape_, s.device, options_.precision);
     require(f.context->num_tokens() == f.x.shape[0],
             "x: " + std::to_string(f.x.shape[0]) + " tokens, but the context's schedule was built for " +
                 std::to_string(f.context->num_tokens()) + " (build_schedule with this call's topk_idx first)");
@@ -737,11 +736,12 @@ void MoeWorkspace::recompute_forward_context(std::span<const RankForward> ranks)
   for (const RankForward& f : ranks) end_call(f.rank, f.stream);
 }
 
-// x into the symmetric buffer, barrier arrive, the shared expert's hidden rows into the context.
+// x into the symmetric buffer as the forward publishes it, barrier arrive, the shared expert's hidden rows
+// into the context.
 void MoeWorkspace::recompute_publish(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
-  if (!reads_token_rows_in_place()) publish_token_rows(x_.on(f.rank), f.x.data, f.x.shape[0], f.stream);
+  publish_x(f);
   barrier_arrive(f.rank, f.stream);
   if (!shape_.shared_expert) return;
   ExpertGemmArgs gate_up, down;  // the forward's shared gate/up GEMM: the same bits in shared_hidden
@@ -750,7 +750,8 @@ void MoeWorkspace::recompute_publish(const RankForward& f) {
 }
 
 // Barrier wait, pull the rows the context keeps (schedule rows [0, ring)), barrier arrive, then their
-// hidden rows by the forward's gate/up GEMM (row r's value does not depend on the rows around it).
+// hidden rows by the forward's gate/up GEMM (row r's value does not depend on the rows around it). FP8: the
+// pulled rows are the forward's FP8 rows (its ring is the capacity), their scales unpacked as it does.
 void MoeWorkspace::recompute_rows(const RankForward& f) {
   const RankState& s = state(f.rank);
   DeviceGuard guard(s.device);
@@ -758,6 +759,9 @@ void MoeWorkspace::recompute_rows(const RankForward& f) {
   barrier_wait(f.rank, f.stream);
   pull_rows(f, ring_rows_);
   barrier_arrive(f.rank, f.stream);
+  if (fp8())
+    detail::unpack_fp8_row_scales(f.context->expert_rows_, v.scheduled_rows, capacity_rows(), shape_.hidden,
+                                  f.context->expert_row_scales_, f.stream);
 
   ExpertGemmArgs gate_up, down;
   routed_gemms(f, gate_up, down);  // A = the context's rows [ring, H], out = its hidden rows

@@ -488,7 +488,7 @@ void check_against_recipe(MoeHarness& harness, const LayerData& data, const std:
 // unquantized reference (printed), e4m3's 3 mantissa bits. A missed quantization, a wrong scale or a transposed
 // block would sit at the second figure or far above it. Masked routes get d_rw exactly 0; reruns, the other
 // forward path's context, and a context without g | u and h (keep_gate_up false: the backward recomputes them from
-// the FP8 x rows) give the same bits.
+// the FP8 x rows) give the same bits, and so does the backward of a context rebuilt by recompute_forward_context.
 TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPaths) {
   MOK_REQUIRE_GPUS(1);
   struct Case { int ep; bool shared; bool fused_gate_up; };
@@ -522,6 +522,23 @@ TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPat
       harness.check_status();
       ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), grads), "")
           << "rerun, " << config << ", " << label;
+      // The context rebuilt into fresh ones (build_schedule, recompute_forward_context with the FP8 weights), then
+      // the backward: the same bits.
+      std::vector<ForwardContext> fresh;
+      std::vector<ForwardContext*> forward_contexts;
+      for (int r = 0; r < ep; ++r) {
+        fresh.push_back(harness.workspace().make_context(r));
+        forward_contexts.push_back(harness.args(r).context);
+      }
+      for (int r = 0; r < ep; ++r) harness.args(r).context = &fresh[r];
+      harness.workspace().build_schedule(harness.all_args());
+      harness.workspace().recompute_forward_context(harness.all_args());
+      harness.backward();
+      harness.check_status();
+      EXPECT_EQ(testing::first_difference(testing::raw_grads(harness), grads), "")
+          << "backward of a recomputed context, " << config << ", " << label;
+      harness.synchronize();  // `fresh` dies before the harness
+      for (int r = 0; r < ep; ++r) harness.args(r).context = forward_contexts[r];
       if (!first.empty()) {
         EXPECT_EQ(testing::first_difference(grads, first), "") << config << " vs unfused with g | u kept, " << label;
         continue;
@@ -715,7 +732,7 @@ TEST(MoeFp8Test, BackwardOfFewerTokensGivesTheBitsOfAWorkspaceForExactlyThem) {
 }
 
 // The FP8 backward's inputs: weights without their transposed copies (or with bf16 ones) are refused naming the
-// tensor, recompute_forward_context is refused (an FP8 context is the forward's), and the next good backward on the
+// tensor, so are bf16 weights given to recompute_forward_context, and the next good backward on the
 // same workspace gives the bits of a backward that was never refused.
 TEST(MoeFp8Test, BackwardWithoutTheTransposedWeightsIsRefusedAndTheNextCallWorks) {
   MOK_REQUIRE_GPUS(1);
@@ -749,13 +766,15 @@ TEST(MoeFp8Test, BackwardWithoutTheTransposedWeightsIsRefusedAndTheNextCallWorks
       wrong_scales.expert_down_t_scales = fp8.weights.expert_gate_up_t_scales;
       refused(wrong_scales, "weights.expert_down_t_scales");
       refused(*bf16, "weights.expert_gate (");
-      harness.args(0).weights = &fp8.weights;
+      harness.args(0).weights = bf16;
       try {
         harness.workspace().recompute_forward_context(harness.all_args());
-        ADD_FAILURE() << "recompute_forward_context accepted in FP8";
+        ADD_FAILURE() << "recompute_forward_context accepted bf16 weights in FP8";
       } catch (const std::invalid_argument& e) {
-        EXPECT_NE(std::string(e.what()).find("no recompute_forward_context"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("recompute_forward_context: rank 0: weights.expert_gate ("),
+                  std::string::npos) << e.what();
       }
+      harness.args(0).weights = &fp8.weights;
     }
     harness.backward();
     harness.check_status();
