@@ -1287,6 +1287,18 @@ def cpu_fp8_workspace(cpu_workspace):
     yield mok.Workspace(SHAPE, mok.Config(precision="fp8"), torch.device("cpu"), 0, Fp8ReferenceNative())
 
 
+def _exact_block(block):
+    """block (a mok.MoE) with its parameters rounded to e4m3 (exact in the FP8 layer with scales 1), and its
+    main_grad buffers when it has main_grad=True."""
+    with torch.no_grad():
+        for p in block.weights().tensors():
+            if p is not None:
+                p.copy_(_e4m3_exact(p))
+    if block.main_grad:
+        block.allocate_main_grads()
+    return block
+
+
 def _exact_weights(seed, shared=True):
     w = make_weights(SHAPE, "cpu", seed=seed)
     return mok.Weights(*[None if t is None or (not shared and n >= 3) else _e4m3_exact(t)
@@ -1344,15 +1356,8 @@ def test_fp8_module_trains_like_bf16_on_the_cpu_stand_in(cpu_workspace, cpu_fp8_
     bitwise the BF16 module's; after an optimizer step the weights are quantized again (the step's values are
     rounded to e4m3 first, so that they stay exact); with recompute=True two layers share one context."""
     monkeypatch.setattr(mok.module, "quantize_weights", _fake_quantize)
-    blocks = [cpu_block(ws, 130, context=ws.make_context(), main_grad=main_grad)
+    blocks = [_exact_block(cpu_block(ws, 130, context=ws.make_context(), main_grad=main_grad))
               for ws in (cpu_workspace, cpu_fp8_workspace)]
-    for b in blocks:
-        with torch.no_grad():
-            for p in b.weights().tensors():
-                if p is not None:
-                    p.copy_(_e4m3_exact(p))
-        if main_grad:
-            b.allocate_main_grads()
     x, idx, rw = make_inputs(SHAPE, "cpu", seed=131)
     d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(132)).to(torch.bfloat16)
     for step in range(2):
@@ -1367,19 +1372,23 @@ def test_fp8_module_trains_like_bf16_on_the_cpu_stand_in(cpu_workspace, cpu_fp8_
     # recompute=True: two layers sharing one context (the backward rebuilds it from x and the FP8 weights) give the
     # bits of the same two layers with a context each.
     shared_context = cpu_fp8_workspace.make_context()
-    layers = {recompute: [cpu_block(cpu_fp8_workspace, 133 + n, main_grad=main_grad, recompute=recompute,
-                                    context=shared_context if recompute else cpu_fp8_workspace.make_context())
-                          for n in range(2)] for recompute in (False, True)}
-    for pair in layers.values():
-        for b in pair:
-            with torch.no_grad():
-                for p in b.weights().tensors():
-                    if p is not None:
-                        p.copy_(_e4m3_exact(p))
-            if main_grad:
-                b.allocate_main_grads()
+    layers = {recompute: [_exact_block(cpu_block(
+        cpu_fp8_workspace, 133 + n, main_grad=main_grad, recompute=recompute,
+        context=shared_context if recompute else cpu_fp8_workspace.make_context())) for n in range(2)]
+        for recompute in (False, True)}
     got = {r: _step(pair, pair, x, idx, rw, d_out) for r, pair in layers.items()}
     _assert_same(got[True], got[False], "FP8 layers sharing a context with recompute=True vs a context each")
+    # The functional recompute takes the FP8 weights on an FP8 workspace, bf16 ones on a bf16 workspace.
+    w = _exact_weights(134)
+    ctx = cpu_fp8_workspace.make_context()
+    mok.forward_fp8(cpu_fp8_workspace, x, idx, rw, _fake_quantize(w), ctx)
+    with pytest.raises(TypeError, match="expected mok.Fp8Weights"):
+        mok.recompute_forward_context(cpu_fp8_workspace, x, w, ctx)
+    with pytest.raises(TypeError):
+        mok.recompute_forward_context(cpu_workspace, x, _fake_quantize(w), cpu_workspace.make_context())
+    with pytest.raises(TypeError, match="recompute"):
+        mok.forward_fp8(cpu_fp8_workspace, x, idx, rw, _fake_quantize(w), ctx, recompute="yes")
+    assert mok.recompute_forward_context(cpu_fp8_workspace, x, _fake_quantize(w), ctx) is ctx
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
