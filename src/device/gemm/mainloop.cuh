@@ -322,21 +322,46 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   }
 }
 
-// One stage's wgmma batch into fresh accumulators (`partial`: the first wgmma overwrites them), committed and not
-// waited for: the scaled mainloops' product per k-block, promoted once it retired.
-template <class Mma, class OperandA, class OperandB, class Accum>
-__device__ __forceinline__ void issue_fresh_product(Mma& mma, const OperandA& t_r_a, const OperandB& t_r_b, int stage,
-                                                    Accum& partial) {
-  using namespace cute;
-  warpgroup_fence_operand(partial);
-  warpgroup_arrive();
-  mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(t_r_a); ++k) {
-    cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), partial);
-    mma.accumulate_ = GMMA::ScaleOut::One;
+// The scaled mainloops' operands and per-k-block product: the stage's wgmma batch into fresh fp32 accumulators
+// (`partial`: the first wgmma overwrites them), issued, then retired (waited for, the stage handed back) before
+// the caller promotes it into its accumulators.
+template <class OperandA, class OperandB, class Partial>
+struct ScaledProduct {
+  OperandA t_r_a;  // (MMA, MMA_M, MMA_K, S)
+  OperandB t_r_b;  // (MMA, MMA_N, MMA_K, S)
+  Partial partial;
+
+  template <class Mma>
+  __device__ __forceinline__ void issue(Mma& mma, int stage) {
+    using namespace cute;
+    warpgroup_fence_operand(partial);
+    warpgroup_arrive();
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(t_r_a); ++k) {
+      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), partial);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
   }
-  warpgroup_commit_batch();
+
+  // Once the stage's operands (and whatever else of it the caller read) are no longer needed.
+  template <class Pipeline, class State>
+  __device__ __forceinline__ void retire(Pipeline& pipeline, State& read_state) {
+    cute::warpgroup_wait<0>();
+    cute::warpgroup_fence_operand(partial);
+    pipeline.consumer_release(read_state);
+    ++read_state;
+  }
+};
+
+template <class Collective, class Storage, class ThreadMma, class Accum>
+__device__ __forceinline__ auto scaled_product(Storage& smem, const ThreadMma& thread_mma, const Accum& accum) {
+  using A = decltype(stage_operand_a<Collective>(smem, thread_mma));
+  using B = decltype(stage_operand_b<Collective>(smem, thread_mma));
+  using P = decltype(cute::make_fragment_like(accum));
+  return ScaledProduct<A, B, P>{stage_operand_a<Collective>(smem, thread_mma),
+                                stage_operand_b<Collective>(smem, thread_mma), cute::make_fragment_like(accum)};
 }
 
 // The mainloop of an active consumer warpgroup with block-scaled (FP8) operands: per k-block, the stage's
@@ -356,12 +381,9 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
                                                       const float* const (&b_scales)[kGroups],
                                                       const device::HandoffBound& bound) {
   using namespace cute;
-  using C = Collective;
-  Tensor t_r_a = stage_operand_a<C>(smem, thread_mma);  // (MMA, MMA_M, MMA_K, S)
-  Tensor t_r_b = stage_operand_b<C>(smem, thread_mma);  // (MMA, MMA_N, MMA_K, S)
-  Tensor partial = make_fragment_like(accum);
+  auto product = scaled_product<Collective>(smem, thread_mma, accum);
   constexpr int kValues = decltype(size(accum))::value;
-  static_assert(kGroups * 64 == C::kBlockN && kValues == 32 * kGroups, "32 values a 64-column group");
+  static_assert(kGroups * 64 == Collective::kBlockN && kValues == 32 * kGroups, "32 values a 64-column group");
   clear(accum);
   float next_b[kGroups];
   CUTE_UNROLL
@@ -377,11 +399,8 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
       CUTE_UNROLL
       for (int g = 0; g < kGroups; ++g) next_b[g] = __ldg(b_scales[g] + k_block + 1);
     }
-    issue_fresh_product(mma, t_r_a, t_r_b, stage, partial);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(partial);
-    pipeline.consumer_release(read_state);  // its operands and A scales are read
-    ++read_state;
+    product.issue(mma, stage);
+    product.retire(pipeline, read_state);  // its operands and A scales are read
     float scale[2][kGroups];
     CUTE_UNROLL
     for (int g = 0; g < kGroups; ++g) {
@@ -389,7 +408,7 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
       scale[1][g] = a1 * b[g];
     }
     CUTE_UNROLL
-    for (int i = 0; i < kValues; ++i) accum(i) += scale[(i / 2) % 2][i / 32] * partial(i);
+    for (int i = 0; i < kValues; ++i) accum(i) += scale[(i / 2) % 2][i / 32] * product.partial(i);
   }
 }
 
@@ -408,31 +427,25 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
                                                   Accum& accum, int row0, int row1, int col0,
                                                   const device::HandoffBound& bound) {
   using namespace cute;
-  using C = Collective;
-  Tensor t_r_a = stage_operand_a<C>(smem, thread_mma);  // (MMA, MMA_M, MMA_K, S)
-  Tensor t_r_b = stage_operand_b<C>(smem, thread_mma);  // (MMA, MMA_N, MMA_K, S)
-  Tensor partial = make_fragment_like(accum);
+  auto product = scaled_product<Collective>(smem, thread_mma, accum);
   constexpr int kValues = decltype(size(accum))::value;
   constexpr int kColumnPairs = kValues / 4;  // the thread's 2-column groups: 8 columns apart
-  static_assert(kValues * 2 == C::kBlockN, "a 64-row warpgroup's kBlockN columns, 128 threads");
+  static_assert(kValues * 2 == Collective::kBlockN, "a 64-row warpgroup's kBlockN columns, 128 threads");
   clear(accum);
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     consumer_wait_bounded(pipeline, read_state, bound);
     const int stage = read_state.index();
-    issue_fresh_product(mma, t_r_a, t_r_b, stage, partial);
+    product.issue(mma, stage);
     const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
     float2 b[kColumnPairs];
     CUTE_UNROLL
     for (int j = 0; j < kColumnPairs; ++j) b[j] = *reinterpret_cast<const float2*>(&smem.b_scales[stage][col0 + 8 * j]);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(partial);
-    pipeline.consumer_release(read_state);  // its operands and scales are read
-    ++read_state;
+    product.retire(pipeline, read_state);  // its operands and scales are read
     CUTE_UNROLL
     for (int i = 0; i < kValues; ++i) {
       const float a = (i / 2) % 2 == 0 ? a0 : a1;
       const float bj = i % 2 == 0 ? b[i / 4].x : b[i / 4].y;
-      accum(i) += (a * bj) * partial(i);
+      accum(i) += (a * bj) * product.partial(i);
     }
   }
 }
