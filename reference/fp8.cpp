@@ -25,18 +25,17 @@ float round_to_e4m3(float value) {
 float fp8_block_scale(float amax, bool finite, bool power_of_two) {
   if (!finite) return std::numeric_limits<float>::quiet_NaN();
   if (amax == 0.0f) return 1.0f;
-  float scale = amax / kE4m3Max;
+  float scale = std::max(amax / kE4m3Max, std::numeric_limits<float>::min());
   if (power_of_two) {  // rounded up to a power of two, by the device's bit operations (fp8_quant.cuh)
-    uint32_t bits = std::bit_cast<uint32_t>(scale);
-    const uint32_t exponent = bits & 0x7f800000u, mantissa = bits & 0x007fffffu;
-    if (exponent == 0) {
-      if ((mantissa & (mantissa - 1)) != 0) bits = 1u << (32 - std::countl_zero(mantissa));
-    } else if (mantissa != 0) {
-      bits = exponent + 0x00800000u;
-    }
-    scale = std::bit_cast<float>(bits);
+    const uint32_t bits = std::bit_cast<uint32_t>(scale);
+    if ((bits & 0x007fffffu) != 0) scale = std::bit_cast<float>((bits & 0x7f800000u) + 0x00800000u);
   }
   return scale;
+}
+
+float scaled_for_e4m3(float value, float scale) {
+  const float reciprocal = 1.0f / scale;  // IEEE fp32, as __frcp_rn
+  return value * reciprocal;
 }
 
 float quantize_block(double* values, int64_t count, int64_t stride, bool power_of_two) {
@@ -50,7 +49,7 @@ float quantize_block(double* values, int64_t count, int64_t stride, bool power_o
   const float scale = fp8_block_scale(amax, finite, power_of_two);
   for (int64_t i = 0; i < count; ++i) {
     double& v = values[i * stride];
-    v = static_cast<double>(round_to_e4m3(static_cast<float>(v) / scale)) * static_cast<double>(scale);
+    v = static_cast<double>(round_to_e4m3(scaled_for_e4m3(static_cast<float>(v), scale))) * static_cast<double>(scale);
   }
   return scale;
 }

@@ -1,7 +1,8 @@
 // FP8 quantization, DeepSeek-V3's recipe (docs/design.md, "FP8"): e4m3 values (round to nearest even,
 // saturating to +-448) with fp32 scales; value = e4m3 * scale.
-//   scale of a block = amax / 448 (amax: the largest |value| of the block; 1 for an all-zero block), or with
-//   power_of_two_scales that value rounded up to a power of two (scaling is then exact in any precision).
+//   scale of a block = amax / 448, at least 2^-126 (amax: the largest |value| of the block; 1 for an all-zero
+//   block), or with power_of_two_scales that value rounded up to a power of two (scaling is then exact in any
+//   precision); e4m3 = e4m3(value * (1 / scale)), each operation IEEE fp32.
 //   A block holding a NaN or an infinity gets a NaN scale: every product that reads it is NaN (the rows of that
 //   block only, for activations), never a finite wrong number.
 // Activations (quantize_rows_fp8): per row per 128 columns, the GEMM's A operand with a_scales [ceil(k/128),

@@ -71,7 +71,7 @@ class Fp8Weights:
 
 def quantize_weights(weights, power_of_two_scales: bool = False, transposed: bool = False) -> Fp8Weights:
     """The weights (a mok.Weights or dict of bf16 tensors on one CUDA device) quantized for the FP8 layer:
-    scale = amax / 448 of each 128 x 128 block (1 for an all-zero block, NaN for one holding a NaN or an infinity:
+    scale = amax / 448 (at least 2^-126) of each 128 x 128 block (1 for an all-zero block, NaN for one holding a NaN or an infinity:
     what reads it turns NaN, never a finite wrong number), or that rounded up to a power of two. transposed=True
     also writes what the FP8 backward reads (Fp8Weights.values_t, scales_t: [gate; up] and down transposed, the
     same values; twice the memory, in Fp8Weights.nbytes); it needs the intermediate size a multiple of 128, so that

@@ -5,8 +5,8 @@
 //            reduction, then the conversion (the block is read twice; the second read hits L1/L2).
 //   columns: one CTA per 128 rows x 64 columns of a schedule's rows, transposed through shared memory
 //            (quantize_columns_fp8, src/host/quantize_fp8.h).
-// The scale and every quotient are IEEE fp32 (amax / 448, value / scale), so the CPU reference
-// (tests/common/fp8.h, Fp8Matrix::quantize) gives the same bits.
+// The scale, its reciprocal and every product are IEEE fp32 (amax / 448, 1 / scale, value * (1 / scale);
+// src/device/common/fp8_quant.cuh), so the CPU reference (reference/fp8.h) gives the same bits.
 #include "mok/fp8.h"
 
 #include <algorithm>

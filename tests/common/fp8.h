@@ -71,14 +71,14 @@ struct Fp8Matrix {
     return m;
   }
 
-  // The scale of a block (include/mok/fp8.h): amax / 448, 1 for an all-zero block, NaN for a block holding a
-  // NaN or an infinity; with power_of_two, rounded up to a power of two. The CPU reference's rule (reference/fp8.h),
-  // which test_quantize_fp8 checks against the GPU's bitwise.
+  // The scale of a block (include/mok/fp8.h): amax / 448 (at least 2^-126), 1 for an all-zero block, NaN for a
+  // block holding a NaN or an infinity; with power_of_two, rounded up to a power of two. The CPU reference's rule
+  // (reference/fp8.h), which test_quantize_fp8 checks against the GPU's bitwise.
   static float block_scale(float amax, bool finite, bool power_of_two) {
     return reference::fp8_block_scale(amax, finite, power_of_two);
   }
 
-  // Quantizes `values` [rows, k] as the recipe does (include/mok/fp8.h): e4m3 = round(value / scale).
+  // Quantizes `values` [rows, k] as the recipe does (include/mok/fp8.h): e4m3 = round(value * (1 / scale)).
   static Fp8Matrix quantize(const std::vector<float>& values, int64_t rows, int64_t rows_per_expert, int k,
                             bool per_row, bool power_of_two = false) {
     Fp8Matrix m = shaped(rows, rows_per_expert, k, per_row);
@@ -93,7 +93,8 @@ struct Fp8Matrix {
       }
     for (size_t i = 0; i < amax.size(); ++i) m.scales[i] = block_scale(amax[i], finite[i], power_of_two);
     for (int64_t r = 0; r < rows; ++r)
-      for (int c = 0; c < k; ++c) m.bits[r * k + c] = to_e4m3_bits(values[r * k + c] / m.scales[m.scale_index(r, c)]);
+      for (int c = 0; c < k; ++c)
+        m.bits[r * k + c] = to_e4m3_bits(reference::scaled_for_e4m3(values[r * k + c], m.scales[m.scale_index(r, c)]));
     return m;
   }
 };

@@ -90,7 +90,7 @@ TEST(Fp8Primitives, RoundToE4m3IsCudasConversionBitwise) {
 
 // Blocks quantized by reference/fp8.h against tests/common/fp8.h's quantizer (bitwise the GPU's kernels,
 // tests/gpu/test_quantize_fp8.cpp): same values for rows with zero blocks, NaN, infinities, values past 448, tiny
-// amax (subnormal scales), with and without power-of-two scales.
+// amax (the scales' floor, 2^-126), with and without power-of-two scales.
 TEST(Fp8Primitives, RowsQuantizeAsTheGpuQuantizerDoes) {
   const int rows = 9, cols = 300;  // blocks of 128, 128 and 44 columns
   std::vector<float> values(rows * cols);
@@ -103,7 +103,7 @@ TEST(Fp8Primitives, RowsQuantizeAsTheGpuQuantizerDoes) {
   values[2 * cols + 5] = std::numeric_limits<float>::quiet_NaN();    // NaN: the block's scale NaN
   values[3 * cols + 200] = -std::numeric_limits<float>::infinity();  // infinity likewise
   for (int c = 0; c < cols; ++c) values[4 * cols + c] *= 1e6f;       // past e4m3's range
-  for (int c = 0; c < cols; ++c) values[5 * cols + c] = std::ldexp(values[5 * cols + c], -125);  // subnormal scales
+  for (int c = 0; c < cols; ++c) values[5 * cols + c] = std::ldexp(values[5 * cols + c], -125);  // the scales' floor
   values[6 * cols + 299] = 1e-42f;                                                               // a lone subnormal
   for (bool power_of_two : {false, true}) {
     const auto expected = mok::testing::Fp8Matrix::quantize(values, rows, rows, cols, true, power_of_two);
@@ -124,6 +124,48 @@ TEST(Fp8Primitives, RowsQuantizeAsTheGpuQuantizerDoes) {
   std::vector<double> row(values.begin() + 2 * cols, values.begin() + 3 * cols);
   ref::quantize_row(row.data(), cols, false);
   EXPECT_TRUE(std::isnan(row[0]) && std::isnan(row[127]) && std::isfinite(row[128]) && std::isfinite(row[299]));
+}
+
+// The recipe's scale and quotient, written out here: scale = amax / 448, at least 2^-126 (so 1 / scale is finite:
+// a subnormal scale's reciprocal can overflow, and 0 * inf is NaN); the value before its conversion is
+// value * fp32(1 / scale), which a power-of-two scale makes value / scale exactly.
+TEST(Fp8Primitives, ScalesHaveAFloorAndValuesAreMultipliedByTheReciprocal) {
+  const float floor = std::ldexp(1.0f, -126);
+  for (bool power_of_two : {false, true}) {
+    for (float amax : {1e-42f, 1e-40f, 1e-38f, 448.0f * std::ldexp(1.0f, -127)})
+      EXPECT_EQ(ref::fp8_block_scale(amax, true, power_of_two), floor) << amax << " pow2 " << power_of_two;
+    EXPECT_EQ(ref::fp8_block_scale(448.0f * std::ldexp(1.0f, -100), true, power_of_two), std::ldexp(1.0f, -100));
+    EXPECT_EQ(ref::fp8_block_scale(0.0f, true, power_of_two), 1.0f);
+    EXPECT_TRUE(std::isnan(ref::fp8_block_scale(1.0f, false, power_of_two)));
+  }
+  EXPECT_EQ(ref::fp8_block_scale(3.0f, true, false), 3.0f / 448.0f);
+  EXPECT_EQ(ref::fp8_block_scale(3.0f, true, true), 1.0f / 128.0f);  // 3 / 448 rounded up to a power of two
+
+  // A block at the floor: finite, zero stays zero, each value e4m3(value * 2^126) * 2^-126.
+  std::vector<double> tiny = {0.0, 1e-40, -3e-39, 2.5e-38, -1e-45};
+  const std::vector<double> given = tiny;
+  EXPECT_EQ(ref::quantize_block(tiny.data(), int64_t(tiny.size()), 1, false), floor);
+  for (size_t i = 0; i < tiny.size(); ++i) {
+    const float v = float(given[i]);
+    EXPECT_EQ(tiny[i], double(ref::round_to_e4m3(v * std::ldexp(1.0f, 126))) * double(floor)) << i;
+  }
+  EXPECT_EQ(tiny[0], 0.0);
+
+  uint64_t state = 99;
+  int64_t differ_from_division = 0;
+  for (int i = 0; i < 200000; ++i) {
+    state = mok::testing::mix64(state);
+    const float value = float(int64_t(state % 2000001) - 1000000) / 1237.0f;
+    const float scale = ref::fp8_block_scale(float(state >> 40) / 4096.0f + 1e-3f, true, false);
+    const float reciprocal = 1.0f / scale;
+    ASSERT_EQ(ref::scaled_for_e4m3(value, scale), value * reciprocal);
+    const float pow2 = std::ldexp(1.0f, int(state % 61) - 30);
+    ASSERT_EQ(ref::scaled_for_e4m3(value, pow2), value / pow2) << value << " / 2^" << int(state % 61) - 30;
+    differ_from_division += ref::round_to_e4m3(value * reciprocal) != ref::round_to_e4m3(value / scale);
+  }
+  // The two roundings differ from one division's only where the quotient is within an fp32 ulp of an e4m3 tie.
+  std::printf("e4m3(value * (1 / scale)) != e4m3(value / scale): %lld of 200000\n", (long long)differ_from_division);
+  EXPECT_LT(differ_from_division, 200);
 }
 
 TEST(Fp8Primitives, MatrixBlocksAre128By128) {

@@ -1,7 +1,7 @@
 // FP8 quantization kernels (include/mok/fp8.h) against the CPU reference (tests/common/fp8.h,
 // Fp8Matrix::quantize): bitwise, values and scales, for both layouts and both scale modes, on bf16 inputs that
 // cover the edge cases: all-zero blocks, values past e4m3's range (the scale brings them into it), tiny values
-// (subnormal scales), a partial last k-block and row block, NaN and infinity (a NaN scale for their block only).
+// (scales at their floor, 2^-126), a partial last k-block and row block, NaN and infinity (a NaN scale for their block only).
 // Outputs are poisoned first (0xff bytes, scale NaN with a payload): every element must be written.
 #include <algorithm>
 #include <cmath>
@@ -51,7 +51,7 @@ std::vector<uint16_t> edge_inputs(int64_t rows, int k, uint64_t seed) {
       switch (kind) {
         case 0: x = 0.0f; break;                               // all-zero blocks
         case 1: x *= 1e30f; break;                             // far past 448
-        case 2: x *= 1e-38f; break;                            // tiny: subnormal scales
+        case 2: x *= 1e-38f; break;                            // tiny: the scales' floor
         case 3: if (hashed_int(seed + 2, i, 0, 4000) == 0) x = NAN; break;
         case 4: if (hashed_int(seed + 2, i, 0, 4000) == 0) x = -INFINITY; break;
         default: break;
@@ -298,7 +298,8 @@ TEST(QuantizeFp8Test, ColumnsOfAScheduleMatchTheCpuBitwise) {
           const float scale = Fp8Matrix::block_scale(amax, finite, pow2);
           const int64_t block = want_offsets[e] / 128 + j;
           want_scales[block * k + c] = scale;
-          for (int r = 0; r < 128; ++r) want[c * out_rows + 128 * block + r] = testing::to_e4m3_bits(value(r) / scale);
+          for (int r = 0; r < 128; ++r)
+            want[c * out_rows + 128 * block + r] = testing::to_e4m3_bits(reference::scaled_for_e4m3(value(r), scale));
         }
     DeviceArray<uint16_t> d_in(in);
     DeviceArray<int32_t> d_counts(counts), d_offsets(offsets), d_out_offsets(std::vector<int32_t>(experts + 1, -1));
