@@ -71,9 +71,9 @@ class Fp8Weights:
 
 def quantize_weights(weights, power_of_two_scales: bool = False, transposed: bool = False) -> Fp8Weights:
     """The weights (a mok.Weights or dict of bf16 tensors on one CUDA device) quantized for the FP8 layer:
-    scale = amax / 448 (at least 2^-126) of each 128 x 128 block (1 for an all-zero block, NaN for one holding a NaN or an infinity:
-    what reads it turns NaN, never a finite wrong number), or that rounded up to a power of two. transposed=True
-    also writes what the FP8 backward reads (Fp8Weights.values_t, scales_t: [gate; up] and down transposed, the
+    scale = amax / 448 (at least 2^-126) of each 128 x 128 block (1 for an all-zero block, NaN for one holding a
+    NaN or an infinity: what reads it turns NaN, never a finite wrong number), or that rounded up to a power of two;
+    e4m3 = e4m3(value * (1 / scale)). transposed=True also writes what the FP8 backward reads (Fp8Weights.values_t, scales_t: [gate; up] and down transposed, the
     same values; twice the memory, in Fp8Weights.nbytes); it needs the intermediate size a multiple of 128, so that
     each 128-column block of [gate; up]^T is gate's or up's. Asynchronous on torch's current stream; new tensors
     (call it again after the weights change: the values are not tied to them)."""
