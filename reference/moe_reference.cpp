@@ -296,6 +296,9 @@ void validate_recipe(const Fp8Recipe& recipe) {
     throw std::invalid_argument(
         "mok::reference: Fp8Recipe::weight_gradients_from_quantized needs Fp8Recipe::forward (the quantized x and h "
         "are the FP8 forward's)");
+  if (recipe.dy_from_quantized_d_out && !recipe.dgrads)
+    throw std::invalid_argument(
+        "mok::reference: Fp8Recipe::dy_from_quantized_d_out needs Fp8Recipe::dgrads (d_out_q is the FP8 dgrads')");
 }
 
 void check_optional_size(const char* name, size_t actual, const char* formula, int64_t expected) {
@@ -512,6 +515,12 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
       recipe.dgrads ? quantized_rows(d_out, hidden_size, p2) : std::vector<double>{};
   const std::vector<double> x_quantized =
       recipe.weight_gradients_from_quantized ? quantized_rows(inputs.x, hidden_size, p2) : std::vector<double>{};
+  // The weight gradients' dy of a route with router weight rw, element `index` of d_out: T(rw * d_out), d_out as
+  // the FP8 down dgrad reads it with recipe.dy_from_quantized_d_out.
+  const auto weight_grad_dy = [&](double rw, int64_t index) {
+    const double value = recipe.dy_from_quantized_d_out ? d_out_quantized[index] : static_cast<double>(d_out[index]);
+    return rounded<T>(rw * value);
+  };
 
   // Phase 1: per route, recompute the forward, then d_rw, dh, dg, du and the d_x partial.
   const int64_t num_units = static_cast<int64_t>(plan.units.size());
@@ -638,7 +647,7 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
         const int64_t slot = RoutePlan::storage_idx(route, shape), row = route.token_idx * hidden_size;
         const double rw = route_weight(shape, inputs, route);
         for (int64_t h = 0; h < hidden_size; ++h) {
-          fp8_dy[slot * hidden_size + h] = rounded<T>(rw * static_cast<double>(d_out[row + h]));
+          fp8_dy[slot * hidden_size + h] = weight_grad_dy(rw, row + h);
           fp8_x[slot * hidden_size + h] =
               recipe.weight_gradients_from_quantized ? x_quantized[row + h] : static_cast<double>(inputs.x[row + h]);
         }
@@ -702,12 +711,11 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
       if (unit.tensor == Tensor::kDown) {
         // d_W_down[h, :] += dy[h] * h_route
         const double rw = route_weight(shape, inputs, route);
-        const T* d_out_row = d_out.data() + route.token_idx * hidden_size;
+        const int64_t d_out_row = route.token_idx * hidden_size + unit.row_begin;
         const double* hidden_row = route_hidden.data() + slot * inter_size;
         for (int64_t r = 0; r < num_rows; ++r) {
-          const double d_y = recipe.weight_gradients_fp8
-                                 ? fp8_dy[slot * hidden_size + unit.row_begin + r]
-                                 : rounded<T>(rw * static_cast<double>(d_out_row[unit.row_begin + r]));
+          const double d_y = recipe.weight_gradients_fp8 ? fp8_dy[slot * hidden_size + unit.row_begin + r]
+                                                         : weight_grad_dy(rw, d_out_row + r);
           add_scaled(acc.data() + r * cols, hidden_row, d_y, cols);
           if (magnitudes) add_scaled_abs(acc_abs.data() + r * cols, hidden_row, d_y, cols);
         }

@@ -132,6 +132,10 @@ struct Fp8Recipe {
   // `forward`), else from the bf16 x and the h before its quantization. Their other factor is dy = T(rw * d_out)
   // with the bf16 d_out, and dg, du before their quantization.
   bool weight_gradients_from_quantized = false;
+  // The down weight gradient's dy = T(rw * d_out_q), d_out as the FP8 down dgrad reads it (quantized per token per
+  // 1 x 128; needs `dgrads`), else from the bf16 d_out: what pulling d_out only as FP8 rows would leave the bf16
+  // weight gradient (issue 28 item 1 at EP > 1; docs/design.md, "FP8 backward").
+  bool dy_from_quantized_d_out = false;
   // FP8 weight gradients (issue 28 item 2's second way, DeepSeek-V3's): both factors of every weight gradient (the
   // values above) quantized along the routes: per column, per 128 consecutive routes of the expert in (token, j)
   // order, which is the schedule's row order at EP = 1 (at EP > 1 the schedule interleaves the source ranks, so

@@ -40,7 +40,8 @@ LayerShape make_shape(int tokens, int hidden, int intermediate, int num_experts,
 
 std::string describe(const Fp8Recipe& r) {
   return std::string("recipe{forward ") + (r.forward ? "1" : "0") + ", dgrads " + (r.dgrads ? "1" : "0") +
-         ", wgrad from quantized " + (r.weight_gradients_from_quantized ? "1" : "0") + ", fp8 wgrad " +
+         ", wgrad from quantized " + (r.weight_gradients_from_quantized ? "1" : "0") + ", dy from d_out_q " +
+         (r.dy_from_quantized_d_out ? "1" : "0") + ", fp8 wgrad " +
          (r.weight_gradients_fp8 ? "1" : "0") + ", fused " + (r.gate_up_fused ? "1" : "0") + ", pow2 " +
          (r.power_of_two_scales ? "1" : "0") + "}";
 }
@@ -299,7 +300,7 @@ LoopResult loops(const LayerShape& shape, const LayerParams<double>& params, con
       Factors& f = factors[j < 0 ? E : e];
       f.dW = {dwg, dwu, dwd};
       std::vector<double> dy(H);
-      for (int c = 0; c < H; ++c) dy[c] = rw * dout[c];
+      for (int c = 0; c < H; ++c) dy[c] = rw * (recipe.dy_from_quantized_d_out ? doq[c] : dout[c]);
       f.dy.push_back(dy);
       f.x.push_back(recipe.weight_gradients_from_quantized ? xq : x);
       f.h.push_back(recipe.weight_gradients_from_quantized ? hq : h);
@@ -364,6 +365,8 @@ TEST(ReferenceFp8, MatchesStraightforwardLoops) {
             Fp8Recipe{.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .gate_up_fused = true},
             Fp8Recipe{.dgrads = true, .power_of_two_scales = true},
             Fp8Recipe{.forward = true, .dgrads = true, .weight_gradients_fp8 = true},
+            Fp8Recipe{.dgrads = true, .dy_from_quantized_d_out = true},
+            Fp8Recipe{.forward = true, .dgrads = true, .dy_from_quantized_d_out = true, .weight_gradients_fp8 = true},
             Fp8Recipe{.forward = true,
             .dgrads = true,
             .weight_gradients_from_quantized = true,
@@ -444,6 +447,8 @@ TEST(ReferenceFp8, HowFarEachQuantizationPointMovesTheLayer) {
        {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true}},
       {"same, power-of-two scales",
        {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .power_of_two_scales = true}},
+      {"wgrads from x_q, h_q, dy from d_out_q",
+       {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .dy_from_quantized_d_out = true}},
       {"forward + dgrads, FP8 wgrads (bf16 x, h)", {.forward = true, .dgrads = true, .weight_gradients_fp8 = true}},
       {"forward + dgrads, FP8 wgrads (x_q, h_q)",
        {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .weight_gradients_fp8 = true}},
@@ -546,6 +551,9 @@ TEST(ReferenceFp8, RecipeIsValidatedAndDeterministic) {
   const auto d_out = ref::random_normal<double>(shape.num_tokens() * shape.hidden, 5);
   EXPECT_THROW(
       ref::backward(shape, params, inputs, d_out, 0, false, {.dgrads = true, .weight_gradients_from_quantized = true}),
+      std::invalid_argument);
+  EXPECT_THROW(
+      ref::backward(shape, params, inputs, d_out, 0, false, {.forward = true, .dy_from_quantized_d_out = true}),
       std::invalid_argument);
   const Fp8Recipe recipe{.forward = true, .dgrads = true, .weight_gradients_from_quantized = true};
   const auto a = ref::backward(shape, params, inputs, d_out, 1, true, recipe);
