@@ -1941,6 +1941,12 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
   };
   ASSERT_EQ(message(base), "no throw");
   struct Bad { const char* name; std::function<void(ExpertGemmArgs&)> edit; const char* expected; };
+  // The down dgrad (kSwiGLUBackward with its side inputs), which the quantized d_g | d_u cases edit further.
+  const auto dgrad = [](ExpertGemmArgs& a) {
+    a.epilogue = GemmEpilogue::kSwiGLUBackward;
+    a.gate_up = buffer;
+    a.row_partials = scales;
+  };
   const std::vector<Bad> bad = {
       {"no a_scales", [](ExpertGemmArgs& a) { a.a_scales = nullptr; }, "kFP8 needs a_scales"},
       {"misaligned a_scales", [](ExpertGemmArgs& a) { a.a_scales = scales + 1; }, "kFP8 needs a_scales"},
@@ -1968,21 +1974,15 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
        "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
       {"quantized h from kStore", [](ExpertGemmArgs& a) { a.out_scales = scales; },
        "out_scales (h, or with kSwiGLUBackward d_g | d_u, written quantized) is only for kSwiGLU and kSwiGLUBackward"},
-      {"quantized d_g | d_u without quantized_out",
-       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; a.gate_up = buffer; a.row_partials = scales;
-                               a.out_scales = scales; },
+      {"quantized d_g | d_u without quantized_out", [&](ExpertGemmArgs& a) { dgrad(a); a.out_scales = scales; },
        "kSwiGLUBackward with out_scales needs quantized_out"},
       {"misaligned quantized_out",
-       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; a.gate_up = buffer; a.row_partials = scales;
-                               a.out_scales = scales; a.quantized_out = buffer + 1; },
+       [&](ExpertGemmArgs& a) { dgrad(a); a.out_scales = scales; a.quantized_out = buffer + 1; },
        "kSwiGLUBackward with out_scales needs quantized_out"},
       {"quantized d_g | d_u, n % 128 != 0",
-       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; a.gate_up = buffer; a.row_partials = scales;
-                               a.out_scales = scales; a.quantized_out = buffer; a.n = 448; },
+       [&](ExpertGemmArgs& a) { dgrad(a); a.out_scales = scales; a.quantized_out = buffer; a.n = 448; },
        "n must be a multiple of 128"},
-      {"quantized_out without out_scales",
-       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLUBackward; a.gate_up = buffer; a.row_partials = scales;
-                               a.quantized_out = buffer; },
+      {"quantized_out without out_scales", [&](ExpertGemmArgs& a) { dgrad(a); a.quantized_out = buffer; },
        "quantized_out is only for kFP8 kSwiGLUBackward with out_scales"},
       {"quantized_out from kSwiGLU",
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.quantized_out = buffer; },

@@ -1,6 +1,6 @@
 // The FP8 recipe's per-block arithmetic on the device (include/mok/fp8.h): a block's scale from its largest
 // |value|, and one value's e4m3 bits. Shared by the quantization kernels (src/host/quantize_fp8.cu) and the FP8
-// SwiGLU epilogue that writes h quantized (src/device/gemm/gemm_epilogue.cuh), so that both give the same bits.
+// epilogues that quantize their rows (h, d(g|u): src/device/gemm/gemm_epilogue.cuh), so that all give the same bits.
 // The scale is an IEEE fp32 division (once per block); a value is multiplied by the scale's correctly rounded
 // reciprocal (not divided by the scale: an IEEE division per value is an inline fast path and a CALL to its slow
 // path, 840 of the FP8 forward megakernel's SASS instructions, perf_notes round 33), and the conversion is CUDA's
@@ -27,6 +27,18 @@ __device__ __forceinline__ float fp8_block_scale(float amax, bool finite, bool p
     if ((bits & 0x007fffffu) != 0) scale = __uint_as_float((bits & 0x7f800000u) + 0x00800000u);
   }
   return scale;
+}
+
+// The scale of a row's 1 x 128 block whose values a quad of lanes (4q .. 4q + 3, the wgmma accumulator's columns of one
+// row) holds, from each lane's `amax` and `finite` over its values: the quad's by a butterfly, so that every lane of
+// the quad returns the same scale (NaN when any lane saw a NaN or an infinity). All 32 lanes call it.
+__device__ __forceinline__ float quad_block_scale(float amax, bool finite, bool power_of_two) {
+#pragma unroll
+  for (int offset = 1; offset < 4; offset *= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, offset));
+    finite = __shfl_xor_sync(0xffffffff, int(finite), offset) != 0 && finite;
+  }
+  return fp8_block_scale(amax, finite, power_of_two);
 }
 
 // value * (1 / scale), each IEEE fp32 (a power-of-two scale: exactly value / scale). The reciprocal is the same

@@ -497,17 +497,8 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp>>
         amax[v % 2] = fmaxf(amax[v % 2], fmaxf(fabsf(h.x), fabsf(h.y)));
       }
     }
-    float scale[2];
-    CUTE_UNROLL
-    for (int half = 0; half < 2; ++half) {
-      // The row's quad (lanes 4q .. 4q + 3 hold its columns): every lane ends with the row's amax.
-      CUTE_UNROLL
-      for (int offset = 1; offset < 4; offset *= 2) {
-        amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], offset));
-        finite[half] = __shfl_xor_sync(0xffffffff, int(finite[half]), offset) != 0 && finite[half];
-      }
-      scale[half] = device::fp8_block_scale(amax[half], finite[half], p.out_power_of_two);
-    }
+    const float scale[2] = {device::quad_block_scale(amax[0], finite[0], p.out_power_of_two),
+                            device::quad_block_scale(amax[1], finite[1], p.out_power_of_two)};
     // The scales first: stored before the staging barrier in end_pass, so that a release after it (the
     // megakernel's rows-done count) covers them as it covers the TMA stores.
     if (threadIdx.x % 4 == 0) {
@@ -718,18 +709,14 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
     for (int part = 0; part < 2; ++part) {
       CUTE_UNROLL
       for (int half = 0; half < 2; ++half) {
-        float amax = stats.amax[part][half], check = stats.check[part][half];
-        CUTE_UNROLL
-        for (int offset = 1; offset < 4; offset *= 2) {
-          amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, offset));
-          check += __shfl_xor_sync(0xffffffff, check, offset);
-        }
-        scale[part][half] = device::fp8_block_scale(amax, !isnan(check), p.out_power_of_two);
+        scale[part][half] =
+            device::quad_block_scale(stats.amax[part][half], !isnan(stats.check[part][half]), p.out_power_of_two);
         const int r = get<0>(coords(2 * half));
         if (threadIdx.x % 4 == 0) {
           p.out_scales[int64_t(part * (p.n / 128) + task.n_block) * p.a_rows + task.buffer_row + r] =
               scale[part][half];
-          if (isnan(check)) device::record_nonfinite(p.status, NonFiniteWhere::kDGateUp, p.rank, task.row + r);
+          if (isnan(scale[part][half]))
+            device::record_nonfinite(p.status, NonFiniteWhere::kDGateUp, p.rank, task.row + r);
         }
       }
     }
