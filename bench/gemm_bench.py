@@ -22,7 +22,7 @@ pre-quantized) and the dense FP8 ceiling (torch._scaled_mm, rowwise); see fp8_ma
 Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--cluster 0|1|2]
                      [--shapes A,B] [--only ours|torch|dense] [--trace DIR] [--gemm expert|wgrad|all|fp8] [--ep N]
                      [--fp8] (with --gemm wgrad)
-                     [--block-n 0|128|192]
+                     [--block-n 0|128|192] [--wide-gate-up] (with --gemm fp8)
 """
 import argparse
 import ctypes
@@ -194,6 +194,9 @@ def main():
     parser.add_argument("--ep", type=positive_int, default=None,
                         help="--gemm fp8 (default 8) and wgrad (default 2): the EP size whose rank 0 row counts are "
                              "used")
+    parser.add_argument("--wide-gate-up", action="store_true",
+                        help="--gemm fp8: also fp8_qw, the gate/up GEMM writing h quantized with one 128 x 256 tile "
+                             "a task (ExpertGemmArgs::block_n 256, an experiment), timed in the same turns")
     parser.add_argument("--digest", action="store_true",
                         help="--gemm fp8: print a fingerprint of our outputs per GEMM (inputs seeded), so that two "
                              "builds' bits can be compared (--lib)")
@@ -504,13 +507,13 @@ def fp8_main(args):
             out_q = torch.empty(rows_padded, n_out, device="cuda", dtype=torch.uint8)
             out_qs = torch.empty((n_out + 127) // 128, rows_padded, device="cuda", dtype=torch.float32)
 
-            def ours_fp8(quantized_out=False):
+            def ours_fp8(quantized_out=False, block_n=0):
                 rc = lib.mok_bench_expert_gemm_fp8(
                     epilogue, a_q.data_ptr(), a_s.data_ptr(), rows_padded, k, w_q.data_ptr(), w_s.data_ptr(), None,
                     None, n_out, local, counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None,
                     out_q.data_ptr() if quantized_out else out.data_ptr(),
                     out_qs.data_ptr() if quantized_out else None, None, args.cluster,
-                    args.block_n if epilogue == 0 else 0, ticket.data_ptr(), status,
+                    args.block_n if epilogue == 0 else block_n, ticket.data_ptr(), status,
                     WAIT_TIMEOUT_S, stream, error, len(error))
                 if rc != 0:
                     raise RuntimeError(error.value.decode())
@@ -541,6 +544,8 @@ def fp8_main(args):
             fns = {"fp8": ours_fp8, "bf16": ours_bf16, "t_fp8": torch_fp8}
             if epilogue == 1:
                 fns["fp8_q"] = lambda: ours_fp8(quantized_out=True)
+                if args.wide_gate_up:
+                    fns["fp8_qw"] = lambda: ours_fp8(quantized_out=True, block_n=256)
             available = {}
             for key, fn in fns.items():
                 try:
@@ -552,8 +557,10 @@ def fp8_main(args):
             if args.digest and "fp8" in available:
                 ours_fp8()  # (ours_bf16 wrote `out` since)
                 prints = [f"fp8 {fingerprint(out)}"]
-                if "fp8_q" in available:
-                    prints.append(f"fp8_q {fingerprint(out_q)} scales {fingerprint(out_qs)}")
+                for key in ("fp8_q", "fp8_qw"):
+                    if key in available:
+                        available[key]()
+                        prints.append(f"{key} {fingerprint(out_q)} scales {fingerprint(out_qs)}")
                 print(f"  digest {name} {label}: {', '.join(prints)}", flush=True)
             times = dict(zip(available, time_ms(list(available.values()), args.iters)))
             clocks = dict(zip(available, LAST_CLOCKS))
@@ -565,8 +572,9 @@ def fp8_main(args):
             tf = {key: flops / t / 1e9 for key, t in times.items()}
             cell = lambda key: f"{tf[key]:7.0f}" if key in tf else f"{'-':>7s}"
             ratio = lambda key, width: f"{tf['fp8'] / tf[key]:{width}.2f}" if "fp8" in tf and key in tf else f"{'-':>{width}s}"
+            wide = f" fp8_qw {cell('fp8_qw')}" if "fp8_qw" in tf else ""
             print(f"{name:16s} {label:8s} {local:4d} {rows:7d} {cell('fp8')} {cell('fp8_q')} {cell('bf16')} "
-                  f"{cell('t_fp8')} {cell('d_fp8')} {ratio('bf16', 8)} {ratio('t_fp8', 9)} {ratio('d_fp8', 9)}",
+                  f"{cell('t_fp8')} {cell('d_fp8')} {ratio('bf16', 8)} {ratio('t_fp8', 9)} {ratio('d_fp8', 9)}{wide}",
                   flush=True)
             line = clock_line(list(clocks), list(clocks.values()))
             if line:

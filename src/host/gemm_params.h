@@ -36,6 +36,12 @@ using Fp8GemmTraits = gemm::GemmTraits<128, 128, 5, gemm::Fp8Mainloop, Epilogue,
 // tiles share one shape).
 template <int kClusterN>
 using Fp8WideStoreTraits = gemm::GemmTraits<128, 192, 5, gemm::Fp8Mainloop, gemm::StoreEpilogue, kClusterN>;
+// The FP8 gate/up GEMM writing h quantized with one 128 x 256 tile a task (ExpertGemmArgs::block_n 256, an
+// experiment): A loaded once for the task's 128 gate and 128 up columns instead of once per 128 x 128 pass; 4 stages
+// of 48 KB. Standalone only.
+template <int kClusterN>
+using Fp8WideGateUpTraits =
+    gemm::GemmTraits<128, 256, 4, gemm::Fp8Mainloop, gemm::SwiGLUQuantEpilogue<false, 1>, kClusterN>;
 
 // A standalone GEMM launch's second kernel argument: its waits' bound (`waits` validated) and the test knob.
 inline gemm::StandaloneWaits standalone_waits(const WaitBound& waits, KernelId kernel) {

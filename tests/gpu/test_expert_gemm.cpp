@@ -1565,7 +1565,8 @@ TEST(ExpertGemmTest, Fp8SwiGLUFusedAndSeparateWeights) {
 // separate weights, row scales, the clamp, power-of-two scales, and a row whose A holds a NaN (its blocks' scales
 // NaN, no other row touched). With gate_up_out and hidden_out (a training context's side outputs,
 // SwiGLUQuantEpilogue<true>): the same e4m3 values and scales, and g | u and h bitwise the plain kSwiGLU's (its
-// gate_up_out and out), poison past the schedule in both.
+// gate_up_out and out), poison past the schedule in both. With block_n 256 (one 128 x 256 tile a task; at n 192 its
+// last task computes 64 columns past n): the same e4m3 values and scales.
 TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
   MOK_REQUIRE_GPUS(1);
   using testing::Fp8Matrix;
@@ -1606,11 +1607,11 @@ TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
     const int blocks = (c.n + 127) / 128;
     DeviceArray<uint16_t> d_h(size_t(fx.a_rows) * c.n), d_gu(size_t(fx.a_rows) * 2 * c.n);
     DeviceArray<uint16_t> d_side_h(d_h.count), d_side_gu(d_gu.count);
-    DeviceArray<uint8_t> d_q(size_t(fx.a_rows) * c.n), d_side_q(d_q.count);
-    DeviceArray<float> d_s(size_t(blocks) * fx.a_rows), d_side_s(d_s.count);
+    DeviceArray<uint8_t> d_q(size_t(fx.a_rows) * c.n), d_side_q(d_q.count), d_wide_q(d_q.count);
+    DeviceArray<float> d_s(size_t(blocks) * fx.a_rows), d_side_s(d_s.count), d_wide_s(d_s.count);
     for (auto* d : {&d_h, &d_gu, &d_side_h, &d_side_gu}) d->upload(std::vector<uint16_t>(d->count, kPoison));
-    for (auto* d : {&d_q, &d_side_q}) d->upload(std::vector<uint8_t>(d->count, kBytePoison));
-    for (auto* d : {&d_s, &d_side_s}) d->upload(float_poison(d->count));
+    for (auto* d : {&d_q, &d_side_q, &d_wide_q}) d->upload(std::vector<uint8_t>(d->count, kBytePoison));
+    for (auto* d : {&d_s, &d_side_s, &d_wide_s}) d->upload(float_poison(d->count));
     auto args_for = [&](void* out) {
       ExpertGemmArgs args =
           c.separate ? fp8_tests::fp8_args(fx, GemmEpilogue::kSwiGLU, d_a, d_sa, k, d_gate, d_sgate, c.n, out)
@@ -1637,6 +1638,11 @@ TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
     side.gate_up_out = d_side_gu.ptr;
     side.hidden_out = d_side_h.ptr;
     expert_gemm(side, nullptr);
+    ExpertGemmArgs wide = quantized;
+    wide.out = d_wide_q.ptr;
+    wide.out_scales = d_wide_s.ptr;
+    wide.block_n = 256;
+    expert_gemm(wide, nullptr);
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
     // The NaN row's h blocks are reported (without the clamp; with it fminf / fmaxf return the other operand, as
     // in bf16, and h stays finite); nothing else is.
@@ -1681,6 +1687,10 @@ TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
     for (size_t i = 0; i < s.size(); ++i)
       ASSERT_EQ(float_bits(side_s[i]), float_bits(s[i])) << "scale " << i << " with the side outputs, " << label;
     ASSERT_EQ(d_side_h.download(), h) << "hidden_out against the plain kSwiGLU's h, " << label;
+    ASSERT_EQ(d_wide_q.download(), q) << "e4m3 h of the 128 x 256 tile (block_n 256), " << label;
+    const auto wide_s = d_wide_s.download();
+    for (size_t i = 0; i < s.size(); ++i)
+      ASSERT_EQ(float_bits(wide_s[i]), float_bits(s[i])) << "scale " << i << " of the 128 x 256 tile, " << label;
     ASSERT_EQ(d_side_gu.download(), d_gu.download()) << "gate_up_out against the plain kSwiGLU's, " << label;
   }
 }
@@ -1969,6 +1979,16 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
       {"block_n 256", [](ExpertGemmArgs& a) { a.block_n = 256; }, "block_n must be 0 (choose), or 128 or 192"},
       {"block_n for kSwiGLU", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.block_n = 192; },
        "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
+      {"block_n 256 for the bf16-h SwiGLU", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.block_n = 256; },
+       "or 256 for kFP8 kSwiGLU writing h quantized without gate_up_out"},
+      {"block_n 256 beside gate_up_out",
+       [](ExpertGemmArgs& a) {
+         a.epilogue = GemmEpilogue::kSwiGLU;
+         a.out_scales = scales;
+         a.gate_up_out = a.hidden_out = buffer;
+         a.block_n = 256;
+       },
+       "or 256 for kFP8 kSwiGLU writing h quantized without gate_up_out"},
       {"block_n in bf16",
        [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; a.a_scales = a.b_scales = nullptr; a.block_n = 128; },
        "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
@@ -2019,6 +2039,12 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
     b.edit(args);
     EXPECT_NE(message(args).find(b.expected), std::string::npos) << b.name << ": " << message(args);
   }
+  ExpertGemmArgs wide_gate_up = base;  // h written quantized by one 128 x 256 tile a task
+  wide_gate_up.epilogue = GemmEpilogue::kSwiGLU;
+  wide_gate_up.out_scales = scales;
+  wide_gate_up.block_n = 256;
+  EXPECT_EQ(message(wide_gate_up), "no throw");
+  EXPECT_EQ(gemm_n_blocks(wide_gate_up), 2);
   ExpertGemmArgs down_dgrad = base;  // the FP8 down dgrad: K-major b (W_down transposed), 128-column tiles
   down_dgrad.epilogue = GemmEpilogue::kSwiGLUBackward;
   down_dgrad.gate_up = buffer;

@@ -386,13 +386,20 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
 // staged together (kSideBoxes) and stored while the next pass's mainloop runs (store_side_outputs): what the
 // backward would otherwise recompute, the same bits. Their descriptors are of e4m3 over the bf16 tensors' bytes
 // (a 64 x 128-byte box is 64 x 64 bf16; the TMA copies bytes): src/host/gemm_params.h.
-template <bool kWritesGateUp>
-struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp>> {
+// kPasses_ = 1 (an experiment, ExpertGemmArgs::block_n 256; kWritesGateUp false only): the task's 128 h columns are
+// one pass of a 128 x 256 tile (the 128 gate and the 128 up columns, A loaded once), whose mainloop promotes its
+// two 128-column wgmma halves in turn (mainloop_block_scaled's splits); a last task of 64 columns computes the
+// 64 past n too (rows of the next expert or of the up half: keep zeroes those h columns, so they add nothing to the
+// block's amax, and the TMA store leaves columns past n alone).
+template <bool kWritesGateUp, int kPasses_ = 2>
+struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp, kPasses_>> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLU;
   static constexpr bool kGateUpOut = kWritesGateUp;
-  static constexpr bool kOpaqueCoordinates = false;
+  // One pass of 256 columns: store's 64 staged values' addresses, hoisted out of the persistent loop, spilled (ptxas).
+  static constexpr bool kOpaqueCoordinates = kPasses_ == 1;
   using OutElement = cutlass::float_e4m3_t;
-  static constexpr int kPasses = 2;
+  static constexpr int kPasses = kPasses_;
+  static_assert(kPasses == 2 || (kPasses == 1 && !kWritesGateUp), "two passes of 128 x 128, or one of 128 x 256");
   static constexpr int kSideBoxes = kWritesGateUp ? 3 : 0;  // g, u and h of a pass
   static constexpr int out_cols(int block_n) { return kPasses * block_n / 2; }
 
@@ -409,7 +416,7 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp>>
   // Passes of a task (the producer and the consumers agree): two, or one for a last task of 64 columns.
   template <class Params>
   __device__ __forceinline__ static int passes(const Params& p, const TileTask& task) {
-    return task.n_block * 128 + 64 < p.n ? kPasses : 1;
+    return kPasses == 1 || task.n_block * 128 + 64 < p.n ? kPasses : 1;
   }
   // The 128 x 128 FP8 tile of pass q: its n-block in 64-column units (load_tile's and b_scale_group's).
   __device__ __forceinline__ static TileTask pass_task(const TileTask& task, int pass) {
@@ -432,7 +439,8 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp>>
     for (int i = 0; i < kHalf; i += 2) {
       float h[2];
       swiglu_pair<kHalf>(accum, i, limit, rows.row_scale[(i / 2) % 2], h);
-      const bool real = get<0>(coords(i)) < rows.valid_rows;
+      bool real = get<0>(coords(i)) < rows.valid_rows;
+      if constexpr (kPasses == 1) real = real && task.n_block * 128 + get<1>(coords(i)) < p.n;  // (see above)
       h_out[i / 2] = real ? __floats2bfloat162_rn(h[0], h[1]) : __floats2bfloat162_rn(0.0f, 0.0f);
     }
   }

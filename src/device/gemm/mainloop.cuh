@@ -121,6 +121,11 @@ inline constexpr int kTilePasses = [] {
     return 1;
 }();
 
+// An epilogue that keeps each pass's results in registers (a carry) and writes the task's output from them after
+// the last pass (SwiGLUQuantEpilogue: its 1 x 128 scales need a whole 128-column block of h).
+template <class T>
+concept KeepsCarry = requires { typename T::Epilogue::template CarryOf<T>; };
+
 // A configuration whose A stages the producer's threads write with cp.async (row_gather.cuh) instead of TMA.
 template <class T>
 concept GathersRows = requires { requires T::kGatherRows; };
@@ -162,14 +167,19 @@ struct CollectiveMainloop {
   static constexpr int kStages = kStages_;
   static_assert(kBlockM == 64 || kBlockM == 128, "one consumer warpgroup per 64 rows");
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N");
+  // The N of one wgmma: the tile's, except a block-scaled tile of 256 columns, whose product is two wgmmas of 128
+  // columns promoted in turn through one 64-value partial (mainloop_block_scaled): a 256-column partial beside the
+  // 128 promoted values a thread would not fit in its registers.
+  static constexpr int kMmaN = BlockScaled<Operands_> && kBlockN_ == 256 ? 128 : kBlockN_;
+  static constexpr int kNSplits = kBlockN / kMmaN;
   static_assert(kBlockK % 16 == 0 && kBlockK * sizeof(Element) <= 128, "wgmma K steps within one swizzle row");
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
   // setmaxnreg only moves registers within what the CTA got at launch (65536 / kThreads, rounded down to
   // 8, per thread): asking for more makes setmaxnreg.inc wait forever (a hang, seen with 48 / 232).
-  // A block-scaled tile wider than 128 columns keeps two accumulator sets of 96 values a thread: 232 registers
-  // for its consumers, 40 left to the producer (which only issues TMA loads).
+  // A block-scaled tile wider than 128 columns keeps 96 promoted and 96 partial values a thread (192 columns), or
+  // 128 and 64 (256 columns): 232 registers for its consumers, 40 left to the producer (which only issues TMA loads).
   static constexpr bool kWideBlockScaled = BlockScaled<Operands_> && kBlockN_ > 128;
   static constexpr int kProducerRegisters = kWideBlockScaled ? 40 : 48;
   static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? (kWideBlockScaled ? 232 : 224) : 240;
@@ -181,7 +191,7 @@ struct CollectiveMainloop {
   using SmemLayoutB = typename Operands::template StageLayout<Operands::kBMajor, kBlockN, kBlockK, kStages>;
   using TiledMma = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<64>, cute::Int<kBlockN>, cute::Int<kBlockK>>,
+                                 cute::Shape<cute::Int<64>, cute::Int<kMmaN>, cute::Int<kBlockK>>,
                                  Operands::gmma_major(Operands::kAMajor), Operands::gmma_major(Operands::kBMajor)>(),
       cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
 
@@ -322,34 +332,40 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   }
 }
 
-// The scaled mainloops' operands and per-k-block product: the stage's wgmma batch into fresh fp32 accumulators
-// (`partial`: the first wgmma overwrites them), issued, then retired (waited for, the stage handed back) before
-// the caller promotes it into its accumulators.
+// The scaled mainloops' operands and per-k-block product: the stage's wgmma batch of one split (the B rows
+// [split kMmaN, (split + 1) kMmaN) of the stage; one split unless the tile is wider than a wgmma) into fresh fp32
+// accumulators (`partial`, one split's fragment: the first wgmma overwrites it), issued, then waited for before
+// the caller promotes it into its accumulators; the stage is handed back after its last split (retire).
 template <class OperandA, class OperandB, class Partial>
 struct ScaledProduct {
-  OperandA t_r_a;  // (MMA, MMA_M, MMA_K, S)
-  OperandB t_r_b;  // (MMA, MMA_N, MMA_K, S)
-  Partial partial;
+  OperandA t_r_a;  // (MMA, MMA_M, MMA_K, S), MMA_M = 1
+  OperandB t_r_b;  // (MMA, MMA_N, MMA_K, S), MMA_N = the splits
+  Partial partial;  // (MMA)
 
   template <class Mma>
-  __device__ __forceinline__ void issue(Mma& mma, int stage) {
+  __device__ __forceinline__ void issue(Mma& mma, int stage, int split = 0) {
     using namespace cute;
     warpgroup_fence_operand(partial);
     warpgroup_arrive();
     mma.accumulate_ = GMMA::ScaleOut::Zero;
     CUTE_UNROLL
     for (int k = 0; k < size<2>(t_r_a); ++k) {
-      cute::gemm(mma, t_r_a(_, _, k, stage), t_r_b(_, _, k, stage), partial);
+      cute::gemm(mma, t_r_a(_, 0, k, stage), t_r_b(_, split, k, stage), partial);
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
   }
 
+  // The batch issued last has completed: `partial` holds its product.
+  __device__ __forceinline__ void wait() {
+    cute::warpgroup_wait<0>();
+    cute::warpgroup_fence_operand(partial);
+  }
+
   // Once the stage's operands (and whatever else of it the caller read) are no longer needed.
   template <class Pipeline, class State>
   __device__ __forceinline__ void retire(Pipeline& pipeline, State& read_state) {
-    cute::warpgroup_wait<0>();
-    cute::warpgroup_fence_operand(partial);
+    wait();
     pipeline.consumer_release(read_state);
     ++read_state;
   }
@@ -359,9 +375,12 @@ template <class Collective, class Storage, class ThreadMma, class Accum>
 __device__ __forceinline__ auto scaled_product(Storage& smem, const ThreadMma& thread_mma, const Accum& accum) {
   using A = decltype(stage_operand_a<Collective>(smem, thread_mma));
   using B = decltype(stage_operand_b<Collective>(smem, thread_mma));
-  using P = decltype(cute::make_fragment_like(accum));
+  using P = decltype(cute::make_fragment_like(accum(cute::_, 0, 0)));
+  static_assert(decltype(cute::size<1>(accum))::value == 1 &&
+                    decltype(cute::size<2>(accum))::value == Collective::kNSplits,
+                "a warpgroup's 64 rows, one (MMA) fragment per split");
   return ScaledProduct<A, B, P>{stage_operand_a<Collective>(smem, thread_mma),
-                                stage_operand_b<Collective>(smem, thread_mma), cute::make_fragment_like(accum)};
+                                stage_operand_b<Collective>(smem, thread_mma), cute::make_fragment_like(accum(cute::_, 0, 0))};
 }
 
 // The mainloop of an active consumer warpgroup with block-scaled (FP8) operands: per k-block, the stage's
@@ -369,9 +388,10 @@ __device__ __forceinline__ auto scaled_product(Storage& smem, const ThreadMma& t
 //   accum[i] += (a_scale[row of i] * b_scale[64-column group of i]) * partial[i]
 // in ascending k-block order, so each output element is one fixed-order sum (deterministic). The wgmma batch
 // is waited for before the promotion: the other consumer warpgroup's batch runs meanwhile (DeepGEMM's
-// overlap). row0 / row1: the tile rows of the thread's fragment rows (values i with (i / 2) % 2 = 0 / 1);
-// values [32 g, 32 g + 32) are columns [64 g, 64 g + 64), group g (gemm_epilogue.cuh's fragment layout).
-// b_scales[g]: group g's B scales per k-block (read one k-block ahead; BlockScaledParams::b_scale_group).
+// overlap). A 256-column tile does this per k-block for each 128-column split in turn (kNSplits; its values
+// [64 s, 64 s + 64) are split s's columns), through the one partial. row0 / row1: the tile rows of the thread's
+// fragment rows (values i with (i / 2) % 2 = 0 / 1); values [32 g, 32 g + 32) are columns [64 g, 64 g + 64), group g
+// (gemm_epilogue.cuh's fragment layout). b_scales[g]: group g's B scales per k-block (BlockScaledParams::b_scale_group).
 template <class Collective, class Storage, class ThreadMma, class Accum, int kGroups>
 __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage& smem,
                                                       typename Collective::Pipeline& pipeline,
@@ -385,30 +405,48 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
   constexpr int kValues = decltype(size(accum))::value;
   static_assert(kGroups * 64 == Collective::kBlockN && kValues == 32 * kGroups, "32 values a 64-column group");
   clear(accum);
-  float next_b[kGroups];
-  CUTE_UNROLL
-  for (int g = 0; g < kGroups; ++g) next_b[g] = num_k_blocks > 0 ? __ldg(b_scales[g]) : 0.0f;
+  constexpr int kSplits = Collective::kNSplits, kSplitValues = kValues / kSplits, kSplitGroups = kGroups / kSplits;
+  // B scales: one k-block ahead, or with splits (whose registers are short) loaded at the top of their k-block.
+  constexpr bool kAhead = kSplits == 1;
+  [[maybe_unused]] float next_b[kGroups];
+  if constexpr (kAhead) {
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) next_b[g] = num_k_blocks > 0 ? __ldg(b_scales[g]) : 0.0f;
+  }
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    float b[kGroups];
+    if constexpr (!kAhead) {
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) b[g] = __ldg(b_scales[g] + k_block);
+    }
     consumer_wait_bounded(pipeline, read_state, bound);
     const int stage = read_state.index();
     const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
-    float b[kGroups];
-    CUTE_UNROLL
-    for (int g = 0; g < kGroups; ++g) b[g] = next_b[g];
-    if (k_block + 1 < num_k_blocks) {
+    if constexpr (kAhead) {
       CUTE_UNROLL
-      for (int g = 0; g < kGroups; ++g) next_b[g] = __ldg(b_scales[g] + k_block + 1);
-    }
-    product.issue(mma, stage);
-    product.retire(pipeline, read_state);  // its operands and A scales are read
-    float scale[2][kGroups];
-    CUTE_UNROLL
-    for (int g = 0; g < kGroups; ++g) {
-      scale[0][g] = a0 * b[g];
-      scale[1][g] = a1 * b[g];
+      for (int g = 0; g < kGroups; ++g) b[g] = next_b[g];
+      if (k_block + 1 < num_k_blocks) {
+        CUTE_UNROLL
+        for (int g = 0; g < kGroups; ++g) next_b[g] = __ldg(b_scales[g] + k_block + 1);
+      }
     }
     CUTE_UNROLL
-    for (int i = 0; i < kValues; ++i) accum(i) += scale[(i / 2) % 2][i / 32] * product.partial(i);
+    for (int split = 0; split < kSplits; ++split) {
+      product.issue(mma, stage, split);
+      if (split + 1 < kSplits)
+        product.wait();
+      else
+        product.retire(pipeline, read_state);  // its operands and A scales are read
+      float scale[2][kSplitGroups];  // of the split's 64-column groups
+      CUTE_UNROLL
+      for (int g = 0; g < kSplitGroups; ++g) {
+        scale[0][g] = a0 * b[split * kSplitGroups + g];
+        scale[1][g] = a1 * b[split * kSplitGroups + g];
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < kSplitValues; ++i)
+        accum(split * kSplitValues + i) += scale[(i / 2) % 2][i / 32] * product.partial(i);
+    }
   }
 }
 
@@ -488,9 +526,9 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
     return;
   }
   T::Epilogue::template prefetch<T>(p, task, warpgroup, consumer_idx % 128);
-  if constexpr (BlockScaled<T> && kTilePasses<T> > 1) {
-    // A task of several 128 x 128 tiles along n (SwiGLUQuantEpilogue): a mainloop per pass, its results kept in
-    // registers by the epilogue, which then writes the task's output from them.
+  if constexpr (BlockScaled<T> && KeepsCarry<T>) {
+    // A task of one or several tiles along n (SwiGLUQuantEpilogue: two of 128 x 128, or one of 128 x 256): a
+    // mainloop per pass, its results kept in registers by the epilogue, which then writes the task's output from them.
     Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
     typename T::Epilogue::template CarryOf<T> carry;
     carry.passes = T::Epilogue::passes(p, task);
@@ -512,7 +550,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
       if (pass == 0) {
         CUTE_UNROLL
         for (int v = 0; v < kPairs; ++v) carry.h[0][v] = fresh[v];
-      } else {
+      } else if constexpr (T::Epilogue::kPasses > 1) {
         CUTE_UNROLL
         for (int v = 0; v < kPairs; ++v) carry.h[1][v] = fresh[v];
       }
