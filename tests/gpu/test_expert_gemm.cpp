@@ -1979,7 +1979,8 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
       {"block_n 256", [](ExpertGemmArgs& a) { a.block_n = 256; }, "block_n must be 0 (choose), or 128 or 192"},
       {"block_n for kSwiGLU", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.block_n = 192; },
        "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
-      {"block_n 256 for the bf16-h SwiGLU", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.block_n = 256; },
+      {"block_n 256 for the bf16-h SwiGLU",
+       [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.block_n = 256; },
        "or 256 for kFP8 kSwiGLU writing h quantized without gate_up_out"},
       {"block_n 256 beside gate_up_out",
        [](ExpertGemmArgs& a) {

@@ -386,8 +386,8 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
 // staged together (kSideBoxes) and stored while the next pass's mainloop runs (store_side_outputs): what the
 // backward would otherwise recompute, the same bits. Their descriptors are of e4m3 over the bf16 tensors' bytes
 // (a 64 x 128-byte box is 64 x 64 bf16; the TMA copies bytes): src/host/gemm_params.h.
-// kPasses_ = 1 (an experiment, ExpertGemmArgs::block_n 256; kWritesGateUp false only): the task's 128 h columns are
-// one pass of a 128 x 256 tile (the 128 gate and the 128 up columns, A loaded once), whose mainloop promotes its
+// kPasses_ = 1 (ExpertGemmArgs::block_n 256, opt-in; kWritesGateUp false only; the same bits, 9-11 % faster:
+// docs/perf_notes.md, round 34): the task's 128 h columns are one pass of a 128 x 256 tile (the 128 gate and the 128 up columns, A loaded once), whose mainloop promotes its
 // two 128-column wgmma halves in turn (mainloop_block_scaled's splits); a last task of 64 columns computes the
 // 64 past n too (rows of the next expert or of the up half: keep zeroes those h columns, so they add nothing to the
 // block's amax, and the TMA store leaves columns past n alone).
@@ -413,12 +413,13 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp, 
   template <class T>
   using CarryOf = Carry<T::kBlockN / 8>;
 
-  // Passes of a task (the producer and the consumers agree): two, or one for a last task of 64 columns.
+  // Passes of a task (the producer and the consumers agree): two, or one for a last task of 64 columns (kPasses 1:
+  // one).
   template <class Params>
   __device__ __forceinline__ static int passes(const Params& p, const TileTask& task) {
     return kPasses == 1 || task.n_block * 128 + 64 < p.n ? kPasses : 1;
   }
-  // The 128 x 128 FP8 tile of pass q: its n-block in 64-column units (load_tile's and b_scale_group's).
+  // The FP8 tile of pass q: its n-block in 64-column units (load_tile's and b_scale_group's; kPasses 1: the task).
   __device__ __forceinline__ static TileTask pass_task(const TileTask& task, int pass) {
     TileTask t = task;
     t.n_block = task.n_block * kPasses + pass;

@@ -380,7 +380,8 @@ __device__ __forceinline__ auto scaled_product(Storage& smem, const ThreadMma& t
                     decltype(cute::size<2>(accum))::value == Collective::kNSplits,
                 "a warpgroup's 64 rows, one (MMA) fragment per split");
   return ScaledProduct<A, B, P>{stage_operand_a<Collective>(smem, thread_mma),
-                                stage_operand_b<Collective>(smem, thread_mma), cute::make_fragment_like(accum(cute::_, 0, 0))};
+                                stage_operand_b<Collective>(smem, thread_mma),
+                                cute::make_fragment_like(accum(cute::_, 0, 0))};
 }
 
 // The mainloop of an active consumer warpgroup with block-scaled (FP8) operands: per k-block, the stage's
@@ -391,7 +392,8 @@ __device__ __forceinline__ auto scaled_product(Storage& smem, const ThreadMma& t
 // overlap). A 256-column tile does this per k-block for each 128-column split in turn (kNSplits; its values
 // [64 s, 64 s + 64) are split s's columns), through the one partial. row0 / row1: the tile rows of the thread's
 // fragment rows (values i with (i / 2) % 2 = 0 / 1); values [32 g, 32 g + 32) are columns [64 g, 64 g + 64), group g
-// (gemm_epilogue.cuh's fragment layout). b_scales[g]: group g's B scales per k-block (BlockScaledParams::b_scale_group).
+// (gemm_epilogue.cuh's fragment layout). b_scales[g]: group g's B scales per k-block
+// (BlockScaledParams::b_scale_group).
 template <class Collective, class Storage, class ThreadMma, class Accum, int kGroups>
 __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage& smem,
                                                       typename Collective::Pipeline& pipeline,
