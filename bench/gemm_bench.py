@@ -196,7 +196,7 @@ def main():
                              "used")
     parser.add_argument("--wide-gate-up", action="store_true",
                         help="--gemm fp8: also fp8_qw, the gate/up GEMM writing h quantized with one 128 x 256 tile "
-                             "a task (ExpertGemmArgs::block_n 256, an experiment), timed in the same turns")
+                             "a task (ExpertGemmArgs::block_n 256, opt-in), timed in the same turns")
     parser.add_argument("--digest", action="store_true",
                         help="--gemm fp8: print a fingerprint of our outputs per GEMM (inputs seeded), so that two "
                              "builds' bits can be compared (--lib)")
