@@ -142,9 +142,9 @@ struct ExpertGemmArgs {
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);
                                 // 0: choose_cluster_n
   int block_n = 0;              // kFP8 kStore: output columns per tile, 128 or 192; 0: fp8_store_block_n.
-                                // kFP8 kSwiGLU with out_scales, no gate_up_out: 256, one 128 x 256 tile per
-                                // 128 h columns (the same bits, 9-11 % faster; opt-in until the layer uses it;
-                                // 0: two 128 x 128 passes). Other GEMMs: 0
+                                // kFP8 kSwiGLU with out_scales: 128, each task's 128 h columns as two 128 x 128
+                                // passes, or (no gate_up_out) 256, one 128 x 256 tile (the same bits, 9-11 %
+                                // faster); 0: fp8_gate_up_block_n. Other GEMMs: 0
   int32_t first_row = 0;        // rows below it are not computed (their outputs untouched): a multiple of 128
   int32_t* ticket = nullptr;    // one int32 of device memory, zeroed by the call on its stream: the task
                                 // ticket (one per GEMM in flight at a time)
@@ -172,6 +172,11 @@ int gemm_n_blocks(const ExpertGemmArgs& args);
 // Output columns per tile of the FP8 store GEMM: block_n, or for 0 the 192-column tile from n = 4096 on (7-10 %
 // faster there, the same bits: docs/perf_notes.md, round 21; 3 % slower at n = 2880 in round 18), else 128.
 int fp8_store_block_n(int block_n, int n);
+
+// Gate and up columns per tile of the FP8 gate/up GEMM writing h quantized: block_n, or for 0 the 128 x 256 tile
+// (one per 128 h columns, A loaded once: 9-11 % faster, the same bits: docs/perf_notes.md, round 34) unless the
+// side outputs are written (gate_up_out: two 128 x 128 passes; the wide tile has no staging room for them).
+int fp8_gate_up_block_n(int block_n, bool gate_up_out);
 
 // CTAs per cluster for a GEMM with `n` output columns: 2 (the A tile multicast to a pair of n-blocks) when
 // the output tiles pair up, else 1.

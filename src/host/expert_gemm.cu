@@ -91,7 +91,7 @@ void launch_fp8(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) 
     }
   }
   if constexpr (std::is_same_v<Epilogue, gemm::SwiGLUQuantEpilogue<false>>) {
-    if (args.block_n == 256) {
+    if (fp8_gate_up_block_n(args.block_n, false) == 256) {
       if (cluster_n == 2)
         launch<detail::Fp8WideGateUpTraits<2>>(args, stream);
       else
@@ -257,11 +257,11 @@ void validate(const ExpertGemmArgs& args) {
           "swiglu_limit must be finite and >= 0 (0: plain SwiGLU), got " + std::to_string(args.swiglu_limit));
   require(args.cluster_n == 0 || args.cluster_n == 1 || args.cluster_n == 2,
           "cluster_n must be 0 (choose), 1 or 2, got " + std::to_string(args.cluster_n));
-  const bool wide_gate_up = fp8 && swiglu && args.out_scales != nullptr && args.gate_up_out == nullptr;
+  const bool quantized_h = fp8 && swiglu && args.out_scales != nullptr;
   require(args.block_n == 0 || (fp8 && store && (args.block_n == 128 || args.block_n == 192)) ||
-              (wide_gate_up && args.block_n == 256),
-          "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore, or 256 for kFP8 kSwiGLU writing h quantized "
-          "without gate_up_out, got " + std::to_string(args.block_n));
+              (quantized_h && (args.block_n == 128 || (args.block_n == 256 && args.gate_up_out == nullptr))),
+          "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore, or 128 or 256 (without gate_up_out) for kFP8 "
+          "kSwiGLU writing h quantized, got " + std::to_string(args.block_n));
   require(args.cluster_n != 2 || n_blocks(args) % 2 == 0,
           "cluster_n = 2 pairs output tiles: n = " + std::to_string(args.n) + " gives an odd number (" +
               std::to_string(n_blocks(args)) + ") of output tiles");
@@ -321,6 +321,8 @@ void encode_row_scatter_maps(const PeerPointers& combined, int ranks, int64_t ro
 }
 
 int fp8_store_block_n(int block_n, int n) { return block_n != 0 ? block_n : n >= 4096 ? 192 : 128; }
+
+int fp8_gate_up_block_n(int block_n, bool gate_up_out) { return block_n != 0 ? block_n : gate_up_out ? 128 : 256; }
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);

@@ -36,9 +36,9 @@ using Fp8GemmTraits = gemm::GemmTraits<128, 128, 5, gemm::Fp8Mainloop, Epilogue,
 // tiles share one shape).
 template <int kClusterN>
 using Fp8WideStoreTraits = gemm::GemmTraits<128, 192, 5, gemm::Fp8Mainloop, gemm::StoreEpilogue, kClusterN>;
-// The FP8 gate/up GEMM writing h quantized with one 128 x 256 tile a task (ExpertGemmArgs::block_n 256, opt-in):
-// A loaded once for the task's 128 gate and 128 up columns instead of once per 128 x 128 pass; 4 stages of 48 KB.
-// Standalone only (the FP8 megakernel's consumers have 216 registers beside its 72-register producer; this tile
+// The FP8 gate/up GEMM writing h quantized with one 128 x 256 tile a task (fp8_gate_up_block_n 256, the default
+// without the side outputs): A loaded once for the task's 128 gate and 128 up columns instead of once per
+// 128 x 128 pass; 4 stages of 48 KB. Standalone only (the FP8 megakernel's consumers have 216 registers beside its 72-register producer; this tile
 // is built for 232 beside 40).
 template <int kClusterN>
 using Fp8WideGateUpTraits =
