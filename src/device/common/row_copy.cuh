@@ -15,18 +15,20 @@ namespace mok::device {
 // reads outstanding.
 inline constexpr int kRowCopyUnroll = 4;
 
-// dst[0..vectors) = src[0..vectors) by the 32 lanes of a warp. Either side may be a peer GPU's memory.
+// dst[0..vectors) = src[0..vectors) by the 32 lanes of a warp, kUnroll vectors a lane in flight. Either side may be
+// a peer GPU's memory.
+template <int kUnroll = kRowCopyUnroll>
 __device__ __forceinline__ void copy_row_warp(const uint4* __restrict__ src, uint4* __restrict__ dst, int vectors,
                                               int lane) {
-  for (int base = 0; base < vectors; base += 32 * kRowCopyUnroll) {
-    uint4 v[kRowCopyUnroll];
+  for (int base = 0; base < vectors; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kRowCopyUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * 32 + lane;
       if (i < vectors) v[u] = src[i];
     }
 #pragma unroll
-    for (int u = 0; u < kRowCopyUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * 32 + lane;
       if (i < vectors) dst[i] = v[u];
     }

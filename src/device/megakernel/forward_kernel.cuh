@@ -128,8 +128,8 @@ struct ForwardTasks {
     }
   }
 
-  // A copy warp's rows of a unit: warp copies (copy_row_warp).
-  template <class Params>
+  // A copy warp's rows of a unit: warp copies (copy_row_warp, kUnroll vectors a lane in flight).
+  template <int kUnroll = device::kRowCopyUnroll, class Params>
   __device__ __forceinline__ static void copy_rows(const Params& p, TaskKind kind, int32_t unit, int warp, int warps,
                                                    int lane) {
     if (kind == TaskKind::kCombine && p.combine_in_place) return;  // the combine epilogue reads y in place
@@ -138,7 +138,7 @@ struct ForwardTasks {
       uint4* dst;
       row_endpoints(p, kind, unit, r, src, dst);
       if (src != nullptr)
-        device::copy_row_warp(src, dst, p.common.row_vectors, lane);
+        device::copy_row_warp<kUnroll>(src, dst, p.common.row_vectors, lane);
       else if (kind == TaskKind::kDispatch)
         device::zero_row_warp(dst, p.common.row_vectors, lane);
     }
@@ -233,18 +233,25 @@ struct Fp8ForwardParams {
   static constexpr KernelId kKernel = KernelId::kForwardMegakernel;  // named in a timeout's report
 };
 
-// The forward's FP8 task set: ForwardTasks' sequencing, tiles (compute) and combine copies; the gate/up tasks are two 128 x 128 tiles
-// in turn (SwiGLUQuantEpilogue's passes, loaded as the standalone producer loads them); a dispatched row is the
-// FP8 row's bytes, its scales also written into the ring's A-scale array (what unpack_fp8_row_scales does after the
-// unfused pull; zeros for a padding row, as the unfused pull's zeroed row gives) before the unit's release.
+// The forward's FP8 task set: ForwardTasks' sequencing, tiles (compute) and combine copies. The gate/up tasks are
+// SwiGLUQuantEpilogue's: one 128 x 256 tile (the 128 gate and 128 up columns of 128 h columns), or, beside the side
+// outputs of a training context, two 128 x 128 tiles in turn (its passes, loaded as the standalone producer loads
+// them); the down tiles have the gate/up tiles' shape (one pipeline). A dispatched row is the FP8 row's bytes, its
+// scales also written into the ring's A-scale array (what unpack_fp8_row_scales does after the unfused pull; zeros
+// for a padding row, as the unfused pull's zeroed row gives) before the unit's release.
 // Communication CTAs copy with warps (no bulk copies of FP8 rows).
 template <class TGateUp, class TDown>
 struct Fp8ForwardTasks : ForwardTasks<TGateUp, TDown> {
   using Base = ForwardTasks<TGateUp, TDown>;
   using T = TGateUp;
-  // The producer warpgroup's threads hold two parameter types and the A-scale loads (ptxas spilled at 56).
-  static constexpr int kProducerRegisters = 72;
-  static constexpr int kConsumerRegisters = 216;
+  static constexpr bool kWide = T::kBlockN == 256;
+  // Registers. 128 x 128 tiles: the producer warpgroup's threads hold two parameter types and the A-scale loads
+  // (ptxas spilled at 56). 128 x 256 tiles: their consumers need 224 (128 promoted values and a 64-value partial a
+  // thread; ptxas spilled at 216), which leaves the producer 56: enough once the copy warps keep two vectors a lane
+  // in flight, not four (ptxas spilled 36-84 bytes with four).
+  static constexpr int kProducerRegisters = kWide ? 56 : 72;
+  static constexpr int kConsumerRegisters = kWide ? 224 : 216;
+  static constexpr int kCopyUnroll = kWide ? 2 : device::kRowCopyUnroll;
 
   template <class Params>
   __device__ __forceinline__ static bool load(const Params& p, const PhaseDesc& phase, const ComputeTask& task,
@@ -265,7 +272,7 @@ struct Fp8ForwardTasks : ForwardTasks<TGateUp, TDown> {
   __device__ __forceinline__ static void copy_rows(const Params& p, TaskKind kind, int32_t unit, int warp, int warps,
                                                    int lane) {
     if (kind != TaskKind::kDispatch) {
-      Base::copy_rows(p, kind, unit, warp, warps, lane);  // the combine: bf16 y rows
+      Base::template copy_rows<kCopyUnroll>(p, kind, unit, warp, warps, lane);  // the combine: bf16 y rows
       return;
     }
     const MegakernelParams& c = p.common;
@@ -277,7 +284,7 @@ struct Fp8ForwardTasks : ForwardTasks<TGateUp, TDown> {
       const int64_t slot = row % ring_rows;
       uint4* dst = p.expert_rows + slot * p.fp8_row_vectors;
       if (src != nullptr)
-        device::copy_row_warp(src, dst, p.fp8_row_vectors, lane);
+        device::copy_row_warp<kCopyUnroll>(src, dst, p.fp8_row_vectors, lane);
       else
         device::zero_row_warp(dst, p.fp8_row_vectors, lane);
       const float* src_scales =

@@ -24,11 +24,15 @@ struct Timeline {
                                          uint64_t end, int32_t row, int32_t rows, int32_t n_block,
                                          int32_t expert) const {
     if (records == nullptr) return;
-    uint64_t* block = records + timeline_block_offset(blockIdx.x, track, capacity);
+    // Why opaque: blockIdx.x read once at the kernel's entry stays live into every role's loop (ptxas spilled it
+    // at the producer's 56 registers); read again here instead.
+    int32_t cta;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
+    uint64_t* block = records + timeline_block_offset(cta, track, capacity);
     const int32_t index = count++;
     block[0] = static_cast<uint64_t>(count);
     if (index >= capacity) return;
-    encode_task_record({.cta = static_cast<int32_t>(blockIdx.x),
+    encode_task_record({.cta = cta,
                         .sm = device::sm_index(),
                         .kind = kind,
                         .row = row,
