@@ -408,29 +408,23 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
   static_assert(kGroups * 64 == Collective::kBlockN && kValues == 32 * kGroups, "32 values a 64-column group");
   clear(accum);
   constexpr int kSplits = Collective::kNSplits, kSplitValues = kValues / kSplits, kSplitGroups = kGroups / kSplits;
-  // B scales: one k-block ahead, or with splits (whose registers are short) loaded at the top of their k-block.
-  constexpr bool kAhead = kSplits == 1;
-  [[maybe_unused]] float next_b[kGroups];
-  if constexpr (kAhead) {
-    CUTE_UNROLL
-    for (int g = 0; g < kGroups; ++g) next_b[g] = num_k_blocks > 0 ? __ldg(b_scales[g]) : 0.0f;
-  }
+  // B scales: read one k-block ahead, so their load's latency hides behind the stage wait and the wgmma. (Round 34
+  // loaded a split tile's at the top of their k-block, a register saving tried while ptxas spilled; with opaque
+  // epilogue coordinates both schemes fit, and the one-ahead one made the fused FP8 forward 2-5 % faster on an
+  // H100: docs/perf_notes.md, round 35.)
+  float next_b[kGroups];
+  CUTE_UNROLL
+  for (int g = 0; g < kGroups; ++g) next_b[g] = num_k_blocks > 0 ? __ldg(b_scales[g]) : 0.0f;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    float b[kGroups];
-    if constexpr (!kAhead) {
-      CUTE_UNROLL
-      for (int g = 0; g < kGroups; ++g) b[g] = __ldg(b_scales[g] + k_block);
-    }
     consumer_wait_bounded(pipeline, read_state, bound);
     const int stage = read_state.index();
     const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
-    if constexpr (kAhead) {
+    float b[kGroups];
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) b[g] = next_b[g];
+    if (k_block + 1 < num_k_blocks) {
       CUTE_UNROLL
-      for (int g = 0; g < kGroups; ++g) b[g] = next_b[g];
-      if (k_block + 1 < num_k_blocks) {
-        CUTE_UNROLL
-        for (int g = 0; g < kGroups; ++g) next_b[g] = __ldg(b_scales[g] + k_block + 1);
-      }
+      for (int g = 0; g < kGroups; ++g) next_b[g] = __ldg(b_scales[g] + k_block + 1);
     }
     CUTE_UNROLL
     for (int split = 0; split < kSplits; ++split) {
