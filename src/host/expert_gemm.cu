@@ -99,6 +99,15 @@ void launch_fp8(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) 
       return;
     }
   }
+  if constexpr (std::is_same_v<Epilogue, gemm::SwiGLUQuantEpilogue<true>>) {
+    if (fp8_gate_up_block_n(args.block_n, true) == 256) {
+      if (cluster_n == 2)
+        launch<detail::Fp8WideGateUpSideTraits<2>>(args, stream);
+      else
+        launch<detail::Fp8WideGateUpSideTraits<1>>(args, stream);
+      return;
+    }
+  }
   if (cluster_n == 2)
     launch<detail::Fp8GemmTraits<Epilogue, 2>>(args, stream);
   else
@@ -259,9 +268,9 @@ void validate(const ExpertGemmArgs& args) {
           "cluster_n must be 0 (choose), 1 or 2, got " + std::to_string(args.cluster_n));
   const bool quantized_h = fp8 && swiglu && args.out_scales != nullptr;
   require(args.block_n == 0 || (fp8 && store && (args.block_n == 128 || args.block_n == 192)) ||
-              (quantized_h && (args.block_n == 128 || (args.block_n == 256 && args.gate_up_out == nullptr))),
-          "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore, or 128 or 256 (without gate_up_out) for kFP8 "
-          "kSwiGLU writing h quantized, got " + std::to_string(args.block_n));
+              (quantized_h && (args.block_n == 128 || args.block_n == 256)),
+          "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore, or 128 or 256 for kFP8 kSwiGLU writing h "
+          "quantized, got " + std::to_string(args.block_n));
   require(args.cluster_n != 2 || n_blocks(args) % 2 == 0,
           "cluster_n = 2 pairs output tiles: n = " + std::to_string(args.n) + " gives an odd number (" +
               std::to_string(n_blocks(args)) + ") of output tiles");

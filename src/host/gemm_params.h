@@ -43,6 +43,11 @@ using Fp8WideStoreTraits = gemm::GemmTraits<128, 192, 5, gemm::Fp8Mainloop, gemm
 template <int kClusterN>
 using Fp8WideGateUpTraits =
     gemm::GemmTraits<128, 256, 4, gemm::Fp8Mainloop, gemm::SwiGLUQuantEpilogue<false, 1>, kClusterN>;
+// The same tile beside the side outputs (ExpertGemmArgs::block_n 256 with gate_up_out, opt-in): 3 stages of 48 KB,
+// for the three side-output boxes a warpgroup (4 stages and them would need 242 KB).
+template <int kClusterN>
+using Fp8WideGateUpSideTraits =
+    gemm::GemmTraits<128, 256, 3, gemm::Fp8Mainloop, gemm::SwiGLUQuantEpilogue<true, 1>, kClusterN>;
 
 // A standalone GEMM launch's second kernel argument: its waits' bound (`waits` validated) and the test knob.
 inline gemm::StandaloneWaits standalone_waits(const WaitBound& waits, KernelId kernel) {

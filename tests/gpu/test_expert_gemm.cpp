@@ -1567,7 +1567,8 @@ TEST(ExpertGemmTest, Fp8SwiGLUFusedAndSeparateWeights) {
 // SwiGLUQuantEpilogue<true>): the same e4m3 values and scales, and g | u and h bitwise the plain kSwiGLU's (its
 // gate_up_out and out), poison past the schedule in both. The quantizing runs compared: block_n 128 (two 128 x 128
 // passes a task) and the default (one 128 x 256 tile a task; at n 192 its last task computes 64 columns past n).
-// The side outputs' run takes block_n 0 (its two passes).
+// The side outputs' runs: block_n 0 (two passes) and 256 (one 128 x 256 tile, its g, u and h in two rounds of 64
+// columns; at n 192 the last task's second round stores nothing, which would be u's first box of gate_up_out).
 TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
   MOK_REQUIRE_GPUS(1);
   using testing::Fp8Matrix;
@@ -1607,12 +1608,13 @@ TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
     DeviceArray<float> d_sa(a.scales), d_sfused(fused.scales), d_sgate(gate.scales), d_sup(up.scales), d_rs(row_scale);
     const int blocks = (c.n + 127) / 128;
     DeviceArray<uint16_t> d_h(size_t(fx.a_rows) * c.n), d_gu(size_t(fx.a_rows) * 2 * c.n);
-    DeviceArray<uint16_t> d_side_h(d_h.count), d_side_gu(d_gu.count);
-    DeviceArray<uint8_t> d_q(size_t(fx.a_rows) * c.n), d_side_q(d_q.count), d_wide_q(d_q.count);
-    DeviceArray<float> d_s(size_t(blocks) * fx.a_rows), d_side_s(d_s.count), d_wide_s(d_s.count);
-    for (auto* d : {&d_h, &d_gu, &d_side_h, &d_side_gu}) d->upload(std::vector<uint16_t>(d->count, kPoison));
-    for (auto* d : {&d_q, &d_side_q, &d_wide_q}) d->upload(std::vector<uint8_t>(d->count, kBytePoison));
-    for (auto* d : {&d_s, &d_side_s, &d_wide_s}) d->upload(float_poison(d->count));
+    DeviceArray<uint16_t> d_side_h(d_h.count), d_side_gu(d_gu.count), d_wside_h(d_h.count), d_wside_gu(d_gu.count);
+    DeviceArray<uint8_t> d_q(size_t(fx.a_rows) * c.n), d_side_q(d_q.count), d_wide_q(d_q.count), d_wside_q(d_q.count);
+    DeviceArray<float> d_s(size_t(blocks) * fx.a_rows), d_side_s(d_s.count), d_wide_s(d_s.count), d_wside_s(d_s.count);
+    for (auto* d : {&d_h, &d_gu, &d_side_h, &d_side_gu, &d_wside_h, &d_wside_gu})
+      d->upload(std::vector<uint16_t>(d->count, kPoison));
+    for (auto* d : {&d_q, &d_side_q, &d_wide_q, &d_wside_q}) d->upload(std::vector<uint8_t>(d->count, kBytePoison));
+    for (auto* d : {&d_s, &d_side_s, &d_wide_s, &d_wside_s}) d->upload(float_poison(d->count));
     auto args_for = [&](void* out) {
       ExpertGemmArgs args =
           c.separate ? fp8_tests::fp8_args(fx, GemmEpilogue::kSwiGLU, d_a, d_sa, k, d_gate, d_sgate, c.n, out)
@@ -1646,6 +1648,13 @@ TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
     wide.out_scales = d_wide_s.ptr;
     wide.block_n = 0;
     expert_gemm(wide, nullptr);
+    ExpertGemmArgs wide_side = side;
+    wide_side.out = d_wside_q.ptr;
+    wide_side.out_scales = d_wside_s.ptr;
+    wide_side.gate_up_out = d_wside_gu.ptr;
+    wide_side.hidden_out = d_wside_h.ptr;
+    wide_side.block_n = 256;
+    expert_gemm(wide_side, nullptr);
     MOK_CHECK_CUDA(cudaDeviceSynchronize());
     // The NaN row's h blocks are reported (without the clamp; with it fminf / fmaxf return the other operand, as
     // in bf16, and h stays finite); nothing else is.
@@ -1695,6 +1704,13 @@ TEST(ExpertGemmTest, Fp8SwiGLUQuantizedHIsTheRecipeOfTheBf16H) {
     for (size_t i = 0; i < s.size(); ++i)
       ASSERT_EQ(float_bits(wide_s[i]), float_bits(s[i])) << "scale " << i << " of the 128 x 256 tile, " << label;
     ASSERT_EQ(d_side_gu.download(), d_gu.download()) << "gate_up_out against the plain kSwiGLU's, " << label;
+    ASSERT_EQ(d_wside_q.download(), q) << "e4m3 h of the 128 x 256 tile with the side outputs, " << label;
+    const auto wside_s = d_wside_s.download();
+    for (size_t i = 0; i < s.size(); ++i)
+      ASSERT_EQ(float_bits(wside_s[i]), float_bits(s[i])) << "scale " << i << " of the 128 x 256 tile with the side "
+                                                          << "outputs, " << label;
+    ASSERT_EQ(d_wside_h.download(), h) << "hidden_out of the 128 x 256 tile, " << label;
+    ASSERT_EQ(d_wside_gu.download(), d_gu.download()) << "gate_up_out of the 128 x 256 tile, " << label;
   }
 }
 
@@ -1984,18 +2000,10 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
        "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
       {"block_n 256 for the bf16-h SwiGLU",
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.block_n = 256; },
-       "or 128 or 256 (without gate_up_out) for kFP8 kSwiGLU writing h quantized"},
+       "or 128 or 256 for kFP8 kSwiGLU writing h quantized"},
       {"block_n 192 for the quantized h",
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.block_n = 192; },
-       "or 128 or 256 (without gate_up_out) for kFP8 kSwiGLU writing h quantized"},
-      {"block_n 256 beside gate_up_out",
-       [](ExpertGemmArgs& a) {
-         a.epilogue = GemmEpilogue::kSwiGLU;
-         a.out_scales = scales;
-         a.gate_up_out = a.hidden_out = buffer;
-         a.block_n = 256;
-       },
-       "or 128 or 256 (without gate_up_out) for kFP8 kSwiGLU writing h quantized"},
+       "or 128 or 256 for kFP8 kSwiGLU writing h quantized"},
       {"block_n in bf16",
        [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; a.a_scales = a.b_scales = nullptr; a.block_n = 128; },
        "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
@@ -2058,6 +2066,9 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
   EXPECT_EQ(gemm_n_blocks(two_pass), 2);
   two_pass.gate_up_out = two_pass.hidden_out = buffer;
   EXPECT_EQ(message(two_pass), "no throw");
+  ExpertGemmArgs wide_side = two_pass;  // one 128 x 256 tile a task beside the side outputs
+  wide_side.block_n = 256;
+  EXPECT_EQ(message(wide_side), "no throw");
   ExpertGemmArgs down_dgrad = base;  // the FP8 down dgrad: K-major b (W_down transposed), 128-column tiles
   down_dgrad.epilogue = GemmEpilogue::kSwiGLUBackward;
   down_dgrad.gate_up = buffer;

@@ -386,12 +386,12 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
 // staged together (kSideBoxes) and stored while the next pass's mainloop runs (store_side_outputs): what the
 // backward would otherwise recompute, the same bits. Their descriptors are of e4m3 over the bf16 tensors' bytes
 // (a 64 x 128-byte box is 64 x 64 bf16; the TMA copies bytes): src/host/gemm_params.h.
-// kPasses_ = 1 (fp8_gate_up_block_n 256, the default without the side outputs; kWritesGateUp false only; the same
-// bits, 9-11 % faster: docs/perf_notes.md, round 34): the task's 128 h columns are one pass of a 128 x 256 tile (the
-// 128 gate and the 128 up columns, A loaded once), whose mainloop promotes its two 128-column wgmma halves in turn
-// (mainloop_block_scaled's splits); a last task of 64 columns computes the 64 past n too (rows of the next expert
-// or of the up half: keep zeroes those h columns, so they add nothing to the block's amax, and the TMA store leaves
-// columns past n alone).
+// kPasses_ = 1 (fp8_gate_up_block_n 256: the default without the side outputs, the same bits, 9-11 % faster:
+// docs/perf_notes.md, round 34; with them, opt-in, 3 stages, their 128 columns stored in two rounds): the task's
+// 128 h columns are one pass of a 128 x 256 tile (the 128 gate and the 128 up columns, A loaded once), whose
+// mainloop promotes its two 128-column wgmma halves in turn (mainloop_block_scaled's splits); a last task of 64
+// columns computes the 64 past n too (rows of the next expert or of the up half: keep zeroes those h columns, so
+// they add nothing to the block's amax, and the TMA store leaves columns past n alone).
 template <bool kWritesGateUp, int kPasses_ = 2>
 struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp, kPasses_>> {
   static constexpr GemmEpilogue kKind = GemmEpilogue::kSwiGLU;
@@ -400,7 +400,7 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp, 
   static constexpr bool kOpaqueCoordinates = kPasses_ == 1;
   using OutElement = cutlass::float_e4m3_t;
   static constexpr int kPasses = kPasses_;
-  static_assert(kPasses == 2 || (kPasses == 1 && !kWritesGateUp), "two passes of 128 x 128, or one of 128 x 256");
+  static_assert(kPasses == 2 || kPasses == 1, "two passes of 128 x 128, or one of 128 x 256");
   static constexpr int kSideBoxes = kWritesGateUp ? 3 : 0;  // g, u and h of a pass
   static constexpr int out_cols(int block_n) { return kPasses * block_n / 2; }
 
@@ -447,9 +447,12 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp, 
     }
   }
 
-  // kWritesGateUp, after `keep` of pass `pass`: its g, u (from the accumulators) and h (keep's bf16 values) staged
-  // in boxes 0-2 and stored to gate_up_out's columns 128 nb + 64 pass and n further, and hidden_out's (box column
-  // = bf16 column / 64). Padding rows: zeros. The staging's previous stores (the last task's h) are read by now.
+  // kWritesGateUp, after `keep` of pass `pass`: its g, u (from the accumulators) and h (keep's bf16 values), 64 h
+  // columns a round (one round a pass of 128 x 128, two for the 128 x 256 tile: values [32 round, 32 round + 32) of
+  // each half), staged in boxes 0-2 and stored to gate_up_out's columns 128 nb + 64 (pass + round) and n further,
+  // and hidden_out's (box column = bf16 column / 64). A round from column n on (a last task of 64 columns) stores
+  // nothing: g's box there would be u's first. Padding rows: zeros. Each round waits for the staging's previous
+  // stores (the last round's, or the last task's h).
   // The fragment coordinates come from an opaque copy of the thread index, as RowTileEpilogue::finish's do with
   // kOpaqueCoordinates: hoisted out of the persistent loop, their staging addresses spilled (ptxas).
   template <class T, class Params, class Accum, int kPairs, class Storage>
@@ -460,7 +463,8 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp, 
     if constexpr (kWritesGateUp) {
       using namespace cute;
       constexpr int kHalf = decltype(size(accum))::value / 2;
-      static_assert(kPairs * 2 == kHalf && T::kHalfN == 64, "a pass's 64 h columns: one box each of g, u and h");
+      constexpr int kRounds = T::kHalfN / 64, kRoundValues = kHalf / kRounds;
+      static_assert(kPairs * 2 == kHalf && kRoundValues == 32, "a round's 64 h columns: one box each of g, u and h");
       int coords_idx = consumer_idx;
       asm volatile("mov.u32 %0, %1;" : "=r"(coords_idx) : "r"(consumer_idx));
       Tensor coords = typename T::TiledMma{}.get_thread_slice(coords_idx).partition_C(
@@ -468,23 +472,28 @@ struct SwiGLUQuantEpilogue : RowTileEpilogue<SwiGLUQuantEpilogue<kWritesGateUp, 
       const TileRows rows = tile_rows(p, task, coords);
       const TileStager<T, Storage> stager{smem, warpgroup, store_leader, signal,
                                           (task.buffer_row + warpgroup * kUnitRows) / kUnitRows};
-      stager.begin_pass();
       const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
       CUTE_UNROLL
-      for (int i = 0; i < kHalf; i += 2) {
-        const int r = get<0>(coords(i)), c = get<1>(coords(i));
-        const bool real = r < rows.valid_rows;
-        stager.stage_bf16(0, r, c, real ? __floats2bfloat162_rn(accum(i), accum(i + 1)) : zero);
-        stager.stage_bf16(1, r, c, real ? __floats2bfloat162_rn(accum(kHalf + i), accum(kHalf + i + 1)) : zero);
-        stager.stage_bf16(2, r, c, h[i / 2]);
+      for (int round = 0; round < kRounds; ++round) {
+        const int first_col = task.n_block * 128 + (pass + round) * 64;  // of h, g and u
+        if (first_col >= p.n) break;
+        stager.begin_pass();
+        CUTE_UNROLL
+        for (int i = round * kRoundValues; i < (round + 1) * kRoundValues; i += 2) {
+          const int r = get<0>(coords(i)), c = get<1>(coords(i)) - round * 64;
+          const bool real = r < rows.valid_rows;
+          stager.stage_bf16(0, r, c, real ? __floats2bfloat162_rn(accum(i), accum(i + 1)) : zero);
+          stager.stage_bf16(1, r, c, real ? __floats2bfloat162_rn(accum(kHalf + i), accum(kHalf + i + 1)) : zero);
+          stager.stage_bf16(2, r, c, h[i / 2]);
+        }
+        // Byte columns of the e4m3-typed descriptors: twice the bf16 columns.
+        const int box_col = first_col / 64;
+        stager.end_pass_with([&] {
+          stager.store_box(p.tma_gate_up_out, p.a_rows, 4 * int64_t(p.n), 0, box_col);
+          stager.store_box(p.tma_gate_up_out, p.a_rows, 4 * int64_t(p.n), 1, p.n / 64 + box_col);
+          stager.store_box(p.tma_side_out, p.a_rows, 2 * int64_t(p.n), 2, box_col);
+        });
       }
-      // Byte columns of the e4m3-typed descriptors: twice the bf16 columns.
-      const int box_col = (task.n_block * 128 + pass * 64) / 64;
-      stager.end_pass_with([&] {
-        stager.store_box(p.tma_gate_up_out, p.a_rows, 4 * int64_t(p.n), 0, box_col);
-        stager.store_box(p.tma_gate_up_out, p.a_rows, 4 * int64_t(p.n), 1, p.n / 64 + box_col);
-        stager.store_box(p.tma_side_out, p.a_rows, 2 * int64_t(p.n), 2, box_col);
-      });
     }
   }
 
