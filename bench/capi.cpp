@@ -542,13 +542,14 @@ int mok_bench_expert_gemm(int epilogue, const void* a, int64_t a_rows, int k, co
 
 // The expert GEMM in Precision::kFP8 (kStore: epilogue 0, kSwiGLU: 1; b K-major): a and b e4m3, their scales
 // as include/mok/expert_gemm.h lays them out (b_up and b_up_scales: separate up weights, else null; out_scales:
-// kSwiGLU writing h quantized, out e4m3, else null; block_n: kStore's tile width, 0 to choose). Waits and
-// returns as mok_bench_expert_gemm's.
+// kSwiGLU writing h quantized, out e4m3, else null; gate_up_out and hidden_out: a training context's side outputs,
+// else null; block_n: ExpertGemmArgs::block_n, 0 to choose). Waits and returns as mok_bench_expert_gemm's.
 int mok_bench_expert_gemm_fp8(int epilogue, const void* a, const float* a_scales, int64_t a_rows, int k, const void* b,
                               const float* b_scales, const void* b_up, const float* b_up_scales, int n,
                               int local_experts, const int32_t* expert_counts, const int32_t* expert_row_offsets,
                               const int32_t* scheduled_rows, int tile_m, const float* row_scale, void* out,
-                              float* out_scales, void* gate_up_out, int cluster_n, int block_n, int32_t* ticket,
+                              float* out_scales, void* gate_up_out, void* hidden_out, int cluster_n, int block_n,
+                              int32_t* ticket,
                               void* status,
                               double wait_timeout_s, void* stream, char* error, int error_len) {
   try {
@@ -573,6 +574,7 @@ int mok_bench_expert_gemm_fp8(int epilogue, const void* a, const float* a_scales
     args.out = out;
     args.out_scales = out_scales;
     args.gate_up_out = gate_up_out;
+    args.hidden_out = hidden_out;
     args.cluster_n = cluster_n;
     args.block_n = block_n;
     args.ticket = ticket;

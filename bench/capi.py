@@ -41,10 +41,10 @@ SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
     "mok_bench_expert_gemm": ([_i32, _p, _i64, _i32, _p, _p, _i32, _i32, _i32, _p, _p, _p, _i32, _p, _f32, _p, _p, _p,
                                _p, _i32, _p, _p, _p, _f64, _p, _s, _i32], _i32),
     # epilogue (0 store, 1 SwiGLU), a, a_scales, a_rows, k, b, b_scales, b_up, b_up_scales, n, local_experts,
-    # expert_counts, expert_row_offsets, scheduled_rows, tile_m, row_scale, out, out_scales, gate_up_out, cluster_n,
-    # block_n, ticket, status, wait_timeout_s, stream, error, error_len
+    # expert_counts, expert_row_offsets, scheduled_rows, tile_m, row_scale, out, out_scales, gate_up_out, hidden_out,
+    # cluster_n, block_n, ticket, status, wait_timeout_s, stream, error, error_len
     "mok_bench_expert_gemm_fp8": ([_i32, _p, _p, _i64, _i32, _p, _p, _p, _p, _i32, _i32, _p, _p, _p, _i32, _p, _p, _p,
-                                   _p, _i32, _i32, _p, _p, _f64, _p, _s, _i32], _i32),
+                                   _p, _p, _i32, _i32, _p, _p, _f64, _p, _s, _i32], _i32),
     # a, b, rows_allocated, m, n, local_experts, expert_row_offsets, scheduled_rows, tile_m, output (0 bf16,
     # 1 fp32, 2 fp32 accumulate), out, out_split, m_split, ticket, status, wait_timeout_s, stream, error, error_len
     "mok_bench_weight_grad_gemm": ([_p, _p, _i64, _i32, _i32, _i32, _p, _p, _i32, _i32, _p, _p, _i32, _p, _p, _f64, _p,

@@ -22,7 +22,7 @@ pre-quantized) and the dense FP8 ceiling (torch._scaled_mm, rowwise); see fp8_ma
 Usage: gemm_bench.py --lib build/bench/libmok_bench_capi.so [--iters N] [--tile-m 64|128] [--cluster 0|1|2]
                      [--shapes A,B] [--only ours|torch|dense] [--trace DIR] [--gemm expert|wgrad|all|fp8] [--ep N]
                      [--fp8] (with --gemm wgrad)
-                     [--block-n 0|128|192] [--two-pass-gate-up] (with --gemm fp8)
+                     [--block-n 0|128|192] [--two-pass-gate-up] [--side-outputs] (with --gemm fp8)
 """
 import argparse
 import ctypes
@@ -198,6 +198,10 @@ def main():
                         help="--gemm fp8: also fp8_q2, the gate/up GEMM writing h quantized as two 128 x 128 passes "
                              "a task (ExpertGemmArgs::block_n 128; fp8_q is the library's 128 x 256 tile), timed in "
                              "the same turns")
+    parser.add_argument("--side-outputs", action="store_true",
+                        help="--gemm fp8: also fp8_s and fp8_sw, the gate/up GEMM writing h quantized beside a training "
+                             "context's side outputs (bf16 g | u and h) with the library's tile (two 128 x 128 "
+                             "passes) and with the 128 x 256 one (ExpertGemmArgs::block_n 256, opt-in)")
     parser.add_argument("--digest", action="store_true",
                         help="--gemm fp8: print a fingerprint of our outputs per GEMM (inputs seeded), so that two "
                              "builds' bits can be compared (--lib)")
@@ -508,12 +512,19 @@ def fp8_main(args):
             out_q = torch.empty(rows_padded, n_out, device="cuda", dtype=torch.uint8)
             out_qs = torch.empty((n_out + 127) // 128, rows_padded, device="cuda", dtype=torch.float32)
 
-            def ours_fp8(quantized_out=False, block_n=0):
+            # with --side-outputs: a training context's bf16 g | u and h beside the quantized h
+            side = args.side_outputs and epilogue == 1
+            gate_up = torch.empty(rows_padded, 2 * n_out, device="cuda", dtype=torch.bfloat16) if side else None
+            hidden_bf16 = torch.empty(rows_padded, n_out, device="cuda", dtype=torch.bfloat16) if side else None
+
+            def ours_fp8(quantized_out=False, block_n=0, side_outputs=False):
                 rc = lib.mok_bench_expert_gemm_fp8(
                     epilogue, a_q.data_ptr(), a_s.data_ptr(), rows_padded, k, w_q.data_ptr(), w_s.data_ptr(), None,
                     None, n_out, local, counts.data_ptr(), offsets.data_ptr(), scheduled.data_ptr(), tile_m, None,
                     out_q.data_ptr() if quantized_out else out.data_ptr(),
-                    out_qs.data_ptr() if quantized_out else None, None, args.cluster,
+                    out_qs.data_ptr() if quantized_out else None,
+                    gate_up.data_ptr() if side_outputs else None, hidden_bf16.data_ptr() if side_outputs else None,
+                    args.cluster,
                     args.block_n if epilogue == 0 else block_n, ticket.data_ptr(), status,
                     WAIT_TIMEOUT_S, stream, error, len(error))
                 if rc != 0:
@@ -547,6 +558,9 @@ def fp8_main(args):
                 fns["fp8_q"] = lambda: ours_fp8(quantized_out=True)
                 if args.two_pass_gate_up:
                     fns["fp8_q2"] = lambda: ours_fp8(quantized_out=True, block_n=128)
+                if side:
+                    fns["fp8_s"] = lambda: ours_fp8(quantized_out=True, side_outputs=True)
+                    fns["fp8_sw"] = lambda: ours_fp8(quantized_out=True, block_n=256, side_outputs=True)
             available = {}
             for key, fn in fns.items():
                 try:
@@ -558,10 +572,12 @@ def fp8_main(args):
             if args.digest and "fp8" in available:
                 ours_fp8()  # (ours_bf16 wrote `out` since)
                 prints = [f"fp8 {fingerprint(out)}"]
-                for key in ("fp8_q", "fp8_q2"):
+                for key in ("fp8_q", "fp8_q2", "fp8_s", "fp8_sw"):
                     if key in available:
                         available[key]()
                         prints.append(f"{key} {fingerprint(out_q)} scales {fingerprint(out_qs)}")
+                        if key.startswith("fp8_s"):
+                            prints.append(f"g|u {fingerprint(gate_up)} h {fingerprint(hidden_bf16)}")
                 print(f"  digest {name} {label}: {', '.join(prints)}", flush=True)
             times = dict(zip(available, time_ms(list(available.values()), args.iters)))
             clocks = dict(zip(available, LAST_CLOCKS))
@@ -574,6 +590,7 @@ def fp8_main(args):
             cell = lambda key: f"{tf[key]:7.0f}" if key in tf else f"{'-':>7s}"
             ratio = lambda key, width: f"{tf['fp8'] / tf[key]:{width}.2f}" if "fp8" in tf and key in tf else f"{'-':>{width}s}"
             wide = f" fp8_q2 {cell('fp8_q2')}" if "fp8_q2" in tf else ""
+            wide += "".join(f" {key} {cell(key)}" for key in ("fp8_s", "fp8_sw") if key in tf)
             if "fp8_q" in tf and "t_fp8" in tf:
                 wide += f" fp8_q/t_fp8 {tf['fp8_q'] / tf['t_fp8']:.2f}"
             print(f"{name:16s} {label:8s} {local:4d} {rows:7d} {cell('fp8')} {cell('fp8_q')} {cell('bf16')} "

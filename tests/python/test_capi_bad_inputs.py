@@ -346,7 +346,8 @@ class Matrix:
         buf = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
         p = buf.data_ptr()
         rc = self.lib.mok_bench_expert_gemm_fp8(0, p, p, 128, 128, p, p, None, None, 128, 1, p, p, p, 64, None, p,
-                                                None, None, 0, 100, p, p, 10.0, self.layer.stream, ERROR, len(ERROR))
+                                                None, None, None, 0, 100, p, p, 10.0, self.layer.stream, ERROR,
+                                                len(ERROR))
         record("expert_gemm_fp8 with block_n 100", self.path, "error naming block_n",
                rc == 1 and message().startswith("expert_gemm: block_n must be 0 (choose), or 128 or 192"),
                message() if rc else "no error", self.next_call())
