@@ -78,40 +78,37 @@ int n_blocks(const ExpertGemmArgs& args) {
   return (args.n + columns - 1) / columns;
 }
 
-// Precision::kFP8: the epilogue, the store tile's width and the cluster size become the kernel's policies.
+// Traits<1> or Traits<2>, by the call's cluster size.
+template <template <int> class Traits>
+void launch_clustered(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) {
+  if (cluster_n == 2)
+    launch<Traits<2>>(args, stream);
+  else
+    launch<Traits<1>>(args, stream);
+}
+
+template <class Epilogue>
+struct Fp8Tile {
+  template <int kClusterN>
+  using Traits = detail::Fp8GemmTraits<Epilogue, kClusterN>;
+};
+
+// Precision::kFP8: the epilogue, the tile's width and the cluster size become the kernel's policies.
 template <class Epilogue>
 void launch_fp8(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) {
   if constexpr (std::is_same_v<Epilogue, gemm::StoreEpilogue>) {
-    if (fp8_store_block_n(args.block_n, args.n) == 192) {
-      if (cluster_n == 2)
-        launch<detail::Fp8WideStoreTraits<2>>(args, stream);
-      else
-        launch<detail::Fp8WideStoreTraits<1>>(args, stream);
-      return;
-    }
+    if (fp8_store_block_n(args.block_n, args.n) == 192)
+      return launch_clustered<detail::Fp8WideStoreTraits>(args, cluster_n, stream);
   }
   if constexpr (std::is_same_v<Epilogue, gemm::SwiGLUQuantEpilogue<false>>) {
-    if (fp8_gate_up_block_n(args.block_n, false) == 256) {
-      if (cluster_n == 2)
-        launch<detail::Fp8WideGateUpTraits<2>>(args, stream);
-      else
-        launch<detail::Fp8WideGateUpTraits<1>>(args, stream);
-      return;
-    }
+    if (fp8_gate_up_block_n(args.block_n, false) == 256)
+      return launch_clustered<detail::Fp8WideGateUpTraits>(args, cluster_n, stream);
   }
   if constexpr (std::is_same_v<Epilogue, gemm::SwiGLUQuantEpilogue<true>>) {
-    if (fp8_gate_up_block_n(args.block_n, true) == 256) {
-      if (cluster_n == 2)
-        launch<detail::Fp8WideGateUpSideTraits<2>>(args, stream);
-      else
-        launch<detail::Fp8WideGateUpSideTraits<1>>(args, stream);
-      return;
-    }
+    if (fp8_gate_up_block_n(args.block_n, true) == 256)
+      return launch_clustered<detail::Fp8WideGateUpSideTraits>(args, cluster_n, stream);
   }
-  if (cluster_n == 2)
-    launch<detail::Fp8GemmTraits<Epilogue, 2>>(args, stream);
-  else
-    launch<detail::Fp8GemmTraits<Epilogue, 1>>(args, stream);
+  launch_clustered<Fp8Tile<Epilogue>::template Traits>(args, cluster_n, stream);
 }
 
 // A GEMM with its A rows gathered by the producer warpgroup (src/device/gemm/row_gather.cuh): the forward's
