@@ -381,7 +381,7 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
 // scale 1. A block holding a NaN or an infinity gets a NaN scale (that row's down outputs are NaN) and is reported
 // to the status word (kStatusNonFinite).
 // kWritesGateUp (a training context that keeps g | u, MoeOptions::keep_gate_up): after each pass's mainloop also
-// the raw g and u of its 64 h columns (bf16, before the clamp: gate_up_out[r, j] = g, gate_up_out[r, n + j] = u, as
+// the raw g and u of its h columns (bf16, before the clamp: gate_up_out[r, j] = g, gate_up_out[r, n + j] = u, as
 // SwiGLUEpilogue<true>) and the bf16 h that `keep` rounded (hidden_out[r, j], the plain SwiGLU's h), three boxes
 // staged together (kSideBoxes) and stored while the next pass's mainloop runs (store_side_outputs): what the
 // backward would otherwise recompute, the same bits. Their descriptors are of e4m3 over the bf16 tensors' bytes
