@@ -200,8 +200,8 @@ def main():
                              "the same turns")
     parser.add_argument("--side-outputs", action="store_true",
                         help="--gemm fp8: also fp8_s and fp8_sw, the gate/up GEMM writing h quantized beside a training "
-                             "context's side outputs (bf16 g | u and h) with the library's tile (two 128 x 128 "
-                             "passes) and with the 128 x 256 one (ExpertGemmArgs::block_n 256, opt-in)")
+                             "context's side outputs (bf16 g | u and h) as two 128 x 128 passes (ExpertGemmArgs::block_n "
+                             "128) and with the library's 128 x 256 tile")
     parser.add_argument("--digest", action="store_true",
                         help="--gemm fp8: print a fingerprint of our outputs per GEMM (inputs seeded), so that two "
                              "builds' bits can be compared (--lib)")
@@ -559,8 +559,8 @@ def fp8_main(args):
                 if args.two_pass_gate_up:
                     fns["fp8_q2"] = lambda: ours_fp8(quantized_out=True, block_n=128)
                 if side:
-                    fns["fp8_s"] = lambda: ours_fp8(quantized_out=True, side_outputs=True)
-                    fns["fp8_sw"] = lambda: ours_fp8(quantized_out=True, block_n=256, side_outputs=True)
+                    fns["fp8_s"] = lambda: ours_fp8(quantized_out=True, block_n=128, side_outputs=True)
+                    fns["fp8_sw"] = lambda: ours_fp8(quantized_out=True, side_outputs=True)
             available = {}
             for key, fn in fns.items():
                 try:

@@ -143,8 +143,8 @@ struct ExpertGemmArgs {
                                 // 0: choose_cluster_n
   int block_n = 0;              // kFP8 kStore: output columns per tile, 128 or 192; 0: fp8_store_block_n.
                                 // kFP8 kSwiGLU with out_scales: 128, each task's 128 h columns as two 128 x 128
-                                // passes, or 256, one 128 x 256 tile (the same bits, 9-11 % faster without
-                                // gate_up_out; with it, opt-in, unmeasured); 0: fp8_gate_up_block_n. Other GEMMs: 0
+                                // passes, or 256, one 128 x 256 tile (the same bits, faster); 0:
+                                // fp8_gate_up_block_n. Other GEMMs: 0
   int32_t first_row = 0;        // rows below it are not computed (their outputs untouched): a multiple of 128
   int32_t* ticket = nullptr;    // one int32 of device memory, zeroed by the call on its stream: the task
                                 // ticket (one per GEMM in flight at a time)
@@ -174,10 +174,9 @@ int gemm_n_blocks(const ExpertGemmArgs& args);
 int fp8_store_block_n(int block_n, int n);
 
 // Gate and up columns per tile of the FP8 gate/up GEMM writing h quantized: block_n, or for 0 the 128 x 256 tile
-// (one per 128 h columns, A loaded once: 9-11 % faster, the same bits: docs/perf_notes.md, round 34) unless the
-// side outputs are written (gate_up_out: two 128 x 128 passes, until the wide tile's form with them, 3 stages
-// instead of 4, is measured).
-int fp8_gate_up_block_n(int block_n, bool gate_up_out);
+// (one per 128 h columns, A loaded once; the same bits as two 128 x 128 passes and faster: 9-11 % without the side
+// outputs, docs/perf_notes.md round 34; 13 % beside them, 3 stages instead of 4, round 35).
+int fp8_gate_up_block_n(int block_n);
 
 // CTAs per cluster for a GEMM with `n` output columns: 2 (the A tile multicast to a pair of n-blocks) when
 // the output tiles pair up, else 1.

@@ -101,11 +101,11 @@ void launch_fp8(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) 
       return launch_clustered<detail::Fp8WideStoreTraits>(args, cluster_n, stream);
   }
   if constexpr (std::is_same_v<Epilogue, gemm::SwiGLUQuantEpilogue<false>>) {
-    if (fp8_gate_up_block_n(args.block_n, false) == 256)
+    if (fp8_gate_up_block_n(args.block_n) == 256)
       return launch_clustered<detail::Fp8WideGateUpTraits>(args, cluster_n, stream);
   }
   if constexpr (std::is_same_v<Epilogue, gemm::SwiGLUQuantEpilogue<true>>) {
-    if (fp8_gate_up_block_n(args.block_n, true) == 256)
+    if (fp8_gate_up_block_n(args.block_n) == 256)
       return launch_clustered<detail::Fp8WideGateUpSideTraits>(args, cluster_n, stream);
   }
   launch_clustered<Fp8Tile<Epilogue>::template Traits>(args, cluster_n, stream);
@@ -328,7 +328,7 @@ void encode_row_scatter_maps(const PeerPointers& combined, int ranks, int64_t ro
 
 int fp8_store_block_n(int block_n, int n) { return block_n != 0 ? block_n : n >= 4096 ? 192 : 128; }
 
-int fp8_gate_up_block_n(int block_n, bool gate_up_out) { return block_n != 0 ? block_n : gate_up_out ? 128 : 256; }
+int fp8_gate_up_block_n(int block_n) { return block_n != 0 ? block_n : 256; }
 
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);

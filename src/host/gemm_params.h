@@ -36,14 +36,14 @@ using Fp8GemmTraits = gemm::GemmTraits<128, 128, 5, gemm::Fp8Mainloop, Epilogue,
 // tiles share one shape).
 template <int kClusterN>
 using Fp8WideStoreTraits = gemm::GemmTraits<128, 192, 5, gemm::Fp8Mainloop, gemm::StoreEpilogue, kClusterN>;
-// The FP8 gate/up GEMM writing h quantized with one 128 x 256 tile a task (fp8_gate_up_block_n 256, the default
-// without the side outputs): A loaded once for the task's 128 gate and 128 up columns instead of once per
+// The FP8 gate/up GEMM writing h quantized with one 128 x 256 tile a task (fp8_gate_up_block_n 256, the
+// default): A loaded once for the task's 128 gate and 128 up columns instead of once per
 // 128 x 128 pass; 4 stages of 48 KB; 232 / 40 registers. The FP8 megakernel's own variant of it is
 // Fp8WideMegakernelTraits (src/host/moe_fused.cu: 224 / 56 registers, one staging box).
 template <int kClusterN>
 using Fp8WideGateUpTraits =
     gemm::GemmTraits<128, 256, 4, gemm::Fp8Mainloop, gemm::SwiGLUQuantEpilogue<false, 1>, kClusterN>;
-// The same tile beside the side outputs (ExpertGemmArgs::block_n 256 with gate_up_out, opt-in): 3 stages of 48 KB,
+// The same tile beside the side outputs (a training context's g | u and h; the default there too): 3 stages of 48 KB,
 // for the three side-output boxes a warpgroup (4 stages and them would need 242 KB).
 template <int kClusterN>
 using Fp8WideGateUpSideTraits =

@@ -386,8 +386,8 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
 // staged together (kSideBoxes) and stored while the next pass's mainloop runs (store_side_outputs): what the
 // backward would otherwise recompute, the same bits. Their descriptors are of e4m3 over the bf16 tensors' bytes
 // (a 64 x 128-byte box is 64 x 64 bf16; the TMA copies bytes): src/host/gemm_params.h.
-// kPasses_ = 1 (fp8_gate_up_block_n 256: the default without the side outputs, the same bits, 9-11 % faster:
-// docs/perf_notes.md, round 34; with them, opt-in, 3 stages, their 128 columns stored in two rounds): the task's
+// kPasses_ = 1 (fp8_gate_up_block_n 256, the default; the same bits, 9-11 % faster: docs/perf_notes.md, round 34;
+// with the side outputs 3 stages, their 128 columns stored in two rounds, 13 % faster, round 35): the task's
 // 128 h columns are one pass of a 128 x 256 tile (the 128 gate and the 128 up columns, A loaded once), whose
 // mainloop promotes its two 128-column wgmma halves in turn (mainloop_block_scaled's splits); a last task of 64
 // columns computes the 64 past n too (rows of the next expert or of the up half: keep zeroes those h columns, so
