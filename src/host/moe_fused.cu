@@ -68,19 +68,20 @@ void launch(const FusedForwardArgs& a, cudaStream_t stream) {
 }
 
 // FP8 (MoeOptions::precision kFP8): the gate/up GEMM writing h quantized and the store GEMM, one tile storage for
-// both. Without the side outputs: 128 x 256 tiles (the gate/up's detail::Fp8WideGateUpTraits; the down's of the same
-// shape, whose two 128-column halves are promoted in turn as the gate/up's are), 4 stages of 48 KB, one staging box
-// a warpgroup (the down stores its 256 columns in four passes: with two boxes the megakernel's shared memory is 1 KB
-// past the 227 KB a CTA may have). kKeepGateUp (the bf16 g | u and h a training context keeps,
-// MoeOptions::keep_gate_up): 128 x 128 tiles, 5 stages of 32 KB, the gate/up's three side-output boxes (the wide tile
-// has no room for them).
+// both, 128 x 256 tiles (the gate/up's as detail::Fp8WideGateUpTraits; the down's two 128-column halves promoted in
+// turn as the gate/up's are). Without the side outputs: 4 stages of 48 KB, one staging box a warpgroup (the down
+// stores its 256 columns in four passes: with two boxes the megakernel's shared memory is 1 KB past the 227 KB a CTA
+// may have). kKeepGateUp (the bf16 g | u and h a training context keeps, MoeOptions::keep_gate_up): 3 stages of
+// 48 KB beside the gate/up's three side-output boxes (detail::Fp8WideGateUpSideTraits), of which the down stages
+// through two (two passes).
 template <class Base, int kBoxes>
 struct Fp8MegakernelTraits : Base {
   using TileStorage = typename Base::Collective::template Storage<kBoxes>;
 };
+template <int kStages, class Epilogue, int kClusterN>
+using Fp8WideTile = gemm::GemmTraits<128, 256, kStages, gemm::Fp8Mainloop, Epilogue, kClusterN>;
 template <class Epilogue, int kClusterN>
-struct Fp8WideMegakernelTraits
-    : Fp8MegakernelTraits<gemm::GemmTraits<128, 256, 4, gemm::Fp8Mainloop, Epilogue, kClusterN>, 1> {
+struct Fp8WideMegakernelTraits : Fp8MegakernelTraits<Fp8WideTile<4, Epilogue, kClusterN>, 1> {
   static constexpr int kStagingBoxes = 1;
   static constexpr int kStagingCols = Fp8WideMegakernelTraits::kBoxCols;
   static_assert(Fp8WideMegakernelTraits::kOutCols % kStagingCols == 0, "whole staging passes");
@@ -89,15 +90,16 @@ inline constexpr int kFp8SideBoxes = gemm::SwiGLUQuantEpilogue<true>::kSideBoxes
 template <int kClusterN, bool kKeepGateUp>
 using Fp8GateUpTraits =
     std::conditional_t<kKeepGateUp,
-                       Fp8MegakernelTraits<Fp8GemmTraits<gemm::SwiGLUQuantEpilogue<true>, kClusterN>, kFp8SideBoxes>,
+                       Fp8MegakernelTraits<Fp8WideTile<3, gemm::SwiGLUQuantEpilogue<true, 1>, kClusterN>, kFp8SideBoxes>,
                        Fp8WideMegakernelTraits<gemm::SwiGLUQuantEpilogue<false, 1>, kClusterN>>;
 template <int kClusterN, bool kKeepGateUp>
 using Fp8DownTraits =
-    std::conditional_t<kKeepGateUp, Fp8MegakernelTraits<Fp8GemmTraits<gemm::StoreEpilogue, kClusterN>, kFp8SideBoxes>,
+    std::conditional_t<kKeepGateUp, Fp8MegakernelTraits<Fp8WideTile<3, gemm::StoreEpilogue, kClusterN>, kFp8SideBoxes>,
                        Fp8WideMegakernelTraits<gemm::StoreEpilogue, kClusterN>>;
 
-static_assert(sizeof(megakernel::MegakernelSharedStorage<Fp8GateUpTraits<2, false>>) <= 227 * 1024,
-              "the wide FP8 megakernel's shared memory fits the 227 KB an H100 or H200 CTA may have");
+static_assert(sizeof(megakernel::MegakernelSharedStorage<Fp8GateUpTraits<2, false>>) <= 227 * 1024 &&
+                  sizeof(megakernel::MegakernelSharedStorage<Fp8GateUpTraits<2, true>>) <= 227 * 1024,
+              "the FP8 megakernel's shared memory fits the 227 KB an H100 or H200 CTA may have");
 
 template <int kClusterN, bool kKeepGateUp>
 auto fp8_kernel_of() {
@@ -141,9 +143,9 @@ void launch_fp8(const FusedForwardArgs& a, cudaStream_t stream) {
 }  // namespace
 
 int fused_cluster_n(int hidden, int intermediate, Precision precision) {
-  // FP8: a quantizing gate/up task covers 128 h columns (two passes, a last task of 64 columns one, beside the side
-  // outputs), and the two CTAs of a pair run the same stages, so pairs need I % 256 == 0: an even number of whole
-  // tasks; and an even number of down tiles, in both tile shapes (the choice does not depend on keep_gate_up).
+  // FP8: a quantizing gate/up task covers 128 h columns (a last task of 64 columns computes 64 past n), and the two
+  // CTAs of a pair run the same stages, so pairs need I % 256 == 0: an even number of whole tasks; and an even
+  // number of down tiles (the choice does not depend on keep_gate_up).
   static_assert(Fp8GateUpTraits<1, false>::kOutCols == 128 && Fp8GateUpTraits<1, true>::kOutCols == 128,
                 "h columns per quantizing gate/up task");
   if (precision == Precision::kFP8)
