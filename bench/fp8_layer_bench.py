@@ -117,8 +117,9 @@ def main():
     parser.add_argument("--tokens", type=positive_int, default=8192)
     parser.add_argument("--iters", type=positive_int, default=20)
     parser.add_argument("--breakdown", action="store_true",
-                        help="also the GPU time per kernel of the FP8 (unfused, fused) and the bf16 unfused forward; "
-                             "with --backward, of the FP8 fused and bf16 fused forward + backward (torch.profiler)")
+                        help="also the GPU time per kernel of the FP8 and the bf16 forwards, unfused and fused, with "
+                             "each call timed alone, back to back and its kernels' sum; with --backward, of the FP8 "
+                             "fused and bf16 fused forward + backward (torch.profiler)")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (the layers built with the backward) instead of the forward")
     parser.add_argument("--backward-paths", default=",".join(p for p in BACKWARD_PATHS if p != "fp8w"),
@@ -185,9 +186,13 @@ def main():
             if line:
                 print(f"  {label}: {line}", flush=True)
             if args.breakdown:
-                for path in ("fp8", "fp8f", "bf16"):
-                    for kernel, kernel_ms in kernel_breakdown(forward(path)):
+                for path in ("fp8", "fp8f", "bf16", "fused"):
+                    kernels = kernel_breakdown(forward(path))
+                    for kernel, kernel_ms in kernels:
                         print(f"  {name} {path:5s} {kernel:40s} {kernel_ms:8.3f} ms per call", flush=True)
+                    print(f"  {name} {path:5s} timed alone {ms[path]:.3f} ms, back to back "
+                          f"{back_to_back_ms(forward(path), args.iters):.3f} ms a call, its kernels "
+                          f"{sum(k for _, k in kernels):.3f} ms", flush=True)
             for layer in layers.values():
                 check(lib.mok_bench_layer_check_status(layer, stream, ERROR, len(ERROR)))
         finally:  # (an out-of-memory error included: the retry needs the memory back)
@@ -195,6 +200,20 @@ def main():
                 lib.mok_bench_layer_destroy(layer)
 
     for_each_shape(args, run_shape)
+
+
+def back_to_back_ms(fn, iters):
+    """Milliseconds a call of fn, iters calls enqueued back to back between two events (the host's enqueue overlaps
+    the GPU's work): against the call timed alone, what the host adds before and between a call's kernels."""
+    fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / iters
 
 
 def fp8_weight_pointers(w, transposed=True):
