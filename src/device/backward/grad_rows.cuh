@@ -96,24 +96,25 @@ __device__ __forceinline__ void quantize_pulled_vector(const GradPullFp8& q, con
     f[2 * c] = pair.x;
     f[2 * c + 1] = pair.y;
   }
-  // The lane's amax, or infinity once a value is not finite (a NaN's |value| would drop out of fmaxf): one
-  // butterfly then gives the block's amax and finiteness together (a finite block's amax is finite).
   float amax = 0.f;
-  bool finite = true;
+  int finite = 1;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    finite = finite && isfinite(f[j]);
+    finite &= isfinite(f[j]) ? 1 : 0;
     amax = fmaxf(amax, fabsf(f[j]));
   }
-  const float infinity = __int_as_float(0x7f800000);
-  if (!finite) amax = infinity;
-  for (int offset = 8; offset > 0; offset /= 2)  // the block's 16 lanes (half-warps hold whole blocks)
+  for (int offset = 8; offset > 0; offset /= 2) {  // the block's 16 lanes (half-warps hold whole blocks)
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  const float scale = device::fp8_block_scale(amax, amax != infinity, q.power_of_two);
+    finite &= __shfl_xor_sync(0xffffffffu, finite, offset);
+  }
+  const float scale = device::fp8_block_scale(amax, finite != 0, q.power_of_two);
   if (!present) return;
-  uint2 packed;
-  packed.x = device::to_e4m3x2(f[0], f[1], scale) | uint32_t(device::to_e4m3x2(f[2], f[3], scale)) << 16;
-  packed.y = device::to_e4m3x2(f[4], f[5], scale) | uint32_t(device::to_e4m3x2(f[6], f[7], scale)) << 16;
+  uint2 packed = {0, 0};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    packed.x |= uint32_t(device::to_e4m3(f[j], scale)) << (8 * j);
+    packed.y |= uint32_t(device::to_e4m3(f[4 + j], scale)) << (8 * j);
+  }
   reinterpret_cast<uint2*>(q.d_out + row * int64_t(row_vectors) * 8)[i] = packed;
   if (lane % 16 == 0) {
     q.d_out_scales[int64_t(i / 16) * q.rows + row] = scale;
@@ -121,9 +122,6 @@ __device__ __forceinline__ void quantize_pulled_vector(const GradPullFp8& q, con
   }
 }
 
-// kXBeside: the x row (when pulled) moves in the same loop as d_out's, its loads in flight beside d_out's (the stage
-// kernel's); else before it, by copy_row_warp (the backward megakernel's copy warps: no registers for both).
-template <bool kXBeside = false>
 __device__ __forceinline__ void pull_grad_row(const GradPullSources& src, const GradPullRow& dst, int64_t row,
                                               int32_t route, int num_tokens, int top_k, int row_vectors, int lane,
                                               const GradPullFp8& fp8 = {}) {
@@ -145,30 +143,23 @@ __device__ __forceinline__ void pull_grad_row(const GradPullSources& src, const 
   // Every lane reads the same word (one transaction); each needs the weight for its own vectors.
   const float rw = static_cast<const float*>(src.router_weights.base[c.src])[int64_t(c.token) * top_k + c.slot];
   if (lane == 0) *dst.row_weight = rw;
-  const uint4* __restrict__ x_src =
-      dst.x == nullptr       ? nullptr
-      : row < src.kept_rows ? src.kept_x_rows + row * row_vectors
-                            : dispatch::source_row(src.x, route, num_tokens, top_k, row_vectors);
-  if (!kXBeside && x_src != nullptr) {
+  if (dst.x != nullptr) {
+    const uint4* x_src = row < src.kept_rows ? src.kept_x_rows + row * row_vectors
+                                             : dispatch::source_row(src.x, route, num_tokens, top_k, row_vectors);
     device::copy_row_warp(x_src, dst.x, row_vectors, lane);
-    x_src = nullptr;
   }
   const uint4* __restrict__ d_out_src = dispatch::source_row(src.d_out, route, num_tokens, top_k, row_vectors);
   for (int base = 0; base < row_vectors; base += 32 * device::kRowCopyUnroll) {
-    uint4 v[device::kRowCopyUnroll], xv[device::kRowCopyUnroll];
+    uint4 v[device::kRowCopyUnroll];
 #pragma unroll
     for (int u = 0; u < device::kRowCopyUnroll; ++u) {
       const int i = base + u * 32 + lane;
-      if (i < row_vectors) {
-        v[u] = d_out_src[i];
-        if (x_src != nullptr) xv[u] = x_src[i];
-      }
+      if (i < row_vectors) v[u] = d_out_src[i];
     }
 #pragma unroll
     for (int u = 0; u < device::kRowCopyUnroll; ++u) {
       const int i = base + u * 32 + lane;
       if (i < row_vectors) {
-        if (x_src != nullptr) dst.x[i] = xv[u];
         if (!quantize && c.src != src.gathered_rank) dst.d_out[i] = v[u];
         dst.dy[i] = scale_bf16x8(v[u], rw);
       }

@@ -47,8 +47,7 @@ __global__ void __launch_bounds__(GradRowTraits::kThreads) pull_grad_rows_kernel
     const int64_t at = row * p.row_vectors;
     const backward::GradPullRow dst{p.x_rows != nullptr ? p.x_rows + at : nullptr, p.d_out_rows + at, p.dy_rows + at,
                                     p.row_weight + row};
-    backward::pull_grad_row<true>(p.src, dst, row, p.row_route[row], p.num_tokens, p.top_k, p.row_vectors, lane,
-                                  p.fp8);
+    backward::pull_grad_row(p.src, dst, row, p.row_route[row], p.num_tokens, p.top_k, p.row_vectors, lane, p.fp8);
   });
 }
 
