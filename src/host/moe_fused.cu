@@ -86,16 +86,16 @@ struct Fp8WideMegakernelTraits : Fp8MegakernelTraits<Fp8WideTile<4, Epilogue, kC
   static constexpr int kStagingCols = Fp8WideMegakernelTraits::kBoxCols;
   static_assert(Fp8WideMegakernelTraits::kOutCols % kStagingCols == 0, "whole staging passes");
 };
-inline constexpr int kFp8SideBoxes = gemm::SwiGLUQuantEpilogue<true>::kSideBoxes;
+template <class Epilogue, int kClusterN>
+using Fp8WideSideMegakernelTraits =
+    Fp8MegakernelTraits<Fp8WideTile<3, Epilogue, kClusterN>, gemm::SwiGLUQuantEpilogue<true>::kSideBoxes>;
 template <int kClusterN, bool kKeepGateUp>
 using Fp8GateUpTraits =
-    std::conditional_t<kKeepGateUp,
-                       Fp8MegakernelTraits<Fp8WideTile<3, gemm::SwiGLUQuantEpilogue<true, 1>, kClusterN>, kFp8SideBoxes>,
+    std::conditional_t<kKeepGateUp, Fp8WideSideMegakernelTraits<gemm::SwiGLUQuantEpilogue<true, 1>, kClusterN>,
                        Fp8WideMegakernelTraits<gemm::SwiGLUQuantEpilogue<false, 1>, kClusterN>>;
 template <int kClusterN, bool kKeepGateUp>
-using Fp8DownTraits =
-    std::conditional_t<kKeepGateUp, Fp8MegakernelTraits<Fp8WideTile<3, gemm::StoreEpilogue, kClusterN>, kFp8SideBoxes>,
-                       Fp8WideMegakernelTraits<gemm::StoreEpilogue, kClusterN>>;
+using Fp8DownTraits = std::conditional_t<kKeepGateUp, Fp8WideSideMegakernelTraits<gemm::StoreEpilogue, kClusterN>,
+                                         Fp8WideMegakernelTraits<gemm::StoreEpilogue, kClusterN>>;
 
 static_assert(sizeof(megakernel::MegakernelSharedStorage<Fp8GateUpTraits<2, false>>) <= 227 * 1024 &&
                   sizeof(megakernel::MegakernelSharedStorage<Fp8GateUpTraits<2, true>>) <= 227 * 1024,

@@ -234,24 +234,22 @@ struct Fp8ForwardParams {
 };
 
 // The forward's FP8 task set: ForwardTasks' sequencing, tiles (compute) and combine copies. The gate/up tasks are
-// SwiGLUQuantEpilogue's: one 128 x 256 tile (the 128 gate and 128 up columns of 128 h columns), or, beside the side
-// outputs of a training context, two 128 x 128 tiles in turn (its passes, loaded as the standalone producer loads
-// them); the down tiles have the gate/up tiles' shape (one pipeline). A dispatched row is the FP8 row's bytes, its
-// scales also written into the ring's A-scale array (what unpack_fp8_row_scales does after the unfused pull; zeros
-// for a padding row, as the unfused pull's zeroed row gives) before the unit's release.
+// SwiGLUQuantEpilogue's one 128 x 256 tile (the 128 gate and 128 up columns of 128 h columns), with or without the
+// side outputs of a training context; the down tiles have the same shape (one pipeline). A dispatched row is the FP8
+// row's bytes, its scales also written into the ring's A-scale array (what unpack_fp8_row_scales does after the
+// unfused pull; zeros for a padding row, as the unfused pull's zeroed row gives) before the unit's release.
 // Communication CTAs copy with warps (no bulk copies of FP8 rows).
 template <class TGateUp, class TDown>
 struct Fp8ForwardTasks : ForwardTasks<TGateUp, TDown> {
   using Base = ForwardTasks<TGateUp, TDown>;
   using T = TGateUp;
-  static constexpr bool kWide = T::kBlockN == 256;
-  // Registers. 128 x 128 tiles: the producer warpgroup's threads hold two parameter types and the A-scale loads
-  // (ptxas spilled at 56). 128 x 256 tiles: their consumers need 224 (128 promoted values and a 64-value partial a
-  // thread; ptxas spilled at 216), which leaves the producer 56: enough once the copy warps keep two vectors a lane
-  // in flight, not four (ptxas spilled 36-84 bytes with four).
-  static constexpr int kProducerRegisters = kWide ? 56 : 72;
-  static constexpr int kConsumerRegisters = kWide ? 224 : 216;
-  static constexpr int kCopyUnroll = kWide ? 2 : device::kRowCopyUnroll;
+  static_assert(T::kBlockN == 256 && T::Epilogue::kPasses == 1, "128 x 256 tiles, one pass a gate/up task");
+  // Registers: the consumers need 224 (128 promoted values and a 64-value partial a thread; ptxas spilled at 216),
+  // which leaves the producer warpgroup 56: enough once the copy warps keep two vectors a lane in flight, not four
+  // (ptxas spilled 36-84 bytes with four).
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 224;
+  static constexpr int kCopyUnroll = 2;
 
   template <class Params>
   __device__ __forceinline__ static bool load(const Params& p, const PhaseDesc& phase, const ComputeTask& task,
@@ -260,12 +258,7 @@ struct Fp8ForwardTasks : ForwardTasks<TGateUp, TDown> {
     const gemm::TileTask tile = tile_of<T::kClusterN>(task, cta_rank);
     if (!forward::is_gate_up(phase.gemm))
       return gemm::load_tile<TDown>(down_params(p, phase.gemm), tile, cta_rank, smem, pipeline, state, bound);
-    const auto& params = gate_up_params(p, phase.gemm);
-    const int passes = T::Epilogue::passes(params, tile);
-    for (int pass = 0; pass < passes; ++pass)
-      if (!gemm::load_tile<T>(params, T::Epilogue::pass_task(tile, pass), cta_rank, smem, pipeline, state, bound))
-        return false;
-    return true;
+    return gemm::load_tile<T>(gate_up_params(p, phase.gemm), tile, cta_rank, smem, pipeline, state, bound);  // one pass
   }
 
   template <class Params>
