@@ -581,6 +581,17 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
   __device__ __forceinline__ static void store(const Params& p, const TileTask& task, const Accum& accum,
                                                const Coords& coords, const TileRows& rows,
                                                const Stager& stager) {
+    if constexpr (T::kBlockScaled && T::kBlockN == 256)
+      store_wide<T>(p, task, accum, coords, rows, stager);
+    else
+      store_passes<T>(p, task, accum, coords, rows, stager);
+  }
+
+  // The bf16 tile of 256 columns and the FP8 one of 128: a rolled loop over its 64-column passes (see above).
+  template <class T, class Params, class Accum, class Coords, class Stager>
+  __device__ __forceinline__ static void store_passes(const Params& p, const TileTask& task, const Accum& accum,
+                                                      const Coords& coords, const TileRows& rows,
+                                                      const Stager& stager) {
     using cute::get;
     constexpr int kValues = decltype(cute::size(accum))::value;
     constexpr int kPasses = T::kBlockN / T::kBoxCols;
@@ -692,6 +703,178 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
     }
     if constexpr (T::kBlockScaled)
       if (p.out_scales != nullptr) quantize_kept<T>(p, task, coords, stager, stats, kept);
+  }
+
+  // Experiment (MOK_EXP_WIDE_DGRAD, src/host/gemm_params.h): the FP8 tile of 128 x 256, two 128-column blocks, each
+  // in two sweeps of its two 64-column passes, so that no value is kept for the quantization: the first sweep
+  // (with out_scales) computes the bf16 d_g and d_u only for their 1 x 128 blocks' amax (the scales written then),
+  // the second computes them again (the same bits), stages them in boxes 0 (d_g) and 1 (d_u) for their TMA stores,
+  // and their e4m3 values in boxes 2 and 3, stored to quantized_out once the block's second pass is staged. The
+  // rows' d_rw partials per block (row_partials' columns are 128-column blocks), summed in the 128 x 128 tile's
+  // order. `window` holds the tile's 128 values: a pass reads [0, 32), which each pass rotates within the block's
+  // [0, 64) (two passes restore it) and each block shifts down by 64. g and u are loaded from L2 in both sweeps.
+#ifndef MOK_EXP_WIDE_DGRAD_LOADS
+#define MOK_EXP_WIDE_DGRAD_LOADS 8
+#endif
+  template <class T, class Params, class Accum, class Coords, class Stager>
+  __device__ __forceinline__ static void store_wide(const Params& p, const TileTask& task, const Accum& accum,
+                                                    const Coords& coords, const TileRows& rows,
+                                                    const Stager& stager) {
+    using cute::get;
+    constexpr int kValues = decltype(cute::size(accum))::value;
+    constexpr int kPassValues = 32, kBlockValues = 64, kPairs = kPassValues / 2;
+    static_assert(kValues == 4 * kPassValues && T::kBoxCols == 64, "four 64-column passes of 32 values a thread");
+    const int64_t n = p.n, tile_col = int64_t(task.n_block) * T::kBlockN;
+    const int64_t partial_stride = (n + 127) / 128;
+    const float limit = p.swiglu_limit;
+    const bool quantize = p.out_scales != nullptr;
+    // The thread's first row of g (u: n columns further); its second row is 8 rows further (registers: one pointer).
+    const __nv_bfloat162* gate_up = reinterpret_cast<const __nv_bfloat162*>(
+        p.gate_up + (int64_t(task.buffer_row) + get<0>(coords(0))) * 2 * n + tile_col);
+    bool real[2];
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) real[half] = get<0>(coords(2 * half)) < rows.valid_rows;
+    const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
+    float window[kValues];
+    CUTE_UNROLL
+    for (int i = 0; i < kValues; ++i) window[i] = accum(i);
+    // The pass's g and u pairs in kLoads groups of kLoadPairs, each group's loads issued once the previous group's
+    // values are taken (registers: with all 16 at once ptxas spilled 128 bytes, with 4 groups 8 bytes in pairs).
+    constexpr int kLoads = MOK_EXP_WIDE_DGRAD_LOADS, kLoadPairs = kPairs / kLoads;
+    __nv_bfloat162 g2[kLoadPairs], u2[kLoadPairs];
+    const auto load_group = [&](int pass_begin, int h) {
+      CUTE_UNROLL
+      for (int w = 0; w < kLoadPairs; ++w) {
+        const int v = h * kLoadPairs + w, half = v % 2, c = get<1>(coords(2 * v)) + pass_begin;  // c even: a pair
+        const __nv_bfloat162* row = gate_up + half * 8 * n;  // (a row is 2n bf16: n pairs)
+        g2[w] = real[half] ? row[c / 2] : zero;
+        u2[w] = real[half] ? row[(n + c) / 2] : zero;
+      }
+    };
+    const auto rotate = [&] {  // the block's two passes' values swap halves
+      CUTE_UNROLL
+      for (int i = 0; i < kPassValues; ++i) {
+        const float t = window[i];
+        window[i] = window[i + kPassValues];
+        window[i + kPassValues] = t;
+      }
+    };
+#pragma unroll 1
+    for (int block = 0; block < 2; ++block) {
+      const int block_begin = block * 128;
+      if (tile_col + block_begin >= n) break;  // the partial last n-block (uniform over the warpgroup)
+      const int block_col = task.n_block * 2 + block;  // of row_partials, out_scales and quantized_out
+      // Steps 0-1: sweep 1's passes (quantize only), 2-3: sweep 2's; one rolled loop (code size: the instruction
+      // cache). Sweep 1 keeps per part and row half the amax, or infinity once a value is not finite.
+      float amax[2][2] = {}, scale[2][2] = {};  // [part][row half]
+      float partial[2] = {0.0f, 0.0f};
+#pragma unroll 1
+      for (int step = quantize ? 0 : 2; step < 4; ++step) {
+        const bool values = step >= 2;  // uniform over the warpgroup
+        const int q = step % 2, pass_begin = block_begin + q * T::kBoxCols;
+        if (values && tile_col + pass_begin >= n) break;  // a last block of one pass (n % 128 == 64, not quantized)
+        // An opaque 0, new every pass: the staging addresses hoisted out of the loop take registers (see store).
+        int opaque_zero;
+        asm volatile("mov.u32 %0, 0;" : "=r"(opaque_zero));
+        load_group(pass_begin, 0);
+        if (values) stager.begin_pass();
+        CUTE_UNROLL
+        for (int v = 0; v < kPairs; ++v) {
+          if (v % kLoadPairs == 0 && v > 0) load_group(pass_begin, v / kLoadPairs);
+          const int half = v % 2, r = get<0>(coords(2 * v)), col = get<1>(coords(2 * v)) + opaque_zero;
+          __nv_bfloat162 g_out, u_out;  // (sweep 2 adds the d_rw terms of a real row, as store_passes does)
+          backward_pair(window[2 * v], window[2 * v + 1], g2[v % kLoadPairs], u2[v % kLoadPairs],
+                        rows.row_scale[half], limit, real[half], values && real[half], partial[half], g_out, u_out);
+          if (!values) {
+            const float2 g = __bfloat1622float2(g_out), u = __bfloat1622float2(u_out);
+            const float inf = __int_as_float(0x7f800000);
+            amax[0][half] = isfinite(g.x) && isfinite(g.y) ? fmaxf(amax[0][half], fmaxf(fabsf(g.x), fabsf(g.y))) : inf;
+            amax[1][half] = isfinite(u.x) && isfinite(u.y) ? fmaxf(amax[1][half], fmaxf(fabsf(u.x), fabsf(u.y))) : inf;
+            continue;
+          }
+          stager.stage_bf16(0, r, col, g_out);
+          stager.stage_bf16(1, r, col, u_out);
+          if (quantize) {
+            const float2 g = __bfloat1622float2(g_out), u = __bfloat1622float2(u_out);
+            const int byte = q * T::kBoxCols + col;  // e4m3: a byte a column of the block
+            stager.stage_bytes(2, r, byte, device::to_e4m3x2(g.x, g.y, scale[0][half]));
+            stager.stage_bytes(3, r, byte, device::to_e4m3x2(u.x, u.y, scale[1][half]));
+          }
+        }
+        if (values) {
+          const int c = int(tile_col) + pass_begin;  // < n; box 0: d_g, box 1: d_u
+          stager.end_pass_with([&] {
+            stager.store_box(p.tma_out, p.a_rows, 2 * n, 0, c / T::kBoxCols);
+            stager.store_box(p.tma_out, p.a_rows, 2 * n, 1, (n + c) / T::kBoxCols);
+            if (quantize && q == 1) {
+              stager.store_box(p.tma_side_out, p.a_rows, n, 2, block_col);
+              stager.store_box(p.tma_side_out, p.a_rows, n, 3, n / 128 + block_col);
+            }
+          });
+        }
+        rotate();
+        if (step == 1) {  // the block's scales, from sweep 1's amax (quantize)
+          CUTE_UNROLL
+          for (int part = 0; part < 2; ++part) {
+            CUTE_UNROLL
+            for (int half = 0; half < 2; ++half) {
+              const float m = amax[part][half];
+              scale[part][half] = device::quad_block_scale(m, m != __int_as_float(0x7f800000), p.out_power_of_two);
+              const int r = get<0>(coords(2 * half));
+              if (threadIdx.x % 4 == 0) {
+                p.out_scales[int64_t(part * (n / 128) + block_col) * p.a_rows + task.buffer_row + r] =
+                    scale[part][half];
+                if (isnan(scale[part][half]))
+                  device::record_nonfinite(p.status, NonFiniteWhere::kDGateUp, p.rank, task.row + r);
+              }
+            }
+          }
+        }
+      }
+      CUTE_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        float x = partial[half];
+        x += __shfl_xor_sync(0xffffffff, x, 1);
+        x += __shfl_xor_sync(0xffffffff, x, 2);
+        const int r = get<0>(coords(2 * half));
+        if (threadIdx.x % 4 == 0)
+          p.row_partials[(int64_t(task.buffer_row) + r) * partial_stride + block_col] = real[half] ? x : 0.0f;
+      }
+      CUTE_UNROLL
+      for (int i = 0; i + kBlockValues < kValues; ++i) window[i] = window[i + kBlockValues];
+    }
+  }
+
+  // d_g and d_u (bf16, zeros for a padding row) of one column pair from its d_hu (accumulators), the row's scale and
+  // the raw g and u; with `add`, the row's d_rw terms added to `partial`, one addition per column. store_passes'
+  // arithmetic, written out there (this experiment leaves the other kernels' SASS as it was; folding it is for
+  // landing).
+  __device__ __forceinline__ static void backward_pair(float d_hu0, float d_hu1, __nv_bfloat162 g2, __nv_bfloat162 u2,
+                                                       float row_scale, float limit, bool real, bool add,
+                                                       float& partial, __nv_bfloat162& g_out, __nv_bfloat162& u_out) {
+    const float2 g_pair = __bfloat1622float2(g2);
+    const float2 u_pair = __bfloat1622float2(u2);
+    float d_g[2], d_u[2];
+    CUTE_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      const float g = j == 0 ? g_pair.x : g_pair.y, u = j == 0 ? u_pair.x : u_pair.y;
+      const bool clamped = limit > 0.0f;
+      // Masks on the raw g, u; g_c = min(g, L), u_c = clamp(u, -L, L) (reference/moe_reference.h).
+      const bool gate_passes = !clamped || g < limit;
+      const bool up_passes = !clamped || (-limit < u && u < limit);
+      const float g_c = clamped ? fminf(g, limit) : g;
+      const float u_c = clamped ? fminf(fmaxf(u, -limit), limit) : u;
+      const float s = 1.0f / (1.0f + __expf(-g_c));
+      const float silu_g = g_c * s;
+      const float d_hu = j == 0 ? d_hu0 : d_hu1;
+      const float d_h = d_hu * row_scale;
+      d_g[j] = gate_passes ? d_h * u_c * (s * (1.0f + g_c * (1.0f - s))) : 0.0f;
+      d_u[j] = up_passes ? d_h * silu_g : 0.0f;
+      if (add) partial += d_hu * silu_g * u_c;
+    }
+    const __nv_bfloat162 zero = __floats2bfloat162_rn(0.0f, 0.0f);
+    g_out = real ? __floats2bfloat162_rn(d_g[0], d_g[1]) : zero;
+    u_out = real ? __floats2bfloat162_rn(d_u[0], d_u[1]) : zero;
   }
 
   // The amax and finiteness of a thread's values of the 1 x 128 blocks of its two fragment rows, d_g's and d_u's.
