@@ -108,10 +108,6 @@ void launch_fp8(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) 
     if (fp8_gate_up_block_n(args.block_n) == 256)
       return launch_clustered<detail::Fp8WideGateUpSideTraits>(args, cluster_n, stream);
   }
-#ifdef MOK_EXP_WIDE_DGRAD
-  if constexpr (std::is_same_v<Epilogue, gemm::SwiGLUBackwardEpilogue>)  // pairs need an even number of 256-col tiles
-    return launch_clustered<detail::Fp8WideDgradTraits>(args, args.n % 512 == 0 ? cluster_n : 1, stream);
-#endif
   launch_clustered<Fp8Tile<Epilogue>::template Traits>(args, cluster_n, stream);
 }
 
@@ -337,10 +333,7 @@ int fp8_gate_up_block_n(int block_n) { return block_n != 0 ? block_n : 256; }
 void expert_gemm(const ExpertGemmArgs& args, cudaStream_t stream) {
   validate(args);
   if (args.precision == Precision::kFP8) {
-    bool pairs = n_blocks(args) % 2 == 0 && (args.out_scales == nullptr || args.n % 256 == 0);
-#ifdef MOK_EXP_WIDE_DGRAD
-    if (args.epilogue == GemmEpilogue::kSwiGLUBackward) pairs = args.n % 512 == 0;  // an even number of 256-col tiles
-#endif
+    const bool pairs = n_blocks(args) % 2 == 0 && (args.out_scales == nullptr || args.n % 256 == 0);
     const int cluster_n = args.cluster_n != 0 ? args.cluster_n : (pairs ? 2 : 1);
     if (args.epilogue == GemmEpilogue::kStore)
       launch_fp8<gemm::StoreEpilogue>(args, cluster_n, stream);

@@ -49,23 +49,6 @@ template <int kClusterN>
 using Fp8WideGateUpSideTraits =
     gemm::GemmTraits<128, 256, 3, gemm::Fp8Mainloop, gemm::SwiGLUQuantEpilogue<true, 1>, kClusterN>;
 
-#ifdef MOK_EXP_WIDE_DGRAD
-// Experiment: the FP8 down dgrad (SwiGLUBackwardEpilogue) with 128 x 256 tiles, two 1 x 128 blocks of d_g and d_u a
-// tile in two sweeps each (SwiGLUBackwardEpilogue::store_wide: the 128 x 128 tile's bits), 3 stages of 48 KB beside
-// four staging boxes a warpgroup (bf16 d_g and d_u of a pass, e4m3 d_g and d_u of a block).
-template <int kClusterN>
-struct Fp8WideDgradTraits
-    : gemm::GemmTraits<128, 256, 3, gemm::Fp8Mainloop, gemm::SwiGLUBackwardEpilogue, kClusterN> {
-  using Base = gemm::GemmTraits<128, 256, 3, gemm::Fp8Mainloop, gemm::SwiGLUBackwardEpilogue, kClusterN>;
-  static constexpr int kStorageBoxes = 4;
-  using TileStorage = typename Base::Collective::template Storage<kStorageBoxes>;
-  using SharedStorage = typename Base::Collective::template Storage<
-      kStorageBoxes, gemm::TaskRing<Base::Collective::kTaskDepth, 4 * Base::kConsumerWarpgroups, kClusterN>>;
-  static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
-  static_assert(kSharedBytes <= 227 * 1024, "more shared memory than a Hopper CTA may have");
-};
-#endif
-
 // A standalone GEMM launch's second kernel argument: its waits' bound (`waits` validated) and the test knob.
 inline gemm::StandaloneWaits standalone_waits(const WaitBound& waits, KernelId kernel) {
   return {{waits.status, timeout_ns(waits), waits.rank, kernel}, stalled_producer(kernel)};
