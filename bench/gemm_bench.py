@@ -199,9 +199,9 @@ def main():
                              "a task (ExpertGemmArgs::block_n 128; fp8_q is the library's 128 x 256 tile), timed in "
                              "the same turns")
     parser.add_argument("--side-outputs", action="store_true",
-                        help="--gemm fp8: also fp8_s and fp8_sw, the gate/up GEMM writing h quantized beside a training "
-                             "context's side outputs (bf16 g | u and h) as two 128 x 128 passes (ExpertGemmArgs::block_n "
-                             "128) and with the library's 128 x 256 tile")
+                        help="--gemm fp8: also fp8_s and fp8_sw, the gate/up GEMM writing h quantized beside a "
+                             "training context's side outputs (bf16 g | u and h) as two 128 x 128 passes "
+                             "(ExpertGemmArgs::block_n 128) and with the library's 128 x 256 tile")
     parser.add_argument("--digest", action="store_true",
                         help="--gemm fp8: print a fingerprint of our outputs per GEMM (inputs seeded), so that two "
                              "builds' bits can be compared (--lib)")
