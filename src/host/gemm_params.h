@@ -36,6 +36,15 @@ using Fp8GemmTraits = gemm::GemmTraits<128, 128, 5, gemm::Fp8Mainloop, Epilogue,
 // tiles share one shape).
 template <int kClusterN>
 using Fp8WideStoreTraits = gemm::GemmTraits<128, 192, 5, gemm::Fp8Mainloop, gemm::StoreEpilogue, kClusterN>;
+// The FP8 store GEMM's 128 x 256 tile (ExpertGemmArgs::block_n 256), the FP8 megakernel's down tile standalone: its
+// two 128-column halves promoted in turn; 4 stages of 48 KB; staged one 64-column box at a time, as in the
+// megakernel, its coordinates opaque (ptxas spilled 108-120 bytes with two boxes a pass, 12 with hoisted coordinates).
+template <int kClusterN>
+struct Fp8Store256Traits : gemm::GemmTraits<128, 256, 4, gemm::Fp8Mainloop, gemm::StoreEpilogue, kClusterN> {
+  static constexpr int kStagingBoxes = 1;
+  static constexpr int kStagingCols = Fp8Store256Traits::kBoxCols;
+  static constexpr bool kOpaqueCoordinates = true;
+};
 // The FP8 gate/up GEMM writing h quantized with one 128 x 256 tile a task (fp8_gate_up_block_n 256, the
 // default): A loaded once for the task's 128 gate and 128 up columns instead of once per
 // 128 x 128 pass; 4 stages of 48 KB; 232 / 40 registers. The FP8 megakernel's own variant of it is

@@ -1459,11 +1459,14 @@ TEST(ExpertGemmTest, Fp8StoreIsBitwiseExactOnExactInputs) {
   // (clusters of 2 chosen), n 448: a partial last tile. block_n 192 (the wide tile): n 384 two tiles (a pair), n 576
   // three (clusters of 1), n 448 a last tile of 64 columns, n 640 four (a pair) whose last has 64 columns (its
   // other groups' B scales past the expert's rows: the clamped block); the middle 64-column group of each tile
-  // spans the two B halves, and tiles start at 128-row scale blocks or 64 rows into one.
+  // spans the two B halves, and tiles start at 128-row scale blocks or 64 rows into one. block_n 256: n 512 two
+  // tiles (a pair), n 768 three (clusters of 1), n 448 a last tile of 192 columns, n 640 a last one of 128.
   for (const Case c : {Case{128, 512, 512, false, 0}, Case{64, 320, 384, true, 0}, Case{128, 320, 448, false, 1},
                        Case{64, 512, 512, true, 1}, Case{128, 320, 384, false, 0, 192},
                        Case{64, 512, 576, true, 0, 192}, Case{128, 512, 448, true, 1, 192},
-                       Case{64, 320, 640, false, 0, 192}}) {
+                       Case{64, 320, 640, false, 0, 192}, Case{128, 320, 512, true, 0, 256},
+                       Case{64, 512, 768, false, 0, 256}, Case{64, 320, 448, true, 1, 256},
+                       Case{128, 512, 640, false, 1, 256}}) {
     const uint64_t seed = 900 + c.tile_m + c.k + c.n + c.scaled + c.block_n;
     const std::string label = "tile_m " + std::to_string(c.tile_m) + ", k " + std::to_string(c.k) + ", n " +
                               std::to_string(c.n) + (c.scaled ? ", row scales" : "") + ", cluster_n " +
@@ -1737,7 +1740,8 @@ TEST(ExpertGemmTest, Fp8QuantizedNormalInputsWithinBudget) {
   DeviceArray<float> d_sa(a.scales), d_sw(w.scales);
   DeviceArray<uint16_t> d_out(size_t(fx.a_rows) * n), d_again(size_t(fx.a_rows) * n);
   DeviceArray<uint16_t> d_wide(size_t(fx.a_rows) * n), d_wide_single(size_t(fx.a_rows) * n);
-  for (auto* buffer : {&d_out, &d_again, &d_wide, &d_wide_single})
+  DeviceArray<uint16_t> d_256(size_t(fx.a_rows) * n);
+  for (auto* buffer : {&d_out, &d_again, &d_wide, &d_wide_single, &d_256})
     buffer->upload(std::vector<uint16_t>(buffer->count, kPoison));
   expert_gemm(fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, k, d_w, d_sw, n, d_out.ptr), nullptr);
   ExpertGemmArgs single = fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, k, d_w, d_sw, n, d_again.ptr);
@@ -1751,12 +1755,17 @@ TEST(ExpertGemmTest, Fp8QuantizedNormalInputsWithinBudget) {
   wide.out = d_wide_single.ptr;
   wide.cluster_n = 1;
   expert_gemm(wide, nullptr);
+  // The 256-column tile (n 640: two full tiles and one of 128; an odd count, so alone).
+  wide.out = d_256.ptr;
+  wide.block_n = 256;
+  expert_gemm(wide, nullptr);
   MOK_CHECK_CUDA(cudaDeviceSynchronize());
   ASSERT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1);
   const auto got = d_out.download();
   ASSERT_EQ(got, d_again.download()) << "clusters of 2 and of 1 must give the same bits";
   ASSERT_EQ(got, d_wide.download()) << "the 192-column tile must give the 128-column tile's bits";
   ASSERT_EQ(got, d_wide_single.download()) << "the 192-column tile alone must give the 128-column tile's bits";
+  ASSERT_EQ(got, d_256.download()) << "the 256-column tile must give the 128-column tile's bits";
   ASSERT_EQ(check_layout(got, fx.seg, fx.a_rows, n), "");
   for (int64_t row = 0; row < fx.seg.rows; ++row) {
     if (!fx.seg.is_real(row)) continue;
@@ -1995,9 +2004,11 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
       {"odd tiles paired", [](ExpertGemmArgs& a) { a.n = 384; a.cluster_n = 2; }, "cluster_n = 2 pairs"},
       {"odd wide tiles paired", [](ExpertGemmArgs& a) { a.n = 576; a.block_n = 192; a.cluster_n = 2; },
        "cluster_n = 2 pairs"},
-      {"block_n 256", [](ExpertGemmArgs& a) { a.block_n = 256; }, "block_n must be 0 (choose), or 128 or 192"},
+      {"block_n 320", [](ExpertGemmArgs& a) { a.block_n = 320; }, "block_n must be 0 (choose), or 128, 192 or 256"},
+      {"odd 256-column tiles paired", [](ExpertGemmArgs& a) { a.n = 768; a.block_n = 256; a.cluster_n = 2; },
+       "cluster_n = 2 pairs"},
       {"block_n for kSwiGLU", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.block_n = 192; },
-       "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
+       "block_n must be 0 (choose), or 128, 192 or 256 for kFP8 kStore"},
       {"block_n 256 for the bf16-h SwiGLU",
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.block_n = 256; },
        "or 128 or 256 for kFP8 kSwiGLU writing h quantized"},
@@ -2006,7 +2017,7 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
        "or 128 or 256 for kFP8 kSwiGLU writing h quantized"},
       {"block_n in bf16",
        [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; a.a_scales = a.b_scales = nullptr; a.block_n = 128; },
-       "block_n must be 0 (choose), or 128 or 192 for kFP8 kStore"},
+       "block_n must be 0 (choose), or 128, 192 or 256 for kFP8 kStore"},
       {"quantized h from kStore", [](ExpertGemmArgs& a) { a.out_scales = scales; },
        "out_scales (h, or with kSwiGLUBackward d_g | d_u, written quantized) is only for kSwiGLU and kSwiGLUBackward"},
       {"quantized d_g | d_u without quantized_out", [&](ExpertGemmArgs& a) { dgrad(a); a.out_scales = scales; },
@@ -2090,15 +2101,16 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
   EXPECT_EQ(message(wide), "no throw");
 }
 
-// The FP8 store GEMM's tile width when block_n is 0: the wide tile from n = 4096 on (where rounds 18 and 21 measured
-// it faster), the 128-column one below; a given width is kept.
+// The FP8 store GEMM's tile width when block_n is 0: the 256-column tile from n = 4096 on (where round 37 measured
+// it faster than 192 and 128), the 128-column one below; a given width is kept.
 TEST(ExpertGemmTest, Fp8StoreTileWidthChoice) {
-  EXPECT_EQ(fp8_store_block_n(0, 4096), 192);
-  EXPECT_EQ(fp8_store_block_n(0, 7168), 192);
+  EXPECT_EQ(fp8_store_block_n(0, 4096), 256);
+  EXPECT_EQ(fp8_store_block_n(0, 7168), 256);
   EXPECT_EQ(fp8_store_block_n(0, 4032), 128);
   EXPECT_EQ(fp8_store_block_n(0, 2880), 128);
   EXPECT_EQ(fp8_store_block_n(128, 7168), 128);
   EXPECT_EQ(fp8_store_block_n(192, 384), 192);
+  EXPECT_EQ(fp8_store_block_n(256, 384), 256);
 }
 
 // The FP8 gate/up GEMM writing h quantized, block_n 0: the 128 x 256 tile, with or without the side outputs

@@ -250,11 +250,13 @@ struct RowTileEpilogue : NoPrefetch {
                                                 Mma& mma, Storage& smem, int warpgroup, int consumer_idx,
                                                 bool store_leader, uint64_t* rows_done, RowsDoneSignal* signal) {
     using namespace cute;
-    // Why opaque (epilogues with many staged values, kOpaqueCoordinates): the fragment coordinates and the
-    // staging addresses derived from the thread index are loop invariants of a persistent loop; hoisted out
-    // of it they outgrow the consumers' registers (ptxas spilled). Recomputed per tile they cost nothing.
+    // Why opaque (epilogues with many staged values, kOpaqueCoordinates, or tiles that ask for it,
+    // T::kOpaqueCoordinates): the fragment coordinates and the staging addresses derived from the thread index
+    // are loop invariants of a persistent loop; hoisted out of it they outgrow the consumers' registers (ptxas
+    // spilled). Recomputed per tile they cost nothing.
+    constexpr bool kOpaque = Derived::kOpaqueCoordinates || requires { requires T::kOpaqueCoordinates; };
     int coords_idx = consumer_idx;
-    if constexpr (Derived::kOpaqueCoordinates) asm volatile("mov.u32 %0, %1;" : "=r"(coords_idx) : "r"(consumer_idx));
+    if constexpr (kOpaque) asm volatile("mov.u32 %0, %1;" : "=r"(coords_idx) : "r"(consumer_idx));
     Tensor coords =
         mma.get_thread_slice(coords_idx).partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
     // A thread's fragment covers two rows (r0 and r0 + 8 of its warp's 16): value i lies in row half
