@@ -181,7 +181,7 @@ def main():
     parser.add_argument("--tile-m", type=int, default=DEFAULT_TILE_M, choices=[64, 128])
     parser.add_argument("--shapes", default="")
     parser.add_argument("--cluster", type=int, default=0, help="CTAs sharing an A tile: 1, 2, 0 = library's choice")
-    parser.add_argument("--block-n", type=int, default=0, choices=[0, 128, 192, 256],
+    parser.add_argument("--block-n", type=int, default=0, choices=[0, 128, 256],
                         help="--gemm fp8: the store GEMM's tile width (ExpertGemmArgs::block_n), 0 = library's choice")
     parser.add_argument("--only", default="", help="time only this one: ours, torch or dense (for profilers)")
     parser.add_argument("--trace", default="", help="folder for per-tile timings of ours (summary: bench/gemm_trace_stats.py)")

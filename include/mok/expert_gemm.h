@@ -141,7 +141,7 @@ struct ExpertGemmArgs {
   float* row_partials = nullptr;  // kSwiGLUBackward: fp32 [a_rows, gemm_n_blocks(kSwiGLUBackward, n)]
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);
                                 // 0: choose_cluster_n
-  int block_n = 0;              // kFP8 kStore: output columns per tile, 128, 192 or 256; 0: fp8_store_block_n.
+  int block_n = 0;              // kFP8 kStore: output columns per tile, 128 or 256; 0: fp8_store_block_n.
                                 // kFP8 kSwiGLU with out_scales: 128, each task's 128 h columns as two 128 x 128
                                 // passes, or 256, one 128 x 256 tile (the same bits, faster); 0:
                                 // fp8_gate_up_block_n. Other GEMMs: 0
@@ -170,8 +170,8 @@ int gemm_n_blocks(GemmEpilogue epilogue, int n);
 int gemm_n_blocks(const ExpertGemmArgs& args);
 
 // Output columns per tile of the FP8 store GEMM: block_n, or for 0 the 256-column tile from n = 4096 on (the same
-// bits; 1-11 % faster than the 192-column tile there, which was 7-10 % faster than 128: docs/perf_notes.md, rounds
-// 37 and 21; at n = 2880 neither wide tile beats 128), else 128.
+// bits; 1-11 % faster there than the 128 x 192 tile it replaced, which was 7-10 % faster than 128: docs/perf_notes.md,
+// rounds 37 and 21; at n = 2880 128 is as fast), else 128.
 int fp8_store_block_n(int block_n, int n);
 
 // Gate and up columns per tile of the FP8 gate/up GEMM writing h quantized: block_n, or for 0 the 128 x 256 tile

@@ -97,10 +97,8 @@ struct Fp8Tile {
 template <class Epilogue>
 void launch_fp8(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) {
   if constexpr (std::is_same_v<Epilogue, gemm::StoreEpilogue>) {
-    if (fp8_store_block_n(args.block_n, args.n) == 192)
-      return launch_clustered<detail::Fp8WideStoreTraits>(args, cluster_n, stream);
     if (fp8_store_block_n(args.block_n, args.n) == 256)
-      return launch_clustered<detail::Fp8Store256Traits>(args, cluster_n, stream);
+      return launch_clustered<detail::Fp8WideStoreTraits>(args, cluster_n, stream);
   }
   if constexpr (std::is_same_v<Epilogue, gemm::SwiGLUQuantEpilogue<false>>) {
     if (fp8_gate_up_block_n(args.block_n) == 256)
@@ -266,10 +264,9 @@ void validate(const ExpertGemmArgs& args) {
   require(args.cluster_n == 0 || args.cluster_n == 1 || args.cluster_n == 2,
           "cluster_n must be 0 (choose), 1 or 2, got " + std::to_string(args.cluster_n));
   const bool quantized_h = fp8 && swiglu && args.out_scales != nullptr;
-  require(args.block_n == 0 || (fp8 && store && (args.block_n == 128 || args.block_n == 192 || args.block_n == 256)) ||
-              (quantized_h && (args.block_n == 128 || args.block_n == 256)),
-          "block_n must be 0 (choose), or 128, 192 or 256 for kFP8 kStore, or 128 or 256 for kFP8 kSwiGLU writing h "
-          "quantized, got " + std::to_string(args.block_n));
+  require(args.block_n == 0 || (((fp8 && store) || quantized_h) && (args.block_n == 128 || args.block_n == 256)),
+          "block_n must be 0 (choose), or 128 or 256 for kFP8 kStore or kFP8 kSwiGLU writing h quantized, got " +
+              std::to_string(args.block_n));
   require(args.cluster_n != 2 || n_blocks(args) % 2 == 0,
           "cluster_n = 2 pairs output tiles: n = " + std::to_string(args.n) + " gives an odd number (" +
               std::to_string(n_blocks(args)) + ") of output tiles");

@@ -31,18 +31,14 @@ using StoreTraits = ExpertGemmTraits<KMajorMainloop, gemm::StoreEpilogue, kClust
 // accumulator sets), k-blocks of 128, 5 stages of 32 KB.
 template <class Epilogue, int kClusterN>
 using Fp8GemmTraits = gemm::GemmTraits<128, 128, 5, gemm::Fp8Mainloop, Epilogue, kClusterN>;
-// The FP8 store GEMM's wide tile (ExpertGemmArgs::block_n 192): 128 x 192, 5 stages of 40 KB (about 220 KB of
-// shared memory with the staging); each A tile feeds 1.5x the output columns. Standalone only (the megakernel's
-// tiles share one shape).
+// The FP8 store GEMM's wide tile (ExpertGemmArgs::block_n 256, the choice from n = 4096 on), the FP8 megakernel's
+// down tile standalone: 128 x 256, its two 128-column halves promoted in turn; 4 stages of 48 KB; staged one
+// 64-column box at a time, as in the megakernel, its coordinates opaque (ptxas spilled 108-120 bytes with two boxes a
+// pass, 12 with hoisted coordinates). Standalone only (the megakernel has its own traits of the same tile).
 template <int kClusterN>
-using Fp8WideStoreTraits = gemm::GemmTraits<128, 192, 5, gemm::Fp8Mainloop, gemm::StoreEpilogue, kClusterN>;
-// The FP8 store GEMM's 128 x 256 tile (ExpertGemmArgs::block_n 256), the FP8 megakernel's down tile standalone: its
-// two 128-column halves promoted in turn; 4 stages of 48 KB; staged one 64-column box at a time, as in the
-// megakernel, its coordinates opaque (ptxas spilled 108-120 bytes with two boxes a pass, 12 with hoisted coordinates).
-template <int kClusterN>
-struct Fp8Store256Traits : gemm::GemmTraits<128, 256, 4, gemm::Fp8Mainloop, gemm::StoreEpilogue, kClusterN> {
+struct Fp8WideStoreTraits : gemm::GemmTraits<128, 256, 4, gemm::Fp8Mainloop, gemm::StoreEpilogue, kClusterN> {
   static constexpr int kStagingBoxes = 1;
-  static constexpr int kStagingCols = Fp8Store256Traits::kBoxCols;
+  static constexpr int kStagingCols = Fp8WideStoreTraits::kBoxCols;
   static constexpr bool kOpaqueCoordinates = true;
 };
 // The FP8 gate/up GEMM writing h quantized with one 128 x 256 tile a task (fp8_gate_up_block_n 256, the

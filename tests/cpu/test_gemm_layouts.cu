@@ -88,8 +88,7 @@ TEST(FragmentLayoutTest, ValuesTileTheirSixtyFourColumnGroups) {
   check_fragment<detail::ExpertGemmTraits<detail::MNMajorMainloop, gemm::SwiGLUBackwardEpilogue, 1>>(
       "bf16 128 x 256 (SwiGLU backward)");
   check_fragment<detail::Fp8GemmTraits<gemm::StoreEpilogue, 1>>("FP8 128 x 128");
-  check_fragment<detail::Fp8WideStoreTraits<1>>("FP8 128 x 192");
-  check_fragment<detail::Fp8Store256Traits<1>>("FP8 128 x 256 (store)");
+  check_fragment<detail::Fp8WideStoreTraits<1>>("FP8 128 x 256 (store)");
 }
 
 }  // namespace

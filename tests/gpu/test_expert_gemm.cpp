@@ -1456,15 +1456,12 @@ TEST(ExpertGemmTest, Fp8StoreIsBitwiseExactOnExactInputs) {
   const int num_experts = static_cast<int>(expert_counts.size());
   struct Case { int tile_m, k, n; bool scaled; int cluster_n; int block_n = 0; };
   // k 320: a partial last k-block (64 columns); n 384: three 128-column tiles (clusters of 1), n 512: four
-  // (clusters of 2 chosen), n 448: a partial last tile. block_n 192 (the wide tile): n 384 two tiles (a pair), n 576
-  // three (clusters of 1), n 448 a last tile of 64 columns, n 640 four (a pair) whose last has 64 columns (its
-  // other groups' B scales past the expert's rows: the clamped block); the middle 64-column group of each tile
-  // spans the two B halves, and tiles start at 128-row scale blocks or 64 rows into one. block_n 256: n 512 two
-  // tiles (a pair), n 768 three (clusters of 1), n 448 a last tile of 192 columns, n 640 a last one of 128.
+  // (clusters of 2 chosen), n 448: a partial last tile. block_n 256 (the wide tile, two 128-column halves promoted in
+  // turn): n 512 two tiles (a pair), n 768 three (clusters of 1), n 448 a last tile of 192 columns, n 640 a last one
+  // of 128 (its other groups' B scales past the expert's rows: the clamped block); tiles start at 128-row scale
+  // blocks or 64 rows into one.
   for (const Case c : {Case{128, 512, 512, false, 0}, Case{64, 320, 384, true, 0}, Case{128, 320, 448, false, 1},
-                       Case{64, 512, 512, true, 1}, Case{128, 320, 384, false, 0, 192},
-                       Case{64, 512, 576, true, 0, 192}, Case{128, 512, 448, true, 1, 192},
-                       Case{64, 320, 640, false, 0, 192}, Case{128, 320, 512, true, 0, 256},
+                       Case{64, 512, 512, true, 1}, Case{128, 320, 512, true, 0, 256},
                        Case{64, 512, 768, false, 0, 256}, Case{64, 320, 448, true, 1, 256},
                        Case{128, 512, 640, false, 1, 256}}) {
     const uint64_t seed = 900 + c.tile_m + c.k + c.n + c.scaled + c.block_n;
@@ -1739,33 +1736,23 @@ TEST(ExpertGemmTest, Fp8QuantizedNormalInputsWithinBudget) {
   DeviceArray<uint8_t> d_a(a.bits), d_w(w.bits);
   DeviceArray<float> d_sa(a.scales), d_sw(w.scales);
   DeviceArray<uint16_t> d_out(size_t(fx.a_rows) * n), d_again(size_t(fx.a_rows) * n);
-  DeviceArray<uint16_t> d_wide(size_t(fx.a_rows) * n), d_wide_single(size_t(fx.a_rows) * n);
-  DeviceArray<uint16_t> d_256(size_t(fx.a_rows) * n);
-  for (auto* buffer : {&d_out, &d_again, &d_wide, &d_wide_single, &d_256})
+  DeviceArray<uint16_t> d_wide(size_t(fx.a_rows) * n);
+  for (auto* buffer : {&d_out, &d_again, &d_wide})
     buffer->upload(std::vector<uint16_t>(buffer->count, kPoison));
   expert_gemm(fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, k, d_w, d_sw, n, d_out.ptr), nullptr);
   ExpertGemmArgs single = fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, k, d_w, d_sw, n, d_again.ptr);
   single.cluster_n = 1;
   expert_gemm(single, nullptr);
-  // The wide tile (192 columns: n 640 is three full tiles and one of 64), paired and alone: each output element
+  // The wide tile (256 columns: n 640 is two full tiles and one of 128, an odd count, so alone): each output element
   // is the same k-block sums promoted in the same order, so the same bits.
   ExpertGemmArgs wide = fp8_tests::fp8_args(fx, GemmEpilogue::kStore, d_a, d_sa, k, d_w, d_sw, n, d_wide.ptr);
-  wide.block_n = 192;
-  expert_gemm(wide, nullptr);
-  wide.out = d_wide_single.ptr;
-  wide.cluster_n = 1;
-  expert_gemm(wide, nullptr);
-  // The 256-column tile (n 640: two full tiles and one of 128; an odd count, so alone).
-  wide.out = d_256.ptr;
   wide.block_n = 256;
   expert_gemm(wide, nullptr);
   MOK_CHECK_CUDA(cudaDeviceSynchronize());
   ASSERT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1);
   const auto got = d_out.download();
   ASSERT_EQ(got, d_again.download()) << "clusters of 2 and of 1 must give the same bits";
-  ASSERT_EQ(got, d_wide.download()) << "the 192-column tile must give the 128-column tile's bits";
-  ASSERT_EQ(got, d_wide_single.download()) << "the 192-column tile alone must give the 128-column tile's bits";
-  ASSERT_EQ(got, d_256.download()) << "the 256-column tile must give the 128-column tile's bits";
+  ASSERT_EQ(got, d_wide.download()) << "the 256-column tile must give the 128-column tile's bits";
   ASSERT_EQ(check_layout(got, fx.seg, fx.a_rows, n), "");
   for (int64_t row = 0; row < fx.seg.rows; ++row) {
     if (!fx.seg.is_real(row)) continue;
@@ -2002,22 +1989,20 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
       {"bf16 with scales", [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; },
        "only for precision kFP8"},
       {"odd tiles paired", [](ExpertGemmArgs& a) { a.n = 384; a.cluster_n = 2; }, "cluster_n = 2 pairs"},
-      {"odd wide tiles paired", [](ExpertGemmArgs& a) { a.n = 576; a.block_n = 192; a.cluster_n = 2; },
+      {"odd wide tiles paired", [](ExpertGemmArgs& a) { a.n = 768; a.block_n = 256; a.cluster_n = 2; },
        "cluster_n = 2 pairs"},
-      {"block_n 320", [](ExpertGemmArgs& a) { a.block_n = 320; }, "block_n must be 0 (choose), or 128, 192 or 256"},
-      {"odd 256-column tiles paired", [](ExpertGemmArgs& a) { a.n = 768; a.block_n = 256; a.cluster_n = 2; },
-       "cluster_n = 2 pairs"},
+      {"block_n 192", [](ExpertGemmArgs& a) { a.block_n = 192; }, "block_n must be 0 (choose), or 128 or 256"},
       {"block_n for kSwiGLU", [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.block_n = 192; },
-       "block_n must be 0 (choose), or 128, 192 or 256 for kFP8 kStore"},
+       "block_n must be 0 (choose), or 128 or 256 for kFP8 kStore"},
       {"block_n 256 for the bf16-h SwiGLU",
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.block_n = 256; },
-       "or 128 or 256 for kFP8 kSwiGLU writing h quantized"},
+       "or 128 or 256 for kFP8 kStore or kFP8 kSwiGLU writing h quantized"},
       {"block_n 192 for the quantized h",
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.block_n = 192; },
-       "or 128 or 256 for kFP8 kSwiGLU writing h quantized"},
+       "or 128 or 256 for kFP8 kStore or kFP8 kSwiGLU writing h quantized"},
       {"block_n in bf16",
        [](ExpertGemmArgs& a) { a.precision = Precision::kBF16; a.a_scales = a.b_scales = nullptr; a.block_n = 128; },
-       "block_n must be 0 (choose), or 128, 192 or 256 for kFP8 kStore"},
+       "block_n must be 0 (choose), or 128 or 256 for kFP8 kStore"},
       {"quantized h from kStore", [](ExpertGemmArgs& a) { a.out_scales = scales; },
        "out_scales (h, or with kSwiGLUBackward d_g | d_u, written quantized) is only for kSwiGLU and kSwiGLUBackward"},
       {"quantized d_g | d_u without quantized_out", [&](ExpertGemmArgs& a) { dgrad(a); a.out_scales = scales; },
@@ -2096,7 +2081,7 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
   EXPECT_EQ(gemm_n_blocks(down_dgrad), gemm_n_blocks(GemmEpilogue::kSwiGLUBackward, 448)) << "bf16: 256 columns";
   ExpertGemmArgs wide = base;
   wide.n = 384;
-  wide.block_n = 192;
+  wide.block_n = 256;
   wide.cluster_n = 2;  // two wide tiles pair up (three 128-column ones would not)
   EXPECT_EQ(message(wide), "no throw");
 }
@@ -2109,7 +2094,6 @@ TEST(ExpertGemmTest, Fp8StoreTileWidthChoice) {
   EXPECT_EQ(fp8_store_block_n(0, 4032), 128);
   EXPECT_EQ(fp8_store_block_n(0, 2880), 128);
   EXPECT_EQ(fp8_store_block_n(128, 7168), 128);
-  EXPECT_EQ(fp8_store_block_n(192, 384), 192);
   EXPECT_EQ(fp8_store_block_n(256, 384), 256);
 }
 

@@ -349,7 +349,7 @@ class Matrix:
                                                 None, None, None, 0, 100, p, p, 10.0, self.layer.stream, ERROR,
                                                 len(ERROR))
         record("expert_gemm_fp8 with block_n 100", self.path, "error naming block_n",
-               rc == 1 and message().startswith("expert_gemm: block_n must be 0 (choose), or 128, 192 or 256"),
+               rc == 1 and message().startswith("expert_gemm: block_n must be 0 (choose), or 128 or 256"),
                message() if rc else "no error", self.next_call())
         self.null_handles()
 
