@@ -96,10 +96,6 @@ struct Fp8Tile {
 // Precision::kFP8: the epilogue, the tile's width and the cluster size become the kernel's policies.
 template <class Epilogue>
 void launch_fp8(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) {
-#if defined(MOK_EXP_EPILOGUE_WG)
-  if constexpr (std::is_same_v<Epilogue, gemm::SwiGLUBackwardEpilogue>)
-    return launch_clustered<detail::Fp8DgradOverlapTraits>(args, cluster_n, stream);
-#endif
   if constexpr (std::is_same_v<Epilogue, gemm::StoreEpilogue>) {
     if (fp8_store_block_n(args.block_n, args.n) == 256)
       return launch_clustered<detail::Fp8WideStoreTraits>(args, cluster_n, stream);

@@ -54,28 +54,6 @@ template <int kClusterN>
 using Fp8WideGateUpSideTraits =
     gemm::GemmTraits<128, 256, 3, gemm::Fp8Mainloop, gemm::SwiGLUQuantEpilogue<true, 1>, kClusterN>;
 
-#if defined(MOK_EXP_EPILOGUE_WG)
-// Experiment (src/device/gemm/epilogue_warpgroup.cuh): the FP8 down dgrad (128 x 128, 3 stages of 32 KB) with its
-// SwiGLU-backward epilogue on a fourth warpgroup, fed the accumulators through shared memory (64 KB).
-template <int kClusterN>
-struct Fp8DgradOverlapTraits
-    : gemm::GemmTraits<128, 128, 3, gemm::Fp8Mainloop, gemm::SwiGLUBackwardEpilogue, kClusterN> {
-  using Base = gemm::GemmTraits<128, 128, 3, gemm::Fp8Mainloop, gemm::SwiGLUBackwardEpilogue, kClusterN>;
-  static constexpr bool kEpilogueWarpgroup = true;
-  static constexpr int kThreads = 512;
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 176;  // at 168 ptxas spilled 16-48 bytes of the consumers' loop
-  static constexpr int kEpilogueRegisters = 120;
-  static_assert(kProducerRegisters + 2 * kConsumerRegisters + kEpilogueRegisters == 4 * (65536 / kThreads),
-                "setmaxnreg redistributes the CTA's launch registers, no more");
-  struct SharedStorage : Base::SharedStorage {
-    gemm::AccumulatorHandoff handoff;
-  };
-  static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
-  static_assert(kSharedBytes <= 227 * 1024, "more shared memory than a Hopper CTA may have");
-};
-#endif
-
 // A standalone GEMM launch's second kernel argument: its waits' bound (`waits` validated) and the test knob.
 inline gemm::StandaloneWaits standalone_waits(const WaitBound& waits, KernelId kernel) {
   return {{waits.status, timeout_ns(waits), waits.rank, kernel}, stalled_producer(kernel)};

@@ -143,7 +143,6 @@ __device__ __forceinline__ void run_gemm_consumers(const Params& p, const device
   // the same 128 threads.
   const int consumer_barrier = int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) + T::kStagingBarrier +
                                __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  int handoffs = 0;  // HasEpilogueWarpgroup: accumulator hand-offs so far
   for (int k = 0;; ++k) {
     typename Walker::Payload payload;
     const bool arrived = smem.tasks.consume(k, payload, bound);  // warp-uniform
@@ -156,7 +155,7 @@ __device__ __forceinline__ void run_gemm_consumers(const Params& p, const device
     const uint64_t start = record ? device::global_timer_ns() : 0;
     const int64_t start_cycles = record ? clock64() : 0;
     compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state, consumer_idx, nullptr,
-                    nullptr, bound, &handoffs);
+                    nullptr, bound);
     if constexpr (requires { p.trace; }) {
       if (record) {
         uint64_t* r = p.trace + (int64_t(payload) * T::kClusterN + cta_rank) * 4;
@@ -167,8 +166,6 @@ __device__ __forceinline__ void run_gemm_consumers(const Params& p, const device
       }
     }
   }
-  // The epilogue warpgroup stops after the tiles handed to it.
-  if constexpr (HasEpilogueWarpgroup<T>) smem.handoff.hand_stop(handoffs, consumer_idx, bound);
   // Why: the shared memory must outlive the last TMA stores' reads of it.
   if (consumer_idx % 128 == 0) cute::tma_store_wait<0>();
   // Why: a scattering GEMM's rows went to peers' combine buffers by every thread's TMA stores; the barrier
@@ -206,15 +203,6 @@ __device__ __forceinline__ void run_standalone_gemm(const Params& p, const Stand
   typename T::Pipeline pipeline = start_pipeline<T>(smem, smem.tasks, role == GemmRole::kConsumer);
   // Without a cluster the rank is the constant 0: the task ring's mail paths compile away.
   const int cta_rank = T::kClusterN > 1 ? static_cast<int>(cute::block_rank_in_cluster()) : 0;
-  // The experiment's epilogue warpgroup (epilogue_warpgroup.cuh), past the consumers.
-  if constexpr (HasEpilogueWarpgroup<T>) {
-    if (warpgroup > T::kConsumerWarpgroups) {
-      cutlass::arch::warpgroup_reg_alloc<T::kEpilogueRegisters>();
-      run_epilogue_warpgroup<T>(p, waits.bound, smem, static_cast<int>(threadIdx.x) % 128);
-      if constexpr (T::kClusterN > 1) cute::cluster_sync();  // as below
-      return;
-    }
-  }
   switch (role) {
     case GemmRole::kProducer:
       cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();

@@ -35,7 +35,6 @@
 
 #include "mok/expert_gemm.h"
 #include "src/device/common/sync.cuh"
-#include "src/device/gemm/epilogue_warpgroup.cuh"
 #include "src/device/gemm/gemm_epilogue.cuh"
 
 namespace mok::gemm {
@@ -499,13 +498,11 @@ __device__ __forceinline__ void b_scale_groups(const Params& p, const TileTask& 
 // rows are part of it (one that is not only passes the stages back: the other computes alone) and how the
 // accumulators start. signal (nullable; the megakernel's, the calling thread's own): the late completion count
 // a row tile of this warpgroup left pending (RowsDoneSignal); rows_done: see RowTileEpilogue.
-// handoffs (HasEpilogueWarpgroup traits only): the consumer thread's count of accumulator hand-offs
-// (epilogue_warpgroup.cuh), which replace the epilogue here.
 template <class T, class Params, class Task, class Storage>
 __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, Storage& smem,
                                              typename T::Pipeline& pipeline, typename T::PipelineState& read_state,
                                              int consumer_idx, uint64_t* rows_done, RowsDoneSignal* signal,
-                                             const device::HandoffBound& bound, int* handoffs = nullptr) {
+                                             const device::HandoffBound& bound) {
   using namespace cute;
   using Walker = typename T::Walker;
   typename T::TiledMma mma;
@@ -522,8 +519,6 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
       pass_stages_back(tile.num_k_blocks * T::Epilogue::passes(p, task), pipeline, read_state, bound);
     else
       pass_stages_back(tile.num_k_blocks, pipeline, read_state, bound);
-    if constexpr (HasEpilogueWarpgroup<T>)
-      smem.handoff.hand((*handoffs)++, consumer_idx, task, static_cast<const decltype(accum)*>(nullptr), bound);
     return;
   }
   T::Epilogue::template prefetch<T>(p, task, warpgroup, consumer_idx % 128);
@@ -565,10 +560,6 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
       b_scale_groups<T>(p, task, b_rows);
       mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
                                get<0>(coords(0)), get<0>(coords(2)), b_rows, bound);
-      if constexpr (HasEpilogueWarpgroup<T>) {
-        smem.handoff.hand((*handoffs)++, consumer_idx, task, &accum, bound);
-        return;
-      }
     } else if constexpr (KScaled<T>) {
       Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
       mainloop_k_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum, get<0>(coords(0)),
@@ -598,7 +589,6 @@ __device__ __forceinline__ typename T::Pipeline start_pipeline(Storage& smem, Ta
   typename T::Pipeline pipeline(smem.pipeline, params, typename T::ClusterShape{});
   if (threadIdx.x == 0) {
     tasks.init();
-    if constexpr (HasEpilogueWarpgroup<T>) smem.handoff.init();
     cutlass::arch::fence_barrier_init();
   }
   if constexpr (T::kClusterN > 1)
