@@ -170,7 +170,7 @@ int gemm_n_blocks(GemmEpilogue epilogue, int n);
 int gemm_n_blocks(const ExpertGemmArgs& args);
 
 // Output columns per tile of the FP8 store GEMM: block_n, or for 0 the 256-column tile from n = 4096 on (the same
-// bits; 1-11 % faster there than the 128 x 192 tile it replaced, which was 7-10 % faster than 128: docs/perf_notes.md,
+// bits; 1-12 % faster there than the 128 x 192 tile it replaced, which was 7-10 % faster than 128: docs/perf_notes.md,
 // rounds 37 and 21; at n = 2880 128 is as fast), else 128.
 int fp8_store_block_n(int block_n, int n);
 
