@@ -36,9 +36,8 @@ using Fp8GemmTraits = gemm::GemmTraits<128, 128, 5, gemm::Fp8Mainloop, Epilogue,
 // 64-column box at a time, as in the megakernel, its coordinates opaque (ptxas spilled 108-120 bytes with two boxes a
 // pass, 12 with hoisted coordinates). Standalone only (the megakernel has its own traits of the same tile).
 template <int kClusterN>
-struct Fp8WideStoreTraits : gemm::GemmTraits<128, 256, 4, gemm::Fp8Mainloop, gemm::StoreEpilogue, kClusterN> {
-  static constexpr int kStagingBoxes = 1;
-  static constexpr int kStagingCols = Fp8WideStoreTraits::kBoxCols;
+struct Fp8WideStoreTraits
+    : gemm::OneBoxStaging<gemm::GemmTraits<128, 256, 4, gemm::Fp8Mainloop, gemm::StoreEpilogue, kClusterN>> {
   static constexpr bool kOpaqueCoordinates = true;
 };
 // The FP8 gate/up GEMM writing h quantized with one 128 x 256 tile a task (fp8_gate_up_block_n 256, the

@@ -81,11 +81,7 @@ struct Fp8MegakernelTraits : Base {
 template <int kStages, class Epilogue, int kClusterN>
 using Fp8WideTile = gemm::GemmTraits<128, 256, kStages, gemm::Fp8Mainloop, Epilogue, kClusterN>;
 template <class Epilogue, int kClusterN>
-struct Fp8WideMegakernelTraits : Fp8MegakernelTraits<Fp8WideTile<4, Epilogue, kClusterN>, 1> {
-  static constexpr int kStagingBoxes = 1;
-  static constexpr int kStagingCols = Fp8WideMegakernelTraits::kBoxCols;
-  static_assert(Fp8WideMegakernelTraits::kOutCols % kStagingCols == 0, "whole staging passes");
-};
+using Fp8WideMegakernelTraits = gemm::OneBoxStaging<Fp8MegakernelTraits<Fp8WideTile<4, Epilogue, kClusterN>, 1>>;
 template <class Epilogue, int kClusterN>
 using Fp8WideSideMegakernelTraits =
     Fp8MegakernelTraits<Fp8WideTile<3, Epilogue, kClusterN>, gemm::SwiGLUQuantEpilogue<true>::kSideBoxes>;

@@ -133,6 +133,15 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_:
   static_assert(kSharedBytes <= 227 * 1024, "more shared memory than a Hopper CTA may have");
 };
 
+// A tile staged one 64-column box at a time a pass, whatever its width: the wide FP8 tiles (the standalone store
+// GEMM's, where two boxes a pass made ptxas spill, and the FP8 megakernel's, where they did not fit its shared memory).
+template <class Base>
+struct OneBoxStaging : Base {
+  static constexpr int kStagingBoxes = 1;
+  static constexpr int kStagingCols = Base::kBoxCols;
+  static_assert(Base::kOutCols % kStagingCols == 0, "whole staging passes");
+};
+
 // Kernel parameters; the TMA copies are CuTe's, built on the host (src/host/gemm_params.h).
 template <class TmaA, class TmaB, class TmaOut>
 struct GemmParams {
