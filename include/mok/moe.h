@@ -484,6 +484,8 @@ class MoeWorkspace {
   int32_t kept_gate_up_rows() const;
   void copy_kept_gate_up(const RankBackward& b) const;
   backward::GradPullSources grad_pull_sources(const RankBackward& b) const;
+  // FP8 weight gradients: the routed dy and x quantized along the rows as the pull reads them.
+  void quantize_pulled_columns(const RankBackward& b, const backward::GradPullSources& sources) const;
   // recompute_forward_context's phases: publish x (and the shared expert's hidden rows); pull the kept
   // rows and recompute their hidden rows; the closing barrier.
   void recompute_publish(const RankForward& f);

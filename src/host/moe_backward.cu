@@ -101,6 +101,12 @@ struct MlpBackward {
     float* wgrad_a_scales = nullptr;
     void* wgrad_b = nullptr;
     float* wgrad_b_scales = nullptr;
+    // The routed MLP's dy and x, already quantized that way by route (quantize_pulled_columns); null: quantized from
+    // the materialized rows (m.dy, m.x) before their GEMMs, into wgrad_a and wgrad_b (the shared expert's).
+    const void* wgrad_dy = nullptr;
+    const float* wgrad_dy_scales = nullptr;
+    const void* wgrad_x = nullptr;
+    const float* wgrad_x_scales = nullptr;
   } fp8;
 };
 
@@ -252,10 +258,17 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
     };
     fp8_operands(g.down_wgrad);
     fp8_operands(g.gate_up_wgrad);
-    g.quantize_down_wgrad[0] = columns(m.dy, h, m.fp8.wgrad_a, m.fp8.wgrad_a_scales);
+    if (m.fp8.wgrad_dy != nullptr) {  // routed: dy and x quantized as they were pulled
+      g.down_wgrad.a = m.fp8.wgrad_dy;
+      g.down_wgrad.a_scales = m.fp8.wgrad_dy_scales;
+      g.gate_up_wgrad.b = m.fp8.wgrad_x;
+      g.gate_up_wgrad.b_scales = m.fp8.wgrad_x_scales;
+    } else {
+      g.quantize_down_wgrad[0] = columns(m.dy, h, m.fp8.wgrad_a, m.fp8.wgrad_a_scales);
+      g.quantize_gate_up_wgrad[1] = columns(m.x, h, m.fp8.wgrad_b, m.fp8.wgrad_b_scales);
+    }
     g.quantize_down_wgrad[1] = columns(m.hidden, i, m.fp8.wgrad_b, m.fp8.wgrad_b_scales);
     g.quantize_gate_up_wgrad[0] = columns(m.d_gate_up, 2 * i, m.fp8.wgrad_a, m.fp8.wgrad_a_scales);
-    g.quantize_gate_up_wgrad[1] = columns(m.x, h, m.fp8.wgrad_b, m.fp8.wgrad_b_scales);
   }
   return g;
 }
@@ -368,6 +381,10 @@ void MoeWorkspace::allocate_backward() {
     w.wgrad_b_scales = layout.wgrad_b_scales.in<float>(base);
     w.wgrad_offsets = layout.wgrad_offsets.in<int32_t>(base);
     w.shared_wgrad_offsets = layout.shared_wgrad_offsets.in<int32_t>(base);
+    w.wgrad_dy_fp8 = layout.wgrad_dy_fp8.in(base);
+    w.wgrad_dy_scales = layout.wgrad_dy_scales.in<float>(base);
+    w.wgrad_x_fp8 = layout.wgrad_x_fp8.in(base);
+    w.wgrad_x_scales = layout.wgrad_x_scales.in<float>(base);
   }  // the constructor synchronizes the devices after this
 }
 
@@ -543,7 +560,11 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
              .wgrad_a = w.wgrad_a_fp8,
              .wgrad_a_scales = w.wgrad_a_scales,
              .wgrad_b = w.wgrad_b_fp8,
-             .wgrad_b_scales = w.wgrad_b_scales};
+             .wgrad_b_scales = w.wgrad_b_scales,
+             .wgrad_dy = w.wgrad_dy_fp8,
+             .wgrad_dy_scales = w.wgrad_dy_scales,
+             .wgrad_x = w.wgrad_x_fp8,
+             .wgrad_x_scales = w.wgrad_x_scales};
   return backward_gemms(shape_, options_, m);
 }
 
@@ -615,6 +636,7 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   kernels::pull_grad_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::GradRowTraits::kWarps, s.num_sms),
                                    kernels::GradRowTraits::kThreads, 0, b.stream>>>(pull);
   MOK_CHECK_CUDA(cudaGetLastError());
+  if (w.wgrad_dy_fp8 != nullptr) quantize_pulled_columns(b, sources);
 
   copy_kept_gate_up(b);  // only the rows past them are recomputed
   detail::MlpBackwardGemms g = mlp_backward_gemms(b, false);
@@ -656,6 +678,37 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   barrier_arrive(b.rank, b.stream);
 
   issue_weight_grads(g, tickets, b.stream);
+}
+
+// MoeOptions::fp8_weight_gradients: the routed weight gradients' dy and x, transposed and quantized per column per
+// 128 rows of an expert (quantize_columns_fp8), each row read where the pull reads it: d_out's token row times its
+// router weight, rounded to bf16 (the pull's dy bits), and x's token row; no bf16 copy written and read again. Here,
+// after the pull and before this rank's barrier arrive: the peers' rows are published until every rank arrived.
+void MoeWorkspace::quantize_pulled_columns(const RankBackward& b, const backward::GradPullSources& sources) const {
+  const BackwardScratch& w = state(b.rank).backward;
+  const ScheduleView& v = b.context->schedule_;
+  detail::Fp8ColumnQuantizeArgs q{.rows_allocated = capacity_rows(),
+                                  .k = static_cast<int>(shape_.hidden),
+                                  .local_experts = shape_.local_experts(),
+                                  .expert_counts = v.expert_counts,
+                                  .expert_row_offsets = v.expert_row_offsets,
+                                  .scheduled_rows = v.scheduled_rows,
+                                  .out_row_offsets = w.wgrad_offsets,
+                                  .out = w.wgrad_dy_fp8,
+                                  .scales = w.wgrad_dy_scales,
+                                  .power_of_two_scales = options_.fp8_power_of_two_scales,
+                                  .pulled_rows = sources.d_out,
+                                  .pulled_weights = sources.router_weights,
+                                  .weighted = true,
+                                  .row_route = v.row_route,
+                                  .num_tokens = static_cast<int>(shape_.num_tokens),
+                                  .top_k = static_cast<int>(shape_.top_k)};
+  detail::quantize_columns_fp8(q, b.stream);
+  q.out = w.wgrad_x_fp8;
+  q.scales = w.wgrad_x_scales;
+  q.pulled_rows = sources.x;
+  q.weighted = false;
+  detail::quantize_columns_fp8(q, b.stream);
 }
 
 backward::GradPullSources MoeWorkspace::grad_pull_sources(const RankBackward& b) const {

@@ -62,9 +62,11 @@ BackwardScratchLayout backward_scratch_layout(const MoeShape& s, const BackwardS
   const bool shared = s.shared_expert;
   BackwardScratchLayout l;
   BufferLayout& a = l.buffers;
-  l.x_rows = a.add("x_rows", b.copies_x ? cap * h * kBf16 : 0);
+  // FP8 weight gradients read the routed dy and x where they are pulled (quantize_columns_fp8 by route): no bf16 copy.
+  const bool w = b.fp8 && b.fp8_weight_gradients;
+  l.x_rows = a.add("x_rows", b.copies_x && !w ? cap * h * kBf16 : 0);
   l.d_out_rows = a.add("d_out_rows", cap * h * kBf16);
-  l.dy_rows = a.add("dy_rows", cap * h * kBf16);
+  l.dy_rows = a.add("dy_rows", w ? 0 : cap * h * kBf16);
   l.row_weight = a.add_array<float>("row_weight", cap);
   l.hidden = a.add("hidden", b.recomputes ? cap * i * kBf16 : 0);
   l.gate_up = a.add("gate_up", b.recomputes ? cap * 2 * i * kBf16 : 0);
@@ -90,14 +92,20 @@ BackwardScratchLayout backward_scratch_layout(const MoeShape& s, const BackwardS
   l.shared_d_out_scales = a.add_array<float>("shared_d_out_scales", sf ? hb * pt : 0);
   l.shared_d_gate_up_fp8 = a.add("shared_d_gate_up_fp8", sf ? pt * 2 * i : 0);
   l.shared_d_gate_up_scales = a.add_array<float>("shared_d_gate_up_scales", sf ? ib2 * pt : 0);
-  const bool w = b.fp8 && b.fp8_weight_gradients;
   const int64_t e = s.local_experts();
-  l.wgrad_rows = w ? std::max(fp8_column_rows(cap, e), shared ? fp8_column_rows(pt, 1) : 0) : 0;
-  const int64_t a_cols = std::max(h, 2 * i), b_cols = std::max(h, i);  // down: dy [H], h [I]; gate/up: [2I], x [H]
-  l.wgrad_a_fp8 = a.add("wgrad_a_fp8", a_cols * l.wgrad_rows);
-  l.wgrad_a_scales = a.add_array<float>("wgrad_a_scales", l.wgrad_rows / 128 * a_cols);
-  l.wgrad_b_fp8 = a.add("wgrad_b_fp8", b_cols * l.wgrad_rows);
-  l.wgrad_b_scales = a.add_array<float>("wgrad_b_scales", l.wgrad_rows / 128 * b_cols);
+  // One weight gradient's a and b at a time: routed d(g|u) [2I] and h [I] (its dy and x have their own buffers),
+  // the shared expert's dy and d(g|u) [H, 2I], h and x [I, H].
+  const int64_t routed_rows = w ? fp8_column_rows(cap, e) : 0, shared_rows = w && shared ? fp8_column_rows(pt, 1) : 0;
+  l.wgrad_rows = std::max(routed_rows, shared_rows);
+  const auto operand = [&](const char* name, const char* scales_name, int64_t routed_cols, int64_t shared_cols,
+                           BufferSlot& values, BufferSlot& scales) {
+    values = a.add(name, std::max(routed_cols * routed_rows, shared_cols * shared_rows));
+    scales = a.add_array<float>(scales_name, std::max(routed_cols * routed_rows, shared_cols * shared_rows) / 128);
+  };
+  operand("wgrad_a_fp8", "wgrad_a_scales", 2 * i, std::max(h, 2 * i), l.wgrad_a_fp8, l.wgrad_a_scales);
+  operand("wgrad_b_fp8", "wgrad_b_scales", i, std::max(h, i), l.wgrad_b_fp8, l.wgrad_b_scales);
+  operand("wgrad_dy_fp8", "wgrad_dy_scales", h, 0, l.wgrad_dy_fp8, l.wgrad_dy_scales);
+  operand("wgrad_x_fp8", "wgrad_x_scales", h, 0, l.wgrad_x_fp8, l.wgrad_x_scales);
   l.wgrad_offsets = a.add_array<int32_t>("wgrad_offsets", w ? e + 1 : 0);
   l.shared_wgrad_offsets = a.add_array<int32_t>("shared_wgrad_offsets", w && shared ? 2 : 0);
   return l;

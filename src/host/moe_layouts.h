@@ -98,10 +98,13 @@ struct BackwardScratchLayout {
   BufferSlot d_out_fp8, d_out_scales, d_gate_up_fp8, d_gate_up_scales;
   BufferSlot shared_x_fp8, shared_d_out_fp8, shared_d_out_scales, shared_d_gate_up_fp8, shared_d_gate_up_scales;
   // FP8 weight gradients only: one weight gradient's two operands at a time (down: dy and h, then gate/up: d(g|u)
-  // and x; routed, then shared), each e4m3 [columns, wgrad_rows] with fp32 scales [wgrad_rows / 128, columns]
-  // (quantize_columns_fp8's layout), and the segments' offsets in those rows, routed [E + 1] and shared [2].
+  // and x; routed, then shared), each e4m3 [columns, rows] with fp32 scales [rows / 128, columns]
+  // (quantize_columns_fp8's layout; rows: the routed or shared segments re-padded to 128, at most wgrad_rows), and
+  // the segments' offsets in those rows, routed [E + 1] and shared [2]. The routed dy and x are quantized as they
+  // are pulled, before the dgrads, into buffers of their own (no bf16 copy: dy_rows and x_rows are absent then).
   int64_t wgrad_rows = 0;
   BufferSlot wgrad_a_fp8, wgrad_a_scales, wgrad_b_fp8, wgrad_b_scales, wgrad_offsets, shared_wgrad_offsets;
+  BufferSlot wgrad_dy_fp8, wgrad_dy_scales, wgrad_x_fp8, wgrad_x_scales;
 };
 BackwardScratchLayout backward_scratch_layout(const MoeShape& s, const BackwardScratchShape& b);
 

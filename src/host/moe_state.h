@@ -52,10 +52,11 @@ struct MoeWorkspace::BackwardScratch {
   // Routed experts, [capacity, ...]
   void* x_rows = nullptr;       // bf16 [capacity, H]: the x rows, when the context keeps fewer than all of
                                 // them (ring < capacity) or keeps FP8 rows; null otherwise (the GEMMs read the
-                                // context's)
+                                // context's; or with FP8 weight gradients, which read them by route)
   void* d_out_rows = nullptr;   // bf16 [capacity, H]: pulled d_out rows; the gate/up dgrad then overwrites them
                                 // with the d_x_route rows (the down dgrad, their last reader, is done)
-  void* dy_rows = nullptr;      // bf16 [capacity, H]: bf16(rw * d_out), the down weight gradient's A
+  void* dy_rows = nullptr;      // bf16 [capacity, H]: bf16(rw * d_out), the down weight gradient's A (null with
+                                // FP8 weight gradients: wgrad_dy_fp8 below)
   float* row_weight = nullptr;  // fp32 [capacity]: each row's router weight (0 for padding)
   void* hidden = nullptr;       // bf16 [capacity, I]: recomputed h (the forward's bits); null when the backward
                                 // reads the context's (MoeWorkspace::recomputes_gate_up)
@@ -95,6 +96,12 @@ struct MoeWorkspace::BackwardScratch {
   float* wgrad_b_scales = nullptr;
   int32_t* wgrad_offsets = nullptr;
   int32_t* shared_wgrad_offsets = nullptr;
+  // The routed dy and x in that layout, quantized by route right after the pull (the peers' rows are read while they
+  // are published): no bf16 dy or x rows then (dy_rows, x_rows null).
+  void* wgrad_dy_fp8 = nullptr;
+  float* wgrad_dy_scales = nullptr;
+  void* wgrad_x_fp8 = nullptr;
+  float* wgrad_x_scales = nullptr;
 
   void* d_x_rows() const { return d_out_rows; }  // bf16 [capacity, H], see d_out_rows
 };

@@ -3,7 +3,7 @@
 //            butterfly (every lane the same value), the scale, then each lane converts its own columns.
 //   weights: one CTA of 256 threads per 128 x 128 block: each thread's amax over its values, a shared-memory
 //            reduction, then the conversion (the block is read twice; the second read hits L1/L2).
-//   columns: one CTA per 128 rows x 64 columns of a schedule's rows, transposed through shared memory
+//   columns: one CTA per 128 rows x 128 columns of a schedule's rows, transposed through shared memory
 //            (quantize_columns_fp8, src/host/quantize_fp8.h).
 // The scale, its reciprocal and every product are IEEE fp32 (amax / 448, 1 / scale, value * (1 / scale);
 // src/device/common/fp8_quant.cuh), so the CPU reference (reference/fp8.h) gives the same bits.
@@ -19,6 +19,7 @@
 
 #include "src/device/common/fp8_quant.cuh"
 #include "src/device/common/status.cuh"
+#include "src/device/schedule/placement.h"
 #include "src/host/check.h"
 #include "src/host/launch_cache.h"
 #include "src/host/quantize_fp8.h"
@@ -160,19 +161,40 @@ __global__ void column_row_offsets_kernel(const int32_t* counts, const int32_t* 
   offsets[experts] = at;
 }
 
-constexpr int kColumnTile = 64;  // columns per CTA of quantize_columns_kernel (128 threads: two per column)
+constexpr int kColumnTile = 128;   // columns per CTA of quantize_columns_kernel
+constexpr int kColumnThreads = 256;  // 64 column pairs x 4 quarters of the block's 128 rows
 
-// One CTA per (128-row block of `out`, 64 columns): the block's source rows (its expert's, zeros past the count)
-// into shared memory, each column's amax over the 128 rows (two threads of 64 rows each, then combined), its scale,
-// and the column's 128 e4m3 bytes written contiguously (out is K-major: a column is a row of it). Blocks past the
-// last segment write nothing.
-__global__ void __launch_bounds__(2 * kColumnTile) quantize_columns_kernel(
-    const __nv_bfloat16* in, int k, int experts, const int32_t* counts, const int32_t* in_offsets,
+// Where quantize_columns_kernel's rows come from: `in`, or each row's route (Fp8ColumnQuantizeArgs' pulled rows).
+struct ColumnSource {
+  const __nv_bfloat16* in;
+  PeerPointers pulled_rows;
+  PeerPointers pulled_weights;
+  bool weighted;
+  const int32_t* row_route;  // null: `in`
+  int num_tokens;
+  int top_k;
+};
+
+// One CTA per (128-row block of `out`, 128 columns): the block's source rows first (its expert's, by route with
+// `source.row_route`; null past the count or without a route: zeros), then thread (pair p, quarter q) reads columns
+// 2p, 2p + 1 of rows [32 q, 32 q + 32) of them (columns past k: none) as 32 independent 4-byte loads (a warp's are
+// one 128-byte row segment each), each column's amax over the 128 rows (the quarters' combined through shared
+// memory), its scale, then its 32 e4m3 bytes per column into the CTA's transposed tile in shared memory (a column's
+// 128 bytes a row of it, its 16-byte chunks swizzled by the column so that a warp's chunk writes fall on distinct
+// banks), written out as whole 128-byte columns of `out` (K-major: a column is a row of it). Blocks past the last
+// segment write nothing. The amax is order-free and each value's conversion is to_e4m3's: the bits of the CPU
+// reference.
+__global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
+    const ColumnSource source, int k, int experts, const int32_t* counts, const int32_t* in_offsets,
     const int32_t* scheduled_rows, const int32_t* out_offsets, int64_t out_rows, uint8_t* out, float* scales,
     bool power_of_two) {
-  __shared__ __align__(16) __nv_bfloat16 tile[kBlock][kColumnTile];
-  __shared__ float half_amax[2][kColumnTile];
-  __shared__ int half_finite[2][kColumnTile];
+  constexpr int kQuarterRows = kBlock / 4;
+  constexpr int kChunks = kBlock / 16;  // 16-byte chunks of a column's 128 bytes
+  __shared__ __align__(16) uint8_t staged[kColumnTile][kBlock];
+  __shared__ float quarter_amax[4][kColumnTile];
+  __shared__ int quarter_finite[4][kColumnTile];
+  __shared__ const __nv_bfloat16* row_start[kBlock];  // the block's source rows (null: zeros)
+  __shared__ float row_weight[kBlock];
   const int64_t out_row = int64_t(blockIdx.x) * kBlock;
   if (out_row >= out_offsets[experts]) return;  // CTA-uniform
   // The block's expert: the last one whose segment starts at or before it (an empty expert's segment is empty).
@@ -185,38 +207,96 @@ __global__ void __launch_bounds__(2 * kColumnTile) quantize_columns_kernel(
   const int32_t count = live_count(counts, in_offsets, scheduled_rows, lo);
   const int valid = static_cast<int>(max(int64_t(0), min(int64_t(kBlock), int64_t(count) - first)));
   const int col0 = blockIdx.y * kColumnTile;
-  const __nv_bfloat16* src = in + (int64_t(in_offsets[lo]) + first) * k + col0;
-  constexpr int kVectors = kColumnTile * 2 / 16;  // 16-byte vectors of a row's 64 columns
-  for (int i = threadIdx.x; i < kBlock * kVectors; i += blockDim.x) {
-    const int r = i / kVectors, v = i % kVectors;
-    const uint4 value = r < valid ? reinterpret_cast<const uint4*>(src + int64_t(r) * k)[v] : make_uint4(0, 0, 0, 0);
-    reinterpret_cast<uint4*>(&tile[r][0])[v] = value;
-  }
-  __syncthreads();
-  const int c = threadIdx.x % kColumnTile, half = threadIdx.x / kColumnTile, r0 = half * (kBlock / 2);
-  float amax = 0.0f;
-  bool finite = true;
-  for (int r = r0; r < r0 + kBlock / 2; ++r) {
-    const float v = __bfloat162float(tile[r][c]);
-    finite = finite && isfinite(v);
-    amax = fmaxf(amax, fabsf(v));
-  }
-  half_amax[half][c] = amax;
-  half_finite[half][c] = finite;
-  __syncthreads();
-  const float scale = device::fp8_block_scale(fmaxf(half_amax[0][c], half_amax[1][c]),
-                                              half_finite[0][c] && half_finite[1][c], power_of_two);
-  uint8_t* dst = out + int64_t(col0 + c) * out_rows + out_row + r0;  // this thread's 64 bytes of the column
-  for (int v = 0; v < kBlock / 2 / 16; ++v) {
-    uint32_t words[4];
-    for (int w = 0; w < 4; ++w) {
-      words[w] = 0;
-      for (int b = 0; b < 4; ++b)
-        words[w] |= uint32_t(to_e4m3(__bfloat162float(tile[r0 + 16 * v + 4 * w + b][c]), scale)) << (8 * b);
+  if (threadIdx.x < kBlock) {
+    const int r = threadIdx.x;
+    const int64_t row = int64_t(in_offsets[lo]) + first + r;  // the schedule's row
+    const __nv_bfloat16* start = nullptr;
+    float weight = 1.0f;
+    if (r < valid && source.row_route == nullptr) {
+      start = source.in + row * k;
+    } else if (r < valid && source.row_route[row] >= 0) {
+      const schedule::RouteCoords route = schedule::route_coords(source.row_route[row], source.num_tokens, source.top_k);
+      start = static_cast<const __nv_bfloat16*>(source.pulled_rows.base[route.src]) + int64_t(route.token) * k;
+      if (source.weighted)
+        weight = static_cast<const float*>(source.pulled_weights.base[route.src])[int64_t(route.token) * source.top_k +
+                                                                                 route.slot];
     }
-    reinterpret_cast<uint4*>(dst)[v] = make_uint4(words[0], words[1], words[2], words[3]);
+    row_start[r] = start;
+    row_weight[r] = weight;
   }
-  if (half == 0) scales[(out_row / kBlock) * k + col0 + c] = scale;
+  __syncthreads();
+  const int c = 2 * (threadIdx.x % 64), quarter = threadIdx.x / 64, r0 = quarter * kQuarterRows;
+  const bool live = col0 + c < k;  // k % 64 == 0: both columns or neither
+  __nv_bfloat162 v[kQuarterRows];
+#pragma unroll
+  for (int r = 0; r < kQuarterRows; ++r) {
+    const __nv_bfloat16* start = row_start[r0 + r];
+    const uint32_t raw = live && start != nullptr ? *reinterpret_cast<const uint32_t*>(start + col0 + c) : 0u;
+    v[r] = *reinterpret_cast<const __nv_bfloat162*>(&raw);
+  }
+  if (source.weighted) {  // dy = bf16(rw * d_out): one fp32 product and one rounding per value, the pull's
+#pragma unroll
+    for (int r = 0; r < kQuarterRows; ++r) {
+      const float2 f = __bfloat1622float2(v[r]);
+      const float w = row_weight[r0 + r];
+      v[r] = __floats2bfloat162_rn(__fmul_rn(w, f.x), __fmul_rn(w, f.y));
+    }
+  }
+  float amax[2] = {0.0f, 0.0f};
+  bool finite[2] = {true, true};
+#pragma unroll
+  for (int r = 0; r < kQuarterRows; ++r) {
+    const float2 f = __bfloat1622float2(v[r]);
+    finite[0] = finite[0] && isfinite(f.x);
+    finite[1] = finite[1] && isfinite(f.y);
+    amax[0] = fmaxf(amax[0], fabsf(f.x));
+    amax[1] = fmaxf(amax[1], fabsf(f.y));
+  }
+  for (int j = 0; j < 2; ++j) {
+    quarter_amax[quarter][c + j] = amax[j];
+    quarter_finite[quarter][c + j] = finite[j];
+  }
+  __syncthreads();
+  float scale[2];
+  for (int j = 0; j < 2; ++j) {
+    const int cj = c + j;
+    const float block_amax =
+        fmaxf(fmaxf(quarter_amax[0][cj], quarter_amax[1][cj]), fmaxf(quarter_amax[2][cj], quarter_amax[3][cj]));
+    const bool block_finite =
+        quarter_finite[0][cj] && quarter_finite[1][cj] && quarter_finite[2][cj] && quarter_finite[3][cj];
+    scale[j] = device::fp8_block_scale(block_amax, block_finite, power_of_two);
+  }
+  // The thread's two 16-byte chunks of each column: rows [r0, r0 + 16) and [r0 + 16, r0 + 32).
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int cj = c + j;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint32_t words[4];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int r = 16 * half + 4 * w;
+        const auto value = [&](int i) { return j == 0 ? __low2float(v[r + i]) : __high2float(v[r + i]); };
+        words[w] = uint32_t(device::to_e4m3x2(value(0), value(1), scale[j])) |
+                   uint32_t(device::to_e4m3x2(value(2), value(3), scale[j])) << 16;
+      }
+      const int chunk = 2 * quarter + half;
+      *reinterpret_cast<uint4*>(&staged[cj][16 * (chunk ^ ((cj >> 1) % kChunks))]) =
+          make_uint4(words[0], words[1], words[2], words[3]);
+    }
+  }
+  if (quarter == 0 && live) {
+    scales[(out_row / kBlock) * k + col0 + c] = scale[0];
+    scales[(out_row / kBlock) * k + col0 + c + 1] = scale[1];
+  }
+  __syncthreads();
+  // Whole columns out: 8 threads a column's 128 bytes, a warp 4 columns.
+  for (int i = threadIdx.x; i < kColumnTile * kChunks; i += kColumnThreads) {
+    const int cj = i / kChunks, chunk = i % kChunks;
+    if (col0 + cj >= k) break;  // i only grows: every later column is past k too
+    *reinterpret_cast<uint4*>(out + int64_t(col0 + cj) * out_rows + out_row + 16 * chunk) =
+        *reinterpret_cast<const uint4*>(&staged[cj][16 * (chunk ^ ((cj >> 1) % kChunks))]);
+  }
 }
 
 constexpr int kWeightThreads = 256;
@@ -323,9 +403,14 @@ void detail::publish_fp8_rows(const void* x, int64_t tokens, int64_t padded_toke
 
 void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t stream) {
   const std::string entry = "quantize_columns_fp8: ";
-  require(a.in != nullptr && reinterpret_cast<uintptr_t>(a.in) % 16 == 0,
-          entry + "in must be a non-null, 16-byte aligned bf16 [rows_allocated, k] buffer");
-  require(a.k > 0 && a.k % kColumnTile == 0, entry + "k must be a positive multiple of 64, got " + std::to_string(a.k));
+  if (a.row_route == nullptr) {
+    require(a.in != nullptr && reinterpret_cast<uintptr_t>(a.in) % 16 == 0,
+            entry + "in must be a non-null, 16-byte aligned bf16 [rows_allocated, k] buffer");
+  } else {
+    require(a.in == nullptr, entry + "in and row_route exclude each other (rows read from `in` or by route)");
+    require(a.num_tokens > 0 && a.top_k > 0, entry + "rows read by route need num_tokens and top_k");
+  }
+  require(a.k > 0 && a.k % 64 == 0, entry + "k must be a positive multiple of 64, got " + std::to_string(a.k));
   require(a.rows_allocated >= 0, entry + "rows_allocated must be >= 0, got " + std::to_string(a.rows_allocated));
   require(a.local_experts >= 1, entry + "local_experts must be positive, got " + std::to_string(a.local_experts));
   require(a.expert_counts != nullptr && a.expert_row_offsets != nullptr && a.out_row_offsets != nullptr,
@@ -336,13 +421,20 @@ void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t s
   require(a.scales != nullptr && reinterpret_cast<uintptr_t>(a.scales) % 4 == 0,
           entry + "scales must be a non-null fp32 [fp8_column_rows(rows_allocated, local_experts) / 128, k] buffer");
   const int64_t out_rows = fp8_column_rows(a.rows_allocated, a.local_experts);
-  const dim3 grid(static_cast<unsigned>(out_rows / kBlock), static_cast<unsigned>(a.k / kColumnTile));
+  const dim3 grid(static_cast<unsigned>(out_rows / kBlock), static_cast<unsigned>((a.k + kColumnTile - 1) / kColumnTile));
   require(grid.y <= 65535, entry + "k too large for one launch");
   column_row_offsets_kernel<<<1, 32, 0, stream>>>(a.expert_counts, a.expert_row_offsets, a.scheduled_rows,
                                                   a.local_experts, a.out_row_offsets);
   MOK_CHECK_CUDA(cudaGetLastError());
-  quantize_columns_kernel<<<grid, 2 * kColumnTile, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(a.in), a.k, a.local_experts, a.expert_counts, a.expert_row_offsets,
+  const ColumnSource source{.in = static_cast<const __nv_bfloat16*>(a.in),
+                            .pulled_rows = a.pulled_rows,
+                            .pulled_weights = a.pulled_weights,
+                            .weighted = a.weighted,
+                            .row_route = a.row_route,
+                            .num_tokens = a.num_tokens,
+                            .top_k = a.top_k};
+  quantize_columns_kernel<<<grid, kColumnThreads, 0, stream>>>(
+      source, a.k, a.local_experts, a.expert_counts, a.expert_row_offsets,
       a.scheduled_rows, a.out_row_offsets, out_rows, static_cast<uint8_t*>(a.out), a.scales, a.power_of_two_scales);
   MOK_CHECK_CUDA(cudaGetLastError());
 }

@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include "mok/fp8.h"
+#include "mok/peer_group.h"
 #include "mok/status.h"
 
 namespace mok::detail {
@@ -38,7 +39,7 @@ void quantize_rows_fp8(const Fp8QuantizeArgs& args, DeviceStatus* status, NonFin
 // infinity gets a NaN scale (the gradients it feeds are NaN; d_out's and d(g|u)'s NaNs are reported where they are
 // quantized along their rows). The operands of weight_grad_gemm's precision kFP8 (MoeOptions::fp8_weight_gradients).
 struct Fp8ColumnQuantizeArgs {
-  const void* in = nullptr;                    // bf16 [rows_allocated, k], 16-byte aligned
+  const void* in = nullptr;                    // bf16 [rows_allocated, k], 16-byte aligned (or row_route below)
   int64_t rows_allocated = 0;
   int k = 0;                                   // a positive multiple of 64
   int local_experts = 0;
@@ -49,6 +50,17 @@ struct Fp8ColumnQuantizeArgs {
   void* out = nullptr;                         // e4m3 [k, fp8_column_rows(rows_allocated, E)], 16-byte aligned
   float* scales = nullptr;                     // fp32 [fp8_column_rows(rows_allocated, E) / 128, k]
   bool power_of_two_scales = false;
+  // Instead of `in` (null then, rows read by route when row_route is set): each scheduled row read where the backward's
+  // pull reads it, so that no bf16 copy of it is written and read again (the routed dy and x of the FP8 weight
+  // gradients): row r is the token row of its route row_route[r] in the source rank's pulled_rows (bf16
+  // [padded T, k]) or zeros without a route, times the route's router weight in pulled_weights (fp32 [T * top_k]) when
+  // `weighted`, rounded to bf16 (dy = bf16(rw * d_out), the pull's bits).
+  PeerPointers pulled_rows = {};
+  PeerPointers pulled_weights = {};
+  bool weighted = false;
+  const int32_t* row_route = nullptr;          // [rows_allocated]
+  int num_tokens = 0;                          // per rank
+  int top_k = 0;
 };
 // The rows `out` holds for any schedule of these rows: each segment grows by at most 64 rows (tile_m 64 -> 128).
 constexpr int64_t fp8_column_rows(int64_t rows_allocated, int local_experts) {

@@ -201,9 +201,11 @@ TEST(MoeLayouts, BackwardScratchLayout) {
       check_layout(l.buffers, "backward scratch, " + where);
       const int64_t cap = b.capacity_rows, pt = b.padded_tokens;
       const bool shared = s.shared_expert;
-      EXPECT_EQ(l.x_rows.bytes, b.copies_x ? cap * h * 2 : 0) << where;
+      // FP8 weight gradients read the routed dy and x by route: no bf16 copies of them.
+      const bool w = b.fp8 && b.fp8_weight_gradients;
+      EXPECT_EQ(l.x_rows.bytes, b.copies_x && !w ? cap * h * 2 : 0) << where;
       EXPECT_EQ(l.d_out_rows.bytes, cap * h * 2) << where;
-      EXPECT_EQ(l.dy_rows.bytes, cap * h * 2) << where;
+      EXPECT_EQ(l.dy_rows.bytes, w ? 0 : cap * h * 2) << where;
       EXPECT_EQ(l.row_weight.bytes, cap * 4) << where;
       EXPECT_EQ(l.hidden.bytes, b.recomputes ? cap * i * 2 : 0) << where;
       EXPECT_EQ(l.gate_up.bytes, b.recomputes ? cap * 2 * i * 2 : 0) << where;
@@ -230,16 +232,22 @@ TEST(MoeLayouts, BackwardScratchLayout) {
       EXPECT_EQ(l.shared_d_gate_up_fp8.bytes, sf ? pt * 2 * i : 0) << where;
       EXPECT_EQ(l.shared_d_gate_up_scales.bytes, sf ? ib2 * pt * 4 : 0) << where;
       // FP8 weight gradients: one gradient's a and b transposed, [columns, rows] with rows the routed or shared
-      // segments re-padded to 128 (whichever needs more), the widest a (H or 2I) and b (H or I), scales per 128 rows.
-      const bool w = b.fp8 && b.fp8_weight_gradients;
-      const int64_t rows = !w ? 0 : std::max(detail::fp8_column_rows(cap, s.local_experts()),
-                                             shared ? detail::fp8_column_rows(pt, 1) : 0);
-      EXPECT_EQ(l.wgrad_rows, rows) << where;
-      EXPECT_EQ(rows % 128, 0) << where;
-      EXPECT_EQ(l.wgrad_a_fp8.bytes, std::max(h, 2 * i) * rows) << where;
-      EXPECT_EQ(l.wgrad_a_scales.bytes, rows / 128 * std::max(h, 2 * i) * 4) << where;
-      EXPECT_EQ(l.wgrad_b_fp8.bytes, std::max(h, i) * rows) << where;
-      EXPECT_EQ(l.wgrad_b_scales.bytes, rows / 128 * std::max(h, i) * 4) << where;
+      // segments re-padded to 128, scales per 128 rows: routed a d(g|u) [2I] and b h [I], the shared expert's a dy or
+      // d(g|u) [H or 2I] and b h or x [I or H]; the routed dy and x [H] in buffers of their own.
+      const int64_t routed = w ? detail::fp8_column_rows(cap, s.local_experts()) : 0;
+      const int64_t shared_rows = w && shared ? detail::fp8_column_rows(pt, 1) : 0;
+      EXPECT_EQ(l.wgrad_rows, std::max(routed, shared_rows)) << where;
+      EXPECT_EQ(routed % 128 + shared_rows % 128, 0) << where;
+      const int64_t a_bytes = std::max(2 * i * routed, std::max(h, 2 * i) * shared_rows);
+      const int64_t b_bytes = std::max(i * routed, std::max(h, i) * shared_rows);
+      EXPECT_EQ(l.wgrad_a_fp8.bytes, a_bytes) << where;
+      EXPECT_EQ(l.wgrad_a_scales.bytes, a_bytes / 128 * 4) << where;
+      EXPECT_EQ(l.wgrad_b_fp8.bytes, b_bytes) << where;
+      EXPECT_EQ(l.wgrad_b_scales.bytes, b_bytes / 128 * 4) << where;
+      EXPECT_EQ(l.wgrad_dy_fp8.bytes, h * routed) << where;
+      EXPECT_EQ(l.wgrad_dy_scales.bytes, routed / 128 * h * 4) << where;
+      EXPECT_EQ(l.wgrad_x_fp8.bytes, h * routed) << where;
+      EXPECT_EQ(l.wgrad_x_scales.bytes, routed / 128 * h * 4) << where;
       EXPECT_EQ(l.wgrad_offsets.bytes, w ? (s.local_experts() + 1) * 4 : 0) << where;
       EXPECT_EQ(l.shared_wgrad_offsets.bytes, w && shared ? 8 : 0) << where;
     }

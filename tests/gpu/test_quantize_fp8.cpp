@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "mok/fp8.h"
+#include "mok/peer_group.h"
 #include "src/host/check.h"
 #include "src/host/quantize_fp8.h"
 #include "tests/common/bf16.h"
@@ -333,6 +334,100 @@ TEST(QuantizeFp8Test, ColumnsOfAScheduleMatchTheCpuBitwise) {
   }
 }
 
+// Rows read by route (the FP8 weight gradients' routed dy and x, quantized right after the pull): two virtual ranks'
+// token rows and router weights, a schedule's routes (an empty expert, a 1-row one, one row of a segment without a
+// route, padding rows without one; k = 320: a half column tile), quantized by route with the router weight (dy) and
+// without (x). Each must be bitwise the quantizer over the rows the pull writes (bf16(rw * d_out) with one fp32
+// product and one rounding, the token row, zeros without a route): the scales, every byte of `out` (poisoned alike)
+// and the segment offsets.
+TEST(QuantizeFp8Test, ColumnsReadByRouteAreThePulledRowsBits) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> counts = {129, 0, 1, 255, 64, 300};
+  const int experts = static_cast<int>(counts.size()), k = 320, ranks = 2, tokens = 96, top_k = 4;
+  std::vector<int32_t> offsets(experts + 1, 0);
+  for (int e = 0; e < experts; ++e) offsets[e + 1] = offsets[e] + (counts[e] + 63) / 64 * 64;
+  const int64_t rows = offsets[experts] + 64;
+  const int64_t out_rows = detail::fp8_column_rows(rows, experts);
+  const uint64_t seed = 1600;
+  std::vector<std::vector<uint16_t>> token_rows(ranks, std::vector<uint16_t>(size_t(tokens) * k));
+  std::vector<std::vector<float>> weights(ranks, std::vector<float>(size_t(tokens) * top_k));
+  for (int r = 0; r < ranks; ++r) {
+    for (size_t i = 0; i < token_rows[r].size(); ++i)
+      token_rows[r][i] = to_bf16_bits(float(hashed_int(seed + r, int64_t(i), -1000, 1000)) / 64.0f);
+    for (size_t i = 0; i < weights[r].size(); ++i)
+      weights[r][i] = float(hashed_int(seed + 10 + r, int64_t(i), 1, 1000)) / 997.0f;
+  }
+  // Routes: every row of a segment a (rank, token, slot), but one; padding rows none (-1).
+  std::vector<int32_t> route(rows, -1);
+  for (int e = 0; e < experts; ++e)
+    for (int64_t r = offsets[e]; r < offsets[e] + counts[e]; ++r) {
+      const int rank = hashed_int(seed + 20, r, 0, ranks - 1), token = hashed_int(seed + 21, r, 0, tokens - 1);
+      route[r] = (rank * tokens + token) * top_k + hashed_int(seed + 22, r, 0, top_k - 1);
+    }
+  route[offsets[3] + 7] = -1;
+  // What the pull writes: dy = bf16(rw * d_out) and x = the token row, zeros without a route.
+  std::vector<uint16_t> dy(size_t(rows) * k, 0), x(size_t(rows) * k, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (route[r] < 0) continue;
+    const int token_global = route[r] / top_k, rank = token_global / tokens, token = token_global % tokens;
+    const float rw = weights[rank][size_t(token) * top_k + route[r] % top_k];
+    for (int c = 0; c < k; ++c) {
+      const uint16_t v = token_rows[rank][size_t(token) * k + c];
+      x[r * k + c] = v;
+      dy[r * k + c] = to_bf16_bits(rw * from_bf16_bits(v));
+    }
+  }
+  DeviceArray<uint16_t> d_rank0(token_rows[0]), d_rank1(token_rows[1]), d_dy(dy), d_x(x);
+  DeviceArray<float> d_w0(weights[0]), d_w1(weights[1]);
+  DeviceArray<int32_t> d_counts(counts), d_offsets(offsets), d_route(route);
+  PeerPointers token_ptrs{}, weight_ptrs{};
+  token_ptrs.base[0] = d_rank0.ptr;
+  token_ptrs.base[1] = d_rank1.ptr;
+  weight_ptrs.base[0] = d_w0.ptr;
+  weight_ptrs.base[1] = d_w1.ptr;
+  constexpr uint8_t kPoison = 0xee;
+  float poison;
+  std::memcpy(&poison, &kScalePoison, sizeof poison);
+  struct Result {
+    std::vector<uint8_t> out;
+    std::vector<float> scales;
+    std::vector<int32_t> offsets;
+  };
+  const auto run = [&](const void* in, bool by_route, bool weighted) {
+    DeviceArray<uint8_t> d_out(std::vector<uint8_t>(size_t(k) * out_rows, kPoison));
+    DeviceArray<float> d_scales(std::vector<float>(size_t(out_rows / 128) * k, poison));
+    DeviceArray<int32_t> d_out_offsets(std::vector<int32_t>(experts + 1, -1));
+    detail::quantize_columns_fp8({.in = by_route ? nullptr : in,
+                                  .rows_allocated = rows,
+                                  .k = k,
+                                  .local_experts = experts,
+                                  .expert_counts = d_counts.ptr,
+                                  .expert_row_offsets = d_offsets.ptr,
+                                  .out_row_offsets = d_out_offsets.ptr,
+                                  .out = d_out.ptr,
+                                  .scales = d_scales.ptr,
+                                  .pulled_rows = token_ptrs,
+                                  .pulled_weights = weight_ptrs,
+                                  .weighted = weighted,
+                                  .row_route = by_route ? d_route.ptr : nullptr,
+                                  .num_tokens = tokens,
+                                  .top_k = top_k},
+                                 nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    return Result{d_out.download(), d_scales.download(), d_out_offsets.download()};
+  };
+  for (const bool weighted : {true, false}) {
+    const std::string label = weighted ? "dy (weighted)" : "x";
+    const Result want = run(weighted ? d_dy.ptr : d_x.ptr, false, false);
+    const Result got = run(nullptr, true, weighted);
+    ASSERT_EQ(got.offsets, want.offsets) << label;
+    for (size_t i = 0; i < want.scales.size(); ++i)
+      ASSERT_EQ(bits_of(got.scales[i]), bits_of(want.scales[i])) << label << ": scale " << i;
+    for (size_t i = 0; i < want.out.size(); ++i)
+      ASSERT_EQ(got.out[i], want.out[i]) << label << ": column " << i / out_rows << ", out row " << i % out_rows;
+  }
+}
+
 TEST(QuantizeFp8Test, ValidationNamesTheArgument) {
   alignas(16) static uint16_t buffer[64];
   alignas(16) static float scales[16];
@@ -397,6 +492,16 @@ TEST(QuantizeFp8Test, ValidationNamesTheArgument) {
   c = columns;
   c.local_experts = 0;
   EXPECT_NE(column_message(c).find("local_experts must be positive"), std::string::npos);
+  // Rows by route: `in` unset, and the routes' token count and top-k given.
+  static int32_t routes[128];
+  c = columns;
+  c.row_route = routes;
+  c.num_tokens = 4;
+  c.top_k = 2;
+  EXPECT_NE(column_message(c).find("in and row_route exclude each other"), std::string::npos);
+  c.in = nullptr;
+  c.top_k = 0;
+  EXPECT_NE(column_message(c).find("rows read by route need num_tokens and top_k"), std::string::npos);
 }
 
 }  // namespace

@@ -7,7 +7,9 @@
 //       row_route[row] = (src, token, slot), rw = rw_src[token * k + slot]:
 //       d_out_rows[row] = d_out_src[token]                      (peer read; not for src == gathered_rank: the
 //                                                                down dgrad gathers those rows from d_out itself)
-//       dy_rows[row]    = bf16(rw * d_out_src[token])           one fp32 product and one rounding per element
+//       dy_rows[row]    = bf16(rw * d_out_src[token])           one fp32 product and one rounding per element (not
+//                                                                with FP8 weight gradients: quantize_columns_fp8
+//                                                                reads it by route)
 //       row_weight[row] = rw
 //       x_rows[row]     = kept_x_rows[row] when row < kept_rows (the context's copy), else x_src[token]
 //                         (only when x_rows is set: a context that keeps every row is read in place)
@@ -51,7 +53,7 @@ struct GradPullSources {
 struct GradPullRow {
   uint4* x;            // bf16 [H], or null (the GEMMs read the context's rows)
   uint4* d_out;        // bf16 [H]
-  uint4* dy;           // bf16 [H]
+  uint4* dy;           // bf16 [H], or null (the FP8 weight gradients read dy where it is pulled)
   float* row_weight;   // one fp32
 };
 
@@ -135,7 +137,7 @@ __device__ __forceinline__ void pull_grad_row(const GradPullSources& src, const 
     } else {
       device::zero_row_warp(dst.d_out, row_vectors, lane);
     }
-    device::zero_row_warp(dst.dy, row_vectors, lane);
+    if (dst.dy != nullptr) device::zero_row_warp(dst.dy, row_vectors, lane);
     if (lane == 0) *dst.row_weight = 0.f;
     return;
   }
@@ -161,7 +163,7 @@ __device__ __forceinline__ void pull_grad_row(const GradPullSources& src, const 
       const int i = base + u * 32 + lane;
       if (i < row_vectors) {
         if (!quantize && c.src != src.gathered_rank) dst.d_out[i] = v[u];
-        dst.dy[i] = scale_bf16x8(v[u], rw);
+        if (dst.dy != nullptr) dst.dy[i] = scale_bf16x8(v[u], rw);
       }
       if (quantize) quantize_pulled_vector(fp8, v[u], i < row_vectors, i, row, row_vectors, lane);
     }

@@ -167,10 +167,11 @@ struct CollectiveMainloop {
   static constexpr int kStages = kStages_;
   static_assert(kBlockM == 64 || kBlockM == 128, "one consumer warpgroup per 64 rows");
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N");
-  // The N of one wgmma: the tile's, except a block-scaled tile of 256 columns, whose product is two wgmmas of 128
-  // columns promoted in turn through one 64-value partial (mainloop_block_scaled): a 256-column partial beside the
-  // 128 promoted values a thread would not fit in its registers.
-  static constexpr int kMmaN = BlockScaled<Operands_> && kBlockN_ == 256 ? 128 : kBlockN_;
+  // The N of one wgmma: the tile's, except a scaled tile of 256 columns (block- or K-scaled), whose product is two
+  // wgmmas of 128 columns promoted in turn through one 64-value partial (mainloop_block_scaled, mainloop_k_scaled):
+  // a 256-column partial beside the 128 promoted values a thread would not fit in its registers.
+  static constexpr bool kScaledOperands = BlockScaled<Operands_> || KScaled<Operands_>;
+  static constexpr int kMmaN = kScaledOperands && kBlockN_ == 256 ? 128 : kBlockN_;
   static constexpr int kNSplits = kBlockN / kMmaN;
   static_assert(kBlockK % 16 == 0 && kBlockK * sizeof(Element) <= 128, "wgmma K steps within one swizzle row");
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
@@ -178,11 +179,11 @@ struct CollectiveMainloop {
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
   // setmaxnreg only moves registers within what the CTA got at launch (65536 / kThreads, rounded down to
   // 8, per thread): asking for more makes setmaxnreg.inc wait forever (a hang, seen with 48 / 232).
-  // A block-scaled tile wider than 128 columns keeps 96 promoted and 96 partial values a thread (192 columns), or
-  // 128 and 64 (256 columns): 232 registers for its consumers, 40 left to the producer (which only issues TMA loads).
-  static constexpr bool kWideBlockScaled = BlockScaled<Operands_> && kBlockN_ > 128;
-  static constexpr int kProducerRegisters = kWideBlockScaled ? 40 : 48;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? (kWideBlockScaled ? 232 : 224) : 240;
+  // A scaled tile wider than 128 columns keeps 128 promoted and 64 partial values a thread: 232 registers for its
+  // consumers, 40 left to the producer (which only issues TMA loads).
+  static constexpr bool kWideScaled = kScaledOperands && kBlockN_ > 128;
+  static constexpr int kProducerRegisters = kWideScaled ? 40 : 48;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? (kWideScaled ? 232 : 224) : 240;
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
                 "setmaxnreg redistributes the CTA's launch registers, no more");
@@ -450,9 +451,12 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
 // stage's product into fresh fp32 accumulators (`partial`: the first wgmma overwrites), then
 //   accum[i] += (a_scale[row of i] * b_scale[column of i]) * partial[i]
 // in ascending k-block order (one fixed-order sum per element: deterministic). Both scales come with the stage
-// (KScaleStages); the B scales are read while the wgmma runs, the stage released once both are read. row0 / row1:
-// the thread's fragment rows (values i with (i / 2) % 2 = 0 / 1); col0: its first column, value i's column is
-// col0 + i % 2 + 8 (i / 4) (gemm_epilogue.cuh's fragment layout).
+// (KScaleStages); the A scales are read while the wgmma runs, the B scales from the stage as the product is
+// promoted (a split's 32 held in registers beside the 128 promoted and 64 partial values spilled: ptxas), and the
+// stage is released after the last split's promotion. A 256-column tile does this per k-block for each 128-column
+// split in turn (kNSplits; its values [64 s, 64 s + 64) are split s's columns) through the one partial, as
+// mainloop_block_scaled does. row0 / row1: the thread's fragment rows (values i with (i / 2) % 2 = 0 / 1); col0:
+// its first column, value i's column is col0 + i % 2 + 8 (i / 4) (gemm_epilogue.cuh's fragment layout).
 template <class Collective, class Storage, class ThreadMma, class Accum>
 __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& smem,
                                                   typename Collective::Pipeline& pipeline,
@@ -463,24 +467,33 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
   using namespace cute;
   auto product = scaled_product<Collective>(smem, thread_mma, accum);
   constexpr int kValues = decltype(size(accum))::value;
-  constexpr int kColumnPairs = kValues / 4;  // the thread's 2-column groups: 8 columns apart
+  constexpr int kSplits = Collective::kNSplits, kSplitValues = kValues / kSplits;
+  constexpr int kColumnPairs = kSplitValues / 4;  // the thread's 2-column groups of a split: 8 columns apart
   static_assert(kValues * 2 == Collective::kBlockN, "a 64-row warpgroup's kBlockN columns, 128 threads");
   clear(accum);
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     consumer_wait_bounded(pipeline, read_state, bound);
     const int stage = read_state.index();
-    product.issue(mma, stage);
-    const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
-    float2 b[kColumnPairs];
+    float a0 = 0.0f, a1 = 0.0f;
     CUTE_UNROLL
-    for (int j = 0; j < kColumnPairs; ++j) b[j] = *reinterpret_cast<const float2*>(&smem.b_scales[stage][col0 + 8 * j]);
-    product.retire(pipeline, read_state);  // its operands and scales are read
-    CUTE_UNROLL
-    for (int i = 0; i < kValues; ++i) {
-      const float a = (i / 2) % 2 == 0 ? a0 : a1;
-      const float bj = i % 2 == 0 ? b[i / 4].x : b[i / 4].y;
-      accum(i) += (a * bj) * product.partial(i);
+    for (int split = 0; split < kSplits; ++split) {
+      product.issue(mma, stage, split);
+      if (split == 0) a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
+      const float* b_scales = &smem.b_scales[stage][split * Collective::kMmaN + col0];
+      product.wait();
+      CUTE_UNROLL
+      for (int j = 0; j < kColumnPairs; ++j) {
+        const float2 b = *reinterpret_cast<const float2*>(b_scales + 8 * j);
+        CUTE_UNROLL
+        for (int i = 4 * j; i < 4 * j + 4; ++i) {
+          const float a = (i / 2) % 2 == 0 ? a0 : a1;
+          const float bj = i % 2 == 0 ? b.x : b.y;
+          accum(split * kSplitValues + i) += (a * bj) * product.partial(i);
+        }
+      }
     }
+    pipeline.consumer_release(read_state);  // its operands and scales are read
+    ++read_state;
   }
 }
 

@@ -208,7 +208,7 @@ __device__ __forceinline__ bool load_tile(const Params& p, const GradTileTask& t
   auto [t_b_g, t_b_s] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_b_boxes), group_modes<0, 2>(g_b));
   // Column boxes past m (n) load the last box instead: in bounds, into rows (columns) nothing stores.
   // FP8: a box past m (n) starts inside the tensor (m, n multiples of 64) and the TMA fills what lies past it
-  // with zeros; so do its scales.
+  // with zeros; so do its scales. A 256-column tile's second B box wholly past n loads the last box again, as bf16's.
   const int last_a_box = T::kFp8 ? (p.m - 1) / T::kBoxColumns : p.m / T::kBoxColumns - 1;
   const int last_b_box = T::kFp8 ? (p.n - 1) / T::kBoxColumns : p.n / T::kBoxColumns - 1;
   const int first_a_box = task.m_block * T::kBoxesA;
@@ -228,7 +228,7 @@ __device__ __forceinline__ bool load_tile(const Params& p, const GradTileTask& t
       load(p.tma_a_scales, &smem.a_scales[stage][0], p.m, task.m_block);
       CUTE_UNROLL
       for (int box = 0; box < T::kBoxesB; ++box)
-        load(p.tma_b_scales, &smem.b_scales[stage][box * T::kBoxColumns], p.n, first_b_box + box);
+        load(p.tma_b_scales, &smem.b_scales[stage][box * T::kBoxColumns], p.n, min(first_b_box + box, last_b_box));
     }
   };
   for (int k_block = 0; k_block < task.k_blocks; ++k_block) {

@@ -32,7 +32,7 @@ struct GradPullParams {
   backward::GradPullSources src;
   uint4* x_rows;               // bf16 [capacity, H], or null: the context keeps every row
   uint4* d_out_rows;           // bf16 [capacity, H]
-  uint4* dy_rows;              // bf16 [capacity, H]
+  uint4* dy_rows;              // bf16 [capacity, H], or null: not written (FP8 weight gradients)
   float* row_weight;           // fp32 [capacity]
   const int32_t* row_route;    // [capacity]
   const int32_t* scheduled_rows;
@@ -45,8 +45,8 @@ struct GradPullParams {
 __global__ void __launch_bounds__(GradRowTraits::kThreads) pull_grad_rows_kernel(GradPullParams p) {
   device::for_each_row_by_warp(*p.scheduled_rows, [&](int64_t row, int lane) {
     const int64_t at = row * p.row_vectors;
-    const backward::GradPullRow dst{p.x_rows != nullptr ? p.x_rows + at : nullptr, p.d_out_rows + at, p.dy_rows + at,
-                                    p.row_weight + row};
+    const backward::GradPullRow dst{p.x_rows != nullptr ? p.x_rows + at : nullptr, p.d_out_rows + at,
+                                    p.dy_rows != nullptr ? p.dy_rows + at : nullptr, p.row_weight + row};
     backward::pull_grad_row(p.src, dst, row, p.row_route[row], p.num_tokens, p.top_k, p.row_vectors, lane, p.fp8);
   });
 }
