@@ -16,12 +16,13 @@ does; rows grouped by expert and padded to 16 as torchtitan does; routed experts
 a smaller job than our layer's).
 With --backward: forward + backward instead (issue 28's bar: FP8 forward + backward against our BF16's), each path's
 layer built with the backward; the FP8 backward is the stage kernels (docs/design.md, "FP8 backward") after the FP8
-forward of that path, bf16's the stage kernels after its forward; weight gradients bf16, written. The FP8 fused layer
+forward of that path, bf16's the stage kernels after its forward; weight gradient tensors bf16, written (the FP8
+layers' weight-gradient GEMMs FP8, the default; fp8b: bf16 ones, MoeOptions::bf16_weight_gradients). The FP8 fused layer
 also with keep_gate_up=False (its backward recomputes g | u and h: the same bits, a smaller context), and torchao's
 expert MLP forward + backward as the peer (the gradients of its rows and weights). Also printed: the FP8 d_x's
 normwise error against BF16's and each layer's forward context bytes (issue 28 item 3).
 Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
-       [--breakdown] [--backward [--backward-paths fp8,fp8f,fp8r,fp8w,bf16,fused]]
+       [--breakdown] [--backward [--backward-paths fp8,fp8f,fp8r,fp8b,bf16,fused]]
 """
 import argparse
 import ctypes
@@ -122,9 +123,9 @@ def main():
                              "fused and bf16 fused forward + backward (torch.profiler)")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (the layers built with the backward) instead of the forward")
-    parser.add_argument("--backward-paths", default=",".join(p for p in BACKWARD_PATHS if p != "fp8w"),
+    parser.add_argument("--backward-paths", default=",".join(p for p in BACKWARD_PATHS if p != "fp8b"),
                         help="with --backward, the layers built (fp8f and fused always; fewer fit larger shapes; "
-                             "fp8w, FP8 weight gradients, only when named)")
+                             "fp8b, fp8f with bf16 weight gradients, only when named)")
     args = parser.parse_args()
     lib = capi.load(os.path.abspath(args.lib))
     if args.backward:
@@ -247,9 +248,9 @@ def fp8_weight_pointers(w, transposed=True):
 
 
 # --backward's layers: path, precision, keep_gate_up.
-# name: (forward path, precision, keep_gate_up, fp8_weight_gradients)
+# name: (forward path, precision, keep_gate_up, bf16_weight_gradients)
 BACKWARD_PATHS = {"fp8": ("unfused", "fp8", True, False), "fp8f": ("fused", "fp8", True, False),
-                  "fp8r": ("fused", "fp8", False, False), "fp8w": ("fused", "fp8", True, True),
+                  "fp8r": ("fused", "fp8", False, False), "fp8b": ("fused", "fp8", True, True),
                   "bf16": ("unfused", "bf16", True, False), "fused": ("fused", "bf16", True, False)}
 
 
@@ -258,20 +259,20 @@ def run_backward(lib, args):
     stream = torch.cuda.current_stream().cuda_stream
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"FP8 layer forward + backward, {torch.cuda.get_device_name()}, EP=1, {args.tokens} tokens, E = E_global / "
-          f"{args.experts_per}, median of {args.iters}, weight gradients bf16 written")
+          f"{args.experts_per}, median of {args.iters}, weight gradient tensors bf16, written")
     print(f"{'shape':16s} {'E':>4s} {'fp8_ms':>8s} {'fp8f_ms':>8s} {'fp8r_ms':>8s} {'bf16_ms':>8s} {'fused_ms':>8s} "
           f"{'fp8/bf16':>8s} {'fp8f/fused':>10s} {'fp8r/fused':>10s} {'fp8f_TF':>7s} {'dx_err':>8s} {'dw_err':>8s} "
           f"{'r==f':>5s} {'tao_ms':>8s} {'fp8f/tao':>8s} {'ctx8_MiB':>8s} {'ctx8r_MiB':>9s} {'ctx_MiB':>8s}"
-          + (f" {'fp8w_ms':>8s} {'fp8w/fused':>10s} {'fp8w/tao':>8s} {'dw_err_w':>9s} {'dx w=f':>6s}"
-             if "fp8w" in args.backward_paths.split(",") else "") + "   "
+          + (f" {'fp8b_ms':>8s} {'fp8b/fused':>10s} {'fp8b/tao':>8s} {'dw_err_b':>9s} {'dx b=f':>6s}"
+             if "fp8b" in args.backward_paths.split(",") else "") + "   "
           "(forward + backward ms: fp8 the FP8 unfused forward, fp8f the FP8 fused one, each then the FP8 stage "
           "backward; fp8r the fused one with keep_gate_up=False (the backward recomputes g | u and h); bf16 unfused, "
           "fused, each then bf16's stage backward; ratios: speed-ups; dx_err, dw_err: normwise |fp8 - bf16| / |bf16| "
           "of d_x and of the routed down weight gradient; r==f: fp8r's gradients bitwise fp8f's; tao: torchao 0.18's "
           "FP8 rowwise expert MLP forward + backward of the same rows (routed experts only); ctx: forward context "
-          "bytes, FP8 fused (g | u and h kept), FP8 recompute, bf16 fused; fp8w: fp8f with FP8 weight gradients "
-          "(fp8_weight_gradients), dw_err_w its routed down weight gradient's error, dx w=f: its d_x and d_rw bitwise "
-          "fp8f's)")
+          "bytes, FP8 fused (g | u and h kept), FP8 recompute, bf16 fused; the FP8 layers' weight gradients FP8; "
+          "fp8b: fp8f with bf16 weight gradients (bf16_weight_gradients), dw_err_b its routed down weight gradient's "
+          "error, dx b=f: its d_x and d_rw bitwise fp8f's)")
 
     wanted = set(args.backward_paths.split(",")) | {"fp8f", "fused"}
     unknown = wanted - set(BACKWARD_PATHS)
@@ -283,8 +284,8 @@ def run_backward(lib, args):
         common = dict(ep_size=1, num_tokens=t, top_k=top_k, num_experts=experts, hidden=hidden, intermediate=inter,
                       shared_expert=bool(shared))
         layers = {p: create(lib, path=path, precision=precision, keep_gate_up=keep,
-                            **(dict(fp8_weight_gradients=True) if fp8w else {}), **common)
-                  for p, (path, precision, keep, fp8w) in BACKWARD_PATHS.items() if p in wanted}
+                            **(dict(bf16_weight_gradients=True) if bf16w else {}), **common)
+                  for p, (path, precision, keep, bf16w) in BACKWARD_PATHS.items() if p in wanted}
         try:
             x, topk_idx, rw, w = random_problem(gen, t, experts, hidden, inter, top_k, shared)
             d_out = torch.randn(t, hidden, device="cuda", generator=gen).bfloat16()
@@ -297,7 +298,7 @@ def run_backward(lib, args):
             # The compared layers' own weight gradients; the unfused ones write into the fused ones' (memory for the
             # EP = 1 shapes).
             grads = {p: {n: torch.empty_like(v) for n, v in zip(capi.GRADS, w) if v is not None}
-                     for p in ("fp8f", "fp8r", "fp8w", "fused") if p in layers}
+                     for p in ("fp8f", "fp8r", "fp8b", "fused") if p in layers}
             grads["fp8"], grads["bf16"] = grads["fp8f"], grads["fused"]
             arrays = {p: capi.grad_arrays(grads[p], {n: "bf16" for n in grads[p]}, {n: "write" for n in grads[p]})
                       for p in layers}
@@ -341,13 +342,13 @@ def run_backward(lib, args):
             ctx = {p: lib.mok_bench_layer_context_bytes(layers[p], ERROR, len(ERROR)) / 2**20 for p in layers}
             flops = 18.0 * t * (top_k + int(bool(shared))) * hidden * inter  # forward 6, backward 12 per row
 
-            def fp8w_cells():  # --backward-paths with fp8w: FP8 weight gradients against fp8f's bf16 ones
-                if "fp8w" not in layers:
+            def fp8b_cells():  # --backward-paths with fp8b: bf16 weight gradients against fp8f's FP8 ones
+                if "fp8b" not in layers:
                     return ""
-                dw_err_w = norm_err(grads["fp8w"]["expert_down"], grads["fused"]["expert_down"])
-                same_dgrads = torch.equal(d_x["fp8w"], d_x["fp8f"]) and torch.equal(d_rw["fp8w"], d_rw["fp8f"])
-                return (f" {ms['fp8w']:8.3f} {ratio('fused', 'fp8w'):10.2f} {cell(8, ratio('tao', 'fp8w'), '.2f')} "
-                        f"{dw_err_w:9.4f} {'yes' if same_dgrads else 'NO':>6s}")
+                dw_err_b = norm_err(grads["fp8b"]["expert_down"], grads["fused"]["expert_down"])
+                same_dgrads = torch.equal(d_x["fp8b"], d_x["fp8f"]) and torch.equal(d_rw["fp8b"], d_rw["fp8f"])
+                return (f" {ms['fp8b']:8.3f} {ratio('fused', 'fp8b'):10.2f} {cell(8, ratio('tao', 'fp8b'), '.2f')} "
+                        f"{dw_err_b:9.4f} {'yes' if same_dgrads else 'NO':>6s}")
 
             def cell(width, value, spec):  # "-" for a layer not built
                 return f"{value:{width}{spec}}" if value is not None else f"{'-':>{width}s}"
@@ -358,9 +359,9 @@ def run_backward(lib, args):
                   f"{cell(10, ratio('fused', 'fp8r'), '.2f')} {flops / ms['fp8f'] / 1e9:7.0f} {dx_err:8.4f} "
                   f"{dw_err:8.4f} {('yes' if same else 'NO') if 'fp8r' in layers else '-':>5s} "
                   f"{cell(8, ms.get('tao'), '.3f')} {cell(8, ratio('tao', 'fp8f'), '.2f')} {ctx['fp8f']:8.1f} "
-                  f"{cell(9, ctx.get('fp8r'), '.1f')} {ctx['fused']:8.1f}{fp8w_cells()}", flush=True)
+                  f"{cell(9, ctx.get('fp8r'), '.1f')} {ctx['fused']:8.1f}{fp8b_cells()}", flush=True)
             if args.breakdown:  # where the step's time goes, FP8 against bf16
-                for p in [p for p in ("fp8f", "fp8w", "fused") if p in layers]:
+                for p in [p for p in ("fp8f", "fp8b", "fused") if p in layers]:
                     for kernel, kernel_ms in kernel_breakdown(step(p)):
                         print(f"  {name} {p:5s} {kernel:40s} {kernel_ms:8.3f} ms per call", flush=True)
             del fp8_tensors

@@ -96,9 +96,9 @@ def make_parser():
                    help="ours' precision (mok.Config.precision). fp8: DeepSeek-V3's block-scaled e4m3, and a third "
                    "run of ours in bf16 from the same seed and data, whose loss curve the fp8 one must follow (the "
                    "20-step moving averages within 0.02 nats); --intermediate a multiple of 128")
-    p.add_argument("--fp8-weight-gradients", action="store_true",
-                   help="with --precision fp8: the weight gradients' GEMMs in FP8 too "
-                   "(mok.Config.fp8_weight_gradients)")
+    p.add_argument("--bf16-weight-gradients", action="store_true",
+                   help="with --precision fp8: the weight gradients' GEMMs in bf16 (mok.Config.bf16_weight_gradients; "
+                   "default: FP8 too, DeepSeek-V3's recipe)")
     p.add_argument("--main-grad", action="store_true",
                    help="ours accumulates its expert weight gradients into fp32 param.main_grad (Megatron's way)")
     return p
@@ -113,8 +113,8 @@ def parse_args(argv=None):
         p.error(f"--heads {args.heads} must divide --hidden {args.hidden}")
     if args.top_k > args.experts:
         p.error(f"--top-k {args.top_k} must be at most --experts {args.experts}")
-    if args.fp8_weight_gradients and args.precision != "fp8":
-        p.error("--fp8-weight-gradients needs --precision fp8")
+    if args.bf16_weight_gradients and args.precision != "fp8":
+        p.error("--bf16-weight-gradients needs --precision fp8")
     if args.precision == "fp8" and args.intermediate % 128:
         p.error(f"--precision fp8 needs --intermediate a multiple of 128 (the FP8 backward's blocks), got "
                 f"{args.intermediate}")
@@ -321,7 +321,7 @@ def build(kind, args, env, state, precision="bf16"):
         return model, []
     tokens = args.batch * args.seq
     config = mok.Config(load_factor=args.load_factor or float(env.size), precision=precision,
-                        fp8_weight_gradients=precision == "fp8" and args.fp8_weight_gradients)
+                        bf16_weight_gradients=args.bf16_weight_gradients)
     ws = mok.get_workspace(config, env.group, tokens, args.hidden, args.intermediate, args.top_k, args.experts)
     ffns = [mok.MoE(args.hidden, args.intermediate, args.experts, args.top_k, workspace=ws, group=env.group,
                     main_grad=args.main_grad) for _ in range(args.layers)]
@@ -610,7 +610,7 @@ def main():
     torch.use_deterministic_algorithms(True, warn_only=True)
     env.print(f"train_moe: {args.layers} layers, H {args.hidden}, I {args.intermediate}, E {args.experts}, "
               f"k {args.top_k}, {args.batch} x {args.seq} tokens per step per rank, EP = {env.size}, "
-              f"{args.steps} steps, {args.precision}{', FP8 weight gradients' if args.fp8_weight_gradients else ''}"
+              f"{args.steps} steps, {args.precision}{', bf16 weight gradients' if args.bf16_weight_gradients else ''}"
               f"{', main_grad' if args.main_grad else ''}")
     data = make_data(args.steps, args.batch, args.seq, args.seed, env.rank, env.device)
     state = initial_state(args, env.device)

@@ -165,10 +165,11 @@ struct MoeOptions {
   bool fp8_power_of_two_scales = false;  // precision kFP8: the activations' scales (x's and h's, per 1 x 128)
                              // rounded up to powers of two (include/mok/fp8.h; the weights' are chosen when they
                              // are quantized: Fp8QuantizeArgs::power_of_two_scales)
-  bool fp8_weight_gradients = false;  // precision kFP8: the four weight gradients' GEMMs in FP8 too (docs/design.md,
-                             // "FP8 weight gradients": dy, h, d(g|u) and x transposed and quantized per column per
-                             // 128 rows of an expert, then weight_grad_gemm's precision kFP8); false: bf16 weight
-                             // gradients from the bf16 rows (perf_notes round 30 has both ways' speed and error)
+  bool bf16_weight_gradients = false;  // precision kFP8: the four weight gradients' GEMMs in bf16 from bf16 rows;
+                             // false (the default): in FP8 too, DeepSeek-V3's recipe (docs/design.md, "FP8 weight
+                             // gradients": dy, h, d(g|u) and x transposed and quantized per column per 128 rows of
+                             // an expert, then weight_grad_gemm's precision kFP8; docs/perf_notes.md, round 40, has
+                             // both ways' speed, error and loss). Precision kBF16: bf16 either way
   // How long setup waits for the other ranks (docs/design.md, "Setup waits"): the constructor's agreement (an
   // all-gather; NCCL groups), and the communicator the C API and Python create for the workspace. Past it, a
   // std::runtime_error (detail::SetupTimeout) says a rank never arrived. Finite, in (0, kMaxWaitTimeoutS]. Bounded
@@ -465,6 +466,8 @@ class MoeWorkspace {
     return options_.backward && options_.path == ForwardPath::kFused && options_.fused.backward_megakernel;
   }
   bool fp8() const { return options_.precision == Precision::kFP8; }
+  // The weight gradients' GEMMs in FP8 (precision kFP8 without MoeOptions::bf16_weight_gradients).
+  bool fp8_weight_gradients() const { return fp8() && !options_.bf16_weight_gradients; }
   // The forward's context holds each row's g | u and h (MoeOptions::keep_gate_up; in FP8 only with the backward,
   // bf16 g | u and h beside the quantized h: detail::context_keeps_gate_up).
   bool context_keeps_gate_up() const;

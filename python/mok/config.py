@@ -75,9 +75,10 @@ class Config:
     fp8_power_of_two_scales  precision="fp8": the activations' scales (x's and h's, per 1 x 128) rounded up to
                      powers of two (the weights' are chosen by mok.quantize_weights(power_of_two_scales=...));
                      True needs precision="fp8"
-    fp8_weight_gradients  precision="fp8": the weight gradients' GEMMs in FP8 too (dy, h, d(g|u) and x quantized
-                     per column per 128 rows of an expert; False, the default: bf16 weight gradients from the bf16
-                     rows, docs/perf_notes.md has both ways' speed and error); True needs precision="fp8"
+    bf16_weight_gradients  precision="fp8": the weight gradients' GEMMs in bf16 from bf16 rows; False, the
+                     default: in FP8 too, DeepSeek-V3's recipe (dy, h, d(g|u) and x quantized per column per 128
+                     rows of an expert; docs/perf_notes.md, round 40, has both ways' speed, error and loss).
+                     precision="bf16": bf16 either way
     setup_timeout_s  EP > 1: making the workspace (its NCCL communicator and first collectives) waits this long for
                      the other ranks (seconds, finite, in (0, 86400]; 600, torch.distributed's default), then raises
                      RuntimeError instead of waiting forever for a rank that never comes
@@ -102,7 +103,7 @@ class Config:
     scatter_rows: bool = False
     precision: str = "bf16"
     fp8_power_of_two_scales: bool = False
-    fp8_weight_gradients: bool = False
+    bf16_weight_gradients: bool = False
     setup_timeout_s: float = 600.0
 
     def __post_init__(self):
@@ -134,7 +135,7 @@ class Config:
         if self.path not in PATHS:
             raise ValueError(f"Config.path: expected one of {sorted(PATHS)}, got {self.path!r}")
         for name in ("backward", "keep_gate_up", "backward_megakernel", "gather_rows", "scatter_rows",
-                     "fp8_power_of_two_scales", "fp8_weight_gradients"):
+                     "fp8_power_of_two_scales", "bf16_weight_gradients"):
             arguments.check_bool(f"Config.{name}", getattr(self, name))
         if self.backward_megakernel and (self.path != "fused" or not self.backward):
             raise ValueError("Config.backward_megakernel: expected False unless path='fused' and backward=True (the "
@@ -153,9 +154,6 @@ class Config:
         if self.fp8_power_of_two_scales and self.precision != "fp8":
             raise ValueError("Config.fp8_power_of_two_scales: expected False unless precision='fp8' (it rounds the FP8 "
                              f"activations' scales), got True with precision={self.precision!r}")
-        if self.fp8_weight_gradients and self.precision != "fp8":
-            raise ValueError("Config.fp8_weight_gradients: expected False unless precision='fp8' (bf16 weight "
-                             f"gradients are bf16 already), got True with precision={self.precision!r}")
         if self.gather_rows and self.path != "unfused":
             raise ValueError("Config.gather_rows: expected False unless path='unfused' (the fused path does not gather "
                              f"rows yet), got True with path={self.path!r}")

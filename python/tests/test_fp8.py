@@ -248,9 +248,9 @@ def _normwise(a, b) -> float:
 @pytest.mark.parametrize("shared", [True, False])
 def test_fp8_backward_against_bf16(shared):
     """Autograd through mok.forward_fp8 (master_weights: the bf16 weights) against mok.forward's in BF16: every
-    gradient within the e4m3 roundings (x, the weights, h, d_out and d(g|u) each about 3 %; the weight gradients
-    come from bf16 activations and the FP8 forward's h), reruns bitwise, and the explicit mok.backward_fp8 gives
-    autograd's bits."""
+    gradient within the e4m3 roundings (x, the weights, h, d_out and d(g|u) each about 3 %; the weight gradients,
+    FP8 by default, from their factors quantized along the rows), reruns bitwise, and the explicit mok.backward_fp8
+    gives autograd's bits."""
     x, idx, rw, w = _inputs(1850 + shared, shared)
     d_out = _d_out(7)
     with _training_workspace(shared) as ws8, mok.get_workspace(mok.Config(path="unfused"), None, T, H, I, K, E,
@@ -488,12 +488,12 @@ def test_fp8_backward_bad_inputs_raise_and_the_next_call_works():
             assert (a is None and b is None) or torch.equal(a, b), "the next good backward"
 
 
-def test_fp8_weight_gradients_option():
-    """Config(fp8_weight_gradients=True): the weight gradients from FP8 GEMMs of their factors quantized along the
-    rows. d_x and d_rw bitwise the default's (bf16 weight gradients: the dgrads do not change), every weight gradient
-    within 0.05 normwise of the default's (FP8's roundings of the two factors, about 3 % each), reruns bitwise. A
-    NaN in d_out: reported, its token's d_x NaN, every other token's bitwise the clean call's; after a reset the next
-    clean call is bitwise clean. A BF16 Config refuses the option by name."""
+def test_fp8_weight_gradients_against_bf16_ones():
+    """The default FP8 weight gradients (GEMMs of their factors quantized along the rows) against
+    Config(bf16_weight_gradients=True)'s: d_x and d_rw bitwise (the dgrads do not change), every weight gradient
+    within 0.05 normwise (FP8's roundings of the two factors, about 3 % each), reruns bitwise. A NaN in d_out:
+    reported, its token's d_x NaN, every other token's bitwise the clean call's; after a reset the next clean call is
+    bitwise clean. A BF16 Config takes either value (bf16 weight gradients either way)."""
     x, idx, rw, w = _inputs(1895)
     d_out = _d_out(11)
     qw = mok.quantize_weights(w, transposed=True)
@@ -503,13 +503,14 @@ def test_fp8_weight_gradients_option():
         d_x, d_rw, grads = mok.backward_fp8(ws, d, x, idx, rw, qw, ctx, grad_dtype=torch.float32)
         return [d_x, d_rw, *[g for g in grads.tensors() if g is not None]]
 
-    with _training_workspace() as ws16w, _training_workspace(fp8_weight_gradients=True) as ws:
+    with _training_workspace(bf16_weight_gradients=True) as ws16w, _training_workspace() as ws:
         default = run(ws16w, d_out)
         got = run(ws, d_out)
         again = run(ws, d_out)
         mok.check_status(ws)
         mok.check_status(ws16w)
         assert torch.equal(got[0], default[0]) and torch.equal(got[1], default[1]), "d_x / d_rw changed"
+        assert any(not torch.equal(a, b) for a, b in zip(got[2:], default[2:])), "FP8 weight gradients are not on"
         for n in range(2, len(got)):
             assert torch.equal(got[n], again[n]), f"weight gradient {n - 2}: a rerun differs"
             err = _normwise(got[n], default[n])
@@ -527,8 +528,7 @@ def test_fp8_weight_gradients_option():
         clean = run(ws, d_out)
         mok.check_status(ws)
         assert all(torch.equal(a, b) for a, b in zip(clean, got)), "the next clean call"
-    with pytest.raises(ValueError, match="Config.fp8_weight_gradients: expected False unless precision='fp8'"):
-        mok.Config(fp8_weight_gradients=True)
+    assert mok.Config(bf16_weight_gradients=True).bf16_weight_gradients
 
 
 def test_fp8_backward_scale_edge_cases():

@@ -57,7 +57,7 @@ def test_help_lists_every_option_with_its_default(example):
     assert "--steps" in parser_options and "--main-grad" in parser_options, out
     for option in ("--steps", "--layers", "--out", "--batch", "--seq", "--hidden", "--intermediate", "--heads",
                    "--experts", "--top-k", "--lr", "--seed", "--load-factor", "--main-grad", "--precision",
-                   "--fp8-weight-gradients"):
+                   "--bf16-weight-gradients"):
         assert option in parser_options, f"{option} missing from --help:\n{out}"
     flat = " ".join(out.split())
     assert "(default: 300)" in flat and "(default: train_moe_out)" in flat and "(default: 0.002)" in flat, out
@@ -75,7 +75,7 @@ def test_help_lists_every_option_with_its_default(example):
     (["--load-factor", "0.5"], "--load-factor must be 0 (the EP size) or a number >= 1, got 0.5"),
     (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
     (["--precision", "fp8", "--intermediate", "192"], "--precision fp8 needs --intermediate a multiple of 128"),
-    (["--fp8-weight-gradients"], "--fp8-weight-gradients needs --precision fp8"),
+    (["--bf16-weight-gradients"], "--bf16-weight-gradients needs --precision fp8"),
 ])
 def test_bad_options_are_usage_errors(example, capsys, argv, message):
     """A bad option stops the example at parsing (argparse's usage error, status 2) naming it, before any work."""

@@ -384,9 +384,6 @@ WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options) {
   }
   require(options.precision == Precision::kFP8 || !options.fp8_power_of_two_scales,
           "MoeOptions.fp8_power_of_two_scales is for precision kFP8 (the activations' scales), got precision kBF16");
-  require(options.precision == Precision::kFP8 || !options.fp8_weight_gradients,
-          "MoeOptions.fp8_weight_gradients is for precision kFP8 (bf16 weight gradients are bf16 already), got "
-          "precision kBF16");
   const int64_t slots = task_slot_bound(shape, plan.capacity_rows, plan.padded_tokens);
   require(slots < std::numeric_limits<int32_t>::max(),
           "MoeShape: its GEMMs could take up to " + std::to_string(slots) +

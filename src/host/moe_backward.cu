@@ -93,8 +93,8 @@ struct MlpBackward {
     const float* gate_up_t_scales = nullptr;
     const int32_t* rows_used = nullptr;  // the routed rows' count (scheduled_rows); null: every row (shared)
     bool power_of_two = false;
-    // MoeOptions::fp8_weight_gradients: both weight gradients in FP8 from these buffers (BackwardScratch's wgrad_*),
-    // each operand transposed and quantized per column per 128 rows of an expert before its GEMM.
+    // MoeWorkspace::fp8_weight_gradients(): both weight gradients in FP8 from these buffers (BackwardScratch's
+    // wgrad_*), each operand transposed and quantized per column per 128 rows of an expert before its GEMM.
     bool weight_gradients = false;
     int32_t* wgrad_offsets = nullptr;
     void* wgrad_a = nullptr;
@@ -340,7 +340,7 @@ void MoeWorkspace::allocate_backward() {
                .shared_recomputes = !context_keeps_gate_up(),
                .counter_words = backward_megakernel() ? detail::fused_backward_counter_words(cap / 64, pt / 64) : 0,
                .fp8 = fp8(),
-               .fp8_weight_gradients = options_.fp8_weight_gradients});
+               .fp8_weight_gradients = fp8_weight_gradients()});
   const int64_t bytes = layout.buffers.total_bytes();
   backward_bytes_ = int64_t(d_out_.bytes()) + int64_t(rw_.bytes()) + int64_t(d_rw_.bytes()) + bytes;
   for (int r : group_.local_ranks()) {
@@ -506,7 +506,7 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
                .gate_up_t_scales = static_cast<const float*>(weights.shared_gate_up_t_scales.data),
                .rows_used = nullptr,
                .power_of_two = options_.fp8_power_of_two_scales,
-               .weight_gradients = options_.fp8_weight_gradients,
+               .weight_gradients = fp8_weight_gradients(),
                .wgrad_offsets = w.shared_wgrad_offsets,
                .wgrad_a = w.wgrad_a_fp8,
                .wgrad_a_scales = w.wgrad_a_scales,
@@ -555,7 +555,7 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
              .gate_up_t_scales = static_cast<const float*>(weights.expert_gate_up_t_scales.data),
              .rows_used = v.scheduled_rows,
              .power_of_two = options_.fp8_power_of_two_scales,
-             .weight_gradients = options_.fp8_weight_gradients,
+             .weight_gradients = fp8_weight_gradients(),
              .wgrad_offsets = w.wgrad_offsets,
              .wgrad_a = w.wgrad_a_fp8,
              .wgrad_a_scales = w.wgrad_a_scales,
@@ -680,7 +680,7 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   issue_weight_grads(g, tickets, b.stream);
 }
 
-// MoeOptions::fp8_weight_gradients: the routed weight gradients' dy and x, transposed and quantized per column per
+// MoeWorkspace::fp8_weight_gradients(): the routed weight gradients' dy and x, transposed and quantized per column per
 // 128 rows of an expert (quantize_columns_fp8), each row read where the pull reads it: d_out's token row times its
 // router weight, rounded to bf16 (the pull's dy bits), and x's token row; no bf16 copy written and read again. Here,
 // after the pull and before this rank's barrier arrive: the peers' rows are published until every rank arrived.

@@ -27,7 +27,7 @@ struct MlpBackwardGemms {
   // MoeOptions::precision kFP8 (the stage kernels only): quantize_rows_fp8 of the down dgrad's A (d_out's rows) before
   // it; `in` null in bf16 or where the pull quantized them (the down dgrad's epilogue quantizes the gate/up dgrad's A).
   Fp8QuantizeArgs quantize_d_out;
-  // MoeOptions::fp8_weight_gradients: quantize_columns_fp8 of each weight gradient's a and b before it; `in` null
+  // MoeWorkspace::fp8_weight_gradients(): quantize_columns_fp8 of each weight gradient's a and b before it; `in` null
   // otherwise.
   Fp8ColumnQuantizeArgs quantize_down_wgrad[2], quantize_gate_up_wgrad[2];
 };

@@ -87,7 +87,7 @@ struct BackwardScratchShape {
   bool shared_recomputes = false;  // the shared expert's too (no keep_gate_up)
   int64_t counter_words = 0;       // the backward megakernel's counters, 0 without it
   bool fp8 = false;                // MoeOptions::precision kFP8: the dgrads' quantized operands
-  bool fp8_weight_gradients = false;  // MoeOptions::fp8_weight_gradients: the weight gradients' quantized operands
+  bool fp8_weight_gradients = false;  // MoeWorkspace::fp8_weight_gradients(): the weight gradients' quantized operands
 };
 // A local rank's scratch of the backward (MoeWorkspace::BackwardScratch says what each buffer holds).
 struct BackwardScratchLayout {

@@ -86,7 +86,7 @@ struct MoeWorkspace::BackwardScratch {
   float* shared_d_out_scales = nullptr;
   void* shared_d_gate_up_fp8 = nullptr;
   float* shared_d_gate_up_scales = nullptr;
-  // MoeOptions::fp8_weight_gradients only: one weight gradient's two operands at a time, quantize_columns_fp8's
+  // MoeWorkspace::fp8_weight_gradients() only: one weight gradient's two operands at a time, quantize_columns_fp8's
   // e4m3 [columns, fp8_column_rows(rows, experts)] with scales [those rows / 128, columns] (sized for the routed
   // and the shared expert's rows, whichever need more), and the segment offsets in those rows (routed [E + 1],
   // shared [2]).

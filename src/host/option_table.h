@@ -164,8 +164,8 @@ inline constexpr OptionDesc kOptionTable[] = {
     option<&L::options, &Opt::precision>("precision", "MoeOptions.precision", H::kConfig, true, kPrecisionNames),
     option<&L::options, &Opt::fp8_power_of_two_scales>("fp8_power_of_two_scales", "MoeOptions.fp8_power_of_two_scales",
                                                         H::kConfig, true),
-    option<&L::options, &Opt::fp8_weight_gradients>("fp8_weight_gradients", "MoeOptions.fp8_weight_gradients",
-                                                     H::kConfig, true),
+    option<&L::options, &Opt::bf16_weight_gradients>("bf16_weight_gradients", "MoeOptions.bf16_weight_gradients",
+                                                      H::kConfig, true),
     option<&L::options, &Opt::setup_timeout_s>("setup_timeout_s", "MoeOptions.setup_timeout_s", H::kConfig, false),
 };
 

@@ -37,7 +37,8 @@ void quantize_rows_fp8(const Fp8QuantizeArgs& args, DeviceStatus* status, NonFin
 // the segments' first rows in `out`; rows of an expert past its count, and the padding, are zeros. scales: fp32
 // [fp8_column_rows(...) / 128, k], block b = rows [128 b, 128 b + 128) of `out`. A block holding a NaN or an
 // infinity gets a NaN scale (the gradients it feeds are NaN; d_out's and d(g|u)'s NaNs are reported where they are
-// quantized along their rows). The operands of weight_grad_gemm's precision kFP8 (MoeOptions::fp8_weight_gradients).
+// quantized along their rows). The operands of weight_grad_gemm's precision kFP8
+// (MoeWorkspace::fp8_weight_gradients()).
 struct Fp8ColumnQuantizeArgs {
   const void* in = nullptr;                    // bf16 [rows_allocated, k], 16-byte aligned (or row_route below)
   int64_t rows_allocated = 0;

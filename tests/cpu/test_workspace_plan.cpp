@@ -122,8 +122,6 @@ TEST(WorkspacePlan, EveryRuleNamesItsField) {
        "MoeOptions.precision kFP8 does not gather rows"},
       {"power-of-two scales in bf16", [](MoeShape&, MoeOptions& o) { o.fp8_power_of_two_scales = true; },
        "MoeOptions.fp8_power_of_two_scales is for precision kFP8"},
-      {"FP8 weight gradients in bf16", [](MoeShape&, MoeOptions& o) { o.fp8_weight_gradients = true; },
-       "MoeOptions.fp8_weight_gradients is for precision kFP8"},
       {"task slots", [](MoeShape& s, MoeOptions&) {
          s.ep_size = 1;
          s.num_tokens = 1 << 20;

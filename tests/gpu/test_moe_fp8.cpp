@@ -423,13 +423,17 @@ double normwise(const float* got, const float* want, int64_t count) {
 
 // Every gradient of every rank of `harness` (after its FP8 forward and backward of `data`, fp32 weight gradients)
 // against reference::backward applying the FP8 recipe on the weights as quantized, normwise (see the test below),
-// and against the unquantized reference (printed); d_rw exactly 0 at masked routes.
+// and against the unquantized reference (printed); d_rw exactly 0 at masked routes. The recipe's weight gradients
+// are the workspace's (FP8 unless MoeOptions::bf16_weight_gradients); FP8 ones only at EP = 1, where the recipe's
+// blocks of 128 routes in (token, j) order are the schedule's rows.
 void check_against_recipe(MoeHarness& harness, const LayerData& data, const std::vector<float>& d_out,
-                          const std::string& label, bool fp8_weight_gradients = false) {
+                          const std::string& label) {
+  const bool fp8_weight_gradients = harness.workspace().fp8_weight_gradients();
   const reference::Fp8Recipe recipe{.forward = true, .dgrads = true, .weight_gradients_fp8 = fp8_weight_gradients};
   const MoeShape& shape = harness.workspace().shape();
   const bool shared = shape.shared_expert;
   const int ep = shape.ep_size;
+  ASSERT_TRUE(ep == 1 || !fp8_weight_gradients) << "the recipe's FP8 weight gradients are EP = 1's, " << label;
   const reference::LayerParams<float> params_q = reference::quantize_weights(data.shape, data.params, recipe);
   const auto ref_q = reference::backward(data.shape, params_q, data.inputs, d_out, 0, false, recipe);
   const auto ref = reference::backward(data.shape, data.params, data.inputs, d_out);
@@ -482,7 +486,8 @@ void check_against_recipe(MoeHarness& harness, const LayerData& data, const std:
 
 // The FP8 backward (docs/design.md, "FP8 backward"; stage kernels after either forward path) against
 // reference::backward applying the same quantizations (Fp8Recipe forward + dgrads: x, h, d_out, d_g and d_u per
-// 1 x 128, the weights per 128 x 128 block; bf16 weight gradients from bf16 x and h) on the weights as quantized.
+// 1 x 128, the weights per 128 x 128 block; bf16 weight gradients from bf16 x and h, MoeOptions::bf16_weight_gradients,
+// which the EP = 2 recipe needs; the FP8 ones: the test after the next) on the weights as quantized.
 // Every gradient, normwise: what is left against that reference is the few elements whose value before a
 // quantization rounded to another e4m3 value (bf16 on the GPU, float there) and the bf16 roundings; against the
 // unquantized reference (printed), e4m3's 3 mantissa bits. A missed quantization, a wrong scale or a transposed
@@ -508,6 +513,7 @@ TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPat
       MoeOptions options = fp8_options(false, true);
       options.path = path;
       options.keep_gate_up = keep;
+      options.bf16_weight_gradients = true;
       MoeHarness harness(PeerGroup::virtual_ranks(ep), shape, options);
       harness.upload(data);
       if (fused_gate_up) harness.use_fused_gate_up(data);
@@ -625,14 +631,15 @@ void expect_grad_mode_rules(Fp8BackwardHarness& f, const MicroBatch& first, cons
 }
 
 // The FP8 backward under skewed routing with empty experts (their routed gradients exactly 0, the rest against the
-// recipe), and every GradMode as in bf16 (the weight gradients are bf16's GEMMs): bf16 writes are the fp32 writes
-// rounded, bitwise; fp32 accumulation over two micro-batches is bitwise (0 + g1) + g2 of the written ones; d_x and
-// d_router_weights do not depend on the gradients' dtype or mode.
+// recipe), and every GradMode as in bf16 (bf16 weight gradients, MoeOptions::bf16_weight_gradients; the FP8 ones:
+// the next test): bf16 writes are the fp32 writes rounded, bitwise; fp32 accumulation over two micro-batches is
+// bitwise (0 + g1) + g2 of the written ones; d_x and d_router_weights do not depend on the gradients' dtype or mode.
 TEST(MoeFp8Test, BackwardSkewedRoutingEmptyExpertsAndGradModes) {
   MOK_REQUIRE_GPUS(1);
   const MoeShape shape = testing::moe_shape(2, 200, 6, 32, 256, 128, true);
   MoeOptions options = fp8_options(false, true);
   options.schedule.load_factor = shape.ep_size;  // every route of a skewed step fits
+  options.bf16_weight_gradients = true;
   const LayerData first = testing::random_layer(shape, 3100, 3.0, 0.1);
   LayerData second = testing::random_layer(shape, 3101, 1.0, 0.05);
   second.params = first.params;  // two micro-batches of one model
@@ -654,13 +661,13 @@ TEST(MoeFp8Test, BackwardSkewedRoutingEmptyExpertsAndGradModes) {
   expect_grad_mode_rules(f, {first, d_out_first}, {second, d_out_second}, g1, tokens1, "skewed, seed 3100");
 }
 
-// MoeOptions::fp8_weight_gradients (docs/design.md, "FP8 weight gradients"): every weight gradient's two factors
+// FP8 weight gradients, the default (docs/design.md, "FP8 weight gradients"): every weight gradient's two factors
 // (dy, h, d(g|u), the bf16 x rows) transposed and quantized per column per 128 rows of an expert, the GEMMs in FP8.
 // At EP = 1, where the recipe's blocks of 128 routes in (token, j) order are the schedule's rows, against
 // reference::backward with Fp8Recipe::weight_gradients_fp8 (check_against_recipe's bounds), skewed routing with
 // empty experts (their gradients exactly 0). At EP 1 and 2: d_x and d_router_weights bitwise those of bf16 weight
-// gradients (the dgrads do not change), reruns bitwise, bf16 writes the fp32 writes rounded, and fp32 accumulation
-// of two micro-batches bitwise (0 + g1) + g2.
+// gradients (MoeOptions::bf16_weight_gradients: the dgrads do not change), reruns bitwise, bf16 writes the fp32
+// writes rounded, and fp32 accumulation of two micro-batches bitwise (0 + g1) + g2.
 TEST(MoeFp8Test, Fp8WeightGradientsMatchTheRecipeAndKeepTheDgradsBits) {
   MOK_REQUIRE_GPUS(1);
   for (const int ep : {1, 2}) {
@@ -678,19 +685,21 @@ TEST(MoeFp8Test, Fp8WeightGradientsMatchTheRecipeAndKeepTheDgradsBits) {
     for (int32_t id : first.inputs.topk_idx)
       if (id >= 0) ++rows[id];
 
-    Fp8BackwardHarness bf16_wgrad(shape, first, d_out_first, options);
+    MoeOptions bf16_options = options;
+    bf16_options.bf16_weight_gradients = true;
+    Fp8BackwardHarness bf16_wgrad(shape, first, d_out_first, bf16_options);
     bf16_wgrad.harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
     bf16_wgrad.run();
     const auto tokens_bf16_wgrad = testing::token_grads(bf16_wgrad.harness);
 
-    options.fp8_weight_gradients = true;
     Fp8BackwardHarness f(shape, first, d_out_first, options);
+    ASSERT_TRUE(f.harness.workspace().fp8_weight_gradients()) << "FP8 weight gradients are not the default";
     MoeHarness& harness = f.harness;
     harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
     f.run();
     const auto tokens1 = testing::token_grads(harness);
     EXPECT_EQ(tokens1, tokens_bf16_wgrad) << "d_x / d_router_weights changed with FP8 weight gradients, " << label;
-    if (ep == 1) check_against_recipe(harness, first, d_out_first, label, true);
+    if (ep == 1) check_against_recipe(harness, first, d_out_first, label);
     const testing::WeightGrads g1 = testing::all_weight_grads(harness);
     const testing::RawGrads raw1 = testing::raw_grads(harness);
     f.run();
