@@ -423,12 +423,11 @@ double normwise(const float* got, const float* want, int64_t count) {
 
 // Every gradient of every rank of `harness` (after its FP8 forward and backward of `data`, fp32 weight gradients)
 // against reference::backward applying the FP8 recipe on the weights as quantized, normwise (see the test below),
-// and against the unquantized reference (printed); d_rw exactly 0 at masked routes. The recipe's weight gradients
-// are the workspace's (FP8 unless MoeOptions::bf16_weight_gradients); FP8 ones only at EP = 1, where the recipe's
-// blocks of 128 routes in (token, j) order are the schedule's rows.
+// and against the unquantized reference (printed); d_rw exactly 0 at masked routes. The recipe's weight gradients:
+// bf16 (the workspace made with MoeOptions::bf16_weight_gradients) or FP8 (the default; only at EP = 1, where the
+// recipe's blocks of 128 routes in (token, j) order are the schedule's rows).
 void check_against_recipe(MoeHarness& harness, const LayerData& data, const std::vector<float>& d_out,
-                          const std::string& label) {
-  const bool fp8_weight_gradients = harness.workspace().fp8_weight_gradients();
+                          const std::string& label, bool fp8_weight_gradients) {
   const reference::Fp8Recipe recipe{.forward = true, .dgrads = true, .weight_gradients_fp8 = fp8_weight_gradients};
   const MoeShape& shape = harness.workspace().shape();
   const bool shared = shape.shared_expert;
@@ -550,7 +549,7 @@ TEST(MoeFp8Test, BackwardMatchesTheReferenceRecipeBitwiseOverRerunsAndForwardPat
         continue;
       }
       first = grads;
-      check_against_recipe(harness, data, d_out, label);
+      check_against_recipe(harness, data, d_out, label, false);
     }
   }
 }
@@ -654,7 +653,7 @@ TEST(MoeFp8Test, BackwardSkewedRoutingEmptyExpertsAndGradModes) {
   MoeHarness& harness = f.harness;
   harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
   f.run();
-  check_against_recipe(harness, first, d_out_first, "skewed, seed 3100");
+  check_against_recipe(harness, first, d_out_first, "skewed, seed 3100", false);
   const testing::WeightGrads g1 = testing::all_weight_grads(harness);
   const auto tokens1 = testing::token_grads(harness);
   expect_empty_experts_zero(shape, rows, g1, "skewed, seed 3100");
@@ -691,16 +690,17 @@ TEST(MoeFp8Test, Fp8WeightGradientsMatchTheRecipeAndKeepTheDgradsBits) {
     bf16_wgrad.harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
     bf16_wgrad.run();
     const auto tokens_bf16_wgrad = testing::token_grads(bf16_wgrad.harness);
+    const testing::WeightGrads bf16_grads = testing::all_weight_grads(bf16_wgrad.harness);
 
-    Fp8BackwardHarness f(shape, first, d_out_first, options);
-    ASSERT_TRUE(f.harness.workspace().fp8_weight_gradients()) << "FP8 weight gradients are not the default";
+    Fp8BackwardHarness f(shape, first, d_out_first, options);  // the default: FP8 weight gradients
     MoeHarness& harness = f.harness;
     harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
     f.run();
     const auto tokens1 = testing::token_grads(harness);
     EXPECT_EQ(tokens1, tokens_bf16_wgrad) << "d_x / d_router_weights changed with FP8 weight gradients, " << label;
-    if (ep == 1) check_against_recipe(harness, first, d_out_first, label);
+    if (ep == 1) check_against_recipe(harness, first, d_out_first, label, true);
     const testing::WeightGrads g1 = testing::all_weight_grads(harness);
+    ASSERT_TRUE(g1 != bf16_grads) << "the default's weight gradients are bf16's, " << label;
     const testing::RawGrads raw1 = testing::raw_grads(harness);
     f.run();
     ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), raw1), "") << "rerun, " << label;
