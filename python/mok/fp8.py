@@ -239,8 +239,9 @@ def backward_fp8(ws, d_out: torch.Tensor, x: torch.Tensor, topk_idx: torch.Tenso
     """mok.backward for the FP8 forward that filled ctx (its x, topk_idx, router_weights and FP8 weights, these
     quantized with transposed=True): (d_x bf16 [T, H], d_router_weights fp32 [T, k], the weights' gradients as a
     mok.Weights). The dgrads run in FP8 (d_out and d(g|u) quantized per 1 x 128); the weight gradients are the bf16
-    master weights', from bf16 activations; grads=, main_grads= and grad_dtype as in mok.backward. Asynchronous on
-    torch's current stream, deterministic bit for bit."""
+    master weights', from FP8 GEMMs of their factors quantized per column per 128 rows of an expert (with the
+    workspace's Config.bf16_weight_gradients: bf16 GEMMs of bf16 activations); grads=, main_grads= and grad_dtype as
+    in mok.backward. Asynchronous on torch's current stream, deterministic bit for bit."""
     from .layer import _check_context, gradient_buffers
     _check_call(ws, "backward_fp8")
     if not ws.config.backward:

@@ -618,9 +618,9 @@ def backward_fp8_op(workspace: torch.Tensor, context: torch.Tensor, d_out: torch
                     grad_shared_down: Optional[torch.Tensor], accumulate: bool, recompute: bool = False,
                     main_grad_targets: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """mok::backward_into of the FP8 forward in the context (its dgrads in FP8 from the transposed copies values_t,
-    scales_t; the weight gradients bf16's): (d_x, d_router_weights), each given grad_* written or added to. context,
-    recompute (the context rebuilt first from x and the FP8 weights values, scales) and main_grad_targets as
-    mok::backward_into's."""
+    scales_t; the weight gradients of the bf16 master weights): (d_x, d_router_weights), each given grad_* written
+    or added to. context, recompute (the context rebuilt first from x and the FP8 weights values, scales) and
+    main_grad_targets as mok::backward_into's."""
     ws = _lookup(_workspaces, workspace, "workspace", "backward_fp8")
     ctx = _lookup(_contexts, context, "forward context", "backward_fp8")
     grads = [grad_expert_gate, grad_expert_up, grad_expert_down, grad_shared_gate, grad_shared_up, grad_shared_down]
