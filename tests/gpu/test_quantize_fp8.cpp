@@ -428,6 +428,117 @@ TEST(QuantizeFp8Test, ColumnsReadByRouteAreThePulledRowsBits) {
   }
 }
 
+// dy's column quantization with the pull folded in (Fp8ColumnQuantizeArgs::pulled_fp8, the FP8 backward with FP8
+// weight gradients): every scheduled row's unweighted d_out row quantized per 1 x 128 is quantize_rows_fp8's bits of
+// the materialized rows (zeros without a route), its router weight the route's (0 without one), the columns are the
+// same as without the pull's outputs, and nothing past the scheduled rows is written. Segments padded to 64 (the
+// schedule's default tile_m): an expert's last 128-row block here reaches into the next segments' rows, which
+// that block must leave to their own (counts 129, 0, 1: expert 0's second block covers expert 2's rows).
+TEST(QuantizeFp8Test, ColumnsByRouteWriteThePullsRowsToo) {
+  MOK_REQUIRE_GPUS(1);
+  const std::vector<int32_t> counts = {129, 0, 1, 255, 64, 300};
+  const int experts = static_cast<int>(counts.size()), k = 320, tokens = 96, top_k = 4;
+  std::vector<int32_t> offsets(experts + 1, 0);
+  for (int e = 0; e < experts; ++e) offsets[e + 1] = offsets[e] + (counts[e] + 63) / 64 * 64;
+  const int64_t scheduled = offsets[experts], rows = scheduled + 64;
+  const int64_t out_rows = detail::fp8_column_rows(rows, experts);
+  const uint64_t seed = 1700;
+  std::vector<uint16_t> token_rows(size_t(tokens) * k);
+  std::vector<float> weights(size_t(tokens) * top_k);
+  for (size_t i = 0; i < token_rows.size(); ++i)
+    token_rows[i] = to_bf16_bits(float(hashed_int(seed, int64_t(i), -1000, 1000)) / 64.0f);
+  for (size_t i = 0; i < weights.size(); ++i) weights[i] = float(hashed_int(seed + 1, int64_t(i), 1, 1000)) / 997.0f;
+  std::vector<int32_t> route(rows, -1);
+  for (int e = 0; e < experts; ++e)
+    for (int64_t r = offsets[e]; r < offsets[e] + counts[e]; ++r)
+      route[r] = hashed_int(seed + 2, r, 0, tokens - 1) * top_k + hashed_int(seed + 3, r, 0, top_k - 1);
+  route[offsets[3] + 7] = -1;
+  // The pull's materialized d_out rows (zeros without a route) and router weights.
+  std::vector<uint16_t> d_out(size_t(rows) * k, 0);
+  std::vector<float> want_weight(rows, 0.0f);
+  for (int64_t r = 0; r < scheduled; ++r) {
+    if (route[r] < 0) continue;
+    want_weight[r] = weights[route[r]];
+    std::copy_n(token_rows.begin() + int64_t(route[r] / top_k) * k, k, d_out.begin() + r * k);
+  }
+  const int blocks = (k + 127) / 128;
+  DeviceArray<uint16_t> d_tokens(token_rows), d_rows(d_out);
+  DeviceArray<float> d_weights(weights);
+  DeviceArray<int32_t> d_counts(counts), d_offsets(offsets), d_route(route),
+      d_scheduled(std::vector<int32_t>{int32_t(scheduled)});
+  DeviceArray<uint8_t> d_want(std::vector<uint8_t>(size_t(rows) * k, 0xee));
+  DeviceArray<float> d_want_scales(std::vector<float>(size_t(blocks) * rows, 0.0f));
+  quantize_rows_fp8({.in = d_rows.ptr, .rows = rows, .k = k, .out = d_want.ptr, .scales = d_want_scales.ptr,
+                     .rows_used = d_scheduled.ptr},
+                    nullptr);
+  PeerPointers token_ptrs{}, weight_ptrs{};
+  token_ptrs.base[0] = d_tokens.ptr;
+  weight_ptrs.base[0] = d_weights.ptr;
+  constexpr uint8_t kPoison = 0xee;
+  float poison;
+  std::memcpy(&poison, &kScalePoison, sizeof poison);
+  testing::DeviceStatusWord status;
+  const auto run = [&](bool pull, std::vector<uint8_t>& columns, std::vector<uint8_t>& fp8_rows,
+                       std::vector<float>& row_scales, std::vector<float>& row_weight) {
+    DeviceArray<uint8_t> d_out(std::vector<uint8_t>(size_t(k) * out_rows, kPoison));
+    DeviceArray<float> d_scales(std::vector<float>(size_t(out_rows / 128) * k, poison));
+    DeviceArray<int32_t> d_out_offsets(std::vector<int32_t>(experts + 1, -1));
+    DeviceArray<uint8_t> d_fp8(std::vector<uint8_t>(size_t(rows) * k, kPoison));
+    DeviceArray<float> d_row_scales(std::vector<float>(size_t(blocks) * rows, poison));
+    DeviceArray<float> d_row_weight(std::vector<float>(rows, poison));
+    detail::Fp8ColumnQuantizeArgs a{.rows_allocated = rows,
+                                    .k = k,
+                                    .local_experts = experts,
+                                    .expert_counts = d_counts.ptr,
+                                    .expert_row_offsets = d_offsets.ptr,
+                                    .scheduled_rows = d_scheduled.ptr,
+                                    .out_row_offsets = d_out_offsets.ptr,
+                                    .out = d_out.ptr,
+                                    .scales = d_scales.ptr,
+                                    .pulled_rows = token_ptrs,
+                                    .pulled_weights = weight_ptrs,
+                                    .weighted = true,
+                                    .row_route = d_route.ptr,
+                                    .num_tokens = tokens,
+                                    .top_k = top_k};
+    if (pull) {
+      a.pulled_fp8 = {.rows = d_fp8.ptr,
+                      .scales = d_row_scales.ptr,
+                      .scale_stride = rows,
+                      .row_weight = d_row_weight.ptr,
+                      .status = status.word.ptr,
+                      .rank = 0};
+      a.tile_m = 64;
+    }
+    detail::quantize_columns_fp8(a, nullptr);
+    MOK_CHECK_CUDA(cudaDeviceSynchronize());
+    columns = d_out.download();
+    const std::vector<float> scales = d_scales.download();
+    for (const float f : scales)  // the column scales' bits after the values
+      for (int i = 0; i < 4; ++i) columns.push_back(uint8_t(bits_of(f) >> (8 * i)));
+    fp8_rows = d_fp8.download();
+    row_scales = d_row_scales.download();
+    row_weight = d_row_weight.download();
+  };
+  std::vector<uint8_t> columns, plain_columns, fp8_rows, unused_rows;
+  std::vector<float> row_scales, row_weight, unused_scales, unused_weight;
+  run(true, columns, fp8_rows, row_scales, row_weight);
+  run(false, plain_columns, unused_rows, unused_scales, unused_weight);
+  EXPECT_EQ(columns, plain_columns) << "the columns change with the pull's outputs";
+  EXPECT_EQ(status.read().raw.error_bits, 0u);
+  const std::vector<uint8_t> want = d_want.download();
+  const std::vector<float> want_scales = d_want_scales.download();
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool written = r < scheduled;
+    ASSERT_EQ(bits_of(row_weight[r]), written ? bits_of(want_weight[r]) : kScalePoison) << "row weight " << r;
+    for (int b = 0; b < blocks; ++b)
+      ASSERT_EQ(bits_of(row_scales[b * rows + r]), written ? bits_of(want_scales[b * rows + r]) : kScalePoison)
+          << "row " << r << ", block " << b;
+    for (int c = 0; c < k; ++c)
+      ASSERT_EQ(fp8_rows[r * k + c], written ? want[r * k + c] : kPoison) << "row " << r << ", column " << c;
+  }
+}
+
 TEST(QuantizeFp8Test, ValidationNamesTheArgument) {
   alignas(16) static uint16_t buffer[64];
   alignas(16) static float scales[16];
