@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -206,7 +207,19 @@ __global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
   __shared__ const __nv_bfloat16* row_start[kBlock];  // the block's source rows (null: zeros)
   __shared__ float row_weight[kBlock];
   __shared__ int64_t pulled_row[kBlock];  // source.pull: the schedule row a block row is, or -1: not this block's
-  const int64_t out_row = int64_t(blockIdx.x) * kBlock;
+  // CTAs in launch order take the column blocks of one row block in turn: the block's source rows (token rows read
+  // by route, 2k bytes each) are read whole by CTAs that run together, not one 256-byte piece a row block apart.
+  // (Through shared memory: computed in registers, the coordinates pushed ptxas into a spill at its default
+  // register target.)
+  __shared__ int block_coords[2];  // row block, column block
+  if (threadIdx.x == 0) {
+    const unsigned column_blocks = static_cast<unsigned>(k + kColumnTile - 1) / kColumnTile;
+    block_coords[0] = static_cast<int>(blockIdx.x / column_blocks);
+    block_coords[1] = static_cast<int>(blockIdx.x % column_blocks);
+  }
+  __syncthreads();
+  const int column_block = block_coords[1];
+  const int64_t out_row = int64_t(block_coords[0]) * kBlock;
   if (out_row >= out_offsets[experts]) return;  // CTA-uniform
   // The block's expert: the last one whose segment starts at or before it (an empty expert's segment is empty).
   int lo = 0, hi = experts - 1;
@@ -217,7 +230,7 @@ __global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
   const int64_t first = out_row - out_offsets[lo];  // the block's first row within its expert
   const int32_t count = live_count(counts, in_offsets, scheduled_rows, lo);
   const int valid = static_cast<int>(max(int64_t(0), min(int64_t(kBlock), int64_t(count) - first)));
-  const int col0 = blockIdx.y * kColumnTile;
+  const int col0 = column_block * kColumnTile;
   const bool pull = source.pull.d_out != nullptr;
   if (threadIdx.x < kBlock) {
     const int r = threadIdx.x;
@@ -241,7 +254,7 @@ __global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
       const bool scheduled = first + r < in_offsets[lo + 1] - in_offsets[lo] &&
                              (scheduled_rows == nullptr || row < *scheduled_rows);
       pulled_row[r] = scheduled ? row : -1;
-      if (scheduled && blockIdx.y == 0) source.row_weight[row] = route_weight;
+      if (scheduled && column_block == 0) source.row_weight[row] = route_weight;
     }
   }
   __syncthreads();
@@ -460,8 +473,9 @@ void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t s
   require(a.scales != nullptr && reinterpret_cast<uintptr_t>(a.scales) % 4 == 0,
           entry + "scales must be a non-null fp32 [fp8_column_rows(rows_allocated, local_experts) / 128, k] buffer");
   const int64_t out_rows = fp8_column_rows(a.rows_allocated, a.local_experts);
-  const dim3 grid(static_cast<unsigned>(out_rows / kBlock), static_cast<unsigned>((a.k + kColumnTile - 1) / kColumnTile));
-  require(grid.y <= 65535, entry + "k too large for one launch");
+  const int64_t ctas = out_rows / kBlock * ((a.k + kColumnTile - 1) / kColumnTile);
+  require(ctas <= std::numeric_limits<int32_t>::max(), entry + "rows_allocated x k too large for one launch");
+  const dim3 grid(static_cast<unsigned>(ctas));
   column_row_offsets_kernel<<<1, 32, 0, stream>>>(a.expert_counts, a.expert_row_offsets, a.scheduled_rows,
                                                   a.local_experts, a.out_row_offsets);
   MOK_CHECK_CUDA(cudaGetLastError());
