@@ -195,7 +195,7 @@ struct ColumnSource {
 // scheduled_rows) also get the pull's outputs: their 128 columns of d_out quantized per 1 x 128 (half a warp a row,
 // read again: the column pass just brought them into L2; pull_grad_row's quantize_pulled_vector, so the same bits,
 // zeros and a zero block's scale without a route) and, from column block 0, the router weight (0 without a route).
-__global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
+__global__ void __launch_bounds__(kColumnThreads, 2) quantize_columns_kernel(
     const ColumnSource source, int k, int experts, const int32_t* counts, const int32_t* in_offsets,
     const int32_t* scheduled_rows, const int32_t* out_offsets, int64_t out_rows, uint8_t* out, float* scales,
     bool power_of_two) {
@@ -325,12 +325,22 @@ __global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
   if (pull) {  // CTA-uniform. Half-warp h of warp w: rows 2 w + h + 16 i; its lane j the row's 16-byte vector j.
     const int lane = threadIdx.x % 32, row_vectors = k / 8, vector = col0 / 8 + lane % 16;
     const bool in_k = vector < row_vectors;  // k % 64 == 0: a half-warp's 16 vectors all inside k, or the last 8
-    for (int r = 2 * int(threadIdx.x / 32) + lane / 16; r < kBlock; r += 2 * (kColumnThreads / 32)) {
-      const __nv_bfloat16* start = row_start[r];
-      const uint4 v = start != nullptr && in_k ? reinterpret_cast<const uint4*>(start)[vector] : make_uint4(0, 0, 0, 0);
-      // Every lane of the warp calls it (its butterfly); only a scheduled row's lanes inside k write.
-      backward::quantize_pulled_vector(source.pull, v, in_k && pulled_row[r] >= 0, vector, pulled_row[r], row_vectors,
-                                       lane);
+    constexpr int kBatch = kBlock / (2 * (kColumnThreads / 32));  // all a half-warp's rows: loads in flight first
+    const int r0 = 2 * int(threadIdx.x / 32) + lane / 16;
+#pragma unroll 1
+    for (int first_row = r0; first_row < kBlock; first_row += 16 * kBatch) {
+      uint4 v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const __nv_bfloat16* start = row_start[first_row + 16 * i];
+        v[i] = start != nullptr && in_k ? reinterpret_cast<const uint4*>(start)[vector] : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int64_t row = pulled_row[first_row + 16 * i];
+        // Every lane of the warp calls it (its butterfly); only a scheduled row's lanes inside k write.
+        backward::quantize_pulled_vector(source.pull, v[i], in_k && row >= 0, vector, row, row_vectors, lane);
+      }
     }
   }
   __syncthreads();
