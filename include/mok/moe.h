@@ -60,9 +60,6 @@ struct MegakernelArgs;    // src/host/megakernel_args.h
 namespace backward {
 struct GradPullSources;  // src/device/backward/grad_rows.cuh
 }  // namespace backward
-namespace kernels {
-struct GradPullParams;  // src/device/kernels/backward_row_kernels.cuh
-}  // namespace kernels
 
 enum class DType : int32_t { kBFloat16 = 0, kFloat32 = 1, kInt32 = 2, kInt64 = 3, kFloat8E4M3 = 4 };
 
@@ -490,10 +487,8 @@ class MoeWorkspace {
   int32_t kept_gate_up_rows() const;
   void copy_kept_gate_up(const RankBackward& b) const;
   backward::GradPullSources grad_pull_sources(const RankBackward& b) const;
-  // FP8 weight gradients: the routed dy and x quantized along the rows as the pull reads them; with `pull`, dy's
-  // also writes that pull's outputs (its kernel does not run).
-  void quantize_pulled_columns(const RankBackward& b, const backward::GradPullSources& sources,
-                               const kernels::GradPullParams* pull) const;
+  // FP8 weight gradients: the routed dy and x quantized along the rows as the pull reads them.
+  void quantize_pulled_columns(const RankBackward& b, const backward::GradPullSources& sources) const;
   // recompute_forward_context's phases: publish x (and the shared expert's hidden rows); pull the kept
   // rows and recompute their hidden rows; the closing barrier.
   void recompute_publish(const RankForward& f);

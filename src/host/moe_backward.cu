@@ -633,16 +633,10 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
               .power_of_two = options_.fp8_power_of_two_scales,
               .status = schedule_.device_status(b.rank),
               .rank = b.rank}};
-  // FP8 weight gradients: dy's column quantization reads the d_out rows by route anyway, so it also writes what
-  // the pull would (their 1 x 128 quantization and the router weights) whenever that is all the pull writes.
-  const bool pull_in_columns = w.wgrad_dy_fp8 != nullptr && pull.x_rows == nullptr && pull.dy_rows == nullptr &&
-                               pull.fp8.d_out != nullptr && !gather && 128 % options_.schedule.tile_m == 0;
-  if (!pull_in_columns) {
-    kernels::pull_grad_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::GradRowTraits::kWarps, s.num_sms),
-                                     kernels::GradRowTraits::kThreads, 0, b.stream>>>(pull);
-    MOK_CHECK_CUDA(cudaGetLastError());
-  }
-  if (w.wgrad_dy_fp8 != nullptr) quantize_pulled_columns(b, sources, pull_in_columns ? &pull : nullptr);
+  kernels::pull_grad_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::GradRowTraits::kWarps, s.num_sms),
+                                   kernels::GradRowTraits::kThreads, 0, b.stream>>>(pull);
+  MOK_CHECK_CUDA(cudaGetLastError());
+  if (w.wgrad_dy_fp8 != nullptr) quantize_pulled_columns(b, sources);
 
   copy_kept_gate_up(b);  // only the rows past them are recomputed
   detail::MlpBackwardGemms g = mlp_backward_gemms(b, false);
@@ -690,9 +684,7 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
 // 128 rows of an expert (quantize_columns_fp8), each row read where the pull reads it: d_out's token row times its
 // router weight, rounded to bf16 (the pull's dy bits), and x's token row; no bf16 copy written and read again. Here,
 // after the pull and before this rank's barrier arrive: the peers' rows are published until every rank arrived.
-// pull (non-null: the pull kernel did not run): dy's call also writes the pull's FP8 d_out rows and router weights.
-void MoeWorkspace::quantize_pulled_columns(const RankBackward& b, const backward::GradPullSources& sources,
-                                           const kernels::GradPullParams* pull) const {
+void MoeWorkspace::quantize_pulled_columns(const RankBackward& b, const backward::GradPullSources& sources) const {
   const BackwardScratch& w = state(b.rank).backward;
   const ScheduleView& v = b.context->schedule_;
   detail::Fp8ColumnQuantizeArgs q{.rows_allocated = capacity_rows(),
@@ -711,17 +703,7 @@ void MoeWorkspace::quantize_pulled_columns(const RankBackward& b, const backward
                                   .row_route = v.row_route,
                                   .num_tokens = static_cast<int>(shape_.num_tokens),
                                   .top_k = static_cast<int>(shape_.top_k)};
-  if (pull != nullptr) {
-    q.pulled_fp8 = {.rows = pull->fp8.d_out,
-                    .scales = pull->fp8.d_out_scales,
-                    .scale_stride = pull->fp8.rows,
-                    .row_weight = pull->row_weight,
-                    .status = pull->fp8.status,
-                    .rank = pull->fp8.rank};
-    q.tile_m = options_.schedule.tile_m;
-  }
   detail::quantize_columns_fp8(q, b.stream);
-  q.pulled_fp8 = {};
   q.out = w.wgrad_x_fp8;
   q.scales = w.wgrad_x_scales;
   q.pulled_rows = sources.x;

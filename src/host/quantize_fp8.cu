@@ -12,13 +12,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <stdexcept>
 #include <string>
 
 #include <cuda_bf16.h>
 
-#include "src/device/backward/grad_rows.cuh"
 #include "src/device/common/fp8_quant.cuh"
 #include "src/device/common/status.cuh"
 #include "src/device/schedule/placement.h"
@@ -175,10 +173,6 @@ struct ColumnSource {
   const int32_t* row_route;  // null: `in`
   int num_tokens;
   int top_k;
-  // With pulled rows: the pull's outputs of the same rows from the same loads (fp8.d_out null: none), each scheduled
-  // row of the block's expert segment written by the CTAs of column block 0 (row_weight) or of its own columns.
-  backward::GradPullFp8 pull;
-  float* row_weight;
 };
 
 // One CTA per (128-row block of `out`, 128 columns): the block's source rows first (its expert's, by route with
@@ -190,12 +184,7 @@ struct ColumnSource {
 // banks), written out as whole 128-byte columns of `out` (K-major: a column is a row of it). Blocks past the last
 // segment write nothing. The amax is order-free and each value's conversion is to_e4m3's: the bits of the CPU
 // reference.
-// source.pull (the FP8 backward's pull folded in): the block's rows that are its expert's scheduled rows (its
-// segment padded to the schedule's tile_m, a divisor of 128: never past the block's 128; not at or past
-// scheduled_rows) also get the pull's outputs: their 128 columns of d_out quantized per 1 x 128 (half a warp a row,
-// read again: the column pass just brought them into L2; pull_grad_row's quantize_pulled_vector, so the same bits,
-// zeros and a zero block's scale without a route) and, from column block 0, the router weight (0 without a route).
-__global__ void __launch_bounds__(kColumnThreads, 2) quantize_columns_kernel(
+__global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
     const ColumnSource source, int k, int experts, const int32_t* counts, const int32_t* in_offsets,
     const int32_t* scheduled_rows, const int32_t* out_offsets, int64_t out_rows, uint8_t* out, float* scales,
     bool power_of_two) {
@@ -206,20 +195,7 @@ __global__ void __launch_bounds__(kColumnThreads, 2) quantize_columns_kernel(
   __shared__ int quarter_finite[4][kColumnTile];
   __shared__ const __nv_bfloat16* row_start[kBlock];  // the block's source rows (null: zeros)
   __shared__ float row_weight[kBlock];
-  __shared__ int64_t pulled_row[kBlock];  // source.pull: the schedule row a block row is, or -1: not this block's
-  // CTAs in launch order take the column blocks of one row block in turn: the block's source rows (token rows read
-  // by route, 2k bytes each) are read whole by CTAs that run together, not one 256-byte piece a row block apart.
-  // (Through shared memory: computed in registers, the coordinates pushed ptxas into a spill at its default
-  // register target.)
-  __shared__ int block_coords[2];  // row block, column block
-  if (threadIdx.x == 0) {
-    const unsigned column_blocks = static_cast<unsigned>(k + kColumnTile - 1) / kColumnTile;
-    block_coords[0] = static_cast<int>(blockIdx.x / column_blocks);
-    block_coords[1] = static_cast<int>(blockIdx.x % column_blocks);
-  }
-  __syncthreads();
-  const int column_block = block_coords[1];
-  const int64_t out_row = int64_t(block_coords[0]) * kBlock;
+  const int64_t out_row = int64_t(blockIdx.x) * kBlock;
   if (out_row >= out_offsets[experts]) return;  // CTA-uniform
   // The block's expert: the last one whose segment starts at or before it (an empty expert's segment is empty).
   int lo = 0, hi = experts - 1;
@@ -230,32 +206,23 @@ __global__ void __launch_bounds__(kColumnThreads, 2) quantize_columns_kernel(
   const int64_t first = out_row - out_offsets[lo];  // the block's first row within its expert
   const int32_t count = live_count(counts, in_offsets, scheduled_rows, lo);
   const int valid = static_cast<int>(max(int64_t(0), min(int64_t(kBlock), int64_t(count) - first)));
-  const int col0 = column_block * kColumnTile;
-  const bool pull = source.pull.d_out != nullptr;
+  const int col0 = blockIdx.y * kColumnTile;
   if (threadIdx.x < kBlock) {
     const int r = threadIdx.x;
     const int64_t row = int64_t(in_offsets[lo]) + first + r;  // the schedule's row
     const __nv_bfloat16* start = nullptr;
-    float weight = 1.0f, route_weight = 0.0f;
+    float weight = 1.0f;
     if (r < valid && source.row_route == nullptr) {
       start = source.in + row * k;
     } else if (r < valid && source.row_route[row] >= 0) {
       const schedule::RouteCoords route = schedule::route_coords(source.row_route[row], source.num_tokens, source.top_k);
       start = static_cast<const __nv_bfloat16*>(source.pulled_rows.base[route.src]) + int64_t(route.token) * k;
-      if (source.weighted || pull)
-        route_weight =
-            static_cast<const float*>(source.pulled_weights.base[route.src])[int64_t(route.token) * source.top_k +
-                                                                            route.slot];
-      if (source.weighted) weight = route_weight;
+      if (source.weighted)
+        weight = static_cast<const float*>(source.pulled_weights.base[route.src])[int64_t(route.token) * source.top_k +
+                                                                                 route.slot];
     }
     row_start[r] = start;
     row_weight[r] = weight;
-    if (pull) {
-      const bool scheduled = first + r < in_offsets[lo + 1] - in_offsets[lo] &&
-                             (scheduled_rows == nullptr || row < *scheduled_rows);
-      pulled_row[r] = scheduled ? row : -1;
-      if (scheduled && column_block == 0) source.row_weight[row] = route_weight;
-    }
   }
   __syncthreads();
   const int c = 2 * (threadIdx.x % 64), quarter = threadIdx.x / 64, r0 = quarter * kQuarterRows;
@@ -321,27 +288,6 @@ __global__ void __launch_bounds__(kColumnThreads, 2) quantize_columns_kernel(
   if (quarter == 0 && live) {
     scales[(out_row / kBlock) * k + col0 + c] = scale[0];
     scales[(out_row / kBlock) * k + col0 + c + 1] = scale[1];
-  }
-  if (pull) {  // CTA-uniform. Half-warp h of warp w: rows 2 w + h + 16 i; its lane j the row's 16-byte vector j.
-    const int lane = threadIdx.x % 32, row_vectors = k / 8, vector = col0 / 8 + lane % 16;
-    const bool in_k = vector < row_vectors;  // k % 64 == 0: a half-warp's 16 vectors all inside k, or the last 8
-    constexpr int kBatch = kBlock / (2 * (kColumnThreads / 32));  // all a half-warp's rows: loads in flight first
-    const int r0 = 2 * int(threadIdx.x / 32) + lane / 16;
-#pragma unroll 1
-    for (int first_row = r0; first_row < kBlock; first_row += 16 * kBatch) {
-      uint4 v[kBatch];
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const __nv_bfloat16* start = row_start[first_row + 16 * i];
-        v[i] = start != nullptr && in_k ? reinterpret_cast<const uint4*>(start)[vector] : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int64_t row = pulled_row[first_row + 16 * i];
-        // Every lane of the warp calls it (its butterfly); only a scheduled row's lanes inside k write.
-        backward::quantize_pulled_vector(source.pull, v[i], in_k && row >= 0, vector, row, row_vectors, lane);
-      }
-    }
   }
   __syncthreads();
   // Whole columns out: 8 threads a column's 128 bytes, a warp 4 columns.
@@ -464,14 +410,6 @@ void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t s
     require(a.in == nullptr, entry + "in and row_route exclude each other (rows read from `in` or by route)");
     require(a.num_tokens > 0 && a.top_k > 0, entry + "rows read by route need num_tokens and top_k");
   }
-  if (a.pulled_fp8.rows != nullptr) {
-    require(a.row_route != nullptr && a.pulled_weights.base[0] != nullptr,
-            entry + "the pull's outputs need rows and router weights read by route");
-    require(a.pulled_fp8.scales != nullptr && a.pulled_fp8.row_weight != nullptr &&
-                a.pulled_fp8.scale_stride >= a.rows_allocated && a.tile_m >= 1 && 128 % a.tile_m == 0,
-            entry + "the pull's outputs need scales, a scale stride of at least rows_allocated, row weights and a "
-                    "schedule tile_m dividing 128");
-  }
   require(a.k > 0 && a.k % 64 == 0, entry + "k must be a positive multiple of 64, got " + std::to_string(a.k));
   require(a.rows_allocated >= 0, entry + "rows_allocated must be >= 0, got " + std::to_string(a.rows_allocated));
   require(a.local_experts >= 1, entry + "local_experts must be positive, got " + std::to_string(a.local_experts));
@@ -483,9 +421,8 @@ void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t s
   require(a.scales != nullptr && reinterpret_cast<uintptr_t>(a.scales) % 4 == 0,
           entry + "scales must be a non-null fp32 [fp8_column_rows(rows_allocated, local_experts) / 128, k] buffer");
   const int64_t out_rows = fp8_column_rows(a.rows_allocated, a.local_experts);
-  const int64_t ctas = out_rows / kBlock * ((a.k + kColumnTile - 1) / kColumnTile);
-  require(ctas <= std::numeric_limits<int32_t>::max(), entry + "rows_allocated x k too large for one launch");
-  const dim3 grid(static_cast<unsigned>(ctas));
+  const dim3 grid(static_cast<unsigned>(out_rows / kBlock), static_cast<unsigned>((a.k + kColumnTile - 1) / kColumnTile));
+  require(grid.y <= 65535, entry + "k too large for one launch");
   column_row_offsets_kernel<<<1, 32, 0, stream>>>(a.expert_counts, a.expert_row_offsets, a.scheduled_rows,
                                                   a.local_experts, a.out_row_offsets);
   MOK_CHECK_CUDA(cudaGetLastError());
@@ -495,14 +432,7 @@ void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t s
                             .weighted = a.weighted,
                             .row_route = a.row_route,
                             .num_tokens = a.num_tokens,
-                            .top_k = a.top_k,
-                            .pull = {.d_out = static_cast<uint8_t*>(a.pulled_fp8.rows),
-                                     .d_out_scales = a.pulled_fp8.scales,
-                                     .rows = a.pulled_fp8.scale_stride,
-                                     .power_of_two = a.power_of_two_scales,
-                                     .status = a.pulled_fp8.status,
-                                     .rank = a.pulled_fp8.rank},
-                            .row_weight = a.pulled_fp8.row_weight};
+                            .top_k = a.top_k};
   quantize_columns_kernel<<<grid, kColumnThreads, 0, stream>>>(
       source, a.k, a.local_experts, a.expert_counts, a.expert_row_offsets,
       a.scheduled_rows, a.out_row_offsets, out_rows, static_cast<uint8_t*>(a.out), a.scales, a.power_of_two_scales);

@@ -62,20 +62,6 @@ struct Fp8ColumnQuantizeArgs {
   const int32_t* row_route = nullptr;          // [rows_allocated]
   int num_tokens = 0;                          // per rank
   int top_k = 0;
-  // With rows read by route, optionally also the backward pull's own FP8 outputs of the same rows from the same
-  // loads (then no pull kernel runs: MoeWorkspace's FP8 backward with FP8 weight gradients, dy's call): each
-  // scheduled row's unweighted row quantized per 1 x 128 (the pull's bits: backward::GradPullFp8) and its router
-  // weight (0 without a route). Its rows are the schedule's: segments padded to tile_m, which must divide 128, so
-  // that every scheduled row lies in one of its expert's 128-row blocks here.
-  struct PulledFp8 {
-    void* rows = nullptr;                      // e4m3 [rows_allocated, k]; null: no pull outputs
-    float* scales = nullptr;                   // fp32 [ceil(k / 128), scale_stride]
-    int64_t scale_stride = 0;
-    float* row_weight = nullptr;               // fp32 [rows_allocated]
-    DeviceStatus* status = nullptr;            // a non-finite block reported here (kDOut, the row)
-    int rank = 0;
-  } pulled_fp8 = {};
-  int tile_m = 0;                              // the schedule's padding, with pulled_fp8
 };
 // The rows `out` holds for any schedule of these rows: each segment grows by at most 64 rows (tile_m 64 -> 128).
 constexpr int64_t fp8_column_rows(int64_t rows_allocated, int local_experts) {

@@ -16,9 +16,7 @@
 //       padding rows (route -1): zeros, row_weight 0
 //       FP8 (GradPullFp8, the unfused FP8 backward): d_out_rows[row] is not written; the row is quantized per
 //       1 x 128 instead, into the down dgrad's e4m3 A and its scales: quantize_rows_fp8's bits (a block's scale is
-//       its amax / 448 whichever kernel takes it), without a bf16 copy written and read again; with FP8 weight
-//       gradients dy's column quantization writes these outputs instead (quantize_columns_kernel,
-//       src/host/quantize_fp8.cu, through quantize_pulled_vector) and this pull does not run
+//       its amax / 448 whichever kernel takes it), without a bf16 copy written and read again
 //   push_grad_row (expert rank, after the gate/up dgrad)
 //       combined_src[token * k + slot, :] = d_x_rows[row, :]   (peer write: the forward's combine rows)
 //       d_rw_src[token * k + slot]        = sum over n-blocks nb = 0, 1, ... of row_partials[row, nb]
