@@ -176,7 +176,7 @@ struct CollectiveMainloop {
   // partials a batch is promoted while the next one runs. kPartials: the scaled mainloops' partials (batches in
   // flight); one for narrower tiles (their promotion waits for the product).
   static constexpr bool kScaledOperands = BlockScaled<Operands_> || KScaled<Operands_>;
-  static constexpr int kMmaN = kScaledOperands && kBlockN_ == 256 ? 64 : kBlockN_;
+  static constexpr int kMmaN = kScaledOperands && kBlockN_ >= 128 ? 64 : kBlockN_;
   static constexpr int kNSplits = kBlockN / kMmaN;
   static constexpr int kPartials = kNSplits > 1 ? 2 : 1;
   static_assert(kBlockK % 16 == 0 && kBlockK * sizeof(Element) <= 128, "wgmma K steps within one swizzle row");
