@@ -27,8 +27,8 @@ using WeightGradConfig = std::conditional_t<kOutput == GradOutput::kBFloat16,
                                             gemm::WeightGradTraits<kOutput, 256, 32, 4>>;
 
 // The FP8 configuration (Precision::kFP8: e4m3 operands K-major, scaled per column per 128 rows): 128 x 256
-// tiles, each k-block's product four wgmmas of 64 columns, two in flight, promoted in turn (mainloop_k_scaled:
-// 128 promoted and 2 x 32 partial values a thread), 3 stages of 128 rows (48 KB and 1.5 KB of scales each) and 64 KB
+// tiles, each k-block's product two wgmmas of 128 columns promoted in turn through one partial (mainloop_k_scaled:
+// 128 promoted and 64 partial values a thread), 3 stages of 128 rows (48 KB and 1.5 KB of scales each) and 64 KB
 // of staging: the whole tile in bf16, half of it (two passes) in fp32.
 template <GradOutput kOutput>
 using Fp8WeightGradConfig = gemm::WeightGradTraits<kOutput, 256, 128, 3, kOutput == GradOutput::kBFloat16 ? 256 : 128,

@@ -391,7 +391,7 @@ struct SwiGLUEpilogue : RowTileEpilogue<SwiGLUEpilogue<kWritesGateUp>> {
 // kPasses_ = 1 (fp8_gate_up_block_n 256, the default; the same bits, 9-11 % faster: docs/perf_notes.md, round 34;
 // with the side outputs 3 stages, their 128 columns stored in two rounds, 13 % faster, round 35): the task's
 // 128 h columns are one pass of a 128 x 256 tile (the 128 gate and the 128 up columns, A loaded once), whose
-// mainloop promotes its four 64-column wgmma batches in turn (mainloop_block_scaled's splits); a last task of 64
+// mainloop promotes its two 128-column wgmma halves in turn (mainloop_block_scaled's splits); a last task of 64
 // columns computes the 64 past n too (rows of the next expert or of the up half: keep zeroes those h columns, so
 // they add nothing to the block's amax, and the TMA store leaves columns past n alone).
 template <bool kWritesGateUp, int kPasses_ = 2>

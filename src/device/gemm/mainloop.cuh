@@ -3,9 +3,7 @@
 // (gemm_kernel.cuh) and inside the megakernels.
 //
 //   accum[64 rows of a warpgroup, kBlockN] = sum over the tile's k-blocks, ascending, of A[rows, k] · B[k, cols]
-//   fp32 accumulators in registers, one wgmma batch (one stage) in flight; with scaled (FP8) operands each
-//   k-block's product goes into fresh partial accumulators first and is promoted with the scales
-//   (run_scaled_batches: a 256-column tile's four 64-column batches, two in flight).
+//   fp32 accumulators in registers, one wgmma batch (one stage) in flight.
 //
 // What differs between the GEMMs is a policy, not a second mainloop (as CUTLASS's collective, which derives
 // both operand majors from its strides):
@@ -31,7 +29,6 @@
 
 #include <cstdint>
 #include <type_traits>
-#include <utility>
 
 #include <cute/tensor.hpp>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
@@ -170,23 +167,20 @@ struct CollectiveMainloop {
   static constexpr int kStages = kStages_;
   static_assert(kBlockM == 64 || kBlockM == 128, "one consumer warpgroup per 64 rows");
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N");
-  // The N of one wgmma: the tile's, except a scaled tile of 256 columns (block- or K-scaled), whose product is four
-  // wgmma batches of 64 columns, two in flight, each into its own 32-value partial (run_scaled_batches): a
-  // 256-column partial beside the 128 promoted values a thread would not fit in its registers, and with two
-  // partials a batch is promoted while the next one runs. kPartials: the scaled mainloops' partials (batches in
-  // flight); one for narrower tiles (their promotion waits for the product).
+  // The N of one wgmma: the tile's, except a scaled tile of 256 columns (block- or K-scaled), whose product is two
+  // wgmmas of 128 columns promoted in turn through one 64-value partial (mainloop_block_scaled, mainloop_k_scaled):
+  // a 256-column partial beside the 128 promoted values a thread would not fit in its registers.
   static constexpr bool kScaledOperands = BlockScaled<Operands_> || KScaled<Operands_>;
-  static constexpr int kMmaN = kScaledOperands && kBlockN_ >= 128 ? 64 : kBlockN_;
+  static constexpr int kMmaN = kScaledOperands && kBlockN_ == 256 ? 128 : kBlockN_;
   static constexpr int kNSplits = kBlockN / kMmaN;
-  static constexpr int kPartials = kNSplits > 1 ? 2 : 1;
   static_assert(kBlockK % 16 == 0 && kBlockK * sizeof(Element) <= 128, "wgmma K steps within one swizzle row");
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
   // setmaxnreg only moves registers within what the CTA got at launch (65536 / kThreads, rounded down to
   // 8, per thread): asking for more makes setmaxnreg.inc wait forever (a hang, seen with 48 / 232).
-  // A scaled tile wider than 128 columns keeps 128 promoted and 2 x 32 partial values a thread: 232 registers for
-  // its consumers, 40 left to the producer (which only issues TMA loads).
+  // A scaled tile wider than 128 columns keeps 128 promoted and 64 partial values a thread: 232 registers for its
+  // consumers, 40 left to the producer (which only issues TMA loads).
   static constexpr bool kWideScaled = kScaledOperands && kBlockN_ > 128;
   static constexpr int kProducerRegisters = kWideScaled ? 40 : 48;
   static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? (kWideScaled ? 232 : 224) : 240;
@@ -339,33 +333,42 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   }
 }
 
-// The scaled mainloops' operands and products: one wgmma batch a split (the B rows [split kMmaN, (split + 1) kMmaN)
-// of a stage) into fresh fp32 accumulators, partial[split % kPartials] (the first wgmma overwrites it).
-template <class OperandA, class OperandB, class Partial, int kPartials>
+// The scaled mainloops' operands and per-k-block product: the stage's wgmma batch of one split (the B rows
+// [split kMmaN, (split + 1) kMmaN) of the stage; one split unless the tile is wider than a wgmma) into fresh fp32
+// accumulators (`partial`, one split's fragment: the first wgmma overwrites it), issued, then waited for before
+// the caller promotes it into its accumulators; the stage is handed back after its last split (retire).
+template <class OperandA, class OperandB, class Partial>
 struct ScaledProduct {
-  OperandA t_r_a;               // (MMA, MMA_M, MMA_K, S), MMA_M = 1
-  OperandB t_r_b;               // (MMA, MMA_N, MMA_K, S), MMA_N = the splits
-  Partial partial[kPartials];  // (MMA) each
+  OperandA t_r_a;  // (MMA, MMA_M, MMA_K, S), MMA_M = 1
+  OperandB t_r_b;  // (MMA, MMA_N, MMA_K, S), MMA_N = the splits
+  Partial partial;  // (MMA)
 
-  template <int kPartial, class Mma>
-  __device__ __forceinline__ void issue(Mma& mma, int stage, int split) {
+  template <class Mma>
+  __device__ __forceinline__ void issue(Mma& mma, int stage, int split = 0) {
     using namespace cute;
-    warpgroup_fence_operand(partial[kPartial]);
+    warpgroup_fence_operand(partial);
     warpgroup_arrive();
     mma.accumulate_ = GMMA::ScaleOut::Zero;
     CUTE_UNROLL
     for (int k = 0; k < size<2>(t_r_a); ++k) {
-      cute::gemm(mma, t_r_a(_, 0, k, stage), t_r_b(_, split, k, stage), partial[kPartial]);
+      cute::gemm(mma, t_r_a(_, 0, k, stage), t_r_b(_, split, k, stage), partial);
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
   }
 
-  // Every batch but the last kPending issued has completed: partial[kPartial] holds its product.
-  template <int kPending, int kPartial>
+  // The batch issued last has completed: `partial` holds its product.
   __device__ __forceinline__ void wait() {
-    cute::warpgroup_wait<kPending>();
-    cute::warpgroup_fence_operand(partial[kPartial]);
+    cute::warpgroup_wait<0>();
+    cute::warpgroup_fence_operand(partial);
+  }
+
+  // Once the stage's operands (and whatever else of it the caller read) are no longer needed.
+  template <class Pipeline, class State>
+  __device__ __forceinline__ void retire(Pipeline& pipeline, State& read_state) {
+    wait();
+    pipeline.consumer_release(read_state);
+    ++read_state;
   }
 };
 
@@ -377,57 +380,20 @@ __device__ __forceinline__ auto scaled_product(Storage& smem, const ThreadMma& t
   static_assert(decltype(cute::size<1>(accum))::value == 1 &&
                     decltype(cute::size<2>(accum))::value == Collective::kNSplits,
                 "a warpgroup's 64 rows, one (MMA) fragment per split");
-  return ScaledProduct<A, B, P, Collective::kPartials>{stage_operand_a<Collective>(smem, thread_mma),
-                                                       stage_operand_b<Collective>(smem, thread_mma)};
+  return ScaledProduct<A, B, P>{stage_operand_a<Collective>(smem, thread_mma),
+                                stage_operand_b<Collective>(smem, thread_mma),
+                                cute::make_fragment_like(accum(cute::_, 0, 0))};
 }
 
-// The scaled mainloops' schedule over a tile's k-blocks, ascending: per k-block, after its stage is full,
-// begin(stage) (its scales), then its splits' wgmma batches, each into partial[split % kPartials] with kPartials
-// in flight: batch s is waited for and promoted (promote(split, partial, stage)) while batch s + 1 runs, then batch
-// s + kPartials is issued into the partial just read; the stage is released after its last promotion. So with two
-// partials only a k-block's last promotion waits for this warpgroup's tensor-core work (the other warpgroup's,
-// issued at the same stage arrivals, may run meanwhile); with one (tiles of one split) every promotion does.
-// Why not across k-blocks (the next k-block's first batch issued before this one's last promotion): with a batch
-// in flight around the loop's back edge ptxas could not prove the partials complete before they are read, and
-// serialized every wgmma of the kernel (C7514, C7517). Each output element is one fixed-order sum: ascending
-// k-blocks, whatever the partials.
-template <class Collective, class Product, class Mma, class Begin, class Promote>
-__device__ __forceinline__ void run_scaled_batches(int num_k_blocks, typename Collective::Pipeline& pipeline,
-                                                   typename Collective::PipelineState& read_state, Mma& mma,
-                                                   Product& product, const device::HandoffBound& bound, Begin&& begin,
-                                                   Promote&& promote) {
-  constexpr int kSplits = Collective::kNSplits, kPartials = Collective::kPartials;
-  static_assert(kPartials == 1 || (kPartials == 2 && kSplits % 2 == 0), "batch j's partial is split % kPartials");
-  // Split kSplit of a k-block, a compile-time index (the partial it names).
-  const auto step = [&]<int kSplit>(int stage) {
-    constexpr int kPartial = kSplit % kPartials;
-    // In flight: this batch, and the next one unless this is the k-block's last.
-    product.template wait<kSplit + 1 < kSplits && kPartials == 2 ? 1 : 0, kPartial>();
-    promote(kSplit, product.partial[kPartial], stage);
-    // Batch kSplit + kPartials of this k-block into the partial just read.
-    if constexpr (kSplit + kPartials < kSplits) product.template issue<kPartial>(mma, stage, kSplit + kPartials);
-  };
-  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
-    consumer_wait_bounded(pipeline, read_state, bound);
-    const int stage = read_state.index();
-    begin(stage);
-    product.template issue<0>(mma, stage, 0);
-    if constexpr (kPartials == 2) product.template issue<1>(mma, stage, 1);
-    [&]<int... kSplit>(std::integer_sequence<int, kSplit...>) {
-      (step.template operator()<kSplit>(stage), ...);
-    }(std::make_integer_sequence<int, kSplits>{});
-    pipeline.consumer_release(read_state);  // its operands and scales are read
-    ++read_state;
-  }
-}
-
-// The mainloop of an active consumer warpgroup with block-scaled (FP8) operands: per k-block and split, the
-// product (run_scaled_batches) promoted as
+// The mainloop of an active consumer warpgroup with block-scaled (FP8) operands: per k-block, the stage's
+// product into fresh fp32 accumulators (`partial`: the first wgmma overwrites), then
 //   accum[i] += (a_scale[row of i] * b_scale[64-column group of i]) * partial[i]
-// in ascending k-block order, so each output element is one fixed-order sum (deterministic). A 256-column
-// tile's split s is its values [32 s, 32 s + 32), its 64-column group s. row0 / row1: the tile rows of the
-// thread's fragment rows (values i with (i / 2) % 2 = 0 / 1); values [32 g, 32 g + 32) are columns [64 g, 64 g +
-// 64), group g (gemm_epilogue.cuh's fragment layout). b_scales[g]: group g's B scales per k-block
+// in ascending k-block order, so each output element is one fixed-order sum (deterministic). The wgmma batch
+// is waited for before the promotion: the other consumer warpgroup's batch runs meanwhile (DeepGEMM's
+// overlap). A 256-column tile does this per k-block for each 128-column split in turn (kNSplits; its values
+// [64 s, 64 s + 64) are split s's columns), through the one partial. row0 / row1: the tile rows of the thread's
+// fragment rows (values i with (i / 2) % 2 = 0 / 1); values [32 g, 32 g + 32) are columns [64 g, 64 g + 64), group g
+// (gemm_epilogue.cuh's fragment layout). b_scales[g]: group g's B scales per k-block
 // (BlockScaledParams::b_scale_group).
 template <class Collective, class Storage, class ThreadMma, class Accum, int kGroups>
 __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage& smem,
@@ -450,42 +416,47 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
   float next_b[kGroups];
   CUTE_UNROLL
   for (int g = 0; g < kGroups; ++g) next_b[g] = num_k_blocks > 0 ? __ldg(b_scales[g]) : 0.0f;
-  float a0 = 0.0f, a1 = 0.0f, b[kGroups];
-  int k_block = 0;
-  run_scaled_batches<Collective>(
-      num_k_blocks, pipeline, read_state, mma, product, bound,
-      [&](int stage) {
-        a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
-        CUTE_UNROLL
-        for (int g = 0; g < kGroups; ++g) b[g] = next_b[g];
-        ++k_block;
-        if (k_block < num_k_blocks) {
-          CUTE_UNROLL
-          for (int g = 0; g < kGroups; ++g) next_b[g] = __ldg(b_scales[g] + k_block);
-        }
-      },
-      [&](int split, const auto& partial, int) {
-        float scale[2][kSplitGroups];  // of the split's 64-column groups
-        CUTE_UNROLL
-        for (int g = 0; g < kSplitGroups; ++g) {
-          scale[0][g] = a0 * b[split * kSplitGroups + g];
-          scale[1][g] = a1 * b[split * kSplitGroups + g];
-        }
-        CUTE_UNROLL
-        for (int i = 0; i < kSplitValues; ++i)
-          accum(split * kSplitValues + i) += scale[(i / 2) % 2][i / 32] * partial(i);
-      });
+  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    consumer_wait_bounded(pipeline, read_state, bound);
+    const int stage = read_state.index();
+    const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
+    float b[kGroups];
+    CUTE_UNROLL
+    for (int g = 0; g < kGroups; ++g) b[g] = next_b[g];
+    if (k_block + 1 < num_k_blocks) {
+      CUTE_UNROLL
+      for (int g = 0; g < kGroups; ++g) next_b[g] = __ldg(b_scales[g] + k_block + 1);
+    }
+    CUTE_UNROLL
+    for (int split = 0; split < kSplits; ++split) {
+      product.issue(mma, stage, split);
+      if (split + 1 < kSplits)
+        product.wait();
+      else
+        product.retire(pipeline, read_state);  // its operands and A scales are read
+      float scale[2][kSplitGroups];  // of the split's 64-column groups
+      CUTE_UNROLL
+      for (int g = 0; g < kSplitGroups; ++g) {
+        scale[0][g] = a0 * b[split * kSplitGroups + g];
+        scale[1][g] = a1 * b[split * kSplitGroups + g];
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < kSplitValues; ++i)
+        accum(split * kSplitValues + i) += scale[(i / 2) % 2][i / 32] * product.partial(i);
+    }
+  }
 }
 
-// The mainloop of an active consumer warpgroup with K-scaled (FP8 weight-gradient) operands: per k-block and
-// split, the product (run_scaled_batches) promoted as
+// The mainloop of an active consumer warpgroup with K-scaled (FP8 weight-gradient) operands: per k-block, the
+// stage's product into fresh fp32 accumulators (`partial`: the first wgmma overwrites), then
 //   accum[i] += (a_scale[row of i] * b_scale[column of i]) * partial[i]
 // in ascending k-block order (one fixed-order sum per element: deterministic). Both scales come with the stage
-// (KScaleStages): the A scales are read at the k-block's first split, the B scales from the stage as the product
-// is promoted (a split's held in registers beside the promoted and partial values spilled: ptxas, round 38), and
-// the stage is released after its last split's promotion. A 256-column tile's split s is its values [32 s, 32 s +
-// 32). row0 / row1: the thread's fragment rows (values i with (i / 2) % 2 = 0 / 1); col0: its first column, value
-// i's column is col0 + i % 2 + 8 (i / 4) (gemm_epilogue.cuh's fragment layout).
+// (KScaleStages); the A scales are read while the wgmma runs, the B scales from the stage as the product is
+// promoted (a split's 32 held in registers beside the 128 promoted and 64 partial values spilled: ptxas), and the
+// stage is released after the last split's promotion. A 256-column tile does this per k-block for each 128-column
+// split in turn (kNSplits; its values [64 s, 64 s + 64) are split s's columns) through the one partial, as
+// mainloop_block_scaled does. row0 / row1: the thread's fragment rows (values i with (i / 2) % 2 = 0 / 1); col0:
+// its first column, value i's column is col0 + i % 2 + 8 (i / 4) (gemm_epilogue.cuh's fragment layout).
 template <class Collective, class Storage, class ThreadMma, class Accum>
 __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& smem,
                                                   typename Collective::Pipeline& pipeline,
@@ -500,23 +471,30 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
   constexpr int kColumnPairs = kSplitValues / 4;  // the thread's 2-column groups of a split: 8 columns apart
   static_assert(kValues * 2 == Collective::kBlockN, "a 64-row warpgroup's kBlockN columns, 128 threads");
   clear(accum);
-  float a0 = 0.0f, a1 = 0.0f;
-  run_scaled_batches<Collective>(
-      num_k_blocks, pipeline, read_state, mma, product, bound,
-      [&](int stage) { a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1]; },
-      [&](int split, const auto& partial, int stage) {
-        const float* b_scales = &smem.b_scales[stage][split * Collective::kMmaN + col0];
+  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    consumer_wait_bounded(pipeline, read_state, bound);
+    const int stage = read_state.index();
+    float a0 = 0.0f, a1 = 0.0f;
+    CUTE_UNROLL
+    for (int split = 0; split < kSplits; ++split) {
+      product.issue(mma, stage, split);
+      if (split == 0) a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
+      const float* b_scales = &smem.b_scales[stage][split * Collective::kMmaN + col0];
+      product.wait();
+      CUTE_UNROLL
+      for (int j = 0; j < kColumnPairs; ++j) {
+        const float2 b = *reinterpret_cast<const float2*>(b_scales + 8 * j);
         CUTE_UNROLL
-        for (int j = 0; j < kColumnPairs; ++j) {
-          const float2 b = *reinterpret_cast<const float2*>(b_scales + 8 * j);
-          CUTE_UNROLL
-          for (int i = 4 * j; i < 4 * j + 4; ++i) {
-            const float a = (i / 2) % 2 == 0 ? a0 : a1;
-            const float bj = i % 2 == 0 ? b.x : b.y;
-            accum(split * kSplitValues + i) += (a * bj) * partial(i);
-          }
+        for (int i = 4 * j; i < 4 * j + 4; ++i) {
+          const float a = (i / 2) % 2 == 0 ? a0 : a1;
+          const float bj = i % 2 == 0 ? b.x : b.y;
+          accum(split * kSplitValues + i) += (a * bj) * product.partial(i);
         }
-      });
+      }
+    }
+    pipeline.consumer_release(read_state);  // its operands and scales are read
+    ++read_state;
+  }
 }
 
 // A block-scaled tile's B scale rows, one per 64-column group (BlockScaledParams::b_scale_group).
