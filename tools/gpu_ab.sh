@@ -5,8 +5,9 @@
 #   tools/gpu_ab.sh NAME=SOURCE[@CUDA_FLAGS] ...
 # SOURCE: a source tree (".", ".baseline" made by `git archive d0b3fa0 | tar -x -C .baseline`, ...) or a tar file of
 # one (`git archive BRANCH > scratch/b.tar`, carried as an untracked file); CUDA_FLAGS (optional) are added to
-# CMAKE_CUDA_FLAGS, e.g. base=.@-DSOME_EXPERIMENT. Each version's own bench/*.py drive its library (their C APIs
-# may differ). Environment:
+# CMAKE_CUDA_FLAGS, e.g. base=.@-DSOME_EXPERIMENT; or a prebuilt version (a folder with libmok_bench_capi.so, its
+# bench/ and tests/: tools/build_versions.sh, run on the development machine; no device time spent building it).
+# Each version's own bench/*.py drive its library (their C APIs may differ). Environment:
 #   MOK_AB_REPS=2                          rounds of the layer benchmark, each over every version in turn
 #   MOK_AB_LAYER_ARGS="--shapes Qwen3-30B-A3B --iters 30"   bench/layer_bench.py's arguments ("" skips it)
 #   MOK_AB_GEMM_ARGS=""                    bench/gemm_bench.py's arguments, e.g. "--gemm all" ("" skips it)
@@ -18,6 +19,9 @@
 #   MOK_AB_BITS_SHAPES=""                  bench/bits.py (this tree's): --save with the first version, --check with
 #                                          every other one, on these shapes, e.g. "Qwen3-30B-A3B,Kimi-K2.7"
 #   MOK_AB_JOBS                            build jobs per version (default: the cores / the number of versions)
+#   MOK_AB_TESTS=""                        prebuilt versions' GPU test binaries, run before the benches, each
+#                                          BINARY or BINARY:GTEST_FILTER, e.g. "test_moe_fp8:*Megakernel*" (a
+#                                          version without the binary in its tests/ skips it)
 # Prints the table rows of each run; full logs go to $OUT (the device tool's return folder) when set.
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -31,7 +35,7 @@ if [ $# -lt 1 ]; then
   exit 2
 fi
 
-names=() sources=() flags=()
+names=() sources=() flags=() prebuilt=()
 for spec in "$@"; do
   name=${spec%%=*} rest=${spec#*=}
   if [ "$name" = "$spec" ] || ! [[ $name =~ ^[A-Za-z0-9_-]+$ ]]; then
@@ -40,6 +44,10 @@ for spec in "$@"; do
   fi
   source=${rest%%@*} flag=""
   [ "$source" != "$rest" ] && flag=${rest#*@}
+  if [ -f "$source/libmok_bench_capi.so" ]; then  # prebuilt (tools/build_versions.sh): its bench/ drives it
+    names+=("$name") sources+=("$(cd "$source" && pwd)") flags+=("") prebuilt+=(1)
+    continue
+  fi
   if [ -f "$source" ]; then  # a tar of a tree
     mkdir -p "$work/src_$name" && tar -xf "$source" -C "$work/src_$name" || exit 1
     source="$work/src_$name"
@@ -48,12 +56,16 @@ for spec in "$@"; do
     echo "gpu_ab: $name: $source is not a source tree (no CMakeLists.txt)" >&2
     exit 2
   fi
-  names+=("$name") sources+=("$(cd "$source" && pwd)") flags+=("$flag")
+  names+=("$name") sources+=("$(cd "$source" && pwd)") flags+=("$flag") prebuilt+=(0)
 done
+# Prebuilt libraries were linked on the development machine: the CUDA runtime and NCCL from their folders here.
+nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib"))' 2>/dev/null || true)
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/lib${nccl_lib:+:$nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 jobs=${MOK_AB_JOBS:-$(( $(nproc) / ${#names[@]} > 0 ? $(nproc) / ${#names[@]} : 1 ))}
 SECONDS=0
 for i in "${!names[@]}"; do
+  [ "${prebuilt[$i]}" = 1 ] && continue
   (cmake -S "${sources[$i]}" -B "$work/build_${names[$i]}" -G Ninja -DCMAKE_BUILD_TYPE=Release \
      -DMOK_DEPS_DIR="$root/.deps" -DMOK_BUILD_TESTS=OFF -DCMAKE_CUDA_FLAGS="${flags[$i]}" \
      >"$out/configure_${names[$i]}.log" 2>&1 &&
@@ -62,12 +74,37 @@ for i in "${!names[@]}"; do
 done
 wait
 echo "builds: $SECONDS s"
-lib() { echo "$work/build_$1/bench/libmok_bench_capi.so"; }
+# Version NAME's library: its build's, or the prebuilt folder's.
+lib() {
+  local i
+  for i in "${!names[@]}"; do
+    [ "${names[$i]}" = "$1" ] || continue
+    if [ "${prebuilt[$i]}" = 1 ]; then echo "${sources[$i]}/libmok_bench_capi.so"; else
+      echo "$work/build_$1/bench/libmok_bench_capi.so"; fi
+  done
+}
 status=0
 for i in "${!names[@]}"; do
   [ -f "$(lib "${names[$i]}")" ] || { tail -n 30 "$out/build_${names[$i]}.log"; status=1; }
 done
 [ $status = 0 ] || exit 1
+
+read -r -a test_specs <<<"${MOK_AB_TESTS:-}"  # words, not globbed (filters hold '*')
+for spec in "${test_specs[@]}"; do
+  binary=${spec%%:*} filter=()
+  [ "$binary" != "$spec" ] && filter=(--gtest_filter="${spec#*:}")
+  for i in "${!names[@]}"; do
+    exe="${sources[$i]}/tests/$binary"
+    [ "${prebuilt[$i]}" = 1 ] && [ -x "$exe" ] || continue
+    log="$out/test_${names[$i]}_$binary.txt"
+    rc=0
+    timeout -k 10 "${MOK_SUITE_TIMEOUT:-300}" "$exe" "${filter[@]}" >"$log" 2>&1 || rc=$?
+    echo "== ${names[$i]} $binary ${filter[*]}: rc $rc, $(grep -cE '^\[ +OK \] .*\(' "$log") passed," \
+         "$(grep -cE '^\[ +SKIPPED \] .*\(' "$log") skipped, $(grep -cE '^\[ +FAILED \] .*\(' "$log") failed"
+    grep -E '^\[ +FAILED \] .*\(' "$log" | head -n 5
+    [ "$rc" = 0 ] || status=1
+  done
+done
 
 layer_args=${MOK_AB_LAYER_ARGS-"--shapes Qwen3-30B-A3B --iters 30"}
 if [ -n "$layer_args" ]; then
