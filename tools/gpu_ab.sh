@@ -58,9 +58,14 @@ for spec in "$@"; do
   fi
   names+=("$name") sources+=("$(cd "$source" && pwd)") flags+=("$flag") prebuilt+=(0)
 done
-# Prebuilt libraries were linked on the development machine: the CUDA runtime and NCCL from their folders here.
-nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib"))' 2>/dev/null || true)
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/lib${nccl_lib:+:$nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# Prebuilt libraries and tests were linked on the development machine: the CUDA runtime and NCCL from their folders
+# here (only then: a version built here finds them as it was linked).
+if [[ " ${prebuilt[*]} " == *" 1 "* ]]; then
+  nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(nvidia.nccl.__path__[0], "lib"))' 2>/dev/null ||
+             true)
+  LD_LIBRARY_PATH=/usr/local/cuda/lib64:/usr/local/cuda/lib${nccl_lib:+:$nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export LD_LIBRARY_PATH
+fi
 
 jobs=${MOK_AB_JOBS:-$(( $(nproc) / ${#names[@]} > 0 ? $(nproc) / ${#names[@]} : 1 ))}
 SECONDS=0
