@@ -95,13 +95,13 @@ done
 [ $status = 0 ] || exit 1
 
 read -r -a test_specs <<<"${MOK_AB_TESTS:-}"  # words, not globbed (filters hold '*')
-for spec in "${test_specs[@]}"; do
-  binary=${spec%%:*} filter=()
+for k in "${!test_specs[@]}"; do
+  spec=${test_specs[$k]} binary=${test_specs[$k]%%:*} filter=()
   [ "$binary" != "$spec" ] && filter=(--gtest_filter="${spec#*:}")
   for i in "${!names[@]}"; do
     exe="${sources[$i]}/tests/$binary"
     [ "${prebuilt[$i]}" = 1 ] && [ -x "$exe" ] || continue
-    log="$out/test_${names[$i]}_$binary.txt"
+    log="$out/test_${names[$i]}_${binary}_$k.txt"  # a binary may be named twice (two filters)
     rc=0
     timeout -k 10 "${MOK_SUITE_TIMEOUT:-300}" "$exe" "${filter[@]}" >"$log" 2>&1 || rc=$?
     echo "== ${names[$i]} $binary ${filter[*]}: rc $rc, $(grep -cE '^\[ +OK \] .*\(' "$log") passed," \
