@@ -22,7 +22,7 @@ also with keep_gate_up=False (its backward recomputes g | u and h: the same bits
 expert MLP forward + backward as the peer (the gradients of its rows and weights). Also printed: the FP8 d_x's
 normwise error against BF16's and each layer's forward context bytes (issue 28 item 3).
 Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
-       [--breakdown] [--backward [--backward-paths fp8,fp8f,fp8r,fp8b,bf16,fused]]
+       [--breakdown] [--backward [--backward-paths fp8,fp8f,fp8r,fp8b,fp8m,bf16,fused]]
 """
 import argparse
 import ctypes
@@ -123,9 +123,10 @@ def main():
                              "fused and bf16 fused forward + backward (torch.profiler)")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (the layers built with the backward) instead of the forward")
-    parser.add_argument("--backward-paths", default=",".join(p for p in BACKWARD_PATHS if p != "fp8b"),
+    parser.add_argument("--backward-paths", default=",".join(p for p in BACKWARD_PATHS if p not in OPT_IN_PATHS),
                         help="with --backward, the layers built (fp8f and fused always; fewer fit larger shapes; "
-                             "fp8b, fp8f with bf16 weight gradients, only when named)")
+                             "only when named: fp8b, fp8f with bf16 weight gradients; fp8m, fp8f with the backward "
+                             "megakernel)")
     args = parser.parse_args()
     lib = capi.load(os.path.abspath(args.lib))
     if args.backward:
@@ -249,9 +250,12 @@ def fp8_weight_pointers(w, transposed=True):
 
 # --backward's layers: path, precision, keep_gate_up.
 # name: (forward path, precision, keep_gate_up, bf16_weight_gradients)
-BACKWARD_PATHS = {"fp8": ("unfused", "fp8", True, False), "fp8f": ("fused", "fp8", True, False),
-                  "fp8r": ("fused", "fp8", False, False), "fp8b": ("fused", "fp8", True, True),
-                  "bf16": ("unfused", "bf16", True, False), "fused": ("fused", "bf16", True, False)}
+# path: (forward path, precision, keep_gate_up, bf16_weight_gradients, backward_megakernel)
+BACKWARD_PATHS = {"fp8": ("unfused", "fp8", True, False, False), "fp8f": ("fused", "fp8", True, False, False),
+                  "fp8r": ("fused", "fp8", False, False, False), "fp8b": ("fused", "fp8", True, True, False),
+                  "fp8m": ("fused", "fp8", True, False, True),
+                  "bf16": ("unfused", "bf16", True, False, False), "fused": ("fused", "bf16", True, False, False)}
+OPT_IN_PATHS = ("fp8b", "fp8m")  # built only when --backward-paths names them
 
 
 def run_backward(lib, args):
@@ -264,7 +268,9 @@ def run_backward(lib, args):
           f"{'fp8/bf16':>8s} {'fp8f/fused':>10s} {'fp8r/fused':>10s} {'fp8f_TF':>7s} {'dx_err':>8s} {'dw_err':>8s} "
           f"{'r==f':>5s} {'tao_ms':>8s} {'fp8f/tao':>8s} {'ctx8_MiB':>8s} {'ctx8r_MiB':>9s} {'ctx_MiB':>8s}"
           + (f" {'fp8b_ms':>8s} {'fp8b/fused':>10s} {'fp8b/tao':>8s} {'dw_err_b':>9s} {'dx b=f':>6s}"
-             if "fp8b" in args.backward_paths.split(",") else "") + "   "
+             if "fp8b" in args.backward_paths.split(",") else "")
+          + (f" {'fp8m_ms':>8s} {'fp8m/fused':>10s} {'m==f':>6s}" if "fp8m" in args.backward_paths.split(",") else "")
+          + "   "
           "(forward + backward ms: fp8 the FP8 unfused forward, fp8f the FP8 fused one, each then the FP8 stage "
           "backward; fp8r the fused one with keep_gate_up=False (the backward recomputes g | u and h); bf16 unfused, "
           "fused, each then bf16's stage backward; ratios: speed-ups; dx_err, dw_err: normwise |fp8 - bf16| / |bf16| "
@@ -272,7 +278,8 @@ def run_backward(lib, args):
           "FP8 rowwise expert MLP forward + backward of the same rows (routed experts only); ctx: forward context "
           "bytes, FP8 fused (g | u and h kept), FP8 recompute, bf16 fused; the FP8 layers' weight gradients FP8; "
           "fp8b: fp8f with bf16 weight gradients (bf16_weight_gradients), dw_err_b its routed down weight gradient's "
-          "error, dx b=f: its d_x and d_rw bitwise fp8f's)")
+          "error, dx b=f: its d_x and d_rw bitwise fp8f's; fp8m: fp8f with the backward megakernel "
+          "(backward_megakernel), m==f: its d_x, d_rw and weight gradients bitwise fp8f's)")
 
     wanted = set(args.backward_paths.split(",")) | {"fp8f", "fused"}
     unknown = wanted - set(BACKWARD_PATHS)
@@ -284,8 +291,9 @@ def run_backward(lib, args):
         common = dict(ep_size=1, num_tokens=t, top_k=top_k, num_experts=experts, hidden=hidden, intermediate=inter,
                       shared_expert=bool(shared))
         layers = {p: create(lib, path=path, precision=precision, keep_gate_up=keep,
-                            **(dict(bf16_weight_gradients=True) if bf16w else {}), **common)
-                  for p, (path, precision, keep, bf16w) in BACKWARD_PATHS.items() if p in wanted}
+                            **(dict(bf16_weight_gradients=True) if bf16w else {}),
+                            **(dict(backward_megakernel=True) if megakernel else {}), **common)
+                  for p, (path, precision, keep, bf16w, megakernel) in BACKWARD_PATHS.items() if p in wanted}
         try:
             x, topk_idx, rw, w = random_problem(gen, t, experts, hidden, inter, top_k, shared)
             d_out = torch.randn(t, hidden, device="cuda", generator=gen).bfloat16()
@@ -298,7 +306,7 @@ def run_backward(lib, args):
             # The compared layers' own weight gradients; the unfused ones write into the fused ones' (memory for the
             # EP = 1 shapes).
             grads = {p: {n: torch.empty_like(v) for n, v in zip(capi.GRADS, w) if v is not None}
-                     for p in ("fp8f", "fp8r", "fp8b", "fused") if p in layers}
+                     for p in ("fp8f", "fp8r", "fp8b", "fp8m", "fused") if p in layers}
             grads["fp8"], grads["bf16"] = grads["fp8f"], grads["fused"]
             arrays = {p: capi.grad_arrays(grads[p], {n: "bf16" for n in grads[p]}, {n: "write" for n in grads[p]})
                       for p in layers}
@@ -350,6 +358,14 @@ def run_backward(lib, args):
                 return (f" {ms['fp8b']:8.3f} {ratio('fused', 'fp8b'):10.2f} {cell(8, ratio('tao', 'fp8b'), '.2f')} "
                         f"{dw_err_b:9.4f} {'yes' if same_dgrads else 'NO':>6s}")
 
+            def fp8m_cells():  # --backward-paths with fp8m: the backward megakernel against fp8f's stage kernels
+                if "fp8m" not in layers:
+                    return ""
+                pairs = [(d_x["fp8m"], d_x["fp8f"]), (d_rw["fp8m"], d_rw["fp8f"])]
+                pairs += [(grads["fp8m"][n], grads["fp8f"][n]) for n in grads["fp8f"]]
+                same_bits = all(torch.equal(a, b) for a, b in pairs)
+                return f" {ms['fp8m']:8.3f} {ratio('fused', 'fp8m'):10.2f} {'yes' if same_bits else 'NO':>6s}"
+
             def cell(width, value, spec):  # "-" for a layer not built
                 return f"{value:{width}{spec}}" if value is not None else f"{'-':>{width}s}"
             ratio = lambda a, b: ms[a] / ms[b] if a in ms and b in ms else None
@@ -359,9 +375,9 @@ def run_backward(lib, args):
                   f"{cell(10, ratio('fused', 'fp8r'), '.2f')} {flops / ms['fp8f'] / 1e9:7.0f} {dx_err:8.4f} "
                   f"{dw_err:8.4f} {('yes' if same else 'NO') if 'fp8r' in layers else '-':>5s} "
                   f"{cell(8, ms.get('tao'), '.3f')} {cell(8, ratio('tao', 'fp8f'), '.2f')} {ctx['fp8f']:8.1f} "
-                  f"{cell(9, ctx.get('fp8r'), '.1f')} {ctx['fused']:8.1f}{fp8b_cells()}", flush=True)
+                  f"{cell(9, ctx.get('fp8r'), '.1f')} {ctx['fused']:8.1f}{fp8b_cells()}{fp8m_cells()}", flush=True)
             if args.breakdown:  # where the step's time goes, FP8 against bf16
-                for p in [p for p in ("fp8f", "fp8b", "fused") if p in layers]:
+                for p in [p for p in ("fp8f", "fp8b", "fp8m", "fused") if p in layers]:
                     for kernel, kernel_ms in kernel_breakdown(step(p)):
                         print(f"  {name} {p:5s} {kernel:40s} {kernel_ms:8.3f} ms per call", flush=True)
             del fp8_tensors

@@ -160,8 +160,9 @@ struct MoeOptions {
                              // (the rows it sends are FP8 with their scales), h per 1 x 128 before the down GEMM,
                              // the weights given quantized (MoeWeights' FP8 form, quantize_weights_fp8). Either
                              // forward path; the backward (docs/design.md, "FP8 backward") as stage kernels
-                             // (fused.backward_megakernel = false), with I % 128 == 0 and a context that keeps
-                             // every row (ring_rows() == capacity_rows()); no gather_rows, no scatter_rows
+                             // or the backward megakernel (its weight gradients after it), with I % 128 == 0 and
+                             // a context that keeps every row (ring_rows() == capacity_rows()); no gather_rows,
+                             // no scatter_rows
   bool fp8_power_of_two_scales = false;  // precision kFP8: the activations' scales (x's and h's, per 1 x 128)
                              // rounded up to powers of two (include/mok/fp8.h; the weights' are chosen when they
                              // are quantized: Fp8QuantizeArgs::power_of_two_scales)

@@ -67,8 +67,8 @@ class Config:
                      stage-kernel backward's gate/up dgrad (the fused forward and the backward megakernel do not
                      scatter yet). The same bits
     precision        "bf16", or "fp8" (DeepSeek-V3's e4m3 with block scales: mok.quantize_weights,
-                     mok.forward_fp8 and mok.backward_fp8); "fp8" needs gather_rows, scatter_rows and
-                     backward_megakernel False for now, and with backward=True an intermediate size that is a
+                     mok.forward_fp8 and mok.backward_fp8); "fp8" needs gather_rows and scatter_rows False
+                     for now, and with backward=True an intermediate size that is a
                      multiple of 128 and a context that keeps every row (the unfused path, or context_budget_bytes
                      0, or macrobatch_rows at least the capacity: the FP8 backward reads g, u and h from it, or
                      recomputes them from its FP8 x rows)
@@ -146,11 +146,9 @@ class Config:
                             f"{arguments.describe(self.precision)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Config.precision: expected one of {sorted(PRECISIONS)}, got {self.precision!r}")
-        if self.precision == "fp8" and (self.gather_rows or self.scatter_rows or self.backward_megakernel):
-            raise ValueError("Config.precision: 'fp8' runs with gather_rows=False, scatter_rows=False and "
-                             "backward_megakernel=False for now (its backward: stage kernels), got "
-                             f"gather_rows={self.gather_rows}, scatter_rows={self.scatter_rows}, "
-                             f"backward_megakernel={self.backward_megakernel}")
+        if self.precision == "fp8" and (self.gather_rows or self.scatter_rows):
+            raise ValueError("Config.precision: 'fp8' runs with gather_rows=False and scatter_rows=False for now, got "
+                             f"gather_rows={self.gather_rows}, scatter_rows={self.scatter_rows}")
         if self.fp8_power_of_two_scales and self.precision != "fp8":
             raise ValueError("Config.fp8_power_of_two_scales: expected False unless precision='fp8' (it rounds the FP8 "
                              f"activations' scales), got True with precision={self.precision!r}")

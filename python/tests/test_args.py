@@ -89,7 +89,7 @@ CASES = [
     ('mok.Config(gather_rows=1, path="unfused")', TypeError, "Config.gather_rows: expected a bool"),
     ('mok.Config(scatter_rows=1)', TypeError, "Config.scatter_rows: expected a bool"),
     ('mok.Config(precision="fp8", scatter_rows=True, path="unfused")', ValueError,
-     "Config.precision: 'fp8' runs with gather_rows=False, scatter_rows=False and backward_megakernel=False"),
+     "Config.precision: 'fp8' runs with gather_rows=False and scatter_rows=False"),
     ('mok.Config(precision="e5m2")', ValueError, "Config.precision: expected one of ['bf16', 'fp8']"),
     ('mok.Config(fp8_power_of_two_scales=True)', ValueError,
      "Config.fp8_power_of_two_scales: expected False unless precision='fp8'"),
@@ -97,8 +97,8 @@ CASES = [
      "Config.fp8_power_of_two_scales: expected a bool"),
     ('mok.Config(bf16_weight_gradients="yes", precision="fp8")', TypeError,
      "Config.bf16_weight_gradients: expected a bool"),
-    ('mok.Config(precision="fp8", backward_megakernel=True)', ValueError,
-     "Config.precision: 'fp8' runs with gather_rows=False, scatter_rows=False and backward_megakernel=False"),
+    ('mok.Config(precision="fp8", gather_rows=True, path="unfused")', ValueError,
+     "Config.precision: 'fp8' runs with gather_rows=False and scatter_rows=False"),
     ('mok.get_workspace(mok.Config(precision="fp8"), None, 256, 128, 64, 2, 8, device="meta")', ValueError,
      "intermediate: Config(precision='fp8', backward=True) needs a multiple of 128"),
     ('mok.quantize_weights(w, power_of_two_scales="yes")', TypeError, "power_of_two_scales: expected a bool"),
@@ -311,6 +311,7 @@ def test_good_arguments_pass():
     mok.Config(tile_m=128, minibatch_rows=128, macrobatch_rows=256, capacity_rows=1024, wait_timeout_s=86400,
                load_factor=float("inf"), comm_ctas=2, context_budget_bytes=0, path="unfused")
     mok.Config(backward_megakernel=True)
+    mok.Config(backward_megakernel=True, precision="fp8")
     mok.Config(wait_timeout_s=1)  # an int of seconds
     mok.Config(setup_timeout_s=86400)
     shape = mok.LayerShape(1, 1, 1, 1, 64, 64, shared_expert=False, swiglu_limit=7)

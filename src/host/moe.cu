@@ -55,7 +55,8 @@ int fused_grid(const PeerGroup& group, const MoeShape& shape, const MoeOptions& 
     int ctas = fp8 ? detail::fused_fp8_grid_ctas(shape, detail::context_keeps_gate_up(options), device)
                    : detail::fused_grid_ctas(shape, options.keep_gate_up, device);
     if (options.fused.backward_megakernel)  // plan_workspace: only with the backward
-      ctas = std::min(ctas, detail::fused_backward_grid_ctas(shape, device)) / cluster_n * cluster_n;
+      ctas = std::min(ctas, detail::fused_backward_grid_ctas(shape, options.precision, device)) / cluster_n *
+             cluster_n;
     grid = grid == 0 ? ctas : std::min(grid, ctas);
   }
   const int comm_ctas = options.fused.comm_ctas;

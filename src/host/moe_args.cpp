@@ -370,11 +370,8 @@ WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options) {
   require(options.precision == Precision::kBF16 || options.precision == Precision::kFP8,
           "MoeOptions.precision must be kBF16 or kFP8, got " + std::to_string(static_cast<int>(options.precision)));
   if (options.precision == Precision::kFP8) {
-    // The FP8 backward (docs/design.md, "FP8 backward"): stage kernels; [d_g, d_u] quantized per 1 x 128 as the
-    // gate/up dgrad's A and [W_gate; W_up]^T as its B need I's 128-column blocks to be each half's own.
-    require(!options.backward || !fused.backward_megakernel,
-            "MoeOptions.precision kFP8 runs the backward as stage kernels: set MoeOptions.fused.backward_megakernel "
-            "= false");
+    // The FP8 backward (docs/design.md, "FP8 backward"): [d_g, d_u] quantized per 1 x 128 as the gate/up dgrad's A
+    // and [W_gate; W_up]^T as its B need I's 128-column blocks to be each half's own.
     require(!options.backward || shape.intermediate % 128 == 0,
             "MoeOptions.precision kFP8 with MoeOptions.backward needs MoeShape.intermediate a multiple of 128, got " +
                 std::to_string(shape.intermediate) + " (or set MoeOptions.backward = false: the forward takes any I)");

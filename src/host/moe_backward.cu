@@ -721,22 +721,42 @@ backward::GradPullSources MoeWorkspace::grad_pull_sources(const RankBackward& b)
 
 // Phase 2 of the fused path: the whole backward of both MLPs between the barriers as one persistent launch
 // (src/device/megakernel/backward_kernel.cuh); bitwise the unfused phases' results.
+// FP8: the megakernel's row GEMMs in e4m3 and its pull quantizing d_out's rows; the shared expert's A operands are
+// quantized before it (local rows, as shared_backward does), and every weight gradient runs after it as the stage
+// kernels run them (their operands quantized along the rows first; dy's and x's by route before the barrier arrive,
+// while the peers' rows are published): the same kernels in the same order per GEMM, so the same bits.
 void MoeWorkspace::backward_fused(const RankBackward& b) {
   const RankState& s = state(b.rank);
   const BackwardScratch& w = s.backward;
   DeviceGuard guard(s.device);
   const ScheduleView& v = b.context->schedule_;
+  const detail::MlpBackwardGemms shared =
+      shape_.shared_expert ? mlp_backward_gemms(b, true) : detail::MlpBackwardGemms{};
+  if (fp8() && shape_.shared_expert) {
+    if (!context_keeps_gate_up())  // the recompute's A: x quantized again as the forward published it
+      detail::publish_fp8_rows(b.x.data, b.x.shape[0], padded_tokens_, shape_.hidden, w.shared_x_fp8, s.x_scales,
+                               options_.fp8_power_of_two_scales, schedule_.device_status(b.rank), b.rank, b.stream);
+    const WaitBound& waits = shared.down_dgrad.waits;  // issue_dgrads' report
+    detail::quantize_rows_fp8(shared.quantize_d_out, waits.status, NonFiniteWhere::kDOut, waits.rank, b.stream);
+  }
   barrier_wait(b.rank, b.stream);
   copy_kept_gate_up(b);
   const detail::MlpBackwardGemms routed = mlp_backward_gemms(b, false);
+  const backward::GradPullSources sources = grad_pull_sources(b);
   detail::FusedBackwardArgs a{
-      .shared = shape_.shared_expert ? mlp_backward_gemms(b, true) : routed,  // no shared phases without one
+      .shared = shape_.shared_expert ? shared : routed,  // no shared phases without one
       .routed = routed,
       .common = megakernel_args(b.rank, v, w.counters, s.tickets + detail::kBackwardExpert),
       .shared_recompute = shape_.shared_expert && !context_keeps_gate_up(),
       .routed_recompute = recomputes_gate_up(),
       .recompute_from = kept_gate_up_rows(),
-      .pull = grad_pull_sources(b),
+      .pull = sources,
+      .pull_fp8 = {.d_out = fp8() ? static_cast<uint8_t*>(w.d_out_fp8) : nullptr,
+                   .d_out_scales = w.d_out_scales,
+                   .rows = capacity_rows(),
+                   .power_of_two = options_.fp8_power_of_two_scales,
+                   .status = schedule_.device_status(b.rank),
+                   .rank = b.rank},
       .x_rows = w.x_rows,
       .d_out_rows = w.d_out_rows,
       .dy_rows = w.dy_rows,
@@ -745,7 +765,11 @@ void MoeWorkspace::backward_fused(const RankBackward& b) {
       .row_partials = w.row_partials,
       .n_blocks = w.n_blocks};
   detail::launch_fused_backward(a, b.stream);
+  if (w.wgrad_dy_fp8 != nullptr) quantize_pulled_columns(b, sources);
   barrier_arrive(b.rank, b.stream);
+  if (!fp8()) return;  // bf16's weight gradients were tiles of the megakernel
+  issue_weight_grads(routed, s.tickets + detail::kBackwardExpert, b.stream);
+  if (shape_.shared_expert) issue_weight_grads(shared, s.tickets + detail::kBackwardShared, b.stream);
 }
 
 // Phase 3: wait for every expert rank's rows, then d_x = shared dx + sum_j d_x_route_j (fp32, j ascending,

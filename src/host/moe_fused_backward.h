@@ -39,9 +39,10 @@ struct FusedBackwardArgs {
   bool routed_recompute = false;   // routed rows [recompute_from, ...) are recomputed
   int32_t recompute_from = 0;      // a multiple of 128; the rows below it were copied from the context
   backward::GradPullSources pull;
+  backward::GradPullFp8 pull_fp8;  // precision kFP8 (the row GEMMs'): where the pull quantizes d_out's rows
   void* x_rows = nullptr;          // null: the context keeps every row (the GEMMs read its rows)
   void* d_out_rows = nullptr;      // also the d_x rows (the gate/up dgrad's output)
-  void* dy_rows = nullptr;
+  void* dy_rows = nullptr;         // null with FP8 weight gradients (quantize_columns_fp8 reads dy by route)
   float* row_weight = nullptr;
   backward::GradPushDestinations push;
   const float* row_partials = nullptr;
@@ -50,9 +51,11 @@ struct FusedBackwardArgs {
 
 // CTAs sharing an A tile: 2 when every backward GEMM's output tiles pair up, else 1.
 int fused_backward_cluster_n(int hidden, int intermediate);
+// The same for a precision: kFP8's row GEMMs (the megakernel's FP8 variant: FusedBackwardArgs' row GEMMs in kFP8).
+int fused_backward_cluster_n(int hidden, int intermediate, Precision precision);
 // CTAs of the persistent launch on `device` (sets the kernel's shared-memory attribute there, as
 // fused_grid_ctas does for the forward).
-int fused_backward_grid_ctas(const MoeShape& shape, int device);
+int fused_backward_grid_ctas(const MoeShape& shape, Precision precision, int device);
 int64_t fused_backward_counter_words(int64_t capacity_units, int64_t shared_units);
 
 void launch_fused_backward(const FusedBackwardArgs& args, cudaStream_t stream);

@@ -95,12 +95,6 @@ TEST(WorkspacePlan, EveryRuleNamesItsField) {
        "MoeOptions.fused.backward_megakernel needs ForwardPath::kFused"},
       {"precision", [](MoeShape&, MoeOptions& o) { o.precision = static_cast<Precision>(7); },
        "MoeOptions.precision must be kBF16 or kFP8, got 7"},
-      {"fp8 backward with the backward megakernel",
-       [](MoeShape&, MoeOptions& o) {
-         o.precision = Precision::kFP8;
-         o.fused.backward_megakernel = true;
-       },
-       "MoeOptions.precision kFP8 runs the backward as stage kernels"},
       {"fp8 backward with I not a multiple of 128",
        [](MoeShape& s, MoeOptions& o) {
          o.precision = Precision::kFP8;
@@ -144,6 +138,9 @@ TEST(WorkspacePlan, EveryRuleNamesItsField) {
   MoeOptions fp8_backward;  // the FP8 backward's stage kernels on the unfused path's context (every row)
   fp8_backward.precision = Precision::kFP8;
   fp8_backward.path = ForwardPath::kUnfused;
+  EXPECT_EQ(plan_error(small_shape(), fp8_backward), "no throw");
+  fp8_backward.path = ForwardPath::kFused;  // and the backward megakernel in FP8
+  fp8_backward.fused.backward_megakernel = true;
   EXPECT_EQ(plan_error(small_shape(), fp8_backward), "no throw");
   for (const BadCase& c : cases) {
     MoeShape shape = small_shape();

@@ -21,7 +21,8 @@
 //       combined_src[token * k + slot, :] = d_x_rows[row, :]   (peer write: the forward's combine rows)
 //       d_rw_src[token * k + slot]        = sum over n-blocks nb = 0, 1, ... of row_partials[row, nb]
 //       nothing for padding rows
-// Lanes move 16-byte vectors (8 bf16), kRowCopyUnroll of them in flight per lane, as copy_row_warp.
+// Lanes move 16-byte vectors (8 bf16), kUnroll (kRowCopyUnroll by default) of them in flight per lane, as
+// copy_row_warp.
 // Determinism: every destination row and value has one writer; the d_rw sum has one fixed order in fp32.
 #pragma once
 
@@ -124,6 +125,9 @@ __device__ __forceinline__ void quantize_pulled_vector(const GradPullFp8& q, con
   }
 }
 
+// kUnroll: 16-byte vectors a lane keeps in flight (fewer where registers are short: the FP8 backward megakernel's
+// copy warps).
+template <int kUnroll = device::kRowCopyUnroll>
 __device__ __forceinline__ void pull_grad_row(const GradPullSources& src, const GradPullRow& dst, int64_t row,
                                               int32_t route, int num_tokens, int top_k, int row_vectors, int lane,
                                               const GradPullFp8& fp8 = {}) {
@@ -148,18 +152,18 @@ __device__ __forceinline__ void pull_grad_row(const GradPullSources& src, const 
   if (dst.x != nullptr) {
     const uint4* x_src = row < src.kept_rows ? src.kept_x_rows + row * row_vectors
                                              : dispatch::source_row(src.x, route, num_tokens, top_k, row_vectors);
-    device::copy_row_warp(x_src, dst.x, row_vectors, lane);
+    device::copy_row_warp<kUnroll>(x_src, dst.x, row_vectors, lane);
   }
   const uint4* __restrict__ d_out_src = dispatch::source_row(src.d_out, route, num_tokens, top_k, row_vectors);
-  for (int base = 0; base < row_vectors; base += 32 * device::kRowCopyUnroll) {
-    uint4 v[device::kRowCopyUnroll];
+  for (int base = 0; base < row_vectors; base += 32 * kUnroll) {
+    uint4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < device::kRowCopyUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * 32 + lane;
       if (i < row_vectors) v[u] = d_out_src[i];
     }
 #pragma unroll
-    for (int u = 0; u < device::kRowCopyUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * 32 + lane;
       if (i < row_vectors) {
         if (!quantize && c.src != src.gathered_rank) dst.d_out[i] = v[u];
@@ -171,13 +175,15 @@ __device__ __forceinline__ void pull_grad_row(const GradPullSources& src, const 
 }
 
 // d_x_row and partials (n_blocks fp32) of a scheduled row, to the token's rank.
+template <int kUnroll = device::kRowCopyUnroll>
 __device__ __forceinline__ void push_grad_row(const GradPushDestinations& dst, const uint4* d_x_row,
                                               const float* partials, int n_blocks, int32_t route, int num_tokens,
                                               int top_k, int row_vectors, int lane) {
   if (route < 0) return;
   if (d_x_row != nullptr)  // null: the row stays (scattered by the gate/up dgrad, or read in place at EP = 1)
-    device::copy_row_warp(d_x_row, combine::destination_row(dst.combined, route, num_tokens, top_k, row_vectors),
-                          row_vectors, lane);
+    device::copy_row_warp<kUnroll>(d_x_row,
+                                   combine::destination_row(dst.combined, route, num_tokens, top_k, row_vectors),
+                                   row_vectors, lane);
   if (lane == 0) {
     float d_rw = partials[0];
     for (int nb = 1; nb < n_blocks; ++nb) d_rw = __fadd_rn(d_rw, partials[nb]);

@@ -10,7 +10,9 @@
 //   push        d_x_route rows -> combined_src[token * k + slot], d_rw -> d_rw_src     (comm, to the token's rank)
 //   wgrad       dW_down_e = Σ dyᵀ h, dW_gate/up_e = Σ [d_g, d_u]ᵀ x over the expert's rows (k-grouped GEMMs)
 // and the same for the shared expert over the rank's own tokens (row weight 1, no communication). All buffers
-// are capacity-sized scratch (BackwardScratch); the epilogue after the closing barrier sums d_x.
+// are capacity-sized scratch (BackwardScratch); the epilogue after the closing barrier sums d_x. In FP8 (block-scaled
+// row tiles) the pull also quantizes d_out's rows, the row GEMMs run in e4m3, and the weight gradients run after the
+// launch (BackwardTasks below).
 // This file is the backward's task set on the megakernel skeleton (megakernel.cuh): its parameters and per-kind
 // load, compute and copy; its tables are backward_tasks.h's, its tiles expert_gemm.cuh's and weight_grad_gemm.cuh's
 // (one pipeline, one TileStorage), its row copies grad_rows.cuh's.
@@ -48,9 +50,10 @@ struct BackwardParams {
   WeightGradGemm gate_up_wgrad[2];     // a = d_g | d_u, b = x rows
   MegakernelParams common;             // with the backward's phase tables
   ::mok::backward::GradPullSources pull;
+  ::mok::backward::GradPullFp8 pull_fp8;  // FP8: d_out rows quantized as they are pulled (d_out_rows not written)
   uint4* x_rows;                       // bf16 [capacity, H], or null (the context keeps every row)
   uint4* d_out_rows;                   // bf16 [capacity, H]
-  uint4* dy_rows;                      // bf16 [capacity, H]
+  uint4* dy_rows;                      // bf16 [capacity, H], or null (FP8 weight gradients read dy by route)
   float* row_weight;                   // fp32 [capacity]
   ::mok::backward::GradPushDestinations push;
   const uint4* d_x_rows;               // bf16 [capacity, H] (d_out_rows' bytes: the gate/up dgrad's output)
@@ -78,13 +81,18 @@ __device__ __forceinline__ gemm::GradTileTask grad_tile_of(const ComputeTask& t,
 // The backward's task set: row tiles of the recompute (traits TRecompute: SwiGLU with the g | u side output),
 // the down dgrad (TDown: SwiGLU backward) and the gate/up dgrad (T: plain store), the weight-gradient tiles
 // (WeightGradTraitsInGemmLayout, output mode chosen at run time), the gradient pull and push.
+// FP8 (block-scaled row tiles, kFp8): the same phases, the row GEMMs in e4m3 and the pull quantizing d_out's rows
+// (GradPullFp8); its weight-gradient phases have no tiles (the host gives them no m-blocks: their operands are
+// quantized along the rows after the launch, and the FP8 weight gradients run as the stage kernels do).
 template <class TRecompute, class TDown, class TGateUp>
 struct BackwardTasks {
   using T = TGateUp;
+  static constexpr bool kFp8 = T::kBlockScaled;
   static_assert(std::is_same_v<typename TRecompute::TileStorage, typename T::TileStorage> &&
                     std::is_same_v<typename TDown::TileStorage, typename T::TileStorage> &&
-                    std::is_same_v<typename gemm::WeightGradTraitsInGemmLayout<GradOutput::kFloat32>::TileStorage,
-                                   typename T::TileStorage> &&
+                    (kFp8 ||
+                     std::is_same_v<typename gemm::WeightGradTraitsInGemmLayout<GradOutput::kFloat32>::TileStorage,
+                                    typename T::TileStorage>) &&
                     TRecompute::kStages == T::kStages && TDown::kStages == T::kStages &&
                     TRecompute::kClusterN == T::kClusterN && TDown::kClusterN == T::kClusterN &&
                     TRecompute::kBlockM == T::kBlockM && TDown::kBlockM == T::kBlockM,
@@ -94,6 +102,7 @@ struct BackwardTasks {
   // issues three kinds of loads, its copy warps pull and scale rows: at the forward's 56 ptxas spilled both.
   // The consumers give up 8 of the GEMM's 224 (no spills at 216).
   static constexpr int kProducerRegisters = 72;
+  static constexpr int kCopyUnroll = kFp8 ? 2 : device::kRowCopyUnroll;  // the pull's vectors a lane in flight
   static constexpr int kConsumerRegisters = T::kConsumerRegisters - 8;
   // Rank 0 claims each next slot before the current task's waits and loads (a weight-gradient tile of a few
   // k-blocks takes about as long as the atomic's round trip).
@@ -117,11 +126,15 @@ struct BackwardTasks {
         return gemm::load_tile<T>(g, tile_of<T::kClusterN>(task, cta_rank), cta_rank, smem, pipeline, state, bound);
       }
       default:
-        return gemm::visit_weight_grad(weight_grad_of(p, phase.gemm), [&](auto traits, const auto& w) {
-          using TG = typename decltype(traits)::type;
-          return gemm::load_tile<TG>(w, grad_tile_of<TG, T::kClusterN>(task, cta_rank), cta_rank, smem, pipeline,
-                                     state, bound);
-        });
+        if constexpr (kFp8) {
+          return false;  // not reached: FP8's weight-gradient phases have no tiles
+        } else {
+          return gemm::visit_weight_grad(weight_grad_of(p, phase.gemm), [&](auto traits, const auto& w) {
+            using TG = typename decltype(traits)::type;
+            return gemm::load_tile<TG>(w, grad_tile_of<TG, T::kClusterN>(task, cta_rank), cta_rank, smem, pipeline,
+                                       state, bound);
+          });
+        }
     }
   }
 
@@ -154,7 +167,7 @@ struct BackwardTasks {
     } else if (kind == backward::GemmKind::kGateUpDgrad) {
       gemm::compute_tile<T>(p.gate_up_dgrad[mlp], tile_of<T::kClusterN>(task, cta_rank), smem, pipeline, state,
                             consumer_idx, rows_done, &signal, bound);
-    } else {
+    } else if constexpr (!kFp8) {  // FP8's weight-gradient phases have no tiles
       // A weight-gradient tile signals nothing; the previous row tile's late count goes out inside it. One
       // call site per output mode, spelled out (a generic lambda's call was not inlined: ptxas serialized
       // every wgmma of the kernel, C7510).
@@ -184,11 +197,15 @@ struct BackwardTasks {
       const int64_t at = row * c.row_vectors;
       if (kind == TaskKind::kPullGrad) {
         const ::mok::backward::GradPullRow dst{p.x_rows != nullptr ? p.x_rows + at : nullptr, p.d_out_rows + at,
-                                               p.dy_rows + at, p.row_weight + row};
-        ::mok::backward::pull_grad_row(p.pull, dst, row, route, c.num_tokens, c.top_k, c.row_vectors, lane);
+                                               p.dy_rows != nullptr ? p.dy_rows + at : nullptr, p.row_weight + row};
+        if constexpr (kFp8)
+          ::mok::backward::pull_grad_row<kCopyUnroll>(p.pull, dst, row, route, c.num_tokens, c.top_k, c.row_vectors,
+                                                      lane, p.pull_fp8);
+        else  // no quantization compiled in (a default GradPullFp8 is a constant)
+          ::mok::backward::pull_grad_row(p.pull, dst, row, route, c.num_tokens, c.top_k, c.row_vectors, lane);
       } else {
-        ::mok::backward::push_grad_row(p.push, p.d_x_rows + at, p.row_partials + row * p.n_blocks, p.n_blocks, route,
-                                       c.num_tokens, c.top_k, c.row_vectors, lane);
+        ::mok::backward::push_grad_row<kCopyUnroll>(p.push, p.d_x_rows + at, p.row_partials + row * p.n_blocks,
+                                                    p.n_blocks, route, c.num_tokens, c.top_k, c.row_vectors, lane);
       }
     }
   }
