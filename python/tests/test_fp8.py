@@ -357,6 +357,28 @@ def test_fp8_backward_paths_grad_modes_and_token_counts():
         mok.check_status(wsf)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("keep_gate_up", [True, False], ids=["kept", "recomputed"])
+def test_fp8_backward_megakernel_gives_the_stage_kernels_bits(shared, keep_gate_up):
+    """Config(precision="fp8", backward_megakernel=True): the FP8 backward as one persistent launch gives the FP8
+    stage kernels' d_x, d_rw and weight gradients bit for bit (g | u kept by the forward or recomputed), reruns too."""
+    x, idx, rw, w = _inputs(1880 + shared, shared)
+    d_out = _d_out(10)
+    qw = mok.quantize_weights(w, transposed=True)
+    results = []
+    for megakernel in (False, True, True):
+        with _training_workspace(shared, path="fused", keep_gate_up=keep_gate_up,
+                                 backward_megakernel=megakernel) as ws:
+            _, ctx = mok.forward_fp8(ws, x, idx, rw, qw)
+            d_x, d_rw, grads = mok.backward_fp8(ws, d_out, x, idx, rw, qw, ctx)
+            mok.check_status(ws)
+            results.append([d_x, d_rw, *[g for g in grads.tensors() if g is not None]])
+    assert not any(t.isnan().any() for t in results[0])
+    for run in (1, 2):
+        for n, (a, b) in enumerate(zip(results[0], results[run])):
+            assert torch.equal(a, b), f"value {n} (run {run}): the backward megakernel against the stage kernels"
+
+
 def test_moe_fp8_trains():
     """mok.MoE(precision="fp8"): autograd gives the functional FP8 backward's bits (parameters as the master
     weights), an optimizer step quantizes again, main_grad=True adds into main_grad, recompute=True lets two
