@@ -340,7 +340,8 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
 // batch j + 1 only once warpgroup 1 has issued batch j (hardware named barriers 12 and 13 over both warpgroups), so
 // one warpgroup's batch runs while the other promotes. Each mainloop call is a closed exchange (warpgroup 0 waits
 // for the other's last issue before it returns), so a named barrier never sees a phase's arrivals twice. Off where
-// only one warpgroup computes the tile. The sums are unchanged: the same bits.
+// only one warpgroup computes the tile, and in the SwiGLU-quantizing tiles (KeepsCarry: with it ptxas spilled 8
+// bytes at 232 registers). The sums are unchanged: the same bits.
 struct WgmmaTurns {
   bool on = false;
   int warpgroup = 0;
@@ -592,7 +593,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
       const float* b_rows[T::kBlockN / 64];
       b_scale_groups<T>(p, sub, b_rows);
       mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
-                               get<0>(coords(0)), get<0>(coords(2)), b_rows, bound, turns);
+                               get<0>(coords(0)), get<0>(coords(2)), b_rows, bound);  // no turns: 8 bytes spilled
       // One keep for both passes, then its values into the pass's part of the carry by constant indices (a
       // runtime index would put the carry in local memory). Why not a keep per branch: each is the SwiGLU of 32
       // values, and code size counts here: perf_notes round 17.
