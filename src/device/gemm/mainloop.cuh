@@ -333,15 +333,15 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   }
 }
 
-// Experiment (MOK_EXP_WG_TURNS; docs/perf_notes.md, round 44): the two consumer warpgroups of a scaled tile take
-// turns at the tensor cores. Both wait for the same stage and, woken together, issue their wgmma batches together:
-// the batches interleave on the tensor cores, finish together and are promoted together, with no wgmma in flight
-// meanwhile. Here warpgroup 1 issues batch j only once warpgroup 0 has issued its batch j, and warpgroup 0 issues
-// batch j + 1 only once warpgroup 1 has issued batch j (hardware named barriers 12 and 13 over both warpgroups), so
-// one warpgroup's batch runs while the other promotes. Each mainloop call is a closed exchange (warpgroup 0 waits
-// for the other's last issue before it returns), so a named barrier never sees a phase's arrivals twice. Off where
-// only one warpgroup computes the tile, and in the SwiGLU-quantizing tiles (KeepsCarry: with it ptxas spilled 8
-// bytes at 232 registers). The sums are unchanged: the same bits.
+// Experiment (MOK_EXP_WG_TURNS; docs/perf_notes.md, round 44): the two consumer warpgroups of a scaled tile take turns
+// at the tensor cores. Both wait for the same stage and, woken together, issue their wgmma batches together: the
+// batches interleave on the tensor cores, finish together and are promoted together, with no wgmma in flight meanwhile.
+// Here warpgroup 1 issues batch j only once warpgroup 0 has issued its batch j, and warpgroup 0 issues batch j + 1 only
+// once warpgroup 1 has issued batch j (hardware named barriers 12 and 13 over both warpgroups), so one warpgroup's
+// batch runs while the other promotes. Each mainloop call is a closed exchange (warpgroup 0 waits for the other's last
+// issue before it returns, if it issued any), so a named barrier never sees a phase's arrivals twice. Off where only
+// one warpgroup computes the tile, and in the SwiGLU-quantizing tiles (KeepsCarry: with it ptxas spilled 8 bytes at 232
+// registers). The sums are unchanged: the same bits.
 struct WgmmaTurns {
   bool on = false;
   int warpgroup = 0;
@@ -483,7 +483,7 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
         accum(split * kSplitValues + i) += scale[(i / 2) % 2][i / 32] * product.partial(i);
     }
   }
-  turns.close();
+  if (num_k_blocks > 0) turns.close();  // an empty k-grouped segment: no batch, no exchange
 }
 
 // The mainloop of an active consumer warpgroup with K-scaled (FP8 weight-gradient) operands: per k-block, the
@@ -536,7 +536,7 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
     pipeline.consumer_release(read_state);  // its operands and scales are read
     ++read_state;
   }
-  turns.close();
+  if (num_k_blocks > 0) turns.close();  // an empty k-grouped segment: no batch, no exchange
 }
 
 // A block-scaled tile's B scale rows, one per 64-column group (BlockScaledParams::b_scale_group).
