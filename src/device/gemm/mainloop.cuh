@@ -333,42 +333,6 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   }
 }
 
-// Experiment (MOK_EXP_WG_TURNS; docs/perf_notes.md, round 44): the two consumer warpgroups of a scaled tile take turns
-// at the tensor cores. Both wait for the same stage and, woken together, issue their wgmma batches together: the
-// batches interleave on the tensor cores, finish together and are promoted together, with no wgmma in flight meanwhile.
-// Here warpgroup 1 issues batch j only once warpgroup 0 has issued its batch j, and warpgroup 0 issues batch j + 1 only
-// once warpgroup 1 has issued batch j (hardware named barriers 12 and 13 over both warpgroups), so one warpgroup's
-// batch runs while the other promotes. Each mainloop call is a closed exchange (warpgroup 0 waits for the other's last
-// issue before it returns, if it issued any), so a named barrier never sees a phase's arrivals twice. Off where only
-// one warpgroup computes the tile, and in the SwiGLU-quantizing tiles (KeepsCarry: with it ptxas spilled 8 bytes at 232
-// registers). The sums are unchanged: the same bits.
-struct WgmmaTurns {
-  bool on = false;
-  int warpgroup = 0;
-#if defined(MOK_EXP_WG_TURNS)
-  static constexpr int kMine = 12, kTheirs = 13;  // hardware ids; 8-11 are taken (communication, staging, gather)
-  __device__ __forceinline__ static void sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-  __device__ __forceinline__ static void arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
-  __device__ __forceinline__ void before_issue(int batch) const {
-    if (!on) return;
-    if (warpgroup == 1)
-      sync(kMine);
-    else if (batch > 0)
-      sync(kTheirs);
-  }
-  __device__ __forceinline__ void after_issue() const {
-    if (on) arrive(warpgroup == 0 ? kMine : kTheirs);
-  }
-  __device__ __forceinline__ void close() const {
-    if (on && warpgroup == 0) sync(kTheirs);
-  }
-#else
-  __device__ __forceinline__ void before_issue(int) const {}
-  __device__ __forceinline__ void after_issue() const {}
-  __device__ __forceinline__ void close() const {}
-#endif
-};
-
 // The scaled mainloops' operands and per-k-block product: the stage's wgmma batch of one split (the B rows
 // [split kMmaN, (split + 1) kMmaN) of the stage; one split unless the tile is wider than a wgmma) into fresh fp32
 // accumulators (`partial`, one split's fragment: the first wgmma overwrites it), issued, then waited for before
@@ -438,7 +402,7 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
                                                       typename Collective::TiledMma& mma, const ThreadMma& thread_mma,
                                                       Accum& accum, int row0, int row1,
                                                       const float* const (&b_scales)[kGroups],
-                                                      const device::HandoffBound& bound, WgmmaTurns turns = {}) {
+                                                      const device::HandoffBound& bound) {
   using namespace cute;
   auto product = scaled_product<Collective>(smem, thread_mma, accum);
   constexpr int kValues = decltype(size(accum))::value;
@@ -465,9 +429,7 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
     }
     CUTE_UNROLL
     for (int split = 0; split < kSplits; ++split) {
-      turns.before_issue(k_block * kSplits + split);
       product.issue(mma, stage, split);
-      turns.after_issue();
       if (split + 1 < kSplits)
         product.wait();
       else
@@ -483,7 +445,6 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
         accum(split * kSplitValues + i) += scale[(i / 2) % 2][i / 32] * product.partial(i);
     }
   }
-  if (num_k_blocks > 0) turns.close();  // an empty k-grouped segment: no batch, no exchange
 }
 
 // The mainloop of an active consumer warpgroup with K-scaled (FP8 weight-gradient) operands: per k-block, the
@@ -502,7 +463,7 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
                                                   typename Collective::PipelineState& read_state,
                                                   typename Collective::TiledMma& mma, const ThreadMma& thread_mma,
                                                   Accum& accum, int row0, int row1, int col0,
-                                                  const device::HandoffBound& bound, WgmmaTurns turns = {}) {
+                                                  const device::HandoffBound& bound) {
   using namespace cute;
   auto product = scaled_product<Collective>(smem, thread_mma, accum);
   constexpr int kValues = decltype(size(accum))::value;
@@ -516,9 +477,7 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
     float a0 = 0.0f, a1 = 0.0f;
     CUTE_UNROLL
     for (int split = 0; split < kSplits; ++split) {
-      turns.before_issue(k_block * kSplits + split);
       product.issue(mma, stage, split);
-      turns.after_issue();
       if (split == 0) a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
       const float* b_scales = &smem.b_scales[stage][split * Collective::kMmaN + col0];
       product.wait();
@@ -536,7 +495,6 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
     pipeline.consumer_release(read_state);  // its operands and scales are read
     ++read_state;
   }
-  if (num_k_blocks > 0) turns.close();  // an empty k-grouped segment: no batch, no exchange
 }
 
 // A block-scaled tile's B scale rows, one per 64-column group (BlockScaledParams::b_scale_group).
@@ -577,11 +535,6 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
     return;
   }
   T::Epilogue::template prefetch<T>(p, task, warpgroup, consumer_idx % 128);
-  WgmmaTurns turns;
-  if constexpr (T::kConsumerWarpgroups == 2) {
-    turns.on = Walker::consumer_tile(p, task, 1 - warpgroup).active;  // this one's is (above)
-    turns.warpgroup = warpgroup;
-  }
   if constexpr (BlockScaled<T> && KeepsCarry<T>) {
     // A task of one or several tiles along n (SwiGLUQuantEpilogue: two of 128 x 128, or one of 128 x 256): a
     // mainloop per pass, its results kept in registers by the epilogue, which then writes the task's output from them.
@@ -593,7 +546,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
       const float* b_rows[T::kBlockN / 64];
       b_scale_groups<T>(p, sub, b_rows);
       mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
-                               get<0>(coords(0)), get<0>(coords(2)), b_rows, bound);  // no turns: 8 bytes spilled
+                               get<0>(coords(0)), get<0>(coords(2)), b_rows, bound);
       // One keep for both passes, then its values into the pass's part of the carry by constant indices (a
       // runtime index would put the carry in local memory). Why not a keep per branch: each is the SwiGLU of 32
       // values, and code size counts here: perf_notes round 17.
@@ -619,11 +572,11 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
       const float* b_rows[T::kBlockN / 64];
       b_scale_groups<T>(p, task, b_rows);
       mainloop_block_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
-                               get<0>(coords(0)), get<0>(coords(2)), b_rows, bound, turns);
+                               get<0>(coords(0)), get<0>(coords(2)), b_rows, bound);
     } else if constexpr (KScaled<T>) {
       Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
       mainloop_k_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum, get<0>(coords(0)),
-                           get<0>(coords(2)), get<1>(coords(0)), bound, turns);
+                           get<0>(coords(2)), get<1>(coords(0)), bound);
     } else {
       mainloop<T, Walker::kAccumulatorStart>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
                                              bound);
