@@ -476,13 +476,14 @@ def test_moe_fp8_under_torch_compile_gives_the_eager_bits(backend):
         assert torch.equal(a, b), f"value {n}: compiled ({backend}) against eager"
 
 
-def test_fp8_backward_bad_inputs_raise_and_the_next_call_works():
+@pytest.mark.parametrize("megakernel", [False, True], ids=["stage_kernels", "backward_megakernel"])
+def test_fp8_backward_bad_inputs_raise_and_the_next_call_works(megakernel):
     """Weights without the transposed copies, a misshapen transposed copy, a context without a forward, one
     overwritten by a later forward, an inference workspace: each a clear error, and the next good backward gives
-    the bits of one never refused."""
+    the bits of one never refused. Through the stage kernels and through the backward megakernel."""
     x, idx, rw, w = _inputs(1880)
     d_out = _d_out(9)
-    with _training_workspace() as ws, _fp8_workspace() as inference:
+    with _training_workspace(backward_megakernel=megakernel) as ws, _fp8_workspace() as inference:
         qw = mok.quantize_weights(w, transposed=True)
         _, ctx = mok.forward_fp8(ws, x, idx, rw, qw)
         clean = mok.backward_fp8(ws, d_out, x, idx, rw, qw, ctx)
@@ -553,8 +554,9 @@ def test_fp8_weight_gradients_against_bf16_ones():
     assert mok.Config(bf16_weight_gradients=True).bf16_weight_gradients
 
 
-def test_fp8_backward_scale_edge_cases():
-    """The FP8 scale edge cases through the backward. d_out scaled by 2^20 (past e4m3's range) and 2^-60: every
+@pytest.mark.parametrize("megakernel", [False, True], ids=["stage_kernels", "backward_megakernel"])
+def test_fp8_backward_scale_edge_cases(megakernel):
+    """The FP8 scale edge cases through the backward (the stage kernels and the backward megakernel). d_out scaled by 2^20 (past e4m3's range) and 2^-60: every
     gradient exactly that multiple of the clean ones (a power of two commutes with each scale, reciprocal and fp32
     product: the scales are not at their floor). 2^-120 (scales at their floor, 2^-126): finite, no report, the
     weight gradients near the scaled clean ones. All-zero d_out rows: those tokens' d_x and d_rw exactly 0. A NaN in
@@ -563,7 +565,7 @@ def test_fp8_backward_scale_edge_cases():
     x, idx, rw, w = _inputs(1890)
     d_out = _d_out(10)
     qw = mok.quantize_weights(w, transposed=True)
-    with _training_workspace() as ws:
+    with _training_workspace(backward_megakernel=megakernel) as ws:
         def run(d):
             _, ctx = mok.forward_fp8(ws, x, idx, rw, qw)
             d_x, d_rw, grads = mok.backward_fp8(ws, d, x, idx, rw, qw, ctx, grad_dtype=torch.float32)
