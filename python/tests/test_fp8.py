@@ -483,7 +483,8 @@ def test_fp8_backward_bad_inputs_raise_and_the_next_call_works(megakernel):
     the bits of one never refused. Through the stage kernels and through the backward megakernel."""
     x, idx, rw, w = _inputs(1880)
     d_out = _d_out(9)
-    with _training_workspace(backward_megakernel=megakernel) as ws, _fp8_workspace() as inference:
+    path = "fused" if megakernel else "unfused"  # the backward megakernel is the fused path's backward
+    with _training_workspace(path=path, backward_megakernel=megakernel) as ws, _fp8_workspace() as inference:
         qw = mok.quantize_weights(w, transposed=True)
         _, ctx = mok.forward_fp8(ws, x, idx, rw, qw)
         clean = mok.backward_fp8(ws, d_out, x, idx, rw, qw, ctx)
@@ -565,7 +566,8 @@ def test_fp8_backward_scale_edge_cases(megakernel):
     x, idx, rw, w = _inputs(1890)
     d_out = _d_out(10)
     qw = mok.quantize_weights(w, transposed=True)
-    with _training_workspace(backward_megakernel=megakernel) as ws:
+    path = "fused" if megakernel else "unfused"  # the backward megakernel is the fused path's backward
+    with _training_workspace(path=path, backward_megakernel=megakernel) as ws:
         def run(d):
             _, ctx = mok.forward_fp8(ws, x, idx, rw, qw)
             d_x, d_rw, grads = mok.backward_fp8(ws, d, x, idx, rw, qw, ctx, grad_dtype=torch.float32)
