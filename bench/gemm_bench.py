@@ -315,10 +315,11 @@ def wgrad_main(args):
     ep = args.ep or 2
     print(f"weight-gradient GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
           f"{args.tokens} tokens/rank, EP={ep} (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
-    fp8_head = (f" {'f8acc':>6s} {'q+f8':>6s} {'q+f8/acc':>8s} {'f8err':>7s}" if args.fp8 else "")
+    fp8_head = (f" {'f8bf':>6s} {'f8acc':>6s} {'q+f8':>6s} {'q+f8/acc':>8s} {'f8err':>7s}" if args.fp8 else "")
     print(f"{'shape':16s} {'gemm':11s} {'rows':>7s} {'K/e':>5s} {'bf16':>6s} {'f32':>6s} {'acc':>6s} {'torch':>6s} "
           f"{'bmm':>6s} {'mm':>6s} {'bf16/torch':>10s} {'bf16/bmm':>8s} {'f32/bmm':>8s} {'f32 TB/s':>8s}{fp8_head}"
-          "   (TFLOP/s" + ("; f8acc: the FP8 GEMM accumulating fp32, q+f8: with the quantization of both operands, "
+          "   (TFLOP/s" + ("; f8bf: the FP8 GEMM writing bf16 (the layer bench's mode), f8acc: accumulating fp32, "
+                          "q+f8: f8acc with the quantization of both operands, "
                           "q+f8/acc: speed-up over acc, f8err: normwise |fp8 - f32| / |f32|)" if args.fp8 else ")"))
     torch_failed = None
     for name, num_experts, hidden, inter, top_k, _ in SHAPES:
@@ -383,9 +384,9 @@ def wgrad_main(args):
             out_tbps = local * m * n * 4 / times[1] / 1e9
             fp8_cells = ""
             if args.fp8:
-                t_f8, t_qf8 = times[-2:]
-                fp8_cells = (f" {flops / t_f8 / 1e9:6.0f} {flops / t_qf8 / 1e9:6.0f} {times[2] / t_qf8:8.2f} "
-                             f"{fp8_err:7.4f}")
+                t_f8bf, t_f8, t_qf8 = times[-3:]
+                fp8_cells = (f" {flops / t_f8bf / 1e9:6.0f} {flops / t_f8 / 1e9:6.0f} {flops / t_qf8 / 1e9:6.0f} "
+                             f"{times[2] / t_qf8:8.2f} {fp8_err:7.4f}")
             print(f"{name:16s} {label:11s} {rows:7d} {rows / local:5.0f} {tf[0]:6.0f} {tf[1]:6.0f} {tf[2]:6.0f} {tf[3]:6.0f} "
                   f"{tf[4]:6.0f} {tf[5]:6.0f} {tf[0] / tf[3]:10.2f} {tf[0] / tf[4]:8.2f} {tf[1] / tf[4]:8.2f} "
                   f"{out_tbps:8.2f}{fp8_cells}", flush=True)
@@ -396,9 +397,9 @@ def wgrad_main(args):
 
 def fp8_weight_grad(lib, a, b, m, n, m_split, local, counts, offsets, rows_padded, ticket, status, stream, error, outs,
                     ours):
-    """The FP8 weight gradient of wgrad_main's operands a [rows, m], b [rows, n]: ([the FP8 GEMM accumulating fp32
-    on operands quantized once, the two quantize_columns_fp8 calls + that GEMM], normwise error of its fp32 result
-    against our bf16 GEMM's fp32 result)."""
+    """The FP8 weight gradient of wgrad_main's operands a [rows, m], b [rows, n]: ([the FP8 GEMM writing bf16 and
+    accumulating fp32 on operands quantized once, the two quantize_columns_fp8 calls + the accumulating GEMM],
+    normwise error of its fp32 result against our bf16 GEMM's fp32 result)."""
     rows8 = lib.mok_bench_fp8_column_rows(rows_padded, local)
     offsets8 = torch.empty(local + 1, device="cuda", dtype=torch.int32)
     qa, qb = (torch.empty(c, rows8, device="cuda", dtype=torch.uint8) for c in (m, n))
@@ -432,7 +433,7 @@ def fp8_weight_grad(lib, a, b, m, n, m_split, local, counts, offsets, rows_padde
     pairs = [(fresh[0], ref[0])] + ([(fresh[1], ref[1])] if m_split else [])
     diff = sum((x - y).double().pow(2).sum().item() for x, y in pairs)
     norm = sum(y.double().pow(2).sum().item() for _, y in pairs)
-    return [gemm, lambda: (quantize(), gemm())], (diff / norm) ** 0.5
+    return [lambda: gemm(0, outs[torch.bfloat16]), gemm, lambda: (quantize(), gemm())], (diff / norm) ** 0.5
 
 
 E4M3_MAX = 448.0
