@@ -557,12 +557,12 @@ def test_fp8_weight_gradients_against_bf16_ones():
 
 @pytest.mark.parametrize("megakernel", [False, True], ids=["stage_kernels", "backward_megakernel"])
 def test_fp8_backward_scale_edge_cases(megakernel):
-    """The FP8 scale edge cases through the backward (the stage kernels and the backward megakernel). d_out scaled by 2^20 (past e4m3's range) and 2^-60: every
-    gradient exactly that multiple of the clean ones (a power of two commutes with each scale, reciprocal and fp32
-    product: the scales are not at their floor). 2^-120 (scales at their floor, 2^-126): finite, no report, the
-    weight gradients near the scaled clean ones. All-zero d_out rows: those tokens' d_x and d_rw exactly 0. A NaN in
-    d_out: reported through the status word, its token's d_x and d_rw NaN, every other token's bitwise the clean
-    call's; after a reset the next clean call is bitwise clean."""
+    """The FP8 scale edge cases through the backward (the stage kernels and the backward megakernel). d_out scaled by
+    2^20 (past e4m3's range) and 2^-60: every gradient exactly that multiple of the clean ones (a power of two
+    commutes with each scale, reciprocal and fp32 product: the scales are not at their floor). 2^-120 (scales at
+    their floor, 2^-126): finite, no report, the weight gradients near the scaled clean ones. All-zero d_out rows:
+    those tokens' d_x and d_rw exactly 0. A NaN in d_out: reported through the status word, its token's d_x and d_rw
+    NaN, every other token's bitwise the clean call's; after a reset the next clean call is bitwise clean."""
     x, idx, rw, w = _inputs(1890)
     d_out = _d_out(10)
     qw = mok.quantize_weights(w, transposed=True)
