@@ -488,13 +488,7 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
         for (int i = 4 * j; i < 4 * j + 4; ++i) {
           const float a = (i / 2) % 2 == 0 ? a0 : a1;
           const float bj = i % 2 == 0 ? b.x : b.y;
-#if MOK_EXP_KSCALED_PROMOTION == 1  // diagnostic (wrong values): the promotion as one add, no scales
-          accum(split * kSplitValues + i) += product.partial(i);
-#elif MOK_EXP_KSCALED_PROMOTION == 2  // diagnostic (wrong values): one FMA a value, the row scale only
-          accum(split * kSplitValues + i) += a * product.partial(i);
-#else
           accum(split * kSplitValues + i) += (a * bj) * product.partial(i);
-#endif
         }
       }
     }
