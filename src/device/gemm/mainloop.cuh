@@ -333,41 +333,6 @@ __device__ __forceinline__ void mainloop(int num_k_blocks, Storage& smem, typena
   }
 }
 
-// Experiment (MOK_EXP_KSCALED_TURNS; docs/perf_notes.md, round 46): the K-scaled weight gradient's two consumer
-// warpgroups take turns at the tensor cores by completion. Round 44's turns ordered the issues only (FlashAttention-3's
-// scheme) and were no faster: both batches still ran together. Here warpgroup 1 issues batch j only once warpgroup
-// 0's batch j has completed, and warpgroup 0 batch j + 1 only once warpgroup 1's batch j has completed (hardware
-// named barriers 12 and 13 over both warpgroups: the waiter's bar.sync, the other's bar.arrive after its wgmma
-// wait), so each warpgroup's promotion of batch j runs under the other's wgmma. Warpgroup 0 closes the exchange
-// after its last batch (it waits for the other's last completion), so a barrier never sees a phase's arrivals twice.
-// Off where only one warpgroup computes the tile. The sums are unchanged: the same bits.
-struct CompletionTurns {
-  bool on = false;
-  int warpgroup = 0;
-#if defined(MOK_EXP_KSCALED_TURNS)
-  static constexpr int kMine = 12, kTheirs = 13;  // hardware ids; 8-11 are taken (communication, staging, gather)
-  __device__ __forceinline__ static void sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-  __device__ __forceinline__ static void arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
-  __device__ __forceinline__ void before_issue(int batch) const {
-    if (!on) return;
-    if (warpgroup == 1)
-      sync(kMine);
-    else if (batch > 0)
-      sync(kTheirs);
-  }
-  __device__ __forceinline__ void after_completion() const {
-    if (on) arrive(warpgroup == 0 ? kMine : kTheirs);
-  }
-  __device__ __forceinline__ void close() const {
-    if (on && warpgroup == 0) sync(kTheirs);
-  }
-#else
-  __device__ __forceinline__ void before_issue(int) const {}
-  __device__ __forceinline__ void after_completion() const {}
-  __device__ __forceinline__ void close() const {}
-#endif
-};
-
 // The scaled mainloops' operands and per-k-block product: the stage's wgmma batch of one split (the B rows
 // [split kMmaN, (split + 1) kMmaN) of the stage; one split unless the tile is wider than a wgmma) into fresh fp32
 // accumulators (`partial`, one split's fragment: the first wgmma overwrites it), issued, then waited for before
@@ -498,7 +463,7 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
                                                   typename Collective::PipelineState& read_state,
                                                   typename Collective::TiledMma& mma, const ThreadMma& thread_mma,
                                                   Accum& accum, int row0, int row1, int col0,
-                                                  const device::HandoffBound& bound, CompletionTurns turns = {}) {
+                                                  const device::HandoffBound& bound) {
   using namespace cute;
   auto product = scaled_product<Collective>(smem, thread_mma, accum);
   constexpr int kValues = decltype(size(accum))::value;
@@ -512,12 +477,10 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
     float a0 = 0.0f, a1 = 0.0f;
     CUTE_UNROLL
     for (int split = 0; split < kSplits; ++split) {
-      turns.before_issue(k_block * kSplits + split);
       product.issue(mma, stage, split);
       if (split == 0) a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
       const float* b_scales = &smem.b_scales[stage][split * Collective::kMmaN + col0];
       product.wait();
-      turns.after_completion();
       CUTE_UNROLL
       for (int j = 0; j < kColumnPairs; ++j) {
         const float2 b = *reinterpret_cast<const float2*>(b_scales + 8 * j);
@@ -532,7 +495,6 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
     pipeline.consumer_release(read_state);  // its operands and scales are read
     ++read_state;
   }
-  if (num_k_blocks > 0) turns.close();  // an empty k-grouped segment: no batch, no exchange
 }
 
 // A block-scaled tile's B scale rows, one per 64-column group (BlockScaledParams::b_scale_group).
@@ -613,13 +575,8 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
                                get<0>(coords(0)), get<0>(coords(2)), b_rows, bound);
     } else if constexpr (KScaled<T>) {
       Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
-      CompletionTurns turns;
-      if constexpr (T::kConsumerWarpgroups == 2) {
-        turns.on = Walker::consumer_tile(p, task, 1 - warpgroup).active;  // this one's is (above)
-        turns.warpgroup = warpgroup;
-      }
       mainloop_k_scaled<T>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum, get<0>(coords(0)),
-                           get<0>(coords(2)), get<1>(coords(0)), bound, turns);
+                           get<0>(coords(2)), get<1>(coords(0)), bound);
     } else {
       mainloop<T, Walker::kAccumulatorStart>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
                                              bound);
