@@ -493,28 +493,35 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
   consumer_wait_bounded(pipeline, read_state, bound);
   first.issue(mma, read_state.index(), 0);
   second.issue(mma, read_state.index(), 1);
-  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+  // Every k-block but the last: the next k-block's batches issued as the partials free up. The last one apart, so
+  // that each wgmma wait retires the same batch on every path (ptxas serializes the wgmmas where it cannot tell).
+  for (int k_block = 0; k_block + 1 < num_k_blocks; ++k_block) {
     const int stage = read_state.index();
     const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
-    const bool more = k_block + 1 < num_k_blocks;  // warp-uniform
     warpgroup_wait<1>();  // split 0 of this k-block
     warpgroup_fence_operand(first.partial);
     promote(first.partial, 0, stage, a0, a1);
     typename Collective::PipelineState next = read_state;
     ++next;
-    if (more) {
-      consumer_wait_bounded(pipeline, next, bound);
-      first.issue(mma, next.index(), 0);
-      warpgroup_wait<1>();  // split 1 of this k-block
-    } else {
-      warpgroup_wait<0>();
-    }
+    consumer_wait_bounded(pipeline, next, bound);
+    first.issue(mma, next.index(), 0);
+    warpgroup_wait<1>();  // split 1 of this k-block
     warpgroup_fence_operand(second.partial);
     promote(second.partial, 1, stage, a0, a1);
     pipeline.consumer_release(read_state);  // its operands and scales are read
     read_state = next;
-    if (more) second.issue(mma, read_state.index(), 1);
+    second.issue(mma, read_state.index(), 1);
   }
+  const int stage = read_state.index();
+  const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
+  warpgroup_wait<1>();
+  warpgroup_fence_operand(first.partial);
+  promote(first.partial, 0, stage, a0, a1);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(second.partial);
+  promote(second.partial, 1, stage, a0, a1);
+  pipeline.consumer_release(read_state);
+  ++read_state;
 }
 
 // A block-scaled tile's B scale rows, one per 64-column group (BlockScaledParams::b_scale_group).
