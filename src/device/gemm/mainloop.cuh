@@ -498,14 +498,14 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
   for (int k_block = 0; k_block + 1 < num_k_blocks; ++k_block) {
     const int stage = read_state.index();
     const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
-    warpgroup_wait<1>();  // split 0 of this k-block
+    warpgroup_wait<0>();  // c
     warpgroup_fence_operand(first.partial);
     promote(first.partial, 0, stage, a0, a1);
     typename Collective::PipelineState next = read_state;
     ++next;
     consumer_wait_bounded(pipeline, next, bound);
     first.issue(mma, next.index(), 0);
-    warpgroup_wait<1>();  // split 1 of this k-block
+    warpgroup_wait<0>();  // c
     warpgroup_fence_operand(second.partial);
     promote(second.partial, 1, stage, a0, a1);
     pipeline.consumer_release(read_state);  // its operands and scales are read
@@ -514,7 +514,7 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
   }
   const int stage = read_state.index();
   const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
-  warpgroup_wait<1>();
+  warpgroup_wait<0>();
   warpgroup_fence_operand(first.partial);
   promote(first.partial, 0, stage, a0, a1);
   warpgroup_wait<0>();
