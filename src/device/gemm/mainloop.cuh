@@ -490,38 +490,30 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
       }
     }
   };
-  consumer_wait_bounded(pipeline, read_state, bound);
-  first.issue(mma, read_state.index(), 0);
-  second.issue(mma, read_state.index(), 1);
-  // Every k-block but the last: the next k-block's batches issued as the partials free up. The last one apart, so
-  // that each wgmma wait retires the same batch on every path (ptxas serializes the wgmmas where it cannot tell).
-  for (int k_block = 0; k_block + 1 < num_k_blocks; ++k_block) {
+  // Split 1 of the previous k-block (completed, not yet promoted) and its stage, held until that promotion.
+  typename Collective::PipelineState held = read_state;
+  float held_a0 = 0.0f, held_a1 = 0.0f;
+  for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
+    consumer_wait_bounded(pipeline, read_state, bound);
     const int stage = read_state.index();
+    first.issue(mma, stage, 0);
+    if (k_block > 0) {  // under split 0's batch
+      promote(second.partial, 1, held.index(), held_a0, held_a1);
+      pipeline.consumer_release(held);  // its operands and scales are read
+    }
+    second.issue(mma, stage, 1);
     const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
-    warpgroup_wait<0>();  // c
+    warpgroup_wait<1>();  // split 0
     warpgroup_fence_operand(first.partial);
-    promote(first.partial, 0, stage, a0, a1);
-    typename Collective::PipelineState next = read_state;
-    ++next;
-    consumer_wait_bounded(pipeline, next, bound);
-    first.issue(mma, next.index(), 0);
-    warpgroup_wait<0>();  // c
+    promote(first.partial, 0, stage, a0, a1);  // under split 1's batch
+    warpgroup_wait<0>();  // split 1: nothing in flight past an iteration (ptxas serializes the wgmmas otherwise)
     warpgroup_fence_operand(second.partial);
-    promote(second.partial, 1, stage, a0, a1);
-    pipeline.consumer_release(read_state);  // its operands and scales are read
-    read_state = next;
-    second.issue(mma, read_state.index(), 1);
+    held = read_state;
+    held_a0 = a0, held_a1 = a1;
+    ++read_state;
   }
-  const int stage = read_state.index();
-  const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(first.partial);
-  promote(first.partial, 0, stage, a0, a1);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(second.partial);
-  promote(second.partial, 1, stage, a0, a1);
-  pipeline.consumer_release(read_state);
-  ++read_state;
+  promote(second.partial, 1, held.index(), held_a0, held_a1);
+  pipeline.consumer_release(held);
 }
 
 // A block-scaled tile's B scale rows, one per 64-column group (BlockScaledParams::b_scale_group).
