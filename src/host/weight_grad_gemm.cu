@@ -24,15 +24,13 @@ void require(bool condition, const std::string& message) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Output tiles of a call: bf16 operands (every output mode and configuration) 128 x 256 tiles, FP8 128 x 192.
+// Output tiles of a call: every precision, output mode and configuration has the 128 x 256 tile.
 int64_t num_tiles(const WeightGradArgs& args) {
   using Tile = detail::WeightGradConfig<GradOutput::kBFloat16>;
-  using Fp8Tile = detail::Fp8WeightGradConfig<GradOutput::kBFloat16>;
-  static_assert(Fp8Tile::kBlockM == Tile::kBlockM &&
-                detail::Fp8WeightGradConfig<GradOutput::kFloat32>::kBlockN == Fp8Tile::kBlockN);
-  const int block_n = args.precision == Precision::kFP8 ? Fp8Tile::kBlockN : Tile::kBlockN;
+  static_assert(detail::Fp8WeightGradConfig<GradOutput::kFloat32>::kBlockN == Tile::kBlockN &&
+                detail::Fp8WeightGradConfig<GradOutput::kFloat32>::kBlockM == Tile::kBlockM);
   return int64_t(args.local_experts) * ((args.m + Tile::kBlockM - 1) / Tile::kBlockM) *
-         ((args.n + block_n - 1) / block_n);
+         ((args.n + Tile::kBlockN - 1) / Tile::kBlockN);
 }
 
 // Launches `kernel` persistently: one CTA per SM (the shared memory allows no second one), no more CTAs than

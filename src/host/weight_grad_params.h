@@ -26,12 +26,12 @@ using WeightGradConfig = std::conditional_t<kOutput == GradOutput::kBFloat16,
                                             gemm::WeightGradTraits<kOutput, 256, 64, 3>,
                                             gemm::WeightGradTraits<kOutput, 256, 32, 4>>;
 
-// The FP8 configuration (Precision::kFP8: e4m3 operands K-major, scaled per column per 128 rows): 128 x 192
-// tiles, each k-block's product two wgmmas of 96 columns, each into its own partial, one in flight while the other is
-// promoted (mainloop_k_scaled: 96 promoted and 2 x 48 partial values a thread), 4 stages of 128 rows (40 KB and
-// 1.25 KB of scales each) and 48 KB of staging: the whole tile in bf16, half of it (two passes) in fp32.
+// The FP8 configuration (Precision::kFP8: e4m3 operands K-major, scaled per column per 128 rows): 128 x 256
+// tiles, each k-block's product two wgmmas of 128 columns promoted in turn through one partial (mainloop_k_scaled:
+// 128 promoted and 64 partial values a thread), 3 stages of 128 rows (48 KB and 1.5 KB of scales each) and 64 KB
+// of staging: the whole tile in bf16, half of it (two passes) in fp32.
 template <GradOutput kOutput>
-using Fp8WeightGradConfig = gemm::WeightGradTraits<kOutput, 192, 128, 4, kOutput == GradOutput::kBFloat16 ? 192 : 96,
+using Fp8WeightGradConfig = gemm::WeightGradTraits<kOutput, 256, 128, 3, kOutput == GradOutput::kBFloat16 ? 256 : 128,
                                                    gemm::Fp8KScaledMainloop>;
 
 // The ticket is left empty; the caller sets what its launch uses. validate(args) first.

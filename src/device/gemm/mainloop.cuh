@@ -167,12 +167,11 @@ struct CollectiveMainloop {
   static constexpr int kStages = kStages_;
   static_assert(kBlockM == 64 || kBlockM == 128, "one consumer warpgroup per 64 rows");
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N");
-  // The N of one wgmma: the tile's, except a scaled tile wider than 128 columns (block- or K-scaled), whose product
-  // is two wgmmas of half the columns (mainloop_block_scaled: 256 columns promoted in turn through one 64-value
-  // partial; mainloop_k_scaled: 192 columns, each half its own 48-value partial): a whole-tile partial beside the
-  // promoted values a thread would not fit in its registers.
+  // The N of one wgmma: the tile's, except a scaled tile of 256 columns (block- or K-scaled), whose product is two
+  // wgmmas of 128 columns promoted in turn through one 64-value partial (mainloop_block_scaled, mainloop_k_scaled):
+  // a 256-column partial beside the 128 promoted values a thread would not fit in its registers.
   static constexpr bool kScaledOperands = BlockScaled<Operands_> || KScaled<Operands_>;
-  static constexpr int kMmaN = kScaledOperands && kBlockN_ > 128 ? kBlockN_ / 2 : kBlockN_;
+  static constexpr int kMmaN = kScaledOperands && kBlockN_ == 256 ? 128 : kBlockN_;
   static constexpr int kNSplits = kBlockN / kMmaN;
   static_assert(kBlockK % 16 == 0 && kBlockK * sizeof(Element) <= 128, "wgmma K steps within one swizzle row");
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
@@ -452,13 +451,12 @@ __device__ __forceinline__ void mainloop_block_scaled(int num_k_blocks, Storage&
 // stage's product into fresh fp32 accumulators (`partial`: the first wgmma overwrites), then
 //   accum[i] += (a_scale[row of i] * b_scale[column of i]) * partial[i]
 // in ascending k-block order (one fixed-order sum per element: deterministic). Both scales come with the stage
-// (KScaleStages). The tile's columns are two splits of kMmaN, each with its own partial, and one batch is always
-// in flight while the other is promoted: split 0 of k-block j + 1 is issued before split 1 of k-block j is
-// promoted, split 1 of j + 1 after it (why: the promotion, a product of two scales and an FMA a value, left the
-// tensor cores idle while both warpgroups promoted; perf_notes round 46). A stage is released once split 1 of its
-// k-block has completed and its scales are read. row0 / row1: the thread's fragment rows (values i with
-// (i / 2) % 2 = 0 / 1); col0: its first column, value i's column is col0 + i % 2 + 8 (i / 4) (gemm_epilogue.cuh's
-// fragment layout; values [kSplitValues s, kSplitValues (s + 1)) are split s's columns).
+// (KScaleStages); the A scales are read while the wgmma runs, the B scales from the stage as the product is
+// promoted (a split's 32 held in registers beside the 128 promoted and 64 partial values spilled: ptxas), and the
+// stage is released after the last split's promotion. A 256-column tile does this per k-block for each 128-column
+// split in turn (kNSplits; its values [64 s, 64 s + 64) are split s's columns) through the one partial, as
+// mainloop_block_scaled does. row0 / row1: the thread's fragment rows (values i with (i / 2) % 2 = 0 / 1); col0:
+// its first column, value i's column is col0 + i % 2 + 8 (i / 4) (gemm_epilogue.cuh's fragment layout).
 template <class Collective, class Storage, class ThreadMma, class Accum>
 __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& smem,
                                                   typename Collective::Pipeline& pipeline,
@@ -467,53 +465,36 @@ __device__ __forceinline__ void mainloop_k_scaled(int num_k_blocks, Storage& sme
                                                   Accum& accum, int row0, int row1, int col0,
                                                   const device::HandoffBound& bound) {
   using namespace cute;
-  auto first = scaled_product<Collective>(smem, thread_mma, accum);   // split 0
-  auto second = scaled_product<Collective>(smem, thread_mma, accum);  // split 1
+  auto product = scaled_product<Collective>(smem, thread_mma, accum);
   constexpr int kValues = decltype(size(accum))::value;
   constexpr int kSplits = Collective::kNSplits, kSplitValues = kValues / kSplits;
   constexpr int kColumnPairs = kSplitValues / 4;  // the thread's 2-column groups of a split: 8 columns apart
-  static_assert(kSplits == 2, "two splits, one in flight while the other is promoted");
   static_assert(kValues * 2 == Collective::kBlockN, "a 64-row warpgroup's kBlockN columns, 128 threads");
   clear(accum);
-  if (num_k_blocks == 0) return;
-  // accum's split s += (a * b) * partial, b the split's column scales of `stage`.
-  const auto promote = [&](auto& partial, int split, int stage, float a0, float a1) {
-    const float* b_scales = &smem.b_scales[stage][split * Collective::kMmaN + col0];
-    CUTE_UNROLL
-    for (int j = 0; j < kColumnPairs; ++j) {
-      const float2 b = *reinterpret_cast<const float2*>(b_scales + 8 * j);
-      CUTE_UNROLL
-      for (int i = 4 * j; i < 4 * j + 4; ++i) {
-        const float a = (i / 2) % 2 == 0 ? a0 : a1;
-        const float bj = i % 2 == 0 ? b.x : b.y;
-        accum(split * kSplitValues + i) += (a * bj) * partial(i);
-      }
-    }
-  };
-  // Split 1 of the previous k-block (completed, not yet promoted) and its stage, held until that promotion.
-  typename Collective::PipelineState held = read_state;
-  float held_a0 = 0.0f, held_a1 = 0.0f;
   for (int k_block = 0; k_block < num_k_blocks; ++k_block) {
     consumer_wait_bounded(pipeline, read_state, bound);
     const int stage = read_state.index();
-    first.issue(mma, stage, 0);
-    if (k_block > 0) {  // under split 0's batch
-      promote(second.partial, 1, held.index(), held_a0, held_a1);
-      pipeline.consumer_release(held);  // its operands and scales are read
+    float a0 = 0.0f, a1 = 0.0f;
+    CUTE_UNROLL
+    for (int split = 0; split < kSplits; ++split) {
+      product.issue(mma, stage, split);
+      if (split == 0) a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
+      const float* b_scales = &smem.b_scales[stage][split * Collective::kMmaN + col0];
+      product.wait();
+      CUTE_UNROLL
+      for (int j = 0; j < kColumnPairs; ++j) {
+        const float2 b = *reinterpret_cast<const float2*>(b_scales + 8 * j);
+        CUTE_UNROLL
+        for (int i = 4 * j; i < 4 * j + 4; ++i) {
+          const float a = (i / 2) % 2 == 0 ? a0 : a1;
+          const float bj = i % 2 == 0 ? b.x : b.y;
+          accum(split * kSplitValues + i) += (a * bj) * product.partial(i);
+        }
+      }
     }
-    second.issue(mma, stage, 1);
-    const float a0 = smem.a_scales[stage][row0], a1 = smem.a_scales[stage][row1];
-    warpgroup_wait<1>();  // split 0
-    warpgroup_fence_operand(first.partial);
-    promote(first.partial, 0, stage, a0, a1);  // under split 1's batch
-    warpgroup_wait<0>();  // split 1: nothing in flight past an iteration (ptxas serializes the wgmmas otherwise)
-    warpgroup_fence_operand(second.partial);
-    held = read_state;
-    held_a0 = a0, held_a1 = a1;
+    pipeline.consumer_release(read_state);  // its operands and scales are read
     ++read_state;
   }
-  promote(second.partial, 1, held.index(), held_a0, held_a1);
-  pipeline.consumer_release(held);
 }
 
 // A block-scaled tile's B scale rows, one per 64-column group (BlockScaledParams::b_scale_group).

@@ -117,8 +117,8 @@ struct WeightGradTraits : CollectiveMainloop<Operands_, 128, kBlockN_, kBlockK_,
   // FP8: segments re-padded to 128 rows (quantize_columns_fp8), one k-block each.
   static_assert(kFp8 ? kBlockK == 128 : 64 % kBlockK == 0, "segments (multiples of 64) are whole k-blocks");
   // A load box (bf16, MN-major): 64 m- (or n-) columns = one 128-byte swizzle row of bf16, by kBlockK schedule
-  // rows. FP8 (K-major): a box of 128 columns (64 where the tile is not whole 128s) x 128 rows (one swizzle row each).
-  static constexpr int kBoxColumns = kFp8 && kBlockN % 128 == 0 ? 128 : 64;
+  // rows. FP8 (K-major): a whole stage of one operand is one box, 128 columns x 128 rows (one swizzle row each).
+  static constexpr int kBoxColumns = kFp8 ? 128 : 64;
   static constexpr int kBoxesA = kBlockM / kBoxColumns;
   static constexpr int kBoxesB = kBlockN / kBoxColumns;
   static_assert(kFp8 || kConsumerWarpgroups == kBoxesA, "consumer warpgroup w computes the rows of A box w");
@@ -225,9 +225,7 @@ __device__ __forceinline__ bool load_tile(const Params& p, const GradTileTask& t
         auto [t_g, t_s] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(s_s), group_modes<0, 2>(g_s));
         copy(tma.with(*full), t_g, t_s);
       };
-      CUTE_UNROLL
-      for (int box = 0; box < T::kBoxesA; ++box)
-        load(p.tma_a_scales, &smem.a_scales[stage][box * T::kBoxColumns], p.m, min(first_a_box + box, last_a_box));
+      load(p.tma_a_scales, &smem.a_scales[stage][0], p.m, task.m_block);
       CUTE_UNROLL
       for (int box = 0; box < T::kBoxesB; ++box)
         load(p.tma_b_scales, &smem.b_scales[stage][box * T::kBoxColumns], p.n, min(first_b_box + box, last_b_box));
