@@ -551,6 +551,24 @@ Reference fp8_reference(const Problem& p, const Fp8Operands& q) {
   return ref;
 }
 
+// Diagnostic (the block-scaled b's first run, perf_notes round 46): element x's sum per k-block of its expert, from
+// the operands the GEMM read, and each k-block's scales.
+std::string fp8_contributions(const Problem& p, const Fp8Operands& q, size_t x) {
+  const int m = p.c.m, n = p.c.n;
+  const int e = int(x / (size_t(m) * n)), i = int(x / n % m), j = int(x % n);
+  std::string out;
+  for (int32_t k0 = q.offsets[e]; k0 < q.offsets[e + 1]; k0 += 128) {
+    double sum = 0;
+    for (int32_t r = k0; r < k0 + 128; ++r)
+      sum += double(testing::from_e4m3_bits(q.a[size_t(i) * q.rows + r])) * q.a_scales[size_t(r / 128) * m + i] *
+             double(testing::from_e4m3_bits(q.b[size_t(j) * q.rows + r])) * q.b_scale(r, j, n);
+    out += "; k-block " + std::to_string(k0 / 128) + ": " + std::to_string(sum) + " (a scale " +
+           std::to_string(q.a_scales[size_t(k0 / 128) * m + i]) + ", b scale " + std::to_string(q.b_scale(k0, j, n)) +
+           ")";
+  }
+  return out;
+}
+
 // FP8 weight gradients (precision kFP8: a and b transposed and quantized per column per 128 rows of an expert by
 // detail::quantize_columns_fp8, the k-grouped GEMM on e4m3 with both operands' scales applied per k-block).
 // Integer inputs in [-3, 3] with power-of-two scales quantize exactly and every product and k-block sum is exact:
@@ -603,7 +621,8 @@ TEST(WeightGradGemmFp8Test, RandomNormalInputsWithinBudgetAndBitwiseOnRerun) {
     for (size_t x = 0; x < ref.grad.size(); ++x) {
       const double budget = std::ldexp(ref.abs_sum[x], -12) + 1e-30;
       ASSERT_LE(std::abs(f32.values[x] - ref.grad[x]), budget)
-          << mismatch(p, GradOutput::kFloat32, x, f32.values[x], ref.grad[x]);
+          << mismatch(p, GradOutput::kFloat32, x, f32.values[x], ref.grad[x]) << "; budget " << budget
+          << fp8_contributions(p, f32.fp8, x);
       ASSERT_EQ(bf16.values[x], round_to_bf16(f32.values[x]))
           << mismatch(p, GradOutput::kBFloat16, x, bf16.values[x], f32.values[x]) << " (the fp32 result rounded once)";
       ASSERT_EQ(acc.values[x], start[x] + f32.values[x])
