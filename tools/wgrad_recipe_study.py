@@ -13,7 +13,7 @@ scale = amax / 448 of the group, 1 for an all-zero group):
   act_blk    the activation operand (h, x) one scale per 128 rows x 128 columns, the gradient as col128
   grad_seg   the gradient operand one scale per column over all K rows, the activation as col128
 A recipe with one operand's scale constant over a k-block across 128 columns promotes each k-block with one FMA a
-value instead of two (docs/perf_notes.md, round 46); this measures what that costs before any kernel is built.
+value instead of two (docs/perf_notes.md, round 46); this measures what that costs in accuracy.
 Runs wherever torch does (a GPU if there is one); the library is not needed.
 """
 import argparse
@@ -78,7 +78,12 @@ def main(argv=None):
     a = p.parse_args(argv)
     args = train_moe.parse_args(["--batch", str(a.batch), "--seed", str(a.seed), "--steps", str(a.steps)])
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    record = {int(s) for s in a.record.split(",")}
+    try:
+        record = {int(s) for s in a.record.split(",")}
+    except ValueError:
+        p.error(f"--record must be comma-separated step numbers, got {a.record!r}")
+    if not record or min(record) < 1 or max(record) > a.steps:
+        p.error(f"--record steps must lie in [1, --steps {a.steps}], got {a.record!r}")
     calls = []
     recording = [False]
 
