@@ -107,8 +107,14 @@ Problem make_problem(const Case& c) {
   p.b.assign(size_t(p.rows) * c.n, 0);
   std::mt19937 rng(static_cast<uint32_t>(c.seed));
   std::normal_distribution<float> normal(0.f, 1.f);
-  auto value = [&](uint64_t stream, int64_t index) {
-    return c.integer_values ? to_bf16_bits(float(hashed_int(c.seed * 2 + stream, index, -3, 3))) : to_bf16_bits(normal(rng));
+  // FP8 with integer inputs: times a power of two per 128 rows of the expert (an FP8 k-block) and per 128 columns
+  // (a's 1, 2; b's 1, 2, 4), so that scales differ between k-blocks and column blocks and a scale read from the wrong
+  // block shows exactly (products and sums stay exact: |a| <= 6, |b| <= 12 are e4m3 values times powers of two).
+  auto value = [&](uint64_t stream, int64_t index, int64_t k_block, int col) {
+    if (!c.integer_values) return to_bf16_bits(normal(rng));
+    const float x = float(hashed_int(c.seed * 2 + stream, index, -3, 3));
+    const int shift = c.fp8 ? int((k_block + col / 128) % (stream == 0 ? 2 : 3)) : 0;
+    return to_bf16_bits(std::ldexp(x, shift));
   };
   int e = 0;
   for (int64_t r = 0; r < p.rows; ++r) {
@@ -121,8 +127,9 @@ Problem make_problem(const Case& c) {
       continue;
     }
     const bool real = r - p.offsets[e] < c.counts[e];
-    for (int i = 0; i < c.m; ++i) a_row[i] = real || !c.zero_padding_in_a ? value(0, r * c.m + i) : 0;
-    for (int j = 0; j < c.n; ++j) b_row[j] = real || c.zero_padding_in_a ? value(1, r * c.n + j) : 0;
+    const int64_t k_block = (r - p.offsets[e]) / 128;  // of the expert's FP8 segment (its rows re-padded to 128)
+    for (int i = 0; i < c.m; ++i) a_row[i] = real || !c.zero_padding_in_a ? value(0, r * c.m + i, k_block, i) : 0;
+    for (int j = 0; j < c.n; ++j) b_row[j] = real || c.zero_padding_in_a ? value(1, r * c.n + j, k_block, j) : 0;
   }
   return p;
 }
@@ -571,7 +578,8 @@ std::string fp8_contributions(const Problem& p, const Fp8Operands& q, size_t x) 
 
 // FP8 weight gradients (precision kFP8: a and b transposed and quantized per column per 128 rows of an expert by
 // detail::quantize_columns_fp8, the k-grouped GEMM on e4m3 with both operands' scales applied per k-block).
-// Integer inputs in [-3, 3] with power-of-two scales quantize exactly and every product and k-block sum is exact:
+// Integer inputs in [-3, 3], times powers of two per k-block and 128-column block (make_problem: so that a scale read
+// from the wrong block shows), with power-of-two scales quantize exactly and every product and k-block sum is exact:
 // every output mode must be the bf16 reference exactly (the same check_exact as bf16's), with skewed counts (an
 // expert with 0 rows, others of 1, 63, 64, 65, 129, 200: segments re-padded from 64 to 128), partial m- and
 // n-blocks (a 128-column box past m or n read as zeros) and out_split through a tile. Also with b's scales per 128
