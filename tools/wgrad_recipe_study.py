@@ -49,13 +49,17 @@ def quantize(x, rows_per_scale, cols_per_scale):
     return q.view(kp, cp)[:k, :c]
 
 
+# (rows, columns) a scale covers, per recipe: (the gradient operand's, the activation operand's); None: all rows.
+SCALE_GROUPS = {
+    "col128": ((128, 1), (128, 1)),
+    "grad_blk": ((128, 128), (128, 1)),
+    "act_blk": ((128, 1), (128, 128)),
+    "grad_seg": ((None, 1), (128, 1)),
+}
+
+
 def operand(x, recipe, gradient):
-    if recipe == "col128" or (recipe == "grad_blk" and not gradient) or (recipe == "act_blk" and gradient) or \
-            (recipe == "grad_seg" and not gradient):
-        return quantize(x, 128, 1)
-    if recipe in ("grad_blk", "act_blk"):
-        return quantize(x, 128, 128)
-    return quantize(x, None, 1)  # grad_seg's gradient operand
+    return quantize(x, *SCALE_GROUPS[recipe][0 if gradient else 1])
 
 
 def errors(grad, act):
