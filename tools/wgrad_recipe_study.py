@@ -30,7 +30,6 @@ sys.modules.setdefault("mok", types.ModuleType("mok"))  # the twin does not use 
 import train_moe  # noqa: E402
 
 E4M3_MAX = 448.0
-RECIPES = ("col128", "grad_blk", "act_blk", "grad_seg")
 
 
 def quantize(x, rows_per_scale, cols_per_scale):
@@ -56,6 +55,9 @@ SCALE_GROUPS = {
     "act_blk": ((128, 1), (128, 128)),
     "grad_seg": ((None, 1), (128, 1)),
 }
+
+
+RECIPES = tuple(SCALE_GROUPS)
 
 
 def operand(x, recipe, gradient):
