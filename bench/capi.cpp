@@ -606,15 +606,16 @@ int mok_bench_weight_grad_gemm(const void* a, const void* b, int64_t rows_alloca
 
 // The FP8 weight gradient's operand: bf16 rows [rows_allocated, k] of a schedule transposed and quantized per column
 // per 128 rows of an expert (detail::quantize_columns_fp8); out e4m3 [k, fp8_column_rows], scales fp32
-// [fp8_column_rows / 128, k], out_row_offsets [E + 1] written.
+// [fp8_column_rows / 128, k] (block_scales: [ceil(k / 128), fp8_column_rows / 128], one per 128 x 128 block),
+// out_row_offsets [E + 1] written.
 int64_t mok_bench_fp8_column_rows(int64_t rows_allocated, int local_experts) {
   return mok::detail::fp8_column_rows(rows_allocated, local_experts);
 }
 
 int mok_bench_quantize_columns_fp8(const void* in, int64_t rows_allocated, int k, int local_experts,
                                    const int32_t* expert_counts, const int32_t* expert_row_offsets,
-                                   int32_t* out_row_offsets, void* out, float* scales, int power_of_two, void* stream,
-                                   char* error, int error_len) {
+                                   int32_t* out_row_offsets, void* out, float* scales, int power_of_two,
+                                   int block_scales, void* stream, char* error, int error_len) {
   try {
     mok::detail::quantize_columns_fp8({.in = in,
                                        .rows_allocated = rows_allocated,
@@ -625,7 +626,8 @@ int mok_bench_quantize_columns_fp8(const void* in, int64_t rows_allocated, int k
                                        .out_row_offsets = out_row_offsets,
                                        .out = out,
                                        .scales = scales,
-                                       .power_of_two_scales = power_of_two != 0},
+                                       .power_of_two_scales = power_of_two != 0,
+                                       .block_scales = block_scales != 0},
                                       static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {
@@ -634,12 +636,13 @@ int mok_bench_quantize_columns_fp8(const void* in, int64_t rows_allocated, int k
 }
 
 // mok_bench_weight_grad_gemm with precision kFP8: a, b e4m3 [m or n, rows_allocated] and their scales as
-// mok_bench_quantize_columns_fp8 writes them; expert_row_offsets its out_row_offsets, scheduled_rows their last.
+// mok_bench_quantize_columns_fp8 writes them; expert_row_offsets its out_row_offsets, scheduled_rows their last;
+// b_block_scales: b's scales per 128 x 128 block (WeightGradArgs::b_block_scales, an experiment).
 int mok_bench_weight_grad_gemm_fp8(const void* a, const float* a_scales, const void* b, const float* b_scales,
                                    int64_t rows_allocated, int m, int n, int local_experts,
                                    const int32_t* expert_row_offsets, const int32_t* scheduled_rows, int output,
-                                   void* out, void* out_split, int m_split, int32_t* ticket, void* status,
-                                   double wait_timeout_s, void* stream, char* error, int error_len) {
+                                   void* out, void* out_split, int m_split, int b_block_scales, int32_t* ticket,
+                                   void* status, double wait_timeout_s, void* stream, char* error, int error_len) {
   try {
     mok::WeightGradArgs args = weight_grad_args(a, b, rows_allocated, m, n, local_experts, expert_row_offsets,
                                                 scheduled_rows, 128, output, out, out_split, m_split, ticket, status,
@@ -647,6 +650,7 @@ int mok_bench_weight_grad_gemm_fp8(const void* a, const float* a_scales, const v
     args.precision = mok::Precision::kFP8;
     args.a_scales = a_scales;
     args.b_scales = b_scales;
+    args.b_block_scales = b_block_scales != 0;
     mok::weight_grad_gemm(args, static_cast<cudaStream_t>(stream));
     return 0;
   } catch (const std::exception& e) {

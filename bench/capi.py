@@ -52,12 +52,12 @@ SIGNATURES = {  # name: (argument types, result type), in capi.cpp's order
     # rows_allocated, local_experts -> the rows of mok_bench_quantize_columns_fp8's output
     "mok_bench_fp8_column_rows": ([_i64, _i32], _i64),
     # in, rows_allocated, k, local_experts, expert_counts, expert_row_offsets, out_row_offsets, out, scales,
-    # power_of_two, stream, error, error_len
-    "mok_bench_quantize_columns_fp8": ([_p, _i64, _i32, _i32, _p, _p, _p, _p, _p, _i32, _p, _s, _i32], _i32),
+    # power_of_two, block_scales, stream, error, error_len
+    "mok_bench_quantize_columns_fp8": ([_p, _i64, _i32, _i32, _p, _p, _p, _p, _p, _i32, _i32, _p, _s, _i32], _i32),
     # a, a_scales, b, b_scales, rows_allocated, m, n, local_experts, expert_row_offsets, scheduled_rows, output, out,
-    # out_split, m_split, ticket, status, wait_timeout_s, stream, error, error_len
-    "mok_bench_weight_grad_gemm_fp8": ([_p, _p, _p, _p, _i64, _i32, _i32, _i32, _p, _p, _i32, _p, _p, _i32, _p, _p,
-                                        _f64, _p, _s, _i32], _i32),
+    # out_split, m_split, b_block_scales, ticket, status, wait_timeout_s, stream, error, error_len
+    "mok_bench_weight_grad_gemm_fp8": ([_p, _p, _p, _p, _i64, _i32, _i32, _i32, _p, _p, _i32, _p, _p, _i32, _i32, _p,
+                                        _p, _f64, _p, _s, _i32], _i32),
 }
 # mok_bench_layer_create as builds before the option table (ac8b306) have it, d0b3fa0's among them (bench/bits.py
 # drives such a build): nccl_unique_id, ep_size, rank, device, num_tokens, top_k, num_experts, hidden, intermediate,

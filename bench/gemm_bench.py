@@ -315,12 +315,14 @@ def wgrad_main(args):
     ep = args.ep or 2
     print(f"weight-gradient GEMM benchmark, commit {commit or 'unknown'}, {torch.cuda.get_device_name()}, "
           f"{args.tokens} tokens/rank, EP={ep} (rank 0's experts), tile_m {args.tile_m}, median of {args.iters}")
-    fp8_head = (f" {'f8bf':>6s} {'f8acc':>6s} {'q+f8':>6s} {'q+f8/acc':>8s} {'f8err':>7s}" if args.fp8 else "")
+    fp8_head = (f" {'f8bf':>6s} {'f8acc':>6s} {'q+f8':>6s} {'q+f8/acc':>8s} {'f8err':>7s} {'f8bb':>6s} {'f8bb_err':>8s}"
+                if args.fp8 else "")
     print(f"{'shape':16s} {'gemm':11s} {'rows':>7s} {'K/e':>5s} {'bf16':>6s} {'f32':>6s} {'acc':>6s} {'torch':>6s} "
           f"{'bmm':>6s} {'mm':>6s} {'bf16/torch':>10s} {'bf16/bmm':>8s} {'f32/bmm':>8s} {'f32 TB/s':>8s}{fp8_head}"
           "   (TFLOP/s" + ("; f8bf: the FP8 GEMM writing bf16 (the layer bench's mode), f8acc: accumulating fp32, "
                           "q+f8: f8acc with the quantization of both operands, "
-                          "q+f8/acc: speed-up over acc, f8err: normwise |fp8 - f32| / |f32|)" if args.fp8 else ")"))
+                          "q+f8/acc: speed-up over acc, f8err: normwise |fp8 - f32| / |f32|; f8bb, f8bb_err: f8bf and "
+                          "f8err with b scaled per 128 x 128 block, the experiment b_block_scales)" if args.fp8 else ")"))
     torch_failed = None
     for name, num_experts, hidden, inter, top_k, _ in SHAPES:
         if args.shapes and name not in args.shapes.split(','):
@@ -384,9 +386,9 @@ def wgrad_main(args):
             out_tbps = local * m * n * 4 / times[1] / 1e9
             fp8_cells = ""
             if args.fp8:
-                t_f8bf, t_f8, t_qf8 = times[-3:]
+                t_f8bf, t_f8, t_qf8, t_f8bb = times[-4:]
                 fp8_cells = (f" {flops / t_f8bf / 1e9:6.0f} {flops / t_f8 / 1e9:6.0f} {flops / t_qf8 / 1e9:6.0f} "
-                             f"{times[2] / t_qf8:8.2f} {fp8_err:7.4f}")
+                             f"{times[2] / t_qf8:8.2f} {fp8_err[0]:7.4f} {flops / t_f8bb / 1e9:6.0f} {fp8_err[1]:8.4f}")
             print(f"{name:16s} {label:11s} {rows:7d} {rows / local:5.0f} {tf[0]:6.0f} {tf[1]:6.0f} {tf[2]:6.0f} {tf[3]:6.0f} "
                   f"{tf[4]:6.0f} {tf[5]:6.0f} {tf[0] / tf[3]:10.2f} {tf[0] / tf[4]:8.2f} {tf[1] / tf[4]:8.2f} "
                   f"{out_tbps:8.2f}{fp8_cells}", flush=True)
@@ -398,12 +400,15 @@ def wgrad_main(args):
 def fp8_weight_grad(lib, a, b, m, n, m_split, local, counts, offsets, rows_padded, ticket, status, stream, error, outs,
                     ours):
     """The FP8 weight gradient of wgrad_main's operands a [rows, m], b [rows, n]: ([the FP8 GEMM writing bf16 and
-    accumulating fp32 on operands quantized once, the two quantize_columns_fp8 calls + the accumulating GEMM],
-    normwise error of its fp32 result against our bf16 GEMM's fp32 result)."""
+    accumulating fp32 on operands quantized once, the two quantize_columns_fp8 calls + the accumulating GEMM, the
+    GEMM writing bf16 with b scaled per 128 x 128 block (the experiment b_block_scales)], normwise errors of the fp32
+    results against our bf16 GEMM's fp32 result: per-column b scales, block b scales)."""
     rows8 = lib.mok_bench_fp8_column_rows(rows_padded, local)
     offsets8 = torch.empty(local + 1, device="cuda", dtype=torch.int32)
     qa, qb = (torch.empty(c, rows8, device="cuda", dtype=torch.uint8) for c in (m, n))
     sa, sb = (torch.empty(rows8 // 128, c, device="cuda", dtype=torch.float32) for c in (m, n))
+    qbb = torch.empty(n, rows8, device="cuda", dtype=torch.uint8)
+    sbb = torch.empty(-(-n // 128), rows8 // 128, device="cuda", dtype=torch.float32)
     top = m_split or m
     out8 = (torch.zeros(local, top, n, device="cuda", dtype=torch.float32),
             torch.zeros(local, m - top, n, device="cuda", dtype=torch.float32) if m_split else None)
@@ -413,27 +418,32 @@ def fp8_weight_grad(lib, a, b, m, n, m_split, local, counts, offsets, rows_padde
             raise RuntimeError(error.value.decode())
 
     def quantize():
-        for src, cols, out, scales in ((a, m, qa, sa), (b, n, qb, sb)):
+        for src, cols, out, scales, blocks in ((a, m, qa, sa, 0), (b, n, qb, sb, 0), (b, n, qbb, sbb, 1)):
             check(lib.mok_bench_quantize_columns_fp8(src.data_ptr(), rows_padded, cols, local, counts.data_ptr(),
                                                      offsets.data_ptr(), offsets8.data_ptr(), out.data_ptr(),
-                                                     scales.data_ptr(), 0, stream, error, len(error)))
+                                                     scales.data_ptr(), 0, blocks, stream, error, len(error)))
 
-    def gemm(output=2, out=out8):
-        check(lib.mok_bench_weight_grad_gemm_fp8(qa.data_ptr(), sa.data_ptr(), qb.data_ptr(), sb.data_ptr(), rows8, m,
-                                                 n, local, offsets8.data_ptr(), offsets8[local:].data_ptr(), output,
+    def gemm(output=2, out=out8, blocks=0):
+        qb_, sb_ = (qbb, sbb) if blocks else (qb, sb)
+        check(lib.mok_bench_weight_grad_gemm_fp8(qa.data_ptr(), sa.data_ptr(), qb_.data_ptr(), sb_.data_ptr(), rows8,
+                                                 m, n, local, offsets8.data_ptr(), offsets8[local:].data_ptr(), output,
                                                  out[0].data_ptr(), out[1].data_ptr() if out[1] is not None else None,
-                                                 m_split, ticket.data_ptr(), status, WAIT_TIMEOUT_S, stream, error,
-                                                 len(error)))
+                                                 m_split, blocks, ticket.data_ptr(), status, WAIT_TIMEOUT_S, stream,
+                                                 error, len(error)))
 
     quantize()
-    fresh = tuple(None if t is None else torch.empty_like(t) for t in out8)
-    gemm(1, fresh)  # fp32 written, against ours
     ours(1)
     ref = outs[torch.float32]
-    pairs = [(fresh[0], ref[0])] + ([(fresh[1], ref[1])] if m_split else [])
-    diff = sum((x - y).double().pow(2).sum().item() for x, y in pairs)
-    norm = sum(y.double().pow(2).sum().item() for _, y in pairs)
-    return [lambda: gemm(0, outs[torch.bfloat16]), gemm, lambda: (quantize(), gemm())], (diff / norm) ** 0.5
+    errors = []
+    for blocks in (0, 1):
+        fresh = tuple(None if t is None else torch.empty_like(t) for t in out8)
+        gemm(1, fresh, blocks)  # fp32 written, against ours
+        pairs = [(fresh[0], ref[0])] + ([(fresh[1], ref[1])] if m_split else [])
+        diff = sum((x - y).double().pow(2).sum().item() for x, y in pairs)
+        norm = sum(y.double().pow(2).sum().item() for _, y in pairs)
+        errors.append((diff / norm) ** 0.5)
+    return ([lambda: gemm(0, outs[torch.bfloat16]), gemm, lambda: (quantize(), gemm()),
+             lambda: gemm(0, outs[torch.bfloat16], 1)], errors)
 
 
 E4M3_MAX = 448.0

@@ -187,12 +187,14 @@ struct ColumnSource {
 __global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
     const ColumnSource source, int k, int experts, const int32_t* counts, const int32_t* in_offsets,
     const int32_t* scheduled_rows, const int32_t* out_offsets, int64_t out_rows, uint8_t* out, float* scales,
-    bool power_of_two) {
+    bool power_of_two, bool block_scales) {
   constexpr int kQuarterRows = kBlock / 4;
   constexpr int kChunks = kBlock / 16;  // 16-byte chunks of a column's 128 bytes
   __shared__ __align__(16) uint8_t staged[kColumnTile][kBlock];
   __shared__ float quarter_amax[4][kColumnTile];
   __shared__ int quarter_finite[4][kColumnTile];
+  __shared__ float tile_amax;  // block_scales: the whole 128 x 128 block's
+  __shared__ int tile_finite;
   __shared__ const __nv_bfloat16* row_start[kBlock];  // the block's source rows (null: zeros)
   __shared__ float row_weight[kBlock];
   const int64_t out_row = int64_t(blockIdx.x) * kBlock;
@@ -257,13 +259,33 @@ __global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
     quarter_finite[quarter][c + j] = finite[j];
   }
   __syncthreads();
+  if (block_scales) {  // CTA-uniform: warp 0 reduces the block's 128 columns (4 a lane), then every thread reads it
+    if (threadIdx.x < 32) {
+      float m = 0.0f;
+      bool f = true;
+      for (int cj = threadIdx.x; cj < kColumnTile; cj += 32)
+        for (int q = 0; q < 4; ++q) {
+          m = fmaxf(m, quarter_amax[q][cj]);
+          f = f && quarter_finite[q][cj];
+        }
+      for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+      f = __all_sync(0xffffffffu, f);
+      if (threadIdx.x == 0) {
+        tile_amax = m;
+        tile_finite = f;
+      }
+    }
+    __syncthreads();
+  }
   float scale[2];
   for (int j = 0; j < 2; ++j) {
     const int cj = c + j;
-    const float block_amax =
+    const float column_amax =
         fmaxf(fmaxf(quarter_amax[0][cj], quarter_amax[1][cj]), fmaxf(quarter_amax[2][cj], quarter_amax[3][cj]));
+    const float block_amax = block_scales ? tile_amax : column_amax;
     const bool block_finite =
-        quarter_finite[0][cj] && quarter_finite[1][cj] && quarter_finite[2][cj] && quarter_finite[3][cj];
+        block_scales ? tile_finite != 0
+                     : quarter_finite[0][cj] && quarter_finite[1][cj] && quarter_finite[2][cj] && quarter_finite[3][cj];
     scale[j] = device::fp8_block_scale(block_amax, block_finite, power_of_two);
   }
   // The thread's two 16-byte chunks of each column: rows [r0, r0 + 16) and [r0 + 16, r0 + 32).
@@ -285,7 +307,9 @@ __global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
           make_uint4(words[0], words[1], words[2], words[3]);
     }
   }
-  if (quarter == 0 && live) {
+  if (block_scales) {
+    if (threadIdx.x == 0) scales[int64_t(blockIdx.y) * (out_rows / kBlock) + out_row / kBlock] = scale[0];
+  } else if (quarter == 0 && live) {
     scales[(out_row / kBlock) * k + col0 + c] = scale[0];
     scales[(out_row / kBlock) * k + col0 + c + 1] = scale[1];
   }
@@ -419,7 +443,8 @@ void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t s
           entry + "out must be a non-null, 16-byte aligned e4m3 [k, fp8_column_rows(rows_allocated, local_experts)] "
                   "buffer");
   require(a.scales != nullptr && reinterpret_cast<uintptr_t>(a.scales) % 4 == 0,
-          entry + "scales must be a non-null fp32 [fp8_column_rows(rows_allocated, local_experts) / 128, k] buffer");
+          entry + "scales must be a non-null fp32 [fp8_column_rows(rows_allocated, local_experts) / 128, k] buffer "
+                  "([ceil(k / 128), fp8_column_rows(...) / 128] with block_scales)");
   const int64_t out_rows = fp8_column_rows(a.rows_allocated, a.local_experts);
   const dim3 grid(static_cast<unsigned>(out_rows / kBlock), static_cast<unsigned>((a.k + kColumnTile - 1) / kColumnTile));
   require(grid.y <= 65535, entry + "k too large for one launch");
@@ -435,7 +460,8 @@ void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t s
                             .top_k = a.top_k};
   quantize_columns_kernel<<<grid, kColumnThreads, 0, stream>>>(
       source, a.k, a.local_experts, a.expert_counts, a.expert_row_offsets,
-      a.scheduled_rows, a.out_row_offsets, out_rows, static_cast<uint8_t*>(a.out), a.scales, a.power_of_two_scales);
+      a.scheduled_rows, a.out_row_offsets, out_rows, static_cast<uint8_t*>(a.out), a.scales, a.power_of_two_scales,
+      a.block_scales);
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 

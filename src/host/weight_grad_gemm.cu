@@ -71,7 +71,8 @@ void validate_operands(const WeightGradArgs& args) {
     require(args.tile_m == 128, "precision kFP8 needs segments of whole 128-row scale blocks (tile_m 128, "
                                 "quantize_columns_fp8's offsets), got tile_m " + std::to_string(args.tile_m));
   } else {
-    require(args.a_scales == nullptr && args.b_scales == nullptr, "a_scales and b_scales are for precision kFP8");
+    require(args.a_scales == nullptr && args.b_scales == nullptr && !args.b_block_scales,
+            "a_scales, b_scales and b_block_scales are for precision kFP8");
   }
   require(args.tile_m == 64 || args.tile_m == 128, "tile_m must be 64 or 128, got " + std::to_string(args.tile_m));
   require(args.rows_allocated > 0 && args.rows_allocated % args.tile_m == 0 && args.rows_allocated <= INT32_MAX,
@@ -115,6 +116,20 @@ void validate(const WeightGradArgs& args) {
 
 void weight_grad_gemm(const WeightGradArgs& args, cudaStream_t stream) {
   validate(args);
+  if (args.precision == Precision::kFP8 && args.b_block_scales) {
+    switch (args.output) {
+      case GradOutput::kBFloat16:
+        launch<detail::Fp8BlockBWeightGradConfig<GradOutput::kBFloat16>>(args, stream);
+        break;
+      case GradOutput::kFloat32:
+        launch<detail::Fp8BlockBWeightGradConfig<GradOutput::kFloat32>>(args, stream);
+        break;
+      case GradOutput::kAccumulateFloat32:
+        launch<detail::Fp8BlockBWeightGradConfig<GradOutput::kAccumulateFloat32>>(args, stream);
+        break;
+    }
+    return;
+  }
   if (args.precision == Precision::kFP8) {
     switch (args.output) {
       case GradOutput::kBFloat16:

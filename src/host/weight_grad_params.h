@@ -33,6 +33,11 @@ using WeightGradConfig = std::conditional_t<kOutput == GradOutput::kBFloat16,
 template <GradOutput kOutput>
 using Fp8WeightGradConfig = gemm::WeightGradTraits<kOutput, 256, 128, 3, kOutput == GradOutput::kBFloat16 ? 256 : 128,
                                                    gemm::Fp8KScaledMainloop>;
+// Experiment (WeightGradArgs::b_block_scales; docs/perf_notes.md, round 46): b scaled per 128 rows x 128 columns, so
+// each k-block is promoted as the forward's block-scaled tiles are (mainloop_block_scaled: one FMA a value).
+template <GradOutput kOutput>
+using Fp8BlockBWeightGradConfig =
+    gemm::WeightGradTraits<kOutput, 256, 128, 3, kOutput == GradOutput::kBFloat16 ? 256 : 128, gemm::Fp8Mainloop>;
 
 // The ticket is left empty; the caller sets what its launch uses. validate(args) first.
 template <class Traits>
@@ -90,7 +95,12 @@ auto make_weight_grad_params(const WeightGradArgs& args) {
       return make_tma_copy(SM90_TMA_LOAD{}, g, make_layout(make_shape(Int<T::kBoxColumns>{}, _1{})),
                            Shape<Int<T::kBoxColumns>, _1>{}, Int<1>{});
     };
-    return typename T::Params{p, make_scales(args.a_scales, args.m), make_scales(args.b_scales, args.n)};
+    if constexpr (T::kBBlockScaled) {  // b's scales read by the consumers; the descriptor only has to be a valid one
+      auto a_scales = make_scales(args.a_scales, args.m);
+      return typename T::Params{p, a_scales, a_scales, args.b_scales, rows / T::kBlockK};
+    } else {
+      return typename T::Params{p, make_scales(args.a_scales, args.m), make_scales(args.b_scales, args.n)};
+    }
   } else {
     return p;
   }

@@ -249,7 +249,8 @@ TEST(QuantizeFp8Test, EdgeCasesAreWhatTheRecipeSays) {
 // to 64, an empty expert, a 1-row and a 300-row one) transposed and quantized per column per 128 rows of one
 // expert, against the CPU: the 128-aligned segment offsets, every e4m3 byte (rows past an expert's count zeros,
 // whatever its padding rows hold), every scale bitwise, both scale modes; a NaN gives its column's block a NaN
-// scale and touches no other block; rows of `out` past the last segment are not written.
+// scale and touches no other block; rows of `out` past the last segment are not written. Also with block_scales
+// (the experiment: one scale per 128 rows x 128 columns, [ceil(k / 128), out rows / 128]; k = 192: a half block).
 TEST(QuantizeFp8Test, ColumnsOfAScheduleMatchTheCpuBitwise) {
   MOK_REQUIRE_GPUS(1);
   const std::vector<int32_t> counts = {129, 0, 1, 255, 64, 300};
@@ -258,79 +259,92 @@ TEST(QuantizeFp8Test, ColumnsOfAScheduleMatchTheCpuBitwise) {
   for (int e = 0; e < experts; ++e) offsets[e + 1] = offsets[e] + (counts[e] + 63) / 64 * 64;
   const int64_t rows = offsets[experts] + 64;  // and a spare tile
   const int64_t out_rows = detail::fp8_column_rows(rows, experts);
-  for (const bool pow2 : {false, true}) {
-    const uint64_t seed = 1500 + pow2;
-    const std::string label = std::string(pow2 ? "power-of-two scales" : "amax / 448 scales") + ", seed " +
-                              std::to_string(seed);
-    // Rows past an expert's count (its padding, the spare tile) hold large values the kernel must not read.
-    std::vector<uint16_t> in(size_t(rows) * k, to_bf16_bits(1e30f));
-    std::vector<float> values(in.size(), 0.0f);  // what the kernel should see: zeros past the counts
-    for (int e = 0; e < experts; ++e)
-      for (int64_t r = offsets[e]; r < offsets[e] + counts[e]; ++r)
-        for (int c = 0; c < k; ++c) {
-          const float x = float(hashed_int(seed, r * k + c, -1000, 1000)) / 100.0f * (c % 3 == 0 ? 1e3f : 1.0f);
-          in[r * k + c] = to_bf16_bits(x);
-          values[r * k + c] = from_bf16_bits(in[r * k + c]);
-        }
-    const int64_t nan_row = offsets[3] + 200, nan_col = 7;  // expert 3's second block, column 7
-    in[nan_row * k + nan_col] = to_bf16_bits(NAN);
-    values[nan_row * k + nan_col] = NAN;
-    // The CPU: expert e's block j of column c is rows [offsets[e] + 128 j, + 128) of values, at out rows
-    // out_offsets[e] + 128 j.
-    std::vector<int32_t> want_offsets(experts + 1, 0);
-    for (int e = 0; e < experts; ++e) want_offsets[e + 1] = want_offsets[e] + (counts[e] + 127) / 128 * 128;
-    constexpr uint8_t kPoison = 0xee;
-    std::vector<uint8_t> want(size_t(k) * out_rows, kPoison);
-    float poison;
-    std::memcpy(&poison, &kScalePoison, sizeof poison);
-    std::vector<float> want_scales(size_t(out_rows / 128) * k, poison);
-    for (int e = 0; e < experts; ++e)
-      for (int64_t j = 0; j * 128 < want_offsets[e + 1] - want_offsets[e]; ++j)
-        for (int c = 0; c < k; ++c) {
-          float amax = 0.0f;
-          bool finite = true;
-          auto value = [&](int r) {
-            return 128 * j + r < counts[e] ? values[(offsets[e] + 128 * j + r) * k + c] : 0.0f;
-          };
-          for (int r = 0; r < 128; ++r) {
-            finite = finite && std::isfinite(value(r));
-            amax = std::max(amax, std::abs(value(r)));
+  for (const bool blocks : {false, true}) {
+    for (const bool pow2 : {false, true}) {
+      const uint64_t seed = 1500 + pow2 + 2 * blocks;
+      const std::string label = std::string(pow2 ? "power-of-two scales" : "amax / 448 scales") +
+                                (blocks ? ", 128 x 128 blocks" : "") + ", seed " + std::to_string(seed);
+      const int col_blocks = (k + 127) / 128;
+      // Where scale (row block b, column c) lives: [b, k], or with blocks [c / 128, out_rows / 128].
+      const auto scale_index = [&](int64_t b, int c) {
+        return blocks ? size_t(c / 128) * (out_rows / 128) + b : size_t(b) * k + c;
+      };
+      // Rows past an expert's count (its padding, the spare tile) hold large values the kernel must not read.
+      std::vector<uint16_t> in(size_t(rows) * k, to_bf16_bits(1e30f));
+      std::vector<float> values(in.size(), 0.0f);  // what the kernel should see: zeros past the counts
+      for (int e = 0; e < experts; ++e)
+        for (int64_t r = offsets[e]; r < offsets[e] + counts[e]; ++r)
+          for (int c = 0; c < k; ++c) {
+            const float x = float(hashed_int(seed, r * k + c, -1000, 1000)) / 100.0f * (c % 3 == 0 ? 1e3f : 1.0f);
+            in[r * k + c] = to_bf16_bits(x);
+            values[r * k + c] = from_bf16_bits(in[r * k + c]);
           }
-          const float scale = Fp8Matrix::block_scale(amax, finite, pow2);
-          const int64_t block = want_offsets[e] / 128 + j;
-          want_scales[block * k + c] = scale;
-          for (int r = 0; r < 128; ++r)
-            want[c * out_rows + 128 * block + r] = testing::to_e4m3_bits(reference::scaled_for_e4m3(value(r), scale));
-        }
-    DeviceArray<uint16_t> d_in(in);
-    DeviceArray<int32_t> d_counts(counts), d_offsets(offsets), d_out_offsets(std::vector<int32_t>(experts + 1, -1));
-    DeviceArray<uint8_t> d_out(std::vector<uint8_t>(want.size(), kPoison));
-    DeviceArray<float> d_scales(std::vector<float>(want_scales.size(), poison));
-    detail::quantize_columns_fp8({.in = d_in.ptr,
-                                  .rows_allocated = rows,
-                                  .k = k,
-                                  .local_experts = experts,
-                                  .expert_counts = d_counts.ptr,
-                                  .expert_row_offsets = d_offsets.ptr,
-                                  .out_row_offsets = d_out_offsets.ptr,
-                                  .out = d_out.ptr,
-                                  .scales = d_scales.ptr,
-                                  .power_of_two_scales = pow2},
-                                 nullptr);
-    MOK_CHECK_CUDA(cudaDeviceSynchronize());
-    ASSERT_EQ(d_out_offsets.download(), want_offsets) << label;
-    const auto out = d_out.download();
-    for (size_t i = 0; i < out.size(); ++i)
-      ASSERT_EQ(out[i], want[i]) << "e4m3 of column " << i / out_rows << ", out row " << i % out_rows << ", " << label;
-    const auto scales = d_scales.download();
-    for (size_t i = 0; i < scales.size(); ++i)
-      ASSERT_EQ(bits_of(scales[i]), bits_of(want_scales[i]))
-          << "scale of block " << i / k << ", column " << i % k << ": got " << scales[i] << ", expected "
-          << want_scales[i] << ", " << label;
-    const int64_t nan_block = want_offsets[3] / 128 + 1;
-    ASSERT_TRUE(std::isnan(scales[nan_block * k + nan_col])) << label;
-    ASSERT_FALSE(std::isnan(scales[nan_block * k + nan_col + 1])) << label;
-    ASSERT_FALSE(std::isnan(scales[(nan_block - 1) * k + nan_col])) << label;
+      const int64_t nan_row = offsets[3] + 200, nan_col = 7;  // expert 3's second block, column 7
+      in[nan_row * k + nan_col] = to_bf16_bits(NAN);
+      values[nan_row * k + nan_col] = NAN;
+      // The CPU: expert e's block j of column c is rows [offsets[e] + 128 j, + 128) of values, at out rows
+      // out_offsets[e] + 128 j.
+      std::vector<int32_t> want_offsets(experts + 1, 0);
+      for (int e = 0; e < experts; ++e) want_offsets[e + 1] = want_offsets[e] + (counts[e] + 127) / 128 * 128;
+      constexpr uint8_t kPoison = 0xee;
+      std::vector<uint8_t> want(size_t(k) * out_rows, kPoison);
+      float poison;
+      std::memcpy(&poison, &kScalePoison, sizeof poison);
+      std::vector<float> want_scales(blocks ? size_t(col_blocks) * (out_rows / 128) : size_t(out_rows / 128) * k,
+                                     poison);
+      for (int e = 0; e < experts; ++e)
+        for (int64_t j = 0; j * 128 < want_offsets[e + 1] - want_offsets[e]; ++j)
+          for (int c = 0; c < k; ++c) {
+            auto value = [&](int r, int col) {
+              return 128 * j + r < counts[e] ? values[(offsets[e] + 128 * j + r) * k + col] : 0.0f;
+            };
+            float amax = 0.0f;
+            bool finite = true;
+            const int first = blocks ? c / 128 * 128 : c, last = blocks ? std::min(first + 128, k) : c + 1;
+            for (int col = first; col < last; ++col)
+              for (int r = 0; r < 128; ++r) {
+                finite = finite && std::isfinite(value(r, col));
+                amax = std::max(amax, std::abs(value(r, col)));
+              }
+            const float scale = Fp8Matrix::block_scale(amax, finite, pow2);
+            const int64_t block = want_offsets[e] / 128 + j;
+            want_scales[scale_index(block, c)] = scale;
+            for (int r = 0; r < 128; ++r)
+              want[c * out_rows + 128 * block + r] =
+                  testing::to_e4m3_bits(reference::scaled_for_e4m3(value(r, c), scale));
+          }
+      DeviceArray<uint16_t> d_in(in);
+      DeviceArray<int32_t> d_counts(counts), d_offsets(offsets), d_out_offsets(std::vector<int32_t>(experts + 1, -1));
+      DeviceArray<uint8_t> d_out(std::vector<uint8_t>(want.size(), kPoison));
+      DeviceArray<float> d_scales(std::vector<float>(want_scales.size(), poison));
+      detail::quantize_columns_fp8({.in = d_in.ptr,
+                                    .rows_allocated = rows,
+                                    .k = k,
+                                    .local_experts = experts,
+                                    .expert_counts = d_counts.ptr,
+                                    .expert_row_offsets = d_offsets.ptr,
+                                    .out_row_offsets = d_out_offsets.ptr,
+                                    .out = d_out.ptr,
+                                    .scales = d_scales.ptr,
+                                    .power_of_two_scales = pow2,
+                                    .block_scales = blocks},
+                                   nullptr);
+      MOK_CHECK_CUDA(cudaDeviceSynchronize());
+      ASSERT_EQ(d_out_offsets.download(), want_offsets) << label;
+      const auto out = d_out.download();
+      for (size_t i = 0; i < out.size(); ++i)
+        ASSERT_EQ(out[i], want[i]) << "e4m3 of column " << i / out_rows << ", out row " << i % out_rows << ", "
+                                   << label;
+      const auto scales = d_scales.download();
+      for (size_t i = 0; i < scales.size(); ++i)
+        ASSERT_EQ(bits_of(scales[i]), bits_of(want_scales[i]))
+            << "scale " << i << ": got " << scales[i] << ", expected " << want_scales[i] << ", " << label;
+      const int64_t nan_block = want_offsets[3] / 128 + 1;
+      const int other_col = blocks ? 128 : nan_col + 1;  // a column of another scale of the same row block
+      ASSERT_TRUE(std::isnan(scales[scale_index(nan_block, nan_col)])) << label;
+      ASSERT_FALSE(std::isnan(scales[scale_index(nan_block, other_col)])) << label;
+      ASSERT_FALSE(std::isnan(scales[scale_index(nan_block - 1, nan_col)])) << label;
+    }
   }
 }
 

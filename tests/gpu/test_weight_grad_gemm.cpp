@@ -68,6 +68,7 @@ struct Case {
   bool integer_values = true;     // false: random normal inputs, checked within a budget
   bool fp8 = false;               // a and b quantized by detail::quantize_columns_fp8, the FP8 GEMM
   bool fp8_pow2 = true;           // its scales powers of two (integer inputs in [-3, 3] then quantize exactly)
+  bool fp8_b_blocks = false;      // b's scales per 128 rows x 128 columns (WeightGradArgs::b_block_scales)
   uint64_t seed = 1;
 
   std::string describe() const {
@@ -75,6 +76,7 @@ struct Case {
                     " tile_m=" + std::to_string(tile_m) + " m_split=" + std::to_string(m_split) +
                     " scheduled_rows=" + std::to_string(scheduled_rows) + " padding zeros in " +
                     (zero_padding_in_a ? "a" : "b") + (fp8 ? (fp8_pow2 ? " fp8 pow2" : " fp8") : "") +
+                    (fp8 && fp8_b_blocks ? " b blocks" : "") +
                     " seed=" + std::to_string(seed) + " counts={";
     for (size_t e = 0; e < counts.size(); ++e) s += (e ? "," : "") + std::to_string(counts[e]);
     return s + "}";
@@ -105,8 +107,14 @@ Problem make_problem(const Case& c) {
   p.b.assign(size_t(p.rows) * c.n, 0);
   std::mt19937 rng(static_cast<uint32_t>(c.seed));
   std::normal_distribution<float> normal(0.f, 1.f);
-  auto value = [&](uint64_t stream, int64_t index) {
-    return c.integer_values ? to_bf16_bits(float(hashed_int(c.seed * 2 + stream, index, -3, 3))) : to_bf16_bits(normal(rng));
+  // FP8 with integer inputs: times a power of two per 128 rows of the expert (an FP8 k-block) and per 128 columns
+  // (a's 1, 2; b's 1, 2, 4), so that scales differ between k-blocks and column blocks and a scale read from the wrong
+  // block shows exactly (products and sums stay exact: |a| <= 6, |b| <= 12 are e4m3 values times powers of two).
+  auto value = [&](uint64_t stream, int64_t index, int64_t k_block, int col) {
+    if (!c.integer_values) return to_bf16_bits(normal(rng));
+    const float x = float(hashed_int(c.seed * 2 + stream, index, -3, 3));
+    const int shift = c.fp8 ? int((k_block + col / 128) % (stream == 0 ? 2 : 3)) : 0;
+    return to_bf16_bits(std::ldexp(x, shift));
   };
   int e = 0;
   for (int64_t r = 0; r < p.rows; ++r) {
@@ -119,8 +127,9 @@ Problem make_problem(const Case& c) {
       continue;
     }
     const bool real = r - p.offsets[e] < c.counts[e];
-    for (int i = 0; i < c.m; ++i) a_row[i] = real || !c.zero_padding_in_a ? value(0, r * c.m + i) : 0;
-    for (int j = 0; j < c.n; ++j) b_row[j] = real || c.zero_padding_in_a ? value(1, r * c.n + j) : 0;
+    const int64_t k_block = (r - p.offsets[e]) / 128;  // of the expert's FP8 segment (its rows re-padded to 128)
+    for (int i = 0; i < c.m; ++i) a_row[i] = real || !c.zero_padding_in_a ? value(0, r * c.m + i, k_block, i) : 0;
+    for (int j = 0; j < c.n; ++j) b_row[j] = real || c.zero_padding_in_a ? value(1, r * c.n + j, k_block, j) : 0;
   }
   return p;
 }
@@ -166,12 +175,17 @@ Location locate(const Case& c, int e, int i, int j) {
 }
 
 // The FP8 GEMM's operands as quantize_columns_fp8 wrote them (Case::fp8): e4m3 [m or n, rows] and scales
-// [rows / 128, m or n], with the segments' offsets in those rows.
+// [rows / 128, m or n] (b's [ceil(n / 128), rows / 128] with b_blocks), with the segments' offsets in those rows.
 struct Fp8Operands {
   int64_t rows = 0;
   std::vector<int32_t> offsets;
   std::vector<uint8_t> a, b;
   std::vector<float> a_scales, b_scales;
+  bool b_blocks = false;
+
+  float b_scale(int64_t r, int j, int n) const {
+    return b_blocks ? b_scales[size_t(j / 128) * (rows / 128) + r / 128] : b_scales[size_t(r / 128) * n + j];
+  }
 };
 
 // The output buffers of one problem in one mode, each followed by kGuardBytes of guard.
@@ -236,9 +250,10 @@ Outputs run_gpu(const Problem& p, GradOutput output, int calls = 1, const std::v
   const int64_t fp8_rows = detail::fp8_column_rows(p.rows, p.experts);
   DeviceArray<int32_t> d_counts(c.counts), d_fp8_offsets(p.experts + 1);
   DeviceArray<uint8_t> d_qa(c.fp8 ? size_t(c.m) * fp8_rows : 1), d_qb(c.fp8 ? size_t(c.n) * fp8_rows : 1);
-  DeviceArray<float> d_sa(c.fp8 ? size_t(fp8_rows / 128) * c.m : 1), d_sb(c.fp8 ? size_t(fp8_rows / 128) * c.n : 1);
+  DeviceArray<float> d_sa(c.fp8 ? size_t(fp8_rows / 128) * c.m : 1),
+      d_sb(c.fp8 ? size_t(fp8_rows / 128) * (c.fp8_b_blocks ? (c.n + 127) / 128 : c.n) : 1);
   if (c.fp8) {
-    const auto quantize = [&](const void* in, int k, void* out, float* scales) {
+    const auto quantize = [&](const void* in, int k, void* out, float* scales, bool blocks) {
       detail::quantize_columns_fp8({.in = in,
                                     .rows_allocated = p.rows,
                                     .k = k,
@@ -248,11 +263,13 @@ Outputs run_gpu(const Problem& p, GradOutput output, int calls = 1, const std::v
                                     .out_row_offsets = d_fp8_offsets.ptr,
                                     .out = out,
                                     .scales = scales,
-                                    .power_of_two_scales = c.fp8_pow2},
+                                    .power_of_two_scales = c.fp8_pow2,
+                                    .block_scales = blocks},
                                    nullptr);
     };
-    quantize(d_a.ptr, c.m, d_qa.ptr, d_sa.ptr);
-    quantize(d_b.ptr, c.n, d_qb.ptr, d_sb.ptr);
+    quantize(d_a.ptr, c.m, d_qa.ptr, d_sa.ptr, false);
+    quantize(d_b.ptr, c.n, d_qb.ptr, d_sb.ptr, c.fp8_b_blocks);
+    args.b_block_scales = c.fp8_b_blocks;
     args.precision = Precision::kFP8;
     args.a = d_qa.ptr;
     args.b = d_qb.ptr;
@@ -272,7 +289,7 @@ Outputs run_gpu(const Problem& p, GradOutput output, int calls = 1, const std::v
   if (status == nullptr && !own_status.read().ok()) result.guard_error = "status: " + own_status.read().describe(1, 1, 1);
   if (c.fp8)
     result.fp8 = {fp8_rows, d_fp8_offsets.download(), d_qa.download(), d_qb.download(), d_sa.download(),
-                  d_sb.download()};
+                  d_sb.download(), c.fp8_b_blocks};
   const std::vector<uint8_t> got[2] = {d_out.download(), d_split.download()};
   for (int k = 0; k < 2; ++k) {
     for (size_t x = count[k] * elem; x < got[k].size(); ++x)
@@ -530,7 +547,7 @@ Reference fp8_reference(const Problem& p, const Fp8Operands& q) {
         double sum = 0, abs_sum = 0;
         for (int32_t r = q.offsets[e]; r < q.offsets[e + 1]; ++r) {
           const double b_value = double(testing::from_e4m3_bits(q.b[size_t(j) * q.rows + r]));
-          const double prod = a_col[r] * b_value * q.b_scales[size_t(r / 128) * n + j];
+          const double prod = a_col[r] * b_value * q.b_scale(r, j, n);
           sum += prod;
           abs_sum += std::abs(prod);
         }
@@ -541,25 +558,47 @@ Reference fp8_reference(const Problem& p, const Fp8Operands& q) {
   return ref;
 }
 
+// Diagnostic (the block-scaled b's first run, perf_notes round 46): element x's sum per k-block of its expert, from
+// the operands the GEMM read, and each k-block's scales.
+std::string fp8_contributions(const Problem& p, const Fp8Operands& q, size_t x) {
+  const int m = p.c.m, n = p.c.n;
+  const int e = int(x / (size_t(m) * n)), i = int(x / n % m), j = int(x % n);
+  std::string out;
+  for (int32_t k0 = q.offsets[e]; k0 < q.offsets[e + 1]; k0 += 128) {
+    double sum = 0;
+    for (int32_t r = k0; r < k0 + 128; ++r)
+      sum += double(testing::from_e4m3_bits(q.a[size_t(i) * q.rows + r])) * q.a_scales[size_t(r / 128) * m + i] *
+             double(testing::from_e4m3_bits(q.b[size_t(j) * q.rows + r])) * q.b_scale(r, j, n);
+    out += "; k-block " + std::to_string(k0 / 128) + ": " + std::to_string(sum) + " (a scale " +
+           std::to_string(q.a_scales[size_t(k0 / 128) * m + i]) + ", b scale " + std::to_string(q.b_scale(k0, j, n)) +
+           ")";
+  }
+  return out;
+}
+
 // FP8 weight gradients (precision kFP8: a and b transposed and quantized per column per 128 rows of an expert by
 // detail::quantize_columns_fp8, the k-grouped GEMM on e4m3 with both operands' scales applied per k-block).
-// Integer inputs in [-3, 3] with power-of-two scales quantize exactly and every product and k-block sum is exact:
+// Integer inputs in [-3, 3], times powers of two per k-block and 128-column block (make_problem: so that a scale read
+// from the wrong block shows), with power-of-two scales quantize exactly and every product and k-block sum is exact:
 // every output mode must be the bf16 reference exactly (the same check_exact as bf16's), with skewed counts (an
 // expert with 0 rows, others of 1, 63, 64, 65, 129, 200: segments re-padded from 64 to 128), partial m- and
-// n-blocks (a 128-column box past m or n read as zeros) and out_split through a tile.
+// n-blocks (a 128-column box past m or n read as zeros) and out_split through a tile. Also with b's scales per 128
+// rows x 128 columns (the experiment WeightGradArgs::b_block_scales: the block-scaled promotion).
 TEST(WeightGradGemmFp8Test, EveryOutputModeIsExactOnExactInputs) {
   MOK_REQUIRE_GPUS(1);
   uint64_t seed = 900;
-  for (auto [m, n, m_split] : {std::tuple{192, 320, 0}, std::tuple{384, 192, 192}, std::tuple{64, 64, 0}}) {
-    Case c;
-    c.counts = kSkewedCounts;
-    c.m = m;
-    c.n = n;
-    c.m_split = m_split;
-    c.fp8 = true;
-    c.seed = seed++;
-    expect_exact_in_every_mode(c);
-  }
+  for (const bool b_blocks : {false, true})
+    for (auto [m, n, m_split] : {std::tuple{192, 320, 0}, std::tuple{384, 192, 192}, std::tuple{64, 64, 0}}) {
+      Case c;
+      c.counts = kSkewedCounts;
+      c.m = m;
+      c.n = n;
+      c.m_split = m_split;
+      c.fp8 = true;
+      c.fp8_b_blocks = b_blocks;
+      c.seed = seed++;
+      expect_exact_in_every_mode(c);
+    }
 }
 
 // Random normal inputs with amax / 448 scales: within a budget of the result computed in double from the
@@ -569,41 +608,47 @@ TEST(WeightGradGemmFp8Test, EveryOutputModeIsExactOnExactInputs) {
 // about |a b| ~ 1, far outside it. bf16 is the fp32 result rounded once; reruns are bitwise.
 TEST(WeightGradGemmFp8Test, RandomNormalInputsWithinBudgetAndBitwiseOnRerun) {
   MOK_REQUIRE_GPUS(1);
-  Case c;
-  c.counts = {256, 0, 300, 17, 200, 129};
-  c.m = 448;
-  c.n = 320;
-  c.m_split = 192;
-  c.integer_values = false;
-  c.fp8 = true;
-  c.fp8_pow2 = false;
-  c.seed = 910;
-  const Problem p = make_problem(c);
-  const Outputs f32 = run_gpu(p, GradOutput::kFloat32);
-  ASSERT_EQ(f32.guard_error, "");
-  const Reference ref = fp8_reference(p, f32.fp8);
-  const std::vector<float> start = start_values(p);
-  const Outputs bf16 = run_gpu(p, GradOutput::kBFloat16);
-  const Outputs acc = run_gpu(p, GradOutput::kAccumulateFloat32, 1, &start);
-  for (size_t x = 0; x < ref.grad.size(); ++x) {
-    const double budget = std::ldexp(ref.abs_sum[x], -12) + 1e-30;
-    ASSERT_LE(std::abs(f32.values[x] - ref.grad[x]), budget)
-        << mismatch(p, GradOutput::kFloat32, x, f32.values[x], ref.grad[x]);
-    ASSERT_EQ(bf16.values[x], round_to_bf16(f32.values[x]))
-        << mismatch(p, GradOutput::kBFloat16, x, bf16.values[x], f32.values[x]) << " (the fp32 result rounded once)";
-    ASSERT_EQ(acc.values[x], start[x] + f32.values[x])
-        << mismatch(p, GradOutput::kAccumulateFloat32, x, acc.values[x], start[x] + f32.values[x]);
+  for (const bool b_blocks : {false, true}) {
+    Case c;
+    c.counts = {256, 0, 300, 17, 200, 129};
+    c.m = 448;
+    c.n = 320;
+    c.m_split = 192;
+    c.integer_values = false;
+    c.fp8 = true;
+    c.fp8_pow2 = false;
+    c.seed = 910;
+    c.fp8_b_blocks = b_blocks;
+    const Problem p = make_problem(c);
+    const Outputs f32 = run_gpu(p, GradOutput::kFloat32);
+    ASSERT_EQ(f32.guard_error, "");
+    const Reference ref = fp8_reference(p, f32.fp8);
+    const std::vector<float> start = start_values(p);
+    const Outputs bf16 = run_gpu(p, GradOutput::kBFloat16);
+    const Outputs acc = run_gpu(p, GradOutput::kAccumulateFloat32, 1, &start);
+    for (size_t x = 0; x < ref.grad.size(); ++x) {
+      const double budget = std::ldexp(ref.abs_sum[x], -12) + 1e-30;
+      ASSERT_LE(std::abs(f32.values[x] - ref.grad[x]), budget)
+          << mismatch(p, GradOutput::kFloat32, x, f32.values[x], ref.grad[x]) << "; budget " << budget
+          << fp8_contributions(p, f32.fp8, x);
+      ASSERT_EQ(bf16.values[x], round_to_bf16(f32.values[x]))
+          << mismatch(p, GradOutput::kBFloat16, x, bf16.values[x], f32.values[x]) << " (the fp32 result rounded once)";
+      ASSERT_EQ(acc.values[x], start[x] + f32.values[x])
+          << mismatch(p, GradOutput::kAccumulateFloat32, x, acc.values[x], start[x] + f32.values[x]);
+    }
+    const Outputs again = run_gpu(p, GradOutput::kFloat32);
+    ASSERT_TRUE(again.raw[0] == f32.raw[0] && again.raw[1] == f32.raw[1])
+        << c.describe() << ": a rerun differs bitwise";
+    // How far the recipe's quantization moves the gradient from the bf16 inputs' (reported, not a criterion).
+    const Reference exact = reference(p, false);
+    double diff = 0, norm = 0;
+    for (size_t x = 0; x < exact.grad.size(); ++x) {
+      diff += (f32.values[x] - exact.grad[x]) * (f32.values[x] - exact.grad[x]);
+      norm += exact.grad[x] * exact.grad[x];
+    }
+    std::printf("FP8 weight gradient%s vs the bf16 inputs' (normwise): %.4f\n", b_blocks ? " (b blocks)" : "",
+                std::sqrt(diff / norm));
   }
-  const Outputs again = run_gpu(p, GradOutput::kFloat32);
-  ASSERT_TRUE(again.raw[0] == f32.raw[0] && again.raw[1] == f32.raw[1]) << c.describe() << ": a rerun differs bitwise";
-  // How far the recipe's quantization moves the gradient from the bf16 inputs' (reported, not a criterion).
-  const Reference exact = reference(p, false);
-  double diff = 0, norm = 0;
-  for (size_t x = 0; x < exact.grad.size(); ++x) {
-    diff += (f32.values[x] - exact.grad[x]) * (f32.values[x] - exact.grad[x]);
-    norm += exact.grad[x] * exact.grad[x];
-  }
-  std::printf("FP8 weight gradient vs the bf16 inputs' (normwise): %.4f\n", std::sqrt(diff / norm));
 }
 
 // "" when `got` holds exactly the bits of `want` (both runs of one problem and mode) and no NaN, else the

@@ -94,7 +94,25 @@ template <class Base, class TmaScales>
 struct KScaledWeightGradParams : Base {
   TmaScales tma_a_scales;
   TmaScales tma_b_scales;
+  // Experiment (Operands Fp8Mainloop; docs/perf_notes.md, round 46): b scaled per 128 rows x 128 columns,
+  // b_block_scales [ceil(n / 128), rows / 128] read by the consumers (mainloop_block_scaled); tma_b_scales unused.
+  const float* b_block_scales = {};
+  int64_t scale_k_blocks = {};  // rows / 128
 };
+
+// The block-scaled weight gradient's B scales over k of 64-column group `group` of the tile (b_scale_groups'
+// GradTileTask overload): the group's 128-column block of b, from the expert's first k-block; a group past n reads
+// the last block's (its columns are never stored).
+template <class T, class Params>
+__device__ __forceinline__ void b_scale_groups(const Params& p, const GradTileTask& task,
+                                               const float* (&rows)[T::kBlockN / 64]) {
+  const int64_t last_block = (p.n - 1) / 128;
+  CUTE_UNROLL
+  for (int g = 0; g < T::kBlockN / 64; ++g) {
+    const int64_t block = min((int64_t(task.n_block) * T::kBlockN + 64 * g) / 128, last_block);
+    rows[g] = p.b_block_scales + block * p.scale_k_blocks + task.row_begin / 128;
+  }
+}
 
 struct GradEpilogue;  // below: the traits name it
 
@@ -112,7 +130,8 @@ struct WeightGradTraits : CollectiveMainloop<Operands_, 128, kBlockN_, kBlockK_,
   using Collective::kConsumerWarpgroups;
   static constexpr GradOutput kOutput = kOutput_;
   using OutElement = std::conditional_t<kOutput == GradOutput::kBFloat16, cutlass::bfloat16_t, float>;
-  static constexpr bool kFp8 = KScaled<Operands_>;
+  static constexpr bool kFp8 = KScaled<Operands_> || BlockScaled<Operands_>;
+  static constexpr bool kBBlockScaled = BlockScaled<Operands_>;  // the experiment's B scales (KScaledWeightGradParams)
   static_assert(kBlockN % 64 == 0, "whole 64-column load boxes");
   // FP8: segments re-padded to 128 rows (quantize_columns_fp8), one k-block each.
   static_assert(kFp8 ? kBlockK == 128 : 64 % kBlockK == 0, "segments (multiples of 64) are whole k-blocks");
@@ -226,9 +245,11 @@ __device__ __forceinline__ bool load_tile(const Params& p, const GradTileTask& t
         copy(tma.with(*full), t_g, t_s);
       };
       load(p.tma_a_scales, &smem.a_scales[stage][0], p.m, task.m_block);
-      CUTE_UNROLL
-      for (int box = 0; box < T::kBoxesB; ++box)
-        load(p.tma_b_scales, &smem.b_scales[stage][box * T::kBoxColumns], p.n, min(first_b_box + box, last_b_box));
+      if constexpr (!T::kBBlockScaled) {
+        CUTE_UNROLL
+        for (int box = 0; box < T::kBoxesB; ++box)
+          load(p.tma_b_scales, &smem.b_scales[stage][box * T::kBoxColumns], p.n, min(first_b_box + box, last_b_box));
+      }
     }
   };
   for (int k_block = 0; k_block < task.k_blocks; ++k_block) {
