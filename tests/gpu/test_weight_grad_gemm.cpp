@@ -626,6 +626,17 @@ TEST(WeightGradGemmFp8Test, RandomNormalInputsWithinBudgetAndBitwiseOnRerun) {
     const std::vector<float> start = start_values(p);
     const Outputs bf16 = run_gpu(p, GradOutput::kBFloat16);
     const Outputs acc = run_gpu(p, GradOutput::kAccumulateFloat32, 1, &start);
+    // The error's distribution in units of sum |a b| (reported: the budget's margin).
+    double worst = 0;
+    size_t worst_x = 0, over_12 = 0;
+    for (size_t x = 0; x < ref.grad.size(); ++x) {
+      const double ratio = std::abs(f32.values[x] - ref.grad[x]) / (ref.abs_sum[x] + 1e-30);
+      if (ratio > std::ldexp(1.0, -12)) ++over_12;
+      if (!(ratio <= worst)) worst = ratio, worst_x = x;
+    }
+    std::printf("FP8 weight gradient%s: worst |error| / sum |a b| = 2^%.2f at element %zu (%s), %zu of %zu over 2^-12\n",
+                b_blocks ? " (b blocks)" : "", std::log2(worst), worst_x,
+                fp8_contributions(p, f32.fp8, worst_x).c_str(), over_12, ref.grad.size());
     for (size_t x = 0; x < ref.grad.size(); ++x) {
       const double budget = std::ldexp(ref.abs_sum[x], -12) + 1e-30;
       ASSERT_LE(std::abs(f32.values[x] - ref.grad[x]), budget)
