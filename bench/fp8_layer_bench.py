@@ -22,7 +22,7 @@ also with keep_gate_up=False (its backward recomputes g | u and h: the same bits
 expert MLP forward + backward as the peer (the gradients of its rows and weights). Also printed: the FP8 d_x's
 normwise error against BF16's and each layer's forward context bytes (issue 28 item 3).
 Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
-       [--breakdown] [--backward [--backward-paths fp8,fp8f,fp8r,fp8b,fp8m,bf16,fused]]
+       [--breakdown] [--backward [--backward-paths fp8,fp8f,fp8r,fp8b,fp8m,fp8k,bf16,fused]]
 """
 import argparse
 import ctypes
@@ -248,14 +248,17 @@ def fp8_weight_pointers(w, transposed=True):
     return tensors, (ctypes.c_void_p * len(tensors))(*[0 if t is None else t.data_ptr() for t in tensors])
 
 
-# --backward's layers: path, precision, keep_gate_up.
-# name: (forward path, precision, keep_gate_up, bf16_weight_gradients)
-# path: (forward path, precision, keep_gate_up, bf16_weight_gradients, backward_megakernel)
-BACKWARD_PATHS = {"fp8": ("unfused", "fp8", True, False, False), "fp8f": ("fused", "fp8", True, False, False),
-                  "fp8r": ("fused", "fp8", False, False, False), "fp8b": ("fused", "fp8", True, True, False),
-                  "fp8m": ("fused", "fp8", True, False, True),
-                  "bf16": ("unfused", "bf16", True, False, False), "fused": ("fused", "bf16", True, False, False)}
-OPT_IN_PATHS = ("fp8b", "fp8m")  # built only when --backward-paths names them
+# --backward's layers.
+# name: (forward path, precision, keep_gate_up, bf16_weight_gradients, backward_megakernel, fp8_weight_gradient_blocks)
+BACKWARD_PATHS = {"fp8": ("unfused", "fp8", True, False, False, False),
+                  "fp8f": ("fused", "fp8", True, False, False, False),
+                  "fp8r": ("fused", "fp8", False, False, False, False),
+                  "fp8b": ("fused", "fp8", True, True, False, False),
+                  "fp8m": ("fused", "fp8", True, False, True, False),
+                  "fp8k": ("fused", "fp8", True, False, False, True),
+                  "bf16": ("unfused", "bf16", True, False, False, False),
+                  "fused": ("fused", "bf16", True, False, False, False)}
+OPT_IN_PATHS = ("fp8b", "fp8m", "fp8k")  # built only when --backward-paths names them
 
 
 def run_backward(lib, args):
@@ -270,6 +273,8 @@ def run_backward(lib, args):
           + (f" {'fp8b_ms':>8s} {'fp8b/fused':>10s} {'fp8b/tao':>8s} {'dw_err_b':>9s} {'dx b=f':>6s}"
              if "fp8b" in args.backward_paths.split(",") else "")
           + (f" {'fp8m_ms':>8s} {'fp8m/fused':>10s} {'m==f':>6s}" if "fp8m" in args.backward_paths.split(",") else "")
+          + (f" {'fp8k_ms':>8s} {'fp8k/fused':>10s} {'fp8k/tao':>8s} {'dw_err_k':>9s} {'dx k=f':>6s}"
+             if "fp8k" in args.backward_paths.split(",") else "")
           + "   "
           "(forward + backward ms: fp8 the FP8 unfused forward, fp8f the FP8 fused one, each then the FP8 stage "
           "backward; fp8r the fused one with keep_gate_up=False (the backward recomputes g | u and h); bf16 unfused, "
@@ -279,7 +284,9 @@ def run_backward(lib, args):
           "bytes, FP8 fused (g | u and h kept), FP8 recompute, bf16 fused; the FP8 layers' weight gradients FP8; "
           "fp8b: fp8f with bf16 weight gradients (bf16_weight_gradients), dw_err_b its routed down weight gradient's "
           "error, dx b=f: its d_x and d_rw bitwise fp8f's; fp8m: fp8f with the backward megakernel "
-          "(backward_megakernel), m==f: its d_x, d_rw and weight gradients bitwise fp8f's)")
+          "(backward_megakernel), m==f: its d_x, d_rw and weight gradients bitwise fp8f's; fp8k: fp8f with x and h "
+          "per 128 x 128 block in the FP8 weight gradients (fp8_weight_gradient_blocks), dw_err_k its routed down "
+          "weight gradient's error, dx k=f: its d_x and d_rw bitwise fp8f's)")
 
     wanted = set(args.backward_paths.split(",")) | {"fp8f", "fused"}
     unknown = wanted - set(BACKWARD_PATHS)
@@ -292,8 +299,9 @@ def run_backward(lib, args):
                       shared_expert=bool(shared))
         layers = {p: create(lib, path=path, precision=precision, keep_gate_up=keep,
                             **(dict(bf16_weight_gradients=True) if bf16w else {}),
-                            **(dict(backward_megakernel=True) if megakernel else {}), **common)
-                  for p, (path, precision, keep, bf16w, megakernel) in BACKWARD_PATHS.items() if p in wanted}
+                            **(dict(backward_megakernel=True) if megakernel else {}),
+                            **(dict(fp8_weight_gradient_blocks=True) if blocks else {}), **common)
+                  for p, (path, precision, keep, bf16w, megakernel, blocks) in BACKWARD_PATHS.items() if p in wanted}
         try:
             x, topk_idx, rw, w = random_problem(gen, t, experts, hidden, inter, top_k, shared)
             d_out = torch.randn(t, hidden, device="cuda", generator=gen).bfloat16()
@@ -306,7 +314,7 @@ def run_backward(lib, args):
             # The compared layers' own weight gradients; the unfused ones write into the fused ones' (memory for the
             # EP = 1 shapes).
             grads = {p: {n: torch.empty_like(v) for n, v in zip(capi.GRADS, w) if v is not None}
-                     for p in ("fp8f", "fp8r", "fp8b", "fp8m", "fused") if p in layers}
+                     for p in ("fp8f", "fp8r", "fp8b", "fp8m", "fp8k", "fused") if p in layers}
             grads["fp8"], grads["bf16"] = grads["fp8f"], grads["fused"]
             arrays = {p: capi.grad_arrays(grads[p], {n: "bf16" for n in grads[p]}, {n: "write" for n in grads[p]})
                       for p in layers}
@@ -366,6 +374,14 @@ def run_backward(lib, args):
                 same_bits = all(torch.equal(a, b) for a, b in pairs)
                 return f" {ms['fp8m']:8.3f} {ratio('fused', 'fp8m'):10.2f} {'yes' if same_bits else 'NO':>6s}"
 
+            def fp8k_cells():  # --backward-paths with fp8k: x and h per block in the FP8 weight gradients
+                if "fp8k" not in layers:
+                    return ""
+                dw_err_k = norm_err(grads["fp8k"]["expert_down"], grads["fused"]["expert_down"])
+                same_dgrads = torch.equal(d_x["fp8k"], d_x["fp8f"]) and torch.equal(d_rw["fp8k"], d_rw["fp8f"])
+                return (f" {ms['fp8k']:8.3f} {ratio('fused', 'fp8k'):10.2f} {cell(8, ratio('tao', 'fp8k'), '.2f')} "
+                        f"{dw_err_k:9.4f} {'yes' if same_dgrads else 'NO':>6s}")
+
             def cell(width, value, spec):  # "-" for a layer not built
                 return f"{value:{width}{spec}}" if value is not None else f"{'-':>{width}s}"
             ratio = lambda a, b: ms[a] / ms[b] if a in ms and b in ms else None
@@ -375,9 +391,10 @@ def run_backward(lib, args):
                   f"{cell(10, ratio('fused', 'fp8r'), '.2f')} {flops / ms['fp8f'] / 1e9:7.0f} {dx_err:8.4f} "
                   f"{dw_err:8.4f} {('yes' if same else 'NO') if 'fp8r' in layers else '-':>5s} "
                   f"{cell(8, ms.get('tao'), '.3f')} {cell(8, ratio('tao', 'fp8f'), '.2f')} {ctx['fp8f']:8.1f} "
-                  f"{cell(9, ctx.get('fp8r'), '.1f')} {ctx['fused']:8.1f}{fp8b_cells()}{fp8m_cells()}", flush=True)
+                  f"{cell(9, ctx.get('fp8r'), '.1f')} {ctx['fused']:8.1f}{fp8b_cells()}{fp8m_cells()}"
+                  f"{fp8k_cells()}", flush=True)
             if args.breakdown:  # where the step's time goes, FP8 against bf16
-                for p in [p for p in ("fp8f", "fp8b", "fp8m", "fused") if p in layers]:
+                for p in [p for p in ("fp8f", "fp8b", "fp8m", "fp8k", "fused") if p in layers]:
                     for kernel, kernel_ms in kernel_breakdown(step(p)):
                         print(f"  {name} {p:5s} {kernel:40s} {kernel_ms:8.3f} ms per call", flush=True)
             del fp8_tensors

@@ -657,25 +657,30 @@ LayerGrads<T> backward(const LayerShape& shape, const LayerParams<T>& params, co
                  [&](int64_t group_idx) {
       const std::vector<Route>& routes = plan.group_routes[group_idx];
       std::vector<double> block;
-      const auto along_routes = [&](std::vector<double>& values, int64_t cols) {
+      // Per `width` columns (1, or 128 for the activations with recipe.weight_gradient_activation_blocks).
+      const auto along_routes = [&](std::vector<double>& values, int64_t cols, int64_t width) {
         for (size_t begin = 0; begin < routes.size(); begin += kFp8Block) {
           const size_t count = std::min<size_t>(kFp8Block, routes.size() - begin);
-          block.resize(count);
           const auto at = [&](size_t b, int64_t c) -> double& {
             return values[RoutePlan::storage_idx(routes[begin + b], shape) * cols + c];
           };
-          for (int64_t c = 0; c < cols; ++c) {
-            for (size_t b = 0; b < count; ++b) block[b] = at(b, c);
-            quantize_block(block.data(), static_cast<int64_t>(count), 1, p2);
-            for (size_t b = 0; b < count; ++b) at(b, c) = block[b];
+          for (int64_t c0 = 0; c0 < cols; c0 += width) {
+            const int64_t w = std::min(width, cols - c0);
+            block.resize(count * w);
+            for (int64_t c = 0; c < w; ++c)
+              for (size_t b = 0; b < count; ++b) block[c * count + b] = at(b, c0 + c);
+            quantize_block(block.data(), static_cast<int64_t>(block.size()), 1, p2);
+            for (int64_t c = 0; c < w; ++c)
+              for (size_t b = 0; b < count; ++b) at(b, c0 + c) = block[c * count + b];
           }
         }
       };
-      along_routes(fp8_dy, hidden_size);
-      along_routes(fp8_x, hidden_size);
-      along_routes(route_hidden, inter_size);
-      along_routes(route_d_gate, inter_size);
-      along_routes(route_d_up, inter_size);
+      const int64_t activation_width = recipe.weight_gradient_activation_blocks ? kFp8Block : 1;
+      along_routes(fp8_dy, hidden_size, 1);
+      along_routes(fp8_x, hidden_size, activation_width);
+      along_routes(route_hidden, inter_size, activation_width);
+      along_routes(route_d_gate, inter_size, 1);
+      along_routes(route_d_up, inter_size, 1);
     });
   }
 

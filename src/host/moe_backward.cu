@@ -96,6 +96,8 @@ struct MlpBackward {
     // MoeWorkspace::fp8_weight_gradients(): both weight gradients in FP8 from these buffers (BackwardScratch's
     // wgrad_*), each operand transposed and quantized per column per 128 rows of an expert before its GEMM.
     bool weight_gradients = false;
+    // MoeOptions::fp8_weight_gradient_blocks: x and h (each GEMM's b) per 128 rows x 128 columns instead.
+    bool activation_blocks = false;
     int32_t* wgrad_offsets = nullptr;
     void* wgrad_a = nullptr;
     float* wgrad_a_scales = nullptr;
@@ -230,7 +232,7 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
   g.gate_up_wgrad =
       weight_grad_args(m.rows, options, m.waits, m.d_gate_up, 2 * i, m.x, h, *m.grad_gate, m.grad_up, i);
   if (m.fp8.on && m.fp8.weight_gradients) {  // each weight gradient's operands quantized along the rows, then FP8
-    const auto columns = [&](const void* in, int k, void* out, float* scales) {
+    const auto columns = [&](const void* in, int k, void* out, float* scales, bool blocks) {
       return detail::Fp8ColumnQuantizeArgs{.in = in,
                                            .rows_allocated = m.rows.rows_allocated,
                                            .k = k,
@@ -241,7 +243,8 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
                                            .out_row_offsets = m.fp8.wgrad_offsets,
                                            .out = out,
                                            .scales = scales,
-                                           .power_of_two_scales = m.fp8.power_of_two};
+                                           .power_of_two_scales = m.fp8.power_of_two,
+                                           .block_scales = blocks};
     };
     const auto fp8_operands = [&](WeightGradArgs& w) {
       w.precision = Precision::kFP8;
@@ -249,6 +252,7 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
       w.a_scales = m.fp8.wgrad_a_scales;
       w.b = m.fp8.wgrad_b;
       w.b_scales = m.fp8.wgrad_b_scales;
+      w.b_block_scales = m.fp8.activation_blocks;
       // quantize_columns_fp8's rows for these rows and experts: the column stride of a and b (the buffers hold
       // the routed and the shared expert's, whichever is more).
       w.rows_allocated = detail::fp8_column_rows(m.rows.rows_allocated, m.rows.local_experts);
@@ -264,11 +268,11 @@ detail::MlpBackwardGemms backward_gemms(const MoeShape& shape, const MoeOptions&
       g.gate_up_wgrad.b = m.fp8.wgrad_x;
       g.gate_up_wgrad.b_scales = m.fp8.wgrad_x_scales;
     } else {
-      g.quantize_down_wgrad[0] = columns(m.dy, h, m.fp8.wgrad_a, m.fp8.wgrad_a_scales);
-      g.quantize_gate_up_wgrad[1] = columns(m.x, h, m.fp8.wgrad_b, m.fp8.wgrad_b_scales);
+      g.quantize_down_wgrad[0] = columns(m.dy, h, m.fp8.wgrad_a, m.fp8.wgrad_a_scales, false);
+      g.quantize_gate_up_wgrad[1] = columns(m.x, h, m.fp8.wgrad_b, m.fp8.wgrad_b_scales, m.fp8.activation_blocks);
     }
-    g.quantize_down_wgrad[1] = columns(m.hidden, i, m.fp8.wgrad_b, m.fp8.wgrad_b_scales);
-    g.quantize_gate_up_wgrad[0] = columns(m.d_gate_up, 2 * i, m.fp8.wgrad_a, m.fp8.wgrad_a_scales);
+    g.quantize_down_wgrad[1] = columns(m.hidden, i, m.fp8.wgrad_b, m.fp8.wgrad_b_scales, m.fp8.activation_blocks);
+    g.quantize_gate_up_wgrad[0] = columns(m.d_gate_up, 2 * i, m.fp8.wgrad_a, m.fp8.wgrad_a_scales, false);
   }
   return g;
 }
@@ -507,6 +511,7 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
                .rows_used = nullptr,
                .power_of_two = options_.fp8_power_of_two_scales,
                .weight_gradients = fp8_weight_gradients(),
+               .activation_blocks = fp8_weight_gradients() && options_.fp8_weight_gradient_blocks,
                .wgrad_offsets = w.shared_wgrad_offsets,
                .wgrad_a = w.wgrad_a_fp8,
                .wgrad_a_scales = w.wgrad_a_scales,
@@ -556,6 +561,7 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
              .rows_used = v.scheduled_rows,
              .power_of_two = options_.fp8_power_of_two_scales,
              .weight_gradients = fp8_weight_gradients(),
+             .activation_blocks = fp8_weight_gradients() && options_.fp8_weight_gradient_blocks,
              .wgrad_offsets = w.wgrad_offsets,
              .wgrad_a = w.wgrad_a_fp8,
              .wgrad_a_scales = w.wgrad_a_scales,
@@ -708,6 +714,7 @@ void MoeWorkspace::quantize_pulled_columns(const RankBackward& b, const backward
   q.scales = w.wgrad_x_scales;
   q.pulled_rows = sources.x;
   q.weighted = false;
+  q.block_scales = options_.fp8_weight_gradient_blocks;  // x is the gate/up weight gradient's b
   detail::quantize_columns_fp8(q, b.stream);
 }
 

@@ -42,7 +42,8 @@ std::string describe(const Fp8Recipe& r) {
   return std::string("recipe{forward ") + (r.forward ? "1" : "0") + ", dgrads " + (r.dgrads ? "1" : "0") +
          ", wgrad from quantized " + (r.weight_gradients_from_quantized ? "1" : "0") + ", dy from d_out_q " +
          (r.dy_from_quantized_d_out ? "1" : "0") + ", fp8 wgrad " +
-         (r.weight_gradients_fp8 ? "1" : "0") + ", fused " + (r.gate_up_fused ? "1" : "0") + ", pow2 " +
+         (r.weight_gradients_fp8 ? "1" : "0") + ", activation blocks " +
+         (r.weight_gradient_activation_blocks ? "1" : "0") + ", fused " + (r.gate_up_fused ? "1" : "0") + ", pow2 " +
          (r.power_of_two_scales ? "1" : "0") + "}";
 }
 
@@ -310,15 +311,24 @@ LoopResult loops(const LayerShape& shape, const LayerParams<double>& params, con
   }
   for (Factors& f : factors) {
     if (f.dy.empty()) continue;
-    if (recipe.weight_gradients_fp8)  // each factor's columns quantized along the routes, 128 at a time
-      for (auto* rows : {&f.dy, &f.x, &f.h, &f.dg, &f.du})
+    // Each factor's columns quantized along the routes, 128 at a time: per column, or (the activations x and h
+    // with weight_gradient_activation_blocks) per 128 columns.
+    if (recipe.weight_gradients_fp8)
+      for (auto* rows : {&f.dy, &f.x, &f.h, &f.dg, &f.du}) {
+        const bool activation = rows == &f.x || rows == &f.h;
+        const size_t width = activation && recipe.weight_gradient_activation_blocks ? 128 : 1;
+        const size_t cols = (*rows)[0].size();
         for (size_t begin = 0; begin < rows->size(); begin += 128)
-          for (size_t c = 0; c < (*rows)[0].size(); ++c) {
-            std::vector<double> column;
-            for (size_t b = begin; b < std::min(rows->size(), begin + 128); ++b) column.push_back((*rows)[b][c]);
-            ref::quantize_block(column.data(), int64_t(column.size()), 1, p2);
-            for (size_t b = begin; b < std::min(rows->size(), begin + 128); ++b) (*rows)[b][c] = column[b - begin];
+          for (size_t c0 = 0; c0 < cols; c0 += width) {
+            const size_t end = std::min(rows->size(), begin + 128), c1 = std::min(cols, c0 + width);
+            std::vector<double> block;
+            for (size_t b = begin; b < end; ++b)
+              for (size_t c = c0; c < c1; ++c) block.push_back((*rows)[b][c]);
+            ref::quantize_block(block.data(), int64_t(block.size()), 1, p2);
+            for (size_t b = begin, x = 0; b < end; ++b)
+              for (size_t c = c0; c < c1; ++c) (*rows)[b][c] = block[x++];
           }
+      }
     for (size_t q = 0; q < f.dy.size(); ++q)
       for (int c = 0; c < H; ++c)
         for (int i = 0; i < I; ++i) {
@@ -401,14 +411,17 @@ TEST(ReferenceFp8, MatchesStraightforwardLoops) {
 }
 
 // FP8 weight gradients with more than 128 routes per expert: 160 tokens, each routed to both experts and the shared
-// one, so each factor's columns have a block of 128 routes and one of 32.
+// one, so each factor's columns have a block of 128 routes and one of 32; x's 256 columns are two 128-column blocks
+// (weight_gradient_activation_blocks).
 TEST(ReferenceFp8, Fp8WeightGradientsQuantize128RoutesAtATime) {
   const uint64_t seed = 23;
-  const LayerShape shape = make_shape(160, 128, 128, 2, 2, true);
+  const LayerShape shape = make_shape(160, 256, 128, 2, 2, true);
   const auto inputs = ref::random_inputs<double>(shape, seed);
   const auto d_out = ref::random_normal<double>(shape.num_tokens() * shape.hidden, seed + 2);
-  for (const Fp8Recipe recipe : {Fp8Recipe{.forward = true, .dgrads = true, .weight_gradients_fp8 = true},
-                                 Fp8Recipe{.weight_gradients_fp8 = true}}) {
+  for (const Fp8Recipe recipe :
+       {Fp8Recipe{.forward = true, .dgrads = true, .weight_gradients_fp8 = true}, Fp8Recipe{.weight_gradients_fp8 = true},
+        Fp8Recipe{.forward = true, .dgrads = true, .weight_gradients_fp8 = true,
+                  .weight_gradient_activation_blocks = true}}) {
     const auto params = ref::quantize_weights(shape, ref::random_params<double>(shape, seed + 1, 0.09), recipe);
     const LoopResult want = loops(shape, params, inputs, d_out, recipe);
     const auto grads = ref::backward(shape, params, inputs, d_out, 0, false, recipe);
@@ -422,6 +435,14 @@ TEST(ReferenceFp8, Fp8WeightGradientsQuantize128RoutesAtATime) {
     bf16_grads.weight_gradients_fp8 = false;
     const auto other = ref::backward(shape, params, inputs, d_out, 0, false, bf16_grads);
     EXPECT_GT(relative_max_error(grads.d_expert_down, other.d_expert_down), 1e-3) << describe(recipe);
+    // nor, with activation blocks, the per-column recipe's
+    if (recipe.weight_gradient_activation_blocks) {
+      Fp8Recipe columns = recipe;
+      columns.weight_gradient_activation_blocks = false;
+      const auto per_column = ref::backward(shape, params, inputs, d_out, 0, false, columns);
+      EXPECT_GT(relative_max_error(grads.d_expert_down, per_column.d_expert_down), 1e-4) << describe(recipe);
+      EXPECT_GT(relative_max_error(grads.d_expert_gate, per_column.d_expert_gate), 1e-4) << describe(recipe);
+    }
   }
 }
 
@@ -452,6 +473,12 @@ TEST(ReferenceFp8, HowFarEachQuantizationPointMovesTheLayer) {
       {"forward + dgrads, FP8 wgrads (bf16 x, h)", {.forward = true, .dgrads = true, .weight_gradients_fp8 = true}},
       {"forward + dgrads, FP8 wgrads (x_q, h_q)",
        {.forward = true, .dgrads = true, .weight_gradients_from_quantized = true, .weight_gradients_fp8 = true}},
+      {"same, x and h per 128 x 128 in wgrads",
+       {.forward = true,
+        .dgrads = true,
+        .weight_gradients_from_quantized = true,
+        .weight_gradients_fp8 = true,
+        .weight_gradient_activation_blocks = true}},
   };
   std::printf("normwise relative error against the unquantized layer (T = double), %s\n", ref::describe(shape).c_str());
   std::printf("%-46s %7s %7s %7s %7s %7s %7s\n", "recipe", "out", "d_x", "d_rw", "dW_gate", "dW_up", "dW_down");

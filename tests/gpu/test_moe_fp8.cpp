@@ -425,10 +425,14 @@ double normwise(const float* got, const float* want, int64_t count) {
 // against reference::backward applying the FP8 recipe on the weights as quantized, normwise (see the test below),
 // and against the unquantized reference (printed); d_rw exactly 0 at masked routes. The recipe's weight gradients:
 // bf16 (the workspace made with MoeOptions::bf16_weight_gradients) or FP8 (the default; only at EP = 1, where the
-// recipe's blocks of 128 routes in (token, j) order are the schedule's rows).
+// recipe's blocks of 128 routes in (token, j) order are the schedule's rows; activation_blocks: x and h per 128 x 128,
+// MoeOptions::fp8_weight_gradient_blocks).
 void check_against_recipe(MoeHarness& harness, const LayerData& data, const std::vector<float>& d_out,
-                          const std::string& label, bool fp8_weight_gradients) {
-  const reference::Fp8Recipe recipe{.forward = true, .dgrads = true, .weight_gradients_fp8 = fp8_weight_gradients};
+                          const std::string& label, bool fp8_weight_gradients, bool activation_blocks = false) {
+  const reference::Fp8Recipe recipe{.forward = true,
+                                    .dgrads = true,
+                                    .weight_gradients_fp8 = fp8_weight_gradients,
+                                    .weight_gradient_activation_blocks = activation_blocks};
   const MoeShape& shape = harness.workspace().shape();
   const bool shared = shape.shared_expert;
   const int ep = shape.ep_size;
@@ -666,7 +670,8 @@ TEST(MoeFp8Test, BackwardSkewedRoutingEmptyExpertsAndGradModes) {
 // reference::backward with Fp8Recipe::weight_gradients_fp8 (check_against_recipe's bounds), skewed routing with
 // empty experts (their gradients exactly 0). At EP 1 and 2: d_x and d_router_weights bitwise those of bf16 weight
 // gradients (MoeOptions::bf16_weight_gradients: the dgrads do not change), reruns bitwise, bf16 writes the fp32
-// writes rounded, and fp32 accumulation of two micro-batches bitwise (0 + g1) + g2.
+// writes rounded, and fp32 accumulation of two micro-batches bitwise (0 + g1) + g2. The same with x and h per 128 rows x
+// 128 columns (MoeOptions::fp8_weight_gradient_blocks), whose weight gradients are not the per-column recipe's.
 TEST(MoeFp8Test, Fp8WeightGradientsMatchTheRecipeAndKeepTheDgradsBits) {
   MOK_REQUIRE_GPUS(1);
   for (const int ep : {1, 2}) {
@@ -692,27 +697,38 @@ TEST(MoeFp8Test, Fp8WeightGradientsMatchTheRecipeAndKeepTheDgradsBits) {
     const auto tokens_bf16_wgrad = testing::token_grads(bf16_wgrad.harness);
     const testing::WeightGrads bf16_grads = testing::all_weight_grads(bf16_wgrad.harness);
 
-    Fp8BackwardHarness f(shape, first, d_out_first, options);  // the default: FP8 weight gradients
-    MoeHarness& harness = f.harness;
-    harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
-    f.run();
-    const auto tokens1 = testing::token_grads(harness);
-    EXPECT_EQ(tokens1, tokens_bf16_wgrad) << "d_x / d_router_weights changed with FP8 weight gradients, " << label;
-    if (ep == 1) check_against_recipe(harness, first, d_out_first, label, true);
-    const testing::WeightGrads g1 = testing::all_weight_grads(harness);
-    ASSERT_TRUE(g1 != bf16_grads) << "the default's weight gradients are bf16's, " << label;
-    const testing::RawGrads raw1 = testing::raw_grads(harness);
-    f.run();
-    ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), raw1), "") << "rerun, " << label;
-    expect_empty_experts_zero(shape, rows, g1, label);
-    expect_grad_mode_rules(f, {first, d_out_first}, {second, d_out_second}, g1, tokens1, label);
+    testing::WeightGrads per_column;
+    for (const bool blocks : {false, true}) {
+      const std::string where = label + (blocks ? ", x and h per 128 x 128" : "");
+      options.fp8_weight_gradient_blocks = blocks;
+      Fp8BackwardHarness f(shape, first, d_out_first, options);  // the default: FP8 weight gradients
+      MoeHarness& harness = f.harness;
+      harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
+      f.run();
+      const auto tokens1 = testing::token_grads(harness);
+      EXPECT_EQ(tokens1, tokens_bf16_wgrad) << "d_x / d_router_weights changed with FP8 weight gradients, " << where;
+      if (ep == 1) check_against_recipe(harness, first, d_out_first, where, true, blocks);
+      const testing::WeightGrads g1 = testing::all_weight_grads(harness);
+      ASSERT_TRUE(g1 != bf16_grads) << "the FP8 weight gradients are bf16's, " << where;
+      if (blocks) {
+        ASSERT_TRUE(g1 != per_column) << "the weight gradients with blocks are the per-column recipe's, " << where;
+      } else {
+        per_column = g1;
+      }
+      const testing::RawGrads raw1 = testing::raw_grads(harness);
+      f.run();
+      ASSERT_EQ(testing::first_difference(testing::raw_grads(harness), raw1), "") << "rerun, " << where;
+      expect_empty_experts_zero(shape, rows, g1, where);
+      expect_grad_mode_rules(f, {first, d_out_first}, {second, d_out_second}, g1, tokens1, where);
+    }
   }
 }
 
 // The FP8 backward megakernel (FusedOptions::backward_megakernel with precision kFP8: the pull quantizing d_out, the
 // recompute, both dgrads and the push in one launch, the weight gradients after it as the stage kernels run them)
 // gives the stage kernels' bits: every weight gradient, d_x and d_router_weights, at EP 1 and 2, with and without a
-// shared expert (fused gate/up weights too), g | u kept or recomputed, FP8 or bf16 weight gradients, skewed routing
+// shared expert (fused gate/up weights too), g | u kept or recomputed, FP8 (x and h per column or, g | u kept, per
+// block: MoeOptions::fp8_weight_gradient_blocks) or bf16 weight gradients, skewed routing
 // with empty experts, over its knobs (minibatch rows, communication CTAs), and over reruns.
 TEST(MoeFp8Test, BackwardMegakernelGivesTheStageKernelsBits) {
   MOK_REQUIRE_GPUS(1);
@@ -724,18 +740,23 @@ TEST(MoeFp8Test, BackwardMegakernelGivesTheStageKernelsBits) {
     const LayerData data = testing::random_layer(shape, seed, skew, 0.05);
     const std::vector<float> d_out = testing::random_d_out(shape, seed + 1);
     for (const bool keep : {true, false})
-      for (const bool bf16_wgrads : {false, true}) {
+      for (const int wgrads : {0, 1, 2}) {  // FP8 weight gradients, the same with x and h per block, bf16 ones
+        if (wgrads == 1 && !keep) continue;
+        const bool bf16_wgrads = wgrads == 2;
         const std::string label = "EP " + std::to_string(ep) + (shared ? ", shared expert" : "") +
                                   (fused_gate_up ? ", fused gate/up" : "") + (skew > 0 ? ", skewed" : "") +
                                   (keep ? ", g | u kept" : ", g | u recomputed") +
-                                  (bf16_wgrads ? ", bf16 weight gradients" : ", FP8 weight gradients") + ", seed " +
-                                  std::to_string(seed);
+                                  (bf16_wgrads ? ", bf16 weight gradients"
+                                               : wgrads == 1 ? ", FP8 weight gradients, x and h per block"
+                                                             : ", FP8 weight gradients") +
+                                  ", seed " + std::to_string(seed);
         // The grads of one backward (and of a rerun, which must match them) with these fused-path knobs.
         auto run = [&](bool megakernel, int32_t minibatch_rows, int comm_ctas) {
           MoeOptions options = fp8_options(false, true);
           options.path = ForwardPath::kFused;
           options.keep_gate_up = keep;
           options.bf16_weight_gradients = bf16_wgrads;
+          options.fp8_weight_gradient_blocks = wgrads == 1;
           options.schedule.load_factor = ep;  // every route of a skewed step fits
           options.fused.backward_megakernel = megakernel;
           if (minibatch_rows > 0) options.fused.minibatch_rows = minibatch_rows;
