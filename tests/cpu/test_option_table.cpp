@@ -44,7 +44,7 @@ constexpr int kShapeFields = count_fields<MoeShape>();
 constexpr int kOptionFields =
     count_fields<MoeOptions>() - 2 + count_fields<ScheduleOptions>() + count_fields<FusedOptions>();
 static_assert(count_fields<ScheduleOptions>() == 4 && count_fields<FusedOptions>() == 5 &&
-                  count_fields<MoeOptions>() == 12 && kShapeFields == 8,
+                  count_fields<MoeOptions>() == 13 && kShapeFields == 8,
               "a field was added to or removed from MoeShape / MoeOptions: give it a row of kOptionTable "
               "(src/host/option_table.h), then update these counts");
 
