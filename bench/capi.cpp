@@ -637,7 +637,7 @@ int mok_bench_quantize_columns_fp8(const void* in, int64_t rows_allocated, int k
 
 // mok_bench_weight_grad_gemm with precision kFP8: a, b e4m3 [m or n, rows_allocated] and their scales as
 // mok_bench_quantize_columns_fp8 writes them; expert_row_offsets its out_row_offsets, scheduled_rows their last;
-// b_block_scales: b's scales per 128 x 128 block (WeightGradArgs::b_block_scales, an experiment).
+// b_block_scales: b's scales per 128 x 128 block (WeightGradArgs::b_block_scales).
 int mok_bench_weight_grad_gemm_fp8(const void* a, const float* a_scales, const void* b, const float* b_scales,
                                    int64_t rows_allocated, int m, int n, int local_experts,
                                    const int32_t* expert_row_offsets, const int32_t* scheduled_rows, int output,

@@ -322,7 +322,7 @@ def wgrad_main(args):
           "   (TFLOP/s" + ("; f8bf: the FP8 GEMM writing bf16 (the layer bench's mode), f8acc: accumulating fp32, "
                           "q+f8: f8acc with the quantization of both operands, "
                           "q+f8/acc: speed-up over acc, f8err: normwise |fp8 - f32| / |f32|; f8bb, f8bb_err: f8bf and "
-                          "f8err with b scaled per 128 x 128 block, the experiment b_block_scales)" if args.fp8 else ")"))
+                          "f8err with b scaled per 128 x 128 block, b_block_scales)" if args.fp8 else ")"))
     torch_failed = None
     for name, num_experts, hidden, inter, top_k, _ in SHAPES:
         if args.shapes and name not in args.shapes.split(','):
@@ -401,7 +401,7 @@ def fp8_weight_grad(lib, a, b, m, n, m_split, local, counts, offsets, rows_padde
                     ours):
     """The FP8 weight gradient of wgrad_main's operands a [rows, m], b [rows, n]: ([the FP8 GEMM writing bf16 and
     accumulating fp32 on operands quantized once, the two quantize_columns_fp8 calls + the accumulating GEMM, the
-    GEMM writing bf16 with b scaled per 128 x 128 block (the experiment b_block_scales)], normwise errors of the fp32
+    GEMM writing bf16 with b scaled per 128 x 128 block (b_block_scales)], normwise errors of the fp32
     results against our bf16 GEMM's fp32 result: per-column b scales, block b scales)."""
     rows8 = lib.mok_bench_fp8_column_rows(rows_padded, local)
     offsets8 = torch.empty(local + 1, device="cuda", dtype=torch.int32)

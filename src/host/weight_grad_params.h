@@ -33,7 +33,7 @@ using WeightGradConfig = std::conditional_t<kOutput == GradOutput::kBFloat16,
 template <GradOutput kOutput>
 using Fp8WeightGradConfig = gemm::WeightGradTraits<kOutput, 256, 128, 3, kOutput == GradOutput::kBFloat16 ? 256 : 128,
                                                    gemm::Fp8KScaledMainloop>;
-// Experiment (WeightGradArgs::b_block_scales; docs/perf_notes.md, round 46): b scaled per 128 rows x 128 columns, so
+// WeightGradArgs::b_block_scales (docs/design.md, "FP8 weight gradients"): b scaled per 128 rows x 128 columns, so
 // each k-block is promoted as the forward's block-scaled tiles are (mainloop_block_scaled: one FMA a value).
 template <GradOutput kOutput>
 using Fp8BlockBWeightGradConfig =

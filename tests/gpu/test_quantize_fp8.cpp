@@ -250,7 +250,7 @@ TEST(QuantizeFp8Test, EdgeCasesAreWhatTheRecipeSays) {
 // expert, against the CPU: the 128-aligned segment offsets, every e4m3 byte (rows past an expert's count zeros,
 // whatever its padding rows hold), every scale bitwise, both scale modes; a NaN gives its column's block a NaN
 // scale and touches no other block; rows of `out` past the last segment are not written. Also with block_scales
-// (the experiment: one scale per 128 rows x 128 columns, [ceil(k / 128), out rows / 128]; k = 192: a half block).
+// (block_scales: one scale per 128 rows x 128 columns, [ceil(k / 128), out rows / 128]; k = 192: a half block).
 TEST(QuantizeFp8Test, ColumnsOfAScheduleMatchTheCpuBitwise) {
   MOK_REQUIRE_GPUS(1);
   const std::vector<int32_t> counts = {129, 0, 1, 255, 64, 300};

@@ -583,7 +583,7 @@ std::string fp8_contributions(const Problem& p, const Fp8Operands& q, size_t x) 
 // every output mode must be the bf16 reference exactly (the same check_exact as bf16's), with skewed counts (an
 // expert with 0 rows, others of 1, 63, 64, 65, 129, 200: segments re-padded from 64 to 128), partial m- and
 // n-blocks (a 128-column box past m or n read as zeros) and out_split through a tile. Also with b's scales per 128
-// rows x 128 columns (the experiment WeightGradArgs::b_block_scales: the block-scaled promotion).
+// rows x 128 columns (WeightGradArgs::b_block_scales: the block-scaled promotion).
 TEST(WeightGradGemmFp8Test, EveryOutputModeIsExactOnExactInputs) {
   MOK_REQUIRE_GPUS(1);
   uint64_t seed = 900;
@@ -601,11 +601,14 @@ TEST(WeightGradGemmFp8Test, EveryOutputModeIsExactOnExactInputs) {
     }
 }
 
-// Random normal inputs with amax / 448 scales: within a budget of the result computed in double from the
-// e4m3 values and scales the GEMM read. Budget: 2^-12 * sum |a b| (a k-block's e4m3 products are exact; the
-// tensor cores' FP8 accumulation keeps fewer bits than fp32's, which is why the partials are promoted every 128
-// rows) plus the output's rounding as check_budget's. A wrong row, column, expert or scale moves an element by
-// about |a b| ~ 1, far outside it. bf16 is the fp32 result rounded once; reruns are bitwise.
+// Random normal inputs with amax / 448 scales, three seeds, both recipes: within a budget of the result computed in
+// double from the e4m3 values and scales the GEMM read. Budget: 2^-11 * sum |a b| (a k-block's e4m3 products are
+// exact; the tensor cores' FP8 accumulation keeps fewer bits than fp32's, which is why the partials are promoted every
+// 128 rows), the FP8 expert GEMM test's. Measured (H100, perf_notes round 47): the worst element of each seed and
+// recipe at 2^-11.90 to 2^-12.32 of its sum |a b|, always in a k-block whose sum is a large part of sum |a b| (the
+// accumulator's own bits are what is truncated), one element in 860,160 past 2^-12 for each recipe over the three
+// seeds. A wrong row, column, expert or scale moves an element by about |a b| ~ 1, far outside it (sum |a b| is
+// about 80 here, the budget about 0.04). bf16 is the fp32 result rounded once; reruns are bitwise.
 TEST(WeightGradGemmFp8Test, RandomNormalInputsWithinBudgetAndBitwiseOnRerun) {
   MOK_REQUIRE_GPUS(1);
   for (const uint64_t seed : {910, 911, 912})
@@ -627,8 +630,8 @@ TEST(WeightGradGemmFp8Test, RandomNormalInputsWithinBudgetAndBitwiseOnRerun) {
       const std::vector<float> start = start_values(p);
       const Outputs bf16 = run_gpu(p, GradOutput::kBFloat16);
       const Outputs acc = run_gpu(p, GradOutput::kAccumulateFloat32, 1, &start);
-      // The error's distribution in units of sum |a b| (reported before the check: the budget's margin), with the
-      // worst element's |sum| / sum |a b|.
+      // The error's distribution in units of sum |a b| (printed before the check: the budget's margin), with the
+      // worst element's |sum| / sum |a b| and its sums per k-block.
       double worst = 0;
       size_t worst_x = 0, over_12 = 0;
       for (size_t x = 0; x < ref.grad.size(); ++x) {
@@ -642,7 +645,7 @@ TEST(WeightGradGemmFp8Test, RandomNormalInputsWithinBudgetAndBitwiseOnRerun) {
                   std::abs(ref.grad[worst_x]) / ref.abs_sum[worst_x], fp8_contributions(p, f32.fp8, worst_x).c_str(),
                   over_12, ref.grad.size());
       for (size_t x = 0; x < ref.grad.size(); ++x) {
-        const double budget = std::ldexp(ref.abs_sum[x], -12) + 1e-30;
+        const double budget = std::ldexp(ref.abs_sum[x], -11) + 1e-30;
         EXPECT_LE(std::abs(f32.values[x] - ref.grad[x]), budget)
             << mismatch(p, GradOutput::kFloat32, x, f32.values[x], ref.grad[x]) << "; budget " << budget
             << fp8_contributions(p, f32.fp8, x);

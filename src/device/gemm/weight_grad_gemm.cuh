@@ -94,7 +94,7 @@ template <class Base, class TmaScales>
 struct KScaledWeightGradParams : Base {
   TmaScales tma_a_scales;
   TmaScales tma_b_scales;
-  // Experiment (Operands Fp8Mainloop; docs/perf_notes.md, round 46): b scaled per 128 rows x 128 columns,
+  // Operands Fp8Mainloop (WeightGradArgs::b_block_scales): b scaled per 128 rows x 128 columns,
   // b_block_scales [ceil(n / 128), rows / 128] read by the consumers (mainloop_block_scaled); tma_b_scales unused.
   const float* b_block_scales = {};
   int64_t scale_k_blocks = {};  // rows / 128
@@ -131,7 +131,7 @@ struct WeightGradTraits : CollectiveMainloop<Operands_, 128, kBlockN_, kBlockK_,
   static constexpr GradOutput kOutput = kOutput_;
   using OutElement = std::conditional_t<kOutput == GradOutput::kBFloat16, cutlass::bfloat16_t, float>;
   static constexpr bool kFp8 = KScaled<Operands_> || BlockScaled<Operands_>;
-  static constexpr bool kBBlockScaled = BlockScaled<Operands_>;  // the experiment's B scales (KScaledWeightGradParams)
+  static constexpr bool kBBlockScaled = BlockScaled<Operands_>;  // b_block_scales' B scales (KScaledWeightGradParams)
   static_assert(kBlockN % 64 == 0, "whole 64-column load boxes");
   // FP8: segments re-padded to 128 rows (quantize_columns_fp8), one k-block each.
   static_assert(kFp8 ? kBlockK == 128 : 64 % kBlockK == 0, "segments (multiples of 64) are whole k-blocks");
