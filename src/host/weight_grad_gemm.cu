@@ -56,6 +56,22 @@ void launch(const WeightGradArgs& args, cudaStream_t stream) {
                     args.ticket, args.waits, stream);
 }
 
+// The launch of Config<args.output>: the output mode chooses the instantiation.
+template <template <GradOutput> class Config>
+void launch_for_output(const WeightGradArgs& args, cudaStream_t stream) {
+  switch (args.output) {
+    case GradOutput::kBFloat16:
+      launch<Config<GradOutput::kBFloat16>>(args, stream);
+      break;
+    case GradOutput::kFloat32:
+      launch<Config<GradOutput::kFloat32>>(args, stream);
+      break;
+    case GradOutput::kAccumulateFloat32:
+      launch<Config<GradOutput::kAccumulateFloat32>>(args, stream);
+      break;
+  }
+}
+
 // Every field but the ticket and the waits (the megakernel has its own).
 void validate_operands(const WeightGradArgs& args) {
   require(args.precision == Precision::kBF16 || args.precision == Precision::kFP8,
@@ -116,45 +132,12 @@ void validate(const WeightGradArgs& args) {
 
 void weight_grad_gemm(const WeightGradArgs& args, cudaStream_t stream) {
   validate(args);
-  if (args.precision == Precision::kFP8 && args.b_block_scales) {
-    switch (args.output) {
-      case GradOutput::kBFloat16:
-        launch<detail::Fp8BlockBWeightGradConfig<GradOutput::kBFloat16>>(args, stream);
-        break;
-      case GradOutput::kFloat32:
-        launch<detail::Fp8BlockBWeightGradConfig<GradOutput::kFloat32>>(args, stream);
-        break;
-      case GradOutput::kAccumulateFloat32:
-        launch<detail::Fp8BlockBWeightGradConfig<GradOutput::kAccumulateFloat32>>(args, stream);
-        break;
-    }
-    return;
-  }
-  if (args.precision == Precision::kFP8) {
-    switch (args.output) {
-      case GradOutput::kBFloat16:
-        launch<detail::Fp8WeightGradConfig<GradOutput::kBFloat16>>(args, stream);
-        break;
-      case GradOutput::kFloat32:
-        launch<detail::Fp8WeightGradConfig<GradOutput::kFloat32>>(args, stream);
-        break;
-      case GradOutput::kAccumulateFloat32:
-        launch<detail::Fp8WeightGradConfig<GradOutput::kAccumulateFloat32>>(args, stream);
-        break;
-    }
-    return;
-  }
-  switch (args.output) {
-    case GradOutput::kBFloat16:
-      launch<detail::WeightGradConfig<GradOutput::kBFloat16>>(args, stream);
-      break;
-    case GradOutput::kFloat32:
-      launch<detail::WeightGradConfig<GradOutput::kFloat32>>(args, stream);
-      break;
-    case GradOutput::kAccumulateFloat32:
-      launch<detail::WeightGradConfig<GradOutput::kAccumulateFloat32>>(args, stream);
-      break;
-  }
+  if (args.precision != Precision::kFP8)
+    launch_for_output<detail::WeightGradConfig>(args, stream);
+  else if (args.b_block_scales)
+    launch_for_output<detail::Fp8BlockBWeightGradConfig>(args, stream);
+  else
+    launch_for_output<detail::Fp8WeightGradConfig>(args, stream);
 }
 
 #if defined(MOK_TEST_ENTRIES)
