@@ -558,8 +558,8 @@ Reference fp8_reference(const Problem& p, const Fp8Operands& q) {
   return ref;
 }
 
-// Diagnostic (the block-scaled b's first run, perf_notes round 46): element x's sum per k-block of its expert, from
-// the operands the GEMM read, and each k-block's scales.
+// Element x's sum per k-block of its expert, from the operands the GEMM read, and each k-block's scales: printed
+// with the worst element and with a budget miss (where the tensor cores' accumulation lost the most; perf_notes 47).
 std::string fp8_contributions(const Problem& p, const Fp8Operands& q, size_t x) {
   const int m = p.c.m, n = p.c.n;
   const int e = int(x / (size_t(m) * n)), i = int(x / n % m), j = int(x % n);
