@@ -358,13 +358,13 @@ def run_backward(lib, args):
             ctx = {p: lib.mok_bench_layer_context_bytes(layers[p], ERROR, len(ERROR)) / 2**20 for p in layers}
             flops = 18.0 * t * (top_k + int(bool(shared))) * hidden * inter  # forward 6, backward 12 per row
 
-            def fp8b_cells():  # --backward-paths with fp8b: bf16 weight gradients against fp8f's FP8 ones
-                if "fp8b" not in layers:
+            def recipe_cells(p):  # --backward-paths with fp8b or fp8k: another weight-gradient recipe than fp8f's
+                if p not in layers:
                     return ""
-                dw_err_b = norm_err(grads["fp8b"]["expert_down"], grads["fused"]["expert_down"])
-                same_dgrads = torch.equal(d_x["fp8b"], d_x["fp8f"]) and torch.equal(d_rw["fp8b"], d_rw["fp8f"])
-                return (f" {ms['fp8b']:8.3f} {ratio('fused', 'fp8b'):10.2f} {cell(8, ratio('tao', 'fp8b'), '.2f')} "
-                        f"{dw_err_b:9.4f} {'yes' if same_dgrads else 'NO':>6s}")
+                recipe_err = norm_err(grads[p]["expert_down"], grads["fused"]["expert_down"])
+                same_dgrads = torch.equal(d_x[p], d_x["fp8f"]) and torch.equal(d_rw[p], d_rw["fp8f"])
+                return (f" {ms[p]:8.3f} {ratio('fused', p):10.2f} {cell(8, ratio('tao', p), '.2f')} "
+                        f"{recipe_err:9.4f} {'yes' if same_dgrads else 'NO':>6s}")
 
             def fp8m_cells():  # --backward-paths with fp8m: the backward megakernel against fp8f's stage kernels
                 if "fp8m" not in layers:
@@ -373,14 +373,6 @@ def run_backward(lib, args):
                 pairs += [(grads["fp8m"][n], grads["fp8f"][n]) for n in grads["fp8f"]]
                 same_bits = all(torch.equal(a, b) for a, b in pairs)
                 return f" {ms['fp8m']:8.3f} {ratio('fused', 'fp8m'):10.2f} {'yes' if same_bits else 'NO':>6s}"
-
-            def fp8k_cells():  # --backward-paths with fp8k: x and h per block in the FP8 weight gradients
-                if "fp8k" not in layers:
-                    return ""
-                dw_err_k = norm_err(grads["fp8k"]["expert_down"], grads["fused"]["expert_down"])
-                same_dgrads = torch.equal(d_x["fp8k"], d_x["fp8f"]) and torch.equal(d_rw["fp8k"], d_rw["fp8f"])
-                return (f" {ms['fp8k']:8.3f} {ratio('fused', 'fp8k'):10.2f} {cell(8, ratio('tao', 'fp8k'), '.2f')} "
-                        f"{dw_err_k:9.4f} {'yes' if same_dgrads else 'NO':>6s}")
 
             def cell(width, value, spec):  # "-" for a layer not built
                 return f"{value:{width}{spec}}" if value is not None else f"{'-':>{width}s}"
@@ -391,8 +383,8 @@ def run_backward(lib, args):
                   f"{cell(10, ratio('fused', 'fp8r'), '.2f')} {flops / ms['fp8f'] / 1e9:7.0f} {dx_err:8.4f} "
                   f"{dw_err:8.4f} {('yes' if same else 'NO') if 'fp8r' in layers else '-':>5s} "
                   f"{cell(8, ms.get('tao'), '.3f')} {cell(8, ratio('tao', 'fp8f'), '.2f')} {ctx['fp8f']:8.1f} "
-                  f"{cell(9, ctx.get('fp8r'), '.1f')} {ctx['fused']:8.1f}{fp8b_cells()}{fp8m_cells()}"
-                  f"{fp8k_cells()}", flush=True)
+                  f"{cell(9, ctx.get('fp8r'), '.1f')} {ctx['fused']:8.1f}{recipe_cells('fp8b')}"
+                  f"{fp8m_cells()}{recipe_cells('fp8k')}", flush=True)
             if args.breakdown:  # where the step's time goes, FP8 against bf16
                 for p in [p for p in ("fp8f", "fp8b", "fp8m", "fp8k", "fused") if p in layers]:
                     for kernel, kernel_ms in kernel_breakdown(step(p)):
