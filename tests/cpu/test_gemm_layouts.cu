@@ -89,14 +89,14 @@ TEST(FragmentLayoutTest, ValuesTileTheirSixtyFourColumnGroups) {
       "bf16 128 x 256 (SwiGLU backward)");
   check_fragment<detail::Fp8GemmTraits<gemm::StoreEpilogue, 1>>("FP8 128 x 128");
   check_fragment<detail::Fp8WideStoreTraits<1>>("FP8 128 x 256 (store)");
-  check_fragment<detail::Fp8DownDgradTraits<1>>("FP8 64 x 128 (SwiGLU backward, two CTAs an SM)");
+  check_fragment<detail::Fp8StandaloneDownDgradTraits<1>>("FP8 64 x 128 (SwiGLU backward, two CTAs an SM)");
 }
 
 // The 64-row down dgrad's warpgroup holds the 128-row tile's first warpgroup's values (the same wgmma, the same
 // registers): so its elements have the bits of the backward megakernel's tile.
 TEST(FragmentLayoutTest, SixtyFourRowTileIsTheFirstWarpgroupOfTheWideOne) {
   using namespace cute;
-  using Narrow = detail::Fp8DownDgradTraits<1>;
+  using Narrow = detail::Fp8StandaloneDownDgradTraits<1>;
   using Wide = detail::Fp8GemmTraits<gemm::SwiGLUBackwardEpilogue, 1>;
   static_assert(Narrow::kBlockN == Wide::kBlockN && Narrow::kMmaN == Wide::kMmaN && Narrow::kBlockK == Wide::kBlockK);
   typename Narrow::TiledMma narrow;
