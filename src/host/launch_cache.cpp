@@ -39,11 +39,6 @@ void prepare_kernel_locked(const void* kernel, int smem_bytes, int device, const
                              std::to_string(limits.max_shared_bytes));
   DeviceGuard guard(device);  // the attribute is set on the current device
   MOK_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  // Why: a kernel of two CTAs an SM (two 113 KB shares, gemm::CollectiveMainloop::kCtasPerSm) needs all of the
-  // SM's unified memory as shared memory; the carveout is otherwise the driver's choice.
-  if (smem_bytes > 48 * 1024)
-    MOK_CHECK_CUDA(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   prepared_kernels.emplace(key, true);
 }
 

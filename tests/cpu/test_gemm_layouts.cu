@@ -89,24 +89,6 @@ TEST(FragmentLayoutTest, ValuesTileTheirSixtyFourColumnGroups) {
       "bf16 128 x 256 (SwiGLU backward)");
   check_fragment<detail::Fp8GemmTraits<gemm::StoreEpilogue, 1>>("FP8 128 x 128");
   check_fragment<detail::Fp8WideStoreTraits<1>>("FP8 128 x 256 (store)");
-  check_fragment<detail::Fp8StandaloneDownDgradTraits<1>>("FP8 64 x 128 (SwiGLU backward, two CTAs an SM)");
-}
-
-// The 64-row down dgrad's warpgroup holds the 128-row tile's first warpgroup's values (the same wgmma, the same
-// registers): so its elements have the bits of the backward megakernel's tile.
-TEST(FragmentLayoutTest, SixtyFourRowTileIsTheFirstWarpgroupOfTheWideOne) {
-  using namespace cute;
-  using Narrow = detail::Fp8StandaloneDownDgradTraits<1>;
-  using Wide = detail::Fp8GemmTraits<gemm::SwiGLUBackwardEpilogue, 1>;
-  static_assert(Narrow::kBlockN == Wide::kBlockN && Narrow::kMmaN == Wide::kMmaN && Narrow::kBlockK == Wide::kBlockK);
-  typename Narrow::TiledMma narrow;
-  typename Wide::TiledMma wide;
-  for (int t = 0; t < 128; ++t) {
-    const auto a = narrow.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_64, Int<Narrow::kBlockN>>{}));
-    const auto b = wide.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_128, Int<Wide::kBlockN>>{}));
-    ASSERT_EQ(int(size(a)), int(size(b)));
-    for (int i = 0; i < int(size(a)); ++i) ASSERT_EQ(a(i), b(i)) << "thread " << t << " value " << i;
-  }
 }
 
 }  // namespace

@@ -69,10 +69,9 @@ constexpr auto b_box_layout() {
 // GemmTraits = tile shape + operand policy (mainloop.cuh: Bf16Mainloop<A major, B major>, A K-major here and B
 // either; or Fp8Mainloop, both K-major, block-scaled) + epilogue policy (gemm_epilogue.cuh) + the cluster size,
 // over the collective mainloop. Outputs are bf16 whatever the operands.
-template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_,
-          int kCtasPerSm_ = 1>
-struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_, kCtasPerSm_> {
-  using Collective = CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_, kCtasPerSm_>;
+template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_>
+struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_> {
+  using Collective = CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_>;
   using Mainloop = Mainloop_;
   using Epilogue = Epilogue_;
   using typename Collective::Element;
@@ -132,8 +131,6 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_:
       kStorageBoxes, TaskRing<Collective::kTaskDepth, 4 * kConsumerWarpgroups, kClusterN>>;
   static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedStorage));
   static_assert(kSharedBytes <= 227 * 1024, "more shared memory than a Hopper CTA may have");
-  // An SM's 228 KB hold kCtasPerSm CTAs, each with its 1 KB the system reserves.
-  static_assert(Collective::kCtasPerSm * (kSharedBytes + 1024) <= 228 * 1024, "kCtasPerSm CTAs' shared memory an SM");
 };
 
 // A tile staged one 64-column box at a time a pass, whatever its width: the wide FP8 tiles (the standalone store

@@ -226,7 +226,7 @@ __device__ __forceinline__ void run_standalone_gemm(const Params& p, const Stand
 }
 
 template <class T, class Params>
-__global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
+__global__ void __launch_bounds__(T::kThreads, 1)
     expert_gemm_kernel(const __grid_constant__ Params p, const __grid_constant__ StandaloneWaits waits) {
   run_standalone_gemm<T>(p, waits);
 }

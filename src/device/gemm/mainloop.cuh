@@ -157,8 +157,7 @@ struct GemmSharedStorage : Scales {
 
 // The collective: tile shape + operand policy -> stage layouts, the tiled wgmma, the pipeline, the register
 // budget and the shared memory. One consumer warpgroup per 64 rows of the tile, one producer warpgroup.
-// kCtasPerSm_ 2: two CTAs of one consumer warpgroup each share an SM (a 64-row tile; see kCtasPerSm).
-template <class Operands_, int kBlockM_, int kBlockN_, int kBlockK_, int kStages_, int kCtasPerSm_ = 1>
+template <class Operands_, int kBlockM_, int kBlockN_, int kBlockK_, int kStages_>
 struct CollectiveMainloop {
   using Operands = Operands_;
   using Element = typename Operands::Element;
@@ -177,23 +176,15 @@ struct CollectiveMainloop {
   static_assert(kBlockK % 16 == 0 && kBlockK * sizeof(Element) <= 128, "wgmma K steps within one swizzle row");
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-  // CTAs resident on one SM (the kernel's __launch_bounds__ minimum): 2 puts two independent 64-row CTAs on an SM,
-  // so that one's epilogue runs while the other's wgmmas do (what CUTLASS's ping-pong kernel gets from two consumer
-  // warpgroups taking tiles in turn), at the price of B loaded once per 64 rows instead of 128.
-  static constexpr int kCtasPerSm = kCtasPerSm_;
-  static_assert(kCtasPerSm == 1 || (kCtasPerSm == 2 && kConsumerWarpgroups == 1),
-                "two CTAs an SM: one consumer warpgroup each (a 64-row tile)");
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
   // setmaxnreg only moves registers within what the CTA got at launch (65536 / kThreads, rounded down to
   // 8, per thread): asking for more makes setmaxnreg.inc wait forever (a hang, seen with 48 / 232).
   // A scaled tile wider than 128 columns keeps 128 promoted and 64 partial values a thread: 232 registers for its
   // consumers, 40 left to the producer (which only issues TMA loads).
   static constexpr bool kWideScaled = kScaledOperands && kBlockN_ > 128;
-  // Two CTAs an SM: 128 registers a thread at launch, 40 of them the producer's, the rest (216) its consumers'.
-  static constexpr int kProducerRegisters = kWideScaled || kCtasPerSm == 2 ? 40 : 48;
-  static constexpr int kConsumerRegisters =
-      kCtasPerSm == 2 ? 216 : kConsumerWarpgroups == 2 ? (kWideScaled ? 232 : 224) : 240;
-  static constexpr int kLaunchRegisters = 65536 / kCtasPerSm / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = kWideScaled ? 40 : 48;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? (kWideScaled ? 232 : 224) : 240;
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
   static_assert(kProducerRegisters * 128 + kConsumerRegisters * 128 * kConsumerWarpgroups <= kLaunchRegisters * kThreads,
                 "setmaxnreg redistributes the CTA's launch registers, no more");
 
