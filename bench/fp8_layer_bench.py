@@ -22,7 +22,7 @@ also with keep_gate_up=False (its backward recomputes g | u and h: the same bits
 expert MLP forward + backward as the peer (the gradients of its rows and weights). Also printed: the FP8 d_x's
 normwise error against BF16's and each layer's forward context bytes (issue 28 item 3).
 Usage: fp8_layer_bench.py --lib build/bench/libmok_bench_capi.so [--shapes A,B] [--experts-per N] [--tokens T]
-       [--breakdown] [--backward [--backward-paths fp8,fp8f,fp8r,fp8b,fp8m,fp8k,bf16,fused]]
+       [--breakdown] [--backward [--backward-paths fp8,fp8f,fp8r,fp8b,fp8m,fp8c,bf16,fused]]
 """
 import argparse
 import ctypes
@@ -249,16 +249,16 @@ def fp8_weight_pointers(w, transposed=True):
 
 
 # --backward's layers.
-# name: (forward path, precision, keep_gate_up, bf16_weight_gradients, backward_megakernel, fp8_weight_gradient_blocks)
+# name: (forward path, precision, keep_gate_up, bf16_weight_gradients, backward_megakernel, fp8_weight_gradient_columns)
 BACKWARD_PATHS = {"fp8": ("unfused", "fp8", True, False, False, False),
                   "fp8f": ("fused", "fp8", True, False, False, False),
                   "fp8r": ("fused", "fp8", False, False, False, False),
                   "fp8b": ("fused", "fp8", True, True, False, False),
                   "fp8m": ("fused", "fp8", True, False, True, False),
-                  "fp8k": ("fused", "fp8", True, False, False, True),
+                  "fp8c": ("fused", "fp8", True, False, False, True),
                   "bf16": ("unfused", "bf16", True, False, False, False),
                   "fused": ("fused", "bf16", True, False, False, False)}
-OPT_IN_PATHS = ("fp8b", "fp8m", "fp8k")  # built only when --backward-paths names them
+OPT_IN_PATHS = ("fp8b", "fp8m", "fp8c")  # built only when --backward-paths names them
 
 
 def run_backward(lib, args):
@@ -273,8 +273,8 @@ def run_backward(lib, args):
           + (f" {'fp8b_ms':>8s} {'fp8b/fused':>10s} {'fp8b/tao':>8s} {'dw_err_b':>9s} {'dx b=f':>6s}"
              if "fp8b" in args.backward_paths.split(",") else "")
           + (f" {'fp8m_ms':>8s} {'fp8m/fused':>10s} {'m==f':>6s}" if "fp8m" in args.backward_paths.split(",") else "")
-          + (f" {'fp8k_ms':>8s} {'fp8k/fused':>10s} {'fp8k/tao':>8s} {'dw_err_k':>9s} {'dx k=f':>6s}"
-             if "fp8k" in args.backward_paths.split(",") else "")
+          + (f" {'fp8c_ms':>8s} {'fp8c/fused':>10s} {'fp8c/tao':>8s} {'dw_err_c':>9s} {'dx c=f':>6s}"
+             if "fp8c" in args.backward_paths.split(",") else "")
           + "   "
           "(forward + backward ms: fp8 the FP8 unfused forward, fp8f the FP8 fused one, each then the FP8 stage "
           "backward; fp8r the fused one with keep_gate_up=False (the backward recomputes g | u and h); bf16 unfused, "
@@ -284,9 +284,10 @@ def run_backward(lib, args):
           "bytes, FP8 fused (g | u and h kept), FP8 recompute, bf16 fused; the FP8 layers' weight gradients FP8; "
           "fp8b: fp8f with bf16 weight gradients (bf16_weight_gradients), dw_err_b its routed down weight gradient's "
           "error, dx b=f: its d_x and d_rw bitwise fp8f's; fp8m: fp8f with the backward megakernel "
-          "(backward_megakernel), m==f: its d_x, d_rw and weight gradients bitwise fp8f's; fp8k: fp8f with x and h "
-          "per 128 x 128 block in the FP8 weight gradients (fp8_weight_gradient_blocks), dw_err_k its routed down "
-          "weight gradient's error, dx k=f: its d_x and d_rw bitwise fp8f's)")
+          "(backward_megakernel), m==f: its d_x, d_rw and weight gradients bitwise fp8f's; fp8c: fp8f with x and h "
+          "per column in the FP8 weight gradients, DeepSeek-V3's recipe (fp8_weight_gradient_columns; fp8f's: per "
+          "128 x 128 block), dw_err_c its routed down weight gradient's error, dx c=f: its d_x and d_rw bitwise "
+          "fp8f's)")
 
     wanted = set(args.backward_paths.split(",")) | {"fp8f", "fused"}
     unknown = wanted - set(BACKWARD_PATHS)
@@ -300,8 +301,8 @@ def run_backward(lib, args):
         layers = {p: create(lib, path=path, precision=precision, keep_gate_up=keep,
                             **(dict(bf16_weight_gradients=True) if bf16w else {}),
                             **(dict(backward_megakernel=True) if megakernel else {}),
-                            **(dict(fp8_weight_gradient_blocks=True) if blocks else {}), **common)
-                  for p, (path, precision, keep, bf16w, megakernel, blocks) in BACKWARD_PATHS.items() if p in wanted}
+                            **(dict(fp8_weight_gradient_columns=True) if columns else {}), **common)
+                  for p, (path, precision, keep, bf16w, megakernel, columns) in BACKWARD_PATHS.items() if p in wanted}
         try:
             x, topk_idx, rw, w = random_problem(gen, t, experts, hidden, inter, top_k, shared)
             d_out = torch.randn(t, hidden, device="cuda", generator=gen).bfloat16()
@@ -314,7 +315,7 @@ def run_backward(lib, args):
             # The compared layers' own weight gradients; the unfused ones write into the fused ones' (memory for the
             # EP = 1 shapes).
             grads = {p: {n: torch.empty_like(v) for n, v in zip(capi.GRADS, w) if v is not None}
-                     for p in ("fp8f", "fp8r", "fp8b", "fp8m", "fp8k", "fused") if p in layers}
+                     for p in ("fp8f", "fp8r", "fp8b", "fp8m", "fp8c", "fused") if p in layers}
             grads["fp8"], grads["bf16"] = grads["fp8f"], grads["fused"]
             arrays = {p: capi.grad_arrays(grads[p], {n: "bf16" for n in grads[p]}, {n: "write" for n in grads[p]})
                       for p in layers}
@@ -358,7 +359,7 @@ def run_backward(lib, args):
             ctx = {p: lib.mok_bench_layer_context_bytes(layers[p], ERROR, len(ERROR)) / 2**20 for p in layers}
             flops = 18.0 * t * (top_k + int(bool(shared))) * hidden * inter  # forward 6, backward 12 per row
 
-            def recipe_cells(p):  # --backward-paths with fp8b or fp8k: another weight-gradient recipe than fp8f's
+            def recipe_cells(p):  # --backward-paths with fp8b or fp8c: another weight-gradient recipe than fp8f's
                 if p not in layers:
                     return ""
                 recipe_err = norm_err(grads[p]["expert_down"], grads["fused"]["expert_down"])
@@ -384,9 +385,9 @@ def run_backward(lib, args):
                   f"{dw_err:8.4f} {('yes' if same else 'NO') if 'fp8r' in layers else '-':>5s} "
                   f"{cell(8, ms.get('tao'), '.3f')} {cell(8, ratio('tao', 'fp8f'), '.2f')} {ctx['fp8f']:8.1f} "
                   f"{cell(9, ctx.get('fp8r'), '.1f')} {ctx['fused']:8.1f}{recipe_cells('fp8b')}"
-                  f"{fp8m_cells()}{recipe_cells('fp8k')}", flush=True)
+                  f"{fp8m_cells()}{recipe_cells('fp8c')}", flush=True)
             if args.breakdown:  # where the step's time goes, FP8 against bf16
-                for p in [p for p in ("fp8f", "fp8b", "fp8m", "fp8k", "fused") if p in layers]:
+                for p in [p for p in ("fp8f", "fp8b", "fp8m", "fp8c", "fused") if p in layers]:
                     for kernel, kernel_ms in kernel_breakdown(step(p)):
                         print(f"  {name} {p:5s} {kernel:40s} {kernel_ms:8.3f} ms per call", flush=True)
             del fp8_tensors

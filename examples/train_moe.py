@@ -99,9 +99,9 @@ def make_parser():
     p.add_argument("--bf16-weight-gradients", action="store_true",
                    help="with --precision fp8: the weight gradients' GEMMs in bf16 (mok.Config.bf16_weight_gradients; "
                    "default: FP8 too, DeepSeek-V3's recipe)")
-    p.add_argument("--fp8-weight-gradient-blocks", action="store_true",
-                   help="with --precision fp8 and FP8 weight gradients: x and h scaled per 128 x 128 block in them "
-                   "(mok.Config.fp8_weight_gradient_blocks; default: per column, DeepSeek-V3's recipe)")
+    p.add_argument("--fp8-weight-gradient-columns", action="store_true",
+                   help="with --precision fp8 and FP8 weight gradients: x and h scaled per column per 128 rows in "
+                   "them, DeepSeek-V3's recipe (mok.Config.fp8_weight_gradient_columns; default: per 128 x 128 block)")
     p.add_argument("--main-grad", action="store_true",
                    help="ours accumulates its expert weight gradients into fp32 param.main_grad (Megatron's way)")
     return p
@@ -118,8 +118,8 @@ def parse_args(argv=None):
         p.error(f"--top-k {args.top_k} must be at most --experts {args.experts}")
     if args.bf16_weight_gradients and args.precision != "fp8":
         p.error("--bf16-weight-gradients needs --precision fp8")
-    if args.fp8_weight_gradient_blocks and (args.precision != "fp8" or args.bf16_weight_gradients):
-        p.error("--fp8-weight-gradient-blocks needs --precision fp8 and FP8 weight gradients (no "
+    if args.fp8_weight_gradient_columns and (args.precision != "fp8" or args.bf16_weight_gradients):
+        p.error("--fp8-weight-gradient-columns needs --precision fp8 and FP8 weight gradients (no "
                 "--bf16-weight-gradients)")
     if args.precision == "fp8" and args.intermediate % 128:
         p.error(f"--precision fp8 needs --intermediate a multiple of 128 (the FP8 backward's blocks), got "
@@ -328,7 +328,7 @@ def build(kind, args, env, state, precision="bf16"):
     tokens = args.batch * args.seq
     config = mok.Config(load_factor=args.load_factor or float(env.size), precision=precision,
                         bf16_weight_gradients=args.bf16_weight_gradients,
-                        fp8_weight_gradient_blocks=args.fp8_weight_gradient_blocks and precision == "fp8")
+                        fp8_weight_gradient_columns=args.fp8_weight_gradient_columns and precision == "fp8")
     ws = mok.get_workspace(config, env.group, tokens, args.hidden, args.intermediate, args.top_k, args.experts)
     ffns = [mok.MoE(args.hidden, args.intermediate, args.experts, args.top_k, workspace=ws, group=env.group,
                     main_grad=args.main_grad) for _ in range(args.layers)]
@@ -618,7 +618,7 @@ def main():
     env.print(f"train_moe: {args.layers} layers, H {args.hidden}, I {args.intermediate}, E {args.experts}, "
               f"k {args.top_k}, {args.batch} x {args.seq} tokens per step per rank, EP = {env.size}, "
               f"{args.steps} steps, {args.precision}{', bf16 weight gradients' if args.bf16_weight_gradients else ''}"
-              f"{', x and h per block in the FP8 weight gradients' if args.fp8_weight_gradient_blocks else ''}"
+              f"{', x and h per column in the FP8 weight gradients' if args.fp8_weight_gradient_columns else ''}"
               f"{', main_grad' if args.main_grad else ''}")
     data = make_data(args.steps, args.batch, args.seq, args.seed, env.rank, env.device)
     state = initial_state(args, env.device)

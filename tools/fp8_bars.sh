@@ -42,7 +42,7 @@ bench() {  # bench LOG SCRIPT ARGS...: one bench of $dir, its rows printed, ever
   timeout "$limit" python3 "$dir/bench/$script" --lib "$dir/libmok_bench_capi.so" "$@" 2>&1 | tee -a "$out/$log" |
     grep -v '^  \|unavailable'
 }
-# MOK_BARS_BWD_PATHS: the first bench's --backward-paths (e.g. fp8f,fp8k,fused: an opt-in path beside the default's).
+# MOK_BARS_BWD_PATHS: the first bench's --backward-paths (e.g. fp8f,fp8c,fused: an opt-in path beside the default's).
 bench bwd.txt fp8_layer_bench.py --backward --iters 10 --shapes Kimi-K2.7,GLM-5.2,DeepSeek-V4-Pro \
   ${MOK_BARS_BWD_PATHS:+--backward-paths "$MOK_BARS_BWD_PATHS"}
 bench gemm.txt gemm_bench.py --gemm fp8 --iters 20

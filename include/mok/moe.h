@@ -171,12 +171,12 @@ struct MoeOptions {
                              // gradients": dy, h, d(g|u) and x transposed and quantized per column per 128 rows of
                              // an expert, then weight_grad_gemm's precision kFP8; docs/perf_notes.md, round 40, has
                              // both ways' speed, error and loss). Precision kBF16: bf16 either way
-  bool fp8_weight_gradient_blocks = false;  // precision kFP8 with FP8 weight gradients: their activation factors
-                             // (x of the gate/up weight gradient, h of the down one) quantized per 128 rows x 128
-                             // columns of an expert instead of per column (dy and d(g|u) stay per column), so the
-                             // GEMM promotes each k-block with one multiply-add a value as the forward's tiles do
-                             // (docs/design.md, "FP8 weight gradients"; docs/perf_notes.md, round 47: its speed,
-                             // error and loss)
+  bool fp8_weight_gradient_columns = false;  // precision kFP8 with FP8 weight gradients: their activation factors
+                             // (x of the gate/up weight gradient, h of the down one) quantized per column per 128
+                             // rows of an expert, DeepSeek-V3's recipe, as dy and d(g|u) are; false (the default):
+                             // per 128 rows x 128 columns, so that the GEMM promotes each k-block with one
+                             // multiply-add a value as the forward's tiles do (docs/design.md, "FP8 weight
+                             // gradients"; docs/perf_notes.md, round 47: both ways' speed, error and loss)
   // How long setup waits for the other ranks (docs/design.md, "Setup waits"): the constructor's agreement (an
   // all-gather; NCCL groups), and the communicator the C API and Python create for the workspace. Past it, a
   // std::runtime_error (detail::SetupTimeout) says a rank never arrived. Finite, in (0, kMaxWaitTimeoutS]. Bounded

@@ -62,7 +62,7 @@ struct WeightGradArgs {
   Precision precision = Precision::kBF16;  // kFP8: a and b as above (e4m3, K-major) with their scales
   const float* a_scales = nullptr;         // kFP8: [rows_allocated / 128, m]
   const float* b_scales = nullptr;         // kFP8: [rows_allocated / 128, n]
-  // kFP8 (MoeOptions::fp8_weight_gradient_blocks; perf_notes rounds 46-47): b scaled per 128 rows x 128 columns,
+  // kFP8 (the layer's default; perf_notes rounds 46-47): b scaled per 128 rows x 128 columns,
   // b_scales then [ceil(n / 128), rows_allocated / 128] (detail::Fp8ColumnQuantizeArgs::block_scales): one FMA a
   // value promotes.
   bool b_block_scales = false;

@@ -79,11 +79,11 @@ class Config:
                      default: in FP8 too, DeepSeek-V3's recipe (dy, h, d(g|u) and x quantized per column per 128
                      rows of an expert; docs/perf_notes.md, round 40, has both ways' speed, error and loss).
                      precision="bf16": bf16 either way
-    fp8_weight_gradient_blocks  precision="fp8" with FP8 weight gradients: their activation factors (x of the
-                     gate/up weight gradient, h of the down one) quantized per 128 rows x 128 columns of an expert
-                     instead of per column (dy and d(g|u) stay per column): the GEMM then promotes with one
-                     multiply-add a value (docs/perf_notes.md, round 47: speed, error and loss); True needs
-                     precision="fp8" and bf16_weight_gradients=False
+    fp8_weight_gradient_columns  precision="fp8" with FP8 weight gradients: their activation factors (x of the
+                     gate/up weight gradient, h of the down one) quantized per column per 128 rows of an expert, as
+                     dy and d(g|u) are (DeepSeek-V3's recipe); False, the default: per 128 rows x 128 columns, so that
+                     the GEMM promotes with one multiply-add a value (docs/perf_notes.md, round 47: both ways' speed,
+                     error and loss); True needs precision="fp8" and bf16_weight_gradients=False
     setup_timeout_s  EP > 1: making the workspace (its NCCL communicator and first collectives) waits this long for
                      the other ranks (seconds, finite, in (0, 86400]; 600, torch.distributed's default), then raises
                      RuntimeError instead of waiting forever for a rank that never comes
@@ -109,7 +109,7 @@ class Config:
     precision: str = "bf16"
     fp8_power_of_two_scales: bool = False
     bf16_weight_gradients: bool = False
-    fp8_weight_gradient_blocks: bool = False
+    fp8_weight_gradient_columns: bool = False
     setup_timeout_s: float = 600.0
 
     def __post_init__(self):
@@ -141,7 +141,7 @@ class Config:
         if self.path not in PATHS:
             raise ValueError(f"Config.path: expected one of {sorted(PATHS)}, got {self.path!r}")
         for name in ("backward", "keep_gate_up", "backward_megakernel", "gather_rows", "scatter_rows",
-                     "fp8_power_of_two_scales", "bf16_weight_gradients", "fp8_weight_gradient_blocks"):
+                     "fp8_power_of_two_scales", "bf16_weight_gradients", "fp8_weight_gradient_columns"):
             arguments.check_bool(f"Config.{name}", getattr(self, name))
         if self.backward_megakernel and (self.path != "fused" or not self.backward):
             raise ValueError("Config.backward_megakernel: expected False unless path='fused' and backward=True (the "
@@ -158,9 +158,9 @@ class Config:
         if self.fp8_power_of_two_scales and self.precision != "fp8":
             raise ValueError("Config.fp8_power_of_two_scales: expected False unless precision='fp8' (it rounds the FP8 "
                              f"activations' scales), got True with precision={self.precision!r}")
-        if self.fp8_weight_gradient_blocks and (self.precision != "fp8" or self.bf16_weight_gradients):
-            raise ValueError("Config.fp8_weight_gradient_blocks: expected False unless precision='fp8' and "
-                             "bf16_weight_gradients=False (it scales the FP8 weight gradients' x and h per block), got "
+        if self.fp8_weight_gradient_columns and (self.precision != "fp8" or self.bf16_weight_gradients):
+            raise ValueError("Config.fp8_weight_gradient_columns: expected False unless precision='fp8' and "
+                             "bf16_weight_gradients=False (it scales the FP8 weight gradients' x and h per column), got "
                              f"True with precision={self.precision!r}, bf16_weight_gradients="
                              f"{self.bf16_weight_gradients}")
         if self.gather_rows and self.path != "unfused":

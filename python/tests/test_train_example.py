@@ -57,7 +57,7 @@ def test_help_lists_every_option_with_its_default(example):
     assert "--steps" in parser_options and "--main-grad" in parser_options, out
     for option in ("--steps", "--layers", "--out", "--batch", "--seq", "--hidden", "--intermediate", "--heads",
                    "--experts", "--top-k", "--lr", "--seed", "--load-factor", "--main-grad", "--precision",
-                   "--bf16-weight-gradients", "--fp8-weight-gradient-blocks"):
+                   "--bf16-weight-gradients", "--fp8-weight-gradient-columns"):
         assert option in parser_options, f"{option} missing from --help:\n{out}"
     flat = " ".join(out.split())
     assert "(default: 300)" in flat and "(default: train_moe_out)" in flat and "(default: 0.002)" in flat, out
@@ -76,9 +76,9 @@ def test_help_lists_every_option_with_its_default(example):
     (["--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
     (["--precision", "fp8", "--intermediate", "192"], "--precision fp8 needs --intermediate a multiple of 128"),
     (["--bf16-weight-gradients"], "--bf16-weight-gradients needs --precision fp8"),
-    (["--fp8-weight-gradient-blocks"], "--fp8-weight-gradient-blocks needs --precision fp8"),
-    (["--precision", "fp8", "--bf16-weight-gradients", "--fp8-weight-gradient-blocks"],
-     "--fp8-weight-gradient-blocks needs --precision fp8 and FP8 weight gradients"),
+    (["--fp8-weight-gradient-columns"], "--fp8-weight-gradient-columns needs --precision fp8"),
+    (["--precision", "fp8", "--bf16-weight-gradients", "--fp8-weight-gradient-columns"],
+     "--fp8-weight-gradient-columns needs --precision fp8 and FP8 weight gradients"),
 ])
 def test_bad_options_are_usage_errors(example, capsys, argv, message):
     """A bad option stops the example at parsing (argparse's usage error, status 2) naming it, before any work."""

@@ -381,9 +381,9 @@ WorkspacePlan plan_workspace(const MoeShape& shape, const MoeOptions& options) {
   }
   require(options.precision == Precision::kFP8 || !options.fp8_power_of_two_scales,
           "MoeOptions.fp8_power_of_two_scales is for precision kFP8 (the activations' scales), got precision kBF16");
-  require(!options.fp8_weight_gradient_blocks ||
+  require(!options.fp8_weight_gradient_columns ||
               (options.precision == Precision::kFP8 && !options.bf16_weight_gradients),
-          "MoeOptions.fp8_weight_gradient_blocks is for FP8 weight gradients (precision kFP8, bf16_weight_gradients "
+          "MoeOptions.fp8_weight_gradient_columns is for FP8 weight gradients (precision kFP8, bf16_weight_gradients "
           "false), got precision " + std::string(options.precision == Precision::kFP8 ? "kFP8" : "kBF16") +
               ", bf16_weight_gradients " + (options.bf16_weight_gradients ? "true" : "false"));
   const int64_t slots = task_slot_bound(shape, plan.capacity_rows, plan.padded_tokens);

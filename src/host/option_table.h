@@ -166,8 +166,8 @@ inline constexpr OptionDesc kOptionTable[] = {
                                                         H::kConfig, true),
     option<&L::options, &Opt::bf16_weight_gradients>("bf16_weight_gradients", "MoeOptions.bf16_weight_gradients",
                                                       H::kConfig, true),
-    option<&L::options, &Opt::fp8_weight_gradient_blocks>("fp8_weight_gradient_blocks",
-                                                           "MoeOptions.fp8_weight_gradient_blocks", H::kConfig, true),
+    option<&L::options, &Opt::fp8_weight_gradient_columns>("fp8_weight_gradient_columns",
+                                                            "MoeOptions.fp8_weight_gradient_columns", H::kConfig, true),
     option<&L::options, &Opt::setup_timeout_s>("setup_timeout_s", "MoeOptions.setup_timeout_s", H::kConfig, false),
 };
 

@@ -51,9 +51,10 @@ struct Fp8ColumnQuantizeArgs {
   void* out = nullptr;                         // e4m3 [k, fp8_column_rows(rows_allocated, E)], 16-byte aligned
   float* scales = nullptr;                     // fp32 [fp8_column_rows(rows_allocated, E) / 128, k]
   bool power_of_two_scales = false;
-  // MoeOptions::fp8_weight_gradient_blocks: one scale per 128 rows x 128 columns instead of per column, scales
-  // then fp32 [ceil(k / 128), fp8_column_rows(rows_allocated, E) / 128] (a column block's k-blocks contiguous: the
-  // FP8 weight gradient's block-scaled B operand, WeightGradArgs::b_block_scales).
+  // The FP8 weight gradients' x and h (unless MoeOptions::fp8_weight_gradient_columns): one scale per 128 rows x
+  // 128 columns instead of per column, scales then fp32 [ceil(k / 128), fp8_column_rows(rows_allocated, E) / 128] (a
+  // column block's k-blocks contiguous: the FP8 weight gradient's block-scaled B operand,
+  // WeightGradArgs::b_block_scales).
   bool block_scales = false;
   // Instead of `in` (null then, rows read by route when row_route is set): each scheduled row read where the backward's
   // pull reads it, so that no bf16 copy of it is written and read again (the routed dy and x of the FP8 weight

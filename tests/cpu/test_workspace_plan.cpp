@@ -116,15 +116,15 @@ TEST(WorkspacePlan, EveryRuleNamesItsField) {
        "MoeOptions.precision kFP8 does not gather rows"},
       {"power-of-two scales in bf16", [](MoeShape&, MoeOptions& o) { o.fp8_power_of_two_scales = true; },
        "MoeOptions.fp8_power_of_two_scales is for precision kFP8"},
-      {"weight-gradient blocks in bf16", [](MoeShape&, MoeOptions& o) { o.fp8_weight_gradient_blocks = true; },
-       "MoeOptions.fp8_weight_gradient_blocks is for FP8 weight gradients"},
-      {"weight-gradient blocks with bf16 weight gradients",
+      {"weight-gradient columns in bf16", [](MoeShape&, MoeOptions& o) { o.fp8_weight_gradient_columns = true; },
+       "MoeOptions.fp8_weight_gradient_columns is for FP8 weight gradients"},
+      {"weight-gradient columns with bf16 weight gradients",
        [](MoeShape&, MoeOptions& o) {
          o.precision = Precision::kFP8;
          o.bf16_weight_gradients = true;
-         o.fp8_weight_gradient_blocks = true;
+         o.fp8_weight_gradient_columns = true;
        },
-       "MoeOptions.fp8_weight_gradient_blocks is for FP8 weight gradients (precision kFP8, bf16_weight_gradients "
+       "MoeOptions.fp8_weight_gradient_columns is for FP8 weight gradients (precision kFP8, bf16_weight_gradients "
        "false), got precision kFP8, bf16_weight_gradients true"},
       {"task slots", [](MoeShape& s, MoeOptions&) {
          s.ep_size = 1;

@@ -426,7 +426,7 @@ double normwise(const float* got, const float* want, int64_t count) {
 // and against the unquantized reference (printed); d_rw exactly 0 at masked routes. The recipe's weight gradients:
 // bf16 (the workspace made with MoeOptions::bf16_weight_gradients) or FP8 (the default; only at EP = 1, where the
 // recipe's blocks of 128 routes in (token, j) order are the schedule's rows; activation_blocks: x and h per 128 x 128,
-// MoeOptions::fp8_weight_gradient_blocks).
+// the layer's default; false: MoeOptions::fp8_weight_gradient_columns).
 void check_against_recipe(MoeHarness& harness, const LayerData& data, const std::vector<float>& d_out,
                           const std::string& label, bool fp8_weight_gradients, bool activation_blocks = false) {
   const reference::Fp8Recipe recipe{.forward = true,
@@ -665,13 +665,14 @@ TEST(MoeFp8Test, BackwardSkewedRoutingEmptyExpertsAndGradModes) {
 }
 
 // FP8 weight gradients, the default (docs/design.md, "FP8 weight gradients"): every weight gradient's two factors
-// (dy, h, d(g|u), the bf16 x rows) transposed and quantized per column per 128 rows of an expert, the GEMMs in FP8.
+// (dy, h, d(g|u), the bf16 x rows) transposed and quantized along the rows of an expert (dy and d(g|u) per column per
+// 128 rows, x and h per 128 rows x 128 columns), the GEMMs in FP8.
 // At EP = 1, where the recipe's blocks of 128 routes in (token, j) order are the schedule's rows, against
 // reference::backward with Fp8Recipe::weight_gradients_fp8 (check_against_recipe's bounds), skewed routing with
 // empty experts (their gradients exactly 0). At EP 1 and 2: d_x and d_router_weights bitwise those of bf16 weight
 // gradients (MoeOptions::bf16_weight_gradients: the dgrads do not change), reruns bitwise, bf16 writes the fp32
 // writes rounded, and fp32 accumulation of two micro-batches bitwise (0 + g1) + g2. The same with x and h per 128 rows x
-// 128 columns (MoeOptions::fp8_weight_gradient_blocks), whose weight gradients are not the per-column recipe's.
+// 128 columns (the default) and per column (MoeOptions::fp8_weight_gradient_columns): the two differ.
 TEST(MoeFp8Test, Fp8WeightGradientsMatchTheRecipeAndKeepTheDgradsBits) {
   MOK_REQUIRE_GPUS(1);
   for (const int ep : {1, 2}) {
@@ -699,8 +700,8 @@ TEST(MoeFp8Test, Fp8WeightGradientsMatchTheRecipeAndKeepTheDgradsBits) {
 
     testing::WeightGrads per_column;
     for (const bool blocks : {false, true}) {
-      const std::string where = label + (blocks ? ", x and h per 128 x 128" : "");
-      options.fp8_weight_gradient_blocks = blocks;
+      const std::string where = label + (blocks ? ", x and h per block (the default)" : ", x and h per column");
+      options.fp8_weight_gradient_columns = !blocks;
       Fp8BackwardHarness f(shape, first, d_out_first, options);  // the default: FP8 weight gradients
       MoeHarness& harness = f.harness;
       harness.set_grads(testing::all_grads(DType::kFloat32, GradMode::kWrite));
@@ -727,8 +728,8 @@ TEST(MoeFp8Test, Fp8WeightGradientsMatchTheRecipeAndKeepTheDgradsBits) {
 // The FP8 backward megakernel (FusedOptions::backward_megakernel with precision kFP8: the pull quantizing d_out, the
 // recompute, both dgrads and the push in one launch, the weight gradients after it as the stage kernels run them)
 // gives the stage kernels' bits: every weight gradient, d_x and d_router_weights, at EP 1 and 2, with and without a
-// shared expert (fused gate/up weights too), g | u kept or recomputed, FP8 (x and h per column or, g | u kept, per
-// block: MoeOptions::fp8_weight_gradient_blocks) or bf16 weight gradients, skewed routing
+// shared expert (fused gate/up weights too), g | u kept or recomputed, FP8 (x and h per block or, g | u kept, per
+// column: MoeOptions::fp8_weight_gradient_columns) or bf16 weight gradients, skewed routing
 // with empty experts, over its knobs (minibatch rows, communication CTAs), and over reruns.
 TEST(MoeFp8Test, BackwardMegakernelGivesTheStageKernelsBits) {
   MOK_REQUIRE_GPUS(1);
@@ -740,14 +741,14 @@ TEST(MoeFp8Test, BackwardMegakernelGivesTheStageKernelsBits) {
     const LayerData data = testing::random_layer(shape, seed, skew, 0.05);
     const std::vector<float> d_out = testing::random_d_out(shape, seed + 1);
     for (const bool keep : {true, false})
-      for (const int wgrads : {0, 1, 2}) {  // FP8 weight gradients, the same with x and h per block, bf16 ones
+      for (const int wgrads : {0, 1, 2}) {  // FP8 weight gradients, the same with x and h per column, bf16 ones
         if (wgrads == 1 && !keep) continue;
         const bool bf16_wgrads = wgrads == 2;
         const std::string label = "EP " + std::to_string(ep) + (shared ? ", shared expert" : "") +
                                   (fused_gate_up ? ", fused gate/up" : "") + (skew > 0 ? ", skewed" : "") +
                                   (keep ? ", g | u kept" : ", g | u recomputed") +
                                   (bf16_wgrads ? ", bf16 weight gradients"
-                                               : wgrads == 1 ? ", FP8 weight gradients, x and h per block"
+                                               : wgrads == 1 ? ", FP8 weight gradients, x and h per column"
                                                              : ", FP8 weight gradients") +
                                   ", seed " + std::to_string(seed);
         // The grads of one backward (and of a rerun, which must match them) with these fused-path knobs.
@@ -756,7 +757,7 @@ TEST(MoeFp8Test, BackwardMegakernelGivesTheStageKernelsBits) {
           options.path = ForwardPath::kFused;
           options.keep_gate_up = keep;
           options.bf16_weight_gradients = bf16_wgrads;
-          options.fp8_weight_gradient_blocks = wgrads == 1;
+          options.fp8_weight_gradient_columns = wgrads == 1;
           options.schedule.load_factor = ep;  // every route of a skewed step fits
           options.fused.backward_megakernel = megakernel;
           if (minibatch_rows > 0) options.fused.minibatch_rows = minibatch_rows;
