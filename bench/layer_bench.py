@@ -349,6 +349,32 @@ def torch_side_bytes(local_experts, hidden, inter, shared, tokens, top_k, grad_b
     return weights + ours + max(weights + activations, ours) + MARGIN_BYTES
 
 
+def mangled_function(key):
+    """The function's own name in an Itanium-mangled nested name (`_ZN3mok4gemm18expert_gemm_kernelI...` ->
+    `expert_gemm_kernel`: the profiler leaves some long template names mangled), or None for any other key."""
+    if not key.startswith("_ZN"):
+        return None
+    i, name = 3, None
+    while i < len(key) and key[i].isdigit():
+        j = i
+        while key[j].isdigit():
+            j += 1
+        length = int(key[i:j])
+        name, i = key[j:j + length], j + length
+    return name
+
+
+def fp8_epilogue(key):
+    """An FP8 expert GEMM kernel's epilogue type, from its (mangled or demangled) name; the wide tiles' traits
+    (Fp8WideStoreTraits, Fp8WideGateUp...) name theirs only through the traits."""
+    match = re.search(r"(SwiGLUBackward|SwiGLUQuant|SwiGLU|Store)Epilogue|Fp8Wide(Store|GateUp)", key)
+    if match is None:
+        return "?"
+    if match.group(1):
+        return match.group(1) + "Epilogue"
+    return {"Store": "StoreEpilogue", "GateUp": "SwiGLUQuantEpilogue"}[match.group(2)]
+
+
 def kernel_breakdown(fn, iters=5):
     """GPU time per call by kernel (torch.profiler sees our library's kernels too): [(name, ms)], largest first.
     Kernels of one template are told apart by their epilogue (the shared expert's GEMMs are in the same rows), and
@@ -365,10 +391,9 @@ def kernel_breakdown(fn, iters=5):
         if us <= 0 or event.key.startswith("cuda"):  # runtime API rows, not kernels
             continue
         match = re.search(r"(\w+_kernel)", event.key)
-        label = match.group(1) if match else event.key[:40]
-        if label == "expert_gemm_kernel" and "Fp8Mainloop" in event.key:
-            epilogue = re.search(r"(\w*Epilogue)", event.key)
-            label += " fp8 " + (epilogue.group(1) if epilogue else "?")
+        label = mangled_function(event.key) or (match.group(1) if match else event.key[:40])
+        if label == "expert_gemm_kernel" and re.search(r"Fp8Mainloop|Fp8Wide", event.key):
+            label += " fp8 " + fp8_epilogue(event.key)
         elif label == "expert_gemm_kernel":
             label += " swiglu" if re.search(r"Epilogue\)1|kSwiGLU", event.key) else " store"
         totals[label] = totals.get(label, 0) + us / 1e3 / iters
