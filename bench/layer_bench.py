@@ -357,7 +357,7 @@ def mangled_function(key):
     i, name = 3, None
     while i < len(key) and key[i].isdigit():
         j = i
-        while key[j].isdigit():
+        while j < len(key) and key[j].isdigit():
             j += 1
         length = int(key[i:j])
         name, i = key[j:j + length], j + length
