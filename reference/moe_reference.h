@@ -142,7 +142,8 @@ struct Fp8Recipe {
   // the GPU's blocks group other routes). Otherwise the weight gradients are bf16 GEMMs of those values.
   bool weight_gradients_fp8 = false;
   // With weight_gradients_fp8: the activation factor of each weight gradient (x of gate/up's, h of down's) quantized
-  // per 128 routes x 128 columns instead of per column (the layer's default since round 48), the other per column.
+  // per 128 routes x 128 columns instead of per column (the layer's default; per column with
+  // MoeOptions::fp8_weight_gradient_columns), the other per column.
   bool weight_gradient_activation_blocks = false;
   // quantize_weights: the gate and up weights of an expert as one [2I, H] matrix (MoeWeights' fused form), its
   // 128 x 128 blocks running over both (a block straddles them when I % 128 != 0); otherwise each has its own.
