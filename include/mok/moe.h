@@ -475,6 +475,9 @@ class MoeWorkspace {
   bool fp8() const { return options_.precision == Precision::kFP8; }
   // The weight gradients' GEMMs in FP8 (precision kFP8 without MoeOptions::bf16_weight_gradients).
   bool fp8_weight_gradients() const { return fp8() && !options_.bf16_weight_gradients; }
+  // Their activation factors (x, h: each GEMM's b) quantized per 128 rows x 128 columns, the quantization's scales and
+  // the GEMM's promotion alike (unless MoeOptions::fp8_weight_gradient_columns).
+  bool fp8_activation_blocks() const { return fp8_weight_gradients() && !options_.fp8_weight_gradient_columns; }
   // The forward's context holds each row's g | u and h (MoeOptions::keep_gate_up; in FP8 only with the backward,
   // bf16 g | u and h beside the quantized h: detail::context_keeps_gate_up).
   bool context_keeps_gate_up() const;

@@ -511,7 +511,7 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
                .rows_used = nullptr,
                .power_of_two = options_.fp8_power_of_two_scales,
                .weight_gradients = fp8_weight_gradients(),
-               .activation_blocks = fp8_weight_gradients() && !options_.fp8_weight_gradient_columns,
+               .activation_blocks = fp8_activation_blocks(),
                .wgrad_offsets = w.shared_wgrad_offsets,
                .wgrad_a = w.wgrad_a_fp8,
                .wgrad_a_scales = w.wgrad_a_scales,
@@ -561,7 +561,7 @@ detail::MlpBackwardGemms MoeWorkspace::mlp_backward_gemms(const RankBackward& b,
              .rows_used = v.scheduled_rows,
              .power_of_two = options_.fp8_power_of_two_scales,
              .weight_gradients = fp8_weight_gradients(),
-             .activation_blocks = fp8_weight_gradients() && !options_.fp8_weight_gradient_columns,
+             .activation_blocks = fp8_activation_blocks(),
              .wgrad_offsets = w.wgrad_offsets,
              .wgrad_a = w.wgrad_a_fp8,
              .wgrad_a_scales = w.wgrad_a_scales,
@@ -714,7 +714,7 @@ void MoeWorkspace::quantize_pulled_columns(const RankBackward& b, const backward
   q.scales = w.wgrad_x_scales;
   q.pulled_rows = sources.x;
   q.weighted = false;
-  q.block_scales = !options_.fp8_weight_gradient_columns;  // x is the gate/up weight gradient's b
+  q.block_scales = fp8_activation_blocks();  // x is the gate/up weight gradient's b
   detail::quantize_columns_fp8(q, b.stream);
 }
 
