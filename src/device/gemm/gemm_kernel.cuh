@@ -189,7 +189,9 @@ __device__ __forceinline__ void run_gemm_consumers(const Params& p, const device
       }
     }
     bool record = false;
-    if constexpr (requires { p.trace; }) record = p.trace != nullptr && consumer_idx == 0;
+    // Ping-pong: each warpgroup records its own tiles.
+    if constexpr (requires { p.trace; })
+      record = p.trace != nullptr && (T::kPingPong ? consumer_idx % 128 == 0 : consumer_idx == 0);
     const uint64_t start = record ? device::global_timer_ns() : 0;
     const int64_t start_cycles = record ? clock64() : 0;
     compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state, consumer_idx, nullptr,
