@@ -93,7 +93,6 @@ enum class CounterId : int32_t {
   kSharedGateUpReady = 17,
   kSharedDgradReady = 18,
   kBulkCopy = 19,      // a communication CTA's bulk-copy slot: its loads' bytes (index: the warp's slot)
-  kMathTurn = 20,      // a ping-pong GEMM's consumer warpgroups' turns at the tensor cores (index: the waiting one)
 };
 
 // Which kernel a timed-out wait ran in (reported with a timeout).

@@ -100,8 +100,6 @@ void launch_fp8(const ExpertGemmArgs& args, int cluster_n, cudaStream_t stream) 
     if (fp8_store_block_n(args.block_n, args.n) == 256)
       return launch_clustered<detail::Fp8WideStoreTraits>(args, cluster_n, stream);
   }
-  if constexpr (std::is_same_v<Epilogue, gemm::SwiGLUBackwardEpilogue>)
-    return launch_clustered<detail::Fp8PingPongDownDgradTraits>(args, cluster_n, stream);
   if constexpr (std::is_same_v<Epilogue, gemm::SwiGLUQuantEpilogue<false>>) {
     if (fp8_gate_up_block_n(args.block_n) == 256)
       return launch_clustered<detail::Fp8WideGateUpTraits>(args, cluster_n, stream);

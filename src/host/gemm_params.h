@@ -31,13 +31,6 @@ using StoreTraits = ExpertGemmTraits<KMajorMainloop, gemm::StoreEpilogue, kClust
 // accumulator sets), k-blocks of 128, 5 stages of 32 KB.
 template <class Epilogue, int kClusterN>
 using Fp8GemmTraits = gemm::GemmTraits<128, 128, 5, gemm::Fp8Mainloop, Epilogue, kClusterN>;
-// The standalone FP8 down dgrad (kSwiGLUBackward): 64 x 128 tiles taken in turn by two consumer warpgroups
-// (ping-pong), so that one's SwiGLU-backward epilogue (about 44 % of a 128-row tile's consumer samples with the tensor
-// cores idle: perf_notes round 37) runs while the other's wgmmas do; 6 stages of 24 KB. A warpgroup's 64 rows are the
-// 128 x 128 tile's wgmmas and epilogue: the same bits as the backward megakernel's tile (Fp8BackwardTraits).
-template <int kClusterN>
-using Fp8PingPongDownDgradTraits =
-    gemm::GemmTraits<64, 128, 6, gemm::Fp8Mainloop, gemm::SwiGLUBackwardEpilogue, kClusterN, true>;
 // The FP8 store GEMM's wide tile (ExpertGemmArgs::block_n 256, the choice from n = 4096 on), the FP8 megakernel's
 // down tile standalone: 128 x 256, its two 128-column halves promoted in turn; 4 stages of 48 KB; staged one
 // 64-column box at a time, as in the megakernel, its coordinates opaque (ptxas spilled 108-120 bytes with two boxes a

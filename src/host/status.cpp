@@ -52,7 +52,6 @@ const char* counter_name(int32_t counter) {
     case CounterId::kSharedGateUpReady: return "shared_gate_up_ready";
     case CounterId::kSharedDgradReady: return "shared_dgrad_ready";
     case CounterId::kBulkCopy: return "bulk copy slot";
-    case CounterId::kMathTurn: return "math turn";
   }
   return "unknown";
 }

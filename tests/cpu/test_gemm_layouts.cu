@@ -64,7 +64,7 @@ template <class T>
 void check_fragment(const std::string& name) {
   using namespace cute;
   typename T::TiledMma mma;
-  for (int t = 0; t < 128 * T::kTileWarpgroups; ++t) {
+  for (int t = 0; t < 128 * T::kConsumerWarpgroups; ++t) {
     const auto coords =
         mma.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
     constexpr int kValues = decltype(size(coords))::value;
@@ -89,27 +89,6 @@ TEST(FragmentLayoutTest, ValuesTileTheirSixtyFourColumnGroups) {
       "bf16 128 x 256 (SwiGLU backward)");
   check_fragment<detail::Fp8GemmTraits<gemm::StoreEpilogue, 1>>("FP8 128 x 128");
   check_fragment<detail::Fp8WideStoreTraits<1>>("FP8 128 x 256 (store)");
-  check_fragment<detail::Fp8PingPongDownDgradTraits<1>>("FP8 64 x 128 ping-pong (SwiGLU backward)");
-}
-
-// A ping-pong warpgroup's 64-row tile holds the values of the 128-row tile's first warpgroup (the same wgmma, the
-// same registers), so the down dgrad's elements have the bits of the backward megakernel's 128 x 128 tile.
-TEST(FragmentLayoutTest, PingPongTileIsTheFirstWarpgroupOfTheCooperativeOne) {
-  using namespace cute;
-  using PingPong = detail::Fp8PingPongDownDgradTraits<1>;
-  using Cooperative = detail::Fp8GemmTraits<gemm::SwiGLUBackwardEpilogue, 1>;
-  static_assert(PingPong::kPingPong && PingPong::kConsumerWarpgroups == 2 && PingPong::kTileWarpgroups == 1);
-  static_assert(PingPong::kBlockN == Cooperative::kBlockN && PingPong::kMmaN == Cooperative::kMmaN &&
-                PingPong::kBlockK == Cooperative::kBlockK);
-  typename PingPong::TiledMma ping_pong;
-  typename Cooperative::TiledMma cooperative;
-  for (int t = 0; t < 128; ++t) {
-    const auto a = ping_pong.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_64, Int<PingPong::kBlockN>>{}));
-    const auto b =
-        cooperative.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_128, Int<Cooperative::kBlockN>>{}));
-    ASSERT_EQ(int(size(a)), int(size(b)));
-    for (int i = 0; i < int(size(a)); ++i) ASSERT_EQ(a(i), b(i)) << "thread " << t << " value " << i;
-  }
 }
 
 }  // namespace

@@ -69,10 +69,9 @@ constexpr auto b_box_layout() {
 // GemmTraits = tile shape + operand policy (mainloop.cuh: Bf16Mainloop<A major, B major>, A K-major here and B
 // either; or Fp8Mainloop, both K-major, block-scaled) + epilogue policy (gemm_epilogue.cuh) + the cluster size,
 // over the collective mainloop. Outputs are bf16 whatever the operands.
-template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_,
-          bool kPingPong_ = false>
-struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_, kPingPong_> {
-  using Collective = CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_, kPingPong_>;
+template <int kBlockM_, int kBlockN_, int kStages_, class Mainloop_, class Epilogue_, int kClusterN_>
+struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_> {
+  using Collective = CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_::kBlockK, kStages_>;
   using Mainloop = Mainloop_;
   using Epilogue = Epilogue_;
   using typename Collective::Element;

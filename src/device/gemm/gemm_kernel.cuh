@@ -128,30 +128,6 @@ __device__ __forceinline__ void run_gather_producer(const Params& p, const Stand
   if (thread_idx == 0) producer_tail_bounded(pipeline, state, waits.bound);
 }
 
-// Ping-pong (T::kPingPong): warpgroup w computes the tiles k with k % 2 == w (both read every task from the ring and
-// pass over the other's stages: the producer loads the tiles in task order), and the two take turns at the tensor
-// cores: warpgroup w starts a mainloop once the other's previous one ended (mbarrier turn[w], 128 arrivals a phase),
-// so each epilogue runs while the other warpgroup's wgmmas do. A wait that gave up goes on as the pipeline's do
-// (device::HandoffBound): every later hand-off gives up at once, and the kernel ends.
-template <class T>
-struct MathTurns {
-  MathTurnBarriers& barriers;
-  const device::HandoffBound& bound;
-  int warpgroup;  // 0 or 1
-  int tiles = 0;  // tiles this warpgroup has computed
-
-  // The j-th tile of warpgroup 1 follows warpgroup 0's j-th mainloop (phase j of turn[1]); warpgroup 0's j-th
-  // (j > 0) follows warpgroup 1's (j - 1)-th (phase j - 1 of turn[0]). A turn runs at most one phase ahead.
-  __device__ __forceinline__ void begin() const {
-    const int phase = warpgroup == 1 ? tiles : tiles - 1;
-    if (phase >= 0)
-      device::mbarrier_wait_bounded<device::HandoffScope::kCta>(&barriers.turn[warpgroup], uint32_t(phase) & 1u,
-                                                                  bound, Role::kGemmConsumer, CounterId::kMathTurn,
-                                                                  warpgroup);
-  }
-  __device__ __forceinline__ void end() const { cutlass::arch::ClusterBarrier::arrive(&barriers.turn[1 - warpgroup]); }
-};
-
 // Consumer threads: the published tasks until "no more", or until a task-ring wait gave up (the warpgroup's
 // four warps agree first, as the megakernels' consumers do). With p.trace (the expert GEMM's, optional): per
 // tile the consumer's start and end (globaltimer), SM id, SM cycles and the task.
@@ -165,15 +141,8 @@ __device__ __forceinline__ void run_gemm_consumers(const Params& p, const device
   typename Walker::Task task;
   // The warpgroup's hardware barrier: the one the epilogue syncs (NamedBarrier kStagingBarrier + warpgroup),
   // the same 128 threads.
-  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  const int consumer_barrier =
-      int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) + T::kStagingBarrier + warpgroup;
-  [[maybe_unused]] auto turn = [&] {
-    if constexpr (T::kPingPong)
-      return MathTurns<T>{smem.math_turns, bound, warpgroup};
-    else
-      return NoMathTurn{};
-  }();
+  const int consumer_barrier = int(cutlass::arch::NamedBarrier::ReservedNamedBarrierCount) + T::kStagingBarrier +
+                               __shfl_sync(0xffffffff, consumer_idx / 128, 0);
   for (int k = 0;; ++k) {
     typename Walker::Payload payload;
     const bool arrived = smem.tasks.consume(k, payload, bound);  // warp-uniform
@@ -181,22 +150,12 @@ __device__ __forceinline__ void run_gemm_consumers(const Params& p, const device
     // (the tile's wgmma and named barriers need all four).
     if (!device::named_barrier_all(arrived, consumer_barrier, 128)) break;
     if (!walker.consumer_task(p, payload, task)) break;
-    if constexpr (T::kPingPong) {
-      static_assert(kTilePasses<T> == 1, "ping-pong tiles have one pass");
-      if (k % 2 != warpgroup) {  // the other warpgroup's tile: its stages are the other's to wait for and release
-        state.advance(T::num_k_blocks(p.k));
-        continue;
-      }
-    }
     bool record = false;
-    // Ping-pong: each warpgroup records its own tiles.
-    if constexpr (requires { p.trace; })
-      record = p.trace != nullptr && (T::kPingPong ? consumer_idx % 128 == 0 : consumer_idx == 0);
+    if constexpr (requires { p.trace; }) record = p.trace != nullptr && consumer_idx == 0;
     const uint64_t start = record ? device::global_timer_ns() : 0;
     const int64_t start_cycles = record ? clock64() : 0;
     compute_tile<T>(p, task.template for_cta<T::kClusterN>(cta_rank), smem, pipeline, state, consumer_idx, nullptr,
-                    nullptr, bound, turn);
-    if constexpr (T::kPingPong) ++turn.tiles;
+                    nullptr, bound);
     if constexpr (requires { p.trace; }) {
       if (record) {
         uint64_t* r = p.trace + (int64_t(payload) * T::kClusterN + cta_rank) * 4;

@@ -140,33 +140,24 @@ struct NoTasks {};
 // operand majors or epilogue (no reinterpretation between tile kinds). Staging boxes are 64 rows x 128 bytes:
 // bf16 64 columns, fp32 32, in the TMA's 128-byte swizzle (1024-byte aligned: the swizzle is a function of the
 // address bits [4, 10)).
-// kStagingSets: one per consumer warpgroup (a ping-pong tile's two warpgroups each stage their own tile's rows).
-// Ping-pong (kStagingSets > kBlockM / 64) adds the two mbarriers of the warpgroups' turns (MathTurns, gemm_kernel.cuh).
-struct MathTurnBarriers {
-  uint64_t turn[2];  // turn[w]: warpgroup w may start its next mainloop (the other one's arrivals)
-};
 template <class Element, int kBlockM, int kBlockN, int kBlockK, int kStages, int kStagingBoxes, class Tasks = NoTasks,
-          class Scales = NoScales, int kStagingSets = kBlockM / 64>
+          class Scales = NoScales>
 struct GemmSharedStorage : Scales {
   static constexpr int kStagingBoxBytes = 64 * 128;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   // The same bytes without a task hand-off: the megakernels' tiles, beside their own task ring.
-  using Tiles =
-      GemmSharedStorage<Element, kBlockM, kBlockN, kBlockK, kStages, kStagingBoxes, NoTasks, Scales, kStagingSets>;
+  using Tiles = GemmSharedStorage<Element, kBlockM, kBlockN, kBlockK, kStages, kStagingBoxes, NoTasks, Scales>;
 
   alignas(1024) cute::array_aligned<Element, kBlockM * kBlockK * kStages> a;
   alignas(1024) cute::array_aligned<Element, kBlockN * kBlockK * kStages> b;
-  alignas(1024) uint8_t staging[kStagingSets][kStagingBoxes][kStagingBoxBytes];  // one pass of output columns
+  alignas(1024) uint8_t staging[kBlockM / 64][kStagingBoxes][kStagingBoxBytes];  // one pass of output columns
   typename Pipeline::SharedStorage pipeline;
   Tasks tasks;
-  [[no_unique_address]] std::conditional_t<(kStagingSets > kBlockM / 64), MathTurnBarriers, NoTasks> math_turns;
 };
 
 // The collective: tile shape + operand policy -> stage layouts, the tiled wgmma, the pipeline, the register
-// budget and the shared memory. One consumer warpgroup per 64 rows of the tile, one producer warpgroup; or, with
-// kPingPong_ (64-row tiles only), two consumer warpgroups that take the tiles in turn, each a whole tile, so that one's
-// epilogue runs while the other's wgmmas do (CUTLASS's KernelTmaWarpSpecializedPingpong; gemm_kernel.cuh).
-template <class Operands_, int kBlockM_, int kBlockN_, int kBlockK_, int kStages_, bool kPingPong_ = false>
+// budget and the shared memory. One consumer warpgroup per 64 rows of the tile, one producer warpgroup.
+template <class Operands_, int kBlockM_, int kBlockN_, int kBlockK_, int kStages_>
 struct CollectiveMainloop {
   using Operands = Operands_;
   using Element = typename Operands::Element;
@@ -183,10 +174,7 @@ struct CollectiveMainloop {
   static constexpr int kMmaN = kScaledOperands && kBlockN_ == 256 ? 128 : kBlockN_;
   static constexpr int kNSplits = kBlockN / kMmaN;
   static_assert(kBlockK % 16 == 0 && kBlockK * sizeof(Element) <= 128, "wgmma K steps within one swizzle row");
-  static constexpr bool kPingPong = kPingPong_;
-  static_assert(!kPingPong || kBlockM == 64, "ping-pong: each warpgroup a whole 64-row tile");
-  static constexpr int kTileWarpgroups = kBlockM / 64;  // warpgroups computing one tile together
-  static constexpr int kConsumerWarpgroups = kPingPong ? 2 : kTileWarpgroups;
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // Registers per thread after setmaxnreg: the producer gives most of its share to the consumers.
   // setmaxnreg only moves registers within what the CTA got at launch (65536 / kThreads, rounded down to
@@ -206,7 +194,7 @@ struct CollectiveMainloop {
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<64>, cute::Int<kMmaN>, cute::Int<kBlockK>>,
                                  Operands::gmma_major(Operands::kAMajor), Operands::gmma_major(Operands::kBMajor)>(),
-      cute::Layout<cute::Shape<cute::Int<kTileWarpgroups>, cute::_1, cute::_1>>{}));
+      cute::Layout<cute::Shape<cute::Int<kConsumerWarpgroups>, cute::_1, cute::_1>>{}));
 
   static constexpr int kTaskDepth = 4;  // tasks a producer may publish ahead of its consumers
   // Named barrier (CUTLASS ids, offset past the reserved ones) of consumer warpgroup w's epilogue staging:
@@ -226,8 +214,7 @@ struct CollectiveMainloop {
                                     std::conditional_t<kKScaled, KScaleStages<kStages, kBlockM, kBlockN>, NoScales>>;
 
   template <int kStagingBoxes, class Tasks = NoTasks>
-  using Storage =
-      GemmSharedStorage<Element, kBlockM, kBlockN, kBlockK, kStages, kStagingBoxes, Tasks, Scales, kConsumerWarpgroups>;
+  using Storage = GemmSharedStorage<Element, kBlockM, kBlockN, kBlockK, kStages, kStagingBoxes, Tasks, Scales>;
   static_assert(cute::cosize_v<SmemLayoutA> == kBlockM * kBlockK * kStages &&
                     cute::cosize_v<SmemLayoutB> == kBlockN * kBlockK * kStages,
                 "GemmSharedStorage's stages hold the layouts exactly");
@@ -518,38 +505,25 @@ __device__ __forceinline__ void b_scale_groups(const Params& p, const TileTask& 
   for (int g = 0; g < T::kBlockN / 64; ++g) rows[g] = p.template b_scale_group<T::kHalfN>(task, g);
 }
 
-// A ping-pong warpgroup's turn at the tensor cores around its mainloop (MathTurns, gemm_kernel.cuh); none otherwise.
-struct NoMathTurn {
-  __device__ __forceinline__ void begin() const {}
-  __device__ __forceinline__ void end() const {}
-};
-
 // Consumer side of one tile, every GEMM's: mainloop over the tile's k-blocks, then the epilogue policy's
-// finish. All consumer threads call this; consumer_idx is the thread's index among the consumer warpgroups
-// (ping-pong: among those of the tile's warpgroup plus 128 for the second, whose staging set it picks). turn: begin()
-// before the mainloop, end() after it (a ping-pong warpgroup hands the tensor cores over before its epilogue).
+// finish. All consumer threads call this; consumer_idx is the thread's index among the consumer warpgroups.
 // The task mode (T::Walker: task_walker.cuh) says how many k-blocks the tile has, whether this warpgroup's
 // rows are part of it (one that is not only passes the stages back: the other computes alone) and how the
 // accumulators start. signal (nullable; the megakernel's, the calling thread's own): the late completion count
 // a row tile of this warpgroup left pending (RowsDoneSignal); rows_done: see RowTileEpilogue.
-template <class T, class Params, class Task, class Storage, class Turn = NoMathTurn>
+template <class T, class Params, class Task, class Storage>
 __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, Storage& smem,
                                              typename T::Pipeline& pipeline, typename T::PipelineState& read_state,
                                              int consumer_idx, uint64_t* rows_done, RowsDoneSignal* signal,
-                                             const device::HandoffBound& bound, const Turn& turn = {}) {
+                                             const device::HandoffBound& bound) {
   using namespace cute;
   using Walker = typename T::Walker;
+  typename T::TiledMma mma;
+  auto thread_mma = mma.get_thread_slice(consumer_idx);
+  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
   // Why the shuffle: ptxas serializes every wgmma of the kernel (warning C7518) unless it can prove the
   // branches around them warp-uniform; a value broadcast from lane 0 is (consumer_tile broadcasts its own).
-  // staging: the warpgroup's staging set and barrier; warpgroup: its rows' place in the tile (ping-pong: the whole
-  // tile is one warpgroup's, rows from 0).
-  const int staging = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
-  const int warpgroup = T::kPingPong ? 0 : staging;
-  const int tile_thread = T::kPingPong ? consumer_idx % 128 : consumer_idx;
-  static_assert(!T::kPingPong || !KeepsCarry<T>, "ping-pong tiles have one pass");
-  typename T::TiledMma mma;
-  auto thread_mma = mma.get_thread_slice(tile_thread);
-  Tensor accum = partition_fragment_C(mma, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+  const int warpgroup = __shfl_sync(0xffffffff, consumer_idx / 128, 0);
   const auto tile = Walker::consumer_tile(p, task, warpgroup);
   const bool store_leader = consumer_idx % 128 == 0;
   RowsDoneSignal::flush_before_blocking(signal, store_leader && tile.may_block, pipeline, read_state);
@@ -593,7 +567,6 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
     T::Epilogue::template finish<T>(p, task, tile, carry, mma, smem, warpgroup, consumer_idx, store_leader, rows_done,
                                     signal);
   } else {
-    turn.begin();
     if constexpr (BlockScaled<T>) {
       Tensor coords = thread_mma.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
       const float* b_rows[T::kBlockN / 64];
@@ -608,8 +581,7 @@ __device__ __forceinline__ void compute_tile(const Params& p, const Task& task, 
       mainloop<T, Walker::kAccumulatorStart>(tile.num_k_blocks, smem, pipeline, read_state, mma, thread_mma, accum,
                                              bound);
     }
-    turn.end();
-    T::Epilogue::template finish<T>(p, task, tile, accum, mma, smem, staging, tile_thread, store_leader, rows_done,
+    T::Epilogue::template finish<T>(p, task, tile, accum, mma, smem, warpgroup, consumer_idx, store_leader, rows_done,
                                     signal);
   }
 }
@@ -623,15 +595,13 @@ __device__ __forceinline__ typename T::Pipeline start_pipeline(Storage& smem, Ta
   params.transaction_bytes = T::kStageTransactionBytes;
   params.role = consumer ? T::Pipeline::ThreadCategory::Consumer : T::Pipeline::ThreadCategory::Producer;
   params.is_leader = threadIdx.x == 0;
-  params.num_consumers = 128 * T::kTileWarpgroups;  // the warpgroups that consume (and release) one stage
+  params.num_consumers = 128 * T::kConsumerWarpgroups;
   // A gathering configuration's full barrier: thread 0's arrive.expect_tx plus each gathering thread's
   // cp.async.mbarrier.arrive.noinc (row_gather.cuh).
   if constexpr (GathersRows<T>) params.num_producers = 1 + T::kGatherThreads;
   typename T::Pipeline pipeline(smem.pipeline, params, typename T::ClusterShape{});
   if (threadIdx.x == 0) {
     tasks.init();
-    if constexpr (T::kPingPong)  // each turn: the other warpgroup's 128 arrivals
-      for (uint64_t& turn : smem.math_turns.turn) cutlass::arch::ClusterBarrier::init(&turn, 128);
     cutlass::arch::fence_barrier_init();
   }
   if constexpr (T::kClusterN > 1)
