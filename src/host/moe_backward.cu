@@ -647,6 +647,18 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   copy_kept_gate_up(b);  // only the rows past them are recomputed
   detail::MlpBackwardGemms g = mlp_backward_gemms(b, false);
   g.quantize_d_out.in = nullptr;  // FP8: the pull quantized d_out's rows
+  // FP8 weight gradients: the down dgrad's epilogue also writes d(g|u) quantized along the rows, the gate/up weight
+  // gradient's a (ExpertGemmArgs::column_out), so no quantize_columns_fp8 pass reads it again. Its rows' offsets are
+  // quantize_pulled_columns' (above); nothing else writes wgrad_a before the gate/up weight gradient reads it.
+  detail::Fp8ColumnQuantizeArgs& d_gate_up_columns = g.quantize_gate_up_wgrad[0];
+  if (w.wgrad_dy_fp8 != nullptr && g.gate_up_wgrad.out != nullptr && d_gate_up_columns.in != nullptr) {
+    g.down_dgrad.column_out = d_gate_up_columns.out;
+    g.down_dgrad.column_scales = d_gate_up_columns.scales;
+    g.down_dgrad.column_row_offsets = d_gate_up_columns.out_row_offsets;
+    g.down_dgrad.column_rows =
+        detail::fp8_column_rows(d_gate_up_columns.rows_allocated, d_gate_up_columns.local_experts);
+    d_gate_up_columns.in = nullptr;
+  }
   if (gather)  // the down dgrad's A rows: d_out's token rows for this rank's routes, the pulled rows for others'
     g.down_dgrad.gather = {.x = token_rows(d_out_, b.rank, b.d_out.data).base[b.rank],
                            .row_route = v.row_route,
