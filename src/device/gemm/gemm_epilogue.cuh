@@ -802,6 +802,12 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
     });
   }
 
+  // Byte (column, r) of quantize_kept_columns' transposed box: 64 bytes a column (the warpgroup's rows r), its 16-byte
+  // chunks swizzled by column / 2, so that a warp's byte stores (8 rows x 4 column pairs) fall in 8 distinct words.
+  __host__ __device__ static constexpr int column_byte(int column, int r) {
+    return column * 64 + (((r / 16) ^ ((column / 2) % 4)) * 16) + r % 16;
+  }
+
   // The tile's d_g and d_u (`kept`: the bf16 values stored above) transposed and quantized per column per 128 rows of
   // the expert (ExpertGemmArgs::column_out, the FP8 gate/up weight gradient's a): a 128-row tile is one column block
   // (an expert's tasks start at its first row and step by 128; a 64-row task is a segment's last, and the block's
@@ -809,11 +815,11 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
   //   1. per step (a pass's part, `kept` rotating as in quantize_kept) each warp's column maxima (ColumnMax; lanes
   //      0-3 hold different 2-column groups) to box 0;
   //   2. across both warpgroups (kColumnBarrier; the first alone in a 64-row task): each thread one 2-column group of
-  //      the 256 (d_g's 128, then d_u's), the maximum of the tile's warps, the two scales (ColumnMax::scale) to box 1
-  //      and, by the first warpgroup, to column_scales;
-  //   3. per pass, e4m3 values (to_e4m3x2 of a column's two rows of the thread) byte by byte into box 0 transposed:
-  //      128 columns (the pass's 64 of each part) of the warpgroup's 64 rows, 64 bytes each, the 16-byte chunks
-  //      swizzled by column / 2 so that a warp's stores fall in 8 distinct words; then 16 bytes a thread to column_out.
+  //      the 256 (d_g's 128, then d_u's), the maximum of the tile's warps, the two scales (ColumnMax::scale): their
+  //      reciprocals to box 1 and, by the first warpgroup, the scales to column_scales;
+  //   3. per pass, e4m3 values (to_e4m3x2_reciprocal of a column's two rows of the thread) byte by byte into box 0
+  //      transposed (column_byte: 128 columns, the pass's 64 of each part, of the warpgroup's 64 rows); then 16 bytes
+  //      a thread to column_out.
   // quantize_columns_fp8's arithmetic on the values it would read (the maximum is order-free): the same bits.
   template <class T, class Params, class Coords, class Stager, int kKept>
   __device__ __forceinline__ static void quantize_kept_columns(const Params& p, const TileTask& task,
@@ -869,12 +875,11 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
       }
     }
     sync_tile();  // the other warpgroup's reads of box 0 are done, this one's reciprocals written
-    // The thread's columns in a pass's part: c0 + 8 w + j (c0 = 2 (lane % 4)); its rows r0 and r1. Byte (column, r) of
-    // box 0 is at column 64 + 16 (r / 16 ^ (column / 2) % 4) + r % 16, and (column / 2) % 4 = c0 / 2 for all of them:
-    // one base address per row, every other term a constant.
+    // The thread's columns in a pass's part: c0 + 8 w + j (c0 = 2 (lane % 4)); its rows r0 and r1. Its bytes lie at
+    // column_byte(c0, r) + 64 d for column c0 + d (the swizzle's (column / 2) % 4 is c0 / 2 for all of them): one
+    // base address per row, every other term a constant (tests/cpu/test_gemm_layouts checks both on the fragment).
     const int c0 = get<1>(coords(0)), r0 = get<0>(coords(0)) % kUnitRows, r1 = get<0>(coords(2)) % kUnitRows;
-    const auto row_base = [&](int r) { return box + c0 * 64 + (((r / 16) ^ (c0 / 2 % 4)) * 16) + r % 16; };
-    uint8_t* const base[2] = {row_base(r0), row_base(r1)};
+    uint8_t* const base[2] = {box + column_byte(c0, r0), box + column_byte(c0, r1)};
 #pragma unroll 1
     for (int step = 0; step < 2 * kPasses; ++step) {  // pass step / 2, part step % 2; `kept` shifts a part each
       const int pass = step / 2, part = step % 2;
@@ -901,7 +906,7 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
         CUTE_UNROLL
         for (int i = 0; i < kPassColumns * 4 / 128; ++i) {
           const int idx = thread + 128 * i, column = idx / 4, chunk = idx % 4;
-          const uint4 v = *reinterpret_cast<const uint4*>(box + column * 64 + ((chunk ^ ((column / 2) % 4)) * 16));
+          const uint4 v = *reinterpret_cast<const uint4*>(box + column_byte(column, 16 * chunk));
           const int64_t col = (column / 64) * n + tile_col + pass * 64 + column % 64;
           *reinterpret_cast<uint4*>(p.column_out + col * p.column_rows + block_row + wg * kUnitRows + 16 * chunk) = v;
         }
