@@ -499,8 +499,8 @@ void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t s
   if (a.rows_out != nullptr || a.rows_out_scales != nullptr) {
     require(a.row_route != nullptr && a.weighted,
             entry + "rows_out (the rows as read, quantized per 1 x 128) is only for rows read by route and weighted");
-    require(a.rows_out != nullptr && reinterpret_cast<uintptr_t>(a.rows_out) % 16 == 0 && a.rows_out_scales != nullptr &&
-                reinterpret_cast<uintptr_t>(a.rows_out_scales) % 4 == 0,
+    require(a.rows_out != nullptr && reinterpret_cast<uintptr_t>(a.rows_out) % 16 == 0 &&
+                a.rows_out_scales != nullptr && reinterpret_cast<uintptr_t>(a.rows_out_scales) % 4 == 0,
             entry + "rows_out needs rows_out_scales: a 16-byte aligned e4m3 [rows_allocated, k] and an fp32 "
                     "[ceil(k / 128), rows_allocated] buffer");
   }
