@@ -190,7 +190,14 @@ struct BlockScaledParams : Base {
   int k_blocks = {};                // ceil(k / 128)
   float* out_scales = {};           // SwiGLUQuantEpilogue: h's scales [ceil(n / 128), a_rows]; SwiGLUBackwardEpilogue
                                     // (nullable): d_g | d_u's, [2n / 128, a_rows]
-  bool out_power_of_two = {};       // those scales rounded up to powers of two
+  bool out_power_of_two = {};       // those scales rounded up to powers of two (column_scales' too)
+  // SwiGLUBackwardEpilogue with out_scales (nullable): d_g | d_u also transposed and quantized per column per 128 rows
+  // of an expert (ExpertGemmArgs::column_out): e4m3 [2n, column_rows], scales [column_rows / 128, 2n], expert e's
+  // first row there column_row_offsets[e].
+  uint8_t* column_out = {};
+  float* column_scales = {};
+  const int32_t* column_row_offsets = {};
+  int64_t column_rows = {};
   DeviceStatus* status = {};        // where a non-finite block of them is reported (the waits')
   int rank = {};
 
