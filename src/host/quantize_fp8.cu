@@ -312,25 +312,17 @@ __global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
     scale[j] = device::fp8_block_scale(block_amax, block_finite, power_of_two);
   }
   if constexpr (kRows) {  // the rows (visible: the barrier above), then a barrier before the tile reuses the bytes
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, col = col0 + 4 * lane;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t segment_end =
         scheduled_rows == nullptr ? in_offsets[lo + 1] : min(int64_t(in_offsets[lo + 1]), int64_t(*scheduled_rows));
+    const int tile_k = min(k - col0, kColumnTile);  // the block's columns below k (quantize_block_warp's k)
     for (int r = warp * (kBlock / 8); r < (warp + 1) * (kBlock / 8); ++r) {
       const int64_t row = int64_t(in_offsets[lo]) + first + r;
       if (row >= segment_end) break;  // warp-uniform; later rows are past it too
-      const uint2 raw = reinterpret_cast<const uint2*>(staging)[r * (kColumnTile / 4) + lane];
-      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y)));
-      int finite = isfinite(a.x) && isfinite(a.y) && isfinite(b.x) && isfinite(b.y);
-      for (int offset = 16; offset > 0; offset /= 2) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        finite &= __shfl_xor_sync(0xffffffffu, finite, offset);
-      }
-      const float scale = device::fp8_block_scale(amax, finite != 0, power_of_two);
-      if (col < k)  // k % 64 == 0: a lane's 4 columns all below k or none
-        *reinterpret_cast<uint32_t*>(rows_out.out + row * k + col) =
-            uint32_t(device::to_e4m3x2(a.x, a.y, scale)) | uint32_t(device::to_e4m3x2(b.x, b.y, scale)) << 16;
+      uint32_t q;
+      const auto* staged_row = reinterpret_cast<const __nv_bfloat16*>(staging) + r * kColumnTile;
+      const float scale = quantize_block_warp(staged_row, 4 * lane, tile_k, power_of_two, q);
+      store_e4m3x4(rows_out.out + row * k + col0 + 4 * lane, 4 * lane, tile_k, q);
       if (lane == 0) {
         rows_out.scales[int64_t(blockIdx.y) * rows_out.rows + row] = scale;
         if (isnan(scale) && rows_out.status != nullptr)

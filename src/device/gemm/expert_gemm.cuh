@@ -87,6 +87,9 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_:
     return Collective::kBlockScaled ? (k + kBlockK - 1) / kBlockK : k / kBlockK;
   }
   static constexpr GemmEpilogue kEpilogue = Epilogue::kKind;
+  // SwiGLUBackwardEpilogue's column quantization (BlockScaledParams::column_out) is compiled in: block-scaled tiles
+  // of 128 x 128. The backward megakernel never asks for it and turns it off (its code would sit in the kernel).
+  static constexpr bool kQuantizesColumns = Collective::kBlockScaled && kBlockM == 128 && kBlockN == 128;
   static constexpr OperandMajor kBMajor = Mainloop::kBMajor;
   static_assert(Mainloop::kAMajor == OperandMajor::kK, "A rows are the expert-major row buffer: K-major");
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N, and B loads in two halves of 8-row atoms");

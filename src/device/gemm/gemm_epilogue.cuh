@@ -695,7 +695,8 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
     if constexpr (T::kBlockScaled) {
       if (p.out_scales != nullptr) {
         quantize_kept<T>(p, task, coords, stager, stats, kept);
-        if (p.column_out != nullptr) quantize_kept_columns<T>(p, task, coords, stager, kept);
+        if constexpr (T::kQuantizesColumns)
+          if (p.column_out != nullptr) quantize_kept_columns<T>(p, task, coords, stager, kept);
       }
     }
   }
