@@ -137,15 +137,6 @@ struct ExpertGemmArgs {
                                 // quantization (kSwiGLU's out)
   void* quantized_out = nullptr;  // kFP8 kSwiGLUBackward with out_scales: e4m3 [a_rows, 2n], d_g | d_u quantized
                                  // per 1 x 128 beside the bf16 `out` (the gate/up dgrad's a)
-  // kFP8 kSwiGLUBackward with out_scales, optional: d_g | d_u also transposed and quantized along the rows, one scale
-  // per column per 128 rows of an expert (the FP8 gate/up weight gradient's a; the same bits as
-  // detail::quantize_columns_fp8 of `out`). Expert e's rows go to rows [column_row_offsets[e], + its count rounded
-  // up to 128) of column_out (its rows past the count: zeros); column_scales[b, c] is the scale of column c over
-  // rows [128 b, 128 b + 128). Needs first_row 0.
-  void* column_out = nullptr;                     // e4m3 [2n, column_rows], 16-byte aligned
-  float* column_scales = nullptr;                 // fp32 [column_rows / 128, 2n]
-  const int32_t* column_row_offsets = nullptr;    // [local_experts], multiples of 128, in ascending order
-  int64_t column_rows = 0;                        // a multiple of 128, at least the last segment's end
   const void* gate_up = nullptr;  // kSwiGLUBackward: bf16 [a_rows, 2n], the forward's g and u (gate_up_out)
   float* row_partials = nullptr;  // kSwiGLUBackward: fp32 [a_rows, gemm_n_blocks(kSwiGLUBackward, n)]
   int cluster_n = 0;            // CTAs sharing each A tile (1 or 2; 2 needs an even number of output tiles);

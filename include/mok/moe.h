@@ -497,10 +497,8 @@ class MoeWorkspace {
   int32_t kept_gate_up_rows() const;
   void copy_kept_gate_up(const RankBackward& b) const;
   backward::GradPullSources grad_pull_sources(const RankBackward& b) const;
-  // FP8 weight gradients: the routed dy and x quantized along the rows as the pull reads them; with d_out_rows
-  // d_out's rows also quantized per 1 x 128 there (the down dgrad's A: the stage path's pull then skips d_out).
-  void quantize_pulled_columns(const RankBackward& b, const backward::GradPullSources& sources,
-                               bool d_out_rows) const;
+  // FP8 weight gradients: the routed dy and x quantized along the rows as the pull reads them.
+  void quantize_pulled_columns(const RankBackward& b, const backward::GradPullSources& sources) const;
   // recompute_forward_context's phases: publish x (and the shared expert's hidden rows); pull the kept
   // rows and recompute their hidden rows; the closing barrier.
   void recompute_publish(const RankForward& f);

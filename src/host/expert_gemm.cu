@@ -253,20 +253,6 @@ void validate(const ExpertGemmArgs& args) {
           "hidden_out is only for kFP8 kSwiGLU with out_scales and must be 16-byte aligned");
   require(args.quantized_out == nullptr || (fp8 && backward && args.out_scales != nullptr),
           "quantized_out is only for kFP8 kSwiGLUBackward with out_scales");
-  const bool columns = args.column_out != nullptr || args.column_scales != nullptr ||
-                       args.column_row_offsets != nullptr || args.column_rows != 0;
-  if (columns) {
-    require(fp8 && backward && args.out_scales != nullptr,
-            "column_out (d_g | d_u quantized along the rows) is only for kFP8 kSwiGLUBackward with out_scales");
-    require(args.column_out != nullptr && aligned16(args.column_out) && args.column_scales != nullptr &&
-                reinterpret_cast<uintptr_t>(args.column_scales) % 4 == 0 && args.column_row_offsets != nullptr,
-            "column_out needs column_scales and column_row_offsets: a 16-byte aligned e4m3 [2n, column_rows], an fp32 "
-            "[column_rows / 128, 2n] and an int32 [local_experts] buffer");
-    require(args.column_rows > 0 && args.column_rows % 128 == 0,
-            "column_rows must be a positive multiple of 128, got " + std::to_string(args.column_rows));
-    require(args.first_row == 0, "column_out needs first_row 0 (every 128-row block of a segment computed), got " +
-                                     std::to_string(args.first_row));
-  }
   require(args.gate_up == nullptr || backward, "gate_up is only for kSwiGLUBackward");
   require(!backward || (args.gate_up != nullptr && aligned16(args.gate_up)),
           "kSwiGLUBackward needs gate_up: a non-null, 16-byte aligned bf16 [a_rows, 2n] buffer");

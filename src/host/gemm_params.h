@@ -175,10 +175,6 @@ auto make_block_scaled_params(const ExpertGemmArgs& args) {
   p.k_blocks = k_blocks;
   p.out_scales = args.out_scales;
   p.out_power_of_two = args.out_scales_power_of_two;
-  p.column_out = static_cast<uint8_t*>(args.column_out);
-  p.column_scales = args.column_scales;
-  p.column_row_offsets = args.column_row_offsets;
-  p.column_rows = args.column_rows;
   p.status = args.waits.status;
   p.rank = args.waits.rank;
   return p;

@@ -621,7 +621,7 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
   const bool gather = options_.gather_rows;
   backward::GradPullSources sources = grad_pull_sources(b);
   if (gather) sources.gathered_rank = b.rank;
-  kernels::GradPullParams pull{
+  const kernels::GradPullParams pull{
       .src = sources,
       .x_rows = static_cast<uint4*>(w.x_rows),
       .d_out_rows = static_cast<uint4*>(w.d_out_rows),
@@ -639,33 +639,14 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
               .power_of_two = options_.fp8_power_of_two_scales,
               .status = schedule_.device_status(b.rank),
               .rank = b.rank}};
-  // FP8 weight gradients: quantize_pulled_columns reads each d_out row by route for dy's columns and quantizes it per
-  // 1 x 128 as the down dgrad's A there too (rows_out), so the pull does not read d_out.
-  const bool d_out_by_columns = false;  // experiment dgu: round 51 measured rows_out slower than the pull (H100)
-  if (d_out_by_columns) {
-    pull.d_out_rows = nullptr;
-    pull.fp8.d_out = nullptr;
-  }
   kernels::pull_grad_rows_kernel<<<row_kernel_ctas(capacity_rows(), kernels::GradRowTraits::kWarps, s.num_sms),
                                    kernels::GradRowTraits::kThreads, 0, b.stream>>>(pull);
   MOK_CHECK_CUDA(cudaGetLastError());
-  if (w.wgrad_dy_fp8 != nullptr) quantize_pulled_columns(b, sources, d_out_by_columns);
+  if (w.wgrad_dy_fp8 != nullptr) quantize_pulled_columns(b, sources);
 
   copy_kept_gate_up(b);  // only the rows past them are recomputed
   detail::MlpBackwardGemms g = mlp_backward_gemms(b, false);
   g.quantize_d_out.in = nullptr;  // FP8: the pull quantized d_out's rows
-  // FP8 weight gradients: the down dgrad's epilogue also writes d(g|u) quantized along the rows, the gate/up weight
-  // gradient's a (ExpertGemmArgs::column_out), so no quantize_columns_fp8 pass reads it again. Its rows' offsets are
-  // quantize_pulled_columns' (above); nothing else writes wgrad_a before the gate/up weight gradient reads it.
-  detail::Fp8ColumnQuantizeArgs& d_gate_up_columns = g.quantize_gate_up_wgrad[0];
-  if (w.wgrad_dy_fp8 != nullptr && g.gate_up_wgrad.out != nullptr && d_gate_up_columns.in != nullptr) {
-    g.down_dgrad.column_out = d_gate_up_columns.out;
-    g.down_dgrad.column_scales = d_gate_up_columns.scales;
-    g.down_dgrad.column_row_offsets = d_gate_up_columns.out_row_offsets;
-    g.down_dgrad.column_rows =
-        detail::fp8_column_rows(d_gate_up_columns.rows_allocated, d_gate_up_columns.local_experts);
-    d_gate_up_columns.in = nullptr;
-  }
   if (gather)  // the down dgrad's A rows: d_out's token rows for this rank's routes, the pulled rows for others'
     g.down_dgrad.gather = {.x = token_rows(d_out_, b.rank, b.d_out.data).base[b.rank],
                            .row_route = v.row_route,
@@ -709,8 +690,7 @@ void MoeWorkspace::backward_experts(const RankBackward& b) {
 // 128 rows of an expert (quantize_columns_fp8), each row read where the pull reads it: d_out's token row times its
 // router weight, rounded to bf16 (the pull's dy bits), and x's token row; no bf16 copy written and read again. Here,
 // after the pull and before this rank's barrier arrive: the peers' rows are published until every rank arrived.
-void MoeWorkspace::quantize_pulled_columns(const RankBackward& b, const backward::GradPullSources& sources,
-                                           bool d_out_rows) const {
+void MoeWorkspace::quantize_pulled_columns(const RankBackward& b, const backward::GradPullSources& sources) const {
   const BackwardScratch& w = state(b.rank).backward;
   const ScheduleView& v = b.context->schedule_;
   detail::Fp8ColumnQuantizeArgs q{.rows_allocated = capacity_rows(),
@@ -729,15 +709,7 @@ void MoeWorkspace::quantize_pulled_columns(const RankBackward& b, const backward
                                   .row_route = v.row_route,
                                   .num_tokens = static_cast<int>(shape_.num_tokens),
                                   .top_k = static_cast<int>(shape_.top_k)};
-  if (d_out_rows) {  // the down dgrad's A, in place of the pull's (d_out read once)
-    q.rows_out = w.d_out_fp8;
-    q.rows_out_scales = w.d_out_scales;
-    q.status = schedule_.device_status(b.rank);
-    q.rank = b.rank;
-  }
   detail::quantize_columns_fp8(q, b.stream);
-  q.rows_out = nullptr;
-  q.rows_out_scales = nullptr;
   q.out = w.wgrad_x_fp8;
   q.scales = w.wgrad_x_scales;
   q.pulled_rows = sources.x;
@@ -800,7 +772,7 @@ void MoeWorkspace::backward_fused(const RankBackward& b) {
       .row_partials = w.row_partials,
       .n_blocks = w.n_blocks};
   detail::launch_fused_backward(a, b.stream);
-  if (w.wgrad_dy_fp8 != nullptr) quantize_pulled_columns(b, sources, false);  // the megakernel pulled d_out
+  if (w.wgrad_dy_fp8 != nullptr) quantize_pulled_columns(b, sources);
   barrier_arrive(b.rank, b.stream);
   if (!fp8()) return;  // bf16's weight gradients were tiles of the megakernel
   issue_weight_grads(routed, s.tickets + detail::kBackwardExpert, b.stream);

@@ -49,7 +49,6 @@ int grid_ctas(int device) {
 template <class Epilogue, int kClusterN>
 struct Fp8BackwardTraits : Fp8GemmTraits<Epilogue, kClusterN> {
   using TileStorage = typename Fp8GemmTraits<Epilogue, kClusterN>::Collective::template Storage<2>;
-  static constexpr bool kQuantizesColumns = false;  // the stage path's down dgrad alone quantizes d(g|u)'s columns
 };
 template <int kClusterN>
 using Fp8RecomputeTraits = Fp8BackwardTraits<gemm::SwiGLUEpilogue<true>, kClusterN>;

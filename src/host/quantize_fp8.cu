@@ -175,15 +175,6 @@ struct ColumnSource {
   int top_k;
 };
 
-// quantize_columns_kernel<true>'s second output (Fp8ColumnQuantizeArgs::rows_out): the rows as read, per 1 x 128.
-struct RowsOut {
-  uint8_t* out;      // e4m3 [rows, k] at the schedule's rows
-  float* scales;     // [ceil(k / 128), rows]
-  int64_t rows;      // the scales' row stride (rows_allocated)
-  DeviceStatus* status;
-  int rank;
-};
-
 // One CTA per (128-row block of `out`, 128 columns): the block's source rows first (its expert's, by route with
 // `source.row_route`; null past the count or without a route: zeros), then thread (pair p, quarter q) reads columns
 // 2p, 2p + 1 of rows [32 q, 32 q + 32) of them (columns past k: none) as 32 independent 4-byte loads (a warp's are
@@ -193,22 +184,13 @@ struct RowsOut {
 // banks), written out as whole 128-byte columns of `out` (K-major: a column is a row of it). Blocks past the last
 // segment write nothing. The amax is order-free and each value's conversion is to_e4m3's: the bits of the CPU
 // reference.
-// kRows (the routed dy: rows read by route, then weighted): the rows as read, before the weight (d_out's), also
-// quantized per 1 x 128 into rows_out, as the pull would (pull_grad_row's FP8 d_out: quantize_rows_fp8's bits), so
-// that d_out is read once: they go to shared memory as they are loaded (the staging's bytes, before the columns use
-// them), then each warp takes 16 of the block's rows, 4 columns a lane (a row's amax by a butterfly), for the rows of
-// the schedule's segment (padded to 64: a padding row is zeros, scale 1); a block holding a NaN or an infinity is
-// reported (kDOut, its row).
-template <bool kRows>
 __global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
     const ColumnSource source, int k, int experts, const int32_t* counts, const int32_t* in_offsets,
     const int32_t* scheduled_rows, const int32_t* out_offsets, int64_t out_rows, uint8_t* out, float* scales,
-    bool power_of_two, bool block_scales, const RowsOut rows_out) {
+    bool power_of_two, bool block_scales) {
   constexpr int kQuarterRows = kBlock / 4;
   constexpr int kChunks = kBlock / 16;  // 16-byte chunks of a column's 128 bytes
-  // kRows: the block's bf16 rows [kBlock][kColumnTile] first, then the transposed e4m3 tile.
-  __shared__ __align__(16) uint8_t staging[kRows ? kBlock * kColumnTile * 2 : kBlock * kColumnTile];
-  auto& staged = *reinterpret_cast<uint8_t(*)[kColumnTile][kBlock]>(staging);
+  __shared__ __align__(16) uint8_t staged[kColumnTile][kBlock];
   __shared__ float quarter_amax[4][kColumnTile];
   __shared__ int quarter_finite[4][kColumnTile];
   __shared__ float tile_amax;  // block_scales: the whole 128 x 128 block's
@@ -253,11 +235,6 @@ __global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
     const __nv_bfloat16* start = row_start[r0 + r];
     const uint32_t raw = live && start != nullptr ? *reinterpret_cast<const uint32_t*>(start + col0 + c) : 0u;
     v[r] = *reinterpret_cast<const __nv_bfloat162*>(&raw);
-  }
-  if constexpr (kRows) {  // row r0 + r's columns c, c + 1: a warp's 32 pairs are one 128-byte run of the row
-#pragma unroll
-    for (int r = 0; r < kQuarterRows; ++r)
-      reinterpret_cast<__nv_bfloat162*>(staging)[(r0 + r) * (kColumnTile / 2) + c / 2] = v[r];
   }
   if (source.weighted) {  // dy = bf16(rw * d_out): one fp32 product and one rounding per value, the pull's
 #pragma unroll
@@ -310,26 +287,6 @@ __global__ void __launch_bounds__(kColumnThreads) quantize_columns_kernel(
         block_scales ? tile_finite != 0
                      : quarter_finite[0][cj] && quarter_finite[1][cj] && quarter_finite[2][cj] && quarter_finite[3][cj];
     scale[j] = device::fp8_block_scale(block_amax, block_finite, power_of_two);
-  }
-  if constexpr (kRows) {  // the rows (visible: the barrier above), then a barrier before the tile reuses the bytes
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t segment_end =
-        scheduled_rows == nullptr ? in_offsets[lo + 1] : min(int64_t(in_offsets[lo + 1]), int64_t(*scheduled_rows));
-    const int tile_k = min(k - col0, kColumnTile);  // the block's columns below k (quantize_block_warp's k)
-    for (int r = warp * (kBlock / 8); r < (warp + 1) * (kBlock / 8); ++r) {
-      const int64_t row = int64_t(in_offsets[lo]) + first + r;
-      if (row >= segment_end) break;  // warp-uniform; later rows are past it too
-      uint32_t q;
-      const auto* staged_row = reinterpret_cast<const __nv_bfloat16*>(staging) + r * kColumnTile;
-      const float scale = quantize_block_warp(staged_row, 4 * lane, tile_k, power_of_two, q);
-      store_e4m3x4(rows_out.out + row * k + col0 + 4 * lane, 4 * lane, tile_k, q);
-      if (lane == 0) {
-        rows_out.scales[int64_t(blockIdx.y) * rows_out.rows + row] = scale;
-        if (isnan(scale) && rows_out.status != nullptr)
-          device::record_nonfinite(rows_out.status, NonFiniteWhere::kDOut, rows_out.rank, row);
-      }
-    }
-    __syncthreads();
   }
   // The thread's two 16-byte chunks of each column: rows [r0, r0 + 16) and [r0 + 16, r0 + 32).
 #pragma unroll
@@ -488,14 +445,6 @@ void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t s
   require(a.scales != nullptr && reinterpret_cast<uintptr_t>(a.scales) % 4 == 0,
           entry + "scales must be a non-null fp32 [fp8_column_rows(rows_allocated, local_experts) / 128, k] buffer "
                   "([ceil(k / 128), fp8_column_rows(...) / 128] with block_scales)");
-  if (a.rows_out != nullptr || a.rows_out_scales != nullptr) {
-    require(a.row_route != nullptr && a.weighted,
-            entry + "rows_out (the rows as read, quantized per 1 x 128) is only for rows read by route and weighted");
-    require(a.rows_out != nullptr && reinterpret_cast<uintptr_t>(a.rows_out) % 16 == 0 &&
-                a.rows_out_scales != nullptr && reinterpret_cast<uintptr_t>(a.rows_out_scales) % 4 == 0,
-            entry + "rows_out needs rows_out_scales: a 16-byte aligned e4m3 [rows_allocated, k] and an fp32 "
-                    "[ceil(k / 128), rows_allocated] buffer");
-  }
   const int64_t out_rows = fp8_column_rows(a.rows_allocated, a.local_experts);
   const dim3 grid(static_cast<unsigned>(out_rows / kBlock), static_cast<unsigned>((a.k + kColumnTile - 1) / kColumnTile));
   require(grid.y <= 65535, entry + "k too large for one launch");
@@ -509,16 +458,10 @@ void detail::quantize_columns_fp8(const Fp8ColumnQuantizeArgs& a, cudaStream_t s
                             .row_route = a.row_route,
                             .num_tokens = a.num_tokens,
                             .top_k = a.top_k};
-  const RowsOut rows_out{.out = static_cast<uint8_t*>(a.rows_out),
-                         .scales = a.rows_out_scales,
-                         .rows = a.rows_allocated,
-                         .status = a.status,
-                         .rank = a.rank};
-  const auto kernel = a.rows_out != nullptr ? quantize_columns_kernel<true> : quantize_columns_kernel<false>;
-  kernel<<<grid, kColumnThreads, 0, stream>>>(source, a.k, a.local_experts, a.expert_counts, a.expert_row_offsets,
-                                              a.scheduled_rows, a.out_row_offsets, out_rows,
-                                              static_cast<uint8_t*>(a.out), a.scales, a.power_of_two_scales,
-                                              a.block_scales, rows_out);
+  quantize_columns_kernel<<<grid, kColumnThreads, 0, stream>>>(
+      source, a.k, a.local_experts, a.expert_counts, a.expert_row_offsets,
+      a.scheduled_rows, a.out_row_offsets, out_rows, static_cast<uint8_t*>(a.out), a.scales, a.power_of_two_scales,
+      a.block_scales);
   MOK_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -67,14 +67,6 @@ struct Fp8ColumnQuantizeArgs {
   const int32_t* row_route = nullptr;          // [rows_allocated]
   int num_tokens = 0;                          // per rank
   int top_k = 0;
-  // With row_route and `weighted` (the routed dy), optional: the rows as read, before the weight (d_out's rows, the
-  // down dgrad's A), also quantized per 1 x 128 at their schedule rows, as the pull's FP8 d_out (quantize_rows_fp8's
-  // bits; a segment's padding rows zeros with scale 1), so that d_out is read once. A block holding a NaN or an
-  // infinity gets a NaN scale and is reported to status (kStatusNonFinite, NonFiniteWhere::kDOut, its row).
-  void* rows_out = nullptr;                    // e4m3 [rows_allocated, k], 16-byte aligned
-  float* rows_out_scales = nullptr;            // fp32 [ceil(k / 128), rows_allocated]
-  DeviceStatus* status = nullptr;              // nullable: not reported
-  int rank = 0;
 };
 // The rows `out` holds for any schedule of these rows: each segment grows by at most 64 rows (tile_m 64 -> 128).
 constexpr int64_t fp8_column_rows(int64_t rows_allocated, int local_experts) {

@@ -11,11 +11,6 @@
 //     promotion's B scale of a value, the staging pass of a value, the gate and up halves of a SwiGLU tile),
 //     value i + 32 is value i's element 64 columns further in the same row (the rolled epilogues' window), and a
 //     value's row is that of value (i / 2) % 2 * 2 (the two row scales a thread loads).
-//   - the FP8 down dgrad's column quantization (SwiGLUBackwardEpilogue::quantize_kept_columns): a thread's values of a
-//     pass as the 2-column groups it takes (pairs 2 w and 2 w + 1: the same two columns, rows r0 and r1; group index
-//     pass 32 + 4 w + lane % 4), its byte addresses as one base per row plus constants, and the transposed box:
-//     every byte of it written once a pass by the warpgroup, and a warp's stores on distinct words.
-#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -84,59 +79,6 @@ void check_fragment(const std::string& name) {
         ASSERT_EQ(col, get<1>(coords(i - 32)) + 64) << at;
         ASSERT_EQ(row, get<0>(coords(i - 32))) << at;
       }
-    }
-  }
-}
-
-TEST(FragmentLayoutTest, ColumnQuantizationCoversTheTransposedBox) {
-  using namespace cute;
-  using T = detail::Fp8GemmTraits<gemm::SwiGLUBackwardEpilogue, 1>;
-  using E = gemm::SwiGLUBackwardEpilogue;
-  constexpr int kGroups = 8, kBoxBytes = 128 * 64;
-  typename T::TiledMma mma;
-  for (int wg = 0; wg < T::kConsumerWarpgroups; ++wg) {
-    std::vector<int> writes(kBoxBytes, 0);
-    for (int pass = 0; pass < 2; ++pass) {
-      std::fill(writes.begin(), writes.end(), 0);
-      // One store instruction (part, w, j, half) of each warp: the 32 lanes' words.
-      std::vector<std::vector<int>> words(4 * 2 * kGroups * 2 * 2);
-      for (int thread = 0; thread < 128; ++thread) {
-        const int t = wg * 128 + thread, lane = thread % 32, warp = thread / 32;
-        const auto coords =
-            mma.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
-        const int c0 = get<1>(coords(0)), r[2] = {get<0>(coords(0)) % 64, get<0>(coords(2)) % 64};
-        const std::string at = "thread " + std::to_string(t);
-        ASSERT_EQ(c0, 2 * (lane % 4)) << at;
-        for (int part = 0; part < 2; ++part)
-          for (int w = 0; w < kGroups; ++w)
-            for (int half = 0; half < 2; ++half)
-              for (int j = 0; j < 2; ++j) {
-                const int i = 4 * w + 2 * half + j;  // value i of the pass: pair 2 w + half, element j
-                ASSERT_EQ(get<1>(coords(i)), c0 + 8 * w + j) << at << " value " << i;
-                ASSERT_EQ(get<0>(coords(i)) % 64, r[half]) << at << " value " << i;
-                ASSERT_EQ((pass * 64 + get<1>(coords(i))) / 2, pass * 32 + 4 * w + lane % 4) << at << ": its group";
-                const int column = part * 64 + c0 + 8 * w + j;  // the box's column: the part's, in the pass
-                const int byte = E::column_byte(c0, r[half]) + (part * 64 + 8 * w + j) * 64;  // the kernel's
-                ASSERT_EQ(byte, E::column_byte(column, r[half])) << at << " value " << i;
-                ++writes[byte];
-                words[((((warp * 2 + part) * kGroups + w) * 2 + j) * 2) + half].push_back(byte / 4);
-              }
-      }
-      for (int b = 0; b < kBoxBytes; ++b) ASSERT_EQ(writes[b], 1) << "pass " << pass << ", byte " << b;
-      for (const std::vector<int>& store : words) {  // 32 bytes a store: 8 words, one per bank
-        std::vector<int> distinct(store);
-        std::sort(distinct.begin(), distinct.end());
-        distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
-        ASSERT_EQ(distinct.size(), 8u);
-        std::vector<int> banks;
-        for (int word : distinct) banks.push_back(word % 32);
-        std::sort(banks.begin(), banks.end());
-        ASSERT_EQ(std::unique(banks.begin(), banks.end()), banks.end()) << "a bank conflict";
-      }
-      // The copy-out's 16-byte chunks: chunk c of a column holds its rows [16 c, 16 c + 16) in order.
-      for (int column = 0; column < 128; ++column)
-        for (int row = 0; row < 64; ++row)
-          ASSERT_EQ(E::column_byte(column, row), E::column_byte(column, 16 * (row / 16)) + row % 16);
     }
   }
 }

@@ -23,7 +23,6 @@
 #include "reference/routing_gen.h"
 #include "src/host/check.h"
 #include "src/host/gemm_test_knobs.h"
-#include "src/host/quantize_fp8.h"
 #include "tests/common/device_fill.h"
 #include "tests/common/device_status.h"
 #include "tests/common/gpu_env.h"
@@ -1781,9 +1780,7 @@ TEST(ExpertGemmTest, Fp8QuantizedNormalInputsWithinBudget) {
 // Where n % 128 == 0, again with d_g | d_u written quantized (quantized_out, out_scales; power-of-two scales at
 // tile_m 128): the bf16 outputs and partials the same bits, the e4m3 values and scales the CPU recipe's of those
 // bf16 values (quantize_rows_fp8's arithmetic), nothing past the schedule written; with limit 0, a NaN in one
-// row's g reported (kDGateUp, that row) and kept in that row's blocks. Those runs also write d_g | d_u quantized
-// along the rows (column_out): every byte and scale quantize_columns_fp8's of the bf16 output (whose own test is
-// against the CPU), the NaN's column blocks included.
+// row's g reported (kDGateUp, that row) and kept in that row's blocks.
 TEST(ExpertGemmTest, Fp8SwiGLUBackwardWithinBudget) {
   MOK_REQUIRE_GPUS(1);
   using testing::Fp8Matrix;
@@ -1892,51 +1889,10 @@ TEST(ExpertGemmTest, Fp8SwiGLUBackwardWithinBudget) {
     quantizing.quantized_out = d_q.ptr;
     quantizing.out_scales = d_qs.ptr;
     quantizing.out_scales_power_of_two = pow2;
-    // Along the rows: quantize_columns_fp8's layout; its offsets (of the schedule alone) written once before the runs.
-    const int64_t column_rows = detail::fp8_column_rows(fx.a_rows, num_experts);
-    DeviceArray<uint8_t> d_col(size_t(2 * c.n) * column_rows), d_col_want(d_col.count);
-    DeviceArray<float> d_col_scales(size_t(column_rows / 128) * 2 * c.n), d_col_scales_want(d_col_scales.count);
-    DeviceArray<int32_t> d_col_offsets(num_experts + 1);
-    const auto columns_of = [&](const void* in, void* out, float* scales) {
-      detail::quantize_columns_fp8({.in = in,
-                                    .rows_allocated = fx.a_rows,
-                                    .k = 2 * c.n,
-                                    .local_experts = num_experts,
-                                    .expert_counts = fx.counts.ptr,
-                                    .expert_row_offsets = fx.offsets.ptr,
-                                    .scheduled_rows = fx.scheduled.ptr,
-                                    .out_row_offsets = d_col_offsets.ptr,
-                                    .out = out,
-                                    .scales = scales,
-                                    .power_of_two_scales = pow2},
-                                   nullptr);
-      MOK_CHECK_CUDA(cudaDeviceSynchronize());
-    };
-    columns_of(d_grad.ptr, d_col_want.ptr, d_col_scales_want.ptr);
-    quantizing.column_out = d_col.ptr;
-    quantizing.column_scales = d_col_scales.ptr;
-    quantizing.column_row_offsets = d_col_offsets.ptr;
-    quantizing.column_rows = column_rows;
     const auto run_quantizing = [&] {
       d_q.upload(std::vector<uint8_t>(d_q.count, kBytePoison));
       d_qs.upload(float_poison(d_qs.count));
-      d_col.upload(std::vector<uint8_t>(d_col.count, kBytePoison));
-      d_col_scales.upload(float_poison(d_col_scales.count));
       return run(quantizing);
-    };
-    const auto check_columns = [&](const std::string& what) {  // against quantize_columns_fp8 of d_grad as it is
-      d_col_want.upload(std::vector<uint8_t>(d_col_want.count, kBytePoison));
-      d_col_scales_want.upload(float_poison(d_col_scales_want.count));
-      columns_of(d_grad.ptr, d_col_want.ptr, d_col_scales_want.ptr);
-      const auto got = d_col.download(), want = d_col_want.download();
-      for (size_t i = 0; i < got.size(); ++i)
-        ASSERT_EQ(got[i], want[i]) << what << ": column_out column " << i / column_rows << ", row " << i % column_rows
-                                   << ", " << label;
-      const auto got_s = d_col_scales.download(), want_s = d_col_scales_want.download();
-      for (size_t i = 0; i < got_s.size(); ++i)
-        ASSERT_EQ(float_bits(got_s[i]), float_bits(want_s[i]))
-            << what << ": column_scales block " << i / (2 * c.n) << ", column " << i % (2 * c.n) << ": got "
-            << got_s[i] << ", expected " << want_s[i] << ", " << label;
     };
     const auto [grad_q, partials_q] = run_quantizing();
     ASSERT_TRUE(fx.status.read().ok()) << fx.status.read().describe(1, 1, 1) << ", quantizing, " << label;
@@ -1966,7 +1922,6 @@ TEST(ExpertGemmTest, Fp8SwiGLUBackwardWithinBudget) {
       }
     };
     check_quantized(grad, "quantized");
-    check_columns("quantized");
     if (c.limit != 0.0f) continue;  // the clamp's fminf would turn a NaN g into the limit
 
     int64_t nan_row = 0;
@@ -1982,7 +1937,6 @@ TEST(ExpertGemmTest, Fp8SwiGLUBackwardWithinBudget) {
     EXPECT_EQ(report.nonfinite_row(), nan_row) << label;
     fx.status.reset();
     check_quantized(grad_nan, "NaN in one row's g");
-    check_columns("NaN in one row's g");
     const auto qs = d_qs.download();
     ASSERT_TRUE(std::isnan(qs[nan_row])) << "the NaN row's d_g block 0 scale, " << label;
     ASSERT_TRUE(std::isnan(qs[int64_t(blocks / 2) * fx.a_rows + nan_row])) << "the NaN row's d_u block 0 scale, " << label;
@@ -2061,36 +2015,6 @@ TEST(ExpertGemmTest, Fp8ValidationNamesTheArgument) {
        "n must be a multiple of 128"},
       {"quantized_out without out_scales", [&](ExpertGemmArgs& a) { dgrad(a); a.quantized_out = buffer; },
        "quantized_out is only for kFP8 kSwiGLUBackward with out_scales"},
-      {"column_out without out_scales", [&](ExpertGemmArgs& a) { dgrad(a); a.column_out = buffer; },
-       "column_out (d_g | d_u quantized along the rows) is only for kFP8 kSwiGLUBackward with out_scales"},
-      {"column_out without column_scales",
-       [&](ExpertGemmArgs& a) {
-         dgrad(a);
-         a.out_scales = scales;
-         a.quantized_out = a.column_out = buffer;
-         a.column_row_offsets = reinterpret_cast<const int32_t*>(buffer);
-         a.column_rows = 128;
-       },
-       "column_out needs column_scales and column_row_offsets"},
-      {"column_rows not a multiple of 128",
-       [&](ExpertGemmArgs& a) {
-         dgrad(a);
-         a.out_scales = a.column_scales = scales;
-         a.quantized_out = a.column_out = buffer;
-         a.column_row_offsets = reinterpret_cast<const int32_t*>(buffer);
-         a.column_rows = 192;
-       },
-       "column_rows must be a positive multiple of 128, got 192"},
-      {"column_out with first_row",
-       [&](ExpertGemmArgs& a) {
-         dgrad(a);
-         a.out_scales = a.column_scales = scales;
-         a.quantized_out = a.column_out = buffer;
-         a.column_row_offsets = reinterpret_cast<const int32_t*>(buffer);
-         a.column_rows = 128;
-         a.first_row = 128;
-       },
-       "column_out needs first_row 0"},
       {"quantized_out from kSwiGLU",
        [](ExpertGemmArgs& a) { a.epilogue = GemmEpilogue::kSwiGLU; a.out_scales = scales; a.quantized_out = buffer; },
        "quantized_out is only for kFP8 kSwiGLUBackward with out_scales"},

@@ -16,9 +16,7 @@
 //       padding rows (route -1): zeros, row_weight 0
 //       FP8 (GradPullFp8, the unfused FP8 backward): d_out_rows[row] is not written; the row is quantized per
 //       1 x 128 instead, into the down dgrad's e4m3 A and its scales: quantize_rows_fp8's bits (a block's scale is
-//       its amax / 448 whichever kernel takes it), without a bf16 copy written and read again. With FP8 weight
-//       gradients the stage path leaves that to quantize_columns_fp8 (rows_out), which reads the row for dy anyway:
-//       neither d_out row nor dy here (d_out is not read)
+//       its amax / 448 whichever kernel takes it), without a bf16 copy written and read again
 //   push_grad_row (expert rank, after the gate/up dgrad)
 //       combined_src[token * k + slot, :] = d_x_rows[row, :]   (peer write: the forward's combine rows)
 //       d_rw_src[token * k + slot]        = sum over n-blocks nb = 0, 1, ... of row_partials[row, nb]
@@ -55,7 +53,7 @@ struct GradPullSources {
 // One scheduled row's outputs on this rank.
 struct GradPullRow {
   uint4* x;            // bf16 [H], or null (the GEMMs read the context's rows)
-  uint4* d_out;        // bf16 [H], or null (not with FP8, nor when quantize_columns_fp8's rows_out quantizes it)
+  uint4* d_out;        // bf16 [H]
   uint4* dy;           // bf16 [H], or null (the FP8 weight gradients read dy where it is pulled)
   float* row_weight;   // one fp32
 };
@@ -140,7 +138,7 @@ __device__ __forceinline__ void pull_grad_row(const GradPullSources& src, const 
       for (int base = 0; base < row_vectors; base += 32)
         quantize_pulled_vector(fp8, make_uint4(0, 0, 0, 0), base + lane < row_vectors, base + lane, row, row_vectors,
                                lane);
-    } else if (dst.d_out != nullptr) {
+    } else {
       device::zero_row_warp(dst.d_out, row_vectors, lane);
     }
     if (dst.dy != nullptr) device::zero_row_warp(dst.dy, row_vectors, lane);
@@ -156,7 +154,6 @@ __device__ __forceinline__ void pull_grad_row(const GradPullSources& src, const 
                                              : dispatch::source_row(src.x, route, num_tokens, top_k, row_vectors);
     device::copy_row_warp<kUnroll>(x_src, dst.x, row_vectors, lane);
   }
-  if (!quantize && dst.d_out == nullptr && dst.dy == nullptr) return;  // d_out's row is read elsewhere
   const uint4* __restrict__ d_out_src = dispatch::source_row(src.d_out, route, num_tokens, top_k, row_vectors);
   for (int base = 0; base < row_vectors; base += 32 * kUnroll) {
     uint4 v[kUnroll];

@@ -51,16 +51,10 @@ __device__ __forceinline__ uint8_t to_e4m3(float value, float scale) {
   return __nv_cvt_float_to_fp8(scaled_for_e4m3(value, scale), __NV_SATFINITE, __NV_E4M3);
 }
 
-// Two values of one block, `a` in the low byte, given the scale's reciprocal __frcp_rn(scale) (a caller converting
-// values of many blocks keeps it: a reciprocal is a dozen instructions): to_e4m3's bits.
-__device__ __forceinline__ uint16_t to_e4m3x2_reciprocal(float a, float b, float reciprocal) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, reciprocal), __fmul_rn(b, reciprocal)), __NV_SATFINITE,
-                                  __NV_E4M3);
-}
-
 // Two values of one block, `a` in the low byte: to_e4m3's bits, one conversion instruction for both.
 __device__ __forceinline__ uint16_t to_e4m3x2(float a, float b, float scale) {
-  return to_e4m3x2_reciprocal(a, b, __frcp_rn(scale));
+  return __nv_cvt_float2_to_fp8x2(make_float2(scaled_for_e4m3(a, scale), scaled_for_e4m3(b, scale)), __NV_SATFINITE,
+                                  __NV_E4M3);
 }
 
 }  // namespace mok::device

@@ -87,9 +87,6 @@ struct GemmTraits : CollectiveMainloop<Mainloop_, kBlockM_, kBlockN_, Mainloop_:
     return Collective::kBlockScaled ? (k + kBlockK - 1) / kBlockK : k / kBlockK;
   }
   static constexpr GemmEpilogue kEpilogue = Epilogue::kKind;
-  // SwiGLUBackwardEpilogue's column quantization (BlockScaledParams::column_out) is compiled in: block-scaled tiles
-  // of 128 x 128. The backward megakernel never asks for it and turns it off (its code would sit in the kernel).
-  static constexpr bool kQuantizesColumns = Collective::kBlockScaled && kBlockM == 128 && kBlockN == 128;
   static constexpr OperandMajor kBMajor = Mainloop::kBMajor;
   static_assert(Mainloop::kAMajor == OperandMajor::kK, "A rows are the expert-major row buffer: K-major");
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "wgmma N, and B loads in two halves of 8-row atoms");
@@ -193,14 +190,7 @@ struct BlockScaledParams : Base {
   int k_blocks = {};                // ceil(k / 128)
   float* out_scales = {};           // SwiGLUQuantEpilogue: h's scales [ceil(n / 128), a_rows]; SwiGLUBackwardEpilogue
                                     // (nullable): d_g | d_u's, [2n / 128, a_rows]
-  bool out_power_of_two = {};       // those scales rounded up to powers of two (column_scales' too)
-  // SwiGLUBackwardEpilogue with out_scales (nullable): d_g | d_u also transposed and quantized per column per 128 rows
-  // of an expert (ExpertGemmArgs::column_out): e4m3 [2n, column_rows], scales [column_rows / 128, 2n], expert e's
-  // first row there column_row_offsets[e].
-  uint8_t* column_out = {};
-  float* column_scales = {};
-  const int32_t* column_row_offsets = {};
-  int64_t column_rows = {};
+  bool out_power_of_two = {};       // those scales rounded up to powers of two
   DeviceStatus* status = {};        // where a non-finite block of them is reported (the waits')
   int rank = {};
 

@@ -692,13 +692,8 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
       if (threadIdx.x % 4 == 0)
         p.row_partials[(int64_t(task.buffer_row) + r) * p.num_n_blocks + task.n_block] = real[half] ? x : 0.0f;
     }
-    if constexpr (T::kBlockScaled) {
-      if (p.out_scales != nullptr) {
-        quantize_kept<T>(p, task, coords, stager, stats, kept);
-        if constexpr (T::kQuantizesColumns)
-          if (p.column_out != nullptr) quantize_kept_columns<T>(p, task, coords, stager, kept);
-      }
-    }
+    if constexpr (T::kBlockScaled)
+      if (p.out_scales != nullptr) quantize_kept<T>(p, task, coords, stager, stats, kept);
   }
 
   // The amax and finiteness of a thread's values of the 1 x 128 blocks of its two fragment rows, d_g's and d_u's.
@@ -712,43 +707,6 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
     }
   };
 
-  // The maximum magnitude of a column's values on their bf16 bits: |v|'s bits (sign cleared) of two adjacent columns
-  // as the halves of a uint32, maxed per half (__vmaxu2). Magnitudes order as those bits do, and an infinity (0x7f80)
-  // or a NaN (above it) is above every finite value, so the maximum says both the amax and whether all are finite.
-  struct ColumnMax {
-    __device__ __forceinline__ static uint32_t bits(__nv_bfloat162 v) {
-      return *reinterpret_cast<const uint32_t*>(&v) & 0x7fff7fffu;
-    }
-    // A 2-column group of the thread's two rows (pairs 2 w and 2 w + 1 of a step: row halves 0 and 1).
-    __device__ __forceinline__ static uint32_t of(__nv_bfloat162 row0, __nv_bfloat162 row1) {
-      return __vmaxu2(bits(row0), bits(row1));
-    }
-    // ... over the warp's 16 rows: the lanes with the same lane % 4 hold the same columns (a butterfly: every lane
-    // ends with the same maximum).
-    __device__ __forceinline__ static uint32_t of_warp(uint32_t m) {
-      CUTE_UNROLL
-      for (int offset = 4; offset < 32; offset *= 2) m = __vmaxu2(m, __shfl_xor_sync(0xffffffff, m, offset));
-      return m;
-    }
-    // The scale of column j (0: the low half) of a block with maximum m: quantize_columns_fp8's fp8_block_scale.
-    __device__ __forceinline__ static float scale(uint32_t m, int j, bool power_of_two) {
-      const uint32_t b = (m >> (16 * j)) & 0xffffu;
-      return device::fp8_block_scale(__uint_as_float(b << 16), b < 0x7f80u, power_of_two);
-    }
-  };
-
-  // kept[v] <- kept[v + kPairs], the first kPairs to the end (a step of quantize_kept and quantize_kept_columns).
-  template <int kPairs, int kKept>
-  __device__ __forceinline__ static void rotate_part(__nv_bfloat162 (&kept)[kKept]) {
-    __nv_bfloat162 first[kPairs];
-    CUTE_UNROLL
-    for (int v = 0; v < kPairs; ++v) first[v] = kept[v];
-    CUTE_UNROLL
-    for (int v = 0; v + kPairs < kKept; ++v) kept[v] = kept[v + kPairs];
-    CUTE_UNROLL
-    for (int v = 0; v < kPairs; ++v) kept[kKept - kPairs + v] = first[v];
-  }
-
   // The tile's d_g and d_u (the bf16 values stored above) quantized per 1 x 128 as the gate/up dgrad's A: a
   // 128-column tile is one scale block of each (part 0: d_g, 1: d_u). Each row's amax and finiteness over its 128
   // columns (the thread's, `stats`, then its quad's by a butterfly: every lane the same), the block's scale (to
@@ -758,7 +716,6 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
   // read: the same bits. Padding rows: zeros, scale 1. A block holding a NaN or an infinity gets a NaN scale and is
   // reported (kDGateUp). The conversions are a rolled loop, as the SwiGLU backward's passes: unrolled, the 128 a
   // thread took the kernel to 7064 SASS instructions (tests/cpu/check_sass's budget is 6000, the instruction cache).
-  // `kept` rotates by a part each step: whole again at the end, for quantize_kept_columns.
   template <class T, class Params, class Coords, class Stager, int kKept>
   __device__ __forceinline__ static void quantize_kept(const Params& p, const TileTask& task, const Coords& coords,
                                                        const Stager& stager, BlockStats stats,
@@ -795,132 +752,13 @@ struct SwiGLUBackwardEpilogue : RowTileEpilogue<SwiGLUBackwardEpilogue> {
         const float2 x = __bfloat1622float2(kept[v]);
         stager.stage_bytes(part, r, c, device::to_e4m3x2(x.x, x.y, scale_row[v % 2]));
       }
-      rotate_part<kPairs>(kept);
+      CUTE_UNROLL
+      for (int v = 0; v + kPairs < kKept; ++v) kept[v] = kept[v + kPairs];
     }
     stager.end_pass_with([&] {
       stager.store_box(p.tma_side_out, p.a_rows, p.n, 0, task.n_block);
       stager.store_box(p.tma_side_out, p.a_rows, p.n, 1, p.n / 128 + task.n_block);
     });
-  }
-
-  // Byte (column, r) of quantize_kept_columns' transposed box: 64 bytes a column (the warpgroup's rows r), its 16-byte
-  // chunks swizzled by column / 2, so that a warp's byte stores (8 rows x 4 column pairs) fall in 8 distinct words.
-  __host__ __device__ static constexpr int column_byte(int column, int r) {
-    return column * 64 + (((r / 16) ^ ((column / 2) % 4)) * 16) + r % 16;
-  }
-
-  // The tile's d_g and d_u (`kept`: the bf16 values stored above) transposed and quantized per column per 128 rows of
-  // the expert (ExpertGemmArgs::column_out, the FP8 gate/up weight gradient's a): a 128-row tile is one column block
-  // (an expert's tasks start at its first row and step by 128; a 64-row task is a segment's last, and the block's
-  // rows past it are zeros). Through the warpgroup's staging boxes, free once the row-quantized stores read them:
-  //   1. per step (a pass's part, `kept` rotating as in quantize_kept) each warp's column maxima (ColumnMax; lanes
-  //      0-3 hold different 2-column groups) to box 0;
-  //   2. across both warpgroups (kColumnBarrier; the first alone in a 64-row task): each thread one 2-column group of
-  //      the 256 (d_g's 128, then d_u's), the maximum of the tile's warps, the two scales (ColumnMax::scale): their
-  //      reciprocals to box 1 and, by the first warpgroup, the scales to column_scales;
-  //   3. per pass, e4m3 values (to_e4m3x2_reciprocal of a column's two rows of the thread) byte by byte into box 0
-  //      transposed (column_byte: 128 columns, the pass's 64 of each part, of the warpgroup's 64 rows); then 16 bytes
-  //      a thread to column_out.
-  // quantize_columns_fp8's arithmetic on the values it would read (the maximum is order-free): the same bits.
-  template <class T, class Params, class Coords, class Stager, int kKept>
-  __device__ __forceinline__ static void quantize_kept_columns(const Params& p, const TileTask& task,
-                                                               const Coords& coords, const Stager& stager,
-                                                               __nv_bfloat162 (&kept)[kKept]) {
-    using cute::get;
-    constexpr int kPasses = T::kBlockN / T::kBoxCols;
-    constexpr int kPairs = kKept / (2 * kPasses);
-    constexpr int kGroups = kPairs / 2;
-    constexpr int kPassColumns = 2 * T::kBoxCols;  // a pass's columns: 64 of d_g, 64 of d_u
-    static_assert(T::kBlockM == 128 && T::kBlockN == 128 && T::kBoxCols == 64,
-                  "two warpgroups of 64 rows; 256 columns, a thread's 2-column group each");
-    const int thread = int(threadIdx.x % 128), lane = thread % 32, warp = thread / 32, wg = stager.warpgroup;
-    const bool both = task.rows > kUnitRows;  // uniform: both warpgroups compute this tile
-    const auto sync_tile = [&] {
-      if (both)
-        cutlass::arch::NamedBarrier::sync(256, T::kColumnBarrier);
-      else
-        cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + wg);
-    };
-    const int64_t n = p.n, tile_col = int64_t(task.n_block) * T::kBlockN;
-    const int64_t block_row = int64_t(p.column_row_offsets[task.expert]) + task.row - p.expert_row_offsets[task.expert];
-    uint8_t* box = stager.smem.staging[wg][0];
-    float* reciprocals = reinterpret_cast<float*>(stager.smem.staging[wg][1]);  // of the scales: [part 128 + column]
-    stager.begin_pass();
-#pragma unroll 1
-    for (int step = 0; step < 2 * kPasses; ++step) {  // pass step / 2, part step % 2
-      uint32_t m[kGroups];  // group w: pairs 2 w (row half 0) and 2 w + 1 (half 1), columns 8 w + 2 (lane % 4), + 1
-      CUTE_UNROLL
-      for (int w = 0; w < kGroups; ++w) m[w] = ColumnMax::of_warp(ColumnMax::of(kept[2 * w], kept[2 * w + 1]));
-      // [warp][part 64 + pass 32 + 4 w + lane]: the index of the group's first column in the part, halved
-      uint32_t* maxima = reinterpret_cast<uint32_t*>(box) + warp * 128 + (step % 2) * 64 + (step / 2) * 32 + lane;
-      if (lane < 4) {
-        CUTE_UNROLL
-        for (int w = 0; w < kGroups; ++w) maxima[4 * w] = m[w];
-      }
-      rotate_part<kPairs>(kept);
-    }
-    sync_tile();
-    {
-      uint32_t m = 0;
-      for (int g = 0; g < (both ? 2 : 1); ++g) {
-        const uint32_t* maxima = reinterpret_cast<const uint32_t*>(stager.smem.staging[g][0]);
-        CUTE_UNROLL
-        for (int w = 0; w < 4; ++w) m = __vmaxu2(m, maxima[w * 128 + thread]);
-      }
-      float* out = p.column_scales + block_row / 128 * 2 * n + (thread / 64) * n + tile_col + 2 * (thread % 64);
-#pragma unroll 1
-      for (int j = 0; j < 2; ++j) {  // rolled: a scale is an IEEE division (an inline path and a CALL)
-        const float s = ColumnMax::scale(m, j, p.out_power_of_two);
-        reciprocals[2 * thread + j] = __frcp_rn(s);
-        if (wg == 0) out[j] = s;
-      }
-    }
-    sync_tile();  // the other warpgroup's reads of box 0 are done, this one's reciprocals written
-    // The thread's columns in a pass's part: c0 + 8 w + j (c0 = 2 (lane % 4)); its rows r0 and r1. Its bytes lie at
-    // column_byte(c0, r) + 64 d for column c0 + d (the swizzle's (column / 2) % 4 is c0 / 2 for all of them): one
-    // base address per row, every other term a constant (tests/cpu/test_gemm_layouts checks both on the fragment).
-    const int c0 = get<1>(coords(0)), r0 = get<0>(coords(0)) % kUnitRows, r1 = get<0>(coords(2)) % kUnitRows;
-    uint8_t* const base[2] = {box + column_byte(c0, r0), box + column_byte(c0, r1)};
-#pragma unroll 1
-    for (int step = 0; step < 2 * kPasses; ++step) {  // pass step / 2, part step % 2; `kept` shifts a part each
-      const int pass = step / 2, part = step % 2;
-      // Why: the last pass's copies read box 0.
-      if (part == 0 && pass > 0) cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + wg);
-      const float* inverse = reciprocals + part * 128 + pass * 64 + c0;
-      CUTE_UNROLL
-      for (int w = 0; w < kGroups; ++w) {
-        const float2 inv = *reinterpret_cast<const float2*>(inverse + 8 * w);
-        const float2 a = __bfloat1622float2(kept[2 * w]);      // row r0
-        const float2 b = __bfloat1622float2(kept[2 * w + 1]);  // row r1
-        const uint32_t lo = device::to_e4m3x2_reciprocal(a.x, b.x, inv.x);  // column c0 + 8 w: rows r0, r1
-        const uint32_t hi = device::to_e4m3x2_reciprocal(a.y, b.y, inv.y);  // column c0 + 8 w + 1
-        const int at = (part * 64 + 8 * w) * 64;
-        base[0][at] = uint8_t(lo);
-        base[1][at] = uint8_t(lo >> 8);
-        base[0][at + 64] = uint8_t(hi);
-        base[1][at + 64] = uint8_t(hi >> 8);
-      }
-      CUTE_UNROLL
-      for (int v = 0; v + kPairs < kKept; ++v) kept[v] = kept[v + kPairs];
-      if (part == 1) {  // the pass's 128 columns to column_out
-        cutlass::arch::NamedBarrier::sync(128, T::kStagingBarrier + wg);
-        CUTE_UNROLL
-        for (int i = 0; i < kPassColumns * 4 / 128; ++i) {
-          const int idx = thread + 128 * i, column = idx / 4, chunk = idx % 4;
-          const uint4 v = *reinterpret_cast<const uint4*>(box + column_byte(column, 16 * chunk));
-          const int64_t col = (column / 64) * n + tile_col + pass * 64 + column % 64;
-          *reinterpret_cast<uint4*>(p.column_out + col * p.column_rows + block_row + wg * kUnitRows + 16 * chunk) = v;
-        }
-      }
-    }
-    if (!both) {  // the block's rows 64-127: past the segment
-      for (int idx = thread; idx < 2 * T::kBlockN * 4; idx += 128) {
-        const int column = idx / 4, chunk = idx % 4;
-        const int64_t col = (column / T::kBlockN) * n + tile_col + column % T::kBlockN;
-        *reinterpret_cast<uint4*>(p.column_out + col * p.column_rows + block_row + kUnitRows + 16 * chunk) =
-            make_uint4(0, 0, 0, 0);
-      }
-    }
   }
 };
 

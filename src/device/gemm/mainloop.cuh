@@ -200,9 +200,6 @@ struct CollectiveMainloop {
   // Named barrier (CUTLASS ids, offset past the reserved ones) of consumer warpgroup w's epilogue staging:
   // kStagingBarrier + w, in every tile kind, so tiles of several kinds share one kernel without a barrier each.
   static constexpr int kStagingBarrier = 1;
-  // Both consumer warpgroups of one tile (SwiGLUBackwardEpilogue's column quantization: a column block spans their
-  // rows); after the staging barriers and the gathering producer's (row_gather.cuh).
-  static constexpr int kColumnBarrier = kStagingBarrier + kConsumerWarpgroups + 1;
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr bool kBlockScaled = BlockScaled<Operands>;

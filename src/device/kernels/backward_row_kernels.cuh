@@ -45,8 +45,7 @@ struct GradPullParams {
 __global__ void __launch_bounds__(GradRowTraits::kThreads) pull_grad_rows_kernel(GradPullParams p) {
   device::for_each_row_by_warp(*p.scheduled_rows, [&](int64_t row, int lane) {
     const int64_t at = row * p.row_vectors;
-    const backward::GradPullRow dst{p.x_rows != nullptr ? p.x_rows + at : nullptr,
-                                    p.d_out_rows != nullptr ? p.d_out_rows + at : nullptr,
+    const backward::GradPullRow dst{p.x_rows != nullptr ? p.x_rows + at : nullptr, p.d_out_rows + at,
                                     p.dy_rows != nullptr ? p.dy_rows + at : nullptr, p.row_weight + row};
     backward::pull_grad_row(p.src, dst, row, p.row_route[row], p.num_tokens, p.top_k, p.row_vectors, lane, p.fp8);
   });
